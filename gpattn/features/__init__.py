@@ -1,0 +1,5 @@
+"""Kernel-eigen inducing features."""
+
+from .kernel_eigen_features import KernelEigenFeatures
+
+__all__ = ["KernelEigenFeatures"]

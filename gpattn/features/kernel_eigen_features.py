@@ -1,0 +1,233 @@
+"""Kernel-eigen inducing features: the KSVD state behind the kernel-eigen SVGP pair."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from gpytorch.constraints import Positive
+from gpytorch.module import Module
+from gpytorch.utils.memoize import cached, clear_cache_hook
+from linear_operator.operators import DiagLinearOperator
+from torch import Tensor
+
+from ..kernels import AsymmetricKernel
+from ..ksvd import KernelSVD, kernel_svd, ksvd_objective
+from ..mlls import KSVDAddedLossTerm
+
+MODES = ("exact", "primal")
+SIDES = ("left", "right")
+
+
+class KernelEigenFeatures(Module):
+    r"""Kernel-eigen inducing features of an asymmetric kernel on a landmark set.
+
+    Holds the rank-:math:`s` KSVD :math:`\kappa(X, Z) \approx H_e \Lambda H_r^\top` of the kernel between query
+    landmarks :math:`X` and key landmarks :math:`Z` (one set by default) and answers the projection scores
+
+    .. math::
+
+        e(x) = \kappa(x, Z) H_r, \qquad r(z) = \kappa(X, z)^\top H_e,
+
+    for any query :math:`x` and key :math:`z`. The inducing variables :math:`u_e = H_e^\top f_e(X)` of the left
+    GP :math:`f_e(x) = \kappa(x, Z) w` have :math:`K_{uu} = \Lambda^2` and :math:`K_{fu}(x) = e(x) \Lambda`; the
+    right branch is the same with roles swapped. This object plays the role that ``inducing_points`` play in
+    GPyTorch (and inducing variables in GPflow).
+
+    Modes (MATH.md section 2):
+
+    * ``"exact"``: the truncated SVD of the dense :math:`\kappa(X, Z)` (recomputed when the kernel or the
+      landmarks change; memoised in eval mode). :math:`J = 0`, no penalty. O(M^2 p + M^3) per call.
+    * ``"primal"``: learned :math:`W_e, W_r \in \mathbb R^{p \times s}` and a learned positive :math:`\Lambda`
+      with :math:`e(x) = W_e^\top \phi_q(x)`, :math:`r(z) = W_r^\top \phi_k(z)`, initialised at the exact KSVD
+      of the initial landmarks and kept near a stationary point by the penalty :math:`\eta J^2`, registered
+      as the added loss term ``"ksvd_loss"``. Needs a kernel with primal features. O(N p s) per call.
+
+    :param kernel: The asymmetric kernel, or a zero-argument callable returning it (used by strategies that
+        read ``model.covar_module`` lazily; the callable's kernel is then not registered here).
+    :param landmarks: Query landmarks :math:`X`, shape ``(*batch, M, d)``. A :class:`torch.nn.Parameter` is
+        registered as is (shared), anything else is copied.
+    :param rank: :math:`s \leq \min(M_X, M_Z)`.
+    :param mode: ``"exact"`` or ``"primal"``.
+    :param key_landmarks: Key landmarks :math:`Z`, shape ``(*batch, M', d)`` (default: the query landmarks).
+    :param learn_landmarks: Register copied landmarks as parameters (else buffers).
+    :param svd_method: ``"exact"`` or ``"randomized"`` (see :func:`~gpattn.ksvd.kernel_svd`).
+    :param ksvd_weight: :math:`\eta` of the primal-mode penalty.
+    """
+
+    def __init__(
+        self,
+        kernel: AsymmetricKernel | Callable[[], AsymmetricKernel],
+        landmarks: Tensor,
+        rank: int,
+        mode: str = "exact",
+        key_landmarks: Tensor | None = None,
+        learn_landmarks: bool = True,
+        svd_method: str = "exact",
+        ksvd_weight: float = 1.0,
+    ):
+        super().__init__()
+        if mode not in MODES:
+            raise ValueError(f"expected mode in {MODES}, got {mode!r}")
+        if isinstance(kernel, AsymmetricKernel):
+            self.base_kernel = kernel
+        elif callable(kernel):
+            object.__setattr__(self, "_kernel_getter", kernel)
+        else:
+            raise TypeError(f"expected an AsymmetricKernel or a callable returning one, got {type(kernel).__name__}")
+        self._register_landmarks("landmarks", landmarks, learn_landmarks)
+        # one landmark set by default: the key landmarks are the very same tensor
+        key_landmarks = self.landmarks if key_landmarks is None else key_landmarks
+        self._register_landmarks("key_landmarks", key_landmarks, learn_landmarks)
+        num_landmarks = min(self.landmarks.shape[-2], self.key_landmarks.shape[-2])
+        if isinstance(rank, bool) or not isinstance(rank, int) or not 1 <= rank <= num_landmarks:
+            raise ValueError(
+                f"expected an integer rank in [1, number of landmarks] = [1, {num_landmarks}], got {rank!r}"
+            )
+        self.rank = rank
+        self.mode = mode
+        self.svd_method = svd_method
+        self.ksvd_weight = float(ksvd_weight)
+        if mode == "primal":
+            self._init_primal()
+
+    def _register_landmarks(self, name: str, landmarks: Tensor, learn: bool) -> None:
+        if not isinstance(landmarks, Tensor) or landmarks.dim() < 2:
+            got = tuple(landmarks.shape) if isinstance(landmarks, Tensor) else type(landmarks).__name__
+            raise ValueError(f"expected {name} of shape (..., M, d), got {got}")
+        if isinstance(landmarks, torch.nn.Parameter):
+            self.register_parameter(name, landmarks)
+        elif name == "key_landmarks" and landmarks is getattr(self, "landmarks", None):
+            self.register_buffer(name, landmarks)
+        elif learn:
+            self.register_parameter(name, torch.nn.Parameter(landmarks.detach().clone()))
+        else:
+            self.register_buffer(name, landmarks.detach().clone())
+
+    def _init_primal(self) -> None:
+        kernel = self.kernel
+        if not kernel.has_primal_features:
+            raise ValueError(f"mode='primal' needs a kernel with primal features; {type(kernel).__name__} has none")
+        if self.rank > kernel.feature_dim:
+            raise ValueError(f"expected rank <= feature_dim = {kernel.feature_dim} in primal mode, got {self.rank}")
+        with torch.no_grad():
+            svd = self._exact_svd()
+            # the stationary point W_e = Phi_k^T H_r, W_r = Phi_q^T H_e (MATH.md identity 2)
+            left_weights = kernel.key_features(self.key_landmarks).mT @ svd.right
+            right_weights = kernel.query_features(self.landmarks).mT @ svd.left
+            singular_values = svd.singular_values.clamp_min(torch.finfo(svd.singular_values.dtype).tiny)
+        self.left_weights = torch.nn.Parameter(left_weights)  # shape: (*batch, p, s)
+        self.right_weights = torch.nn.Parameter(right_weights)
+        self._register_singular_values(singular_values)
+        self.register_added_loss_term("ksvd_loss")
+        # J = 0 at the exact initialisation; refreshed by every training forward pass
+        zero_objective = torch.zeros(left_weights.shape[:-2], dtype=left_weights.dtype)
+        self.update_added_loss_term("ksvd_loss", KSVDAddedLossTerm(zero_objective, self.ksvd_weight))
+
+    def _register_singular_values(self, singular_values: Tensor) -> None:
+        constraint = Positive()
+        self.register_parameter(
+            "raw_singular_values", torch.nn.Parameter(constraint.inverse_transform(singular_values))
+        )
+        self.register_constraint("raw_singular_values", constraint)
+
+    @property
+    def kernel(self) -> AsymmetricKernel:
+        """The asymmetric kernel :math:`\\kappa`."""
+        return self.base_kernel if "base_kernel" in self._modules else self._kernel_getter()
+
+    def _clear_cache(self) -> None:
+        clear_cache_hook(self)
+
+    def _exact_svd(self) -> KernelSVD:
+        return kernel_svd(self.kernel(self.landmarks, self.key_landmarks), self.rank, method=self.svd_method)
+
+    @cached(name="ksvd_memo")
+    def decomposition(self) -> KernelSVD:
+        r"""Exact mode: the truncated KSVD of :math:`\kappa(X, Z)`, memoised until the cache is cleared
+        (every training call of a strategy, and ``train()``/``eval()``)."""
+        if self.mode != "exact":
+            raise RuntimeError("decomposition() is defined in exact mode only")
+        return self._exact_svd()
+
+    @property
+    def singular_values(self) -> Tensor:
+        r""":math:`\Lambda`, shape ``(*batch, s)``."""
+        if self.mode == "primal":
+            return self.raw_singular_values_constraint.transform(self.raw_singular_values)
+        return self.decomposition().singular_values
+
+    def Kuu(self) -> DiagLinearOperator:  # noqa: N802 (GPflow's name for the inducing covariance)
+        r""":math:`K_{uu} = \Lambda^2` as a :class:`~linear_operator.operators.DiagLinearOperator`,
+        shape ``(*batch, s, s)``: inverse and log-determinant in O(s)."""
+        return DiagLinearOperator(self.singular_values.pow(2))
+
+    def _check_side(self, side: str) -> None:
+        if side not in SIDES:
+            raise ValueError(f"expected side in {SIDES}, got {side!r}")
+
+    def scores(self, x: Tensor, side: str = "left") -> Tensor:
+        r"""Projection scores: :math:`e(x)` (``side="left"``, :math:`x` a query) or :math:`r(x)` (``"right"``, a key).
+
+        :param x: shape ``(*batch, N, d)``.
+        :return: shape ``(*batch, N, s)``; :math:`K_{fu}(x) = ` ``scores(x) * singular_values``.
+        """
+        self._check_side(side)
+        kernel = self.kernel
+        if self.mode == "primal":
+            if side == "left":
+                return kernel.query_features(x) @ self.left_weights
+            return kernel.key_features(x) @ self.right_weights
+        svd = self.decomposition()
+        if side == "left":
+            return kernel(x, self.key_landmarks) @ svd.right  # kappa(x, Z) H_r
+        return kernel(self.landmarks, x).mT @ svd.left  # kappa(X, z)^T H_e
+
+    def kernel_diag(self, x: Tensor, side: str = "left") -> Tensor:
+        r"""Prior variance :math:`k_e(x, x) = \|\kappa(x, Z)\|^2` (left) or :math:`k_r(z, z) = \|\kappa(X, z)\|^2`
+        (right), shape ``(*batch, N)``. With primal features it is computed as
+        :math:`\phi_q(x)^\top (\Phi_k^\top \Phi_k) \phi_q(x)` in O(N p^2 + M p^2), else densely in O(N M p)."""
+        self._check_side(side)
+        kernel = self.kernel
+        if kernel.has_primal_features:
+            if side == "left":
+                features, landmark_features = kernel.query_features(x), kernel.key_features(self.key_landmarks)
+            else:
+                features, landmark_features = kernel.key_features(x), kernel.query_features(self.landmarks)
+            gram = landmark_features.mT @ landmark_features  # shape: (*batch, p, p)
+            return ((features @ gram) * features).sum(-1)
+        cross = kernel(x, self.key_landmarks) if side == "left" else kernel(self.landmarks, x).mT
+        return cross.pow(2).sum(-1)
+
+    def residual_diag(self, x: Tensor, side: str = "left", scores: Tensor | None = None) -> Tensor:
+        r"""Diagonal of the residual :math:`K_{ff} - Q_{ff}`: :math:`k_e(x, x) - \|e(x)\|^2` (left), clamped at 0.
+
+        Its sum over the query landmarks is :math:`\sum_{i > s} \lambda_i^2` in exact mode; zero iff
+        :math:`\operatorname{rank} K \leq s`.
+
+        :param x: shape ``(*batch, N, d)``.
+        :param scores: ``scores(x, side)`` if already computed.
+        :return: shape ``(*batch, N)``.
+        """
+        scores = self.scores(x, side) if scores is None else scores
+        return (self.kernel_diag(x, side) - scores.pow(2).sum(-1)).clamp_min(0.0)
+
+    def ksvd_objective(self) -> Tensor:
+        r""":math:`J` (sum form) on the landmarks; identically zero in exact mode. Shape ``(*batch)``."""
+        if self.mode == "exact":
+            return torch.zeros(self.landmarks.shape[:-2], dtype=self.landmarks.dtype, device=self.landmarks.device)
+        return ksvd_objective(
+            self.scores(self.landmarks, "left"),
+            self.scores(self.key_landmarks, "right"),
+            self.left_weights,
+            self.right_weights,
+            self.singular_values,
+        )
+
+    def refresh_ksvd_loss(self) -> None:
+        """Recompute the added loss term ``"ksvd_loss"`` (:math:`\\eta J^2`; primal mode, a no-op in exact mode).
+
+        Strategies call this on every training forward pass.
+        """
+        if self.mode == "primal":
+            self.update_added_loss_term("ksvd_loss", KSVDAddedLossTerm(self.ksvd_objective(), self.ksvd_weight))

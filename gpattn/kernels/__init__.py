@@ -1,0 +1,17 @@
+"""Asymmetric kernels :math:`\\kappa(x, z) \\neq \\kappa(z, x)` and the symmetric kernels they induce."""
+
+from .asymmetric_kernel import AsymmetricKernel
+from .cosine_feature_kernel import CosineFeatureKernel
+from .exponential_dot_product_kernel import ExponentialDotProductKernel
+from .feature_lift import FeatureLift
+from .induced_kernel import InducedKernel
+from .shifted_rbf_kernel import ShiftedRBFKernel
+
+__all__ = [
+    "AsymmetricKernel",
+    "CosineFeatureKernel",
+    "ExponentialDotProductKernel",
+    "FeatureLift",
+    "InducedKernel",
+    "ShiftedRBFKernel",
+]

@@ -1,0 +1,68 @@
+"""The cosine (primal) kernel of KEP-SVGP and Primal-Attention."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from .asymmetric_kernel import AsymmetricKernel
+from .feature_lift import FeatureLift
+
+
+class CosineFeatureKernel(AsymmetricKernel):
+    r"""Cosine kernel between normalised query and key projections.
+
+    .. math::
+
+        \phi_q(x) = \sqrt{\sigma_f}\, \frac{W_q g(x)}{\|W_q g(x)\|}, \qquad
+        \phi_k(z) = \sqrt{\sigma_f}\, \frac{W_k g(z)}{\|W_k g(z)\|}, \qquad
+        \kappa(x, z) = \langle \phi_q(x), \phi_k(z) \rangle,
+
+    so :math:`K = \Phi_q \Phi_k^\top` has rank at most ``feature_dim`` and is never formed in the primal path.
+    :math:`g` is an optional :class:`~gpattn.kernels.FeatureLift` (identity by default). With ``tie=True``,
+    :math:`W_q = W_k` and :math:`K` is symmetric PSD.
+
+    :param input_dim: Token dimension :math:`d`.
+    :param feature_dim: Feature dimension :math:`p`.
+    :param tie: Share :math:`W_q = W_k` (symmetric limit).
+    :param lift: ``"none"``, ``"rff"`` or ``"mlp"`` (see :class:`~gpattn.kernels.FeatureLift`).
+    :param lift_dim: Output dimension of the lift.
+    :param lift_lengthscale: Initial lengthscale of the random Fourier lift.
+    :param batch_shape: Batch of independent kernels (``W_q``, ``W_k`` get shape ``(*batch_shape, p, D)``).
+    :param seed: Seed of the random Fourier lift.
+
+    .. note:: Cost O(N D p) for the features, O(N M p) for the dense matrix.
+    """
+
+    has_primal_features = True
+
+    def __init__(
+        self,
+        input_dim: int,
+        feature_dim: int,
+        tie: bool = False,
+        lift: str = "none",
+        lift_dim: int = 64,
+        lift_lengthscale: float = 1.0,
+        batch_shape: torch.Size = torch.Size(),
+        seed: int = 0,
+    ):
+        super().__init__(input_dim, tie=tie, batch_shape=batch_shape)
+        self.lift = FeatureLift(lift, input_dim, lift_dim, lift_lengthscale, seed)
+        self._register_projections(feature_dim, self.lift.output_dim)
+
+    def _project(self, tokens: Tensor, weight: Tensor) -> Tensor:
+        projected = self.lift(tokens) @ weight.mT  # shape: (*batch, n, p)
+        normalised = torch.nn.functional.normalize(projected, dim=-1, eps=1e-12)
+        return normalised * self.outputscale.sqrt()[..., None, None]
+
+    def query_features(self, x: Tensor) -> Tensor:
+        self._check_tokens(x, "x")
+        return self._project(x, self.query_weight)
+
+    def key_features(self, z: Tensor) -> Tensor:
+        self._check_tokens(z, "z")
+        return self._project(z, self.key_projection)
+
+    def forward(self, x: Tensor, z: Tensor) -> Tensor:
+        return self.query_features(x) @ self.key_features(z).mT

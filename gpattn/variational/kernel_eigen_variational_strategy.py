@@ -1,0 +1,157 @@
+"""The kernel-eigen variational strategy: one branch of the KEP-SVGP pair, with a diagonal K_uu."""
+
+from __future__ import annotations
+
+import torch
+from gpytorch.distributions import MultivariateNormal
+from gpytorch.models import ApproximateGP
+from gpytorch.utils.memoize import cached, clear_cache_hook
+from gpytorch.variational import _VariationalDistribution
+from gpytorch.variational._variational_strategy import _VariationalStrategy
+from linear_operator.operators import DiagLinearOperator, LinearOperator
+from torch import Tensor
+
+from ..features import KernelEigenFeatures
+from ._structured import covariance_root, low_rank_plus_diag
+
+SIDES = ("left", "right")
+RESIDUALS = ("none", "diag")
+
+
+class _CovarModuleOf:
+    """Picklable zero-argument callable returning ``model.covar_module`` (read lazily: strategies are built
+    before the model's modules exist)."""
+
+    def __init__(self, model: ApproximateGP):
+        self.model = model
+
+    def __call__(self):
+        return self.model.covar_module
+
+
+class KernelEigenVariationalStrategy(_VariationalStrategy):
+    r"""Sparse variational GP with kernel-eigen inducing variables (KEP-SVGP, Chen et al. 2024, one branch).
+
+    For ``side="left"`` the GP is the weight-space prior :math:`f_e(x) = \kappa(x, Z) w`,
+    :math:`w \sim \mathcal N(0, I)`, with the asymmetric kernel :math:`\kappa` = ``model.covar_module`` and the
+    landmarks :math:`Z` = ``inducing_points``. The inducing variables are projections on the left singular
+    vectors, :math:`u = H_e^\top f_e(X)`, so that
+
+    .. math::
+
+        K_{uu} = \Lambda^2, \qquad K_{fu}(x) = e(x) \Lambda, \qquad
+        q(f(x)) = \mathcal N\big(\mu(x) + e(x) \Lambda^{-1} m,\;
+            e(x) \Lambda^{-1} S \Lambda^{-1} e(x')^\top + [k_e(x, x') - e(x) e(x')^\top]\big),
+
+    with :math:`q(u) = \mathcal N(m, S)`. The prior is ``MultivariateNormal(0, DiagLinearOperator(Lambda^2))``:
+    its inverse and log-determinant cost O(s) and no Cholesky of :math:`K_{uu}` ever runs. With
+    ``whiten=True``, :math:`u = \Lambda v`, :math:`p(v) = \mathcal N(0, I)` and the mean is :math:`e(x) m_v`.
+    ``side="right"`` swaps roles: :math:`f_r(z) = \kappa(Z, z)^\top w'`, scores :math:`r(z)`,
+    :math:`u = H_r^\top f_r(Z)`.
+    The bracket (the residual :math:`K_{ff} - Q_{ff}`) is dropped (``residual="none"``) or kept on the
+    diagonal (``"diag"``). The mean :math:`\mu` is ``model.mean_module`` when the model has one, else zero.
+
+    The rank :math:`s` is ``variational_distribution.num_inducing_points`` (at most the number of landmarks).
+    Any GPyTorch variational distribution works (Cholesky, mean-field, natural).
+
+    :param model: The :class:`~gpytorch.models.ApproximateGP` (its ``covar_module`` must be an
+        :class:`~gpattn.kernels.AsymmetricKernel`).
+    :param inducing_points: Landmarks :math:`Z`, shape ``(*batch, M, d)``.
+    :param variational_distribution: :math:`q(u)` over ``s`` inducing variables.
+    :param side: ``"left"`` (:math:`e`, queries) or ``"right"`` (:math:`r`, keys).
+    :param learn_inducing_locations: Learn the landmarks.
+    :param whiten: Parametrise :math:`q(v)` with :math:`u = \Lambda v`.
+    :param residual: ``"none"`` or ``"diag"``.
+    :param features: Shared :class:`~gpattn.features.KernelEigenFeatures` (e.g. the other branch's, or a
+        ``primal``-mode object); by default exact-mode features over ``model.covar_module`` and the landmarks.
+
+    .. note:: Cost per call: the features (exact mode O(M^2 p + M^3) for the SVD, primal O(N p s)), plus
+        O(N s^2) for the predictive covariance root and O(s) for the prior and its KL (O(s^3) for the
+        variational term of a full-covariance :math:`q(u)`, as in any SVGP).
+    """
+
+    def __init__(
+        self,
+        model: ApproximateGP,
+        inducing_points: Tensor,
+        variational_distribution: _VariationalDistribution,
+        side: str = "left",
+        learn_inducing_locations: bool = True,
+        whiten: bool = False,
+        residual: str = "diag",
+        features: KernelEigenFeatures | None = None,
+        jitter_val: float | None = None,
+    ):
+        if side not in SIDES:
+            raise ValueError(f"expected side in {SIDES}, got {side!r}")
+        if residual not in RESIDUALS:
+            raise ValueError(f"expected residual in {RESIDUALS}, got {residual!r}")
+        super().__init__(model, inducing_points, variational_distribution, learn_inducing_locations, jitter_val)
+        rank = variational_distribution.num_inducing_points
+        if features is None:
+            features = KernelEigenFeatures(_CovarModuleOf(model), self.inducing_points, rank)
+        elif features.rank != rank:
+            raise ValueError(
+                f"the features have rank {features.rank} but the variational distribution has {rank} inducing variables"
+            )
+        else:
+            # the landmarks belong to the (possibly shared) features: tie them to this strategy's inducing_points
+            delattr(self, "inducing_points")
+            if isinstance(features.landmarks, torch.nn.Parameter):
+                self.register_parameter("inducing_points", features.landmarks)
+            else:
+                self.register_buffer("inducing_points", features.landmarks)
+        self.features = features
+        self.side = side
+        self.whiten = bool(whiten)
+        self.residual = residual
+
+    def _clear_cache(self) -> None:
+        clear_cache_hook(self)
+        if "features" in self._modules:
+            self.features._clear_cache()
+
+    @property
+    @cached(name="prior_distribution_memo")
+    def prior_distribution(self) -> MultivariateNormal:
+        r""":math:`p(u) = \mathcal N(0, \Lambda^2)`, a ``DiagLinearOperator`` covariance (identity when whitened)."""
+        variances = self.features.singular_values.pow(2)  # shape: (*batch, s)
+        batch_shape = torch.broadcast_shapes(variances.shape[:-1], self._variational_distribution.batch_shape)
+        variances = variances.expand(*batch_shape, variances.shape[-1])
+        if self.whiten:
+            variances = torch.ones_like(variances)
+        return MultivariateNormal(torch.zeros_like(variances), DiagLinearOperator(variances))
+
+    def interp_and_residual(self, x: Tensor) -> tuple[Tensor, Tensor | None]:
+        r"""The interpolation term :math:`e(x) \Lambda^{-1}` (:math:`e(x)` when whitened), shape ``(*batch, N, s)``,
+        and the residual diagonal (``None`` when ``residual="none"``), shape ``(*batch, N)``."""
+        scores = self.features.scores(x, self.side)
+        interp = scores if self.whiten else scores / self.features.singular_values.unsqueeze(-2)
+        residual = self.features.residual_diag(x, self.side, scores) if self.residual == "diag" else None
+        return interp, residual
+
+    def prior_mean(self, x: Tensor) -> Tensor | float:
+        """:math:`\\mu(x)` from ``model.mean_module`` (0 when the model has none), shape ``(*batch, N)``."""
+        mean_module = getattr(self.model, "mean_module", None)
+        return 0.0 if mean_module is None else mean_module(x)
+
+    def forward(
+        self,
+        x: Tensor,
+        inducing_points: Tensor,
+        inducing_values: Tensor,
+        variational_inducing_covar: LinearOperator | None = None,
+        diag: bool = True,
+        **kwargs,
+    ) -> MultivariateNormal:
+        if self.training:
+            self.features.refresh_ksvd_loss()
+        interp, residual = self.interp_and_residual(x)
+        # e Lambda^{-1} m; shape: (*batch, N)
+        predictive_mean = (interp @ inducing_values.unsqueeze(-1)).squeeze(-1) + self.prior_mean(x)
+        if variational_inducing_covar is None:  # a Delta q(u): only the residual is uncertain
+            root = torch.zeros_like(interp[..., :1])
+        else:
+            root = interp @ covariance_root(variational_inducing_covar)  # e Lambda^{-1} L
+        root = root.expand(*predictive_mean.shape, root.shape[-1])
+        return MultivariateNormal(predictive_mean, low_rank_plus_diag(root, residual))

@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# Idempotent development-environment set-up for gpattn.
+#   - creates .venv (with $PYTHON, default python3) if missing
+#   - installs ${GPATTN_TORCH_SPEC:-torch==2.13.0} first, only if torch is not importable
+#     (a bare `torch` requirement would otherwise pull the large CUDA wheels)
+#   - installs the package editable with the [test] extra, skipped while the stamp
+#     .venv/.gpattn-installed is newer than pyproject.toml
+set -euo pipefail
+
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+
+PYTHON="${PYTHON:-python3}"
+TORCH_SPEC="${GPATTN_TORCH_SPEC:-torch==2.13.0}"
+VENV=".venv"
+VPY="$VENV/bin/python"
+STAMP="$VENV/.gpattn-installed"
+
+if [ ! -x "$VPY" ]; then
+    echo "[setup_env] creating $VENV with $PYTHON"
+    "$PYTHON" -m venv "$VENV"
+else
+    echo "[setup_env] $VENV exists"
+fi
+
+if TORCH_VERSION="$("$VPY" -c 'import torch; print(torch.__version__)' 2>/dev/null)"; then
+    echo "[setup_env] torch $TORCH_VERSION already installed"
+else
+    echo "[setup_env] installing $TORCH_SPEC"
+    "$VPY" -m pip install --quiet --disable-pip-version-check "$TORCH_SPEC"
+fi
+
+if [ -f "$STAMP" ] && [ "$STAMP" -nt pyproject.toml ]; then
+    echo "[setup_env] gpattn up to date (stamp newer than pyproject.toml)"
+else
+    echo "[setup_env] installing gpattn (editable, [test] extra)"
+    "$VPY" -m pip install --quiet --disable-pip-version-check -e ".[test]"
+    touch "$STAMP"
+fi
+
+echo "[setup_env] done"
