@@ -130,11 +130,15 @@ class KernelEigenPairSVGP(ApproximateGP):
 
     def pyro_guide(self, input: Tensor, beta: float = 1.0, name_prefix: str = "") -> pyro.distributions.Distribution:
         r"""Pyro guide: samples :math:`u` of each branch from :math:`q(u)` and returns :math:`q(f(x))`."""
+        # q(f(x)) first: in training mode the call clears the memoised q(u) of the previous step (whose autograd
+        # graph was freed by its backward pass) and initialises q(u) on the first step, so the sites below sample
+        # the current q(u)
+        function_dist = self(input, prior=False)
         with pyro.poutine.scale(scale=beta):
             for name, strategy in self.variational_strategy.branches():
                 q_u = strategy.variational_distribution
                 pyro.sample(f"{name_prefix}.u_{name}", q_u.to_event(len(q_u.batch_shape)))
-        return self._masked_function_dist(self(input, prior=False))
+        return self._masked_function_dist(function_dist)
 
     def pyro_model(self, input: Tensor, beta: float = 1.0, name_prefix: str = "") -> pyro.distributions.Distribution:
         r"""Pyro model: samples :math:`u` of each branch from :math:`p(u) = \mathcal N(0, \Lambda^2)`, adds GPyTorch

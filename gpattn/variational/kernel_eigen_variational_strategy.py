@@ -89,12 +89,14 @@ class KernelEigenVariationalStrategy(_VariationalStrategy):
         super().__init__(model, inducing_points, variational_distribution, learn_inducing_locations, jitter_val)
         rank = variational_distribution.num_inducing_points
         if features is None:
-            features = KernelEigenFeatures(_CovarModuleOf(model), self.inducing_points, rank)
+            features = KernelEigenFeatures(
+                _CovarModuleOf(model), self.inducing_points, rank, learn_landmarks=learn_inducing_locations
+            )
         elif features.rank != rank:
             raise ValueError(
                 f"the features have rank {features.rank} but the variational distribution has {rank} inducing variables"
             )
-        else:
+        if features.landmarks is not self.inducing_points:
             # the landmarks belong to the (possibly shared) features: tie them to this strategy's inducing_points
             delattr(self, "inducing_points")
             if isinstance(features.landmarks, torch.nn.Parameter):

@@ -1,0 +1,348 @@
+"""Kernel-eigen features against dense references (MATH.md identities 1, 3, 5, 9 and the primal mode), float64."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+from linear_operator.operators import DiagLinearOperator
+from torch import Tensor
+
+from gpattn.features import KernelEigenFeatures
+from gpattn.kernels import AsymmetricKernel, CosineFeatureKernel, ExponentialDotProductKernel, ShiftedRBFKernel
+
+DTYPE = torch.float64
+ATOL = 1e-10
+
+
+def _tokens(*shape: int, seed: int) -> Tensor:
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed), dtype=DTYPE)
+
+
+def _cosine_kernel(tie: bool = False, feature_dim: int = 12) -> CosineFeatureKernel:
+    torch.manual_seed(3)
+    kernel = CosineFeatureKernel(3, feature_dim=feature_dim, tie=tie, lift="rff", lift_dim=16, seed=4).double()
+    kernel.outputscale = 1.6
+    kernel.lift.initialize(raw_lengthscale=kernel.lift.raw_lengthscale_constraint.inverse_transform(torch.tensor(0.5)))
+    return kernel
+
+
+def _shifted_rbf_kernel() -> ShiftedRBFKernel:
+    kernel = ShiftedRBFKernel(3).double()
+    with torch.no_grad():
+        kernel.shift.copy_(torch.tensor([0.6, -0.4, 0.2], dtype=DTYPE))
+    kernel.initialize(raw_lengthscale=kernel.raw_lengthscale_constraint.inverse_transform(torch.full((3,), 1.2)))
+    kernel.outputscale = 0.9
+    return kernel
+
+
+def _exponential_kernel() -> ExponentialDotProductKernel:
+    torch.manual_seed(5)
+    return ExponentialDotProductKernel(3, feature_dim=4).double()
+
+
+def _dense(kernel: AsymmetricKernel, x: Tensor, z: Tensor) -> np.ndarray:
+    """kappa(x, z) recomputed from each kernel's definition (MATH.md section 1)."""
+    with torch.no_grad():
+        if isinstance(kernel, CosineFeatureKernel):
+            lift = kernel.lift
+
+            def feature(tokens: Tensor, weight: Tensor) -> Tensor:
+                lifted = math.sqrt(2.0 / lift.output_dim) * torch.cos(
+                    tokens @ lift.frequencies.T / lift.lengthscale + lift.phases
+                )
+                projected = lifted @ weight.T
+                return projected / projected.norm(dim=-1, keepdim=True)
+
+            key_weight = kernel.query_weight if kernel.tie else kernel.key_weight
+            matrix = kernel.outputscale * feature(x, kernel.query_weight) @ feature(z, key_weight).T
+        elif isinstance(kernel, ShiftedRBFKernel):
+            difference = (x[:, None, :] - z[None, :, :] - kernel.shift) / kernel.lengthscale
+            matrix = kernel.outputscale * torch.exp(-0.5 * difference.pow(2).sum(-1))
+        else:
+            logits = (x @ kernel.query_weight.T) @ (z @ kernel.key_weight.T).T / math.sqrt(kernel.feature_dim)
+            matrix = kernel.outputscale * torch.exp(logits)
+    return matrix.numpy()
+
+
+def _numpy_svd(matrix: np.ndarray, rank: int | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Top-``rank`` SVD, each pair signed so that the largest-|.| entry of the left vector is positive (MATH.md 2)."""
+    left, singular_values, right_h = np.linalg.svd(matrix, full_matrices=False)
+    rank = len(singular_values) if rank is None else rank
+    left, singular_values, right = left[:, :rank], singular_values[:rank], right_h[:rank].T
+    signs = np.sign(left[np.abs(left).argmax(axis=0), np.arange(rank)])
+    return left * signs, singular_values, right * signs
+
+
+def _numpy(tensor: Tensor) -> np.ndarray:
+    return tensor.detach().numpy()
+
+
+KERNELS = {"cosine": _cosine_kernel, "shifted_rbf": _shifted_rbf_kernel, "exponential": _exponential_kernel}
+
+
+# --- exact mode ------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kernel_name", list(KERNELS))
+@pytest.mark.parametrize("num_keys", [8, 11])
+def test_exact_scores_identity_3(kernel_name: str, num_keys: int) -> None:
+    kernel = KERNELS[kernel_name]()
+    landmarks, keys = _tokens(8, 3, seed=0), _tokens(num_keys, 3, seed=1)
+    key_landmarks = None if num_keys == 8 else keys
+    keys = landmarks if key_landmarks is None else keys
+    features = KernelEigenFeatures(kernel, landmarks, 4, key_landmarks=key_landmarks, learn_landmarks=False)
+    matrix = _dense(kernel, landmarks, keys)
+    left, singular_values, right = _numpy_svd(matrix, 4)
+    np.testing.assert_allclose(_numpy(features.singular_values), singular_values, atol=ATOL, rtol=0)
+    x, z = _tokens(5, 3, seed=2), _tokens(6, 3, seed=3)  # out of sample
+    left_scores, right_scores = _numpy(features.scores(x, "left")), _numpy(features.scores(z, "right"))
+    assert left_scores.shape == (5, 4) and right_scores.shape == (6, 4)
+    # K_fu(x) = e(x) Lambda = kappa(x, Z) K^T H_e and r(z) Lambda = kappa(X, z)^T K H_r
+    np.testing.assert_allclose(left_scores * singular_values, _dense(kernel, x, keys) @ matrix.T @ left, atol=ATOL)
+    np.testing.assert_allclose(
+        right_scores * singular_values, _dense(kernel, landmarks, z).T @ matrix @ right, atol=ATOL
+    )
+    np.testing.assert_allclose(
+        right_scores, _dense(kernel, landmarks, z).T @ left, atol=ATOL
+    )  # r(z) = kappa(X, z)^T H_e
+    np.testing.assert_allclose(left_scores, _dense(kernel, x, keys) @ right, atol=ATOL)  # e(x) = kappa(x, Z) H_r
+
+
+@pytest.mark.parametrize("num_keys", [8, 11])
+def test_kuu_is_diagonal_lambda_squared_and_the_inducing_covariance(num_keys: int) -> None:
+    kernel = _cosine_kernel()
+    landmarks, keys = _tokens(8, 3, seed=4), _tokens(num_keys, 3, seed=5)
+    keys = landmarks if num_keys == 8 else keys
+    features = KernelEigenFeatures(kernel, landmarks, 5, key_landmarks=keys, learn_landmarks=False)
+    kuu = features.Kuu()
+    assert isinstance(kuu, DiagLinearOperator) and kuu.shape == (5, 5)
+    matrix = _dense(kernel, landmarks, keys)
+    left, singular_values, right = _numpy_svd(matrix, 5)
+    np.testing.assert_allclose(_numpy(kuu.to_dense()), np.diag(singular_values**2), atol=ATOL, rtol=0)
+    # K_uu = cov(u_e) = H_e^T (K K^T) H_e, and cov(u_r) = H_r^T (K^T K) H_r
+    np.testing.assert_allclose(_numpy(kuu.to_dense()), left.T @ matrix @ matrix.T @ left, atol=ATOL, rtol=0)
+    np.testing.assert_allclose(_numpy(kuu.to_dense()), right.T @ matrix.T @ matrix @ right, atol=ATOL, rtol=0)
+    # identity 1 at the landmarks: (e Lambda^-1)^T (e Lambda^-1) = I and (r Lambda^-1)^T (r Lambda^-1) = I
+    left_interp = _numpy(features.scores(landmarks, "left") / features.singular_values)
+    right_interp = _numpy(features.scores(keys, "right") / features.singular_values)
+    np.testing.assert_allclose(left_interp.T @ left_interp, np.eye(5), atol=ATOL, rtol=0)
+    np.testing.assert_allclose(right_interp.T @ right_interp, np.eye(5), atol=ATOL, rtol=0)
+    np.testing.assert_allclose(left_interp, left, atol=ATOL, rtol=0)
+    np.testing.assert_allclose(right_interp, right, atol=ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("kernel_name", list(KERNELS))
+@pytest.mark.parametrize("rank", [2, 5])
+def test_truncated_residual_identity_5(kernel_name: str, rank: int) -> None:
+    kernel = KERNELS[kernel_name]()
+    landmarks = _tokens(8, 3, seed=6)
+    features = KernelEigenFeatures(kernel, landmarks, rank, learn_landmarks=False)
+    matrix = _dense(kernel, landmarks, landmarks)
+    all_singular_values = np.linalg.svd(matrix, compute_uv=False)
+    assert all_singular_values[rank] > 1e-4  # rank K > s: the residual is not zero
+    left_scores = _numpy(features.scores(landmarks, "left"))
+    residual = matrix @ matrix.T - left_scores @ left_scores.T  # K_ff - Q_ff on the landmarks
+    np.testing.assert_allclose(residual, residual.T, atol=ATOL, rtol=0)
+    assert np.linalg.eigvalsh(residual).min() > -1e-10
+    np.testing.assert_allclose(np.trace(residual), (all_singular_values[rank:] ** 2).sum(), atol=ATOL, rtol=0)
+    np.testing.assert_allclose(_numpy(features.residual_diag(landmarks, "left")), np.diag(residual), atol=ATOL, rtol=0)
+    # right branch: K^T K - r r^T
+    right_scores = _numpy(features.scores(landmarks, "right"))
+    right_residual = matrix.T @ matrix - right_scores @ right_scores.T
+    assert np.linalg.eigvalsh(right_residual).min() > -1e-10
+    np.testing.assert_allclose(np.trace(right_residual), (all_singular_values[rank:] ** 2).sum(), atol=ATOL, rtol=0)
+    np.testing.assert_allclose(
+        _numpy(features.residual_diag(landmarks, "right")), np.diag(right_residual), atol=ATOL, rtol=0
+    )
+    # out of sample the residual diagonal is still k_e(x, x) - ||e(x)||^2 >= 0
+    x = _tokens(5, 3, seed=7)
+    cross = _dense(kernel, x, landmarks)
+    expected = (cross**2).sum(-1) - (_numpy(features.scores(x, "left")) ** 2).sum(-1)
+    assert expected.min() > 0
+    np.testing.assert_allclose(_numpy(features.residual_diag(x, "left")), expected, atol=ATOL, rtol=0)
+
+
+def test_residual_vanishes_at_full_rank() -> None:
+    kernel = _cosine_kernel(feature_dim=3)  # rank K = 3 < M
+    landmarks = _tokens(8, 3, seed=8)
+    assert np.linalg.svd(_dense(kernel, landmarks, landmarks), compute_uv=False)[3] < 1e-12
+    features = KernelEigenFeatures(kernel, landmarks, 3, learn_landmarks=False)
+    x = _tokens(6, 3, seed=9)
+    np.testing.assert_allclose(_numpy(features.residual_diag(x, "left")), np.zeros(6), atol=ATOL, rtol=0)
+    np.testing.assert_allclose(_numpy(features.residual_diag(x, "right")), np.zeros(6), atol=ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("kernel_name", list(KERNELS))
+def test_kernel_diag_equals_dense_row_norms(kernel_name: str) -> None:
+    kernel = KERNELS[kernel_name]()
+    landmarks, keys = _tokens(7, 3, seed=10), _tokens(9, 3, seed=11)
+    features = KernelEigenFeatures(kernel, landmarks, 3, key_landmarks=keys, learn_landmarks=False)
+    x = _tokens(5, 3, seed=12)
+    np.testing.assert_allclose(
+        _numpy(features.kernel_diag(x, "left")), (_dense(kernel, x, keys) ** 2).sum(-1), atol=ATOL, rtol=0
+    )
+    np.testing.assert_allclose(
+        _numpy(features.kernel_diag(x, "right")), (_dense(kernel, landmarks, x) ** 2).sum(0), atol=ATOL, rtol=0
+    )
+
+
+def test_batched_features() -> None:
+    kernel = CosineFeatureKernel(3, feature_dim=6, batch_shape=torch.Size([2])).double()
+    landmarks = _tokens(2, 7, 3, seed=13)
+    features = KernelEigenFeatures(kernel, landmarks, 3, learn_landmarks=False)
+    x = _tokens(2, 4, 3, seed=14)
+    scores = features.scores(x, "left")
+    assert scores.shape == (2, 4, 3) and features.singular_values.shape == (2, 3)
+    for head in range(2):
+        matrix = _numpy(kernel(landmarks, landmarks)[head])
+        left, singular_values, right = _numpy_svd(matrix, 3)
+        np.testing.assert_allclose(_numpy(features.singular_values[head]), singular_values, atol=ATOL, rtol=0)
+        np.testing.assert_allclose(_numpy(scores[head]), _numpy(kernel(x, landmarks)[head]) @ right, atol=ATOL)
+
+
+# --- primal mode -----------------------------------------------------------------------------------------------
+
+
+def _primal_objective(kernel: CosineFeatureKernel, features: KernelEigenFeatures) -> float:
+    """J (sum form) from the definitions, with Phi recomputed densely through kappa = Phi_q Phi_k^T."""
+    query_features = _numpy(kernel.query_features(features.landmarks))
+    key_features = _numpy(kernel.key_features(features.key_landmarks))
+    left_weights, right_weights = _numpy(features.left_weights), _numpy(features.right_weights)
+    inverse = 1.0 / _numpy(features.singular_values)
+    left_scores, right_scores = query_features @ left_weights, key_features @ right_weights
+    return (
+        0.5 * ((left_scores**2) * inverse).sum()
+        + 0.5 * ((right_scores**2) * inverse).sum()
+        - np.trace(left_weights.T @ right_weights)
+    )
+
+
+def _ksvd_loss(features: KernelEigenFeatures) -> float:
+    terms = dict(features.named_added_loss_terms())
+    assert set(terms) == {"ksvd_loss"}
+    return terms["ksvd_loss"].loss().item()
+
+
+@pytest.mark.parametrize("num_keys", [8, 10])
+def test_primal_mode_starts_at_the_stationary_point(num_keys: int) -> None:
+    kernel = _cosine_kernel()
+    landmarks, keys = _tokens(8, 3, seed=15), _tokens(num_keys, 3, seed=16)
+    keys = landmarks if num_keys == 8 else keys
+    features = KernelEigenFeatures(kernel, landmarks, 4, mode="primal", key_landmarks=keys, ksvd_weight=2.5)
+    assert features.left_weights.shape == (12, 4) and features.right_weights.shape == (12, 4)
+    matrix = _dense(kernel, landmarks, keys)
+    left, singular_values, right = _numpy_svd(matrix, 4)
+    np.testing.assert_allclose(_numpy(features.singular_values), singular_values, atol=ATOL, rtol=0)
+    np.testing.assert_allclose(_numpy(features.Kuu().to_dense()), np.diag(singular_values**2), atol=ATOL, rtol=0)
+    assert abs(features.ksvd_objective().item()) < 1e-10
+    assert abs(_primal_objective(kernel, features)) < 1e-10
+    # primal scores W_e^T phi_q(x), W_r^T phi_k(z) equal the exact dual scores, out of sample too
+    x, z = _tokens(5, 3, seed=17), _tokens(6, 3, seed=18)
+    np.testing.assert_allclose(_numpy(features.scores(x, "left")), _dense(kernel, x, keys) @ right, atol=ATOL)
+    np.testing.assert_allclose(_numpy(features.scores(z, "right")), _dense(kernel, landmarks, z).T @ left, atol=ATOL)
+    exact = KernelEigenFeatures(kernel, landmarks, 4, key_landmarks=keys)
+    torch.testing.assert_close(features.scores(x, "left"), exact.scores(x, "left"), atol=ATOL, rtol=0)
+    # the registered penalty is eta J^2 = 0
+    assert _ksvd_loss(features) == 0.0
+
+
+def test_primal_mode_penalty_after_perturbation() -> None:
+    kernel = _cosine_kernel()
+    landmarks = _tokens(8, 3, seed=19)
+    features = KernelEigenFeatures(kernel, landmarks, 4, mode="primal", ksvd_weight=2.5)
+    with torch.no_grad():
+        features.left_weights.add_(0.3 * _tokens(12, 4, seed=20))
+        features.raw_singular_values.add_(0.2)
+    expected = _primal_objective(kernel, features)
+    assert abs(expected) > 1e-2
+    objective = features.ksvd_objective()
+    assert abs(objective.item() - expected) < 1e-10
+    assert _ksvd_loss(features) == 0.0  # stale until refreshed
+    features.refresh_ksvd_loss()
+    assert abs(_ksvd_loss(features) - 2.5 * expected**2) < 1e-10
+    # the penalty is differentiable in the primal parameters
+    features.named_added_loss_terms().__next__()[1].loss().backward()
+    assert features.left_weights.grad is not None and features.left_weights.grad.abs().max() > 0
+
+
+def test_exact_mode_objective_is_zero_and_refresh_is_a_no_op() -> None:
+    features = KernelEigenFeatures(_cosine_kernel(), _tokens(6, 3, seed=21), 3)
+    assert torch.equal(features.ksvd_objective(), torch.zeros((), dtype=DTYPE))
+    features.refresh_ksvd_loss()
+    assert list(features.named_added_loss_terms()) == []
+
+
+# --- symmetric limit -------------------------------------------------------------------------------------------
+
+
+def test_tied_kernel_identity_9() -> None:
+    kernel = _cosine_kernel(tie=True)
+    landmarks = _tokens(8, 3, seed=22)
+    matrix = _dense(kernel, landmarks, landmarks)
+    np.testing.assert_allclose(matrix, matrix.T, atol=1e-14, rtol=0)
+    features = KernelEigenFeatures(kernel, landmarks, 5, learn_landmarks=False)
+    svd = features.decomposition()
+    products = (svd.left * svd.right).sum(0)  # H_e = H_r up to the sign of each pair
+    np.testing.assert_allclose(np.abs(_numpy(products)), np.ones(5), atol=ATOL, rtol=0)
+    np.testing.assert_allclose(np.abs(_numpy(svd.left)), np.abs(_numpy(svd.right)), atol=ATOL, rtol=0)
+    # eigenvalues of the symmetric PSD K are its singular values
+    np.testing.assert_allclose(_numpy(features.singular_values), np.linalg.eigvalsh(matrix)[::-1][:5], atol=ATOL)
+    x = _tokens(6, 3, seed=23)
+    torch.testing.assert_close(features.scores(x, "left"), features.scores(x, "right"), atol=ATOL, rtol=0)
+    torch.testing.assert_close(features.kernel_diag(x, "left"), features.kernel_diag(x, "right"), atol=ATOL, rtol=0)
+    # primal mode in the symmetric limit: W_e = W_r
+    primal = KernelEigenFeatures(kernel, landmarks, 5, mode="primal")
+    torch.testing.assert_close(primal.left_weights, primal.right_weights, atol=ATOL, rtol=0)
+
+
+def test_untied_branches_differ() -> None:
+    features = KernelEigenFeatures(_cosine_kernel(), _tokens(8, 3, seed=24), 4, learn_landmarks=False)
+    x = _tokens(6, 3, seed=25)
+    assert (features.scores(x, "left") - features.scores(x, "right")).abs().max() > 1e-3
+
+
+# --- errors ----------------------------------------------------------------------------------------------------
+
+
+def test_feature_errors() -> None:
+    kernel = _cosine_kernel()
+    landmarks, keys = _tokens(6, 3, seed=26), _tokens(4, 3, seed=27)
+    for rank in (7, 0, 2.0):
+        with pytest.raises(ValueError, match="rank"):
+            KernelEigenFeatures(kernel, landmarks, rank)
+    with pytest.raises(ValueError, match="rank"):
+        KernelEigenFeatures(kernel, landmarks, 5, key_landmarks=keys)
+    for dual_only in (_shifted_rbf_kernel(), _exponential_kernel()):
+        with pytest.raises(ValueError, match="primal"):
+            KernelEigenFeatures(dual_only, landmarks, 2, mode="primal")
+    with pytest.raises(ValueError, match="feature_dim"):
+        KernelEigenFeatures(_cosine_kernel(feature_dim=3), landmarks, 4, mode="primal")
+    with pytest.raises(ValueError, match="mode"):
+        KernelEigenFeatures(kernel, landmarks, 2, mode="amortised")
+    with pytest.raises(ValueError, match="landmarks"):
+        KernelEigenFeatures(kernel, landmarks[0], 1)
+    with pytest.raises(TypeError):
+        KernelEigenFeatures("cosine", landmarks, 2)
+    features = KernelEigenFeatures(kernel, landmarks, 2)
+    with pytest.raises(ValueError, match="side"):
+        features.scores(landmarks, "up")
+    with pytest.raises(ValueError, match="side"):
+        features.kernel_diag(landmarks, "both")
+    primal = KernelEigenFeatures(kernel, landmarks, 2, mode="primal")
+    with pytest.raises(RuntimeError, match="exact mode"):
+        primal.decomposition()
+
+
+def test_primal_residual_is_clamped_at_zero() -> None:
+    kernel = _cosine_kernel()
+    landmarks = _tokens(8, 3, seed=28)
+    features = KernelEigenFeatures(kernel, landmarks, 3, mode="primal")
+    with torch.no_grad():
+        features.left_weights.mul_(1.1)  # ||e(x)||^2 grows by 21 %, exceeding k_e(x, x) where the fit was good
+    x = _tokens(7, 3, seed=29)
+    raw = (_dense(kernel, x, landmarks) ** 2).sum(-1) - (_numpy(features.scores(x, "left")) ** 2).sum(-1)
+    assert raw.min() < 0 < raw.max()
+    np.testing.assert_allclose(_numpy(features.residual_diag(x, "left")), np.maximum(raw, 0.0), atol=ATOL, rtol=0)

@@ -1,0 +1,298 @@
+"""Closed-form tests of the asymmetric kernels (MATH.md section 1), float64."""
+
+from __future__ import annotations
+
+import math
+
+import gpytorch
+import pytest
+import torch
+from torch import Tensor
+
+from gpattn.kernels import CosineFeatureKernel, ExponentialDotProductKernel, InducedKernel, ShiftedRBFKernel
+
+DTYPE = torch.float64
+ATOL = 1e-12
+
+
+def _tokens(*shape: int, seed: int) -> Tensor:
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed), dtype=DTYPE)
+
+
+def _lift_closed_form(kernel: CosineFeatureKernel, tokens: Tensor) -> Tensor:
+    """g(x) from the lift's definition: identity, sqrt(2/D) cos(Omega x / l + b) or tanh(A x + c)."""
+    lift = kernel.lift
+    if lift.kind == "rff":
+        projection = tokens @ lift.frequencies.T / lift.lengthscale + lift.phases
+        return math.sqrt(2.0 / lift.output_dim) * torch.cos(projection)
+    if lift.kind == "mlp":
+        return torch.tanh(tokens @ lift.linear.weight.T + lift.linear.bias)
+    return tokens
+
+
+def _cosine_closed_form(kernel: CosineFeatureKernel, x: Tensor, z: Tensor) -> Tensor:
+    """outputscale * <W_q g(x) / ||W_q g(x)||, W_k g(z) / ||W_k g(z)||> for an unbatched kernel."""
+    key_weight = kernel.query_weight if kernel.tie else kernel.key_weight
+    queries = _lift_closed_form(kernel, x) @ kernel.query_weight.T
+    keys = _lift_closed_form(kernel, z) @ key_weight.T
+    queries = queries / queries.norm(dim=-1, keepdim=True)
+    keys = keys / keys.norm(dim=-1, keepdim=True)
+    return kernel.outputscale * queries @ keys.T
+
+
+def _cosine(lift: str, tie: bool = False, batch_shape: torch.Size = torch.Size()) -> CosineFeatureKernel:
+    torch.manual_seed(11)
+    kernel = CosineFeatureKernel(3, feature_dim=5, tie=tie, lift=lift, lift_dim=7, batch_shape=batch_shape).double()
+    kernel.outputscale = 1.7
+    if lift == "rff":
+        kernel.lift.initialize(
+            raw_lengthscale=kernel.lift.raw_lengthscale_constraint.inverse_transform(torch.tensor(0.6))
+        )
+    return kernel
+
+
+# --- cosine kernel ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("lift", ["none", "rff", "mlp"])
+def test_cosine_closed_form(lift: str) -> None:
+    kernel = _cosine(lift)
+    x, z = _tokens(6, 3, seed=0), _tokens(4, 3, seed=1)
+    matrix = kernel(x, z)
+    assert matrix.shape == (6, 4) and matrix.dtype == DTYPE
+    torch.testing.assert_close(matrix, _cosine_closed_form(kernel, x, z), atol=ATOL, rtol=0)
+    # |kappa| <= outputscale (Cauchy-Schwarz) with equality on the diagonal of the tied kernel only
+    assert matrix.abs().max() <= 1.7 + 1e-12
+
+
+@pytest.mark.parametrize("lift", ["none", "rff", "mlp"])
+def test_cosine_features_factorise_the_kernel(lift: str) -> None:
+    kernel = _cosine(lift)
+    x, z = _tokens(6, 3, seed=2), _tokens(5, 3, seed=3)
+    query_features, key_features = kernel.query_features(x), kernel.key_features(z)
+    assert query_features.shape == (6, 5) and key_features.shape == (5, 5)
+    # each feature vector has squared norm outputscale
+    torch.testing.assert_close(query_features.pow(2).sum(-1), torch.full((6,), 1.7, dtype=DTYPE), atol=ATOL, rtol=0)
+    torch.testing.assert_close(query_features @ key_features.T, _cosine_closed_form(kernel, x, z), atol=ATOL, rtol=0)
+    torch.testing.assert_close(query_features @ key_features.T, kernel(x, z), atol=ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("lift", ["none", "rff", "mlp"])
+def test_cosine_is_asymmetric_untied(lift: str) -> None:
+    kernel = _cosine(lift)
+    x = _tokens(6, 3, seed=4)
+    matrix = kernel(x, x)
+    assert (matrix - matrix.T).abs().max() > 1e-3
+    # kappa(z, x) is the transpose of kappa(x, z) only when tied: here it is a different matrix
+    assert (kernel(x[:3], x[3:]) - kernel(x[3:], x[:3]).T).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("lift", ["none", "rff", "mlp"])
+def test_cosine_tied_is_symmetric_psd(lift: str) -> None:
+    kernel = _cosine(lift, tie=True)
+    assert not hasattr(kernel, "key_weight")
+    x = _tokens(9, 3, seed=5)
+    matrix = kernel(x, x)
+    torch.testing.assert_close(matrix, matrix.T, atol=ATOL, rtol=0)
+    torch.testing.assert_close(matrix, _cosine_closed_form(kernel, x, x), atol=ATOL, rtol=0)
+    assert torch.linalg.eigvalsh(matrix).min() > -1e-12
+    torch.testing.assert_close(matrix.diagonal(), torch.full((9,), 1.7, dtype=DTYPE), atol=ATOL, rtol=0)
+
+
+def test_cosine_batch_shape_heads_broadcast() -> None:
+    kernel = _cosine("none", batch_shape=torch.Size([3]))
+    kernel.outputscale = torch.tensor([0.5, 1.0, 2.0], dtype=DTYPE)
+    assert kernel.query_weight.shape == (3, 5, 3)
+    x, z = _tokens(2, 3, 6, 3, seed=6), _tokens(2, 3, 4, 3, seed=7)  # (batch, head, N, d)
+    matrix = kernel(x, z)
+    assert matrix.shape == (2, 3, 6, 4)
+    # unbatched tokens broadcast over the heads
+    assert kernel(x[0, 0], z[0, 0]).shape == (3, 6, 4)
+    for head in range(3):
+        single = CosineFeatureKernel(3, feature_dim=5).double()
+        with torch.no_grad():
+            single.query_weight.copy_(kernel.query_weight[head])
+            single.key_weight.copy_(kernel.key_weight[head])
+        single.outputscale = kernel.outputscale[head]
+        for batch in range(2):
+            expected = _cosine_closed_form(single, x[batch, head], z[batch, head])
+            torch.testing.assert_close(matrix[batch, head], expected, atol=ATOL, rtol=0)
+        torch.testing.assert_close(
+            kernel(x[0, 0], z[0, 0])[head], _cosine_closed_form(single, x[0, 0], z[0, 0]), atol=ATOL, rtol=0
+        )
+
+
+# --- exponential dot-product kernel ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("tie", [False, True])
+def test_exponential_closed_form(tie: bool) -> None:
+    torch.manual_seed(12)
+    kernel = ExponentialDotProductKernel(3, feature_dim=4, tie=tie).double()
+    kernel.outputscale = 0.8
+    x, z = _tokens(7, 3, seed=8), _tokens(5, 3, seed=9)
+    key_weight = kernel.query_weight if tie else kernel.key_weight
+    expected = torch.empty(7, 5, dtype=DTYPE)
+    for i in range(7):
+        for j in range(5):
+            logit = torch.dot(kernel.query_weight @ x[i], key_weight @ z[j]) / math.sqrt(4)
+            expected[i, j] = 0.8 * torch.exp(logit)
+    torch.testing.assert_close(kernel(x, z), expected, atol=ATOL, rtol=0)
+    square = kernel(x, x)
+    if tie:
+        torch.testing.assert_close(square, square.T, atol=ATOL, rtol=0)
+        assert torch.linalg.eigvalsh(square).min() > -1e-12
+    else:
+        assert (square - square.T).abs().max() > 1e-3
+
+
+def test_exponential_batch_shape() -> None:
+    torch.manual_seed(13)
+    kernel = ExponentialDotProductKernel(3, feature_dim=4, batch_shape=torch.Size([2])).double()
+    kernel.outputscale = torch.tensor([0.5, 2.0], dtype=DTYPE)
+    x, z = _tokens(2, 5, 3, seed=10), _tokens(2, 6, 3, seed=11)
+    matrix = kernel(x, z)
+    assert matrix.shape == (2, 5, 6)
+    for head, scale in enumerate((0.5, 2.0)):
+        logits = (x[head] @ kernel.query_weight[head].T) @ (z[head] @ kernel.key_weight[head].T).T / 2.0
+        torch.testing.assert_close(matrix[head], scale * torch.exp(logits), atol=ATOL, rtol=0)
+
+
+# --- shifted RBF kernel ----------------------------------------------------------------------------------------
+
+
+def _shifted_rbf(shift: Tensor | None = None) -> ShiftedRBFKernel:
+    """Parameters are set after ``.double()`` (constructor arguments are rounded to the default dtype)."""
+    kernel = ShiftedRBFKernel(2, tie=shift is None).double()
+    kernel.initialize(
+        raw_lengthscale=kernel.raw_lengthscale_constraint.inverse_transform(torch.tensor([0.7, 1.3], dtype=DTYPE))
+    )
+    kernel.outputscale = 1.4
+    if shift is not None:
+        with torch.no_grad():
+            kernel.shift.copy_(shift)
+    return kernel
+
+
+def _shifted_rbf_closed_form(x: Tensor, z: Tensor, shift: Tensor, lengthscale: Tensor, scale: float) -> Tensor:
+    expected = torch.empty(x.shape[0], z.shape[0], dtype=DTYPE)
+    for i in range(x.shape[0]):
+        for j in range(z.shape[0]):
+            expected[i, j] = scale * torch.exp(-0.5 * (((x[i] - z[j] - shift) / lengthscale) ** 2).sum())
+    return expected
+
+
+def test_shifted_rbf_closed_form_and_reversal() -> None:
+    shift = torch.tensor([0.4, -0.3], dtype=DTYPE)
+    kernel = _shifted_rbf(shift=shift)
+    lengthscale = torch.tensor([0.7, 1.3], dtype=DTYPE)
+    torch.testing.assert_close(kernel.lengthscale.detach(), lengthscale, atol=1e-14, rtol=0)
+    x, z = _tokens(6, 2, seed=12), _tokens(4, 2, seed=13)
+    torch.testing.assert_close(kernel(x, z), _shifted_rbf_closed_form(x, z, shift, lengthscale, 1.4), atol=ATOL, rtol=0)
+    # kappa(z, x) is the kernel with the negated shift
+    negated = _shifted_rbf(shift=-shift)
+    torch.testing.assert_close(kernel(z, x).T, negated(x, z), atol=ATOL, rtol=0)
+    assert (kernel(z, x).T - kernel(x, z)).abs().max() > 1e-2
+    # query x responds maximally (kappa = outputscale) to the key x - shift
+    torch.testing.assert_close(kernel(x, x - shift).diagonal(), torch.full((6,), 1.4, dtype=DTYPE), atol=ATOL, rtol=0)
+
+
+def test_shifted_rbf_tied_is_gpytorch_rbf() -> None:
+    kernel = _shifted_rbf()
+    assert not hasattr(kernel, "shift")
+    reference = gpytorch.kernels.ScaleKernel(gpytorch.kernels.RBFKernel(ard_num_dims=2)).double()
+    reference.base_kernel.lengthscale = torch.tensor([0.7, 1.3], dtype=DTYPE)
+    reference.outputscale = torch.tensor(1.4, dtype=DTYPE)  # a Python float would be rounded to float32
+    x, z = _tokens(6, 2, seed=14), _tokens(5, 2, seed=15)
+    with torch.no_grad():
+        torch.testing.assert_close(kernel(x, z), reference(x, z).to_dense(), atol=1e-12, rtol=0)
+        square = kernel(x, x)
+    torch.testing.assert_close(square, square.T, atol=ATOL, rtol=0)
+
+
+def test_shifted_rbf_batch_shape() -> None:
+    kernel = ShiftedRBFKernel(2, shift=0.3, lengthscale=0.9, batch_shape=torch.Size([3])).double()
+    shifts = torch.tensor([[0.1, 0.2], [-0.5, 0.0], [1.0, -1.0]], dtype=DTYPE)
+    lengthscales = torch.tensor([[0.5, 0.9], [1.0, 2.0], [0.3, 0.4]], dtype=DTYPE)
+    with torch.no_grad():
+        kernel.shift.copy_(shifts)
+    kernel.initialize(raw_lengthscale=kernel.raw_lengthscale_constraint.inverse_transform(lengthscales))
+    kernel.outputscale = torch.tensor([1.0, 0.5, 3.0], dtype=DTYPE)
+    x, z = _tokens(5, 2, seed=16), _tokens(4, 2, seed=17)
+    matrix = kernel(x, z)
+    assert matrix.shape == (3, 5, 4)
+    for head, scale in enumerate((1.0, 0.5, 3.0)):
+        expected = _shifted_rbf_closed_form(x, z, shifts[head], lengthscales[head], scale)
+        torch.testing.assert_close(matrix[head], expected, atol=ATOL, rtol=0)
+
+
+# --- induced kernel --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("side", ["left", "right", "both"])
+def test_induced_kernel_dense(side: str) -> None:
+    kernel = _cosine("rff")
+    landmarks, key_landmarks = _tokens(5, 3, seed=18), _tokens(7, 3, seed=19)
+    induced = InducedKernel(kernel, landmarks, side=side, key_landmarks=key_landmarks)
+    x1, x2 = _tokens(6, 3, seed=20), _tokens(4, 3, seed=21)
+    left = _cosine_closed_form(kernel, x1, key_landmarks) @ _cosine_closed_form(kernel, x2, key_landmarks).T
+    right = _cosine_closed_form(kernel, landmarks, x1).T @ _cosine_closed_form(kernel, landmarks, x2)
+    expected = {"left": left, "right": right, "both": left + right}[side]
+    with torch.no_grad():
+        torch.testing.assert_close(induced(x1, x2).to_dense(), expected, atol=ATOL, rtol=0)
+        square = induced(x1, x1).to_dense()
+        diag = induced(x1, x1, diag=True)
+    assert diag.shape == (6,)
+    torch.testing.assert_close(square, square.T, atol=ATOL, rtol=0)
+    assert torch.linalg.eigvalsh(square).min() > -1e-12
+    torch.testing.assert_close(diag, square.diagonal(), atol=ATOL, rtol=0)
+    # induced kernel of the dual-only shifted RBF on one landmark set
+    shift, lengthscale = torch.tensor([0.5, 0.2], dtype=DTYPE), torch.tensor([0.7, 1.3], dtype=DTYPE)
+    rbf = _shifted_rbf(shift=shift)
+    landmarks, x1, x2 = landmarks[:, :2], x1[:, :2], x2[:, :2]
+    induced = InducedKernel(rbf, landmarks, side=side)
+    left = _shifted_rbf_closed_form(x1, landmarks, shift, lengthscale, 1.4)
+    left = left @ _shifted_rbf_closed_form(x2, landmarks, shift, lengthscale, 1.4).T
+    right = _shifted_rbf_closed_form(landmarks, x1, shift, lengthscale, 1.4).T
+    right = right @ _shifted_rbf_closed_form(landmarks, x2, shift, lengthscale, 1.4)
+    expected = {"left": left, "right": right, "both": left + right}[side]
+    with torch.no_grad():
+        torch.testing.assert_close(induced(x1, x2).to_dense(), expected, atol=ATOL, rtol=0)
+
+
+# --- bad inputs ------------------------------------------------------------------------------------------------
+
+
+def test_bad_inputs_raise() -> None:
+    kernel = _cosine("none")
+    x = _tokens(4, 3, seed=22)
+    with pytest.raises(ValueError, match="shape"):
+        kernel(_tokens(4, 2, seed=23), x)
+    with pytest.raises(ValueError, match="shape"):
+        kernel(x, _tokens(4, 5, seed=23))
+    with pytest.raises(ValueError, match="shape"):
+        kernel(torch.ones(3, dtype=DTYPE), x)
+    with pytest.raises(ValueError, match="shape"):
+        kernel.query_features(_tokens(4, 2, seed=24))
+    with pytest.raises(TypeError, match="floating-point"):
+        kernel(torch.ones(4, 3, dtype=torch.long), x)
+    with pytest.raises(TypeError, match="floating-point"):
+        kernel.key_features(torch.ones(4, 3, dtype=torch.int32))
+    with pytest.raises(TypeError):
+        kernel(x.tolist(), x)
+    with pytest.raises(ValueError, match="lift"):
+        CosineFeatureKernel(3, feature_dim=4, lift="fourier")
+    with pytest.raises(ValueError, match="lift_dim"):
+        CosineFeatureKernel(3, feature_dim=4, lift="rff", lift_dim=0)
+    for feature_dim in (0, -2, 2.5):
+        with pytest.raises(ValueError, match="feature_dim"):
+            CosineFeatureKernel(3, feature_dim=feature_dim)
+        with pytest.raises(ValueError, match="feature_dim"):
+            ExponentialDotProductKernel(3, feature_dim=feature_dim)
+    for input_dim in (0, 1.5):
+        with pytest.raises(ValueError, match="input_dim"):
+            ShiftedRBFKernel(input_dim)
+    with pytest.raises(ValueError, match="side"):
+        InducedKernel(kernel, x, side="up")
+    with pytest.raises(NotImplementedError):
+        _shifted_rbf().query_features(_tokens(4, 2, seed=25))

@@ -1,0 +1,263 @@
+"""Training and bookkeeping tests of :class:`~gpattn.models.KernelEigenPairSVGP` on a small 1-D toy (float64).
+
+The toy is ``make_asymmetric_regression_1d(n_train=60)`` with 12 evenly spaced landmarks and rank 8; every number that
+is compared is float64 and every run is seeded, so the loss drops asserted below are deterministic up to BLAS rounding.
+"""
+
+from __future__ import annotations
+
+from unittest.mock import patch
+
+import gpytorch
+import pyro
+import pytest
+import torch
+
+import gpattn.features.kernel_eigen_features as kernel_eigen_features
+from gpattn.data import make_asymmetric_regression_1d
+from gpattn.kernels import CosineFeatureKernel, ShiftedRBFKernel
+from gpattn.models import KernelEigenPairSVGP
+
+NUM_LANDMARKS = 12
+RANK = 8
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    # matrices here are at most 64 wide: intra-op threads only add overhead, and on a busy 2-core machine OpenMP
+    # spin-waiting makes a two-thread run about ten times slower than a one-thread one
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def data():
+    toy = make_asymmetric_regression_1d(n_train=60, dtype=torch.float64)
+    landmarks = torch.linspace(toy.train_x.min(), toy.train_x.max(), NUM_LANDMARKS, dtype=torch.float64)
+    return toy.train_x, toy.train_y, landmarks.unsqueeze(-1)  # shapes: (60, 1), (60,), (12, 1)
+
+
+def _model(landmarks, kernel=None, seed=0, **kwargs):
+    torch.manual_seed(seed)
+    kernel = ShiftedRBFKernel(1) if kernel is None else kernel
+    return KernelEigenPairSVGP(landmarks, kernel.double(), rank=kwargs.pop("rank", RANK), **kwargs).double()
+
+
+def _train(gp, likelihood, mll, x, y, steps, lr=0.05):
+    optimizer = torch.optim.Adam([*gp.parameters(), *likelihood.parameters()], lr=lr)
+    gp.train()
+    likelihood.train()
+    losses = []
+    for _ in range(steps):
+        optimizer.zero_grad()
+        loss = -mll(gp(x), y)
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    return losses
+
+
+@pytest.mark.parametrize(
+    "mll_cls, kwargs, min_drop",
+    [
+        # observed (float64, seed 0): 5.68 -> 1.44, 1.93 -> 0.40, 5.68 -> 1.07
+        (gpytorch.mlls.VariationalELBO, {}, 3.0),
+        (gpytorch.mlls.PredictiveLogLikelihood, {}, 1.0),
+        (gpytorch.mlls.VariationalELBO, {"whiten": True}, 3.0),
+    ],
+    ids=["elbo", "predictive-ll", "elbo-whitened"],
+)
+def test_training_lowers_the_loss(data, mll_cls, kwargs, min_drop):
+    x, y, landmarks = data
+    gp = _model(landmarks, **kwargs)
+    likelihood = gpytorch.likelihoods.GaussianLikelihood().double()
+    losses = _train(gp, likelihood, mll_cls(likelihood, gp, num_data=x.shape[0]), x, y, steps=60)
+    assert all(torch.isfinite(torch.tensor(losses)))
+    assert losses[0] - losses[-1] > min_drop, (losses[0], losses[-1])
+    assert losses[-1] < 0.5 * losses[0]
+
+
+def test_concat_merge_with_multitask_likelihood_runs_one_step(data):
+    x, y, landmarks = data
+    gp = _model(landmarks, merge="concat")
+    likelihood = gpytorch.likelihoods.MultitaskGaussianLikelihood(num_tasks=2).double()
+    mll = gpytorch.mlls.VariationalELBO(likelihood, gp, num_data=x.shape[0])
+    targets = torch.stack([y, -y], dim=-1)  # shape: (60, 2)
+    output = gp(x)
+    assert isinstance(output, gpytorch.distributions.MultitaskMultivariateNormal)
+    assert output.mean.shape == (x.shape[0], 2)
+    losses = _train(gp, likelihood, mll, x, targets, steps=1)
+    assert torch.isfinite(torch.tensor(losses[0]))
+    assert gp.variational_strategy.left._variational_distribution.variational_mean.grad.abs().sum() > 0
+    assert gp.variational_strategy.right._variational_distribution.variational_mean.grad.abs().sum() > 0
+
+
+def test_primal_mode_includes_the_ksvd_penalty_and_keeps_J_small(data):
+    x, y, landmarks = data
+    eta = 1.0
+    torch.manual_seed(0)  # the projections W_q, W_k are drawn from the global generator
+    kernel = CosineFeatureKernel(1, feature_dim=16, lift="rff", lift_dim=32)
+    # rank 4: the top singular values of the 12 x 12 cosine matrix are well separated from 0 (lambda_4 ~ 0.29)
+    gp = _model(landmarks, kernel=kernel, rank=4, mode="primal", ksvd_weight=eta)
+    features = gp.features
+    # one feature object shared by both branches: the penalty is registered (and subtracted) once
+    assert [name for name, _ in gp.named_added_loss_terms()] == ["variational_strategy.left.features.ksvd_loss"]
+    assert abs(features.ksvd_objective().item()) < 1e-10  # the exact-KSVD initialisation is stationary
+
+    likelihood = gpytorch.likelihoods.GaussianLikelihood().double()
+    mll = gpytorch.mlls.VariationalELBO(likelihood, gp, num_data=x.shape[0])
+    optimizer = torch.optim.Adam([*gp.parameters(), *likelihood.parameters()], lr=0.01)
+    losses, objectives = [], []
+    for _ in range(40):
+        optimizer.zero_grad()
+        loss = -mll(gp(x), y)
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+        with torch.no_grad():
+            objectives.append(abs(features.ksvd_objective().item()))
+    # observed (float64, seed 0): loss 2.84 -> 1.11; |J| jumps from 0 to 2.33 on the first Adam step (Adam moves every
+    # weight by ~lr, and eta J^2 has no restoring gradient at J = 0), then oscillates with a decaying amplitude: at
+    # most 0.19 over the last 10 steps (0.12 at the end), against Tr(W_e^T W_r) = 3.6 (J's two halves are each about
+    # Tr(Lambda) = Tr(W_e^T W_r), so |J| / Tr is a relative violation of stationarity)
+    coupling = (features.left_weights * features.right_weights).sum().item()
+    assert losses[-1] < losses[0] - 1.0, (losses[0], losses[-1])
+    assert max(objectives[-10:]) < 0.1 * coupling, (objectives, coupling)
+    assert max(objectives[-10:]) < 0.25 * max(objectives[:10]), objectives
+
+    # the mll subtracts eta J^2 (GPyTorch adds it un-normalised by num_data)
+    gp.train()
+    likelihood.train()
+    output = gp(x)
+    log_likelihood, kl, log_prior, added = gpytorch.mlls.VariationalELBO(
+        likelihood, gp, num_data=x.shape[0], combine_terms=False
+    )(output, y)
+    objective = features.ksvd_objective()
+    assert abs(objective.item()) > 1e-4  # a non-trivial check: J has moved off 0
+    torch.testing.assert_close(added, eta * objective.pow(2))
+    by_hand = (
+        likelihood.expected_log_prob(y, output).sum() / x.shape[0]
+        - gp.variational_strategy.kl_divergence() / x.shape[0]
+        - eta * objective.pow(2)
+    )
+    torch.testing.assert_close(mll(output, y), by_hand)
+    torch.testing.assert_close(log_likelihood - kl + log_prior - added, by_hand)
+    assert log_prior.item() == 0.0
+
+
+def _pyro_model_and_guide(gp, likelihood):
+    def model(x, y):
+        pyro.module("gp", gp)
+        pyro.module("likelihood", likelihood)
+        function_dist = gp.pyro_model(x, name_prefix="gp")
+        with pyro.plate("gp.data_plate", dim=-1):
+            function_samples = pyro.sample("gp.f(x)", function_dist)
+            return pyro.sample("gp.y", pyro.distributions.Normal(function_samples, likelihood.noise.sqrt()), obs=y)
+
+    def guide(x, y):
+        function_dist = gp.pyro_guide(x, name_prefix="gp")
+        with pyro.plate("gp.data_plate", dim=-1):
+            pyro.sample("gp.f(x)", function_dist)
+
+    return model, guide
+
+
+def _latent_sites(trace):
+    return [
+        name for name, site in trace.nodes.items() if site["type"] == "sample" and not site["is_observed"]
+    ]  # pyro.factor sites are observed
+
+
+def test_pyro_svi_lowers_the_loss(data):
+    x, y, landmarks = data
+    pyro.clear_param_store()
+    pyro.set_rng_seed(0)
+    gp = _model(landmarks)
+    likelihood = gpytorch.likelihoods.GaussianLikelihood().double()
+    initial_noise = likelihood.noise.item()
+    model, guide = _pyro_model_and_guide(gp, likelihood)
+    svi = pyro.infer.SVI(model, guide, pyro.optim.Adam({"lr": 0.05}), pyro.infer.Trace_ELBO())
+    gp.train()
+    likelihood.train()
+    losses = [svi.step(x, y) for _ in range(60)]
+    first, last = sum(losses[:5]) / 5, sum(losses[-5:]) / 5
+    # observed (seed 0): mean of the first five 335, of the last five 91
+    assert last < 0.5 * first, (first, last)
+    assert likelihood.noise.item() != initial_noise  # the noise is learned through pyro.module
+
+    assert _latent_sites(pyro.poutine.trace(guide).get_trace(x, y)) == ["gp.u_left", "gp.u_right", "gp.f(x)"]
+    model_trace = pyro.poutine.trace(model).get_trace(x, y)
+    assert _latent_sites(model_trace) == ["gp.u_left", "gp.u_right", "gp.f(x)"]
+    assert model_trace.nodes["gp.y"]["is_observed"]
+
+
+def test_pyro_shared_posterior_has_one_site(data):
+    x, y, landmarks = data
+    pyro.clear_param_store()
+    gp = _model(landmarks, shared_posterior=True)
+    likelihood = gpytorch.likelihoods.GaussianLikelihood().double()
+    model, guide = _pyro_model_and_guide(gp, likelihood)
+    svi = pyro.infer.SVI(model, guide, pyro.optim.Adam({"lr": 0.05}), pyro.infer.Trace_ELBO())
+    losses = [svi.step(x, y) for _ in range(3)]  # several steps: the guide must not reuse a freed graph
+    assert all(torch.isfinite(torch.tensor(losses)))
+    guide_trace = pyro.poutine.trace(guide).get_trace(x, y)
+    assert _latent_sites(guide_trace) == ["gp.u_shared", "gp.f(x)"]
+    assert _latent_sites(pyro.poutine.trace(model).get_trace(x, y)) == ["gp.u_shared", "gp.f(x)"]
+    assert guide_trace.nodes["gp.u_shared"]["value"].shape == (RANK,)
+
+
+def test_state_dict_round_trip_gives_identical_predictions(data):
+    x, y, landmarks = data
+    gp = _model(landmarks)
+    likelihood = gpytorch.likelihoods.GaussianLikelihood().double()
+    _train(gp, likelihood, gpytorch.mlls.VariationalELBO(likelihood, gp, num_data=x.shape[0]), x, y, steps=5)
+    fresh = _model(landmarks + 0.3, seed=1)
+    fresh.load_state_dict(gp.state_dict())
+    # the landmarks stay tied: strategies, features and key landmarks share one tensor after loading
+    strategy = fresh.variational_strategy
+    assert strategy.left.inducing_points is strategy.right.inducing_points is fresh.features.landmarks
+    assert fresh.features.key_landmarks is fresh.features.landmarks
+    gp.eval()
+    fresh.eval()
+    test_x = torch.linspace(-2.5, 2.5, 25, dtype=torch.float64).unsqueeze(-1)
+    with torch.no_grad():
+        expected, actual = gp(test_x), fresh(test_x)
+        assert torch.equal(actual.mean, expected.mean)
+        assert torch.equal(actual.covariance_matrix, expected.covariance_matrix)
+
+
+def test_eval_mode_caches_the_ksvd_and_train_clears_it(data):
+    x, y, landmarks = data
+    gp = _model(landmarks)
+    likelihood = gpytorch.likelihoods.GaussianLikelihood().double()
+    _train(gp, likelihood, gpytorch.mlls.VariationalELBO(likelihood, gp, num_data=x.shape[0]), x, y, steps=3)
+    counter = patch.object(kernel_eigen_features, "kernel_svd", wraps=kernel_eigen_features.kernel_svd)
+    with counter as kernel_svd, torch.no_grad():
+        gp.eval()
+        first, second = gp(x), gp(x)
+        assert kernel_svd.call_count == 1
+        assert torch.equal(first.mean, second.mean)
+        assert torch.equal(first.covariance_matrix, second.covariance_matrix)
+        cached = gp.features.decomposition()
+        assert kernel_svd.call_count == 1
+
+        gp.train()
+        assert gp.features.decomposition() is not cached  # train() cleared the memo
+        assert kernel_svd.call_count == 2
+        gp(x), gp(x)  # training calls recompute every time
+        assert kernel_svd.call_count == 4
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"merge": "mean"}, "merge"),
+        ({"residual": "full"}, "residual"),
+        ({"variational_distribution": "delta"}, "variational_distribution"),
+    ],
+)
+def test_bad_names_raise(data, kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        _model(data[2], **kwargs)
