@@ -1,16 +1,28 @@
-"""Structured predictive covariances shared by the kernel-eigen strategies."""
+"""Structured algebra shared by the kernel-eigen strategies: covariance roots and the diagonal-prior KL."""
 
 from __future__ import annotations
 
-from linear_operator.operators import DiagLinearOperator, LinearOperator, LowRankRootLinearOperator
+from linear_operator.operators import (
+    CholLinearOperator,
+    DiagLinearOperator,
+    LinearOperator,
+    LowRankRootLinearOperator,
+)
 from torch import Tensor
 
 
-def covariance_root(variational_covar: LinearOperator) -> Tensor:
-    r"""A root :math:`L` with :math:`S = L L^\top`, shape ``(*batch, s, r)``: free for Cholesky
-    (``CholLinearOperator``) and mean-field (``DiagLinearOperator``) variational distributions; no
-    factorisation of :math:`K_{uu}` is ever involved."""
-    return variational_covar.root_decomposition().root.to_dense()
+def times_covariance_root(interp: Tensor, variational_covar: LinearOperator) -> Tensor:
+    r""":math:`A L` for a root :math:`S = L L^\top` of the variational covariance, shape ``(*batch, N, s)``.
+
+    The root is free for Cholesky (``CholLinearOperator``) and mean-field (``DiagLinearOperator``, a column
+    scaling in O(N s)) distributions; no factorisation of :math:`K_{uu}` is ever involved.
+
+    :param interp: :math:`A`, shape ``(*batch, N, s)``.
+    :param variational_covar: :math:`S`, shape ``(*batch, s, s)``.
+    """
+    if isinstance(variational_covar, DiagLinearOperator):
+        return interp * variational_covar.diagonal().sqrt().unsqueeze(-2)
+    return interp @ variational_covar.root_decomposition().root.to_dense()
 
 
 def low_rank_plus_diag(root: Tensor, diag: Tensor | None) -> LinearOperator:
@@ -18,3 +30,33 @@ def low_rank_plus_diag(root: Tensor, diag: Tensor | None) -> LinearOperator:
     O(N r^2)), or :math:`R R^\top` alone when there is no diagonal. Never densified."""
     covar = LowRankRootLinearOperator(root)
     return covar if diag is None else covar + DiagLinearOperator(diag)
+
+
+def diagonal_prior_kl(mean: Tensor, variational_covar: LinearOperator, prior_variances: Tensor) -> Tensor:
+    r"""Closed-form :math:`\mathrm{KL}(\mathcal N(m, S) \,\|\, \mathcal N(0, \operatorname{diag}(p)))`:
+
+    .. math::
+
+        \tfrac12 \Big[\sum_i \frac{S_{ii}}{p_i} + \sum_i \frac{m_i^2}{p_i} - s + \sum_i \log p_i - \log |S|\Big].
+
+    O(s) for a mean-field :math:`S`, O(s^2) for a Cholesky one (the row norms of its factor); GPyTorch's generic
+    KL would solve :math:`K_{uu}` against :math:`s + 1` dense columns.
+
+    :param mean: :math:`m`, shape ``(*batch, s)``.
+    :param variational_covar: :math:`S`, shape ``(*batch, s, s)``.
+    :param prior_variances: :math:`p = \lambda^2` (or ones when whitened), shape ``(*batch, s)``.
+    :return: shape ``(*batch)``.
+    """
+    if isinstance(variational_covar, DiagLinearOperator):
+        variances = variational_covar.diagonal()
+        logdet = variances.log().sum(-1)
+    else:
+        root = variational_covar.root_decomposition().root
+        variances = root.to_dense().pow(2).sum(-1)
+        if isinstance(variational_covar, CholLinearOperator):  # triangular root: log|S| = 2 sum log |L_ii|
+            logdet = 2.0 * root.diagonal().abs().log().sum(-1)
+        else:
+            logdet = variational_covar.logdet()
+    trace = (variances / prior_variances).sum(-1)
+    mahalanobis = (mean.pow(2) / prior_variances).sum(-1)
+    return 0.5 * (trace + mahalanobis - mean.shape[-1] + prior_variances.log().sum(-1) - logdet)

@@ -7,7 +7,7 @@ from gpytorch.distributions import MultitaskMultivariateNormal, MultivariateNorm
 from gpytorch.module import Module
 from torch import Tensor
 
-from ._structured import covariance_root, low_rank_plus_diag
+from ._structured import low_rank_plus_diag, times_covariance_root
 from .kernel_eigen_variational_strategy import KernelEigenVariationalStrategy
 
 MERGES = ("sum", "concat")
@@ -86,8 +86,8 @@ class KernelEigenPairVariationalStrategy(Module):
         right_interp, right_residual = self.right.interp_and_residual(x)
         left_q, right_q = self.left.variational_distribution, self.right.variational_distribution
         batch_shape = torch.broadcast_shapes(left_interp.shape[:-2], left_q.batch_shape, right_q.batch_shape)
-        left_root = left_interp @ covariance_root(left_q.lazy_covariance_matrix)  # e Lambda^{-1} L_e
-        right_root = right_interp @ covariance_root(right_q.lazy_covariance_matrix)  # r Lambda^{-1} L_r
+        left_root = times_covariance_root(left_interp, left_q.lazy_covariance_matrix)  # e Lambda^{-1} L_e
+        right_root = times_covariance_root(right_interp, right_q.lazy_covariance_matrix)  # r Lambda^{-1} L_r
         left_root = left_root.expand(*batch_shape, *left_root.shape[-2:])
         right_root = right_root.expand(*batch_shape, *right_root.shape[-2:])
         if self.shared_posterior:

@@ -12,7 +12,7 @@ from linear_operator.operators import DiagLinearOperator, LinearOperator
 from torch import Tensor
 
 from ..features import KernelEigenFeatures
-from ._structured import covariance_root, low_rank_plus_diag
+from ._structured import diagonal_prior_kl, low_rank_plus_diag, times_covariance_root
 
 SIDES = ("left", "right")
 RESIDUALS = ("none", "diag")
@@ -124,6 +124,13 @@ class KernelEigenVariationalStrategy(_VariationalStrategy):
             variances = torch.ones_like(variances)
         return MultivariateNormal(torch.zeros_like(variances), DiagLinearOperator(variances))
 
+    def kl_divergence(self) -> Tensor:
+        r""":math:`\mathrm{KL}(q(u) \| p(u))` in closed form against the diagonal prior (no solve with :math:`K_{uu}`):
+        O(s) for the prior terms and a mean-field :math:`q`, O(s^2) for a Cholesky :math:`q`. Shape ``(*batch)``."""
+        variational = self.variational_distribution
+        prior_variances = self.prior_distribution.lazy_covariance_matrix.diagonal()
+        return diagonal_prior_kl(variational.mean, variational.lazy_covariance_matrix, prior_variances)
+
     def interp_and_residual(self, x: Tensor) -> tuple[Tensor, Tensor | None]:
         r"""The interpolation term :math:`e(x) \Lambda^{-1}` (:math:`e(x)` when whitened), shape ``(*batch, N, s)``,
         and the residual diagonal (``None`` when ``residual="none"``), shape ``(*batch, N)``."""
@@ -154,6 +161,6 @@ class KernelEigenVariationalStrategy(_VariationalStrategy):
         if variational_inducing_covar is None:  # a Delta q(u): only the residual is uncertain
             root = torch.zeros_like(interp[..., :1])
         else:
-            root = interp @ covariance_root(variational_inducing_covar)  # e Lambda^{-1} L
+            root = times_covariance_root(interp, variational_inducing_covar)  # e Lambda^{-1} L
         root = root.expand(*predictive_mean.shape, root.shape[-1])
         return MultivariateNormal(predictive_mean, low_rank_plus_diag(root, residual))

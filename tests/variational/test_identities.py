@@ -677,3 +677,32 @@ def test_tied_kernel_gives_identical_branches_identity_9() -> None:
     off_diagonal = 1 - torch.eye(6, dtype=DTYPE)
     torch.testing.assert_close(cross_block * off_diagonal, left_block * off_diagonal, atol=ATOL, rtol=0)
     torch.testing.assert_close(cross_block, cross_block.T, atol=ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("whiten", [False, True])
+def test_kl_closed_form_matches_gpytorch_generic_kl_for_natural_distribution(whiten: bool) -> None:
+    """The closed-form KL override agrees with GPyTorch's generic ``kl_mvn_mvn`` for a distribution (natural
+    parameters) whose covariance is neither diagonal nor given by a Cholesky factor parameter."""
+    kernel = _cosine_kernel()
+    landmarks = _tokens(8, 3, seed=21)
+    model = SingleBranchSVGP(
+        kernel, landmarks, 5, whiten=whiten, distribution=gpytorch.variational.NaturalVariationalDistribution
+    ).double()
+    model.train()
+    model(_tokens(4, 3, seed=22))  # initialises q(u) from the prior
+    distribution = model.variational_strategy._variational_distribution
+    generator = torch.Generator().manual_seed(23)
+    with torch.no_grad():
+        distribution.natural_vec.add_(0.3 * torch.randn(distribution.natural_vec.shape, generator=generator))
+        step = torch.randn(5, 5, generator=generator, dtype=torch.float64)
+        distribution.natural_mat.sub_(0.05 * step @ step.mT)  # stays negative definite
+    model(_tokens(4, 3, seed=22))  # a training call drops the memoised q(u)
+    strategy = model.variational_strategy
+    q_u, p_u = strategy.variational_distribution, strategy.prior_distribution
+    reference = torch.distributions.kl_divergence(
+        torch.distributions.MultivariateNormal(q_u.mean, q_u.covariance_matrix),
+        torch.distributions.MultivariateNormal(p_u.mean, p_u.covariance_matrix),
+    )
+    kl = strategy.kl_divergence()
+    torch.testing.assert_close(kl.detach(), reference, atol=1e-9, rtol=0)
+    assert kl.item() > 1e-3
