@@ -12,6 +12,9 @@ cd "$(dirname "${BASH_SOURCE[0]}")/.."
 PYTHON="${PYTHON:-python3}"
 TORCH_SPEC="${GPATTN_TORCH_SPEC:-torch==2.13.0}"
 VENV=".venv"
+
+# pip on this kind of machine warns about every missing local index folder; keep real errors only
+quiet_pip() { "$VPY" -m pip "$@" 2> >(grep -v "is ignored: it is neither a file nor a directory" >&2); }
 VPY="$VENV/bin/python"
 STAMP="$VENV/.gpattn-installed"
 
@@ -26,14 +29,14 @@ if TORCH_VERSION="$("$VPY" -c 'import torch; print(torch.__version__)' 2>/dev/nu
     echo "[setup_env] torch $TORCH_VERSION already installed"
 else
     echo "[setup_env] installing $TORCH_SPEC"
-    "$VPY" -m pip install --quiet --disable-pip-version-check "$TORCH_SPEC"
+    quiet_pip install --quiet --disable-pip-version-check "$TORCH_SPEC"
 fi
 
 if [ -f "$STAMP" ] && [ "$STAMP" -nt pyproject.toml ]; then
     echo "[setup_env] gpattn up to date (stamp newer than pyproject.toml)"
 else
     echo "[setup_env] installing gpattn (editable, [test] extra)"
-    "$VPY" -m pip install --quiet --disable-pip-version-check -e ".[test]"
+    quiet_pip install --quiet --disable-pip-version-check -e ".[test]"
     touch "$STAMP"
 fi
 
