@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from gpytorch.distributions import MultivariateNormal
 from gpytorch.models import ApproximateGP
+from gpytorch.module import Module
 from gpytorch.utils.memoize import cached, clear_cache_hook
 from gpytorch.variational import _VariationalDistribution
 from gpytorch.variational._variational_strategy import _VariationalStrategy
@@ -86,27 +87,31 @@ class KernelEigenVariationalStrategy(_VariationalStrategy):
             raise ValueError(f"expected side in {SIDES}, got {side!r}")
         if residual not in RESIDUALS:
             raise ValueError(f"expected residual in {RESIDUALS}, got {residual!r}")
-        super().__init__(model, inducing_points, variational_distribution, learn_inducing_locations, jitter_val)
+        # _VariationalStrategy.__init__ would register a copy of the inducing points here; the landmarks belong to
+        # the (possibly shared) features instead, so that a tied pair registers each parameter exactly once
+        Module.__init__(self)
+        self._jitter_val = jitter_val
+        object.__setattr__(self, "model", model)
+        self._variational_distribution = variational_distribution
+        self.register_buffer("variational_params_initialized", torch.tensor(0))
         rank = variational_distribution.num_inducing_points
         if features is None:
             features = KernelEigenFeatures(
-                _CovarModuleOf(model), self.inducing_points, rank, learn_landmarks=learn_inducing_locations
+                _CovarModuleOf(model), inducing_points, rank, learn_landmarks=learn_inducing_locations
             )
         elif features.rank != rank:
             raise ValueError(
                 f"the features have rank {features.rank} but the variational distribution has {rank} inducing variables"
             )
-        if features.landmarks is not self.inducing_points:
-            # the landmarks belong to the (possibly shared) features: tie them to this strategy's inducing_points
-            delattr(self, "inducing_points")
-            if isinstance(features.landmarks, torch.nn.Parameter):
-                self.register_parameter("inducing_points", features.landmarks)
-            else:
-                self.register_buffer("inducing_points", features.landmarks)
         self.features = features
         self.side = side
         self.whiten = bool(whiten)
         self.residual = residual
+
+    @property
+    def inducing_points(self) -> Tensor:
+        """The landmarks :math:`Z` (owned by :attr:`features`), shape ``(*batch, M, d)``."""
+        return self.features.landmarks
 
     def _clear_cache(self) -> None:
         clear_cache_hook(self)

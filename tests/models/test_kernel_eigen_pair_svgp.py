@@ -261,3 +261,20 @@ def test_eval_mode_caches_the_ksvd_and_train_clears_it(data):
 def test_bad_names_raise(data, kwargs, match):
     with pytest.raises(ValueError, match=match):
         _model(data[2], **kwargs)
+
+
+@pytest.mark.parametrize("shared_posterior", [False, True])
+def test_every_parameter_is_listed_once(shared_posterior: bool) -> None:
+    """The landmarks, kernel and (shared) q(u) are tied across the two branches: GPyTorch's per-module
+    ``hyperparameters()``/``variational_parameters()`` must still list each tensor once (an optimiser rejects
+    duplicates)."""
+    landmarks = torch.linspace(-3, 3, 10, dtype=torch.float64).unsqueeze(-1)
+    model = KernelEigenPairSVGP(landmarks, ShiftedRBFKernel(1).double(), rank=6, shared_posterior=shared_posterior)
+    for named in (model.named_hyperparameters(), model.named_variational_parameters(), model.named_parameters()):
+        params = [param for _, param in named]
+        assert len(params) == len({id(param) for param in params})
+    hyper = {id(param) for param in model.hyperparameters()}
+    variational = {id(param) for param in model.variational_parameters()}
+    assert hyper.isdisjoint(variational)
+    assert hyper | variational == {id(param) for param in model.parameters()}
+    assert len(variational) == (2 if shared_posterior else 4)
