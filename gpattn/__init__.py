@@ -1,29 +1,37 @@
 """gpattn: Gaussian-process self-attention for GPyTorch.
 
 Asymmetric kernels, kernel SVD (KSVD), kernel-eigen inducing features with a diagonal :math:`K_{uu}`, the
-kernel-eigen variational strategy and the paired left/right SVGP of KEP-SVGP (Chen et al., ICML 2024).
+kernel-eigen variational strategy and the paired left/right SVGP of KEP-SVGP (Chen et al., ICML 2024), and
+attention layers (KEP-SVGP and its baselines) under one interface.
 """
 
-from . import data, features, kernels, ksvd, mlls, models, variational
-from .features import KernelEigenFeatures
+from . import attention, data, features, kernels, ksvd, mlls, models, variational
+from .attention import KEPSVGPAttention, build_attention
+from .features import AttentionKernelEigenFeatures, KernelEigenFeatures
 from .kernels import CosineFeatureKernel, ExponentialDotProductKernel, InducedKernel, ShiftedRBFKernel
 from .ksvd import kernel_svd, ksvd_objective
-from .mlls import KSVDAddedLossTerm
-from .models import KernelEigenPairSVGP
+from .mlls import AttentionELBO, KSVDAddedLossTerm, predict_probabilities
+from .models import KernelEigenPairSVGP, Transformer
 from .variational import KernelEigenPairVariationalStrategy, KernelEigenVariationalStrategy
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "AttentionELBO",
+    "AttentionKernelEigenFeatures",
     "CosineFeatureKernel",
     "ExponentialDotProductKernel",
     "InducedKernel",
+    "KEPSVGPAttention",
     "KSVDAddedLossTerm",
     "KernelEigenFeatures",
     "KernelEigenPairSVGP",
     "KernelEigenPairVariationalStrategy",
     "KernelEigenVariationalStrategy",
     "ShiftedRBFKernel",
+    "Transformer",
+    "attention",
+    "build_attention",
     "data",
     "features",
     "kernel_svd",
@@ -32,5 +40,6 @@ __all__ = [
     "ksvd_objective",
     "mlls",
     "models",
+    "predict_probabilities",
     "variational",
 ]

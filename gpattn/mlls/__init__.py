@@ -1,5 +1,6 @@
-"""Objectives: the KSVD added loss term."""
+"""Objectives: the KSVD added loss term, the attention ELBO and Monte Carlo prediction."""
 
+from .attention_elbo import AttentionELBO, predict_probabilities
 from .ksvd_added_loss_term import KSVDAddedLossTerm
 
-__all__ = ["KSVDAddedLossTerm"]
+__all__ = ["AttentionELBO", "KSVDAddedLossTerm", "predict_probabilities"]

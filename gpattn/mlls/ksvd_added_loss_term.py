@@ -15,14 +15,22 @@ class KSVDAddedLossTerm(AddedLossTerm):
 
     :param objective: :math:`J`, shape ``(*batch)``.
     :param weight: :math:`\eta \geq 0`.
+    :param num_averaged_dims: The first dimensions of ``objective`` index data (e.g. the sequences of a minibatch):
+        :math:`J^2` is averaged over them and summed over the rest (e.g. heads), matching a mean data term.
     """
 
-    def __init__(self, objective: Tensor, weight: float = 1.0):
+    def __init__(self, objective: Tensor, weight: float = 1.0, num_averaged_dims: int = 0):
         if weight < 0:
             raise ValueError(f"expected a non-negative KSVD weight eta, got {weight}")
+        if not 0 <= num_averaged_dims <= objective.dim():
+            raise ValueError(f"expected num_averaged_dims in [0, {objective.dim()}], got {num_averaged_dims}")
         self.objective = objective
         self.weight = float(weight)
+        self.num_averaged_dims = num_averaged_dims
 
     def loss(self) -> Tensor:
-        """:return: :math:`\\eta \\sum_{batch} J^2`, a scalar."""
-        return self.weight * self.objective.pow(2).sum()
+        """:return: :math:`\\eta\\, \\mathrm{mean}_{data} \\sum_{rest} J^2`, a scalar."""
+        squared = self.objective.pow(2)
+        if self.num_averaged_dims:
+            squared = squared.flatten(0, self.num_averaged_dims - 1).mean(0)
+        return self.weight * squared.sum()

@@ -1,0 +1,24 @@
+"""Attention layers with one interface: KEP-SVGP, its symmetric ablation, SGPA, symmetric SVGP, softmax, Primal."""
+
+from ._base import AttentionInputs, AttentionLayer, sample_attention
+from .kep_svgp_attention import KEPSVGPAttention
+from .primal_attention import PrimalAttention
+from .registry import ATTENTIONS, attention_arguments, attention_names, build_attention
+from .sgpa_attention import SGPAAttention
+from .softmax_attention import SoftmaxAttention
+from .symmetric_svgp_attention import SymmetricSVGPAttention
+
+__all__ = [
+    "ATTENTIONS",
+    "AttentionInputs",
+    "AttentionLayer",
+    "KEPSVGPAttention",
+    "PrimalAttention",
+    "SGPAAttention",
+    "SoftmaxAttention",
+    "SymmetricSVGPAttention",
+    "attention_arguments",
+    "attention_names",
+    "build_attention",
+    "sample_attention",
+]

@@ -1,0 +1,278 @@
+"""KEP-SVGP attention: a pair of kernel-eigen SVGPs per head (Chen, Tao, Tonin & Suykens, ICML 2024)."""
+
+from __future__ import annotations
+
+import torch
+from gpytorch.variational import CholeskyVariationalDistribution
+from torch import Tensor
+
+from ..features.attention_kernel_eigen_features import AttentionKernelEigenFeatures, AttentionScores
+from ..mlls import KSVDAddedLossTerm
+from ..variational._structured import diagonal_prior_kl
+from ._base import AttentionLayer
+
+MERGES = ("sum", "concat", "concat_tokens")
+SAMPLINGS = ("joint", "marginal")
+RESIDUALS = ("none", "diag")
+
+
+class KEPSVGPAttention(AttentionLayer):
+    r"""Multi-head KEP-SVGP attention: two sparse variational GPs per head whose inducing variables are the
+    projections on the KSVD's left and right singular vectors (MATH.md section 3).
+
+    For each head the scores :math:`e(x)`, :math:`r(z)` and singular values :math:`\Lambda` come from
+    :class:`~gpattn.features.AttentionKernelEigenFeatures`. The ``d_out`` GP outputs of a head share the kernel and
+    have independent :math:`q(u_c) = \mathcal N(m_c, S_c)` (a GPyTorch batch over heads and outputs) against the
+    prior :math:`\mathcal N(0, \Lambda^2)`, so
+
+    .. math::
+
+        F_e = e(X) \Lambda^{-1} u_e, \qquad F_r = r(X) \Lambda^{-1} u_r, \qquad
+        \mathrm{KL} = \sum_{h, c, \text{branch}} \mathrm{KL}(q(u) \,\|\, \mathcal N(0, \Lambda^2)),
+
+    with :math:`K_{uu} = \Lambda^2` inverted in O(s). Merging: ``"sum"`` :math:`F = F_e + F_r` (with
+    ``shared_posterior=True`` the official code's :math:`(e + r)\Lambda^{-1} u` with one KL); ``"concat"``
+    :math:`[F_e, F_r]` then a per-head linear map :math:`2 d_{out} \to` head width; ``"concat_tokens"`` the
+    paper's token-axis :math:`W_{tok} [F_e; F_r]` (:math:`2N \to N`, needs ``max_len``). Each head then maps
+    :math:`d_{out} \to` head width, heads are concatenated and projected.
+
+    Sampling (training, or eval inside :func:`~gpattn.attention.sample_attention`): ``"joint"`` draws
+    :math:`u = m + L \varepsilon` once per sequence, output dimension and branch and sets :math:`F = e \Lambda^{-1} u`:
+    the exact joint distribution of the low-rank part across tokens at the cost of the mean, O(N s d_out).
+    ``"marginal"`` (the official code's) draws independent noise per token with the right marginals only,
+    O(N s^2 d_out). ``residual="diag"`` adds the residual variance :math:`k(x, x) - \|e(x)\|^2` per token. Eval
+    mode returns the predictive mean. The KSVD penalty :math:`J^2` (mean over sequences, sum over heads) is the
+    added loss term ``"ksvd_loss"``; :class:`~gpattn.mlls.AttentionELBO` weighs it by :math:`\eta`.
+
+    With ``context`` (cross-attention) the output at the queries is the left branch alone: :math:`r` lives on the
+    keys. With ``tie_qk=True`` (the symmetric KEP ablation) :math:`H_e = H_r` and one branch is used.
+
+    :param embed_dim: Token width :math:`C`.
+    :param num_heads: :math:`H`.
+    :param rank: :math:`s`.
+    :param features: ``"amortized"``, ``"primal_tokens"`` or ``"exact"``.
+    :param merge: ``"sum"``, ``"concat"`` or ``"concat_tokens"``.
+    :param shared_posterior: One :math:`q(u)` for both branches.
+    :param sampling: ``"joint"`` or ``"marginal"``.
+    :param residual: ``"none"`` or ``"diag"``.
+    :param kernel: ``"cosine"`` or ``"exponential"`` (exact features only).
+    :param tie_qk: Symmetric kernel :math:`W_q = W_k`.
+    :param max_len: Sequence length for ``features="primal_tokens"`` and ``merge="concat_tokens"``.
+    :param dropout: Output dropout.
+    :param num_outputs: GP outputs per head ``d_out`` (default: the head width).
+
+    .. note:: Cost per head (amortised features, joint sampling): O(N C s + N p s) for the scores, O(N s d_out)
+        for the output, O(s) for the prior terms of the KL, O(s^2 d_out) for its variational terms; no
+        :math:`N \times N` matrix. Marginal sampling adds O(N s^2 d_out); exact features O(N M p + N M min(N, M)).
+    """
+
+    is_stochastic = True
+
+    def __init__(
+        self,
+        embed_dim: int,
+        num_heads: int,
+        rank: int = 10,
+        features: str = "amortized",
+        merge: str = "sum",
+        shared_posterior: bool = False,
+        sampling: str = "joint",
+        residual: str = "none",
+        kernel: str = "cosine",
+        tie_qk: bool = False,
+        max_len: int | None = None,
+        dropout: float = 0.0,
+        num_outputs: int | None = None,
+    ):
+        super().__init__(embed_dim, num_heads, dropout)
+        for name, value, allowed in (("merge", merge, MERGES), ("sampling", sampling, SAMPLINGS)):
+            if value not in allowed:
+                raise ValueError(f"expected {name} in {allowed}, got {value!r}")
+        if residual not in RESIDUALS:
+            raise ValueError(f"expected residual in {RESIDUALS}, got {residual!r}")
+        if tie_qk and (merge != "sum" or shared_posterior):
+            raise ValueError("tie_qk=True uses one branch: merge must be 'sum' and shared_posterior False")
+        if merge == "concat_tokens" and (isinstance(max_len, bool) or not isinstance(max_len, int) or max_len < 1):
+            raise ValueError(f"merge='concat_tokens' needs an integer max_len, got {max_len!r}")
+        self.features = AttentionKernelEigenFeatures(
+            embed_dim, num_heads, rank, mode=features, kernel=kernel, tie_qk=tie_qk, max_len=max_len
+        )
+        self.rank, self.merge, self.sampling_mode, self.residual = rank, merge, sampling, residual
+        self.shared_posterior, self.tie_qk, self.max_len = bool(shared_posterior), bool(tie_qk), max_len
+        self.num_outputs = self.head_dim if num_outputs is None else num_outputs
+        self.register_added_loss_term("ksvd_loss")
+        self._last_singular_values: Tensor | None = None
+        batch = torch.Size([num_heads, self.num_outputs])
+        self.left_posterior = CholeskyVariationalDistribution(rank, batch_shape=batch)
+        if not (self.shared_posterior or self.tie_qk):
+            self.right_posterior = CholeskyVariationalDistribution(rank, batch_shape=batch)
+        self._initialize_posteriors()
+        width = 2 * self.num_outputs if merge == "concat" else self.num_outputs
+        bound = width**-0.5
+        # per-head output map d_out (or 2 d_out) -> head width; shape (H, width, head_dim)
+        self.output_weight = torch.nn.Parameter(torch.empty(num_heads, width, self.head_dim).uniform_(-bound, bound))
+        if merge == "concat_tokens":
+            # token-axis merge [F_e; F_r] (2N) -> N per head, initialised at (F_e + F_r) / 2
+            eye = torch.eye(max_len)
+            self.token_weight = torch.nn.Parameter(
+                0.5 * torch.cat([eye, eye], dim=-1).expand(num_heads, -1, -1).clone()
+            )
+
+    def _initialize_posteriors(self) -> None:
+        # m ~ N(0, Lambda^2) so that Lambda^{-1} m acts like a random value projection; S = (0.1 Lambda)^2
+        with torch.no_grad():
+            if self.features.mode == "exact":
+                scale = torch.ones(self.num_heads, 1, self.rank)
+            else:
+                scale = self.features.singular_values.unsqueeze(1)
+            for posterior in self._posteriors():
+                posterior.variational_mean.copy_(scale * torch.randn_like(posterior.variational_mean))
+                posterior.chol_variational_covar.copy_(
+                    torch.diag_embed(0.1 * scale.expand_as(posterior.variational_mean))
+                )
+
+    def _posteriors(self) -> list[CholeskyVariationalDistribution]:
+        return [self.left_posterior] + ([self.right_posterior] if "right_posterior" in self._modules else [])
+
+    def _branch_posteriors(self) -> tuple[CholeskyVariationalDistribution, CholeskyVariationalDistribution | None]:
+        if self.tie_qk:
+            return self.left_posterior, None
+        return self.left_posterior, self.left_posterior if self.shared_posterior else self.right_posterior
+
+    # -- the pieces ----------------------------------------------------------------------------------------------------
+    def _interps(self, scores: AttentionScores, is_cross: bool) -> list[tuple[Tensor, Tensor | None]]:
+        """``[(e Lambda^{-1}, residual)]`` per branch used at the queries, each ``(B, H, N, s)`` / ``(B, H, N)``."""
+        inverse = scores.singular_values.reciprocal().unsqueeze(-2)
+        if inverse.dim() == 3:  # learned Lambda (H, 1, s): broadcast over the batch
+            inverse = inverse.unsqueeze(0)
+        sides = ["left"] if (self.tie_qk or is_cross) else ["left", "right"]
+        parts = []
+        for side in sides:
+            branch_scores = scores.left if side == "left" else scores.right
+            residual = scores.residual_diag(side) if self.residual == "diag" else None
+            parts.append((branch_scores * inverse, residual))
+        return parts
+
+    def _branch_outputs(self, interps: list[tuple[Tensor, Tensor | None]], sample: bool) -> list[Tensor]:
+        """F per branch, each ``(B, H, N, d_out)``: the predictive mean, or a sample.
+
+        A sample draws :math:`u = m + L \\varepsilon`: once per sequence (``"joint"``) or once per token
+        (``"marginal"``, exact per-token marginals and no correlation across tokens); branches with a shared
+        posterior share :math:`\\varepsilon`.
+        """
+        posteriors = self._branch_posteriors()
+        noise = None
+        outputs = []
+        for (interp, residual), posterior in zip(interps, posteriors, strict=False):  # interps may be shorter
+            distribution = posterior()
+            mean = distribution.mean  # shape: (H, d_out, s)
+            output = interp @ mean.mT.unsqueeze(0)  # e Lambda^{-1} m: (B, H, N, d_out)
+            if sample:
+                root = distribution.lazy_covariance_matrix.root_decomposition().root.to_dense()  # (H, d_out, s, s)
+                if noise is None or not self.shared_posterior:
+                    tokens = (interp.shape[-2],) if self.sampling_mode == "marginal" else ()
+                    shape = (interp.shape[0], self.num_heads, *tokens, *mean.shape[-2:])
+                    noise = torch.randn(shape, dtype=mean.dtype, device=mean.device)
+                if self.sampling_mode == "joint":
+                    draw = (root.unsqueeze(0) @ noise.unsqueeze(-1)).squeeze(-1)  # L eps: (B, H, d_out, s)
+                    output = output + interp @ draw.mT
+                else:  # one draw of u per token: O(N s^2 d_out)
+                    draw = torch.einsum("hcst,bhnct->bhncs", root, noise)  # (B, H, N, d_out, s)
+                    output = output + (interp.unsqueeze(-2) * draw).sum(-1)
+                if residual is not None:
+                    output = output + residual.sqrt().unsqueeze(-1) * torch.randn_like(output)
+            outputs.append(output)
+        return outputs
+
+    def _merge(self, outputs: list[Tensor]) -> Tensor:
+        # merged per-head features (B, H, N, width) -> head outputs (B, H, N, head_dim)
+        if len(outputs) == 1:  # one branch (tie_qk, or cross-attention): the left rows of the output map
+            return outputs[0] @ self.output_weight[:, : self.num_outputs].unsqueeze(0)
+        if self.merge == "sum":
+            merged = sum(outputs)
+        elif self.merge == "concat":
+            merged = torch.cat(outputs, dim=-1)
+        else:
+            if outputs[0].shape[-2] != self.max_len:
+                raise ValueError(
+                    f"merge='concat_tokens' needs sequences of length {self.max_len}, got {outputs[0].shape[-2]}"
+                )
+            merged = self.token_weight.unsqueeze(0) @ torch.cat(outputs, dim=-2)
+        return merged @ self.output_weight.unsqueeze(0)
+
+    def _scores(self, x: Tensor, mask, context) -> tuple[AttentionScores, bool]:
+        inputs = self._prepare(x, mask, context)
+        if self.merge == "concat_tokens" and (inputs.key_mask is not None or inputs.causal or inputs.is_cross):
+            raise ValueError("merge='concat_tokens' supports plain self-attention only (no mask, no context)")
+        scores = self.features.scores(inputs.queries, inputs.keys, inputs.key_mask, inputs.causal)
+        self._last_singular_values = scores.singular_values
+        if self.training:
+            self.update_added_loss_term("ksvd_loss", KSVDAddedLossTerm(scores.objective, 1.0, num_averaged_dims=1))
+        return scores, inputs.is_cross
+
+    def forward(self, x: Tensor, mask: Tensor | str | None = None, context: Tensor | None = None) -> Tensor:
+        scores, is_cross = self._scores(x, mask, context)
+        outputs = self._branch_outputs(self._interps(scores, is_cross), sample=self.sampling)
+        return self.project_out(self._merge(outputs))
+
+    # -- probabilistic interface -----------------------------------------------------------------------------------
+    def kl_divergence(self) -> Tensor:
+        r""":math:`\sum_{h, c, \text{branch}} \mathrm{KL}(q(u) \| \mathcal N(0, \Lambda^2))`, a scalar; in exact mode
+        :math:`\Lambda` is the last batch's and the KL is averaged over its sequences."""
+        if self.features.mode == "exact":
+            if self._last_singular_values is None:
+                raise RuntimeError("with features='exact' the prior depends on the sequence: call forward() first")
+            prior_variances = self._last_singular_values.pow(2).unsqueeze(-2)  # (B, H, 1, s)
+        else:
+            prior_variances = self.features.singular_values.pow(2).unsqueeze(-2)  # (H, 1, s)
+        total = 0.0
+        for posterior in self._posteriors():
+            distribution = posterior()
+            kl = diagonal_prior_kl(distribution.mean, distribution.lazy_covariance_matrix, prior_variances)
+            total = total + (kl.sum(dim=(-2, -1)).mean() if kl.dim() == 3 else kl.sum())
+        return total
+
+    def posterior(
+        self, x: Tensor, mask: Tensor | str | None = None, context: Tensor | None = None
+    ) -> tuple[Tensor, Tensor]:
+        r"""Predictive mean and variance of the layer's output, each ``(B, N, C)`` (dropout off).
+
+        The output is linear in the GP outputs, which are independent across heads and output dimensions, so
+        :math:`\operatorname{Var}(y_{nj}) = \sum_{h, c} \big\| \sum_{b} C^b_{hcj}\, e^b_n \Lambda^{-1} L_c \big\|^2
+        + \sum_{b, h, c} (C^b_{hcj})^2 \rho^b_n` with the combined weights :math:`C` of the output maps and the
+        residual :math:`\rho` (cross-branch terms only with a shared posterior).
+        """
+        if self.merge == "concat_tokens":
+            raise NotImplementedError("posterior() is not available for merge='concat_tokens' (token mixing)")
+        previous = self.training
+        self.train(False)
+        try:
+            scores, is_cross = self._scores(x, mask, context)
+            interps = self._interps(scores, is_cross)
+            mean = self.out_proj(self.merge_heads(self._merge(self._branch_outputs(interps, sample=False))))
+            variance = self._output_variance(interps)
+        finally:
+            self.train(previous)
+        return mean, variance
+
+    def _output_variance(self, interps: list[tuple[Tensor, Tensor | None]]) -> Tensor:
+        projection = self.out_proj.weight.view(self.embed_dim, self.num_heads, self.head_dim)  # P_{j,(h,k)}
+        width = self.num_outputs
+        # combined weights C^b_{h,c,j} = sum_k W^b_{h,c,k} P_{j,h,k}; shape (branches, H, d_out, C)
+        weights = []
+        for index in range(len(interps)):
+            rows = slice(index * width, (index + 1) * width) if self.merge == "concat" else slice(0, width)
+            weights.append(torch.einsum("hck,jhk->hcj", self.output_weight[:, rows], projection))
+        roots = []
+        for (interp, _), posterior in zip(interps, self._branch_posteriors(), strict=False):
+            root = posterior().lazy_covariance_matrix.root_decomposition().root.to_dense()  # (H, d_out, s, s)
+            roots.append(torch.einsum("bhns,hcst->bhnct", interp, root))  # e Lambda^{-1} L_c: (B, H, N, d_out, s)
+        variance = 0.0
+        pairs = [(a, b) for a in range(len(roots)) for b in range(len(roots)) if a == b or self.shared_posterior]
+        for a, b in pairs:
+            inner = (roots[a] * roots[b]).sum(-1)  # (B, H, N, d_out)
+            variance = variance + torch.einsum("bhnc,hcj,hcj->bnj", inner, weights[a], weights[b])
+        for (_, residual), weight in zip(interps, weights, strict=True):
+            if residual is not None:
+                variance = variance + torch.einsum("bhn,hcj->bnj", residual, weight.pow(2))
+        return variance

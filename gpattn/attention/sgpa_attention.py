@@ -1,0 +1,242 @@
+"""Sparse Gaussian process attention (SGPA, Chen & Li 2023): a decoupled SVGP whose amortised inducing inputs are the
+keys, plus learned global inducing keys."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from gpytorch.constraints import Positive
+from linear_operator.utils.cholesky import psd_safe_cholesky
+from torch import Tensor
+
+from ._base import AttentionInputs, AttentionLayer
+
+KERNELS = ("ard", "exponential")
+
+
+class SGPAAttention(AttentionLayer):
+    r"""Sparse Gaussian process attention (SGPA, Chen & Li, ICLR 2023), MATH.md section 5.
+
+    Per head a symmetric kernel on the shared query/key projection :math:`k = W_k x` (:math:`W_q = W_k`, so the
+    kernel is a valid PSD deep kernel), either ARD or exponential:
+
+    .. math::
+
+        \kappa_{\mathrm{ard}}(x, y) = s_f^2 \exp\big(-\tfrac12 \|(x - y) / \ell\|^2\big), \qquad
+        \kappa_{\exp}(x, y) = s_f^2 \exp\big(\langle x / \ell, y / \ell \rangle\big),
+
+    with learned per-head lengthscales :math:`\ell \in \mathbb R^{C/H}` and scale :math:`s_f`. The output of a head is
+    a decoupled SVGP: the amortised inducing inputs are the keys :math:`k_g` with mean weights :math:`v_g = W_v x`
+    (the values), and :math:`M_g` learned global inducing keys :math:`k_b` carry mean weights :math:`v_b` and a
+    whitened covariance :math:`S = L_S L_S^\top` (one factor per head, shared by the value dimensions):
+
+    .. math::
+
+        \mu(q) &= K_{qg} v_g - K_{qb} K_{bb}^{-1} K_{bg} v_g + K_{qb} v_b, \\
+        \sigma^2(q) &= \mathrm{diag}\big(K_{qq} - K_{qb} K_{bb}^{-1} K_{bq}
+            + K_{qb} L_{bb}^{-\top} S L_{bb}^{-1} K_{bq}\big),
+
+    where :math:`L_{bb}` is the Cholesky factor of :math:`K_{bb}` (with jitter ``jitter`` times its mean diagonal, used
+    everywhere :math:`K_{bb}` appears). A sample (training, or :func:`~gpattn.attention._base.sample_attention`) is
+    :math:`\mu + \sqrt{\sigma^2 + \text{jitter}}\,\varepsilon` with independent noise per token and value dimension,
+    as in the official code; in eval mode the output is :math:`\mu`. The KL per value dimension is
+
+    .. math::
+
+        \tfrac12 \big[\mathrm{Tr}\, S - M_g - \log|S| + v_b^\top K_{bb} v_b
+            + v_g^\top (K_{gg} - K_{gb} K_{bb}^{-1} K_{bg}) v_g\big],
+
+    summed over value dimensions and heads. The :math:`v_g` term depends on the sequence: every ``forward`` stores it
+    (mean over the sequences of the batch, still attached to the autograd graph) and :meth:`kl_divergence` returns
+    the global part (:math:`S`, :math:`v_b`, recomputed at each call) plus the stored term of the most recent
+    ``forward``; before any ``forward`` it returns the global part alone.
+
+    Masks: padded keys leave the amortised set (their :math:`v_g` rows are zeroed, which removes them from
+    :math:`K_{qg} v_g`, :math:`K_{bg} v_g` and the KL). Causal: query :math:`i` uses the amortised set
+    :math:`\{j \le i\}`, i.e. the N x N matrix :math:`K_{qg} - K_{qb} K_{bb}^{-1} K_{bg}` is masked to its lower
+    triangle; the KL's :math:`v_g` term uses the full sequence (the last query's set). Cross-attention: the
+    queries come from ``x`` and keys and values from ``context`` (same projections).
+
+    :param embed_dim: Token width :math:`C`.
+    :param num_heads: Number of heads :math:`H`.
+    :param num_global_inducing: :math:`M_g`, the number of global inducing keys per head.
+    :param kernel: ``"ard"`` or ``"exponential"``.
+    :param dropout: Dropout on the output.
+    :param jitter: Relative jitter on :math:`K_{bb}` (times the mean of its diagonal) and on the sampling variance.
+
+    .. note:: Cost per head and sequence: O(N M p) for :math:`K_{qg}` (:math:`p = C / H`, :math:`M` keys), O((N + M)
+        M_g^2) for the triangular solves, O(M_g^3) for the Cholesky of :math:`K_{bb}`; with self-attention
+        O(N^2 p + N M_g^2 + M_g^3). A causal mask adds O(N^2 M_g) for the masked N x N correction; cross-attention
+        adds O(M^2 p) for :math:`K_{gg}` in the KL.
+    """
+
+    is_stochastic = True
+
+    def __init__(
+        self,
+        embed_dim: int,
+        num_heads: int,
+        num_global_inducing: int = 16,
+        kernel: str = "ard",
+        dropout: float = 0.0,
+        jitter: float = 1e-6,
+    ):
+        super().__init__(embed_dim, num_heads, dropout)
+        if isinstance(num_global_inducing, bool) or not isinstance(num_global_inducing, int) or num_global_inducing < 1:
+            raise ValueError(f"expected a positive integer num_global_inducing, got {num_global_inducing!r}")
+        if kernel not in KERNELS:
+            raise ValueError(f"expected kernel in {KERNELS}, got {kernel!r}")
+        if isinstance(jitter, bool) or not isinstance(jitter, (int, float)) or not 0.0 <= jitter < 1.0:
+            raise ValueError(f"expected jitter in [0, 1), got {jitter!r}")
+        self.kernel_type = kernel
+        self.num_global_inducing = num_global_inducing
+        self.jitter = float(jitter)
+        heads, width = num_heads, self.head_dim
+        self.key_proj = torch.nn.Linear(embed_dim, embed_dim, bias=False)  # W_q = W_k: a symmetric kernel
+        self.value_proj = torch.nn.Linear(embed_dim, embed_dim, bias=False)
+        self.inducing_keys = torch.nn.Parameter(torch.randn(heads, num_global_inducing, width))  # k_b
+        self.inducing_values = torch.nn.Parameter(1e-3 * torch.randn(heads, num_global_inducing, width))  # v_b
+        # raw L_S: strict lower triangle as is, diagonal through exp; zeros give S = I (q(u) = p(u) whitened)
+        self.chol_variational_covar = torch.nn.Parameter(torch.zeros(heads, num_global_inducing, num_global_inducing))
+        # ARD: ||x - y||^2 ~ 2p for unit-scale features; exponential: <x, y> / sqrt(p), the softmax numerator
+        lengthscale = math.sqrt(width) if kernel == "ard" else width**0.25
+        self.register_parameter("raw_lengthscale", torch.nn.Parameter(torch.zeros(heads, width)))
+        self.register_constraint("raw_lengthscale", Positive())
+        self.register_parameter("raw_outputscale", torch.nn.Parameter(torch.zeros(heads)))
+        self.register_constraint("raw_outputscale", Positive())
+        self.initialize(lengthscale=lengthscale, outputscale=1.0)
+        self._data_kl: Tensor | None = None
+
+    # -- parameters --------------------------------------------------------------------------------------------------
+    @property
+    def lengthscale(self) -> Tensor:
+        """ARD lengthscales :math:`\\ell`, shape ``(H, C / H)``."""
+        return self.raw_lengthscale_constraint.transform(self.raw_lengthscale)
+
+    @lengthscale.setter
+    def lengthscale(self, value: Tensor | float) -> None:
+        value = torch.as_tensor(value, dtype=self.raw_lengthscale.dtype, device=self.raw_lengthscale.device)
+        self.initialize(raw_lengthscale=self.raw_lengthscale_constraint.inverse_transform(value))
+
+    @property
+    def outputscale(self) -> Tensor:
+        """Kernel amplitude :math:`s_f^2`, shape ``(H,)``."""
+        return self.raw_outputscale_constraint.transform(self.raw_outputscale)
+
+    @outputscale.setter
+    def outputscale(self, value: Tensor | float) -> None:
+        value = torch.as_tensor(value, dtype=self.raw_outputscale.dtype, device=self.raw_outputscale.device)
+        self.initialize(raw_outputscale=self.raw_outputscale_constraint.inverse_transform(value))
+
+    @property
+    def variational_covar_root(self) -> Tensor:
+        """:math:`L_S`, lower triangular with a positive diagonal, shape ``(H, M_g, M_g)``."""
+        raw = self.chol_variational_covar
+        return raw.tril(-1) + torch.diag_embed(raw.diagonal(dim1=-2, dim2=-1).exp())
+
+    # -- kernel ------------------------------------------------------------------------------------------------------
+    def kernel(self, left: Tensor, right: Tensor) -> Tensor:
+        """Kernel matrix per head: ``left`` ``(..., H, n, p)``, ``right`` ``(..., H, m, p)`` -> ``(..., H, n, m)``."""
+        scale = self.lengthscale.unsqueeze(-2)  # shape: (H, 1, p)
+        left, right = left / scale, right / scale
+        outputscale = self.outputscale[:, None, None]  # shape: (H, 1, 1)
+        if self.kernel_type == "exponential":
+            return outputscale * torch.exp(left @ right.mT)
+        # ||x||^2 + ||y||^2 - 2 <x, y>, clamped against rounding
+        squared_dist = left.square().sum(-1, keepdim=True) + right.square().sum(-1).unsqueeze(-2) - 2 * left @ right.mT
+        return outputscale * torch.exp(-0.5 * squared_dist.clamp_min(0))
+
+    def kernel_diag(self, tokens: Tensor) -> Tensor:
+        """:math:`\\kappa(x, x)` per token: ``(..., H, n, p)`` -> ``(..., H, n)``."""
+        outputscale = self.outputscale[:, None]  # shape: (H, 1)
+        if self.kernel_type == "exponential":
+            return outputscale * torch.exp((tokens / self.lengthscale.unsqueeze(-2)).square().sum(-1))
+        return outputscale.expand(tokens.shape[:-1])
+
+    def _inducing_cholesky(self) -> tuple[Tensor, Tensor]:
+        """:math:`L_{bb}` of the jittered :math:`K_{bb}`, shape ``(H, M_g, M_g)``, and the jitter, shape ``(H,)``."""
+        induc_induc_covar = self.kernel(self.inducing_keys, self.inducing_keys)  # shape: (H, M_g, M_g)
+        jitter = self.jitter * induc_induc_covar.diagonal(dim1=-2, dim2=-1).mean(-1).detach()  # shape: (H,)
+        eye = torch.eye(self.num_global_inducing, dtype=jitter.dtype, device=jitter.device)
+        return psd_safe_cholesky(induc_induc_covar + jitter[:, None, None] * eye), jitter
+
+    # -- GP ----------------------------------------------------------------------------------------------------------
+    def _global_kl(self, induc_chol: Tensor) -> Tensor:
+        # 1/2 [Tr S - M_g - log|S| + v_b^T K_bb v_b] summed over heads and value dims (S is shared by the p dims)
+        covar_root = self.variational_covar_root
+        log_det = 2 * self.chol_variational_covar.diagonal(dim1=-2, dim2=-1).sum(-1)  # log|S|; shape: (H,)
+        covar_term = covar_root.square().sum((-2, -1)) - self.num_global_inducing - log_det
+        mean_term = (induc_chol.mT @ self.inducing_values).square().sum((-2, -1))  # ||L_bb^T v_b||^2
+        return 0.5 * (self.head_dim * covar_term + mean_term).sum()
+
+    def _moments(self, inputs: AttentionInputs, with_kl: bool) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
+        """Per-head mean and variance ``(B, H, N, p)``, the sampling jitter ``(H, 1, 1)`` and (``with_kl``) the
+        batch-mean :math:`v_g` term of the KL."""
+        queries = self.split_heads(self.key_proj(inputs.queries))  # shape: (B, H, N, p)
+        keys = self.split_heads(self.key_proj(inputs.keys)) if inputs.is_cross else queries  # shape: (B, H, M, p)
+        values = self.split_heads(self.value_proj(inputs.keys))  # v_g; shape: (B, H, M, p)
+        if inputs.key_mask is not None:  # padded keys leave the amortised set
+            values = values * inputs.key_mask[:, None, :, None].to(values.dtype)
+        induc_chol, jitter = self._inducing_cholesky()
+
+        query_induc_covar = self.kernel(queries, self.inducing_keys)  # K_qb; shape: (B, H, N, M_g)
+        query_key_covar = self.kernel(queries, keys)  # K_qg; shape: (B, H, N, M)
+        query_interp = torch.linalg.solve_triangular(induc_chol, query_induc_covar.mT, upper=False)  # L^{-1} K_bq
+        if inputs.is_cross:
+            key_induc_covar = self.kernel(keys, self.inducing_keys)  # K_gb; shape: (B, H, M, M_g)
+            key_interp = torch.linalg.solve_triangular(induc_chol, key_induc_covar.mT, upper=False)
+        else:
+            key_interp = query_interp  # L^{-1} K_bg; shape: (B, H, M_g, M)
+        interp_values = key_interp @ values  # L^{-1} K_bg v_g; shape: (B, H, M_g, p)
+
+        if inputs.causal:  # query i: amortised set {j <= i}
+            mean = (query_key_covar - query_interp.mT @ key_interp).tril() @ values
+        else:  # K_qg v_g - K_qb K_bb^{-1} K_bg v_g
+            mean = query_key_covar @ values - query_interp.mT @ interp_values
+        mean = mean + query_induc_covar @ self.inducing_values  # + K_qb v_b
+
+        # diag of K_qq - K_qb K_bb^{-1} K_bq + K_qb L^{-T} S L^{-1} K_bq
+        variational_interp = self.variational_covar_root.mT @ query_interp  # L_S^T L^{-1} K_bq
+        variance = self.kernel_diag(queries) - query_interp.square().sum(-2) + variational_interp.square().sum(-2)
+        variance = variance.clamp_min(0).unsqueeze(-1).expand_as(mean)
+
+        data_kl = None
+        if with_kl:  # 1/2 v_g^T (K_gg - K_gb K_bb^{-1} K_bg) v_g per sequence, summed over heads and value dims
+            key_key_covar = self.kernel(keys, keys) if inputs.is_cross else query_key_covar
+            quad = (values * (key_key_covar @ values)).sum((-3, -2, -1)) - interp_values.square().sum((-3, -2, -1))
+            data_kl = 0.5 * quad.mean()
+        return mean, variance, jitter[:, None, None], data_kl
+
+    # -- attention interface -----------------------------------------------------------------------------------------
+    def forward(self, x: Tensor, mask: Tensor | str | None = None, context: Tensor | None = None) -> Tensor:
+        mean, variance, jitter, self._data_kl = self._moments(self._prepare(x, mask, context), with_kl=True)
+        if self.sampling:
+            mean = mean + (variance + jitter).sqrt() * torch.randn_like(mean)
+        return self.project_out(mean)
+
+    def head_moments(
+        self, x: Tensor, mask: Tensor | str | None = None, context: Tensor | None = None
+    ) -> tuple[Tensor, Tensor]:
+        """Predictive mean and variance of every head before the output projection, each ``(B, H, N, C / H)``
+        (the variance is the same for all value dimensions of a head). Does not touch the stored KL."""
+        mean, variance, _, _ = self._moments(self._prepare(x, mask, context), with_kl=False)
+        return mean, variance
+
+    def posterior(
+        self, x: Tensor, mask: Tensor | str | None = None, context: Tensor | None = None
+    ) -> tuple[Tensor, Tensor]:
+        """Mean and variance of the output after ``out_proj`` (no dropout), each ``(B, N, C)``."""
+        return self.project_out_moments(*self.head_moments(x, mask, context))
+
+    def kl_divergence(self) -> Tensor:
+        """The global KL part (:math:`S`, :math:`v_b`) plus the :math:`v_g` part stored by the last ``forward``."""
+        kl = self._global_kl(self._inducing_cholesky()[0])
+        return kl if self._data_kl is None else kl + self._data_kl
+
+    def __getstate__(self) -> dict:
+        # the stored KL may hang on an autograd graph, which neither deepcopy nor pickle accept
+        state = self.__dict__.copy()
+        if state.get("_data_kl") is not None:
+            state["_data_kl"] = state["_data_kl"].detach()
+        return state

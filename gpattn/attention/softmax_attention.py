@@ -1,0 +1,67 @@
+"""Canonical multi-head softmax attention: the deterministic baseline (MATH.md section 5)."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from ._base import AttentionLayer
+
+
+class SoftmaxAttention(AttentionLayer):
+    r"""Multi-head scaled dot-product attention (Vaswani et al. 2017), the softmax baseline.
+
+    Per head :math:`h`, with :math:`Q = X W_q^h`, :math:`K = Z W_k^h`, :math:`V = Z W_v^h` of width
+    :math:`p = C / H`,
+
+    .. math::
+
+        O^h = \operatorname{softmax}\Big(\frac{Q K^\top}{\sqrt{p}} + B\Big) V, \qquad
+        \text{output} = \operatorname{dropout}\big([O^1, \dots, O^H] W_o\big),
+
+    where the bias :math:`B` is :math:`-\infty` on masked keys (padding) or above the diagonal (``"causal"``).
+    The softmax numerator is the exponential dot-product kernel
+    :math:`\kappa(x, z) = \exp(\langle W_q x, W_k z\rangle / \sqrt{p})` of MATH.md section 1, row-normalised.
+    The computation is :func:`torch.nn.functional.scaled_dot_product_attention`, so fused kernels are used where
+    PyTorch has them; the layer equals :class:`torch.nn.MultiheadAttention` with the same weights (up to where the
+    dropout is applied: here on the output, as in every gpattn layer, rather than on the attention weights).
+
+    Deterministic: ``kl_divergence()`` is zero and ``posterior`` has zero variance.
+
+    :param embed_dim: Token width :math:`C`.
+    :param num_heads: Number of heads :math:`H` (must divide ``embed_dim``).
+    :param dropout: Dropout on the output.
+
+    .. note:: Cost per call: O(B N C^2) for the projections and O(B N M C) time for the scores; memory O(B H N M)
+        for the materialised scores (less with fused kernels).
+    """
+
+    is_stochastic = False
+
+    def __init__(self, embed_dim: int, num_heads: int, dropout: float = 0.0):
+        super().__init__(embed_dim, num_heads, dropout)
+        self.q_proj = torch.nn.Linear(embed_dim, embed_dim)
+        self.k_proj = torch.nn.Linear(embed_dim, embed_dim)
+        self.v_proj = torch.nn.Linear(embed_dim, embed_dim)
+
+    def forward(self, x: Tensor, mask: Tensor | str | None = None, context: Tensor | None = None) -> Tensor:
+        """:param x: Query tokens, shape ``(B, N, C)``.
+        :param mask: ``None``, a boolean padding mask ``(B, M)`` (``True`` = real token) or ``"causal"``.
+        :param context: Key tokens ``(B, M, C)`` for cross-attention, or ``None`` (self-attention).
+        :return: Shape ``(B, N, C)``.
+        """
+        inputs = self._prepare(x, mask, context)
+        queries = self.split_heads(self.q_proj(inputs.queries))  # shape: (B, H, N, p)
+        keys = self.split_heads(self.k_proj(inputs.keys))  # shape: (B, H, M, p)
+        values = self.split_heads(self.v_proj(inputs.keys))  # shape: (B, H, M, p)
+        attn_mask = None
+        if inputs.key_mask is not None:
+            # True = may attend; broadcast over heads and queries: (B, M) -> (B, 1, 1, M) ~ (B, 1, N, M)
+            attn_mask = inputs.key_mask[:, None, None, :]
+        heads = F.scaled_dot_product_attention(
+            queries, keys, values, attn_mask=attn_mask, is_causal=inputs.causal, scale=1.0 / math.sqrt(self.head_dim)
+        )  # shape: (B, H, N, p)
+        return self.project_out(heads)

@@ -1,0 +1,262 @@
+"""Kernel-eigen features of self-attention: per-sequence KSVD scores for every head."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from gpytorch.constraints import Positive
+from gpytorch.module import Module
+from torch import Tensor
+
+from ..kernels import CosineFeatureKernel, ExponentialDotProductKernel
+from ..ksvd import kernel_svd, ksvd_objective
+
+MODES = ("amortized", "primal_tokens", "exact")
+KERNELS = ("cosine", "exponential")
+
+
+@dataclass(frozen=True)
+class AttentionScores:
+    r"""KSVD quantities of one attention call, for every sequence ``B`` and head ``H``.
+
+    :ivar left: :math:`e(x_i)` at the queries, shape ``(B, H, N, s)``.
+    :ivar right: :math:`r(z_j)` at the keys, shape ``(B, H, M, s)``.
+    :ivar singular_values: :math:`\Lambda`, shape ``(H, s)`` (learned) or ``(B, H, s)`` (exact mode).
+    :ivar objective: :math:`J` (sum form) per sequence and head, shape ``(B, H)``; zero in exact mode.
+    :ivar left_kernel_diag: :math:`k_e(x_i, x_i) = \|\kappa(x_i, Z)\|^2` over the visible keys, ``(B, H, N)``.
+    :ivar right_kernel_diag: :math:`k_r(z_j, z_j) = \|\kappa(X, z_j)\|^2` over the visible queries, ``(B, H, M)``.
+    """
+
+    left: Tensor
+    right: Tensor
+    singular_values: Tensor
+    objective: Tensor
+    left_kernel_diag: Tensor
+    right_kernel_diag: Tensor
+
+    def residual_diag(self, side: str) -> Tensor:
+        """:math:`k(x, x) - \\|e(x)\\|^2` (``"left"``) or with :math:`r` (``"right"``), clamped at zero."""
+        scores, diag = (self.left, self.left_kernel_diag) if side == "left" else (self.right, self.right_kernel_diag)
+        return (diag - scores.pow(2).sum(-1)).clamp_min(0.0)
+
+
+def _masked_mean_outer(features: Tensor, values: Tensor, mask: Tensor | None, causal: bool) -> Tensor:
+    r""":math:`\frac{1}{|V|}\sum_{j \in V} \phi_j a_j^\top` over the visible tokens :math:`V`: all real tokens,
+    or the prefix :math:`j \leq i` (one matrix per position) when causal.
+
+    :param features: :math:`\phi`, shape ``(B, H, M, p)``. :param values: :math:`a`, shape ``(B, H, M, s)``.
+    :param mask: ``(B, M)`` bool or ``None``.
+    :return: ``(B, H, p, s)``, or ``(B, H, M, p, s)`` when causal.
+    """
+    if mask is not None:
+        weights = mask[:, None, :, None].to(features.dtype)
+        features = features * weights
+    if causal:
+        # prefix sums of outer products, divided by the prefix length (linear-attention style)
+        outer = features.unsqueeze(-1) * values.unsqueeze(-2)  # shape: (B, H, M, p, s)
+        counts = torch.arange(1, features.shape[-2] + 1, dtype=features.dtype, device=features.device)
+        return outer.cumsum(dim=-3) / counts[:, None, None]
+    count = features.shape[-2] if mask is None else mask.sum(-1).to(features.dtype)[:, None, None, None]
+    return features.mT @ values / count
+
+
+def _masked_gram(features: Tensor, mask: Tensor | None, causal: bool) -> Tensor:
+    # sum_j phi_j phi_j^T over the visible tokens; shape (B, H, p, p) or (B, H, M, p, p) when causal
+    if mask is not None:
+        features = features * mask[:, None, :, None].to(features.dtype)
+    if causal:
+        return (features.unsqueeze(-1) * features.unsqueeze(-2)).cumsum(dim=-3)
+    return features.mT @ features
+
+
+def _quadratic_form(features: Tensor, gram: Tensor) -> Tensor:
+    # phi_i^T G phi_i with one G for all i (B, H, p, p) or one per position (B, H, N, p, p); shape (B, H, N)
+    if gram.dim() == features.dim() + 1:
+        return torch.einsum("bhnp,bhnpq,bhnq->bhn", features, gram, features)
+    return ((features @ gram) * features).sum(-1)
+
+
+class AttentionKernelEigenFeatures(Module):
+    r"""Per-sequence KSVD scores of the attention kernel of every head (MATH.md section 2).
+
+    For queries :math:`X` (``N`` tokens) and keys :math:`Z` (``M`` tokens) of one sequence and one head:
+
+    * ``"amortized"`` (default; length-agnostic, mask-friendly): learned maps :math:`A_e, A_r: \mathbb R^C \to
+      \mathbb R^s` estimate the singular vectors, :math:`W_{e|X} = \Phi_k^\top A_e(Z) / M`,
+      :math:`W_{r|X} = \Phi_q^\top A_r(X) / N`, so :math:`e(x) = \kappa(x, Z) A_e(Z) / M` and
+      :math:`r(z) = \kappa(X, z)^\top A_r(X) / N`, computed in the primal in O(N p s) without forming
+      :math:`K`. Padding masks drop keys from the sums; a causal mask turns them into prefix means.
+    * ``"primal_tokens"`` (the official KEP-SVGP / Primal-Attention parametrisation): :math:`W_{e|X} =
+      \Phi_k(\tilde X)^\top \tilde W_e`, :math:`W_{r|X} = \Phi_q(\tilde X)^\top \tilde W_r` from the ``max_len``
+      tokens :math:`\tilde X` of a sequence of exactly ``max_len`` tokens, with learned per-position
+      :math:`\tilde W_e, \tilde W_r \in \mathbb R^{N \times s}`. No masks, self-attention only.
+    * ``"exact"``: the truncated SVD of the dense :math:`\kappa(X, Z)` of every sequence (masked rows and
+      columns zeroed), :math:`e(X) = H_e \Lambda`, :math:`r(Z) = H_r \Lambda`, :math:`J = 0`. O(N M p + N M
+      min(N, M)); no causal mask.
+
+    In the learned modes :math:`\Lambda` is a learned positive vector per head, and :math:`J` (sum form, the real
+    tokens of each sequence) drives the scores towards a stationary point of the KSVD.
+
+    :param embed_dim: Token width :math:`C`.
+    :param num_heads: :math:`H`.
+    :param rank: :math:`s`.
+    :param mode: ``"amortized"``, ``"primal_tokens"`` or ``"exact"``.
+    :param kernel: ``"cosine"`` (primal features :math:`\phi = W x / \|W x\|`) or ``"exponential"`` (exact mode
+        only: the softmax numerator :math:`\exp(\langle W_q x, W_k z\rangle / \sqrt p)`).
+    :param feature_dim: :math:`p` (default ``embed_dim // num_heads``).
+    :param tie_qk: :math:`W_q = W_k` (symmetric kernel; the two amortised maps are tied too).
+    :param max_len: Sequence length of ``"primal_tokens"``.
+    """
+
+    def __init__(
+        self,
+        embed_dim: int,
+        num_heads: int,
+        rank: int,
+        mode: str = "amortized",
+        kernel: str = "cosine",
+        feature_dim: int | None = None,
+        tie_qk: bool = False,
+        max_len: int | None = None,
+    ):
+        super().__init__()
+        if mode not in MODES:
+            raise ValueError(f"expected features in {MODES}, got {mode!r}")
+        if kernel not in KERNELS:
+            raise ValueError(f"expected kernel in {KERNELS}, got {kernel!r}")
+        if kernel == "exponential" and mode != "exact":
+            raise ValueError(
+                f"the exponential kernel has no finite primal features: use features='exact', not {mode!r}"
+            )
+        if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
+            raise ValueError(f"expected a positive integer rank, got {rank!r}")
+        feature_dim = embed_dim // num_heads if feature_dim is None else feature_dim
+        if kernel == "cosine" and rank > feature_dim:  # K = Phi_q Phi_k^T has rank <= p
+            raise ValueError(f"rank ({rank}) must not exceed the feature dimension ({feature_dim}) of a cosine kernel")
+        if mode == "primal_tokens":
+            if isinstance(max_len, bool) or not isinstance(max_len, int) or max_len < rank:
+                raise ValueError(f"features='primal_tokens' needs an integer max_len >= rank ({rank}), got {max_len!r}")
+        self.embed_dim, self.num_heads, self.rank, self.mode = embed_dim, num_heads, rank, mode
+        self.tie_qk, self.max_len = bool(tie_qk), max_len
+        heads = torch.Size([num_heads])
+        if kernel == "cosine":
+            self.kernel = CosineFeatureKernel(embed_dim, feature_dim, tie=tie_qk, batch_shape=heads)
+        else:
+            self.kernel = ExponentialDotProductKernel(embed_dim, feature_dim, tie=tie_qk, batch_shape=heads)
+        if mode == "exact":
+            return
+        bound = embed_dim**-0.5
+        if mode == "amortized":
+            # A_e, A_r: R^C -> R^s per head, as nn.Linear; shape (H, C, s) and (H, s)
+            self.left_map = torch.nn.Parameter(torch.empty(num_heads, embed_dim, rank).uniform_(-bound, bound))
+            self.left_bias = torch.nn.Parameter(torch.zeros(num_heads, rank))
+            if not self.tie_qk:
+                self.right_map = torch.nn.Parameter(torch.empty(num_heads, embed_dim, rank).uniform_(-bound, bound))
+                self.right_bias = torch.nn.Parameter(torch.zeros(num_heads, rank))
+        else:
+            self.left_token_weights = torch.nn.Parameter(torch.randn(num_heads, max_len, rank) * max_len**-0.5)
+            if not self.tie_qk:
+                self.right_token_weights = torch.nn.Parameter(torch.randn(num_heads, max_len, rank) * max_len**-0.5)
+        self.register_parameter("raw_singular_values", torch.nn.Parameter(torch.zeros(num_heads, rank)))
+        self.register_constraint("raw_singular_values", Positive())
+
+    @property
+    def singular_values(self) -> Tensor:
+        r"""Learned :math:`\Lambda`, shape ``(H, s)`` (not defined in exact mode, where it is per sequence)."""
+        if self.mode == "exact":
+            raise AttributeError("in exact mode the singular values belong to each sequence: see forward()")
+        return self.raw_singular_values_constraint.transform(self.raw_singular_values)
+
+    def _amortized_values(self, tokens: Tensor, side: str) -> Tensor:
+        # A(tokens) per head; shape (B, H, n, s)
+        if side == "right" and not self.tie_qk:
+            weight, bias = self.right_map, self.right_bias
+        else:
+            weight, bias = self.left_map, self.left_bias
+        return tokens.unsqueeze(1) @ weight + bias.unsqueeze(-2)
+
+    def scores(self, queries: Tensor, keys: Tensor, key_mask: Tensor | None = None, causal: bool = False):
+        r"""Scores of a batch of sequences.
+
+        :param queries: ``(B, N, C)``. :param keys: ``(B, M, C)`` (the queries in self-attention).
+        :param key_mask: ``(B, M)`` bool, ``True`` for real tokens (in self-attention it masks the queries too).
+        :param causal: Prefix sums (self-attention, learned modes only).
+        :return: :class:`AttentionScores`.
+        """
+        self_attention = queries is keys
+        query_mask = key_mask if self_attention else None
+        if self.mode == "exact":
+            return self._exact(queries, keys, key_mask, query_mask, causal)
+        if self.mode == "primal_tokens" and (key_mask is not None or causal or not self_attention):
+            raise ValueError("features='primal_tokens' supports plain self-attention only (no mask, no context)")
+        query_features = self.kernel.query_features(queries.unsqueeze(1))  # shape: (B, H, N, p)
+        key_features = self.kernel.key_features(keys.unsqueeze(1))  # shape: (B, H, M, p)
+        if self.mode == "amortized":
+            left_values = self._amortized_values(keys, "left")  # A_e(Z)
+            right_values = self._amortized_values(queries, "right")  # A_r(X)
+            left_weights = _masked_mean_outer(key_features, left_values, key_mask, False)  # W_{e|X}: (B, H, p, s)
+            right_weights = _masked_mean_outer(query_features, right_values, query_mask, False)
+        else:
+            length = queries.shape[-2]
+            if length != self.max_len:
+                raise ValueError(
+                    f"features='primal_tokens' needs sequences of length max_len={self.max_len}, got {length}"
+                )
+            right_tokens = self.left_token_weights if self.tie_qk else self.right_token_weights
+            left_weights = key_features.mT @ self.left_token_weights  # Phi_k^T W~_e: (B, H, p, s)
+            right_weights = query_features.mT @ right_tokens
+        singular_values = self.singular_values
+        if causal:
+            left = (query_features.unsqueeze(-2) @ _masked_mean_outer(key_features, left_values, None, True)).squeeze(
+                -2
+            )
+            right_prefix = _masked_mean_outer(query_features, right_values, None, True)
+            right = (key_features.unsqueeze(-2) @ right_prefix).squeeze(-2)
+        else:
+            left, right = query_features @ left_weights, key_features @ right_weights
+        objective = ksvd_objective(
+            self._zero_masked(query_features @ left_weights, query_mask),
+            self._zero_masked(key_features @ right_weights, key_mask),
+            left_weights,
+            right_weights,
+            singular_values.unsqueeze(0),
+        )
+        key_gram = _masked_gram(key_features, key_mask, causal)
+        query_gram = _masked_gram(query_features, query_mask, causal)
+        return AttentionScores(
+            left,
+            right,
+            singular_values,
+            objective,
+            _quadratic_form(query_features, key_gram),
+            _quadratic_form(key_features, query_gram),
+        )
+
+    @staticmethod
+    def _zero_masked(scores: Tensor, mask: Tensor | None) -> Tensor:
+        return scores if mask is None else scores * mask[:, None, :, None].to(scores.dtype)
+
+    def _exact(
+        self, queries: Tensor, keys: Tensor, key_mask: Tensor | None, query_mask: Tensor | None, causal: bool
+    ) -> AttentionScores:
+        if causal:
+            raise ValueError("features='exact' mixes every token through the SVD: it cannot be causal")
+        matrix = self.kernel(queries.unsqueeze(1), keys.unsqueeze(1))  # shape: (B, H, N, M)
+        if key_mask is not None:
+            matrix = matrix * key_mask[:, None, None, :].to(matrix.dtype)
+        if query_mask is not None:
+            matrix = matrix * query_mask[:, None, :, None].to(matrix.dtype)
+        visible = min(
+            queries.shape[-2] if query_mask is None else int(query_mask.sum(-1).min()),
+            keys.shape[-2] if key_mask is None else int(key_mask.sum(-1).min()),
+        )
+        if self.rank > visible:
+            raise ValueError(f"rank ({self.rank}) exceeds the shortest sequence in the batch ({visible} tokens)")
+        svd = kernel_svd(matrix, self.rank)
+        left = svd.left * svd.singular_values.unsqueeze(-2)  # e(X) = K H_r = H_e Lambda
+        right = svd.right * svd.singular_values.unsqueeze(-2)  # r(Z) = K^T H_e = H_r Lambda
+        objective = torch.zeros(matrix.shape[:2], dtype=matrix.dtype, device=matrix.device)
+        return AttentionScores(
+            left, right, svd.singular_values, objective, matrix.pow(2).sum(-1), matrix.pow(2).sum(-2)
+        )

@@ -1,0 +1,143 @@
+"""The training loss of classifiers with GP attention (MATH.md section 4) and Monte Carlo prediction."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+import torch.nn.functional as F
+from gpytorch.mlls import AddedLossTerm
+from torch import Tensor
+
+AVERAGES = ("probabilities", "logits")
+
+
+def _added_loss_terms(model: torch.nn.Module) -> Iterator[AddedLossTerm]:
+    """Every registered, already computed added loss term of ``model`` and its submodules, each once (as
+    ``gpytorch.Module.added_loss_terms`` does, but also below a plain ``torch.nn.Module`` root)."""
+    seen = set()
+    for module in model.modules():
+        for term in getattr(module, "_added_loss_terms", {}).values():
+            if term is not None and id(term) not in seen:
+                seen.add(id(term))
+                yield term
+
+
+class AttentionELBO(torch.nn.Module):
+    r"""The negative evidence lower bound of a classifier with GP attention, plus the KSVD penalty: a loss to
+    **minimise** (unlike GPyTorch's MLLs, which return the bound to maximise).
+
+    For a minibatch of :math:`B` of the :math:`n` = ``num_data`` training sequences,
+
+    .. math::
+
+        \mathcal L = \frac{1}{B} \sum_{b} \frac{1}{T} \sum_{t=1}^{T} -\log p(y_b \mid F^{(t)})
+            + \frac{\beta}{n} \sum_{l, h, \text{branch}} \mathrm{KL}\big(q(u) \,\|\, p(u)\big)
+            + \eta \sum_{\text{terms}} \text{term.loss()},
+
+    where the first term is the cross-entropy of the logits averaged over the batch and the :math:`T` Monte Carlo
+    samples (a reparameterised estimate of :math:`\mathbb E_q[-\log p(y \mid F)]`), the KL is
+    ``model.kl_divergence()`` and the last sum runs over every added loss term registered in the model (the KSVD
+    terms :math:`J^2` of the KEP-SVGP and Primal-Attention layers, :class:`~gpattn.mlls.KSVDAddedLossTerm`).
+    With :math:`\beta = 1` and no penalty, :math:`\mathcal L` is the negative of GPyTorch's ``VariationalELBO``
+    (the per-sequence bound, KL divided by ``num_data``). The official KEP-SVGP code adds the KL without the
+    :math:`1 / n`; pass ``beta=num_data`` to reproduce it.
+
+    Call it after the forward pass that produced the logits: the KL and the KSVD terms are those of that pass.
+
+    :param model: A module with ``kl_divergence()`` (e.g. :class:`~gpattn.models.Transformer`).
+    :param num_data: Number of training sequences :math:`n`.
+    :param beta: KL weight :math:`\beta \geq 0`.
+    :param eta: KSVD weight :math:`\eta \geq 0`.
+    :param combine_terms: Return the scalar loss (``True``) or a dict of its parts.
+
+    .. note:: Cost: O(T B C) for the cross-entropy plus the model's KL (O(s) to O(s^2 d_out) per KEP head).
+    """
+
+    def __init__(
+        self, model: torch.nn.Module, num_data: int, beta: float = 1.0, eta: float = 1.0, combine_terms: bool = True
+    ):
+        super().__init__()
+        if not callable(getattr(model, "kl_divergence", None)):
+            raise ValueError(f"expected a model with a kl_divergence() method, got {type(model).__name__}")
+        if isinstance(num_data, bool) or not isinstance(num_data, int) or num_data < 1:
+            raise ValueError(f"expected a positive integer num_data (training set size), got {num_data!r}")
+        for name, value in (("beta", beta), ("eta", eta)):
+            if not value >= 0:
+                raise ValueError(f"expected a non-negative {name}, got {value}")
+        self.model = model
+        self.num_data = num_data
+        self.beta = float(beta)
+        self.eta = float(eta)
+        self.combine_terms = bool(combine_terms)
+
+    def forward(self, logits: Tensor, targets: Tensor) -> Tensor | dict[str, Tensor]:
+        """:param logits: Shape ``(B, C)``, or ``(T, B, C)`` for :math:`T` Monte Carlo samples.
+        :param targets: Class indices, shape ``(B,)``.
+        :return: The loss (a scalar to minimise) or, with ``combine_terms=False``, a dict with the weighted parts
+            ``"nll"`` (cross-entropy), ``"kl"`` (:math:`\\beta / n` KL), ``"ksvd"`` (:math:`\\eta` sum of the added
+            loss terms) and their sum ``"loss"``.
+        """
+        if logits.dim() not in (2, 3) or not logits.is_floating_point():
+            raise ValueError(f"expected float logits of shape (B, C) or (T, B, C), got {tuple(logits.shape)}")
+        if targets.dim() != 1 or targets.shape[0] != logits.shape[-2] or targets.is_floating_point():
+            raise ValueError(
+                f"expected integer targets of shape ({logits.shape[-2]},), got {targets.dtype} {tuple(targets.shape)}"
+            )
+        num_classes = logits.shape[-1]
+        num_samples = logits.shape[0] if logits.dim() == 3 else 1
+        # mean over samples and batch: -1/(T B) sum_{t, b} log p(y_b | F^(t))
+        nll = F.cross_entropy(logits.reshape(-1, num_classes), targets.repeat(num_samples))
+        kl = self.model.kl_divergence().to(nll) * (self.beta / self.num_data)
+        ksvd = torch.zeros_like(nll)
+        for term in _added_loss_terms(self.model):
+            ksvd = ksvd + term.loss().to(nll)
+        ksvd = ksvd * self.eta
+        loss = nll + kl + ksvd
+        if self.combine_terms:
+            return loss
+        return {"nll": nll, "kl": kl, "ksvd": ksvd, "loss": loss}
+
+
+@torch.no_grad()
+def predict_probabilities(
+    model: torch.nn.Module,
+    inputs: Tensor,
+    mask: Tensor | str | None = None,
+    num_samples: int = 10,
+    average: str = "probabilities",
+) -> Tensor:
+    r"""Monte Carlo predictive class probabilities of a classifier with stochastic attention.
+
+    The model runs in eval mode (no dropout) with :func:`~gpattn.attention.sample_attention` on, :math:`T` =
+    ``num_samples`` times; ``average="probabilities"`` returns
+    :math:`\frac{1}{T} \sum_t \operatorname{softmax}(\text{logits}^{(t)})` (the predictive distribution, the
+    papers' choice), ``"logits"`` returns :math:`\operatorname{softmax}(\frac{1}{T} \sum_t \text{logits}^{(t)})`.
+    A model without stochastic layers is run once. The model's training mode is restored afterwards; no gradients
+    are recorded.
+
+    :param model: Maps ``(inputs, mask=mask)`` to logits ``(B, C)``.
+    :param inputs: The model's inputs.
+    :param mask: The model's mask argument.
+    :param num_samples: :math:`T \geq 1`.
+    :param average: ``"probabilities"`` or ``"logits"``.
+    :return: Class probabilities, shape ``(B, C)``.
+    """
+    from ..attention import AttentionLayer, sample_attention  # gpattn.attention imports gpattn.mlls
+
+    if isinstance(num_samples, bool) or not isinstance(num_samples, int) or num_samples < 1:
+        raise ValueError(f"expected a positive integer num_samples, got {num_samples!r}")
+    if average not in AVERAGES:
+        raise ValueError(f"expected average in {AVERAGES}, got {average!r}")
+    if not any(isinstance(module, AttentionLayer) and module.is_stochastic for module in model.modules()):
+        num_samples = 1  # deterministic in eval mode: every pass would be identical
+    was_training = model.training
+    model.eval()
+    try:
+        with sample_attention(model):
+            logits = torch.stack([model(inputs, mask=mask) for _ in range(num_samples)])  # shape: (T, B, C)
+    finally:
+        model.train(was_training)
+    if average == "probabilities":
+        return logits.softmax(dim=-1).mean(dim=0)
+    return logits.mean(dim=0).softmax(dim=-1)

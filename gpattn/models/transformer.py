@@ -1,0 +1,238 @@
+"""A small pre-norm Transformer encoder classifier with pluggable (GP) attention."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from gpytorch.module import Module
+from torch import Tensor
+
+from ..attention import AttentionLayer, SoftmaxAttention, attention_arguments, build_attention
+
+INPUTS = ("tokens", "patches", "vectors")
+
+
+def _positive_int(name: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"expected a positive integer {name}, got {value!r}")
+    return value
+
+
+class _EncoderBlock(torch.nn.Module):
+    """``x + attn(LN(x))`` then ``x + MLP(LN(x))`` (pre-norm, as in ViT)."""
+
+    def __init__(self, attention: AttentionLayer, embed_dim: int, hidden_dim: int, dropout: float):
+        super().__init__()
+        self.attention_norm = torch.nn.LayerNorm(embed_dim)
+        self.attention = attention
+        self.mlp_norm = torch.nn.LayerNorm(embed_dim)
+        self.mlp = torch.nn.Sequential(
+            torch.nn.Linear(embed_dim, hidden_dim),
+            torch.nn.GELU(),
+            torch.nn.Dropout(dropout),
+            torch.nn.Linear(hidden_dim, embed_dim),
+            torch.nn.Dropout(dropout),
+        )
+
+    def forward(self, tokens: Tensor, mask: Tensor | str | None) -> Tensor:
+        tokens = tokens + self.attention(self.attention_norm(tokens), mask=mask)
+        return tokens + self.mlp(self.mlp_norm(tokens))
+
+
+class Transformer(Module):
+    r"""Pre-norm Transformer encoder for sequence or image classification, with GP attention in the last blocks.
+
+    The input is embedded into tokens of width :math:`C` = ``embed_dim`` plus a learned positional embedding, then
+    goes through ``depth`` blocks :math:`x \leftarrow x + \mathrm{Attn}(\mathrm{LN}(x))`,
+    :math:`x \leftarrow x + \mathrm{MLP}(\mathrm{LN}(x))`, a final LayerNorm, a mean over the real tokens and a
+    linear head. The last ``gp_layers`` blocks use the registry attention ``attention`` (built with
+    ``**attention_kwargs``), the others :class:`~gpattn.attention.SoftmaxAttention`, as in the KEP-SVGP and SGPA
+    papers, where only the last layer is a GP.
+
+    Input kinds:
+
+    * ``"tokens"``: integer ids ``(B, N)`` in ``[0, vocab_size)``, ``N <= max_len``; ``nn.Embedding``.
+    * ``"vectors"``: float features ``(B, N, input_dim)``, ``N <= max_len``; a linear embedding.
+    * ``"patches"``: images ``(B, in_channels, H, W)`` with ``(H, W)`` = ``image_size``; non-overlapping
+      ``patch_size`` patches embedded by a convolution with kernel = stride = ``patch_size`` (ViT), giving
+      ``N = (H / patch_size) (W / patch_size)`` tokens (``max_len`` is not used).
+
+    Stochastic attention layers sample in training and return their predictive mean in eval mode; use
+    :func:`~gpattn.attention.sample_attention` or :func:`~gpattn.mlls.predict_probabilities` for Monte Carlo
+    prediction, and :class:`~gpattn.mlls.AttentionELBO` (which reads :meth:`kl_divergence` and the added KSVD loss
+    terms) for training.
+
+    :param num_classes: Number of classes of the linear head.
+    :param embed_dim: Token width :math:`C`.
+    :param depth: Number of encoder blocks.
+    :param num_heads: Heads of every attention layer.
+    :param attention: Registry name of the attention of the last ``gp_layers`` blocks
+        (:func:`~gpattn.attention.attention_names`).
+    :param gp_layers: How many of the last blocks use ``attention`` (``0 <= gp_layers <= depth``; with 0, ``attention``
+        and ``attention_kwargs`` are not used, so that sweeps over ``gp_layers`` can share arguments).
+    :param input: ``"tokens"``, ``"patches"`` or ``"vectors"``.
+    :param vocab_size: Number of token ids (``input="tokens"``).
+    :param max_len: Longest sequence, the size of the positional table (``"tokens"`` and ``"vectors"``).
+    :param input_dim: Feature width (``input="vectors"``).
+    :param image_size: Image side ``int`` or ``(H, W)`` (``input="patches"``).
+    :param patch_size: Patch side, dividing both image sides (``input="patches"``).
+    :param in_channels: Image channels (``input="patches"``).
+    :param mlp_ratio: Hidden width of the MLPs as a multiple of ``embed_dim``.
+    :param dropout: Dropout on the embeddings, the MLPs and every attention output (unless ``attention_kwargs``
+        sets the GP layers' own).
+    :param attention_kwargs: Keyword arguments of the ``attention`` layers (e.g. ``rank=10``). Layers that take a
+        ``max_len`` get the model's (the number of patches for images) unless it is given here.
+
+    .. note:: Cost per forward: the attention layers' costs plus O(B N C^2 mlp_ratio) per block for the MLPs.
+    """
+
+    def __init__(
+        self,
+        num_classes: int,
+        embed_dim: int = 64,
+        depth: int = 2,
+        num_heads: int = 4,
+        attention: str = "kep_svgp",
+        gp_layers: int = 1,
+        input: str = "tokens",
+        vocab_size: int | None = None,
+        max_len: int = 512,
+        input_dim: int | None = None,
+        image_size: int | tuple[int, int] | None = None,
+        patch_size: int | None = None,
+        in_channels: int | None = None,
+        mlp_ratio: float = 2.0,
+        dropout: float = 0.0,
+        **attention_kwargs: Any,
+    ):
+        super().__init__()
+        _positive_int("num_classes", num_classes)
+        _positive_int("embed_dim", embed_dim)
+        _positive_int("depth", depth)
+        if isinstance(gp_layers, bool) or not isinstance(gp_layers, int) or not 0 <= gp_layers <= depth:
+            raise ValueError(f"expected an integer gp_layers in [0, depth={depth}], got {gp_layers!r}")
+        if input not in INPUTS:
+            raise ValueError(f"expected input in {INPUTS}, got {input!r}")
+        if not mlp_ratio > 0:
+            raise ValueError(f"expected a positive mlp_ratio, got {mlp_ratio}")
+        if not 0.0 <= dropout < 1.0:
+            raise ValueError(f"expected dropout in [0, 1), got {dropout}")
+        input_arguments = {
+            "tokens": {"vocab_size": vocab_size},
+            "vectors": {"input_dim": input_dim},
+            "patches": {"image_size": image_size, "patch_size": patch_size, "in_channels": in_channels},
+        }
+        for kind, arguments in input_arguments.items():
+            for name, value in arguments.items():
+                if kind == input and value is None:
+                    raise ValueError(f"input={input!r} needs {name}")
+                if kind != input and value is not None:
+                    raise ValueError(f"{name} is only used with input={kind!r}, got input={input!r}")
+
+        self.input = input
+        self.embed_dim = embed_dim
+        self.num_classes = num_classes
+        if input == "patches":
+            sides = (image_size, image_size) if isinstance(image_size, int) else tuple(image_size)
+            if len(sides) != 2:
+                raise ValueError(f"expected image_size to be an int or (H, W), got {image_size!r}")
+            height, width = sides
+            for name, value in (("image_size", height), ("image_size", width), ("patch_size", patch_size)):
+                _positive_int(name, value)
+            _positive_int("in_channels", in_channels)
+            if height % patch_size or width % patch_size:
+                raise ValueError(f"patch_size {patch_size} must divide the image size {(height, width)}")
+            self.image_size, self.in_channels = (height, width), in_channels
+            self.embedding = torch.nn.Conv2d(in_channels, embed_dim, kernel_size=patch_size, stride=patch_size)
+            self.max_len = (height // patch_size) * (width // patch_size)
+            self.input_shape = ("B", in_channels, height, width)
+        else:
+            self.max_len = _positive_int("max_len", max_len)
+            if input == "tokens":
+                self.vocab_size = _positive_int("vocab_size", vocab_size)
+                self.embedding = torch.nn.Embedding(vocab_size, embed_dim)
+                self.input_shape = ("B", "N")
+            else:
+                self.input_dim = _positive_int("input_dim", input_dim)
+                self.embedding = torch.nn.Linear(input_dim, embed_dim)
+                self.input_shape = ("B", "N", input_dim)
+        self.position_embedding = torch.nn.Parameter(torch.empty(1, self.max_len, embed_dim))
+        torch.nn.init.trunc_normal_(self.position_embedding, std=0.02)
+        self.embedding_dropout = torch.nn.Dropout(dropout)
+
+        attention_kwargs = {"dropout": dropout, **attention_kwargs}
+        if gp_layers and "max_len" in attention_arguments(attention):
+            # the sequence length bound of fixed-length parametrisations (features="primal_tokens")
+            attention_kwargs.setdefault("max_len", self.max_len)
+        hidden_dim = max(1, round(mlp_ratio * embed_dim))
+        blocks = []
+        for index in range(depth):
+            if index >= depth - gp_layers:
+                layer = build_attention(attention, embed_dim, num_heads, **attention_kwargs)
+            else:
+                layer = SoftmaxAttention(embed_dim, num_heads, dropout=dropout)
+            blocks.append(_EncoderBlock(layer, embed_dim, hidden_dim, dropout))
+        self.blocks = torch.nn.ModuleList(blocks)
+        self.norm = torch.nn.LayerNorm(embed_dim)
+        self.head = torch.nn.Linear(embed_dim, num_classes)
+
+    # -- embedding ---------------------------------------------------------------------------------------------------
+    def embed(self, inputs: Tensor) -> Tensor:
+        """Tokens with positional embedding, shape ``(B, N, C)``."""
+        if not isinstance(inputs, Tensor):
+            raise TypeError(f"expected inputs to be a torch.Tensor, got {type(inputs).__name__}")
+        integer = self.input == "tokens"
+        if not (inputs.dtype in (torch.int32, torch.int64) if integer else inputs.is_floating_point()):
+            kind = "integer token ids" if integer else "floating-point inputs"
+            raise TypeError(f"expected {kind} for input={self.input!r}, got {inputs.dtype}")
+        shape = self.input_shape
+        if inputs.dim() != len(shape) or any(
+            isinstance(want, int) and got != want for got, want in zip(inputs.shape, shape, strict=True)
+        ):
+            raise ValueError(
+                f"expected input={self.input!r} of shape ({', '.join(map(str, shape))}), got {tuple(inputs.shape)}"
+            )
+        if integer and inputs.numel() and (inputs.min() < 0 or inputs.max() >= self.vocab_size):
+            raise ValueError(f"token ids must lie in [0, {self.vocab_size}), got [{inputs.min()}, {inputs.max()}]")
+        tokens = self.embedding(inputs)
+        if self.input == "patches":
+            tokens = tokens.flatten(2).transpose(1, 2)  # (B, C, H/p, W/p) -> (B, N, C)
+        length = tokens.shape[1]
+        if length > self.max_len:
+            raise ValueError(f"sequence length {length} exceeds max_len={self.max_len}")
+        return self.embedding_dropout(tokens + self.position_embedding[:, :length])
+
+    # -- forward -----------------------------------------------------------------------------------------------------
+    def forward(self, inputs: Tensor, mask: Tensor | str | None = None) -> Tensor:
+        """:param inputs: Token ids ``(B, N)``, vectors ``(B, N, input_dim)`` or images ``(B, in_channels, H, W)``.
+        :param mask: ``None``, a boolean padding mask ``(B, N)`` (``True`` = real token; padded tokens have no
+            influence on the logits) or ``"causal"`` (the pooled mean still runs over all tokens).
+        :return: Logits, shape ``(B, num_classes)``.
+        """
+        tokens = self.embed(inputs)  # shape: (B, N, C)
+        padding = mask if isinstance(mask, Tensor) else None
+        if padding is not None and (padding.dtype != torch.bool or tuple(padding.shape) != tuple(tokens.shape[:2])):
+            raise ValueError(
+                f"expected a boolean padding mask of shape {tuple(tokens.shape[:2])}, "
+                f"got {padding.dtype} {tuple(padding.shape)}"
+            )
+        for block in self.blocks:
+            tokens = block(tokens, mask)
+        tokens = self.norm(tokens)
+        if padding is None:
+            pooled = tokens.mean(dim=1)
+        else:
+            # mean over the real tokens; where() rather than a product, so that padded outputs never leak (not even NaN)
+            num_real = padding.sum(dim=1, keepdim=True).to(tokens.dtype)  # shape: (B, 1)
+            pooled = torch.where(padding.unsqueeze(-1), tokens, 0.0).sum(dim=1) / num_real
+        return self.head(pooled)
+
+    # -- probabilistic interface -------------------------------------------------------------------------------------
+    def attention_layers(self) -> list[AttentionLayer]:
+        """The attention layer of every block, first block first."""
+        return [block.attention for block in self.blocks]
+
+    def kl_divergence(self) -> Tensor:
+        """Sum of the KL divergences of every attention layer (the GP layers' after their last forward), a scalar."""
+        return torch.stack([layer.kl_divergence() for layer in self.attention_layers()]).sum()

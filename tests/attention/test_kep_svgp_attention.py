@@ -1,0 +1,509 @@
+"""KEP-SVGP attention against dense references written here (MATH.md sections 3 and 6), float64.
+
+The references use only the layer's parameters: the kernel's W_q, W_k and output scale, the amortised maps (or the
+per-position token weights), the learned singular values (or a numpy SVD in exact mode), the variational means and
+Cholesky factors, the per-head output maps and the output projection.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from torch import Tensor
+
+from gpattn.attention._base import sample_attention
+from gpattn.attention.kep_svgp_attention import KEPSVGPAttention
+
+DTYPE = torch.float64
+ATOL = 1e-10
+C, H, RANK, D_OUT = 8, 2, 3, 3  # head width C / H = 4 = feature dimension p
+
+
+@pytest.fixture(autouse=True)
+def _single_thread():
+    """The tensors here are tiny: one intra-op thread avoids oversubscription slow-downs on busy machines."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
+
+
+def _randn(*shape: int, seed: int) -> Tensor:
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed), dtype=DTYPE)
+
+
+def _layer(seed: int = 0, num_outputs: int | None = D_OUT, **kwargs) -> KEPSVGPAttention:
+    """A float64 layer with every parameter randomised, full (non-triangular) Cholesky parameters included: the
+    variational distribution must use their lower triangle only."""
+    torch.manual_seed(seed)
+    layer = KEPSVGPAttention(C, H, rank=RANK, num_outputs=num_outputs, **kwargs).double()
+    features = layer.features
+    with torch.no_grad():
+        features.kernel.raw_outputscale.copy_(_randn(H, seed=seed + 1))
+        for offset, name in enumerate(("left_bias", "right_bias")):
+            if hasattr(features, name):
+                getattr(features, name).copy_(0.3 * _randn(H, RANK, seed=seed + 2 + offset))
+        if features.mode != "exact":
+            features.raw_singular_values.copy_(_randn(H, RANK, seed=seed + 4))
+        for offset, posterior in enumerate(layer._posteriors()):
+            posterior.variational_mean.copy_(_randn(H, layer.num_outputs, RANK, seed=seed + 5 + offset))
+            noise = 0.4 * _randn(H, layer.num_outputs, RANK, RANK, seed=seed + 7 + offset)
+            posterior.chol_variational_covar.copy_(torch.eye(RANK, dtype=DTYPE) + noise)
+        layer.out_proj.bias.copy_(_randn(C, seed=seed + 9))
+        if hasattr(layer, "token_weight"):
+            layer.token_weight.add_(0.3 * _randn(*layer.token_weight.shape, seed=seed + 10))
+    return layer
+
+
+# -- dense references ------------------------------------------------------------------------------------------------
+def _features(layer: KEPSVGPAttention, tokens: Tensor, side: str) -> Tensor:
+    r""":math:`\phi(x) = \sqrt{\sigma_f} W x / \|W x\|` per head, shape ``(B, H, n, p)``."""
+    kernel = layer.features.kernel
+    weight = kernel.query_weight if side == "query" or layer.tie_qk else kernel.key_weight
+    projected = torch.einsum("hpc,bnc->bhnp", weight, tokens)
+    return projected / projected.norm(dim=-1, keepdim=True) * kernel.outputscale.sqrt()[None, :, None, None]
+
+
+def _maps(layer: KEPSVGPAttention, tokens: Tensor, side: str) -> Tensor:
+    """:math:`A_e` or :math:`A_r` of every token, shape ``(B, H, n, s)``."""
+    features = layer.features
+    if side == "right" and not layer.tie_qk:
+        weight, bias = features.right_map, features.right_bias
+    else:
+        weight, bias = features.left_map, features.left_bias
+    return torch.einsum("bnc,hcs->bhns", tokens, weight) + bias[None, :, None, :]
+
+
+def _dense_scores(layer: KEPSVGPAttention, x: Tensor, context=None, mask=None, causal: bool = False) -> dict:
+    """e (B, H, N, s), r (B, H, M, s), Lambda (H, s) or (B, H, s), kernel diagonals and J from the dense kernel."""
+    keys = x if context is None else context
+    phi_q, phi_k = _features(layer, x, "query"), _features(layer, keys, "key")
+    kernel = phi_q @ phi_k.mT  # (B, H, N, M)
+    key_weight = torch.ones(keys.shape[:2], dtype=DTYPE) if mask is None else mask.to(DTYPE)
+    query_weight = key_weight if (context is None and mask is not None) else torch.ones(x.shape[:2], dtype=DTYPE)
+    visible = kernel * key_weight[:, None, None, :] * query_weight[:, None, :, None]
+    mode = layer.features.mode
+    if mode == "exact":
+        # numpy SVD of the masked kernel; sign: the largest-magnitude entry of each left vector is positive
+        u, sigma, vt = np.linalg.svd(visible.detach().numpy())
+        u, sigma, v = u[..., :RANK], sigma[..., :RANK], vt[..., :RANK, :].swapaxes(-1, -2)
+        signs = np.sign(np.take_along_axis(u, np.abs(u).argmax(-2)[..., None, :], axis=-2))
+        left, right = (torch.from_numpy(a * signs * sigma[..., None, :]) for a in (u, v))
+        lam = torch.from_numpy(sigma.copy())
+        objective = torch.zeros(visible.shape[:2], dtype=DTYPE)
+    elif mode == "primal_tokens":
+        tokens_e = layer.features.left_token_weights
+        tokens_r = tokens_e if layer.tie_qk else layer.features.right_token_weights
+        left, right, lam = kernel @ tokens_e, kernel.mT @ tokens_r, layer.features.singular_values
+        left_w, right_w = phi_k.mT @ tokens_e, phi_q.mT @ tokens_r
+    else:
+        left_values, right_values = _maps(layer, keys, "left"), _maps(layer, x, "right")
+        lam = layer.features.singular_values
+        if causal:  # prefix means e(x_i) = sum_{j <= i} kappa(x_i, z_j) A_e(z_j) / i, r(z_j): queries i <= j
+            lower = torch.ones(x.shape[1], x.shape[1], dtype=DTYPE).tril()
+            counts = lower.sum(-1)[:, None]
+            left = (kernel * lower) @ left_values / counts
+            right = (kernel * lower.T).mT @ right_values / counts
+            left_diag, right_diag = (kernel * lower).pow(2).sum(-1), (kernel * lower.T).pow(2).sum(-2)
+        else:
+            left = visible @ left_values / key_weight.sum(-1)[:, None, None, None]
+            right = visible.mT @ right_values / query_weight.sum(-1)[:, None, None, None]
+        # J (sum form, real tokens) with W_e = Phi_k^T A_e(Z) / M, W_r = Phi_q^T A_r(X) / N
+        left_w = (phi_k * key_weight[:, None, :, None]).mT @ left_values / key_weight.sum(-1)[:, None, None, None]
+        right_w = (phi_q * query_weight[:, None, :, None]).mT @ right_values / query_weight.sum(-1)[:, None, None, None]
+    if mode != "exact":
+        e_real = (phi_q @ left_w) * query_weight[:, None, :, None]
+        r_real = (phi_k @ right_w) * key_weight[:, None, :, None]
+        objective = (
+            0.5 * (e_real.pow(2) / lam[:, None]).sum((-2, -1))
+            + 0.5 * (r_real.pow(2) / lam[:, None]).sum((-2, -1))
+            - (left_w * right_w).sum((-2, -1))
+        )
+    if not causal:
+        left_diag, right_diag = visible.pow(2).sum(-1), visible.pow(2).sum(-2)
+    return {
+        "left": left,
+        "right": right,
+        "lam": lam,
+        "objective": objective,
+        "left_residual": (left_diag - left.pow(2).sum(-1)).clamp_min(0.0),
+        "right_residual": (right_diag - right.pow(2).sum(-1)).clamp_min(0.0),
+    }
+
+
+def _cholesky(posterior) -> Tensor:
+    return posterior.chol_variational_covar.tril()  # shape: (H, d_out, s, s)
+
+
+def _branches(layer: KEPSVGPAttention, x: Tensor, context=None, mask=None, causal: bool = False) -> list[dict]:
+    """Per branch at the queries: interp e Lambda^{-1} (B, H, N, s), m (H, d, s), L (H, d, s, s), the combined output
+    weights C[h, c, j] (H, d, C) of the per-head output map and the output projection, the residual (B, H, N)."""
+    scores = _dense_scores(layer, x, context, mask, causal)
+    lam = scores["lam"]
+    inverse = (1.0 / lam)[..., None, :] if lam.dim() == 3 else (1.0 / lam)[None, :, None, :]
+    single = layer.tie_qk or context is not None
+    projection = layer.out_proj.weight.view(C, H, -1)  # P[j, h, k]
+    right_posterior = layer.left_posterior if layer.shared_posterior else getattr(layer, "right_posterior", None)
+    branches = []
+    for index, (side, posterior) in enumerate((("left", layer.left_posterior), ("right", right_posterior))):
+        if index == 1 and single:
+            break
+        d = layer.num_outputs
+        rows = slice(d, 2 * d) if (layer.merge == "concat" and index == 1) else slice(0, d)
+        weight = torch.einsum("hck,jhk->hcj", layer.output_weight[:, rows], projection)
+        branches.append(
+            {
+                "interp": scores[side] * inverse,
+                "mean": posterior.variational_mean,
+                "chol": _cholesky(posterior),
+                "weight": weight,
+                "residual": scores[f"{side}_residual"],
+            }
+        )
+    return branches
+
+
+def _dense_mean(layer: KEPSVGPAttention, x: Tensor, context=None, mask=None, causal: bool = False) -> Tensor:
+    branches = _branches(layer, x, context, mask, causal)
+    outputs = [torch.einsum("bhns,hcs->bhnc", branch["interp"], branch["mean"]) for branch in branches]
+    d = layer.num_outputs
+    if len(outputs) == 1:
+        heads = torch.einsum("bhnc,hck->bhnk", outputs[0], layer.output_weight[:, :d])
+    elif layer.merge == "sum":
+        heads = torch.einsum("bhnc,hck->bhnk", outputs[0] + outputs[1], layer.output_weight)
+    elif layer.merge == "concat":
+        heads = torch.einsum("bhnc,hck->bhnk", torch.cat(outputs, -1), layer.output_weight)
+    else:  # concat_tokens: W_tok [F_e; F_r] along the tokens
+        merged = torch.einsum("hnm,bhmc->bhnc", layer.token_weight, torch.cat(outputs, -2))
+        heads = torch.einsum("bhnc,hck->bhnk", merged, layer.output_weight)
+    batch, _, length, _ = heads.shape
+    concatenated = heads.permute(0, 2, 1, 3).reshape(batch, length, C)
+    return concatenated @ layer.out_proj.weight.T + layer.out_proj.bias
+
+
+def _dense_covariance(layer: KEPSVGPAttention, x: Tensor, context=None, mask=None, residual: bool = True) -> Tensor:
+    """Covariance across tokens of every output channel, (B, C, N, N): y_{nj} = sum_{b,h,c} C^b_{hcj} F^b_{hnc}
+    + const with F^b_{h,:,c} = e^b_h Lambda^{-1} u^b_{hc}; branches correlate only through a shared posterior."""
+    branches = _branches(layer, x, context, mask)
+    covariance = 0.0
+    for a, first in enumerate(branches):
+        for b, second in enumerate(branches):
+            if a != b and not layer.shared_posterior:
+                continue
+            covar_u = first["chol"] @ first["chol"].mT  # S_{hc} (the same for both branches when shared)
+            cross = torch.einsum("bhns,hcst,bhmt->bhcnm", first["interp"], covar_u, second["interp"])
+            covariance = covariance + torch.einsum("bhcnm,hcj,hcj->bjnm", cross, first["weight"], second["weight"])
+    if residual and layer.residual == "diag":
+        for branch in branches:
+            diagonal = torch.einsum("bhn,hcj->bjn", branch["residual"], branch["weight"].pow(2))
+            covariance = covariance + torch.diag_embed(diagonal)
+    return covariance
+
+
+def _padding_mask() -> Tensor:
+    return torch.tensor([[True] * 5, [True, False, True, True, False]])
+
+
+# -- predictive mean -------------------------------------------------------------------------------------------------
+MEAN_CASES = [
+    pytest.param({}, {}, id="sum"),
+    pytest.param({"merge": "concat"}, {}, id="concat"),
+    pytest.param({"shared_posterior": True}, {}, id="shared"),
+    pytest.param({"merge": "concat", "shared_posterior": True}, {}, id="concat-shared"),
+    pytest.param({"tie_qk": True}, {}, id="tie_qk"),
+    pytest.param({"num_outputs": None}, {}, id="default-d_out"),
+    pytest.param({}, {"mask": True}, id="padding"),
+    pytest.param({"merge": "concat"}, {"causal": True}, id="causal"),
+    pytest.param({}, {"context": True}, id="cross-sum"),
+    pytest.param({"merge": "concat"}, {"context": True, "mask": True}, id="cross-concat-padding"),
+    pytest.param({"features": "exact"}, {}, id="exact"),
+    pytest.param({"features": "exact", "merge": "concat"}, {"mask": True}, id="exact-padding"),
+    pytest.param({"features": "primal_tokens", "max_len": 5}, {}, id="primal_tokens"),
+    pytest.param({"merge": "concat_tokens", "max_len": 5}, {}, id="concat_tokens"),
+]
+
+
+def _call_args(options: dict, seed: int = 40) -> tuple[Tensor, dict, dict]:
+    x = _randn(2, 5, C, seed=seed)
+    context = _randn(2, 7, C, seed=seed + 1) if options.get("context") else None
+    mask = None
+    if options.get("mask"):
+        mask = (
+            torch.tensor([[True] * 7, [False, True, True, True, False, True, True]])
+            if context is not None
+            else _padding_mask()
+        )
+    layer_kwargs = {"context": context, "mask": "causal" if options.get("causal") else mask}
+    dense_kwargs = {"context": context, "mask": mask, "causal": bool(options.get("causal"))}
+    return x, layer_kwargs, dense_kwargs
+
+
+@pytest.mark.parametrize(("layer_kwargs", "options"), MEAN_CASES)
+def test_predictive_mean_matches_dense(layer_kwargs: dict, options: dict):
+    layer = _layer(**layer_kwargs).eval()
+    x, call, dense = _call_args(options)
+    expected = _dense_mean(layer, x, **dense)
+    output = layer(x, **call)
+    rows = slice(None) if dense["mask"] is None or dense["context"] is not None else dense["mask"]
+    torch.testing.assert_close(output[rows], expected[rows], atol=ATOL, rtol=0)
+    torch.testing.assert_close(layer.predictive_mean(x, **call)[rows], expected[rows], atol=ATOL, rtol=0)
+    if dense["mask"] is not None:  # padded tokens have no influence on the real outputs
+        keys = x if dense["context"] is None else dense["context"]
+        perturbed = torch.where(dense["mask"][..., None], keys, keys + 3.0 * _randn(*keys.shape, seed=49))
+        if dense["context"] is None:
+            other = layer(perturbed, mask=dense["mask"])
+        else:
+            other = layer(x, mask=dense["mask"], context=perturbed)
+        torch.testing.assert_close(other[rows], output[rows], atol=ATOL, rtol=0)
+
+
+def test_training_mode_returns_samples_around_the_mean():
+    layer = _layer()
+    x = _randn(2, 5, C, seed=41)
+    mean = layer.eval()(x)
+    layer.train()
+    first, second = layer(x), layer(x)
+    assert not torch.allclose(first, second) and not torch.allclose(first, mean)
+    layer.eval()
+    torch.testing.assert_close(layer(x), mean, atol=0, rtol=0)  # eval: the mean again, deterministic
+
+
+# -- sampling --------------------------------------------------------------------------------------------------------
+NUM_SAMPLES = 20000
+
+
+def _empirical(layer: KEPSVGPAttention, x: Tensor, context=None) -> tuple[Tensor, Tensor]:
+    """Mean (N, C) and covariance across tokens per channel (C, N, N) of NUM_SAMPLES samples for one sequence,
+    drawn in one call with the sequence repeated along the batch (samples are independent per sequence)."""
+    torch.manual_seed(123)
+    repeated = x.expand(NUM_SAMPLES, -1, -1).contiguous()
+    repeated_context = None if context is None else context.expand(NUM_SAMPLES, -1, -1).contiguous()
+    with torch.no_grad(), sample_attention(layer):
+        samples = layer.eval()(repeated, context=repeated_context)  # (S, N, C)
+    centred = samples - samples.mean(0)
+    return samples.mean(0), torch.einsum("snj,smj->jnm", centred, centred) / (NUM_SAMPLES - 1)
+
+
+def _standard_errors(covariance: Tensor) -> Tensor:
+    # sd of an empirical covariance of Gaussians: sqrt((s_nm^2 + s_nn s_mm) / S)
+    variances = torch.diagonal(covariance, dim1=-2, dim2=-1)
+    return ((covariance.pow(2) + variances[..., :, None] * variances[..., None, :]) / NUM_SAMPLES).sqrt()
+
+
+SAMPLING_CASES = [
+    pytest.param({}, False, id="sum"),
+    pytest.param({"merge": "concat", "residual": "diag"}, False, id="concat-residual"),
+    pytest.param({"shared_posterior": True}, False, id="shared"),
+    pytest.param({"tie_qk": True, "residual": "diag"}, False, id="tie_qk-residual"),
+    pytest.param({}, True, id="cross"),
+]
+
+
+@pytest.mark.parametrize(("layer_kwargs", "cross"), SAMPLING_CASES)
+def test_joint_sampling_covariance_across_tokens(layer_kwargs: dict, cross: bool):
+    """MATH.md identity 8 on the layer output: empirical covariance across tokens of 20000 joint samples."""
+    layer = _layer(**layer_kwargs)
+    x = _randn(1, 5, C, seed=42)
+    context = _randn(1, 6, C, seed=43) if cross else None
+    mean, covariance = _empirical(layer, x, context)
+    expected = _dense_covariance(layer, x, context)[0]  # (C, N, N)
+    expected_mean = _dense_mean(layer, x, context)[0]
+    variances = torch.diagonal(expected, dim1=-2, dim2=-1)  # (C, N)
+    assert ((mean - expected_mean).abs() <= 5 * (variances.T / NUM_SAMPLES).sqrt()).all()
+    for channel in (0, C - 1):
+        error = torch.linalg.matrix_norm(covariance[channel] - expected[channel]) / torch.linalg.matrix_norm(
+            expected[channel]
+        )
+        entrywise = (covariance[channel] - expected[channel]).abs() <= 5 * _standard_errors(expected[channel])
+        assert error < 0.05 or entrywise.all(), f"channel {channel}: relative error {error:.3g}"
+    # the tokens are clearly correlated: the joint draw shares u across tokens (the residual noise is independent)
+    low_rank = _dense_covariance(layer, x, context, residual=False)[0]
+    low_rank_variances = torch.diagonal(low_rank, dim1=-2, dim2=-1)
+    correlation = low_rank / (low_rank_variances[..., :, None] * low_rank_variances[..., None, :]).sqrt()
+    assert (correlation - torch.eye(5, dtype=DTYPE)).abs().max() > 0.3
+    if layer.residual == "diag":
+        assert (variances - low_rank_variances).min() > 1e-3
+
+
+@pytest.mark.parametrize(
+    "layer_kwargs",
+    [
+        pytest.param({}, id="sum"),
+        pytest.param({"merge": "concat", "residual": "diag"}, id="concat-residual"),
+        pytest.param({"shared_posterior": True}, id="shared"),
+        pytest.param({"shared_posterior": True, "merge": "concat"}, id="shared-concat"),
+    ],
+)
+def test_marginal_sampling_has_the_right_marginals_and_no_token_correlation(layer_kwargs: dict):
+    layer = _layer(sampling="marginal", **layer_kwargs)
+    x = _randn(1, 5, C, seed=44)
+    mean, covariance = _empirical(layer, x)
+    expected = _dense_covariance(layer, x)[0]
+    variances = torch.diagonal(expected, dim1=-2, dim2=-1)
+    sampled_variances = torch.diagonal(covariance, dim1=-2, dim2=-1)
+    assert ((mean - _dense_mean(layer, x)[0]).abs() <= 5 * (variances.T / NUM_SAMPLES).sqrt()).all()
+    # the marginals are right: variance within 5 standard errors (sqrt(2 / S) relative)
+    assert ((sampled_variances - variances).abs() <= 5 * (2.0 / NUM_SAMPLES) ** 0.5 * variances).all()
+    # ... but tokens are uncorrelated (the joint covariance is clearly not), up to noise once the output
+    # projection mixes the heads: the covariance of y is then still diagonal across tokens
+    off_diagonal = ~torch.eye(5, dtype=torch.bool)
+    standard_errors = (variances[..., :, None] * variances[..., None, :] / NUM_SAMPLES).sqrt()
+    assert (covariance.abs()[:, off_diagonal] <= 5 * standard_errors[:, off_diagonal]).all()
+    joint = _dense_covariance(layer, x, residual=False)[0]  # what joint sampling would give off the diagonal
+    assert (joint.abs()[:, off_diagonal] > 20 * standard_errors[:, off_diagonal]).any()
+
+
+# -- posterior() -----------------------------------------------------------------------------------------------------
+POSTERIOR_CASES = [
+    pytest.param({}, {}, id="sum"),
+    pytest.param({"residual": "diag"}, {}, id="sum-residual"),
+    pytest.param({"shared_posterior": True}, {}, id="shared"),
+    pytest.param({"shared_posterior": True, "residual": "diag"}, {"mask": True}, id="shared-residual-padding"),
+    pytest.param({"merge": "concat", "residual": "diag"}, {}, id="concat-residual"),
+    pytest.param({"merge": "concat", "shared_posterior": True}, {}, id="concat-shared"),
+    pytest.param({"tie_qk": True, "residual": "diag"}, {}, id="tie_qk-residual"),
+    pytest.param({"residual": "diag"}, {"context": True}, id="cross-residual"),
+    pytest.param({"features": "exact", "residual": "diag"}, {}, id="exact-residual"),
+]
+
+
+@pytest.mark.parametrize(("layer_kwargs", "options"), POSTERIOR_CASES)
+def test_posterior_matches_dense(layer_kwargs: dict, options: dict):
+    layer = _layer(**layer_kwargs)  # training mode: posterior() must switch to the mean and restore the mode
+    x, call, dense = _call_args(options, seed=45)
+    mean, variance = layer.posterior(x, **call)
+    assert layer.training
+    expected_variance = torch.diagonal(_dense_covariance(layer, x, dense["context"], dense["mask"]), dim1=-2, dim2=-1)
+    rows = slice(None) if dense["mask"] is None or dense["context"] is not None else dense["mask"]
+    torch.testing.assert_close(mean[rows], _dense_mean(layer, x, **dense)[rows], atol=ATOL, rtol=0)
+    torch.testing.assert_close(variance[rows], expected_variance.mT[rows], atol=ATOL, rtol=0)
+    if layer.residual == "diag":  # the residual contributes (the tail of the spectrum in exact mode)
+        without = _dense_covariance(layer, x, dense["context"], dense["mask"], residual=False)
+        assert (expected_variance - torch.diagonal(without, dim1=-2, dim2=-1)).max() > 1e-5
+
+
+def test_posterior_is_not_available_for_concat_tokens():
+    layer = _layer(merge="concat_tokens", max_len=5)
+    with pytest.raises(NotImplementedError):
+        layer.posterior(_randn(1, 5, C, seed=46))
+
+
+# -- KL and the KSVD loss --------------------------------------------------------------------------------------------
+def _dense_kl(mean: Tensor, chol: Tensor, lam: Tensor) -> Tensor:
+    """sum over heads and outputs of KL(N(m, L L^T) || N(0, diag(Lambda_h^2))) with torch.distributions."""
+    total = torch.zeros((), dtype=DTYPE)
+    for h in range(mean.shape[0]):
+        prior = torch.distributions.MultivariateNormal(torch.zeros(RANK, dtype=DTYPE), torch.diag(lam[h] ** 2))
+        for c in range(mean.shape[1]):
+            posterior = torch.distributions.MultivariateNormal(mean[h, c], chol[h, c] @ chol[h, c].T)
+            total = total + torch.distributions.kl_divergence(posterior, prior)
+    return total
+
+
+@pytest.mark.parametrize(
+    "layer_kwargs",
+    [
+        pytest.param({}, id="sum"),
+        pytest.param({"merge": "concat"}, id="concat"),
+        pytest.param({"shared_posterior": True}, id="shared"),
+        pytest.param({"tie_qk": True}, id="tie_qk"),
+        pytest.param({"features": "primal_tokens", "max_len": 5}, id="primal_tokens"),
+    ],
+)
+def test_kl_matches_torch_distributions(layer_kwargs: dict):
+    layer = _layer(**layer_kwargs)
+    lam = layer.features.singular_values
+    expected = _dense_kl(layer.left_posterior.variational_mean, _cholesky(layer.left_posterior), lam)
+    if not (layer.shared_posterior or layer.tie_qk):
+        expected = expected + _dense_kl(layer.right_posterior.variational_mean, _cholesky(layer.right_posterior), lam)
+    else:
+        assert not hasattr(layer, "right_posterior")  # one KL per head and output
+    kl = layer.kl_divergence()
+    assert kl.shape == ()
+    torch.testing.assert_close(kl, expected, atol=ATOL, rtol=0)
+
+
+def test_kl_at_the_prior_is_zero():
+    layer = _layer()
+    with torch.no_grad():
+        lam = layer.features.singular_values
+        for posterior in layer._posteriors():
+            posterior.variational_mean.zero_()
+            posterior.chol_variational_covar.copy_(torch.diag_embed(lam[:, None].expand(-1, D_OUT, -1)))
+    torch.testing.assert_close(layer.kl_divergence(), torch.zeros((), dtype=DTYPE), atol=ATOL, rtol=0)
+
+
+def test_exact_mode_kl_uses_the_last_batch():
+    layer = _layer(features="exact")
+    with pytest.raises(RuntimeError, match="forward"):
+        layer.kl_divergence()
+    x = _randn(3, 5, C, seed=47)
+    layer.eval()(x)
+    lam = _dense_scores(layer, x)["lam"]  # (B, H, s) from numpy SVDs
+    per_sequence = []
+    for b in range(3):
+        kl = _dense_kl(layer.left_posterior.variational_mean, _cholesky(layer.left_posterior), lam[b])
+        kl = kl + _dense_kl(layer.right_posterior.variational_mean, _cholesky(layer.right_posterior), lam[b])
+        per_sequence.append(kl)
+    torch.testing.assert_close(layer.kl_divergence(), torch.stack(per_sequence).mean(), atol=ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("options", [{}, {"mask": True}, {"causal": True}], ids=["plain", "padding", "causal"])
+def test_ksvd_loss_term_after_a_training_forward(options: dict):
+    layer = _layer().train()
+    x, call, dense = _call_args(options, seed=48)
+    layer(x, **call)
+    term = dict(layer.named_added_loss_terms())["ksvd_loss"]
+    # J of the whole sequence over the real tokens (a causal layer penalises the full-sequence KSVD)
+    objective = _dense_scores(layer, x, mask=dense["mask"])["objective"]  # (B, H)
+    torch.testing.assert_close(term.loss(), objective.pow(2).sum(-1).mean(), atol=ATOL, rtol=0)
+
+
+def test_exact_mode_has_no_ksvd_loss():
+    layer = _layer(features="exact").train()
+    layer(_randn(2, 5, C, seed=50))
+    torch.testing.assert_close(
+        dict(layer.named_added_loss_terms())["ksvd_loss"].loss(), torch.zeros((), dtype=DTYPE), atol=0, rtol=0
+    )
+
+
+# -- errors ----------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"merge": "product"}, "merge"),
+        ({"sampling": "independent"}, "sampling"),
+        ({"residual": "full"}, "residual"),
+        ({"tie_qk": True, "merge": "concat"}, "tie_qk"),
+        ({"tie_qk": True, "shared_posterior": True}, "tie_qk"),
+        ({"merge": "concat_tokens"}, "max_len"),
+        ({"merge": "concat_tokens", "max_len": 0}, "max_len"),
+        ({"features": "primal_tokens"}, "max_len"),
+        ({"features": "amortized", "kernel": "exponential"}, "exponential"),
+    ],
+)
+def test_constructor_errors(kwargs: dict, match: str):
+    with pytest.raises(ValueError, match=match):
+        KEPSVGPAttention(C, H, rank=RANK, **kwargs)
+
+
+def test_call_errors():
+    x = _randn(2, 5, C, seed=51)
+    mask = torch.ones(2, 5, dtype=torch.bool)
+    with pytest.raises(ValueError, match="primal_tokens"):
+        _layer(features="primal_tokens", max_len=5)(x, mask=mask)
+    with pytest.raises(ValueError, match="primal_tokens"):
+        _layer(features="primal_tokens", max_len=5)(x, mask="causal")
+    with pytest.raises(ValueError, match="max_len=5"):
+        _layer(features="primal_tokens", max_len=5)(_randn(2, 4, C, seed=52))
+    with pytest.raises(ValueError, match="concat_tokens"):
+        _layer(merge="concat_tokens", max_len=5)(x, mask=mask)
+    with pytest.raises(ValueError, match="concat_tokens"):
+        _layer(merge="concat_tokens", max_len=5)(x, context=_randn(2, 5, C, seed=53))
+    with pytest.raises(ValueError, match="length 5"):
+        _layer(merge="concat_tokens", max_len=5)(_randn(2, 4, C, seed=54))
+    with pytest.raises(ValueError, match="causal"):
+        _layer(features="exact")(x, mask="causal")
+    with pytest.raises(ValueError, match="shortest sequence"):
+        _layer(features="exact")(x, mask=torch.tensor([[True] * 5, [True, True] + [False] * 3]))

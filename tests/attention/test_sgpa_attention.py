@@ -1,0 +1,280 @@
+"""SGPA attention against a dense, loop-based re-implementation of MATH.md section 5 (float64), plus masks, sampling
+moments and gradients."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from gpattn.attention._base import sample_attention
+from gpattn.attention.sgpa_attention import SGPAAttention
+
+DTYPE = torch.float64
+EMBED, HEADS, GLOBAL = 8, 2, 3
+SETTINGS = ("none", "padding", "causal", "cross")
+
+
+def make_layer(kernel: str = "ard", seed: int = 0, **kwargs) -> SGPAAttention:
+    torch.manual_seed(seed)
+    layer = SGPAAttention(EMBED, HEADS, kwargs.pop("num_global_inducing", GLOBAL), kernel=kernel, **kwargs).to(DTYPE)
+    with torch.no_grad():  # move the variational parameters and hyperparameters away from their initial values
+        layer.inducing_values.normal_()
+        layer.chol_variational_covar.normal_(std=0.3)
+        layer.lengthscale = layer.lengthscale * (0.8 + 0.4 * torch.rand_like(layer.lengthscale))
+        layer.outputscale = torch.tensor([0.7, 1.3], dtype=DTYPE)
+    return layer
+
+
+def make_inputs(setting: str, seed: int = 1, batch: int = 2, length: int = 5, context_length: int = 7):
+    """``(x, mask, context)`` for a setting; padding masks hide the tail of the first sequence."""
+    generator = torch.Generator().manual_seed(seed)
+    x = torch.randn(batch, length, EMBED, generator=generator, dtype=DTYPE)
+    if setting == "none":
+        return x, None, None
+    if setting == "causal":
+        return x, "causal", None
+    keys_length = context_length if setting == "cross" else length
+    mask = torch.ones(batch, keys_length, dtype=torch.bool)
+    mask[0, -2:] = False
+    context = (
+        torch.randn(batch, context_length, EMBED, generator=generator, dtype=DTYPE) if setting == "cross" else None
+    )
+    return x, mask, context
+
+
+# -- dense reference -------------------------------------------------------------------------------------------------
+def dense_kernel(layer: SGPAAttention, head: int, left: torch.Tensor, right: torch.Tensor) -> torch.Tensor:
+    lengthscale, outputscale = layer.lengthscale[head], layer.outputscale[head]
+    left, right = left / lengthscale, right / lengthscale
+    if layer.kernel_type == "ard":
+        return outputscale * torch.exp(-0.5 * (left[:, None, :] - right[None, :, :]).square().sum(-1))
+    return outputscale * torch.exp(left @ right.T)
+
+
+def dense_head(layer: SGPAAttention, head: int, seq: int, x, mask, context):
+    """Mean ``(N, p)``, variance ``(N,)`` and the data KL term of one head and sequence, built token by token."""
+    width = layer.head_dim
+    rows = slice(head * width, (head + 1) * width)
+    key_weight, value_weight = layer.key_proj.weight[rows], layer.value_proj.weight[rows]
+    source = x if context is None else context
+    queries, keys, values = x[seq] @ key_weight.T, source[seq] @ key_weight.T, source[seq] @ value_weight.T
+    induc_keys, induc_values = layer.inducing_keys[head], layer.inducing_values[head]
+
+    def kern(left, right):
+        return dense_kernel(layer, head, left, right)
+
+    induc_induc = kern(induc_keys, induc_keys)
+    induc_induc = induc_induc + layer.jitter * induc_induc.diagonal().mean() * torch.eye(len(induc_keys), dtype=DTYPE)
+    chol = torch.linalg.cholesky(induc_induc)  # L_bb defines the whitening
+    covar_root = layer.variational_covar_root[head]
+    variational_covar = covar_root @ covar_root.T  # S
+
+    real = torch.ones(len(keys), dtype=torch.bool) if not isinstance(mask, torch.Tensor) else mask[seq]
+    means, variances = [], []
+    for i, query in enumerate(queries):
+        visible = real.clone()
+        if mask == "causal":
+            visible[i + 1 :] = False
+        keys_i, values_i = keys[visible], values[visible]
+        query_induc = kern(query[None], induc_keys)  # shape: (1, M_g)
+        mean = kern(query[None], keys_i) @ values_i
+        mean = mean - query_induc @ torch.linalg.solve(induc_induc, kern(induc_keys, keys_i) @ values_i)
+        mean = mean + query_induc @ induc_values
+        interp = torch.linalg.solve(chol, query_induc.T)  # L^{-1} K_bq
+        variance = (
+            kern(query[None], query[None])
+            - query_induc @ torch.linalg.solve(induc_induc, query_induc.T)
+            + interp.T @ variational_covar @ interp
+        )
+        means.append(mean[0])
+        variances.append(variance.reshape(()))
+    keys_g, values_g = (keys, values) if mask == "causal" else (keys[real], values[real])  # causal: the full sequence
+    residual = kern(keys_g, keys_g) - kern(keys_g, induc_keys) @ torch.linalg.solve(
+        induc_induc, kern(induc_keys, keys_g)
+    )
+    data_term = 0.5 * torch.einsum("nd,nm,md->", values_g, residual, values_g)
+    return torch.stack(means), torch.stack(variances), data_term
+
+
+def dense_global_kl(layer: SGPAAttention) -> torch.Tensor:
+    total = torch.zeros((), dtype=DTYPE)
+    for head in range(HEADS):
+        induc_keys = layer.inducing_keys[head]
+        induc_induc = dense_kernel(layer, head, induc_keys, induc_keys)
+        induc_induc = induc_induc + layer.jitter * induc_induc.diagonal().mean() * torch.eye(
+            len(induc_keys), dtype=DTYPE
+        )
+        covar_root = layer.variational_covar_root[head]
+        variational_covar = covar_root @ covar_root.T
+        per_dim = variational_covar.trace() - len(induc_keys) - torch.logdet(variational_covar)
+        induc_values = layer.inducing_values[head]
+        total = total + 0.5 * (
+            layer.head_dim * per_dim + torch.einsum("md,mn,nd->", induc_values, induc_induc, induc_values)
+        )
+    return total
+
+
+# -- tests -----------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"num_global_inducing": 0},
+        {"num_global_inducing": 2.0},
+        {"kernel": "rbf"},
+        {"jitter": -1e-6},
+        {"embed_dim": 6, "num_heads": 4},
+        {"dropout": 1.0},
+    ],
+)
+def test_constructor_validation(kwargs):
+    arguments = {"embed_dim": EMBED, "num_heads": HEADS, **kwargs}
+    with pytest.raises(ValueError, match="expected|divisible"):
+        SGPAAttention(**arguments)
+
+
+@pytest.mark.parametrize("setting", SETTINGS)
+@pytest.mark.parametrize("kernel", ["ard", "exponential"])
+def test_matches_dense_reference(kernel, setting):
+    layer = make_layer(kernel)
+    x, mask, context = make_inputs(setting)
+    mean, variance = layer.head_moments(x, mask, context)
+    layer.eval()
+    layer(x, mask=mask, context=context)
+    data_kl = torch.zeros((), dtype=DTYPE)
+    for seq in range(x.shape[0]):
+        real_queries = mask[seq] if isinstance(mask, torch.Tensor) and context is None else slice(None)
+        for head in range(HEADS):
+            dense_mean, dense_variance, data_term = dense_head(layer, head, seq, x, mask, context)
+            torch.testing.assert_close(mean[seq, head][real_queries], dense_mean[real_queries], rtol=1e-9, atol=1e-9)
+            expected_variance = dense_variance.clamp_min(0)[real_queries, None].expand(-1, layer.head_dim)
+            torch.testing.assert_close(variance[seq, head][real_queries], expected_variance, rtol=1e-9, atol=1e-9)
+            data_kl = data_kl + data_term / x.shape[0]
+    expected_kl = dense_global_kl(layer) + data_kl
+    torch.testing.assert_close(layer.kl_divergence(), expected_kl, rtol=1e-9, atol=1e-9)
+    assert layer.kl_divergence() >= 0
+
+
+def test_kl_before_forward_is_the_global_part():
+    layer = make_layer()
+    torch.testing.assert_close(layer.kl_divergence(), dense_global_kl(layer), rtol=1e-10, atol=1e-10)
+    x, _, _ = make_inputs("none")
+    layer(x)
+    assert layer.kl_divergence() > dense_global_kl(layer)
+
+
+@pytest.mark.parametrize("kernel", ["ard", "exponential"])
+def test_kl_nonnegative_and_zero_at_prior(kernel):
+    layer = make_layer(kernel)
+    x, mask, _ = make_inputs("padding")
+    for seed in range(3):
+        torch.manual_seed(seed)
+        with torch.no_grad():
+            layer.chol_variational_covar.normal_(std=0.5)
+            layer.inducing_values.normal_()
+        layer(x, mask=mask)
+        assert layer.kl_divergence() >= 0
+    with torch.no_grad():  # q(u) = p(u): S = I, v_b = 0; the v_g term vanishes with zero values
+        layer.chol_variational_covar.zero_()
+        layer.inducing_values.zero_()
+        layer.value_proj.weight.zero_()
+    layer(x, mask=mask)
+    assert abs(layer.kl_divergence().item()) < 1e-12
+
+
+@pytest.mark.parametrize("kernel", ["ard", "exponential"])
+@pytest.mark.parametrize("setting", ["padding", "cross"])
+def test_padding_mask_invariance(kernel, setting):
+    layer = make_layer(kernel).eval()
+    x, mask, context = make_inputs(setting)
+    output = layer(x, mask=mask, context=context)
+    kl = layer.kl_divergence()
+    perturbed = (x if context is None else context).clone()
+    perturbed[~mask] = 10 * torch.randn_like(perturbed[~mask])
+    if context is None:
+        output_perturbed = layer(perturbed, mask=mask)
+        real = mask
+    else:
+        output_perturbed = layer(x, mask=mask, context=perturbed)
+        real = torch.ones(x.shape[:2], dtype=torch.bool)
+    torch.testing.assert_close(output_perturbed[real], output[real], rtol=0, atol=1e-10)
+    torch.testing.assert_close(layer.kl_divergence(), kl, rtol=0, atol=1e-10)
+
+
+def test_causal_invariance():
+    layer = make_layer("exponential").eval()
+    x, mask, _ = make_inputs("causal", length=6)
+    output = layer(x, mask=mask)
+    _, variance = layer.posterior(x, mask=mask)
+    for position in range(x.shape[1] - 1):
+        perturbed = x.clone()
+        perturbed[:, position + 1 :] = torch.randn_like(perturbed[:, position + 1 :])
+        torch.testing.assert_close(layer(perturbed, mask=mask)[:, : position + 1], output[:, : position + 1])
+        _, variance_perturbed = layer.posterior(perturbed, mask=mask)
+        torch.testing.assert_close(variance_perturbed[:, : position + 1], variance[:, : position + 1])
+
+
+def test_cross_attention_shapes():
+    layer = make_layer()
+    x, mask, context = make_inputs("cross", length=4, context_length=9)
+    assert layer(x, context=context).shape == x.shape
+    assert layer(x, mask=mask, context=context).shape == x.shape
+    mean, variance = layer.posterior(x, mask=mask, context=context)
+    assert mean.shape == variance.shape == x.shape
+    with pytest.raises(ValueError, match="causal"):
+        layer(x, mask="causal", context=context)
+
+
+@pytest.mark.parametrize("kernel", ["ard", "exponential"])
+def test_sampling_moments_match_posterior(kernel):
+    layer = make_layer(kernel).eval()
+    x, _, _ = make_inputs("none", batch=1)
+    with torch.no_grad():
+        mean, variance = layer.posterior(x)
+        torch.testing.assert_close(mean, layer(x))
+    samples = 20000
+    torch.manual_seed(3)
+    with torch.no_grad(), sample_attention(layer):
+        draws = layer(x.expand(samples, -1, -1))
+    torch.testing.assert_close(
+        draws.mean(0, keepdim=True), mean, rtol=0, atol=5 * (variance.max().item() / samples) ** 0.5
+    )
+    relative = (draws.var(0, keepdim=True) - variance).abs() / variance
+    assert relative.max() < 5 * (2 / samples) ** 0.5
+    assert not layer.sampling and torch.equal(layer(x).detach(), mean)
+
+
+@pytest.mark.parametrize("setting", SETTINGS)
+def test_every_parameter_gets_a_gradient(setting):
+    layer = make_layer("ard").train()
+    x, mask, context = make_inputs(setting)
+    (layer(x, mask=mask, context=context).sum() + layer.kl_divergence()).backward()
+    for name, parameter in layer.named_parameters():
+        assert parameter.grad is not None, name
+        assert torch.isfinite(parameter.grad).all(), name
+        assert parameter.grad.abs().sum() > 0, name
+
+
+@pytest.mark.parametrize("setting", SETTINGS)
+@pytest.mark.parametrize("kernel", ["ard", "exponential"])
+def test_gradcheck(kernel, setting):
+    torch.manual_seed(0)
+    layer = SGPAAttention(4, 2, num_global_inducing=2, kernel=kernel).double().eval()
+    x, mask, context = make_inputs(setting, batch=1, length=3, context_length=4)
+    x, context = x[..., :4].clone(), None if context is None else context[..., :4].clone()
+    mask = mask[:1] if isinstance(mask, torch.Tensor) else mask
+    x.requires_grad_(True)
+    assert torch.autograd.gradcheck(lambda tokens: layer(tokens, mask=mask, context=context), (x,))
+
+
+def test_default_dtype_then_double_and_deepcopy():
+    torch.manual_seed(0)
+    layer = SGPAAttention(EMBED, HEADS, GLOBAL, dropout=0.1)
+    x = torch.randn(2, 5, EMBED)
+    output = layer(x)
+    assert output.dtype == torch.float32 and layer.kl_divergence().dtype == torch.float32
+    copy.deepcopy(layer)  # the stored KL hangs on the graph of the last forward
+    layer.double()
+    assert layer(x.double()).dtype == DTYPE and layer.kl_divergence().dtype == DTYPE
+    assert SGPAAttention.is_stochastic

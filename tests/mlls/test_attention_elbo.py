@@ -1,0 +1,190 @@
+""":class:`~gpattn.mlls.AttentionELBO` against a hand computation, and Monte Carlo averaging of
+:func:`~gpattn.mlls.predict_probabilities` (float64)."""
+
+from __future__ import annotations
+
+from unittest.mock import patch
+
+import pytest
+import torch
+import torch.nn.functional as F
+from gpytorch.module import Module
+
+from gpattn.attention import AttentionLayer, sample_attention
+from gpattn.mlls import AttentionELBO, KSVDAddedLossTerm, predict_probabilities
+from gpattn.models import Transformer
+
+BATCH, CLASSES = 5, 3
+
+
+class _Penalised(Module):
+    """Holds KSVD terms; nested below a plain ``torch.nn`` container to check the search reaches it."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_added_loss_term("ksvd")
+        self.register_added_loss_term("never_computed")  # registered, never updated: contributes nothing
+
+
+class _ToyModel(Module):
+    """Logits are a parameter; KL = 3 w^2; two KSVD terms, one registered twice."""
+
+    def __init__(self, first: torch.Tensor, second: torch.Tensor):
+        super().__init__()
+        self.logits = torch.nn.Parameter(torch.randn(BATCH, CLASSES, dtype=torch.float64))
+        self.weight = torch.nn.Parameter(torch.tensor(0.7, dtype=torch.float64))
+        self.container = torch.nn.Sequential(_Penalised())
+        self.register_added_loss_term("ksvd")
+        self.update_added_loss_term("ksvd", KSVDAddedLossTerm(first))
+        second_term = KSVDAddedLossTerm(second, num_averaged_dims=1)
+        self.container[0].update_added_loss_term("ksvd", second_term)
+        self.register_added_loss_term("same_term_again")
+        self.update_added_loss_term("same_term_again", second_term)
+
+    def forward(self) -> torch.Tensor:
+        return self.logits
+
+    def kl_divergence(self) -> torch.Tensor:
+        return 3 * self.weight**2
+
+
+def _toy() -> tuple[_ToyModel, torch.Tensor, torch.Tensor, torch.Tensor]:
+    torch.manual_seed(0)
+    first = torch.tensor([0.3, -0.2], dtype=torch.float64)
+    second = torch.tensor([[0.5, 1.0, -1.0], [0.1, 0.2, 0.3]], dtype=torch.float64)
+    targets = torch.tensor([0, 2, 1, 1, 0])
+    return _ToyModel(first, second), first, second, targets
+
+
+def test_loss_equals_hand_computation():
+    model, first, second, targets = _toy()
+    beta, eta, num_data = 0.5, 3.0, 40
+    loss = AttentionELBO(model, num_data, beta=beta, eta=eta)(model(), targets)
+    # sum_i J1_i^2 + mean over the first dim of sum_j J2_ij^2 (num_averaged_dims=1), counted once
+    ksvd = first.pow(2).sum() + second.pow(2).sum(dim=1).mean()
+    expected = F.cross_entropy(model.logits, targets) + beta / num_data * 3 * 0.7**2 + eta * ksvd
+    torch.testing.assert_close(loss, expected, rtol=1e-14, atol=0)
+    loss.backward()
+    torch.testing.assert_close(model.weight.grad, torch.tensor(beta / num_data * 6 * 0.7, dtype=torch.float64))
+
+
+def test_parts_sum_to_the_loss():
+    model, first, second, targets = _toy()
+    parts = AttentionELBO(model, 10, beta=2.0, eta=0.5, combine_terms=False)(model(), targets)
+    assert set(parts) == {"nll", "kl", "ksvd", "loss"}
+    torch.testing.assert_close(parts["nll"], F.cross_entropy(model.logits, targets))
+    torch.testing.assert_close(parts["kl"], 2.0 / 10 * model.kl_divergence())
+    torch.testing.assert_close(parts["ksvd"], 0.5 * (first.pow(2).sum() + second.pow(2).sum(dim=1).mean()))
+    torch.testing.assert_close(parts["loss"], parts["nll"] + parts["kl"] + parts["ksvd"], rtol=1e-14, atol=0)
+    combined = AttentionELBO(model, 10, beta=2.0, eta=0.5)(model(), targets)
+    torch.testing.assert_close(combined, parts["loss"], rtol=0, atol=0)
+
+
+def test_monte_carlo_logits_average_over_samples_and_batch():
+    model, _, _, targets = _toy()
+    samples = torch.randn(4, BATCH, CLASSES, dtype=torch.float64)
+    parts = AttentionELBO(model, 10, combine_terms=False)(samples, targets)
+    expected = torch.stack([F.cross_entropy(sample, targets) for sample in samples]).mean()
+    torch.testing.assert_close(parts["nll"], expected, rtol=1e-14, atol=0)
+
+
+def test_transformer_terms():
+    torch.manual_seed(0)
+    model = Transformer(CLASSES, embed_dim=16, num_heads=2, attention="kep_svgp", rank=4, vocab_size=7, max_len=8)
+    model = model.double().train()
+    ids, targets = torch.randint(0, 7, (BATCH, 6)), torch.tensor([0, 1, 2, 0, 1])
+    logits = model(ids)
+    parts = AttentionELBO(model, 100, beta=1.0, eta=10.0, combine_terms=False)(logits, targets)
+    terms = list(model.added_loss_terms())
+    assert terms, "the KEP-SVGP layer registers its KSVD term"
+    torch.testing.assert_close(parts["ksvd"], 10.0 * sum(term.loss() for term in terms))
+    torch.testing.assert_close(parts["kl"], model.kl_divergence() / 100)
+    assert parts["kl"] > 0 and parts["ksvd"] > 0
+    parts["loss"].backward()
+    assert all(p.grad is None or torch.isfinite(p.grad).all() for p in model.parameters())
+
+
+def test_invalid_arguments():
+    model, _, _, targets = _toy()
+    with pytest.raises(ValueError, match="num_data"):
+        AttentionELBO(model, 0)
+    with pytest.raises(ValueError, match="beta"):
+        AttentionELBO(model, 10, beta=-1.0)
+    with pytest.raises(ValueError, match="kl_divergence"):
+        AttentionELBO(torch.nn.Linear(2, 2), 10)
+    elbo = AttentionELBO(model, 10)
+    with pytest.raises(ValueError, match="targets"):
+        elbo(model(), targets[:-1])
+    with pytest.raises(ValueError, match="logits"):
+        elbo(model()[0], targets)
+
+
+class _NoisyLayer(AttentionLayer):
+    """Identity plus unit Gaussian noise when sampling."""
+
+    is_stochastic = True
+
+    def forward(self, x, mask=None, context=None):
+        inputs = self._prepare(x, mask, context)
+        return inputs.queries + torch.randn_like(inputs.queries) if self.sampling else inputs.queries
+
+
+class _NoisyClassifier(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.attention = _NoisyLayer(CLASSES, 1)
+        self.calls = 0
+
+    def forward(self, inputs, mask=None):
+        self.calls += 1
+        return self.attention(inputs, mask=mask).mean(dim=1)  # shape: (B, C)
+
+
+@pytest.mark.parametrize("average", ["probabilities", "logits"])
+def test_predict_probabilities_averages_samples(average):
+    model = _NoisyClassifier().train()
+    inputs = torch.randn(BATCH, 4, CLASSES, dtype=torch.float64)
+    torch.manual_seed(1)
+    probabilities = predict_probabilities(model, inputs, num_samples=6, average=average)
+    assert model.calls == 6 and model.training and not model.attention.sample_in_eval
+    torch.manual_seed(1)
+    model.eval()
+    with sample_attention(model):
+        logits = torch.stack([model(inputs) for _ in range(6)])
+    assert logits.std(dim=0).min() > 0  # the samples differ
+    if average == "probabilities":
+        expected = logits.softmax(dim=-1).mean(dim=0)
+    else:
+        expected = logits.mean(dim=0).softmax(dim=-1)
+    torch.testing.assert_close(probabilities, expected, rtol=1e-14, atol=0)
+    torch.testing.assert_close(probabilities.sum(dim=-1), torch.ones(BATCH, dtype=torch.float64))
+    assert not probabilities.requires_grad
+
+
+def test_predict_probabilities_of_a_deterministic_model_runs_once():
+    torch.manual_seed(0)
+    model = Transformer(CLASSES, embed_dim=8, num_heads=2, attention="softmax", vocab_size=5, max_len=6, dropout=0.5)
+    ids, mask = torch.randint(0, 5, (BATCH, 6)), torch.arange(6) < torch.tensor([6, 2, 3, 4, 1])[:, None]
+    with patch.object(model, "forward", wraps=model.forward) as forward:
+        probabilities = predict_probabilities(model, ids, mask=mask, num_samples=10)
+    assert forward.call_count == 1 and model.training
+    model.eval()
+    torch.testing.assert_close(probabilities, model(ids, mask=mask).softmax(dim=-1), rtol=0, atol=0)
+
+
+def test_predict_probabilities_of_a_gp_transformer():
+    torch.manual_seed(0)
+    model = Transformer(CLASSES, embed_dim=16, num_heads=2, attention="kep_svgp", rank=4, vocab_size=5, max_len=6)
+    ids = torch.randint(0, 5, (BATCH, 6))
+    torch.manual_seed(2)
+    probabilities = predict_probabilities(model, ids, num_samples=4)
+    model.eval()
+    torch.manual_seed(2)
+    with sample_attention(model), torch.no_grad():
+        expected = torch.stack([model(ids).softmax(dim=-1) for _ in range(4)]).mean(dim=0)
+    torch.testing.assert_close(probabilities, expected, rtol=0, atol=0)
+    assert not torch.allclose(probabilities, model(ids).softmax(dim=-1))  # not the predictive-mean pass
+    with pytest.raises(ValueError, match="num_samples"):
+        predict_probabilities(model, ids, num_samples=0)
+    with pytest.raises(ValueError, match="average"):
+        predict_probabilities(model, ids, average="median")

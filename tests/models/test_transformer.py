@@ -1,0 +1,165 @@
+"""Shapes, layer placement, KL bookkeeping, mask invariance and argument checks of
+:class:`~gpattn.models.Transformer` (float64, small sizes)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from gpattn.attention import (
+    ATTENTIONS,
+    KEPSVGPAttention,
+    SGPAAttention,
+    SoftmaxAttention,
+    attention_arguments,
+    attention_names,
+)
+from gpattn.models import Transformer
+from gpattn.models.presets import VIT_CIFAR_PRESET
+
+SIZE_ARGUMENTS = ("rank", "num_global_inducing", "num_inducing")
+VOCAB, LENGTH, BATCH, CLASSES = 11, 9, 4, 3
+
+
+def small_model(attention: str = "kep_svgp", seed: int = 0, **kwargs) -> Transformer:
+    sizes = {key: 4 for key in SIZE_ARGUMENTS if key in attention_arguments(attention)}
+    arguments = {"embed_dim": 16, "num_heads": 2, "depth": 2, "input": "tokens", "vocab_size": VOCAB, "max_len": 16}
+    torch.manual_seed(seed)
+    return Transformer(CLASSES, attention=attention, **{**arguments, **sizes, **kwargs}).double()
+
+
+def token_batch(seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    ids = torch.randint(1, VOCAB, (BATCH, LENGTH), generator=generator)
+    mask = torch.arange(LENGTH) < torch.tensor([LENGTH, 3, 6, 1])[:, None]
+    return torch.where(mask, ids, 0), mask
+
+
+def test_token_input_shapes():
+    model = small_model()
+    ids, mask = token_batch()
+    for model_mask in (None, mask, "causal"):
+        logits = model(ids, mask=model_mask)
+        assert logits.shape == (BATCH, CLASSES) and logits.dtype == torch.float64
+        assert torch.isfinite(logits).all()
+
+
+def test_vector_input_shapes():
+    model = small_model(input="vectors", vocab_size=None, input_dim=5)
+    vectors = torch.randn(BATCH, LENGTH, 5, dtype=torch.float64)
+    assert model(vectors).shape == (BATCH, CLASSES)
+    assert model(vectors, mask=token_batch()[1]).shape == (BATCH, CLASSES)
+
+
+def test_patch_input_shapes():
+    model = small_model(input="patches", vocab_size=None, max_len=512, image_size=(8, 12), patch_size=4, in_channels=3)
+    assert model.max_len == 6 and model.position_embedding.shape == (1, 6, 16)
+    assert model(torch.randn(BATCH, 3, 8, 12, dtype=torch.float64)).shape == (BATCH, CLASSES)
+
+
+@pytest.mark.parametrize("gp_layers", [0, 1, 2, 3])
+def test_gp_layers_are_the_last_blocks(gp_layers):
+    model = small_model("sgpa", depth=3, gp_layers=gp_layers)
+    kinds = [type(layer) for layer in model.attention_layers()]
+    assert kinds == [SoftmaxAttention] * (3 - gp_layers) + [SGPAAttention] * gp_layers
+
+
+def test_attention_kwargs_reach_the_gp_layers_only():
+    model = small_model("kep_svgp", depth=3, gp_layers=2, rank=3, dropout=0.25, tie_qk=True)
+    first, *gp = model.attention_layers()
+    assert isinstance(first, SoftmaxAttention) and first.dropout.p == 0.25
+    assert all(isinstance(layer, KEPSVGPAttention) and layer.rank == 3 and layer.tie_qk for layer in gp)
+    assert all(layer.max_len == 16 for layer in gp)  # the model's max_len is passed to layers that take one
+
+
+def test_kl_divergence_sums_every_layer():
+    model = small_model("kep_svgp", depth=3, gp_layers=2).train()
+    model(*token_batch())
+    layer_kls = [layer.kl_divergence() for layer in model.attention_layers()]
+    assert layer_kls[0] == 0 and all(kl > 0 for kl in layer_kls[1:])
+    torch.testing.assert_close(model.kl_divergence(), sum(layer_kls), rtol=1e-12, atol=0)
+    assert small_model("softmax").kl_divergence() == 0
+
+
+@pytest.mark.parametrize("name", attention_names())
+@pytest.mark.parametrize("mode", ["eval", "train"])
+def test_padding_has_no_influence_on_the_logits(name, mode):
+    model = small_model(name).train(mode == "train")
+    ids, mask = token_batch()
+    other = torch.where(mask, ids, torch.randint(1, VOCAB, ids.shape, generator=torch.Generator().manual_seed(5)))
+    torch.manual_seed(3)
+    logits = model(ids, mask=mask)
+    torch.manual_seed(3)
+    torch.testing.assert_close(model(other, mask=mask), logits, rtol=0, atol=1e-6)
+    # the same sequences without their padding: a shorter batch gives the same logits
+    torch.manual_seed(3)
+    short = model(ids[3:, :1])
+    if not model.attention_layers()[-1].sampling:  # noise shapes differ with the batch size
+        torch.testing.assert_close(short, logits[3:], rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("name", attention_names())
+def test_every_registry_name_builds_and_trains(name):
+    model = small_model(name).train()
+    ids, mask = token_batch()
+    logits = model(ids, mask=mask)
+    (logits.sum() + model.kl_divergence()).backward()
+    assert isinstance(model.attention_layers()[-1], ATTENTIONS[name][0])
+    assert all(p.grad is None or torch.isfinite(p.grad).all() for p in model.parameters())
+    assert torch.count_nonzero(model.embedding.weight.grad) > 0
+
+
+def test_vit_cifar_preset_builds():
+    torch.manual_seed(0)
+    model = Transformer(num_classes=10, **VIT_CIFAR_PRESET).eval()
+    layers = model.attention_layers()
+    assert len(layers) == 7 and all(isinstance(layer, SoftmaxAttention) for layer in layers[:-1])
+    assert isinstance(layers[-1], KEPSVGPAttention) and layers[-1].rank == 10 and layers[-1].num_heads == 12
+    assert model.max_len == 64 and model.blocks[0].mlp[0].out_features == 384
+    with torch.no_grad():
+        assert model(torch.randn(2, 3, 32, 32)).shape == (2, 10)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"gp_layers": 3}, "gp_layers"),
+        ({"gp_layers": -1}, "gp_layers"),
+        ({"depth": 0}, "depth"),
+        ({"input": "pixels"}, "input"),
+        ({"vocab_size": None}, "needs vocab_size"),
+        ({"input_dim": 4}, "input_dim is only used"),
+        ({"input": "vectors", "vocab_size": None}, "needs input_dim"),
+        ({"input": "patches", "vocab_size": None, "image_size": 8, "patch_size": 3, "in_channels": 1}, "divide"),
+        ({"input": "patches", "vocab_size": None, "image_size": 8, "patch_size": 2}, "needs in_channels"),
+        ({"attention": "nope"}, "expected one of"),
+        ({"mlp_ratio": 0.0}, "mlp_ratio"),
+        ({"dropout": 1.0}, "dropout"),
+        ({"num_heads": 3}, "divisible"),
+    ],
+)
+def test_invalid_arguments(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        small_model(**kwargs)
+
+
+def test_invalid_inputs():
+    model = small_model()
+    ids, mask = token_batch()
+    with pytest.raises(TypeError, match="integer token ids"):
+        model(ids.double())
+    with pytest.raises(ValueError, match="shape"):
+        model(ids[0])
+    with pytest.raises(ValueError, match="token ids"):
+        model(ids + VOCAB)
+    with pytest.raises(ValueError, match="max_len"):
+        model(torch.ones(1, 17, dtype=torch.long))
+    with pytest.raises(ValueError, match="padding mask"):
+        model(ids, mask=mask[:, :-1])
+    with pytest.raises(ValueError, match="every token"):
+        model(ids, mask=torch.zeros_like(mask))
+    vectors = small_model(input="vectors", vocab_size=None, input_dim=5)
+    with pytest.raises(ValueError, match=r"\(B, N, 5\)"):
+        vectors(torch.randn(2, 3, 4, dtype=torch.float64))
+    with pytest.raises(TypeError, match="floating-point"):
+        vectors(torch.ones(2, 3, 5, dtype=torch.long))
