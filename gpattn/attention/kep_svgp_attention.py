@@ -204,7 +204,14 @@ class KEPSVGPAttention(AttentionLayer):
         inputs = self._prepare(x, mask, context)
         if self.merge == "concat_tokens" and (inputs.key_mask is not None or inputs.causal or inputs.is_cross):
             raise ValueError("merge='concat_tokens' supports plain self-attention only (no mask, no context)")
-        scores = self.features.scores(inputs.queries, inputs.keys, inputs.key_mask, inputs.causal)
+        scores = self.features.scores(
+            inputs.queries,
+            inputs.keys,
+            inputs.key_mask,
+            inputs.causal,
+            objective=self.training,
+            kernel_diag=self.residual == "diag",
+        )
         self._last_singular_values = scores.singular_values
         if self.training:
             self.update_added_loss_term("ksvd_loss", KSVDAddedLossTerm(scores.objective, 1.0, num_averaged_dims=1))

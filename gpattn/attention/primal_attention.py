@@ -53,7 +53,9 @@ class PrimalAttention(AttentionLayer):
 
     def forward(self, x: Tensor, mask: Tensor | str | None = None, context: Tensor | None = None) -> Tensor:
         inputs = self._prepare(x, mask, context)
-        scores = self.features.scores(inputs.queries, inputs.keys, inputs.key_mask, inputs.causal)
+        scores = self.features.scores(
+            inputs.queries, inputs.keys, inputs.key_mask, inputs.causal, objective=self.training, kernel_diag=False
+        )
         if self.training:
             self.update_added_loss_term("ksvd_loss", KSVDAddedLossTerm(scores.objective, 1.0, num_averaged_dims=1))
         right = torch.zeros_like(scores.left) if inputs.is_cross else scores.right

@@ -23,21 +23,26 @@ class AttentionScores:
     :ivar left: :math:`e(x_i)` at the queries, shape ``(B, H, N, s)``.
     :ivar right: :math:`r(z_j)` at the keys, shape ``(B, H, M, s)``.
     :ivar singular_values: :math:`\Lambda`, shape ``(H, s)`` (learned) or ``(B, H, s)`` (exact mode).
-    :ivar objective: :math:`J` (sum form) per sequence and head, shape ``(B, H)``; zero in exact mode.
-    :ivar left_kernel_diag: :math:`k_e(x_i, x_i) = \|\kappa(x_i, Z)\|^2` over the visible keys, ``(B, H, N)``.
-    :ivar right_kernel_diag: :math:`k_r(z_j, z_j) = \|\kappa(X, z_j)\|^2` over the visible queries, ``(B, H, M)``.
+    :ivar objective: :math:`J` (sum form) per sequence and head, shape ``(B, H)``; zero in exact mode; ``None``
+        when not asked for.
+    :ivar left_kernel_diag: :math:`k_e(x_i, x_i) = \|\kappa(x_i, Z)\|^2` over the visible keys, ``(B, H, N)``;
+        ``None`` when not asked for.
+    :ivar right_kernel_diag: :math:`k_r(z_j, z_j) = \|\kappa(X, z_j)\|^2` over the visible queries, ``(B, H, M)``;
+        ``None`` when not asked for.
     """
 
     left: Tensor
     right: Tensor
     singular_values: Tensor
-    objective: Tensor
-    left_kernel_diag: Tensor
-    right_kernel_diag: Tensor
+    objective: Tensor | None
+    left_kernel_diag: Tensor | None
+    right_kernel_diag: Tensor | None
 
     def residual_diag(self, side: str) -> Tensor:
         """:math:`k(x, x) - \\|e(x)\\|^2` (``"left"``) or with :math:`r` (``"right"``), clamped at zero."""
         scores, diag = (self.left, self.left_kernel_diag) if side == "left" else (self.right, self.right_kernel_diag)
+        if diag is None:
+            raise RuntimeError("the kernel diagonals were not computed: call scores(..., kernel_diag=True)")
         return (diag - scores.pow(2).sum(-1)).clamp_min(0.0)
 
 
@@ -176,18 +181,29 @@ class AttentionKernelEigenFeatures(Module):
             weight, bias = self.left_map, self.left_bias
         return tokens.unsqueeze(1) @ weight + bias.unsqueeze(-2)
 
-    def scores(self, queries: Tensor, keys: Tensor, key_mask: Tensor | None = None, causal: bool = False):
+    def scores(
+        self,
+        queries: Tensor,
+        keys: Tensor,
+        key_mask: Tensor | None = None,
+        causal: bool = False,
+        objective: bool = True,
+        kernel_diag: bool = True,
+    ) -> AttentionScores:
         r"""Scores of a batch of sequences.
 
         :param queries: ``(B, N, C)``. :param keys: ``(B, M, C)`` (the queries in self-attention).
         :param key_mask: ``(B, M)`` bool, ``True`` for real tokens (in self-attention it masks the queries too).
         :param causal: Prefix sums (self-attention, learned modes only).
+        :param objective: Compute :math:`J` (O(N p s); needed in training only).
+        :param kernel_diag: Compute :math:`k_e(x, x)`, :math:`k_r(z, z)` (O(N p^2), or O(N p^2) memory per
+            position when causal; needed for the residual only).
         :return: :class:`AttentionScores`.
         """
         self_attention = queries is keys
         query_mask = key_mask if self_attention else None
         if self.mode == "exact":
-            return self._exact(queries, keys, key_mask, query_mask, causal)
+            return self._exact(queries, keys, key_mask, query_mask, causal, kernel_diag)
         if self.mode == "primal_tokens" and (key_mask is not None or causal or not self_attention):
             raise ValueError("features='primal_tokens' supports plain self-attention only (no mask, no context)")
         query_features = self.kernel.query_features(queries.unsqueeze(1))  # shape: (B, H, N, p)
@@ -215,30 +231,33 @@ class AttentionKernelEigenFeatures(Module):
             right = (key_features.unsqueeze(-2) @ right_prefix).squeeze(-2)
         else:
             left, right = query_features @ left_weights, key_features @ right_weights
-        objective = ksvd_objective(
-            self._zero_masked(query_features @ left_weights, query_mask),
-            self._zero_masked(key_features @ right_weights, key_mask),
-            left_weights,
-            right_weights,
-            singular_values.unsqueeze(0),
-        )
-        key_gram = _masked_gram(key_features, key_mask, causal)
-        query_gram = _masked_gram(query_features, query_mask, causal)
-        return AttentionScores(
-            left,
-            right,
-            singular_values,
-            objective,
-            _quadratic_form(query_features, key_gram),
-            _quadratic_form(key_features, query_gram),
-        )
+        objective_value = None
+        if objective:
+            objective_value = ksvd_objective(
+                self._zero_masked(query_features @ left_weights, query_mask),
+                self._zero_masked(key_features @ right_weights, key_mask),
+                left_weights,
+                right_weights,
+                singular_values.unsqueeze(0),
+            )
+        left_diag = right_diag = None
+        if kernel_diag:
+            left_diag = _quadratic_form(query_features, _masked_gram(key_features, key_mask, causal))
+            right_diag = _quadratic_form(key_features, _masked_gram(query_features, query_mask, causal))
+        return AttentionScores(left, right, singular_values, objective_value, left_diag, right_diag)
 
     @staticmethod
     def _zero_masked(scores: Tensor, mask: Tensor | None) -> Tensor:
         return scores if mask is None else scores * mask[:, None, :, None].to(scores.dtype)
 
     def _exact(
-        self, queries: Tensor, keys: Tensor, key_mask: Tensor | None, query_mask: Tensor | None, causal: bool
+        self,
+        queries: Tensor,
+        keys: Tensor,
+        key_mask: Tensor | None,
+        query_mask: Tensor | None,
+        causal: bool,
+        kernel_diag: bool,
     ) -> AttentionScores:
         if causal:
             raise ValueError("features='exact' mixes every token through the SVD: it cannot be causal")
@@ -257,6 +276,5 @@ class AttentionKernelEigenFeatures(Module):
         left = svd.left * svd.singular_values.unsqueeze(-2)  # e(X) = K H_r = H_e Lambda
         right = svd.right * svd.singular_values.unsqueeze(-2)  # r(Z) = K^T H_e = H_r Lambda
         objective = torch.zeros(matrix.shape[:2], dtype=matrix.dtype, device=matrix.device)
-        return AttentionScores(
-            left, right, svd.singular_values, objective, matrix.pow(2).sum(-1), matrix.pow(2).sum(-2)
-        )
+        left_diag, right_diag = (matrix.pow(2).sum(-1), matrix.pow(2).sum(-2)) if kernel_diag else (None, None)
+        return AttentionScores(left, right, svd.singular_values, objective, left_diag, right_diag)
