@@ -10,11 +10,15 @@ README = Path(__file__).resolve().parents[1] / "README.md"
 
 def test_readme_python_blocks_run() -> None:
     blocks = re.findall(r"```python\n(.*?)```", README.read_text(), flags=re.S)
-    assert blocks, "the README should show Python usage"
+    assert len(blocks) == 2, "the README shows a GP model and an attention model"
+    namespaces = []
     for block in blocks:
         namespace: dict = {}
         exec(compile(block, str(README), "exec"), namespace)  # noqa: S102 (our own README)
-    assert namespace["posterior"].mean.shape == (200,)
+        namespaces.append(namespace)
+    assert namespaces[0]["posterior"].mean.shape == (200,)
+    assert namespaces[1]["probabilities"].shape == (128, 2)
+    assert namespaces[1]["variance"].shape == (1, 8, 32) and bool((namespaces[1]["variance"] >= 0).all())
 
 
 def test_readme_commands_exist_in_makefile() -> None:
