@@ -21,11 +21,11 @@ Four timings per ``s`` (ms, medians over interleaved repetitions KEP, dense, KEP
    ``K_uu.inv_quad_logdet(m, logdet=True)``, i.e. a solve with K_uu and its log-determinant. This is the part the
    diagonal K_uu is meant to make O(s) (dense: kernel matrix O(s^2 d) + Cholesky O(s^3)).
 2. ``KL (mean-field q)`` -- ``strategy.kl_divergence()`` with a ``MeanFieldVariationalDistribution``, so that
-   the q side is as cheap as possible. Note: GPyTorch's generic ``kl_mvn_mvn`` densifies the root of S into an
-   ``s x s`` matrix and solves K_uu against it, so even with a diagonal K_uu and a diagonal S this KL costs
-   O(s^2) (memory-bound element-wise work on s x s matrices), not O(s). The numbers show where that bites.
-3. ``KL (Cholesky q)`` -- the same with a ``CholeskyVariationalDistribution``: O(s^2) for KEP (a diagonal solve
-   against the dense ``s x s`` root of S), O(s^3) for dense (Cholesky + triangular solve with s right-hand sides).
+   the q side is as cheap as possible. The KEP strategy's closed-form KL against the diagonal prior is then O(s);
+   GPyTorch's generic ``kl_mvn_mvn`` (the dense SVGP) solves K_uu against the densified root of S.
+3. ``KL (Cholesky q)`` -- the same with a ``CholeskyVariationalDistribution``: O(s^2) for KEP (the row norms of
+   the s x s factor of S, which has s^2 entries), O(s^3) for dense (Cholesky + triangular solve with s right-hand
+   sides).
 4. ``forward`` -- ``model(x)`` at ``N = 1024`` query points in training mode (caches cleared on every call, as in
    training) with a Cholesky q(u), with the predictive ``.mean`` and ``.variance`` evaluated. For KEP in training
    mode this includes the refresh of the KSVD penalty J on the landmarks and, with ``feature_dim = M = s``, costs
@@ -440,9 +440,9 @@ def report(results: list[dict], args: argparse.Namespace) -> dict:
     print(
         "  Notes: the O(s) work of the prior is microseconds; fixed per-call overheads (~0.1 ms of Python and\n"
         "  LinearOperator dispatch) dominate it at every size here, so a slope well below 1 means 'overhead-bound,\n"
-        "  no super-linear growth'. kl_divergence() goes through GPyTorch's kl_mvn_mvn, which densifies the s x s\n"
-        "  root of S and solves K_uu against it, so the KEP KL is O(s^2) element-wise work for any q(u) (the slope\n"
-        "  shows when that term takes over); the dense SVGP pays a Cholesky of K_uu, O(s^3), on top."
+        "  no super-linear growth'. The KEP kl_divergence() is closed-form against the diagonal prior: O(s) for a\n"
+        "  mean-field q(u), O(s^2) for a Cholesky q(u) (its factor has s^2 entries); the dense SVGP's KL goes through\n"
+        "  GPyTorch's kl_mvn_mvn and pays a Cholesky of K_uu, O(s^3)."
     )
     return {"fits": fits, "verdicts": verdicts}
 
