@@ -64,13 +64,15 @@ def _peak_memory_mb(layer: torch.nn.Module, x: torch.Tensor, device: torch.devic
 
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as profiler:
         _step(layer, x)
-    # the running sum of allocations minus frees; its maximum is the peak of live tensors during the step
+    # running sum of each op's *self* allocations minus frees, in start order (a parent op's total would count its
+    # children's allocations twice); its maximum is the peak of live tensors allocated during the step
     events = sorted(
-        (event for event in profiler.events() if event.cpu_memory_usage != 0), key=lambda event: event.time_range.start
+        (event for event in profiler.events() if event.self_cpu_memory_usage != 0),
+        key=lambda event: event.time_range.start,
     )
     live, peak = 0, 0
     for event in events:
-        live += event.cpu_memory_usage
+        live += event.self_cpu_memory_usage
         peak = max(peak, live)
     return peak / 2**20
 
