@@ -179,7 +179,10 @@ class AttentionKernelEigenFeatures(Module):
             weight, bias = self.right_map, self.right_bias
         else:
             weight, bias = self.left_map, self.left_bias
-        return tokens.unsqueeze(1) @ weight + bias.unsqueeze(-2)
+        heads, width, rank = weight.shape
+        # one GEMM (B n, C) x (C, H s) for all heads
+        flat = tokens @ weight.permute(1, 0, 2).reshape(width, heads * rank)  # shape: (B, n, H s)
+        return flat.unflatten(-1, (heads, rank)).movedim(-2, -3) + bias.unsqueeze(-2)
 
     def scores(
         self,

@@ -52,7 +52,15 @@ class CosineFeatureKernel(AsymmetricKernel):
         self._register_projections(feature_dim, self.lift.output_dim)
 
     def _project(self, tokens: Tensor, weight: Tensor) -> Tensor:
-        projected = self.lift(tokens) @ weight.mT  # shape: (*batch, n, p)
+        lifted = self.lift(tokens)
+        if len(self.batch_shape) == 1 and lifted.dim() >= 3 and lifted.shape[-3] == 1:
+            # tokens shared by all heads (..., 1, n, D): one GEMM against the stacked (H p, D) weights instead of a
+            # broadcast batched matmul that copies the tokens once per head
+            heads, features = weight.shape[0], weight.shape[1]
+            flat = lifted.squeeze(-3) @ weight.reshape(heads * features, -1).mT  # shape: (..., n, H p)
+            projected = flat.unflatten(-1, (heads, features)).movedim(-2, -3)  # shape: (..., H, n, p)
+        else:
+            projected = lifted @ weight.mT  # shape: (*batch, n, p)
         normalised = torch.nn.functional.normalize(projected, dim=-1, eps=1e-12)
         return normalised * self.outputscale.sqrt()[..., None, None]
 
