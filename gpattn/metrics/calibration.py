@@ -1,0 +1,201 @@
+r"""Accuracy, proper scoring rules and top-label calibration errors of probabilistic classifiers.
+
+All metrics take predicted class probabilities :math:`P \in [0, 1]^{n \times C}` (rows summing to one) and integer
+labels :math:`y \in \{0, \dots, C - 1\}^n`, as ``torch.Tensor`` or ``numpy.ndarray``, and return plain Python floats
+(fractions, never percent). Computations run in float64 NumPy on the CPU, so tensor and array inputs give identical
+results. The prediction is :math:`\hat y_i = \arg\max_c P_{ic}` (the first maximal class on ties) and the confidence is
+:math:`\hat p_i = \max_c P_{ic}`.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import numpy as np
+import torch
+from torch import Tensor
+
+ROW_SUM_TOLERANCE = 1e-4
+
+
+def _to_numpy(array: Any) -> np.ndarray:
+    if isinstance(array, Tensor):
+        array = array.detach().cpu()
+        if array.is_floating_point():
+            array = array.to(torch.float64)
+        return array.numpy()
+    return np.asarray(array)
+
+
+def _as_probabilities(probs: Any, name: str = "probs") -> np.ndarray:
+    """Validate predicted probabilities of shape ``(n, C)`` and return them as a float64 array."""
+    array = _to_numpy(probs)
+    if array.ndim != 2 or array.shape[0] < 1 or array.shape[1] < 1:
+        raise ValueError(f"expected {name} of shape (n, C) with n >= 1 and C >= 1, got shape {tuple(array.shape)}")
+    if array.dtype.kind not in "fiu" or array.dtype == np.bool_:
+        raise ValueError(f"expected {name} to hold real probabilities, got dtype {array.dtype}")
+    array = array.astype(np.float64)
+    if not np.isfinite(array).all():
+        raise ValueError(f"{name} contains NaN or Inf; pass probabilities (e.g. softmax outputs), not logits")
+    if array.min() < 0.0 or array.max() > 1.0:
+        raise ValueError(
+            f"expected {name} in [0, 1], got values in [{array.min():.6g}, {array.max():.6g}]; "
+            "pass probabilities (e.g. softmax outputs), not logits"
+        )
+    worst = np.abs(array.sum(axis=1) - 1.0).max()
+    if worst > ROW_SUM_TOLERANCE:
+        raise ValueError(
+            f"expected each row of {name} to sum to 1 within {ROW_SUM_TOLERANCE:g}, got a row off by {worst:.6g}; "
+            "normalise along the class dimension (dim=-1)"
+        )
+    return array
+
+
+def _as_labels(labels: Any, num_samples: int, num_classes: int) -> np.ndarray:
+    """Validate integer labels of shape ``(n,)`` in ``[0, C)`` and return them as an int64 array."""
+    array = _to_numpy(labels)
+    if array.ndim != 1 or array.shape[0] != num_samples:
+        raise ValueError(f"expected labels of shape (n,) = ({num_samples},), got shape {tuple(array.shape)}")
+    if array.dtype == np.bool_ or array.dtype.kind not in "iu":
+        raise ValueError(f"expected integer labels, got dtype {array.dtype}; cast class indices with .long()")
+    array = array.astype(np.int64)
+    if array.min() < 0 or array.max() >= num_classes:
+        raise ValueError(
+            f"expected labels in [0, C - 1] = [0, {num_classes - 1}], got values in [{array.min()}, {array.max()}]"
+        )
+    return array
+
+
+def _check_inputs(probs: Any, labels: Any) -> tuple[np.ndarray, np.ndarray]:
+    probabilities = _as_probabilities(probs)
+    return probabilities, _as_labels(labels, *probabilities.shape)
+
+
+def _confidence_and_correctness(probabilities: np.ndarray, targets: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    # np.argmax returns the first maximal class on ties.
+    return probabilities.max(axis=1), probabilities.argmax(axis=1) == targets
+
+
+def _check_num_bins(num_bins: int) -> None:
+    if isinstance(num_bins, bool) or not isinstance(num_bins, int) or num_bins < 1:
+        raise ValueError(f"expected a positive integer num_bins, got {num_bins!r}")
+
+
+def accuracy(probs: Tensor | np.ndarray, labels: Tensor | np.ndarray) -> float:
+    r"""Top-1 accuracy :math:`\frac1n \sum_i [\hat y_i = y_i]`.
+
+    :param probs: Predicted probabilities, shape ``(n, C)``.
+    :param labels: Integer labels, shape ``(n,)``.
+    :return: A fraction in :math:`[0, 1]`.
+    """
+    probabilities, targets = _check_inputs(probs, labels)
+    return float(_confidence_and_correctness(probabilities, targets)[1].mean())
+
+
+def negative_log_likelihood(probs: Tensor | np.ndarray, labels: Tensor | np.ndarray, eps: float = 1e-12) -> float:
+    r"""Mean negative log-likelihood :math:`-\frac1n \sum_i \log \max(P_{i y_i}, \epsilon)` (natural log).
+
+    :param probs: Predicted probabilities, shape ``(n, C)``.
+    :param labels: Integer labels, shape ``(n,)``.
+    :param eps: Floor on the probability of the true class, so that a zero probability gives a finite
+        :math:`-\log \epsilon` instead of :math:`+\infty`.
+    :return: A float :math:`\geq 0`.
+    """
+    if not eps > 0.0:
+        raise ValueError(f"expected eps > 0, got {eps!r}")
+    probabilities, targets = _check_inputs(probs, labels)
+    true_class = probabilities[np.arange(targets.shape[0]), targets]
+    return float(-np.log(np.maximum(true_class, eps)).mean())
+
+
+def brier_score(probs: Tensor | np.ndarray, labels: Tensor | np.ndarray) -> float:
+    r"""Multi-class Brier score :math:`\frac1n \sum_i \sum_{c=1}^C (P_{ic} - [y_i = c])^2`.
+
+    This is the *sum over classes* form (Brier, 1950), with range :math:`[0, 2]`; it equals
+    ``sklearn.metrics.brier_score_loss`` for multi-class inputs, and twice its default (``scale_by_half="auto"``)
+    binary value. Some papers instead divide by :math:`C` (mean over classes); which form the KEP-SVGP paper
+    (Chen et al., 2024) reports is not stated there, so convert with ``brier_score(...) / C`` where needed.
+
+    :param probs: Predicted probabilities, shape ``(n, C)``.
+    :param labels: Integer labels, shape ``(n,)``.
+    :return: A float in :math:`[0, 2]`.
+    """
+    probabilities, targets = _check_inputs(probs, labels)
+    one_hot = np.zeros_like(probabilities)
+    one_hot[np.arange(targets.shape[0]), targets] = 1.0
+    return float(((probabilities - one_hot) ** 2).sum(axis=1).mean())
+
+
+class ReliabilityDiagram(NamedTuple):
+    r"""Per-bin statistics of top-label confidence, for reliability diagrams.
+
+    Bin :math:`b` covers confidences in :math:`(e_b, e_{b+1}]`. Empty bins have ``count == 0`` and NaN
+    ``confidence`` and ``accuracy``.
+
+    :ivar bin_edges: Equal-width edges :math:`0 = e_0 < \dots < e_B = 1`, shape ``(B + 1,)``.
+    :ivar confidence: Mean confidence :math:`\hat p_i` of each bin, shape ``(B,)``.
+    :ivar accuracy: Fraction of correct predictions of each bin, shape ``(B,)``.
+    :ivar count: Number of samples of each bin, shape ``(B,)``, integer.
+    """
+
+    bin_edges: np.ndarray
+    confidence: np.ndarray
+    accuracy: np.ndarray
+    count: np.ndarray
+
+
+def reliability_diagram_data(
+    probs: Tensor | np.ndarray, labels: Tensor | np.ndarray, num_bins: int = 15
+) -> ReliabilityDiagram:
+    r"""Bin samples by top-label confidence into ``num_bins`` equal-width bins on :math:`(0, 1]`.
+
+    Sample :math:`i` falls in bin :math:`b` iff :math:`e_b < \hat p_i \leq e_{b+1}` with
+    ``e = numpy.linspace(0, 1, num_bins + 1)`` (right-closed bins, as in Guo et al., 2017).
+
+    :param probs: Predicted probabilities, shape ``(n, C)``.
+    :param labels: Integer labels, shape ``(n,)``.
+    :param num_bins: Number of bins :math:`B \geq 1`.
+    :return: A :class:`ReliabilityDiagram` of NumPy arrays.
+    """
+    _check_num_bins(num_bins)
+    probabilities, targets = _check_inputs(probs, labels)
+    confidence, correct = _confidence_and_correctness(probabilities, targets)
+    bin_edges = np.linspace(0.0, 1.0, num_bins + 1)
+    # searchsorted(side="left") on the interior edges gives b with e_b < p <= e_{b+1}.
+    bins = np.searchsorted(bin_edges[1:-1], confidence, side="left")
+    count = np.bincount(bins, minlength=num_bins)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        mean_confidence = np.bincount(bins, weights=confidence, minlength=num_bins) / count
+        mean_accuracy = np.bincount(bins, weights=correct.astype(np.float64), minlength=num_bins) / count
+    return ReliabilityDiagram(bin_edges, mean_confidence, mean_accuracy, count.astype(np.int64))
+
+
+def expected_calibration_error(probs: Tensor | np.ndarray, labels: Tensor | np.ndarray, num_bins: int = 15) -> float:
+    r"""Top-label expected calibration error :math:`\sum_b \frac{n_b}{n} |\mathrm{acc}_b - \mathrm{conf}_b|`.
+
+    Bins are those of :func:`reliability_diagram_data` (equal width on :math:`(0, 1]`); empty bins contribute 0.
+
+    :param probs: Predicted probabilities, shape ``(n, C)``.
+    :param labels: Integer labels, shape ``(n,)``.
+    :param num_bins: Number of bins :math:`B \geq 1`.
+    :return: A fraction in :math:`[0, 1]` (multiply by 100 for the percent that papers often report).
+    """
+    diagram = reliability_diagram_data(probs, labels, num_bins)
+    filled = diagram.count > 0
+    gaps = np.abs(diagram.accuracy[filled] - diagram.confidence[filled])
+    return float((diagram.count[filled] * gaps).sum() / diagram.count.sum())
+
+
+def maximum_calibration_error(probs: Tensor | np.ndarray, labels: Tensor | np.ndarray, num_bins: int = 15) -> float:
+    r"""Top-label maximum calibration error :math:`\max_{b : n_b > 0} |\mathrm{acc}_b - \mathrm{conf}_b|`.
+
+    Bins are those of :func:`reliability_diagram_data`; empty bins are skipped.
+
+    :param probs: Predicted probabilities, shape ``(n, C)``.
+    :param labels: Integer labels, shape ``(n,)``.
+    :param num_bins: Number of bins :math:`B \geq 1`.
+    :return: A fraction in :math:`[0, 1]`.
+    """
+    diagram = reliability_diagram_data(probs, labels, num_bins)
+    filled = diagram.count > 0
+    return float(np.abs(diagram.accuracy[filled] - diagram.confidence[filled]).max())

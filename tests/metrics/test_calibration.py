@@ -1,0 +1,205 @@
+"""Tests of accuracy, NLL, Brier score, ECE, MCE and reliability-diagram data."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from sklearn.metrics import brier_score_loss, log_loss
+
+from gpattn.metrics import (
+    accuracy,
+    brier_score,
+    expected_calibration_error,
+    maximum_calibration_error,
+    negative_log_likelihood,
+    reliability_diagram_data,
+)
+
+# Four binary samples; confidence = max prob, prediction = argmax.
+#   [0.90, 0.10], y=0: conf 0.90, correct -> bin (0.8, 1.0]
+#   [0.70, 0.30], y=1: conf 0.70, wrong   -> bin (0.6, 0.8]
+#   [0.30, 0.70], y=1: conf 0.70, correct -> bin (0.6, 0.8]
+#   [0.55, 0.45], y=0: conf 0.55, correct -> bin (0.4, 0.6]
+PROBS = np.array([[0.9, 0.1], [0.7, 0.3], [0.3, 0.7], [0.55, 0.45]])
+LABELS = np.array([0, 1, 1, 0])
+
+
+def _random_inputs(seed: int, num_samples: int, num_classes: int, ties: bool) -> tuple[np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    if ties:
+        weights = rng.integers(1, 4, size=(num_samples, num_classes)).astype(np.float64)
+    else:
+        weights = rng.dirichlet(np.full(num_classes, 0.5), size=num_samples) + 1e-9
+    return weights / weights.sum(axis=1, keepdims=True), rng.integers(0, num_classes, size=num_samples)
+
+
+def test_accuracy_hand_computed() -> None:
+    # 3 of 4 predictions are correct.
+    assert accuracy(PROBS, LABELS) == 0.75
+
+
+def test_nll_hand_computed() -> None:
+    # True-class probabilities 0.9, 0.3, 0.7, 0.55:
+    # -(ln 0.9 + ln 0.3 + ln 0.7 + ln 0.55) / 4 = -(-0.1053605 - 1.2039728 - 0.3566749 - 0.5978370) / 4 = 0.5659613
+    expected = -(math.log(0.9) + math.log(0.3) + math.log(0.7) + math.log(0.55)) / 4
+    assert expected == pytest.approx(0.5659613, abs=1e-7)
+    assert negative_log_likelihood(PROBS, LABELS) == pytest.approx(expected, abs=1e-12)
+
+
+def test_nll_eps_floors_zero_probability() -> None:
+    # The true class has probability 0: -ln(1e-12) = 27.6310211.
+    assert negative_log_likelihood(np.array([[1.0, 0.0]]), np.array([1])) == pytest.approx(27.6310211, abs=1e-6)
+    with pytest.raises(ValueError, match="eps"):
+        negative_log_likelihood(PROBS, LABELS, eps=0.0)
+
+
+def test_brier_hand_computed() -> None:
+    # Sum over classes of squared errors against one-hot labels:
+    #   (0.9 - 1)^2 + 0.1^2        = 0.01 + 0.01     = 0.02
+    #   0.7^2 + (0.3 - 1)^2        = 0.49 + 0.49     = 0.98
+    #   0.3^2 + (0.7 - 1)^2        = 0.09 + 0.09     = 0.18
+    #   (0.55 - 1)^2 + 0.45^2      = 0.2025 + 0.2025 = 0.405
+    # mean = (0.02 + 0.98 + 0.18 + 0.405) / 4 = 1.585 / 4 = 0.39625
+    assert brier_score(PROBS, LABELS) == pytest.approx(0.39625, abs=1e-12)
+
+
+def test_ece_mce_hand_computed() -> None:
+    # num_bins=5, edges 0, 0.2, 0.4, 0.6, 0.8, 1.0:
+    #   (0.4, 0.6]: n=1, acc 1,   conf 0.55, gap 0.45
+    #   (0.6, 0.8]: n=2, acc 1/2, conf 0.70, gap 0.20
+    #   (0.8, 1.0]: n=1, acc 1,   conf 0.90, gap 0.10
+    # ECE = (1 * 0.45 + 2 * 0.20 + 1 * 0.10) / 4 = 0.95 / 4 = 0.2375; MCE = 0.45
+    assert expected_calibration_error(PROBS, LABELS, num_bins=5) == pytest.approx(0.2375, abs=1e-12)
+    assert maximum_calibration_error(PROBS, LABELS, num_bins=5) == pytest.approx(0.45, abs=1e-12)
+
+
+def test_reliability_diagram_hand_computed() -> None:
+    diagram = reliability_diagram_data(PROBS, LABELS, num_bins=5)
+    np.testing.assert_allclose(diagram.bin_edges, [0.0, 0.2, 0.4, 0.6, 0.8, 1.0])
+    np.testing.assert_array_equal(diagram.count, [0, 0, 1, 2, 1])
+    np.testing.assert_allclose(diagram.confidence, [np.nan, np.nan, 0.55, 0.7, 0.9])
+    np.testing.assert_allclose(diagram.accuracy, [np.nan, np.nan, 1.0, 0.5, 1.0])
+
+
+def test_bins_are_right_closed() -> None:
+    # num_bins=2, edges 0, 0.5, 1: confidence 0.5 falls in (0, 0.5] and confidence 1.0 in (0.5, 1].
+    probs = np.array([[0.5, 0.5], [1.0, 0.0]])
+    diagram = reliability_diagram_data(probs, np.array([1, 0]), num_bins=2)
+    np.testing.assert_array_equal(diagram.count, [1, 1])
+    # Bin 0: conf 0.5, prediction 0 (first maximal class) vs label 1 -> acc 0, gap 0.5; bin 1: conf 1, acc 1.
+    # ECE = (1 * 0.5 + 1 * 0) / 2 = 0.25; MCE = 0.5
+    assert expected_calibration_error(probs, np.array([1, 0]), num_bins=2) == pytest.approx(0.25)
+    assert maximum_calibration_error(probs, np.array([1, 0]), num_bins=2) == pytest.approx(0.5)
+
+
+def test_perfect_confident_predictions() -> None:
+    probs = np.eye(3)
+    labels = np.arange(3)
+    assert expected_calibration_error(probs, labels) == 0.0
+    assert maximum_calibration_error(probs, labels) == 0.0
+    assert brier_score(probs, labels) == 0.0
+    assert negative_log_likelihood(probs, labels) == 0.0
+    assert accuracy(probs, labels) == 1.0
+
+
+@settings(max_examples=50, deadline=None)
+@given(
+    seed=st.integers(0, 2**32 - 1),
+    num_samples=st.integers(1, 80),
+    num_classes=st.integers(2, 6),
+    ties=st.booleans(),
+    num_bins=st.integers(1, 20),
+)
+def test_ece_mce_against_loop(seed: int, num_samples: int, num_classes: int, ties: bool, num_bins: int) -> None:
+    probs, labels = _random_inputs(seed, num_samples, num_classes, ties)
+    confidence, correct = probs.max(axis=1), probs.argmax(axis=1) == labels
+    ece, mce = 0.0, 0.0
+    edges = np.linspace(0, 1, num_bins + 1)
+    for lower, upper in zip(edges[:-1], edges[1:], strict=True):
+        members = [i for i in range(num_samples) if lower < confidence[i] <= upper]
+        if members:
+            gap = abs(np.mean(correct[members]) - np.mean(confidence[members]))
+            ece += len(members) / num_samples * gap
+            mce = max(mce, gap)
+    assert expected_calibration_error(probs, labels, num_bins) == pytest.approx(ece, abs=1e-12)
+    assert maximum_calibration_error(probs, labels, num_bins) == pytest.approx(mce, abs=1e-12)
+    assert 0.0 <= expected_calibration_error(probs, labels, num_bins) <= mce + 1e-12 <= 1.0 + 1e-12
+    assert reliability_diagram_data(probs, labels, num_bins).count.sum() == num_samples
+
+
+@settings(max_examples=50, deadline=None)
+@given(seed=st.integers(0, 2**32 - 1), num_samples=st.integers(2, 80), ties=st.booleans())
+def test_binary_against_sklearn(seed: int, num_samples: int, ties: bool) -> None:
+    probs, labels = _random_inputs(seed, num_samples, 2, ties)
+    labels[:2] = [0, 1]  # log_loss needs both classes to infer the label set
+    assert negative_log_likelihood(probs, labels) == pytest.approx(log_loss(labels, probs), abs=1e-9)
+    # sklearn halves the binary Brier score by default; the sum-over-classes form is scale_by_half=False.
+    expected = brier_score_loss(labels, probs[:, 1], scale_by_half=False)
+    assert brier_score(probs, labels) == pytest.approx(expected, abs=1e-12)
+    assert brier_score(probs, labels) == pytest.approx(2 * brier_score_loss(labels, probs[:, 1]), abs=1e-12)
+
+
+@settings(max_examples=50, deadline=None)
+@given(seed=st.integers(0, 2**32 - 1), num_samples=st.integers(1, 80), num_classes=st.integers(3, 6))
+def test_multiclass_against_sklearn(seed: int, num_samples: int, num_classes: int) -> None:
+    probs, labels = _random_inputs(seed, num_samples, num_classes, ties=False)
+    classes = np.arange(num_classes)
+    assert negative_log_likelihood(probs, labels) == pytest.approx(log_loss(labels, probs, labels=classes), abs=1e-9)
+    assert brier_score(probs, labels) == pytest.approx(brier_score_loss(labels, probs, labels=classes), abs=1e-12)
+
+
+@pytest.mark.parametrize(
+    "metric",
+    [accuracy, negative_log_likelihood, brier_score, expected_calibration_error, maximum_calibration_error],
+)
+def test_numpy_and_torch_inputs_agree(metric) -> None:
+    probs, labels = _random_inputs(0, 50, 4, ties=False)
+    probs32 = torch.tensor(probs, dtype=torch.float32)
+    from_torch = metric(probs32, torch.tensor(labels))
+    from_numpy = metric(probs32.numpy(), labels)
+    assert isinstance(from_torch, float) and from_torch == from_numpy
+    assert metric(torch.tensor(probs, requires_grad=True), torch.tensor(labels, dtype=torch.int32)) == metric(
+        probs, labels
+    )
+
+
+def test_reliability_diagram_numpy_and_torch_agree() -> None:
+    probs, labels = _random_inputs(1, 40, 3, ties=True)
+    from_torch = reliability_diagram_data(torch.tensor(probs), torch.tensor(labels))
+    from_numpy = reliability_diagram_data(probs, labels)
+    for left, right in zip(from_torch, from_numpy, strict=True):
+        np.testing.assert_array_equal(left, right)
+
+
+@pytest.mark.parametrize(
+    ("probs", "labels", "match"),
+    [
+        (np.array([0.5, 0.5]), np.array([0]), "shape"),
+        (np.zeros((0, 2)), np.zeros(0, dtype=int), "shape"),
+        (np.array([[0.5, np.nan]]), np.array([0]), "NaN"),
+        (np.array([[1.5, -0.5]]), np.array([0]), r"\[0, 1\]"),
+        (np.array([[0.5, 0.4]]), np.array([0]), "sum to 1"),
+        (np.array([[0.5, 0.5]]), np.array([0.0]), "integer"),
+        (np.array([[0.5, 0.5]]), np.array([True]), "integer"),
+        (np.array([[0.5, 0.5]]), np.array([2]), "labels in"),
+        (np.array([[0.5, 0.5]]), np.array([-1]), "labels in"),
+        (np.array([[0.5, 0.5]]), np.array([0, 1]), "shape"),
+        (np.array([[0.5, 0.5]]), np.array([[0]]), "shape"),
+        (np.array([["a", "b"]]), np.array([0]), "dtype"),
+    ],
+)
+def test_bad_inputs_raise(probs: np.ndarray, labels: np.ndarray, match: str) -> None:
+    for metric in (accuracy, negative_log_likelihood, brier_score, expected_calibration_error):
+        with pytest.raises(ValueError, match=match):
+            metric(probs, labels)
+
+
+@pytest.mark.parametrize("num_bins", [0, -3, 2.5, True])
+def test_bad_num_bins_raise(num_bins) -> None:
+    with pytest.raises(ValueError, match="num_bins"):
+        expected_calibration_error(PROBS, LABELS, num_bins=num_bins)
