@@ -1,0 +1,127 @@
+"""CIFAR-10 / CIFAR-10-C loaders on small files written in exactly the published formats."""
+
+from __future__ import annotations
+
+import pickle
+
+import numpy as np
+import pytest
+import torch
+
+from gpattn.data import CIFAR10_CLASSES, load_cifar10, load_cifar10_c
+
+PER_BATCH = 10
+
+
+def _write_batch(path, data, labels):
+    with path.open("wb") as handle:
+        pickle.dump({b"batch_label": b"test", b"labels": list(map(int, labels)), b"data": data}, handle)
+
+
+@pytest.fixture()
+def cifar_root(tmp_path):
+    """A CIFAR-10 python folder with 5 training batches and a test batch of 10 images each."""
+    rng = np.random.default_rng(0)
+    root = tmp_path / "cifar-10-batches-py"
+    root.mkdir()
+    batches = {}
+    for name in [f"data_batch_{i}" for i in range(1, 6)] + ["test_batch"]:
+        data = rng.integers(0, 256, (PER_BATCH, 3072), dtype=np.uint8)
+        labels = rng.integers(0, 10, PER_BATCH)
+        _write_batch(root / name, data, labels)
+        batches[name] = (data, labels)
+    with (root / "batches.meta").open("wb") as handle:
+        pickle.dump({b"label_names": [name.encode() for name in CIFAR10_CLASSES], b"num_vis": 3072}, handle)
+    return root, batches
+
+
+def test_cifar10_round_trip(cifar_root):
+    root, batches = cifar_root
+    train = load_cifar10(root, "train")
+    assert train.images.shape == (5 * PER_BATCH, 3, 32, 32) and train.images.dtype == torch.float32
+    assert train.labels.dtype == torch.int64 and train.class_names == CIFAR10_CLASSES and train.num_classes == 10
+    data = np.concatenate([batches[f"data_batch_{i}"][0] for i in range(1, 6)])
+    labels = np.concatenate([batches[f"data_batch_{i}"][1] for i in range(1, 6)])
+    assert torch.equal(train.labels, torch.from_numpy(labels))
+    assert torch.equal((train.images * 255).round().to(torch.uint8).reshape(-1, 3072), torch.from_numpy(data))
+    assert train.images.min() >= 0 and train.images.max() <= 1
+    # channel layout: the first 1024 bytes are the red plane, row by row
+    first = batches["data_batch_1"][0][0]
+    assert train.images[0, 0, 0, 1] == pytest.approx(first[1] / 255)
+    assert train.images[0, 1, 2, 3] == pytest.approx(first[1024 + 2 * 32 + 3] / 255)
+    assert train.images[0, 2, 31, 31] == pytest.approx(first[3071] / 255)
+
+    test = load_cifar10(root, split="test")
+    assert len(test) == PER_BATCH
+    assert torch.equal(test.labels, torch.from_numpy(batches["test_batch"][1]))
+    # the parent folder works too
+    assert torch.equal(load_cifar10(root.parent, "test").images, test.images)
+
+
+def test_cifar10_errors(cifar_root, tmp_path):
+    root, _ = cifar_root
+    with pytest.raises(ValueError, match="split"):
+        load_cifar10(root, "validation")
+    (root / "data_batch_3").unlink()
+    with pytest.raises(FileNotFoundError, match="data_batch_3"):
+        load_cifar10(root, "train")
+    load_cifar10(root, "test")  # the test split does not need the training batches
+    with pytest.raises(FileNotFoundError, match="batches.meta"):
+        load_cifar10(tmp_path / "nowhere", "test")
+    _write_batch(root / "test_batch", np.zeros((4, 100), dtype=np.uint8), [0, 1, 2, 3])
+    with pytest.raises(ValueError, match="3072"):
+        load_cifar10(root, "test")
+    _write_batch(root / "test_batch", np.zeros((4, 3072), dtype=np.uint8), [0, 1, 2])
+    with pytest.raises(ValueError, match="labels"):
+        load_cifar10(root, "test")
+
+
+PER_SEVERITY = 4
+
+
+@pytest.fixture()
+def cifar_c_root(tmp_path):
+    rng = np.random.default_rng(1)
+    root = tmp_path / "CIFAR-10-C"
+    root.mkdir()
+    data = rng.integers(0, 256, (5 * PER_SEVERITY, 32, 32, 3), dtype=np.uint8)
+    labels = np.tile(rng.integers(0, 10, PER_SEVERITY), 5).astype(np.uint8)
+    np.save(root / "gaussian_noise.npy", data)
+    np.save(root / "labels.npy", labels)
+    return root, data, labels
+
+
+@pytest.mark.parametrize("severity", [1, 3, 5])
+def test_cifar10_c_round_trip(cifar_c_root, severity):
+    root, data, labels = cifar_c_root
+    shifted = load_cifar10_c(root, "gaussian_noise", severity)
+    rows = slice((severity - 1) * PER_SEVERITY, severity * PER_SEVERITY)
+    assert shifted.images.shape == (PER_SEVERITY, 3, 32, 32) and shifted.images.dtype == torch.float32
+    assert shifted.labels.dtype == torch.int64 and torch.equal(shifted.labels, torch.from_numpy(labels[rows]).long())
+    expected = torch.from_numpy(data[rows]).permute(0, 3, 1, 2).float() / 255
+    torch.testing.assert_close(shifted.images, expected, rtol=0, atol=0)
+    assert shifted.class_names == CIFAR10_CLASSES
+    assert torch.equal(load_cifar10_c(root.parent, "gaussian_noise", severity).images, shifted.images)
+
+
+def test_cifar10_c_errors(cifar_c_root):
+    root, data, _ = cifar_c_root
+    for severity in (0, 6, 2.0, True):
+        with pytest.raises(ValueError, match="severity"):
+            load_cifar10_c(root, "gaussian_noise", severity)
+    with pytest.raises(ValueError, match="corruption"):
+        load_cifar10_c(root, "rotation", 1)
+    with pytest.raises(FileNotFoundError, match="fog.npy"):
+        load_cifar10_c(root, "fog", 1)
+    np.save(root / "fog.npy", data[:, :16])  # wrong image size
+    with pytest.raises(ValueError, match="32, 32, 3"):
+        load_cifar10_c(root, "fog", 1)
+    np.save(root / "fog.npy", data[:-1])  # not 5 stacked severities
+    with pytest.raises(ValueError):
+        load_cifar10_c(root, "fog", 1)
+    np.save(root / "snow.npy", data.astype(np.float32))
+    with pytest.raises(ValueError, match="uint8"):
+        load_cifar10_c(root, "snow", 1)
+    np.save(root / "labels.npy", np.zeros(3, dtype=np.int64))
+    with pytest.raises(ValueError, match="labels"):
+        load_cifar10_c(root, "gaussian_noise", 1)

@@ -1,0 +1,249 @@
+"""The 8x8 digits splits, the held-out OOD classes, the CIFAR-10-C-style shifts, the noise OOD images and patches."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from gpattn.data import (
+    SHIFT_KINDS,
+    ImageDataset,
+    images_to_patches,
+    load_digits_splits,
+    make_noise_ood,
+    make_shifted_test_sets,
+    patches_to_images,
+    shift_images,
+)
+from gpattn.data.digits import gaussian_blur, rotate_images
+from gpattn.models import Transformer
+
+
+@pytest.fixture(scope="module")
+def splits():
+    return load_digits_splits(seed=0)
+
+
+@pytest.fixture(scope="module")
+def full_splits():
+    return load_digits_splits(seed=0, held_out_classes=None)
+
+
+def _datasets(s):
+    return [s.train, s.val, s.test]
+
+
+def test_shapes_types_and_range(splits):
+    for d in [*_datasets(splits), splits.ood_classes]:
+        assert isinstance(d, ImageDataset)
+        assert d.images.dtype == torch.float32 and d.images.shape[1:] == (1, 8, 8)
+        assert d.labels.dtype == torch.int64 and d.labels.shape == (len(d),)
+        assert d.images.min() >= 0 and d.images.max() <= 1 and d.images.max() == 1
+        assert d.num_classes == len(d.class_names) and d.in_channels == 1 and d.image_size == (8, 8)
+    # every image is used exactly once
+    assert sum(len(d) for d in [*_datasets(splits), splits.ood_classes]) == 1797
+
+
+def test_default_holds_out_eight_and_nine(splits):
+    assert splits.held_out_classes == (8, 9)
+    assert splits.label_map == {c: c for c in range(8)}
+    for d in _datasets(splits):
+        assert d.num_classes == 8 and d.class_names == tuple("01234567")
+        assert set(d.labels.tolist()) == set(range(8))
+    ood = splits.ood_classes
+    assert ood.class_names == ("8", "9") and set(ood.labels.tolist()) == {0, 1}
+    assert len(ood) == 174 + 180  # all 8s and 9s of the data set
+
+
+def test_held_out_classes_are_absent_and_labels_reindexed():
+    from sklearn.datasets import load_digits
+
+    raw = load_digits()
+    raw_images = torch.from_numpy(raw.images / 16.0).float()
+    s = load_digits_splits(seed=1, held_out_classes=(3, 0))
+    assert s.label_map == {1: 0, 2: 1, 4: 2, 5: 3, 6: 4, 7: 5, 8: 6, 9: 7}
+    inverse = {v: k for k, v in s.label_map.items()}
+    # find every image in the raw data set and check its original digit
+    flat_raw = raw_images.reshape(len(raw_images), -1)
+
+    def original_digits(d):
+        match = (d.images.reshape(len(d), 1, -1) == flat_raw[None]).all(-1)  # (n, 1797)
+        assert match.any(1).all()
+        return [set(raw.target[row.nonzero().flatten().numpy()].tolist()) for row in match]
+
+    for d in _datasets(s):
+        assert d.class_names == ("1", "2", "4", "5", "6", "7", "8", "9")
+        for label, digits in zip(d.labels.tolist(), original_digits(d), strict=True):
+            assert inverse[label] in digits and not digits & {0, 3}
+    assert s.ood_classes.class_names == ("3", "0")
+    for label, digits in zip(s.ood_classes.labels.tolist(), original_digits(s.ood_classes), strict=True):
+        assert (3, 0)[label] in digits
+
+
+def test_no_held_out_classes(full_splits):
+    assert full_splits.ood_classes is None and full_splits.held_out_classes == ()
+    assert all(d.num_classes == 10 for d in _datasets(full_splits))
+    assert sum(len(d) for d in _datasets(full_splits)) == 1797
+    assert load_digits_splits(held_out_classes=()).ood_classes is None
+
+
+def test_stratified(full_splits):
+    counts = np.bincount(np.concatenate([d.labels.numpy() for d in _datasets(full_splits)]), minlength=10)
+    for d, fraction in zip(_datasets(full_splits), (0.6, 0.15, 0.25), strict=True):
+        per_class = np.bincount(d.labels.numpy(), minlength=10)
+        assert np.all(np.abs(per_class - fraction * counts) <= 1)
+
+
+def test_deterministic_without_the_global_rng():
+    torch.manual_seed(0)
+    np.random.seed(0)
+    torch_state, np_state = torch.get_rng_state(), np.random.get_state()
+    a, b, c = load_digits_splits(seed=3), load_digits_splits(seed=3), load_digits_splits(seed=4)
+    assert torch.equal(torch.get_rng_state(), torch_state)
+    assert np.array_equal(np.random.get_state()[1], np_state[1])
+    for x, y, z in zip(_datasets(a), _datasets(b), _datasets(c), strict=True):
+        assert torch.equal(x.images, y.images) and torch.equal(x.labels, y.labels)
+        assert not torch.equal(x.labels, z.labels)
+    # the validation split is disjoint from the test split
+    flat = {tuple(img.flatten().tolist()) for img in a.test.images}
+    overlap = sum(tuple(img.flatten().tolist()) in flat for img in a.val.images)
+    assert overlap <= 2  # the digits contain a handful of exact duplicate images
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"val_fraction": 0.6, "test_fraction": 0.4},
+        {"test_fraction": -0.1},
+        {"held_out_classes": (10,)},
+        {"held_out_classes": (1, 1)},
+        {"held_out_classes": tuple(range(9))},
+        {"seed": -1},
+    ],
+)
+def test_bad_arguments(kwargs):
+    with pytest.raises(ValueError):
+        load_digits_splits(**kwargs)
+
+
+@pytest.mark.parametrize("kind", SHIFT_KINDS)
+def test_shift_severity_is_monotone(splits, kind):
+    clean = splits.test.images
+    distances = []
+    for severity in range(1, 6):
+        shifted = shift_images(clean, kind, severity, seed=0)
+        assert shifted.shape == clean.shape and shifted.dtype == clean.dtype
+        assert shifted.min() >= 0 and shifted.max() <= 1
+        assert torch.equal(shifted, shift_images(clean, kind, severity, seed=0))
+        distances.append((shifted - clean).abs().mean().item())
+    assert distances[0] > 0.01
+    assert all(a < b for a, b in zip(distances, distances[1:], strict=False)), distances
+
+
+def test_noise_seeds(splits):
+    clean = splits.test.images[:50]
+    a = shift_images(clean, "gaussian_noise", 3, seed=0)
+    assert torch.equal(a, shift_images(clean, "gaussian_noise", 3, seed=0))
+    assert not torch.equal(a, shift_images(clean, "gaussian_noise", 3, seed=1))
+    # blur is deterministic regardless of the seed
+    assert torch.equal(shift_images(clean, "blur", 2, seed=0), shift_images(clean, "blur", 2, seed=5))
+
+
+def test_rotation_by_zero_is_identity_and_by_ninety_is_rot90():
+    images = torch.rand(4, 2, 6, 6, generator=torch.Generator().manual_seed(0))
+    torch.testing.assert_close(rotate_images(images, 0.0), images, atol=1e-6, rtol=0)
+    torch.testing.assert_close(rotate_images(images, 360.0), images, atol=1e-5, rtol=0)
+    # counter-clockwise as displayed (row 0 at the top)
+    torch.testing.assert_close(rotate_images(images, 90.0), torch.rot90(images, 1, dims=(2, 3)), atol=1e-5, rtol=0)
+    per_image = rotate_images(images, torch.tensor([0.0, 90.0, 0.0, 90.0]))
+    torch.testing.assert_close(per_image[0], images[0], atol=1e-6, rtol=0)
+    torch.testing.assert_close(per_image[1], torch.rot90(images[1], 1, dims=(1, 2)), atol=1e-5, rtol=0)
+
+
+def test_blur_preserves_mean_and_smooths(splits):
+    clean = splits.test.images
+    constant = torch.full((2, 1, 8, 8), 0.4)
+    torch.testing.assert_close(gaussian_blur(constant, 1.0), constant)
+    assert torch.equal(gaussian_blur(clean, 0.0), clean)
+    for severity in range(1, 6):
+        blurred = shift_images(clean, "blur", severity)
+        assert abs(blurred.mean().item() - clean.mean().item()) < 0.02
+        assert blurred.std() < clean.std()
+
+
+def test_make_shifted_test_sets(splits):
+    sets = make_shifted_test_sets(splits.test, seed=0)
+    assert set(sets) == {(kind, severity) for kind in SHIFT_KINDS for severity in range(1, 6)}
+    for d in sets.values():
+        assert torch.equal(d.labels, splits.test.labels) and d.class_names == splits.test.class_names
+        assert d.images.shape == splits.test.images.shape
+    again = make_shifted_test_sets(splits.test, seed=0, kinds=("gaussian_noise",), severities=(2,))
+    assert torch.equal(again[("gaussian_noise", 2)].images, sets[("gaussian_noise", 2)].images)
+    # different severities use different noise draws
+    n1 = sets[("gaussian_noise", 1)].images - splits.test.images
+    n2 = sets[("gaussian_noise", 2)].images - splits.test.images
+    assert not torch.allclose(n1 * 2, n2, atol=1e-3)
+
+
+@pytest.mark.parametrize("bad", [{"kind": "fog"}, {"severity": 0}, {"severity": 6}])
+def test_shift_bad_arguments(splits, bad):
+    with pytest.raises(ValueError):
+        shift_images(splits.test.images, **{"kind": "blur", "severity": 1, **bad})
+
+
+def test_noise_ood(splits):
+    ood = make_noise_ood(90, seed=0)
+    assert ood.images.shape == (90, 1, 8, 8) and ood.images.dtype == torch.float32
+    assert ood.images.min() >= 0 and ood.images.max() <= 1
+    assert ood.class_names == ("smooth_field", "blobs", "stripes")
+    assert torch.bincount(ood.labels).tolist() == [30, 30, 30]
+    assert torch.equal(ood.images, make_noise_ood(90, seed=0).images)
+    assert not torch.equal(ood.images, make_noise_ood(90, seed=1).images)
+    # digit-like intensity statistics
+    assert abs(ood.images.mean().item() - splits.train.images.mean().item()) < 0.03
+    zeros_ood, zeros_digits = (ood.images == 0).float().mean(), (splits.train.images == 0).float().mean()
+    assert abs(zeros_ood - zeros_digits) < 0.05
+    # spatial structure differs from the digits: not simply a copy of any of them
+    assert not (ood.images[:, None] == splits.train.images[None]).flatten(2).all(-1).any()
+
+
+@pytest.mark.parametrize("patch_size", [1, 2, 4, 8])
+def test_patches_round_trip(splits, patch_size):
+    images = splits.val.images
+    patches = images_to_patches(images, patch_size)
+    assert patches.shape == (len(images), (8 // patch_size) ** 2, patch_size**2)
+    assert torch.equal(patches_to_images(patches, 8, patch_size, 1), images)
+
+
+def test_patches_layout_matches_the_patch_embedding():
+    images = torch.rand(3, 3, 8, 12, generator=torch.Generator().manual_seed(0))
+    patches = images_to_patches(images, 4)
+    assert patches.shape == (3, 6, 48)
+    torch.testing.assert_close(patches[1, 4].reshape(3, 4, 4), images[1, :, 4:8, 4:8], rtol=0, atol=0)
+    conv = torch.nn.Conv2d(3, 5, kernel_size=4, stride=4)
+    expected = conv(images).flatten(2).transpose(1, 2)  # (n, N, 5), patches row by row
+    torch.testing.assert_close(patches @ conv.weight.reshape(5, -1).T + conv.bias, expected)
+    assert torch.equal(patches_to_images(patches, (8, 12), 4, 3), images)
+    with pytest.raises(ValueError):
+        images_to_patches(images, 3)
+
+
+def test_transformer_takes_digits_both_ways(splits):
+    images = splits.train.images[:4]
+    by_patches = Transformer(
+        input="patches",
+        image_size=8,
+        patch_size=2,
+        in_channels=1,
+        num_classes=8,
+        embed_dim=16,
+        depth=1,
+        num_heads=2,
+        attention="softmax",
+    )
+    assert by_patches(images).shape[-1] == 8
+    by_vectors = Transformer(
+        input="vectors", input_dim=4, max_len=16, num_classes=8, embed_dim=16, depth=1, num_heads=2, attention="softmax"
+    )
+    assert by_vectors(images_to_patches(images, 2)).shape[-1] == 8
