@@ -1,4 +1,4 @@
-"""Experiments: the toy regression fit (exact GP vs KEP-SVGP via VariationalELBO and Pyro SVI)."""
+"""Experiments: the toy regression fit (exact GP vs KEP-SVGP via VariationalELBO and Pyro SVI); the training loop."""
 
 from .toy_regression import (
     ToyRegressionConfig,
@@ -9,8 +9,30 @@ from .toy_regression import (
     format_result,
     run_toy_regression,
 )
+from .training import (
+    CHECKPOINT_KEYS,
+    NonFiniteLossError,
+    TrainConfig,
+    TrainResult,
+    ensemble_probabilities,
+    evaluate,
+    train_ensemble,
+    train_model,
+    warmup_cosine_lr,
+    warmup_cosine_schedule,
+)
 
 __all__ = [
+    "CHECKPOINT_KEYS",
+    "NonFiniteLossError",
+    "TrainConfig",
+    "TrainResult",
+    "ensemble_probabilities",
+    "evaluate",
+    "train_ensemble",
+    "train_model",
+    "warmup_cosine_lr",
+    "warmup_cosine_schedule",
     "ToyRegressionConfig",
     "ToyRegressionResult",
     "fit_exact_gp",
