@@ -1,5 +1,7 @@
-"""Experiments: the toy regression fit (exact GP vs KEP-SVGP via VariationalELBO and Pyro SVI); the training loop."""
+"""Experiments: the toy regression fit (exact GP vs KEP-SVGP via VariationalELBO and Pyro SVI); the training loop;
+the comparison of every attention (``gpattn compare``)."""
 
+from .compare import CompareConfig, markdown_table, run_comparison, write_outputs
 from .toy_regression import (
     ToyRegressionConfig,
     ToyRegressionResult,
@@ -23,6 +25,10 @@ from .training import (
 )
 
 __all__ = [
+    "CompareConfig",
+    "markdown_table",
+    "run_comparison",
+    "write_outputs",
     "CHECKPOINT_KEYS",
     "NonFiniteLossError",
     "TrainConfig",

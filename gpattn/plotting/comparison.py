@@ -1,0 +1,425 @@
+"""Figures of the attention comparison: reliability diagrams, shift curves, OOD histograms and KSVD spectra.
+
+Every function takes the runner's list of *records*, one plain (JSON-able) dict per ``(task, attention, seed)``::
+
+    {"task": "digits", "attention": "kep_svgp", "seed": 0,
+     "metrics": {"test": {"accuracy": ..., "nll": ..., "ece": ..., ...},
+                 "shift": {"gaussian_noise": {"1": {"accuracy": ..., ...}, ..., "5": {...}}, ...},  # or {}
+                 "ood": {"held_out": {"auroc_max_prob": ..., ...}, "noise": {...}}},               # or {}
+     "reliability": {"confidence": [...], "accuracy": [...], "count": [...]},  # per bin, test set
+     "ood_scores": {"in": [...], "held_out": [...], "noise": [...]},          # max probabilities, or {}
+     "spectra": {"layer_1": [[sigma_1, sigma_2, ...], ...]},                  # one list per head, or {}
+     "train": {...}}
+
+Only ``task``, ``attention``, ``seed`` and ``metrics`` are required; a record lacking the data of a figure (no
+shift, no OOD scores, no spectra, ...) is skipped by that figure. Seeds are pooled (reliability bins, OOD scores) or
+averaged (metrics, spectra). Each attention keeps its colour across all figures.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")  # headless by default; notebooks switch to their inline backend themselves
+
+import matplotlib.pyplot as plt  # noqa: E402
+import numpy as np  # noqa: E402
+from matplotlib.figure import Figure  # noqa: E402
+
+ATTENTION_ORDER = ("kep_svgp", "kep_svgp_sym", "sgpa", "svgp", "softmax", "primal")
+REQUIRED_KEYS = ("task", "attention", "seed", "metrics")
+OOD_SETS = {"in": "in-distribution (test)", "held_out": "held-out classes", "noise": "noise"}
+DPI = 110
+
+__all__ = [
+    "plot_ood_histograms",
+    "plot_reliability_diagrams",
+    "plot_shift_curves",
+    "plot_spectra",
+    "write_comparison_figures",
+]
+
+
+# ----------------------------------------------------------------------------------------------------------- helpers
+def _validate(records) -> list[dict]:
+    if isinstance(records, (str, bytes, dict)) or not isinstance(records, Sequence):
+        raise ValueError(f"records must be a non-empty list of dicts, got {type(records).__name__}")
+    if len(records) == 0:
+        raise ValueError("records must be a non-empty list of dicts, got an empty list")
+    for index, record in enumerate(records):
+        if not isinstance(record, dict):
+            raise ValueError(f"record {index} is a {type(record).__name__}, expected a dict")
+        missing = [key for key in REQUIRED_KEYS if key not in record]
+        if missing:
+            raise ValueError(f"record {index} lacks the required keys {missing}")
+        if not isinstance(record["task"], str) or not isinstance(record["attention"], str):
+            raise ValueError(f"record {index}: 'task' and 'attention' must be strings")
+        if not isinstance(record["metrics"], dict):
+            raise ValueError(f"record {index}: 'metrics' must be a dict, got {type(record['metrics']).__name__}")
+        for key in ("reliability", "ood_scores", "spectra"):
+            if record.get(key) is not None and not isinstance(record[key], dict):
+                raise ValueError(f"record {index}: '{key}' must be a dict, got {type(record[key]).__name__}")
+    return list(records)
+
+
+def _unique(values: Iterable) -> list:
+    return list(dict.fromkeys(values))
+
+
+def _attention_order(attentions: Iterable[str]) -> list[str]:
+    present = _unique(attentions)
+    return [a for a in ATTENTION_ORDER if a in present] + [a for a in present if a not in ATTENTION_ORDER]
+
+
+def _colour(attention: str) -> str:
+    if attention in ATTENTION_ORDER:
+        return f"C{ATTENTION_ORDER.index(attention)}"
+    return f"C{(len(ATTENTION_ORDER) + sum(map(ord, attention))) % 10}"
+
+
+def _float(value) -> float:
+    """A JSON number as a float; ``None`` (JSON's stand-in for NaN) and non-numbers become NaN."""
+    try:
+        return float(value) if value is not None else math.nan
+    except (TypeError, ValueError):
+        return math.nan
+
+
+def _lookup(mapping, *keys) -> float:
+    for key in keys:
+        if not isinstance(mapping, dict) or key not in mapping:
+            return math.nan
+        mapping = mapping[key]
+    return _float(mapping)
+
+
+def _mean_std(values: Iterable[float]) -> tuple[float, float, int]:
+    """Mean, sample standard deviation (0 for one value) and number of the finite values."""
+    finite = np.asarray([v for v in values if math.isfinite(v)], dtype=np.float64)
+    if finite.size == 0:
+        return math.nan, math.nan, 0
+    std = float(finite.std(ddof=1)) if finite.size > 1 else 0.0
+    return float(finite.mean()), std, int(finite.size)
+
+
+def _grid(count: int, panel_width: float, panel_height: float, max_columns: int = 3):
+    """A figure with exactly ``count`` axes on a grid of at most ``max_columns`` columns (unused cells removed)."""
+    columns = min(count, max_columns)
+    rows = math.ceil(count / columns)
+    figure, axes = plt.subplots(
+        rows, columns, figsize=(panel_width * columns, panel_height * rows), squeeze=False, layout="constrained"
+    )
+    flat = list(axes.ravel())
+    for axis in flat[count:]:
+        figure.delaxes(axis)
+    return figure, flat[:count]
+
+
+def _severity_key(severity: str):
+    try:
+        return (0, float(severity))
+    except ValueError:
+        return (1, severity)
+
+
+def _natural_key(name: str):
+    return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", name)]
+
+
+def _panel_name(task: str, attention: str, tasks: Sequence[str]) -> str:
+    return attention if len(tasks) == 1 else f"{task}: {attention}"
+
+
+# ------------------------------------------------------------------------------------------------------ reliability
+def _reliability_records(records: list[dict], task: str) -> list[dict]:
+    return [
+        r
+        for r in records
+        if r["task"] == task and isinstance(r.get("reliability"), dict) and r["reliability"].get("count")
+    ]
+
+
+def pool_reliability(records: Sequence[dict]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Pool the per-bin reliability data of several records (e.g. seeds).
+
+    Counts are summed; confidence and accuracy are count-weighted means over the records whose bin is non-empty.
+
+    :param records: Records with a ``reliability`` entry, all with the same number of bins.
+    :return: ``(confidence, accuracy, count)``, NumPy arrays of one value per bin (NaN for bins empty in all).
+    """
+    num_bins = {len(r["reliability"]["count"]) for r in records}
+    if len(num_bins) != 1:
+        raise ValueError(f"reliability data with different numbers of bins: {sorted(num_bins)}")
+    (size,) = num_bins
+    count = np.zeros(size)
+    confidence_sum = np.zeros(size)
+    accuracy_sum = np.zeros(size)
+    for record in records:
+        data = record["reliability"]
+        n = np.asarray([_float(c) for c in data["count"]])
+        n = np.where(np.isfinite(n), n, 0.0)
+        conf = np.asarray([_float(c) for c in data.get("confidence", [None] * size)])
+        acc = np.asarray([_float(a) for a in data.get("accuracy", [None] * size)])
+        if conf.shape != (size,) or acc.shape != (size,):
+            raise ValueError(f"reliability data of {record['attention']} (seed {record['seed']}) has ragged bins")
+        filled = n > 0
+        count += n
+        confidence_sum += np.where(filled, n * np.nan_to_num(conf), 0.0)
+        accuracy_sum += np.where(filled, n * np.nan_to_num(acc), 0.0)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        return confidence_sum / count, accuracy_sum / count, count.astype(np.int64)
+
+
+def plot_reliability_diagrams(records: list[dict], task: str) -> Figure:
+    """Reliability diagram of every attention on ``task``'s test set, seeds pooled.
+
+    Bars (in the attention's colour): accuracy of each non-empty confidence bin, pooled over seeds (counts summed,
+    count-weighted mean confidence and accuracy); red hatched bars: the gap to the bin's mean confidence; dashed: the
+    diagonal of perfect calibration; one legend for the figure. Panel titles give the ECE (mean ± std over seeds of
+    ``metrics.test.ece``, in percent).
+
+    :param records: The comparison records.
+    :param task: The task whose records are drawn.
+    :return: The figure, one panel per attention.
+    """
+    records = _validate(records)
+    selected = _reliability_records(records, task)
+    if not selected:
+        raise ValueError(f"no reliability data for task {task!r}")
+    attentions = _attention_order(r["attention"] for r in selected)
+    figure, axes = _grid(len(attentions), 3.6, 3.6)
+    for axis, attention in zip(axes, attentions, strict=True):
+        group = [r for r in selected if r["attention"] == attention]
+        confidence, accuracy, count = pool_reliability(group)
+        size = len(count)
+        edges = np.linspace(0.0, 1.0, size + 1)
+        filled = count > 0
+        left, width = edges[:-1][filled], np.diff(edges)[filled]
+        axis.bar(
+            left, accuracy[filled], width=width, align="edge", color=_colour(attention), edgecolor="k",
+            linewidth=0.6, alpha=0.85, label="accuracy", gid="accuracy",
+        )  # fmt: skip
+        axis.bar(
+            left, (confidence - accuracy)[filled], bottom=accuracy[filled], width=width, align="edge",
+            color="C3", alpha=0.3, hatch="//", edgecolor="C3", linewidth=0.6, label="gap to confidence", gid="gap",
+        )  # fmt: skip
+        axis.plot([0, 1], [0, 1], ls="--", color="k", lw=1, label="perfect calibration")
+        axis.set_xlim(0, 1)
+        axis.set_ylim(0, 1)
+        axis.set_aspect("equal")
+        axis.set_xlabel("confidence")
+        axis.set_ylabel("accuracy")
+        ece, ece_std, seeds = _mean_std(_lookup(r["metrics"], "test", "ece") for r in group)
+        ece_text = f"ECE {100 * ece:.2f} ± {100 * ece_std:.2f}%" if seeds else "ECE n/a"
+        axis.set_title(f"{attention}\n{ece_text} ({len(group)} seed{'s' if len(group) != 1 else ''})", fontsize=10)
+    handles, labels = axes[0].get_legend_handles_labels()
+    figure.legend(handles, labels, loc="outside lower center", ncols=len(labels), fontsize=8)
+    figure.suptitle(f"Reliability diagrams on {task} (test set, {size} bins, seeds pooled)")
+    return figure
+
+
+# ------------------------------------------------------------------------------------------------------------ shift
+def _shift_records(records: list[dict]) -> list[dict]:
+    return [r for r in records if isinstance(r["metrics"].get("shift"), dict) and r["metrics"]["shift"]]
+
+
+def plot_shift_curves(records: list[dict], metrics: Sequence[str] = ("accuracy", "ece", "nll")) -> Figure:
+    """Metrics under distribution shift against severity, one line per attention (mean ± std band over seeds).
+
+    Severity 0 is the clean test set (``metrics.test``). Records without shift data are skipped.
+
+    :param records: The comparison records.
+    :param metrics: Metric names, one row each.
+    :return: The figure: rows = metrics, columns = shift kinds, one legend for the figure.
+    """
+    records = _validate(records)
+    metrics = [metrics] if isinstance(metrics, str) else list(metrics)
+    if not metrics:
+        raise ValueError("metrics must name at least one metric")
+    selected = _shift_records(records)
+    if not selected:
+        raise ValueError("no records with shift data")
+    kinds = _unique(kind for r in selected for kind in r["metrics"]["shift"])
+    tasks = _unique(r["task"] for r in selected)
+    groups = [(t, a) for t in tasks for a in _attention_order(r["attention"] for r in selected if r["task"] == t)]
+    figure, axes = plt.subplots(
+        len(metrics), len(kinds), figsize=(3.8 * len(kinds) + 1.8, 2.9 * len(metrics)), squeeze=False,
+        sharex=True, layout="constrained",
+    )  # fmt: skip
+    linestyles = ("-", "--", ":", "-.")
+    for column, kind in enumerate(kinds):
+        severities = sorted(
+            _unique(s for r in selected for s in r["metrics"]["shift"].get(kind, {}) if s != "0"), key=_severity_key
+        )
+        x = np.asarray([0.0] + [_severity_key(s)[1] if _severity_key(s)[0] == 0 else np.nan for s in severities])
+        for row, metric in enumerate(metrics):
+            axis = axes[row, column]
+            for task, attention in groups:
+                group = [r for r in selected if r["task"] == task and r["attention"] == attention]
+                per_seed = np.asarray(
+                    [
+                        [_lookup(r["metrics"], "test", metric)]
+                        + [_lookup(r["metrics"], "shift", kind, s, metric) for s in severities]
+                        for r in group
+                    ]
+                )
+                stats = [_mean_std(per_seed[:, j]) for j in range(per_seed.shape[1])]
+                mean = np.asarray([m for m, _, _ in stats])
+                std = np.asarray([s for _, s, _ in stats])
+                colour = _colour(attention)
+                label = _panel_name(task, attention, tasks) + f" (n={len(group)})"
+                style = linestyles[tasks.index(task) % len(linestyles)]
+                axis.plot(x, mean, marker="o", ms=3, color=colour, ls=style, lw=1.6, label=label)
+                axis.fill_between(x, mean - std, mean + std, color=colour, alpha=0.18, lw=0)
+            axis.set_title(f"{kind.replace('_', ' ')}: {metric}", fontsize=10)
+            axis.set_xlabel("severity (0 = clean)")
+            axis.set_ylabel(metric)
+            axis.set_xticks(x[np.isfinite(x)])
+            axis.grid(alpha=0.3)
+    handles, labels = axes[0, 0].get_legend_handles_labels()
+    figure.legend(handles, labels, loc="outside right upper", fontsize=8, title="attention")
+    figure.suptitle(f"Metrics under distribution shift on {', '.join(tasks)} (mean ± std over seeds)")
+    return figure
+
+
+# -------------------------------------------------------------------------------------------------------------- OOD
+def _ood_records(records: list[dict]) -> list[dict]:
+    return [r for r in records if isinstance(r.get("ood_scores"), dict) and r["ood_scores"].get("in")]
+
+
+def plot_ood_histograms(records: list[dict]) -> Figure:
+    """Densities of the maximum predicted probability on in-distribution, held-out-class and noise inputs.
+
+    Scores are pooled over seeds; the panel title gives the held-out AUROC of the maximum probability (mean ± std over
+    seeds of ``metrics.ood.held_out.auroc_max_prob``). Records without OOD scores are skipped.
+
+    :param records: The comparison records.
+    :return: The figure, one panel per attention (per task and attention when several tasks have OOD scores).
+    """
+    records = _validate(records)
+    selected = _ood_records(records)
+    if not selected:
+        raise ValueError("no records with OOD scores")
+    tasks = _unique(r["task"] for r in selected)
+    groups = [(t, a) for t in tasks for a in _attention_order(r["attention"] for r in selected if r["task"] == t)]
+    figure, axes = _grid(len(groups), 4.0, 3.2)
+    bins = np.linspace(0.0, 1.0, 41)
+    colours = {"in": "C0", "held_out": "C3", "noise": "C7"}
+    for axis, (task, attention) in zip(axes, groups, strict=True):
+        group = [r for r in selected if r["task"] == task and r["attention"] == attention]
+        names = _unique(name for r in group for name in r["ood_scores"])
+        names = [n for n in OOD_SETS if n in names] + [n for n in names if n not in OOD_SETS]
+        for index, name in enumerate(names):
+            scores = np.asarray([_float(v) for r in group for v in (r["ood_scores"].get(name) or [])])
+            scores = scores[np.isfinite(scores)]
+            if scores.size == 0:
+                continue
+            colour = colours.get(name, f"C{(index + 4) % 10}")
+            label = f"{OOD_SETS.get(name, name)} (n={scores.size})"
+            axis.hist(scores, bins=bins, density=True, color=colour, alpha=0.3, label=label)
+            axis.hist(scores, bins=bins, density=True, color=colour, histtype="step", lw=1.2)
+        auroc, auroc_std, seeds = _mean_std(_lookup(r["metrics"], "ood", "held_out", "auroc_max_prob") for r in group)
+        auroc_text = f"AUROC (held-out) {auroc:.3f} ± {auroc_std:.3f}" if seeds else "AUROC (held-out) n/a"
+        axis.set_title(f"{_panel_name(task, attention, tasks)}\n{auroc_text}", fontsize=10)
+        axis.set_xlim(0, 1)
+        axis.set_xlabel("max probability")
+        axis.set_ylabel("density")
+        axis.legend(fontsize=7, loc="upper left")
+    figure.suptitle(f"Maximum-probability OOD scores on {', '.join(tasks)} (seeds pooled)")
+    return figure
+
+
+# ---------------------------------------------------------------------------------------------------------- spectra
+def _spectra_records(records: list[dict]) -> list[dict]:
+    return [r for r in records if isinstance(r.get("spectra"), dict) and any(heads for heads in r["spectra"].values())]
+
+
+def plot_spectra(records: list[dict]) -> Figure:
+    """Singular values of the KSVD of every attention layer and head (mean over seeds, log scale).
+
+    Records without spectra are skipped; seeds with spectra of different lengths are truncated to the shortest.
+
+    :param records: The comparison records.
+    :return: The figure, one panel per attention (per task and attention when several tasks have spectra).
+    """
+    records = _validate(records)
+    selected = _spectra_records(records)
+    if not selected:
+        raise ValueError("no records with spectra")
+    tasks = _unique(r["task"] for r in selected)
+    groups = [(t, a) for t in tasks for a in _attention_order(r["attention"] for r in selected if r["task"] == t)]
+    figure, axes = _grid(len(groups), 4.0, 3.2)
+    for axis, (task, attention) in zip(axes, groups, strict=True):
+        group = [r for r in selected if r["task"] == task and r["attention"] == attention]
+        layers = sorted(_unique(layer for r in group for layer in r["spectra"]), key=_natural_key)
+        lines = 0
+        for layer_index, layer in enumerate(layers):
+            num_heads = max(len(r["spectra"].get(layer) or []) for r in group)
+            for head in range(num_heads):
+                curves = [
+                    np.asarray([_float(v) for v in r["spectra"][layer][head]])
+                    for r in group
+                    if len(r["spectra"].get(layer) or []) > head and len(r["spectra"][layer][head]) > 0
+                ]
+                if not curves:
+                    continue
+                length = min(len(c) for c in curves)
+                mean = np.nanmean(np.stack([c[:length] for c in curves]), axis=0)
+                index = np.arange(1, length + 1)
+                axis.plot(
+                    index, mean, color=f"C{layer_index % 10}", ls=("-", "--", ":", "-.")[head % 4], marker=".",
+                    label=f"{layer.replace('_', ' ')}, head {head + 1}",
+                )  # fmt: skip
+                lines += 1
+        axis.set_yscale("log")
+        axis.set_title(
+            f"{_panel_name(task, attention, tasks)} ({len(group)} seed{'s' if len(group) != 1 else ''})", fontsize=10
+        )
+        axis.set_xlabel("index i")
+        axis.set_ylabel(r"singular value $\sigma_i$")
+        axis.grid(alpha=0.3, which="both")
+        if lines > 1:
+            axis.legend(fontsize=7, loc="lower left", framealpha=0.8)
+    figure.suptitle(f"KSVD spectra on {', '.join(tasks)} (mean over seeds)")
+    return figure
+
+
+# ----------------------------------------------------------------------------------------------------------- writing
+def write_comparison_figures(records: list[dict], out_dir: str | Path) -> list[Path]:
+    """Write every comparison figure for which the records have data, as PNG at 110 dpi.
+
+    Files: ``reliability_<task>.png`` per task with reliability data, ``shift.png``, ``ood_histograms.png`` and
+    ``spectra.png``. Figures are closed after writing.
+
+    :param records: The comparison records.
+    :param out_dir: Output directory (created if missing).
+    :return: The paths written, in that order.
+    """
+    records = _validate(records)
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    jobs = []
+    for task in _unique(r["task"] for r in records):
+        if _reliability_records(records, task):
+            jobs.append((f"reliability_{task}.png", lambda task=task: plot_reliability_diagrams(records, task)))
+    if _shift_records(records):
+        jobs.append(("shift.png", lambda: plot_shift_curves(records)))
+    if _ood_records(records):
+        jobs.append(("ood_histograms.png", lambda: plot_ood_histograms(records)))
+    if _spectra_records(records):
+        jobs.append(("spectra.png", lambda: plot_spectra(records)))
+    written = []
+    for name, make in jobs:
+        figure = make()
+        try:
+            path = out_dir / name
+            figure.savefig(path, dpi=DPI)
+            written.append(path)
+        finally:
+            plt.close(figure)
+    return written

@@ -1,0 +1,133 @@
+"""The comparison runner and ``gpattn compare`` (smoke-sized: the full run is the main job)."""
+
+from __future__ import annotations
+
+import csv
+import json
+
+import pytest
+
+from gpattn.cli import main
+from gpattn.experiments.compare import CompareConfig, flat_rows, markdown_table, run_comparison
+
+TINY = dict(pointer_epochs=1, digits_epochs=1, eval_samples=2, seeds=(0,), progress=False)
+
+
+@pytest.fixture(scope="module")
+def records() -> list[dict]:
+    return run_comparison(CompareConfig(attentions=("kep_svgp", "softmax"), **TINY))
+
+
+def test_one_record_per_task_attention_seed(records) -> None:
+    assert [(r["task"], r["attention"], r["seed"]) for r in records] == [
+        ("pointer", "kep_svgp", 0),
+        ("pointer", "softmax", 0),
+        ("digits", "kep_svgp", 0),
+        ("digits", "softmax", 0),
+    ]
+    for record in records:
+        test = record["metrics"]["test"]
+        assert set(test) == {"accuracy", "nll", "ece", "mce", "brier", "aurc", "eaurc", "auroc", "fpr95"}
+        assert 0.0 <= test["accuracy"] <= 1.0 and test["nll"] > 0
+        assert sum(record["reliability"]["count"]) == (512 if record["task"] == "pointer" else 361)
+
+
+def test_digits_records_hold_shift_ood_and_spectra(records) -> None:
+    digits = [r for r in records if r["task"] == "digits"]
+    for record in digits:
+        shift = record["metrics"]["shift"]
+        assert set(shift) == {"gaussian_noise", "rotation", "blur"}
+        assert all(set(levels) == {"1", "2", "3", "4", "5"} for levels in shift.values())
+        assert set(record["metrics"]["ood"]) == {"held_out", "noise"}
+        ood = record["metrics"]["ood"]["held_out"]
+        # the stored AUROC is the metric of the stored scores (max probability), recomputed independently here
+        scores_in, scores_out = record["ood_scores"]["in"], record["ood_scores"]["held_out"]
+        pairs = [(a > b) + 0.5 * (a == b) for a in scores_in for b in scores_out]
+        assert ood["auroc_max_prob"] == pytest.approx(sum(pairs) / len(pairs), abs=1e-12)
+    kep = next(r for r in digits if r["attention"] == "kep_svgp")
+    assert len(kep["spectra"]["layer_2"]) == 2 and len(kep["spectra"]["layer_2"][0]) == 8  # 2 heads, rank 8
+    assert next(r for r in digits if r["attention"] == "softmax")["spectra"] == {}
+    assert all(r["metrics"]["shift"] == {} and r["ood_scores"] == {} for r in records if r["task"] == "pointer")
+
+
+def test_same_config_same_numbers(records) -> None:
+    again = run_comparison(CompareConfig(attentions=("kep_svgp", "softmax"), **TINY))
+    assert [r["metrics"] for r in again] == [r["metrics"] for r in records]
+
+
+def test_table_and_rows(records) -> None:
+    rows = flat_rows(records)
+    assert rows[0]["test_accuracy"] == records[0]["metrics"]["test"]["accuracy"]
+    assert rows[2]["shift_accuracy"] == pytest.approx(
+        sum(v["accuracy"] for kind in records[2]["metrics"]["shift"].values() for v in kind.values()) / 15
+    )
+    table = markdown_table(records)
+    assert table.count("\n| digits |") == 2 and "ood_held_out_auroc" in table
+    percent = f"{100 * records[0]['metrics']['test']['accuracy']:.2f} ± 0.00"
+    assert percent in table
+
+
+def test_ece_agrees_with_the_stored_reliability_bins(records) -> None:
+    # ECE = sum_b (n_b / n) |acc_b - conf_b|, recomputed from the reliability data stored beside it
+    for record in records:
+        bins = record["reliability"]
+        total = sum(bins["count"])
+        gaps = [
+            count / total * abs(accuracy - confidence)
+            for count, accuracy, confidence in zip(bins["count"], bins["accuracy"], bins["confidence"], strict=True)
+            if count
+        ]
+        assert record["metrics"]["test"]["ece"] == pytest.approx(sum(gaps), abs=1e-12)
+
+
+def test_bad_config_is_refused() -> None:
+    with pytest.raises(ValueError, match="expected attentions"):
+        CompareConfig(attentions=("nope",))
+    with pytest.raises(ValueError, match="expected tasks"):
+        CompareConfig(tasks=("cifar",))
+    with pytest.raises(ValueError, match="distinct seeds"):
+        CompareConfig(seeds=(1, 1))
+
+
+def test_cli_compare_writes_the_run_folder(tmp_path, capsys) -> None:
+    out = tmp_path / "run"
+    code = main(
+        [
+            "compare",
+            "--out",
+            str(out),
+            "--attentions",
+            "softmax",
+            "primal",
+            "--seeds",
+            "0",
+            "--pointer-epochs",
+            "1",
+            "--digits-epochs",
+            "1",
+            "--eval-samples",
+            "2",
+            "--no-progress",
+        ]
+    )
+    assert code == 0
+    names = {path.name for path in out.iterdir()}
+    assert {
+        "results.json",
+        "results.csv",
+        "table.md",
+        "reliability_digits.png",
+        "shift.png",
+        "ood_histograms.png",
+    } <= names
+    assert "spectra.png" in names  # primal has learned singular values
+    saved = json.loads((out / "results.json").read_text())
+    assert saved["config"]["attentions"] == ["softmax", "primal"] and len(saved["records"]) == 4
+    with (out / "results.csv").open() as handle:
+        assert len(list(csv.DictReader(handle))) == 4
+    assert "| pointer | primal |" in capsys.readouterr().out
+
+
+def test_cli_compare_rejects_bad_values(capsys) -> None:
+    assert main(["compare", "--seeds", "1", "1", "--no-progress"]) == 2
+    assert "distinct seeds" in capsys.readouterr().err

@@ -1,0 +1,240 @@
+"""Comparison figures built from synthetic runner records."""
+
+from __future__ import annotations
+
+import copy
+import json
+import zlib
+
+import matplotlib.pyplot as plt
+import numpy as np
+import pytest
+
+from gpattn.plotting import (
+    plot_ood_histograms,
+    plot_reliability_diagrams,
+    plot_shift_curves,
+    plot_spectra,
+    write_comparison_figures,
+)
+
+ATTENTIONS = ("kep_svgp", "softmax")
+SEEDS = (0, 1)
+KINDS = ("gaussian_noise", "rotation", "blur")
+NUM_BINS = 15
+
+
+def _reliability(rng: np.random.Generator) -> dict:
+    count = rng.integers(0, 20, NUM_BINS)
+    count[:3] = 0  # confidences below 0.2 never occur
+    count[5] = rng.integers(0, 2)  # sometimes empty in one seed only
+    centres = (np.arange(NUM_BINS) + 0.5) / NUM_BINS
+    confidence = [float(c + rng.uniform(-0.02, 0.02)) if n else None for c, n in zip(centres, count, strict=True)]
+    accuracy = [float(rng.uniform(0, 1)) if n else None for n in count]
+    return {"confidence": confidence, "accuracy": accuracy, "count": [int(n) for n in count]}
+
+
+def _record(task: str, attention: str, seed: int) -> dict:
+    rng = np.random.default_rng(zlib.crc32(f"{task}-{attention}-{seed}".encode()))
+    test = {
+        key: float(rng.uniform(0, 1))
+        for key in ("accuracy", "nll", "ece", "mce", "brier", "aurc", "eaurc", "auroc", "fpr95")
+    }
+    record = {
+        "task": task,
+        "attention": attention,
+        "seed": seed,
+        "metrics": {"test": test, "shift": {}, "ood": {}},
+        "reliability": _reliability(rng),
+        "ood_scores": {},
+        "spectra": {},
+        "train": {"seconds": 1.0, "epochs": 3, "best_epoch": 2, "num_parameters": 100},
+    }
+    if task == "digits":
+        record["metrics"]["shift"] = {
+            kind: {
+                str(s): {m: float(rng.uniform(0, 1)) for m in ("accuracy", "nll", "ece", "brier")} for s in range(1, 6)
+            }
+            for kind in KINDS
+        }
+        ood_keys = ("auroc_max_prob", "auroc_entropy", "aupr_max_prob", "fpr95_max_prob")
+        record["metrics"]["ood"] = {
+            name: {k: float(rng.uniform(0.5, 1)) for k in ood_keys} for name in ("held_out", "noise")
+        }
+        record["ood_scores"] = {
+            "in": rng.beta(8, 1, 60).tolist(),
+            "held_out": rng.beta(3, 2, 40).tolist(),
+            "noise": rng.uniform(0.1, 1, 40).tolist(),
+        }
+    if attention == "kep_svgp":
+        record["spectra"] = {
+            f"layer_{layer}": [np.sort(rng.uniform(0.01, 10, 6))[::-1].tolist() for _ in range(2)] for layer in (1, 2)
+        }
+    return json.loads(json.dumps(record))  # JSON round trip: what the runner writes
+
+
+@pytest.fixture(scope="module")
+def records() -> list[dict]:
+    return [_record(task, a, s) for task in ("digits", "pointer") for a in ATTENTIONS for s in SEEDS]
+
+
+@pytest.fixture(autouse=True)
+def _close_figures():
+    yield
+    plt.close("all")
+
+
+def _labelled(figure) -> None:
+    for axis in figure.axes:
+        assert axis.get_title(), "every panel has a title"
+        assert axis.get_xlabel() and axis.get_ylabel(), "every panel has axis labels"
+
+
+def _bars(axis, gid: str) -> list:
+    return [patch for patch in axis.patches if patch.get_gid() == gid]
+
+
+def test_reliability_panels_pool_seeds(records) -> None:
+    figure = plot_reliability_diagrams(records, "pointer")
+    assert len(figure.axes) == len(ATTENTIONS)
+    _labelled(figure)
+    assert [axis.get_xlabel() for axis in figure.axes] == ["confidence"] * 2
+    assert [axis.get_ylabel() for axis in figure.axes] == ["accuracy"] * 2
+    for axis, attention in zip(figure.axes, ATTENTIONS, strict=True):
+        group = [r for r in records if r["task"] == "pointer" and r["attention"] == attention]
+        # hand computation of the pooled bins
+        count = np.zeros(NUM_BINS)
+        accuracy = np.zeros(NUM_BINS)
+        confidence = np.zeros(NUM_BINS)
+        for record in group:
+            for b, n in enumerate(record["reliability"]["count"]):
+                if n:
+                    count[b] += n
+                    accuracy[b] += n * record["reliability"]["accuracy"][b]
+                    confidence[b] += n * record["reliability"]["confidence"][b]
+        filled = count > 0
+        expected_accuracy = accuracy[filled] / count[filled]
+        expected_confidence = confidence[filled] / count[filled]
+        bars = sorted(_bars(axis, "accuracy"), key=lambda p: p.get_x())
+        assert len(bars) == filled.sum()
+        np.testing.assert_allclose([p.get_x() for p in bars], np.flatnonzero(filled) / NUM_BINS)
+        np.testing.assert_allclose([p.get_height() for p in bars], expected_accuracy)
+        gaps = sorted(_bars(axis, "gap"), key=lambda p: p.get_x())
+        np.testing.assert_allclose([p.get_y() + p.get_height() for p in gaps], expected_confidence)
+        ece = np.mean([r["metrics"]["test"]["ece"] for r in group])
+        assert attention in axis.get_title() and f"ECE {100 * ece:.2f}" in axis.get_title()
+    assert len(figure.legends) == 1 and len(figure.legends[0].get_texts()) == 3
+    assert "pointer" in figure.get_suptitle()
+
+
+def test_reliability_refuses_a_task_without_data(records) -> None:
+    with pytest.raises(ValueError, match="no reliability data"):
+        plot_reliability_diagrams(records, "cifar10")
+
+
+def test_shift_curves_grid(records) -> None:
+    metrics = ("accuracy", "ece", "nll")
+    figure = plot_shift_curves(records, metrics)
+    assert len(figure.axes) == len(metrics) * len(KINDS)
+    _labelled(figure)
+    assert [axis.get_ylabel() for axis in figure.axes] == [m for m in metrics for _ in KINDS]
+    assert len(figure.legends) == 1 and all(axis.get_legend() is None for axis in figure.axes)
+    assert len(figure.legends[0].get_texts()) == len(ATTENTIONS)
+    # the first panel (gaussian noise, accuracy): severities 0..5, mean over seeds, clean test at 0
+    lines = figure.axes[0].get_lines()
+    assert len(lines) == len(ATTENTIONS)
+    group = [r for r in records if r["task"] == "digits" and r["attention"] == ATTENTIONS[0]]
+    expected = [np.mean([r["metrics"]["test"]["accuracy"] for r in group])] + [
+        np.mean([r["metrics"]["shift"]["gaussian_noise"][str(s)]["accuracy"] for r in group]) for s in range(1, 6)
+    ]
+    np.testing.assert_allclose(lines[0].get_xdata(), np.arange(6))
+    np.testing.assert_allclose(lines[0].get_ydata(), expected)
+    assert len(figure.axes[0].collections) == len(ATTENTIONS)  # the ±std bands
+
+
+def test_shift_curves_skip_records_without_shift(records) -> None:
+    partial = copy.deepcopy(records)
+    for record in partial:
+        if record["attention"] == "softmax":
+            record["metrics"].pop("shift")
+    figure = plot_shift_curves(partial, metrics=("accuracy",))
+    assert len(figure.axes) == len(KINDS)
+    assert len(figure.axes[0].get_lines()) == 1
+
+
+def test_ood_histograms(records) -> None:
+    figure = plot_ood_histograms(records)
+    assert len(figure.axes) == len(ATTENTIONS)
+    _labelled(figure)
+    for axis, attention in zip(figure.axes, ATTENTIONS, strict=True):
+        group = [r for r in records if r["task"] == "digits" and r["attention"] == attention]
+        auroc = np.mean([r["metrics"]["ood"]["held_out"]["auroc_max_prob"] for r in group])
+        assert attention in axis.get_title() and f"AUROC (held-out) {auroc:.3f}" in axis.get_title()
+        texts = [text.get_text() for text in axis.get_legend().get_texts()]
+        assert len(texts) == 3 and texts[0].startswith("in-distribution") and "(n=120)" in texts[0]
+        assert axis.get_xlabel() == "max probability" and axis.get_ylabel() == "density"
+
+
+def test_spectra_log_scale(records) -> None:
+    figure = plot_spectra(records)
+    assert len(figure.axes) == 2  # kep_svgp on digits and on pointer; softmax has no spectra
+    _labelled(figure)
+    for axis, task in zip(figure.axes, ("digits", "pointer"), strict=True):
+        assert axis.get_yscale() == "log"
+        assert task in axis.get_title() and "kep_svgp" in axis.get_title()
+        lines = axis.get_lines()
+        assert len(lines) == 4  # 2 layers x 2 heads
+        assert axis.get_legend() is not None and len(axis.get_legend().get_texts()) == 4
+        group = [r for r in records if r["task"] == task and r["attention"] == "kep_svgp"]
+        np.testing.assert_allclose(lines[0].get_xdata(), np.arange(1, 7))
+        np.testing.assert_allclose(lines[0].get_ydata(), np.mean([r["spectra"]["layer_1"][0] for r in group], axis=0))
+
+
+def test_write_comparison_figures(records, tmp_path) -> None:
+    paths = write_comparison_figures(records, tmp_path / "figures")
+    names = [p.name for p in paths]
+    assert names == [
+        "reliability_digits.png",
+        "reliability_pointer.png",
+        "shift.png",
+        "ood_histograms.png",
+        "spectra.png",
+    ]
+    for path in paths:
+        assert path.is_file() and path.stat().st_size > 10_000
+        assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert plt.get_fignums() == []
+
+
+def test_write_skips_figures_without_data(records, tmp_path) -> None:
+    pointer = [copy.deepcopy(r) for r in records if r["task"] == "pointer" and r["attention"] == "softmax"]
+    paths = write_comparison_figures(pointer, tmp_path)
+    assert [p.name for p in paths] == ["reliability_pointer.png"]
+    for record in pointer:
+        record.pop("reliability")
+    assert write_comparison_figures(pointer, tmp_path / "empty") == []
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [[], {}, "records", None, [1, 2], [{"task": "digits", "attention": "softmax", "seed": 0}]],
+    ids=["empty", "dict", "string", "none", "not-dicts", "missing-metrics"],
+)
+def test_bad_records_are_refused(bad) -> None:
+    for function in (plot_shift_curves, plot_ood_histograms, plot_spectra):
+        with pytest.raises(ValueError):
+            function(bad)
+    with pytest.raises(ValueError):
+        plot_reliability_diagrams(bad, "digits")
+    with pytest.raises(ValueError):
+        write_comparison_figures(bad, "/tmp/never-written")
+
+
+def test_plots_refuse_records_without_their_data(records) -> None:
+    pointer = [r for r in records if r["task"] == "pointer" and r["attention"] == "softmax"]
+    with pytest.raises(ValueError, match="shift"):
+        plot_shift_curves(pointer)
+    with pytest.raises(ValueError, match="OOD"):
+        plot_ood_histograms(pointer)
+    with pytest.raises(ValueError, match="spectra"):
+        plot_spectra(pointer)
