@@ -1,5 +1,6 @@
-"""Command line interface: ``gpattn compare`` (every attention on the toy task and digits) and ``gpattn regression``
-(KEP-SVGP against the exact GP on the 1-D toy data)."""
+"""Command line interface: ``gpattn compare`` (every attention on the toy task and digits), ``gpattn train`` (one
+model, with checkpoints and ``--resume``) and ``gpattn regression`` (KEP-SVGP against the exact GP on the 1-D toy
+data)."""
 
 from __future__ import annotations
 
@@ -48,7 +49,64 @@ def build_parser() -> argparse.ArgumentParser:
     )
     regression.add_argument("--no-progress", action="store_true", help="hide the progress bars")
     _add_compare(commands)
+    _add_train(commands)
     return parser
+
+
+def _add_train(commands) -> None:
+    from .attention import attention_names
+    from .experiments.compare import TASKS, CompareConfig
+
+    defaults = CompareConfig()
+    train = commands.add_parser(
+        "train",
+        help="train and evaluate one model (checkpoints, --resume after an interruption)",
+        description="Train one Transformer with the chosen attention on a task of the comparison, with best.pt / "
+        "last.pt checkpoints in OUT/checkpoints, and write OUT/record.json (the same metrics as gpattn compare). "
+        "After an interruption, the same command with --resume continues from last.pt and ends with the same "
+        "numbers as an uninterrupted run (CPU).",
+    )
+    train.add_argument("--attention", choices=attention_names(), default="kep_svgp", help="default: %(default)s")
+    train.add_argument("--task", choices=TASKS, default="digits", help="default: %(default)s")
+    train.add_argument("--seed", type=int, default=0, help="default: %(default)s")
+    train.add_argument("--epochs", type=_positive_int, default=None, help="default: the comparison's for the task")
+    train.add_argument("--eval-samples", type=_positive_int, default=defaults.eval_samples, help="default: %(default)s")
+    train.add_argument("--rank", type=_positive_int, default=defaults.rank, help="default: %(default)s")
+    train.add_argument("--out", default=None, help="run folder (default: runs/train-<task>-<attention>-<seed>)")
+    train.add_argument("--resume", action="store_true", help="continue from OUT/checkpoints/last.pt")
+    train.add_argument("--device", default="cpu", help="cpu or cuda (default: %(default)s)")
+
+
+def _run_train(args: argparse.Namespace) -> int:
+    import json
+    from pathlib import Path
+
+    from .experiments.compare import CompareConfig, train_and_evaluate
+
+    out = Path(args.out or f"runs/train-{args.task}-{args.attention}-{args.seed}")
+    epochs = {} if args.epochs is None else {f"{args.task}_epochs": args.epochs}
+    config = CompareConfig(
+        attentions=(args.attention,),
+        tasks=(args.task,),
+        seeds=(args.seed,),
+        eval_samples=args.eval_samples,
+        rank=args.rank,
+        device=args.device,
+        progress=False,
+        **epochs,
+    )
+    if args.resume and not (out / "checkpoints" / "last.pt").exists():
+        print(f"gpattn train: error: --resume needs {out / 'checkpoints' / 'last.pt'}", file=sys.stderr)
+        return 2
+    record = train_and_evaluate(
+        config, args.task, args.attention, args.seed, checkpoint_dir=out / "checkpoints", resume=args.resume
+    )
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "record.json").write_text(json.dumps(record, indent=1))
+    test = record["metrics"]["test"]
+    print(", ".join(f"{key} {value:.4f}" for key, value in test.items()))
+    print(f"wrote {out / 'record.json'}")
+    return 0
 
 
 def _add_compare(commands) -> None:
@@ -111,6 +169,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "compare":
         return _run_compare(args)
+    if args.command == "train":
+        return _run_train(args)
     if args.command == "regression":
         from .experiments import ToyRegressionConfig, format_result, run_toy_regression
 

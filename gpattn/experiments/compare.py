@@ -192,6 +192,52 @@ def evaluate_run(model: Transformer, data: dict[str, Any], num_samples: int) -> 
     return record
 
 
+def train_and_evaluate(
+    config: CompareConfig,
+    task: str,
+    attention: str,
+    seed: int,
+    data: dict[str, Any] | None = None,
+    checkpoint_dir: str | Path | None = None,
+    resume: bool = False,
+) -> dict[str, Any]:
+    """Train one model (``task``, ``attention``, ``seed``) and return its record (see :func:`run_comparison`).
+
+    With ``checkpoint_dir`` the run writes ``best.pt``/``last.pt`` there, and ``resume=True`` continues an
+    interrupted run from ``last.pt`` (bit-identical on CPU).
+    """
+    data = _task_data(task) if data is None else data
+    torch.manual_seed(seed)
+    model = build_model(config, attention, data["train"].num_classes, data["model"]).to(config.device)
+    epochs = config.pointer_epochs if task == "pointer" else config.digits_epochs
+    train_config = TrainConfig(
+        epochs=epochs,
+        batch_size=config.batch_size,
+        lr=config.lr,
+        beta=config.beta,
+        eta=config.eta,
+        eval_samples=config.eval_samples,
+        seed=seed,
+        device=config.device,
+        progress=False,
+        checkpoint_dir=checkpoint_dir,
+    )
+    start = time.perf_counter()
+    result = train_model(model, data["train"], data["val"], train_config, resume=resume)
+    seconds = time.perf_counter() - start
+    torch.manual_seed(seed)  # Monte Carlo evaluation noise
+    record = {"task": task, "attention": attention, "seed": seed}
+    record.update(evaluate_run(model, data, config.eval_samples))
+    record["spectra"] = _spectra(model)
+    record["train"] = {
+        "seconds": seconds,
+        "epochs": epochs,
+        "best_epoch": result.best_epoch,
+        "num_parameters": sum(parameter.numel() for parameter in model.parameters()),
+    }
+    return record
+
+
 def run_comparison(config: CompareConfig) -> list[dict[str, Any]]:
     """Train and evaluate every (task, attention, seed); return one record per run.
 
@@ -207,34 +253,9 @@ def run_comparison(config: CompareConfig) -> list[dict[str, Any]]:
     bar = tqdm(runs, desc="compare", disable=None if config.progress else True)
     for task, name, seed in bar:
         bar.set_postfix(task=task, attention=name, seed=seed)
-        data = cache.setdefault(task, _task_data(task))
-        torch.manual_seed(seed)
-        model = build_model(config, name, data["train"].num_classes, data["model"]).to(config.device)
-        epochs = config.pointer_epochs if task == "pointer" else config.digits_epochs
-        train_config = TrainConfig(
-            epochs=epochs,
-            batch_size=config.batch_size,
-            lr=config.lr,
-            beta=config.beta,
-            eta=config.eta,
-            eval_samples=config.eval_samples,
-            seed=seed,
-            device=config.device,
-            progress=False,
-        )
-        start = time.perf_counter()
-        result = train_model(model, data["train"], data["val"], train_config)
-        seconds = time.perf_counter() - start
-        torch.manual_seed(seed)  # Monte Carlo evaluation noise
-        record = {"task": task, "attention": name, "seed": seed}
-        record.update(evaluate_run(model, data, config.eval_samples))
-        record["spectra"] = _spectra(model)
-        record["train"] = {
-            "seconds": seconds,
-            "epochs": epochs,
-            "best_epoch": result.best_epoch,
-            "num_parameters": sum(parameter.numel() for parameter in model.parameters()),
-        }
+        if task not in cache:
+            cache[task] = _task_data(task)
+        record = train_and_evaluate(config, task, name, seed, data=cache[task])
         records.append(record)
     return records
 
@@ -319,5 +340,6 @@ __all__ = [
     "flat_rows",
     "markdown_table",
     "run_comparison",
+    "train_and_evaluate",
     "write_outputs",
 ]
