@@ -2,7 +2,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 PYTEST_ARGS ?=
 
-.PHONY: all env test test-fast lint main bench clean
+.PHONY: all env test test-fast lint main compare bench clean
 
 all: test
 
@@ -20,6 +20,9 @@ lint:
 
 main: env
 	$(VENV)/bin/gpattn regression --out runs/regression
+
+compare: env
+	$(VENV)/bin/gpattn compare
 
 bench: env
 	$(PY) benchmarks/kl_scaling.py

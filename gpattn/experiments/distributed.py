@@ -217,6 +217,7 @@ def main(argv: list[str] | None = None) -> None:
     """``python -m gpattn.experiments.distributed --attention kep_svgp --epochs 2 --out DIR`` (under ``torchrun``):
     trains a tiny Transformer on a pointer task; rank 0 writes ``DIR/result.json`` and every rank its checksum
     ``DIR/rank<r>.json``."""
+    from ..attention import attention_arguments
     from ..data import make_pointer_task
     from ..models import Transformer
 
@@ -233,7 +234,7 @@ def main(argv: list[str] | None = None) -> None:
     length, vocab = 6, 6
     data = make_pointer_task(512, 128, 128, length=length, seed=0, vocab_size=vocab)
     torch.manual_seed(args.seed)
-    sizes = {"rank": 4} if args.attention == "kep_svgp" else {}
+    sizes = {"rank": 4} if "rank" in attention_arguments(args.attention) else {}
     model = Transformer(
         2, embed_dim=16, depth=1, num_heads=2, attention=args.attention, vocab_size=vocab, max_len=length, **sizes
     )
