@@ -46,4 +46,18 @@ __all__ = [
     "fit_pair_svgp_pyro",
     "format_result",
     "run_toy_regression",
+    "parameter_checksum",
+    "shard_indices",
+    "train_distributed",
 ]
+
+_DISTRIBUTED = ("parameter_checksum", "shard_indices", "train_distributed")
+
+
+def __getattr__(name: str):
+    # imported lazily, so that ``python -m gpattn.experiments.distributed`` does not find the module already loaded
+    if name in _DISTRIBUTED:
+        from . import distributed
+
+        return getattr(distributed, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -16,7 +16,8 @@ Launch with ``torchrun --standalone --nproc_per_node K -m gpattn.experiments.dis
 
 The global torch RNG (reparameterisation noise, dropout) is seeded with ``config.seed + r``, so the ranks draw
 independent Monte Carlo samples. Rank 0 evaluates on ``val`` after every epoch and keeps the state with the lowest
-validation NLL; at the end that state is broadcast so that every rank holds the same parameters, and rank 0 returns
+validation NLL; at the end the ranks check that their replicas still agree (parameter checksums, else
+``RuntimeError``) and rank 0's best state is broadcast so that every rank holds the same parameters, and rank 0 returns
 the :class:`~gpattn.experiments.TrainResult` (the other ranks ``None``). Checkpoints and resumption are not
 supported (``config.checkpoint_dir`` is ignored with a warning).
 
@@ -203,6 +204,11 @@ def _train(model, train_inputs, train_mask, train_labels, val, val_labels, confi
                 result.best_epoch, result.best_val_nll = epoch, val_nll
                 best_state = _state_copy(model)
 
+    # the replicas must still agree (DDP keeps them in sync); a mismatch means a rank trained on different gradients
+    checksums = [None] * world_size
+    dist.all_gather_object(checksums, parameter_checksum(model))
+    if any(not math.isclose(value, checksums[0], rel_tol=1e-9, abs_tol=1e-9) for value in checksums):
+        raise RuntimeError(f"the DDP replicas diverged during training: parameter checksums per rank {checksums}")
     # rank 0's best state to every rank
     for value in best_state.values():
         dist.broadcast(value, src=0)
