@@ -17,8 +17,8 @@ from pathlib import Path
 import torch
 
 from gpattn import metrics
-from gpattn.experiments.compare import CompareConfig, _task_data, build_model
-from gpattn.experiments.training import TrainConfig, evaluate, train_model
+from gpattn.experiments.compare import CompareConfig, _task_data, build_model, make_train_config
+from gpattn.experiments.training import evaluate, train_model
 
 SETTINGS = [
     ("kep_svgp", {}),
@@ -37,16 +37,7 @@ def run(name: str, overrides: dict, seed: int, data: dict, base: CompareConfig) 
     config = replace(base, **overrides)
     torch.manual_seed(seed)
     model = build_model(config, name, data["train"].num_classes, data["model"])
-    train_config = TrainConfig(
-        epochs=config.digits_epochs,
-        batch_size=config.batch_size,
-        lr=config.lr,
-        beta=config.beta,
-        eta=config.eta,
-        eval_samples=config.eval_samples,
-        seed=seed,
-        progress=False,
-    )
+    train_config = make_train_config(config, "digits", seed)
     train_model(model, data["train"], data["val"], train_config)
     torch.manual_seed(seed)
     probabilities = evaluate(model, data["val"], num_samples=config.eval_samples)

@@ -192,6 +192,24 @@ def evaluate_run(model: Transformer, data: dict[str, Any], num_samples: int) -> 
     return record
 
 
+def make_train_config(
+    config: CompareConfig, task: str, seed: int, checkpoint_dir: str | Path | None = None
+) -> TrainConfig:
+    """The :class:`~gpattn.experiments.TrainConfig` of one run of the comparison."""
+    return TrainConfig(
+        epochs=config.pointer_epochs if task == "pointer" else config.digits_epochs,
+        batch_size=config.batch_size,
+        lr=config.lr,
+        beta=config.beta,
+        eta=config.eta,
+        eval_samples=config.eval_samples,
+        seed=seed,
+        device=config.device,
+        progress=False,
+        checkpoint_dir=checkpoint_dir,
+    )
+
+
 def train_and_evaluate(
     config: CompareConfig,
     task: str,
@@ -209,19 +227,7 @@ def train_and_evaluate(
     data = _task_data(task) if data is None else data
     torch.manual_seed(seed)
     model = build_model(config, attention, data["train"].num_classes, data["model"]).to(config.device)
-    epochs = config.pointer_epochs if task == "pointer" else config.digits_epochs
-    train_config = TrainConfig(
-        epochs=epochs,
-        batch_size=config.batch_size,
-        lr=config.lr,
-        beta=config.beta,
-        eta=config.eta,
-        eval_samples=config.eval_samples,
-        seed=seed,
-        device=config.device,
-        progress=False,
-        checkpoint_dir=checkpoint_dir,
-    )
+    train_config = make_train_config(config, task, seed, checkpoint_dir)
     start = time.perf_counter()
     result = train_model(model, data["train"], data["val"], train_config, resume=resume)
     seconds = time.perf_counter() - start
@@ -231,7 +237,7 @@ def train_and_evaluate(
     record["spectra"] = _spectra(model)
     record["train"] = {
         "seconds": seconds,
-        "epochs": epochs,
+        "epochs": train_config.epochs,
         "best_epoch": result.best_epoch,
         "num_parameters": sum(parameter.numel() for parameter in model.parameters()),
     }
@@ -338,6 +344,7 @@ __all__ = [
     "build_model",
     "evaluate_run",
     "flat_rows",
+    "make_train_config",
     "markdown_table",
     "run_comparison",
     "train_and_evaluate",
