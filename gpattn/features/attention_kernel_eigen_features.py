@@ -227,18 +227,20 @@ class AttentionKernelEigenFeatures(Module):
             right_weights = query_features.mT @ right_tokens
         singular_values = self.singular_values
         if causal:
-            left = (query_features.unsqueeze(-2) @ _masked_mean_outer(key_features, left_values, None, True)).squeeze(
-                -2
-            )
+            left_prefix = _masked_mean_outer(key_features, left_values, None, True)  # (B, H, N, p, s)
             right_prefix = _masked_mean_outer(query_features, right_values, None, True)
+            left = (query_features.unsqueeze(-2) @ left_prefix).squeeze(-2)
             right = (key_features.unsqueeze(-2) @ right_prefix).squeeze(-2)
         else:
             left, right = query_features @ left_weights, key_features @ right_weights
         objective_value = None
         if objective:
+            # J uses the full-sequence scores e(X) = Phi_q W_{e|X}, r(Z) = Phi_k W_{r|X} (the outputs unless causal)
+            full_left = query_features @ left_weights if causal else left
+            full_right = key_features @ right_weights if causal else right
             objective_value = ksvd_objective(
-                self._zero_masked(query_features @ left_weights, query_mask),
-                self._zero_masked(key_features @ right_weights, key_mask),
+                self._zero_masked(full_left, query_mask),
+                self._zero_masked(full_right, key_mask),
                 left_weights,
                 right_weights,
                 singular_values.unsqueeze(0),
