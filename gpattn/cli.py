@@ -133,6 +133,7 @@ def _add_compare(commands) -> None:
         ("pointer_epochs", _positive_int, "training epochs on the pointer task"),
         ("digits_epochs", _positive_int, "training epochs on digits"),
         ("eval_samples", _positive_int, "Monte Carlo samples at evaluation"),
+        ("ensemble", _positive_int, "members per model: Deep / KEP-SVGP ensembles when > 1"),
         ("rank", _positive_int, "KSVD rank of KEP-SVGP and Primal-Attention"),
         ("beta", float, "KL weight"),
         ("eta", float, "KSVD weight"),
@@ -149,7 +150,18 @@ def _run_compare(args: argparse.Namespace) -> int:
 
     from .experiments.compare import CompareConfig, markdown_table, run_comparison, write_outputs
 
-    names = ("attentions", "tasks", "seeds", "pointer_epochs", "digits_epochs", "eval_samples", "rank", "beta", "eta")
+    names = (
+        "attentions",
+        "tasks",
+        "seeds",
+        "pointer_epochs",
+        "digits_epochs",
+        "eval_samples",
+        "ensemble",
+        "rank",
+        "beta",
+        "eta",
+    )
     overrides = {name: getattr(args, name) for name in names if getattr(args, name) is not None}
     overrides.update(device=args.device, progress=not args.no_progress)
     try:

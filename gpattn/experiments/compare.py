@@ -26,7 +26,7 @@ from .. import metrics
 from ..attention import attention_arguments, attention_names
 from ..data import load_digits_splits, make_noise_ood, make_pointer_task, make_shifted_test_sets
 from ..models import Transformer
-from .training import TrainConfig, evaluate, train_model
+from .training import TrainConfig, ensemble_probabilities, train_model
 
 TASKS = ("pointer", "digits")
 TABLE_METRICS = ("accuracy", "nll", "ece", "brier", "aurc", "auroc", "fpr95")
@@ -50,6 +50,7 @@ class CompareConfig:
     :ivar rank: KSVD rank of KEP-SVGP / Primal-Attention layers.
     :ivar num_inducing: Inducing points of SGPA (global keys) and the symmetric SVGP.
     :ivar eval_samples: Monte Carlo samples :math:`T` at evaluation.
+    :ivar ensemble: Members per model (1: single models; K > 1: ensembles whose probabilities are averaged).
     :ivar beta: KL weight; :ivar eta: KSVD weight.
     :ivar device: ``"cpu"`` or ``"cuda"``.
     :ivar progress: Progress bars.
@@ -69,6 +70,7 @@ class CompareConfig:
     rank: int = 8
     num_inducing: int = 16
     eval_samples: int = 10
+    ensemble: int = 1
     beta: float = 1.0
     eta: float = 1.0
     device: str = "cpu"
@@ -84,6 +86,8 @@ class CompareConfig:
             raise ValueError(f"expected tasks among {TASKS}, got {list(self.tasks)}")
         if not self.seeds or len(set(self.seeds)) != len(self.seeds):
             raise ValueError(f"expected distinct seeds, got {list(self.seeds)}")
+        if isinstance(self.ensemble, bool) or not isinstance(self.ensemble, int) or self.ensemble < 1:
+            raise ValueError(f"expected a positive integer ensemble size, got {self.ensemble!r}")
 
     @classmethod
     def quick(cls, **overrides: Any) -> CompareConfig:
@@ -155,9 +159,15 @@ def _spectra(model: Transformer) -> dict[str, list[list[float]]]:
     return spectra
 
 
-def evaluate_run(model: Transformer, data: dict[str, Any], num_samples: int) -> dict[str, Any]:
-    """Metrics and figure data of one trained model (see :func:`run_comparison` for the record layout)."""
-    test_probabilities = evaluate(model, data["test"], num_samples=num_samples)
+def evaluate_run(models: Transformer | Sequence[Transformer], data: dict[str, Any], num_samples: int) -> dict[str, Any]:
+    """Metrics and figure data of one trained model, or of an ensemble (a list of members: their predictive
+    probabilities are averaged); see :func:`run_comparison` for the record layout."""
+    members = [models] if isinstance(models, torch.nn.Module) else list(models)
+
+    def predict(dataset: Any) -> torch.Tensor:
+        return ensemble_probabilities(members, dataset, num_samples=num_samples)
+
+    test_probabilities = predict(data["test"])
     test_labels = _labels(data["test"])
     reliability = metrics.reliability_diagram_data(test_probabilities, test_labels)
     record: dict[str, Any] = {
@@ -170,7 +180,7 @@ def evaluate_run(model: Transformer, data: dict[str, Any], num_samples: int) -> 
         "ood_scores": {},
     }
     for (kind, severity), dataset in data.get("shifted", {}).items():
-        probabilities = evaluate(model, dataset, num_samples=num_samples)
+        probabilities = predict(dataset)
         labels = _labels(dataset)
         record["metrics"]["shift"].setdefault(kind, {})[str(severity)] = {
             "accuracy": metrics.accuracy(probabilities, labels),
@@ -181,7 +191,7 @@ def evaluate_run(model: Transformer, data: dict[str, Any], num_samples: int) -> 
     if data.get("ood"):
         record["ood_scores"]["in"] = test_probabilities.max(dim=-1).values.tolist()
     for name, dataset in data.get("ood", {}).items():
-        probabilities = evaluate(model, dataset, num_samples=num_samples)
+        probabilities = predict(dataset)
         record["ood_scores"][name] = probabilities.max(dim=-1).values.tolist()
         record["metrics"]["ood"][name] = {
             "auroc_max_prob": metrics.ood_auroc(test_probabilities, probabilities, score="max_prob"),
@@ -219,27 +229,39 @@ def train_and_evaluate(
     checkpoint_dir: str | Path | None = None,
     resume: bool = False,
 ) -> dict[str, Any]:
-    """Train one model (``task``, ``attention``, ``seed``) and return its record (see :func:`run_comparison`).
+    """Train one model (``task``, ``attention``, ``seed``), or an ensemble of ``config.ensemble`` members (Deep
+    Ensembles with softmax, KEP-SVGP ensembles with ``"kep_svgp"``, recorded as ``"<attention>_ens<K>"``), and return
+    its record (see :func:`run_comparison`).
 
-    With ``checkpoint_dir`` the run writes ``best.pt``/``last.pt`` there, and ``resume=True`` continues an
-    interrupted run from ``last.pt`` (bit-identical on CPU).
+    With ``checkpoint_dir`` the run writes ``best.pt``/``last.pt`` there (``member_<k>/`` for ensembles), and
+    ``resume=True`` continues an interrupted run from ``last.pt`` (bit-identical on CPU).
     """
     data = _task_data(task) if data is None else data
-    torch.manual_seed(seed)
-    model = build_model(config, attention, data["train"].num_classes, data["model"]).to(config.device)
-    train_config = make_train_config(config, task, seed, checkpoint_dir)
-    start = time.perf_counter()
-    result = train_model(model, data["train"], data["val"], train_config, resume=resume)
-    seconds = time.perf_counter() - start
+    members, results, seconds = [], [], 0.0
+    for member in range(config.ensemble):
+        # members of one ensemble get seeds seed, seed + 1000, ... so that ensembles of different seeds never share one
+        member_seed = seed + 1000 * member
+        directory = None
+        if checkpoint_dir is not None:
+            directory = Path(checkpoint_dir) if config.ensemble == 1 else Path(checkpoint_dir) / f"member_{member}"
+        torch.manual_seed(member_seed)
+        model = build_model(config, attention, data["train"].num_classes, data["model"]).to(config.device)
+        train_config = make_train_config(config, task, member_seed, directory)
+        start = time.perf_counter()
+        results.append(train_model(model, data["train"], data["val"], train_config, resume=resume))
+        seconds += time.perf_counter() - start
+        members.append(model)
     torch.manual_seed(seed)  # Monte Carlo evaluation noise
-    record = {"task": task, "attention": attention, "seed": seed}
-    record.update(evaluate_run(model, data, config.eval_samples))
-    record["spectra"] = _spectra(model)
+    name = attention if config.ensemble == 1 else f"{attention}_ens{config.ensemble}"
+    record = {"task": task, "attention": name, "seed": seed}
+    record.update(evaluate_run(members, data, config.eval_samples))
+    record["spectra"] = _spectra(members[0])
     record["train"] = {
         "seconds": seconds,
         "epochs": train_config.epochs,
-        "best_epoch": result.best_epoch,
-        "num_parameters": sum(parameter.numel() for parameter in model.parameters()),
+        "best_epoch": results[0].best_epoch,
+        "num_parameters": sum(parameter.numel() for model in members for parameter in model.parameters()),
+        "ensemble": config.ensemble,
     }
     return record
 

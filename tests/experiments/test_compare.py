@@ -170,3 +170,32 @@ def test_cli_train_resume_after_an_interruption_gives_the_same_numbers(tmp_path,
 def test_cli_train_resume_without_checkpoint_is_an_error(tmp_path, capsys) -> None:
     assert main(["train", "--task", "pointer", "--out", str(tmp_path), "--resume"]) == 2
     assert "--resume needs" in capsys.readouterr().err
+
+
+def test_ensemble_record_averages_member_probabilities() -> None:
+    import torch
+
+    from gpattn.experiments.compare import _task_data, build_model, evaluate_run
+
+    config = CompareConfig(attentions=("softmax",), tasks=("digits",), **TINY)
+    data = _task_data("digits")
+    members = []
+    for seed in (0, 1):
+        torch.manual_seed(seed)
+        members.append(build_model(config, "softmax", data["train"].num_classes, data["model"]).eval())
+    record = evaluate_run(members, data, num_samples=2)
+    with torch.no_grad():  # softmax attention is deterministic: the ensemble is the mean of the members' softmax
+        probabilities = torch.stack([m(data["test"].images).softmax(-1) for m in members]).mean(0).double()
+    picked = probabilities.gather(1, data["test"].labels.unsqueeze(1)).squeeze(1)
+    assert record["metrics"]["test"]["nll"] == pytest.approx(-picked.log().mean().item(), rel=1e-6)
+    expected_accuracy = (probabilities.argmax(-1) == data["test"].labels).double().mean().item()
+    assert record["metrics"]["test"]["accuracy"] == pytest.approx(expected_accuracy, abs=1e-12)
+
+
+def test_compare_with_ensembles_names_and_sizes_the_records() -> None:
+    single = run_comparison(CompareConfig(attentions=("softmax",), tasks=("pointer",), **TINY))[0]
+    ensemble = run_comparison(CompareConfig(attentions=("softmax",), tasks=("pointer",), ensemble=2, **TINY))[0]
+    assert ensemble["attention"] == "softmax_ens2" and ensemble["train"]["ensemble"] == 2
+    assert ensemble["train"]["num_parameters"] == 2 * single["train"]["num_parameters"]
+    with pytest.raises(ValueError, match="ensemble size"):
+        CompareConfig(ensemble=0)
