@@ -292,6 +292,18 @@ def _ood_records(records: list[dict]) -> list[dict]:
     return [r for r in records if isinstance(r.get("ood_scores"), dict) and r["ood_scores"].get("in")]
 
 
+def _task_attention_panels(records, select, what: str):
+    # the records with the data a figure needs, their (task, attention) groups and one panel per group
+    records = _validate(records)
+    selected = select(records)
+    if not selected:
+        raise ValueError(f"no records with {what}")
+    tasks = _unique(r["task"] for r in selected)
+    groups = [(t, a) for t in tasks for a in _attention_order(r["attention"] for r in selected if r["task"] == t)]
+    figure, axes = _grid(len(groups), 4.0, 3.2)
+    return selected, tasks, groups, figure, axes
+
+
 def plot_ood_histograms(records: list[dict]) -> Figure:
     """Densities of the maximum predicted probability on in-distribution, held-out-class and noise inputs.
 
@@ -301,13 +313,7 @@ def plot_ood_histograms(records: list[dict]) -> Figure:
     :param records: The comparison records.
     :return: The figure, one panel per attention (per task and attention when several tasks have OOD scores).
     """
-    records = _validate(records)
-    selected = _ood_records(records)
-    if not selected:
-        raise ValueError("no records with OOD scores")
-    tasks = _unique(r["task"] for r in selected)
-    groups = [(t, a) for t in tasks for a in _attention_order(r["attention"] for r in selected if r["task"] == t)]
-    figure, axes = _grid(len(groups), 4.0, 3.2)
+    selected, tasks, groups, figure, axes = _task_attention_panels(records, _ood_records, "OOD scores")
     bins = np.linspace(0.0, 1.0, 41)
     colours = {"in": "C0", "held_out": "C3", "noise": "C7"}
     for axis, (task, attention) in zip(axes, groups, strict=True):
@@ -347,13 +353,7 @@ def plot_spectra(records: list[dict]) -> Figure:
     :param records: The comparison records.
     :return: The figure, one panel per attention (per task and attention when several tasks have spectra).
     """
-    records = _validate(records)
-    selected = _spectra_records(records)
-    if not selected:
-        raise ValueError("no records with spectra")
-    tasks = _unique(r["task"] for r in selected)
-    groups = [(t, a) for t in tasks for a in _attention_order(r["attention"] for r in selected if r["task"] == t)]
-    figure, axes = _grid(len(groups), 4.0, 3.2)
+    selected, tasks, groups, figure, axes = _task_attention_panels(records, _spectra_records, "spectra")
     for axis, (task, attention) in zip(axes, groups, strict=True):
         group = [r for r in selected if r["task"] == task and r["attention"] == attention]
         layers = sorted(_unique(layer for r in group for layer in r["spectra"]), key=_natural_key)
