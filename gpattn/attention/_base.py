@@ -27,11 +27,6 @@ class AttentionInputs:
     causal: bool
     is_cross: bool
 
-    @property
-    def query_mask(self) -> Tensor | None:
-        """The padding mask of the queries (self-attention only), shape ``(B, N)``."""
-        return None if self.is_cross else self.key_mask
-
 
 class AttentionLayer(Module):
     r"""Base class of the attention layers: one signature for all.
