@@ -30,17 +30,19 @@ from typing import Any
 
 import torch
 from torch import Tensor
-from tqdm.auto import tqdm
+from tqdm import tqdm
 
 from ..mlls import AttentionELBO, predict_probabilities
 
 __all__ = [
     "CHECKPOINT_KEYS",
+    "CheckpointError",
     "NonFiniteLossError",
     "TrainConfig",
     "TrainResult",
     "ensemble_probabilities",
     "evaluate",
+    "load_checkpoint",
     "train_ensemble",
     "train_model",
     "warmup_cosine_lr",
@@ -67,7 +69,14 @@ _RESUMABLE_CHANGES = ("epochs", "schedule_epochs", "progress", "checkpoint_dir",
 
 
 class NonFiniteLossError(RuntimeError):
-    """The training loss (or the gradient norm) became NaN or infinite; the model holds the best finite state."""
+    """The training loss, the gradient norm, a parameter or the validation NLL became NaN or infinite; the model holds
+    the best finite state and the checkpoints on disk are those of the last completed (finite) epoch."""
+
+
+class CheckpointError(ValueError, RuntimeError):
+    """A checkpoint file cannot be used: unreadable (truncated, garbage, not a torch file), incomplete (missing or
+    malformed entries) or written for another model (parameter names or shapes differ). The message names the file
+    and the problem. Both a ``ValueError`` and a ``RuntimeError``."""
 
 
 # -- configuration ---------------------------------------------------------------------------------------------------
@@ -304,22 +313,88 @@ def _save(payload: dict[str, Any], path: Path) -> None:
     os.replace(temporary, path)
 
 
-def _load_checkpoint(path: Path) -> dict[str, Any]:
+def _read_checkpoint(path: Path) -> dict[str, Any]:
+    """The validated contents of a checkpoint file (entries present and of the right kinds); no model involved."""
     if not path.is_file():
-        raise FileNotFoundError(f"resume=True but there is no checkpoint {path} (train once with resume=False)")
+        raise FileNotFoundError(f"there is no checkpoint {path} (train once with resume=False to write one)")
     try:
         checkpoint = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as error:  # torch raises many kinds for a damaged file (UnpicklingError, RuntimeError, EOFError)
-        raise RuntimeError(
-            f"could not read the checkpoint {path} ({type(error).__name__}: {error}); it is damaged or not written "
-            f"by gpattn.experiments.train_model: delete it or train with resume=False"
+        detail = f"{type(error).__name__}: {error}".splitlines()[0] if str(error) else type(error).__name__
+        raise CheckpointError(
+            f"could not read the checkpoint {path} ({path.stat().st_size} bytes; {detail}): it is damaged (e.g. "
+            f"truncated by an interrupted copy) or not written by gpattn.experiments.train_model; delete it or "
+            f"train with resume=False"
         ) from error
-    missing = [key for key in CHECKPOINT_KEYS if not isinstance(checkpoint, dict) or key not in checkpoint]
-    if missing or not isinstance(checkpoint["rng"], dict) or any(key not in checkpoint["rng"] for key in RNG_KEYS):
-        raise ValueError(
-            f"expected a checkpoint {path} with the keys {CHECKPOINT_KEYS} (and rng keys {RNG_KEYS}), "
-            f"missing {missing or ['rng entries']}"
+    if not isinstance(checkpoint, dict):
+        raise CheckpointError(f"the checkpoint {path} holds a {type(checkpoint).__name__}, expected a dict")
+    missing = [key for key in CHECKPOINT_KEYS if key not in checkpoint]
+    if missing:
+        raise CheckpointError(
+            f"the checkpoint {path} lacks the entries {missing} (expected the keys {list(CHECKPOINT_KEYS)}): it is "
+            f"incomplete or not written by gpattn.experiments.train_model"
         )
+    problems = []
+    state = checkpoint["model"]
+    if not isinstance(state, dict) or not all(isinstance(value, Tensor) for value in state.values()):
+        problems.append("'model' is not a state dict of tensors")
+    for key, kind in (("optimizer", dict), ("scheduler", dict), ("history", list), ("config", dict)):
+        if not isinstance(checkpoint[key], kind):
+            problems.append(f"{key!r} is a {type(checkpoint[key]).__name__}, not a {kind.__name__}")
+    for key in ("epoch", "best_epoch"):
+        if isinstance(checkpoint[key], bool) or not isinstance(checkpoint[key], int) or checkpoint[key] < 0:
+            problems.append(f"{key!r} is {checkpoint[key]!r}, not a non-negative integer")
+    rng = checkpoint["rng"]
+    if not isinstance(rng, dict) or any(key not in rng for key in RNG_KEYS):
+        problems.append(f"'rng' lacks the entries {list(RNG_KEYS)}")
+    elif any(not isinstance(rng[key], Tensor) or rng[key].dtype != torch.uint8 for key in ("torch", "batch_generator")):
+        problems.append("the RNG states are not byte tensors")
+    if problems:
+        raise CheckpointError(f"the checkpoint {path} is malformed: {'; '.join(problems)}")
+    return checkpoint
+
+
+def _check_fits(state: dict[str, Tensor], model: torch.nn.Module, path: Path) -> None:
+    """Raise :class:`CheckpointError` unless ``state`` has exactly the model's entries with the model's shapes."""
+    expected = model.state_dict()
+    missing = [name for name in expected if name not in state]
+    unexpected = [name for name in state if name not in expected]
+    mismatched = [
+        f"{name}: {tuple(state[name].shape)} in the file, {tuple(value.shape)} in the model"
+        for name, value in expected.items()
+        if name in state and state[name].shape != value.shape
+    ]
+    if missing or unexpected or mismatched:
+        parts = [
+            f"{label} {items[:5]}{f' and {len(items) - 5} more' if len(items) > 5 else ''}"
+            for label, items in (("missing", missing), ("unexpected", unexpected), ("shape mismatches", mismatched))
+            if items
+        ]
+        raise CheckpointError(
+            f"the checkpoint {path} was written for another model configuration: {'; '.join(parts)} (a different "
+            f"attention, width, depth, rank or number of classes?)"
+        )
+
+
+def load_checkpoint(path: str | os.PathLike, model: torch.nn.Module | None = None) -> dict[str, Any]:
+    """Read and validate a checkpoint written by :func:`train_model` (``last.pt`` or ``best.pt``) and, given a model,
+    load its parameters into it.
+
+    The model is checked first (every parameter and buffer name and shape must match) and left untouched when the
+    checkpoint does not fit, so a failed load never leaves a half-loaded model.
+
+    :param path: The checkpoint file.
+    :param model: The model to load the ``"model"`` state into, or ``None`` to only read and validate.
+    :return: The checkpoint, a dict with the keys :data:`CHECKPOINT_KEYS`.
+    :raises FileNotFoundError: There is no such file.
+    :raises CheckpointError: The file is unreadable (truncated, garbage), incomplete, malformed, or written for
+        another model; the message names the file and the problem.
+    """
+    path = Path(path)
+    checkpoint = _read_checkpoint(path)
+    if model is not None:
+        _check_fits(checkpoint["model"], model, path)
+        model.load_state_dict(checkpoint["model"])
     return checkpoint
 
 
@@ -382,10 +457,12 @@ def train_model(model: torch.nn.Module, train: Any, val: Any, config: TrainConfi
         history), training up to ``config.epochs`` in total. On the CPU the result equals the uninterrupted run's
         bit for bit, provided the settings (and the schedule horizon) are unchanged.
     :return: The :class:`TrainResult`.
-    :raises NonFiniteLossError: When a loss or gradient norm is NaN or infinite; the model then holds the best state
-        so far (the initial one before the first evaluation).
+    :raises NonFiniteLossError: When a loss or gradient norm, a parameter after an epoch or the validation NLL is NaN
+        or infinite; the model then holds the best state so far (the initial one before the first evaluation) and the
+        checkpoints on disk stay those of the last completed epoch.
     :raises FileNotFoundError: ``resume=True`` without ``last.pt``.
-    :raises RuntimeError: A checkpoint that cannot be read (the message names its path).
+    :raises CheckpointError: ``resume=True`` with a checkpoint that cannot be read, is incomplete or was written for
+        another model (see :func:`load_checkpoint`; the message names the file). The model is then left untouched.
     """
     if not isinstance(config, TrainConfig):
         raise TypeError(f"expected a TrainConfig, got {type(config).__name__}")
@@ -414,18 +491,26 @@ def train_model(model: torch.nn.Module, train: Any, val: Any, config: TrainConfi
 
     if resume:
         path = directory / "last.pt"
-        checkpoint = _load_checkpoint(path)
+        if not path.is_file():
+            raise FileNotFoundError(f"resume=True but there is no checkpoint {path} (train once with resume=False)")
+        checkpoint = _read_checkpoint(path)
+        _check_fits(checkpoint["model"], model, path)
+        best_path = directory / "best.pt"
+        best_state = None
+        if checkpoint["best_epoch"]:
+            best_state = _read_checkpoint(best_path)["model"]
+            _check_fits(best_state, model, best_path)
         _warn_on_changes(checkpoint["config"], config, path)
-        try:
-            model.load_state_dict(checkpoint["model"])
+        try:  # the optimiser validates its groups before changing anything; the model fits (checked above)
             optimizer.load_state_dict(checkpoint["optimizer"])
+            model.load_state_dict(checkpoint["model"])
             scheduler.load_state_dict(checkpoint["scheduler"])
             _set_rng_state(checkpoint["rng"], generator, device)
         except (RuntimeError, KeyError, ValueError, TypeError) as error:
-            raise RuntimeError(f"the checkpoint {path} does not fit this model or optimiser: {error}") from error
-        start_epoch = int(checkpoint["epoch"])
-        result = TrainResult(list(checkpoint["history"]), int(checkpoint["best_epoch"]), checkpoint["best_val_nll"])
-        best_state = _load_checkpoint(directory / "best.pt")["model"] if result.best_epoch else _state_copy(model)
+            raise CheckpointError(f"the checkpoint {path} does not fit this model or optimiser: {error}") from error
+        start_epoch = checkpoint["epoch"]
+        result = TrainResult(list(checkpoint["history"]), checkpoint["best_epoch"], checkpoint["best_val_nll"])
+        best_state = _state_copy(model) if best_state is None else best_state
         best_state = {name: value.to(device) for name, value in best_state.items()}
     else:
         torch.manual_seed(config.seed)
@@ -435,7 +520,13 @@ def train_model(model: torch.nn.Module, train: Any, val: Any, config: TrainConfi
     def fail(message: str) -> None:
         model.load_state_dict(best_state)
         model.eval()
-        raise NonFiniteLossError(f"{message}; the model now holds the state of epoch {result.best_epoch}")
+        if directory is None:
+            kept = ""
+        elif epoch > 1:
+            kept = f"; {directory / 'last.pt'} still holds epoch {epoch - 1}, the last good one"
+        else:
+            kept = f"; no checkpoint of this run was written to {directory}"
+        raise NonFiniteLossError(f"{message}; the model now holds the state of epoch {result.best_epoch}{kept}")
 
     max_norm = math.inf if config.grad_clip is None else config.grad_clip
     for epoch in range(start_epoch + 1, config.epochs + 1):
@@ -477,7 +568,14 @@ def train_model(model: torch.nn.Module, train: Any, val: Any, config: TrainConfi
         finally:
             bar.close()
 
+        # an optimiser step can make a parameter non-finite without a non-finite loss or gradient (the last step of an
+        # epoch in particular): never evaluate or checkpoint such a state
+        broken = [name for name, parameter in model.named_parameters() if not torch.isfinite(parameter).all()]
+        if broken:
+            fail(f"non-finite parameters {broken[:5]} after epoch {epoch}")
         val_accuracy, val_nll = _metrics(evaluate(model, val, config.eval_samples, config.eval_batch_size), val_labels)
+        if not math.isfinite(val_nll):
+            fail(f"non-finite validation NLL {val_nll} after epoch {epoch}")
         record = {"epoch": epoch, **{name: value / num_data for name, value in totals.items()}}
         record.update(
             val_accuracy=val_accuracy,

@@ -1,0 +1,243 @@
+"""Damaged checkpoints fail with a clear error naming the file and the problem (never deep inside torch, never leaving a
+half-loaded model), and a non-finite loss, gradient or parameter stops training with the last good checkpoint intact
+on disk."""
+
+from __future__ import annotations
+
+import math
+import pickle
+
+import pytest
+import torch
+from torch.optim.optimizer import register_optimizer_step_post_hook
+
+from gpattn.data import make_pointer_task
+from gpattn.experiments import (
+    CHECKPOINT_KEYS,
+    CheckpointError,
+    NonFiniteLossError,
+    TrainConfig,
+    load_checkpoint,
+    train_model,
+)
+from gpattn.experiments import training as training_module
+from gpattn.mlls import AttentionELBO
+from gpattn.models import Transformer
+
+STEPS_PER_EPOCH = 2  # 96 training sequences, batches of 48
+
+
+@pytest.fixture(scope="module")
+def data():
+    return make_pointer_task(96, 32, 16, length=6, seed=0, vocab_size=6)
+
+
+def _config(directory, **overrides) -> TrainConfig:
+    settings = dict(epochs=2, batch_size=48, lr=1e-2, eval_samples=2, progress=False, checkpoint_dir=directory)
+    return TrainConfig(**{**settings, **overrides})
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory, data):
+    """A directory with the ``last.pt`` and ``best.pt`` of a 2-epoch KEP-SVGP run, and its bytes."""
+    directory = tmp_path_factory.mktemp("run")
+    torch.manual_seed(0)  # the architecture of _fresh_model
+    model = Transformer(2, embed_dim=16, depth=1, num_heads=2, attention="kep_svgp", rank=4, vocab_size=6, max_len=6)
+    train_model(model, data.train, data.val, _config(directory))
+    return directory, (directory / "last.pt").read_bytes()
+
+
+def _fresh_model(make_transformer, **kwargs):
+    return make_transformer("kep_svgp", depth=1, **kwargs)
+
+
+def _copy_run(trained, destination, last_bytes: bytes | None = None):
+    directory, original = trained
+    destination.mkdir(exist_ok=True)
+    (destination / "best.pt").write_bytes((directory / "best.pt").read_bytes())
+    (destination / "last.pt").write_bytes(original if last_bytes is None else last_bytes)
+    return destination
+
+
+def _parameters(model) -> dict[str, torch.Tensor]:
+    return {name: value.detach().clone() for name, value in model.state_dict().items()}
+
+
+def _resume_fails(make_transformer, data, directory, match: str):
+    """Resume from ``directory``: it must raise a CheckpointError matching ``match`` and leave the model untouched."""
+    model = _fresh_model(make_transformer)
+    before = _parameters(model)
+    with pytest.raises(CheckpointError, match=match) as caught:
+        train_model(model, data.train, data.val, _config(directory, epochs=3), resume=True)
+    assert isinstance(caught.value, ValueError) and isinstance(caught.value, RuntimeError)
+    assert all(torch.equal(value, before[name]) for name, value in model.state_dict().items())
+    return caught.value
+
+
+# -- damaged files ---------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("damage", "match"),
+    [
+        (lambda b: b[: len(b) // 2], r"could not read the checkpoint .*last\.pt .*damaged \(e\.g\. truncated"),
+        (lambda b: b[:100], r"could not read the checkpoint .*last\.pt"),
+        (lambda b: b"", r"could not read the checkpoint .*last\.pt \(0 bytes"),
+        (lambda b: b"\x00garbage, not a checkpoint\xff" * 50, r"could not read the checkpoint .*last\.pt"),
+        (lambda b: pickle.dumps({"model": {}}), r"could not read the checkpoint .*last\.pt"),  # not a torch zip file
+    ],
+    ids=["truncated_half", "truncated_header", "empty", "garbage", "plain_pickle"],
+)
+@pytest.mark.filterwarnings("ignore:Detected pickle protocol:UserWarning")  # torch, reading the plain pickle
+def test_unreadable_checkpoints_raise_a_clear_error(make_transformer, data, trained, tmp_path, damage, match):
+    directory = _copy_run(trained, tmp_path / "run", damage(trained[1]))
+    error = _resume_fails(make_transformer, data, directory, match)
+    assert "resume=False" in str(error)  # what to do about it
+    with pytest.raises(CheckpointError, match=match):
+        load_checkpoint(directory / "last.pt")
+
+
+def _rewrite(trained, tmp_path, edit) -> object:
+    directory = _copy_run(trained, tmp_path / "run")
+    checkpoint = torch.load(directory / "last.pt", weights_only=True)
+    torch.save(edit(checkpoint), directory / "last.pt")
+    return directory
+
+
+@pytest.mark.parametrize(
+    ("edit", "match"),
+    [
+        (lambda c: {key: c[key] for key in ("model", "epoch")}, r"last\.pt lacks the entries \['optimizer'"),
+        (lambda c: c["model"], r"last\.pt lacks the entries"),  # a bare state dict
+        (lambda c: torch.zeros(3), r"last\.pt holds a Tensor, expected a dict"),
+        (lambda c: {**c, "epoch": "2"}, r"last\.pt is malformed: 'epoch' is '2'"),
+        (lambda c: {**c, "rng": {"torch": c["rng"]["torch"]}}, r"last\.pt is malformed: 'rng' lacks"),
+        (lambda c: {**c, "model": [1, 2]}, r"last\.pt is malformed: 'model' is not a state dict"),
+    ],
+    ids=["missing_keys", "bare_state_dict", "tensor", "bad_epoch", "bad_rng", "bad_model"],
+)
+def test_incomplete_or_malformed_checkpoints_raise(make_transformer, data, trained, tmp_path, edit, match):
+    directory = _rewrite(trained, tmp_path, edit)
+    _resume_fails(make_transformer, data, directory, match)
+    with pytest.raises(CheckpointError, match=match):
+        load_checkpoint(directory / "last.pt")
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"embed_dim": 32}, r"another model configuration: .*shape mismatches .*in the file"),
+        ({"attention": "softmax"}, r"another model configuration: missing \[.*unexpected \["),
+        ({"depth": 2}, r"another model configuration: missing \['blocks\.0\.attention\.q_proj"),
+        ({"rank": 3}, r"another model configuration: shape mismatches"),
+    ],
+    ids=["width", "attention", "depth", "rank"],
+)
+def test_checkpoint_of_another_configuration_raises(make_transformer, data, trained, kwargs, match):
+    directory, _ = trained
+    settings = {"depth": 1, **kwargs}
+    attention = settings.pop("attention", "kep_svgp")
+    model = make_transformer(attention, **settings)
+    before = _parameters(model)
+    with pytest.raises(CheckpointError, match=r"the checkpoint .*last\.pt was written for " + match.split(": ", 1)[0]):
+        train_model(model, data.train, data.val, _config(directory, epochs=3), resume=True)
+    with pytest.raises(CheckpointError, match=match):
+        load_checkpoint(directory / "last.pt", model)
+    assert all(torch.equal(value, before[name]) for name, value in model.state_dict().items())
+
+
+def test_damaged_best_checkpoint_is_named(make_transformer, data, trained, tmp_path):
+    directory = _copy_run(trained, tmp_path / "run")
+    (directory / "best.pt").write_bytes(b"\x00" * 64)
+    _resume_fails(make_transformer, data, directory, r"could not read the checkpoint .*best\.pt")
+
+
+def test_load_checkpoint_reads_and_loads_a_good_file(make_transformer, trained):
+    directory, _ = trained
+    checkpoint = load_checkpoint(directory / "best.pt")
+    assert set(checkpoint) == set(CHECKPOINT_KEYS)
+    model = _fresh_model(make_transformer, seed=3)
+    load_checkpoint(directory / "best.pt", model)
+    assert all(torch.equal(model.state_dict()[name], value) for name, value in checkpoint["model"].items())
+    with pytest.raises(FileNotFoundError, match="missing.pt"):
+        load_checkpoint(directory / "missing.pt")
+
+
+# -- non-finite values stop training with the last good checkpoint ---------------------------------------------------
+class _PoisonedELBO(AttentionELBO):
+    """Returns NaN loss parts at its ``fail_at``-th call."""
+
+    fail_at: int | None = None
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.calls = 0
+
+    def forward(self, logits, targets):
+        self.calls += 1
+        parts = super().forward(logits, targets)
+        if self.calls == self.fail_at:
+            parts = {name: value * math.nan for name, value in parts.items()}
+        return parts
+
+
+def _assert_last_good_checkpoint(make_transformer, data, directory, epoch: int) -> None:
+    """``last.pt`` holds ``epoch`` with finite parameters, loads into a fresh model and resumes to the end."""
+    checkpoint = load_checkpoint(directory / "last.pt")
+    assert checkpoint["epoch"] == epoch and len(checkpoint["history"]) == epoch
+    model = _fresh_model(make_transformer)
+    parameters = dict(model.named_parameters())  # buffers may be infinite by design (constraint upper bounds)
+    assert all(torch.isfinite(value).all() for name, value in checkpoint["model"].items() if name in parameters)
+    load_checkpoint(directory / "last.pt", model)
+    result = train_model(model, data.train, data.val, _config(directory, epochs=3), resume=True)
+    assert [record["epoch"] for record in result.history] == [1, 2, 3]
+    assert all(math.isfinite(record["loss"]) for record in result.history)
+
+
+def test_non_finite_loss_keeps_the_last_good_checkpoint(make_transformer, data, tmp_path, monkeypatch):
+    monkeypatch.setattr(_PoisonedELBO, "fail_at", 2 * STEPS_PER_EPOCH + 2)  # epoch 3, step 2
+    monkeypatch.setattr(training_module, "AttentionELBO", _PoisonedELBO)
+    model = _fresh_model(make_transformer)
+    message = r"non-finite training loss at epoch 3, step 2/2 .*last\.pt still holds epoch 2, the last good one"
+    with pytest.raises(NonFiniteLossError, match=message):
+        train_model(model, data.train, data.val, _config(tmp_path, epochs=3))
+    assert all(torch.isfinite(parameter).all() for parameter in model.parameters())
+    monkeypatch.setattr(_PoisonedELBO, "fail_at", None)
+    _assert_last_good_checkpoint(make_transformer, data, tmp_path, epoch=2)
+
+
+def test_non_finite_gradient_keeps_the_last_good_checkpoint(make_transformer, data, tmp_path):
+    model = _fresh_model(make_transformer)
+    calls = {"count": 0}
+
+    def poison(gradient):  # the second step of epoch 2 gets a NaN gradient, its loss stays finite
+        calls["count"] += 1
+        return gradient * math.nan if calls["count"] == STEPS_PER_EPOCH + 2 else gradient
+
+    handle = model.head.weight.register_hook(poison)
+    try:
+        with pytest.raises(NonFiniteLossError, match=r"non-finite gradient norm nan at epoch 2, step 2/2 .*epoch 1"):
+            train_model(model, data.train, data.val, _config(tmp_path, epochs=3))
+    finally:
+        handle.remove()
+    _assert_last_good_checkpoint(make_transformer, data, tmp_path, epoch=1)
+
+
+def test_non_finite_parameter_after_an_epoch_is_never_checkpointed(make_transformer, data, tmp_path):
+    # the last optimiser step of epoch 2 makes a parameter infinite without a non-finite loss or gradient: the old
+    # loop would have evaluated and written it to last.pt; the epoch-end check stops first
+    model = _fresh_model(make_transformer)
+    steps = {"count": 0}
+
+    def poison(optimizer, args, kwargs):
+        steps["count"] += 1
+        if steps["count"] == 2 * STEPS_PER_EPOCH:
+            with torch.no_grad():
+                model.head.bias.fill_(math.inf)
+
+    handle = register_optimizer_step_post_hook(poison)
+    try:
+        with pytest.raises(NonFiniteLossError, match=r"non-finite parameters \['head\.bias'\] after epoch 2"):
+            train_model(model, data.train, data.val, _config(tmp_path, epochs=3))
+    finally:
+        handle.remove()
+    assert torch.isfinite(model.head.bias).all()  # the best (epoch 1) state is back
+    _assert_last_good_checkpoint(make_transformer, data, tmp_path, epoch=1)
