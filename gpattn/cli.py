@@ -5,22 +5,60 @@ data)."""
 from __future__ import annotations
 
 import argparse
+import math
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+# Option types: a bad value exits with status 2 and "gpattn <command>: error: argument --x: <what was expected, what
+# came>" before anything runs.
+
+
+def _number(text: str, kind: Callable[[str], float], wanted: str, accept: Callable[[float], bool]):
+    try:
+        value = kind(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected {wanted}, got {text!r}") from None
+    if not accept(value):
+        raise argparse.ArgumentTypeError(f"expected {wanted}, got {text!r}")
+    return value
 
 
 def _positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text}")
-    return value
+    return _number(text, int, "a positive integer", lambda value: value >= 1)
+
+
+def _non_negative_int(text: str) -> int:
+    return _number(text, int, "a non-negative integer", lambda value: value >= 0)
 
 
 def _positive_float(text: str) -> float:
-    value = float(text)
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"expected a positive number, got {text}")
-    return value
+    return _number(text, float, "a finite number > 0", lambda value: math.isfinite(value) and value > 0)
+
+
+def _non_negative_float(text: str) -> float:
+    return _number(text, float, "a finite number >= 0", lambda value: math.isfinite(value) and value >= 0)
+
+
+def _device(text: str) -> str:
+    from ._validation import check_device
+
+    try:
+        device = check_device("device", text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+    if device.type not in ("cpu", "cuda"):
+        raise argparse.ArgumentTypeError(f"expected 'cpu', 'cuda' or 'cuda:<index>', got {text!r}")
+    return text
+
+
+def _out_dir(text: str) -> str:
+    if not text:
+        raise argparse.ArgumentTypeError("expected a folder path, got ''")
+    path = Path(text)
+    if path.exists() and not path.is_dir():
+        raise argparse.ArgumentTypeError(f"expected a folder (created if missing), got the existing file {text!r}")
+    return text
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -32,8 +70,12 @@ def build_parser() -> argparse.ArgumentParser:
         description="Fit KEP-SVGP by VariationalELBO and by Pyro SVI, and the exact GP with the same induced kernel, "
         "on the 1-D asymmetric toy regression set; print test RMSEs and write results.json and posterior.png.",
     )
-    regression.add_argument("--out", default="runs/regression", help="output folder (default: %(default)s)")
-    regression.add_argument("--seed", type=int, default=0, help="data and initialisation seed (default: %(default)s)")
+    regression.add_argument(
+        "--out", type=_out_dir, default="runs/regression", help="output folder (default: %(default)s)"
+    )
+    regression.add_argument(
+        "--seed", type=_non_negative_int, default=0, help="data and initialisation seed (default: %(default)s)"
+    )
     regression.add_argument("--rank", type=_positive_int, default=16, help="KSVD rank s (default: %(default)s)")
     regression.add_argument(
         "--landmarks", type=_positive_int, default=24, help="number of fixed landmarks M (default: %(default)s)"
@@ -68,13 +110,15 @@ def _add_train(commands) -> None:
     )
     train.add_argument("--attention", choices=attention_names(), default="kep_svgp", help="default: %(default)s")
     train.add_argument("--task", choices=TASKS, default="digits", help="default: %(default)s")
-    train.add_argument("--seed", type=int, default=0, help="default: %(default)s")
+    train.add_argument("--seed", type=_non_negative_int, default=0, help="default: %(default)s")
     train.add_argument("--epochs", type=_positive_int, default=None, help="default: the comparison's for the task")
     train.add_argument("--eval-samples", type=_positive_int, default=defaults.eval_samples, help="default: %(default)s")
     train.add_argument("--rank", type=_positive_int, default=defaults.rank, help="default: %(default)s")
-    train.add_argument("--out", default=None, help="run folder (default: runs/train-<task>-<attention>-<seed>)")
+    train.add_argument(
+        "--out", type=_out_dir, default=None, help="run folder (default: runs/train-<task>-<attention>-<seed>)"
+    )
     train.add_argument("--resume", action="store_true", help="continue from OUT/checkpoints/last.pt")
-    train.add_argument("--device", default="cpu", help="cpu or cuda (default: %(default)s)")
+    train.add_argument("--device", type=_device, default="cpu", help="cpu or cuda (default: %(default)s)")
 
 
 def _run_train(args: argparse.Namespace) -> int:
@@ -85,22 +129,32 @@ def _run_train(args: argparse.Namespace) -> int:
 
     out = Path(args.out or f"runs/train-{args.task}-{args.attention}-{args.seed}")
     epochs = {} if args.epochs is None else {f"{args.task}_epochs": args.epochs}
-    config = CompareConfig(
-        attentions=(args.attention,),
-        tasks=(args.task,),
-        seeds=(args.seed,),
-        eval_samples=args.eval_samples,
-        rank=args.rank,
-        device=args.device,
-        progress=False,
-        **epochs,
-    )
+    try:
+        config = CompareConfig(
+            attentions=(args.attention,),
+            tasks=(args.task,),
+            seeds=(args.seed,),
+            eval_samples=args.eval_samples,
+            rank=args.rank,
+            device=args.device,
+            progress=False,
+            **epochs,
+        )
+    except ValueError as error:  # a combination of options (e.g. a rank above the head width)
+        print(f"gpattn train: error: {error}", file=sys.stderr)
+        return 2
     if args.resume and not (out / "checkpoints" / "last.pt").exists():
         print(f"gpattn train: error: --resume needs {out / 'checkpoints' / 'last.pt'}", file=sys.stderr)
         return 2
-    record = train_and_evaluate(
-        config, args.task, args.attention, args.seed, checkpoint_dir=out / "checkpoints", resume=args.resume
-    )
+    from .experiments.training import CheckpointError, NonFiniteLossError
+
+    try:
+        record = train_and_evaluate(
+            config, args.task, args.attention, args.seed, checkpoint_dir=out / "checkpoints", resume=args.resume
+        )
+    except (CheckpointError, NonFiniteLossError) as error:  # a clear message, not a traceback
+        print(f"gpattn train: error: {error}", file=sys.stderr)
+        return 1
     out.mkdir(parents=True, exist_ok=True)
     (out / "record.json").write_text(json.dumps(record, indent=1))
     test = record["metrics"]["test"]
@@ -122,26 +176,28 @@ def _add_compare(commands) -> None:
         "severities 1-5) and OOD (held-out digits, structured noise). Writes results.json, results.csv, table.md and "
         "figures into the run folder.",
     )
-    compare.add_argument("--out", default=None, help="run folder (default: runs/compare-<date>-<time>)")
+    compare.add_argument("--out", type=_out_dir, default=None, help="run folder (default: runs/compare-<date>-<time>)")
     compare.add_argument("--quick", action="store_true", help="one seed, few epochs: a first look in under 2 minutes")
     compare.add_argument(
         "--attentions", nargs="+", choices=attention_names(), default=None, help="default: all six registry entries"
     )
     compare.add_argument("--tasks", nargs="+", choices=TASKS, default=None, help="default: %(choices)s")
-    compare.add_argument("--seeds", nargs="+", type=int, default=None, help=f"default: {list(defaults.seeds)}")
+    compare.add_argument(
+        "--seeds", nargs="+", type=_non_negative_int, default=None, help=f"default: {list(defaults.seeds)}"
+    )
     numbers = (
         ("pointer_epochs", _positive_int, "training epochs on the pointer task"),
         ("digits_epochs", _positive_int, "training epochs on digits"),
         ("eval_samples", _positive_int, "Monte Carlo samples at evaluation"),
         ("ensemble", _positive_int, "members per model: Deep / KEP-SVGP ensembles when > 1"),
         ("rank", _positive_int, "KSVD rank of KEP-SVGP and Primal-Attention"),
-        ("beta", float, "KL weight"),
-        ("eta", float, "KSVD weight"),
+        ("beta", _non_negative_float, "KL weight"),
+        ("eta", _non_negative_float, "KSVD weight"),
     )
     for name, kind, text in numbers:
         flag = "--" + name.replace("_", "-")
         compare.add_argument(flag, type=kind, default=None, help=f"{text} (default: {getattr(defaults, name)})")
-    compare.add_argument("--device", default="cpu", help="cpu or cuda (default: %(default)s)")
+    compare.add_argument("--device", type=_device, default="cpu", help="cpu or cuda (default: %(default)s)")
     compare.add_argument("--no-progress", action="store_true", help="hide the progress bar")
 
 

@@ -54,3 +54,13 @@ def test_console_script_help() -> None:
         [sys.executable, "-m", "gpattn.cli", "regression", "--help"], capture_output=True, text=True, check=True
     )
     assert "--pyro-iterations" in completed.stdout and "--out" in completed.stdout
+
+
+def test_train_resume_from_a_corrupted_checkpoint_is_a_clear_error(tmp_path, capsys) -> None:
+    checkpoints = tmp_path / "checkpoints"
+    checkpoints.mkdir()
+    (checkpoints / "last.pt").write_bytes(b"not a checkpoint")
+    argv = ["train", "--task", "pointer", "--attention", "softmax", "--epochs", "1", "--out", str(tmp_path)]
+    assert main([*argv, "--resume"]) == 1
+    error = capsys.readouterr().err
+    assert error.startswith("gpattn train: error:") and "last.pt" in error and "Traceback" not in error

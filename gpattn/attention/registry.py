@@ -30,11 +30,16 @@ ATTENTIONS: dict[str, tuple[type[AttentionLayer], dict[str, Any]]] = {
 
 
 def attention_names() -> list[str]:
-    """:return: The registered attention names, in registry order."""
+    """The registered attention names.
+
+    :return: The keys of :data:`ATTENTIONS`, in registry order.
+    """
     return list(ATTENTIONS)
 
 
 def _layer_class(name: str) -> type[AttentionLayer]:
+    if not isinstance(name, str):
+        raise TypeError(f"expected an attention name to be a string, got {type(name).__name__}: {name!r}")
     if name not in ATTENTIONS:
         raise ValueError(f"unknown attention {name!r}; expected one of {attention_names()}")
     return ATTENTIONS[name][0]

@@ -10,6 +10,8 @@ from gpytorch.constraints import Positive
 from linear_operator.utils.cholesky import psd_safe_cholesky
 from torch import Tensor
 
+from .._validation import check_float, check_int, check_positive
+from ..kernels.exponential_dot_product_kernel import safe_max_logit
 from ._base import AttentionInputs, AttentionLayer
 
 KERNELS = ("ard", "exponential")
@@ -83,12 +85,10 @@ class SGPAAttention(AttentionLayer):
         jitter: float = 1e-6,
     ):
         super().__init__(embed_dim, num_heads, dropout)
-        if isinstance(num_global_inducing, bool) or not isinstance(num_global_inducing, int) or num_global_inducing < 1:
-            raise ValueError(f"expected a positive integer num_global_inducing, got {num_global_inducing!r}")
+        check_int("num_global_inducing", num_global_inducing, where=type(self).__name__)
         if kernel not in KERNELS:
             raise ValueError(f"expected kernel in {KERNELS}, got {kernel!r}")
-        if isinstance(jitter, bool) or not isinstance(jitter, (int, float)) or not 0.0 <= jitter < 1.0:
-            raise ValueError(f"expected jitter in [0, 1), got {jitter!r}")
+        check_float("jitter", jitter, 0.0, 1.0, strict_maximum=True, where=type(self).__name__)
         self.kernel_type = kernel
         self.num_global_inducing = num_global_inducing
         self.jitter = float(jitter)
@@ -116,7 +116,7 @@ class SGPAAttention(AttentionLayer):
 
     @lengthscale.setter
     def lengthscale(self, value: Tensor | float) -> None:
-        value = torch.as_tensor(value, dtype=self.raw_lengthscale.dtype, device=self.raw_lengthscale.device)
+        value = check_positive("lengthscale", value, self.raw_lengthscale, where=type(self).__name__)
         self.initialize(raw_lengthscale=self.raw_lengthscale_constraint.inverse_transform(value))
 
     @property
@@ -126,7 +126,7 @@ class SGPAAttention(AttentionLayer):
 
     @outputscale.setter
     def outputscale(self, value: Tensor | float) -> None:
-        value = torch.as_tensor(value, dtype=self.raw_outputscale.dtype, device=self.raw_outputscale.device)
+        value = check_positive("outputscale", value, self.raw_outputscale, where=type(self).__name__)
         self.initialize(raw_outputscale=self.raw_outputscale_constraint.inverse_transform(value))
 
     @property
@@ -142,7 +142,8 @@ class SGPAAttention(AttentionLayer):
         left, right = left / scale, right / scale
         outputscale = self.outputscale[:, None, None]  # shape: (H, 1, 1)
         if self.kernel_type == "exponential":
-            return outputscale * torch.exp(left @ right.mT)
+            # logits clamped as in ExponentialDotProductKernel, so that K itself cannot overflow
+            return outputscale * torch.exp((left @ right.mT).clamp_max(safe_max_logit(left.dtype)))
         # ||x||^2 + ||y||^2 - 2 <x, y>, clamped against rounding
         squared_dist = left.square().sum(-1, keepdim=True) + right.square().sum(-1).unsqueeze(-2) - 2 * left @ right.mT
         return outputscale * torch.exp(-0.5 * squared_dist.clamp_min(0))
@@ -151,7 +152,8 @@ class SGPAAttention(AttentionLayer):
         """:math:`\\kappa(x, x)` per token: ``(..., H, n, p)`` -> ``(..., H, n)``."""
         outputscale = self.outputscale[:, None]  # shape: (H, 1)
         if self.kernel_type == "exponential":
-            return outputscale * torch.exp((tokens / self.lengthscale.unsqueeze(-2)).square().sum(-1))
+            logits = (tokens / self.lengthscale.unsqueeze(-2)).square().sum(-1)
+            return outputscale * torch.exp(logits.clamp_max(safe_max_logit(tokens.dtype)))
         return outputscale.expand(tokens.shape[:-1])
 
     def _inducing_cholesky(self) -> tuple[Tensor, Tensor]:
@@ -230,7 +232,8 @@ class SGPAAttention(AttentionLayer):
         return self.project_out_moments(*self.head_moments(x, mask, context))
 
     def kl_divergence(self) -> Tensor:
-        """The global KL part (:math:`S`, :math:`v_b`) plus the :math:`v_g` part stored by the last ``forward``."""
+        """The global KL part (:math:`S`, :math:`v_b`) plus the :math:`v_g` part stored by the last ``forward``, a
+        scalar."""
         kl = self._global_kl(self._inducing_cholesky()[0])
         return kl if self._data_kl is None else kl + self._data_kl
 

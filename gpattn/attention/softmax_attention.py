@@ -48,7 +48,9 @@ class SoftmaxAttention(AttentionLayer):
         self.v_proj = torch.nn.Linear(embed_dim, embed_dim)
 
     def forward(self, x: Tensor, mask: Tensor | str | None = None, context: Tensor | None = None) -> Tensor:
-        """:param x: Query tokens, shape ``(B, N, C)``.
+        """Scaled dot-product attention of every head, concatenated and projected.
+
+        :param x: Query tokens, shape ``(B, N, C)``.
         :param mask: ``None``, a boolean padding mask ``(B, M)`` (``True`` = real token) or ``"causal"``.
         :param context: Key tokens ``(B, M, C)`` for cross-attention, or ``None`` (self-attention).
         :return: Shape ``(B, N, C)``.

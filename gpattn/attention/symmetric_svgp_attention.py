@@ -12,6 +12,7 @@ from gpytorch.models import ApproximateGP
 from gpytorch.variational import CholeskyVariationalDistribution, VariationalStrategy
 from torch import Tensor
 
+from .._validation import check_int
 from ._base import AttentionInputs, AttentionLayer
 
 
@@ -80,8 +81,7 @@ class SymmetricSVGPAttention(AttentionLayer):
 
     def __init__(self, embed_dim: int, num_heads: int, num_inducing: int = 16, dropout: float = 0.0):
         super().__init__(embed_dim, num_heads, dropout)
-        if isinstance(num_inducing, bool) or not isinstance(num_inducing, int) or num_inducing < 1:
-            raise ValueError(f"expected a positive integer num_inducing, got {num_inducing!r}")
+        check_int("num_inducing", num_inducing, where=type(self).__name__)
         self.num_inducing = num_inducing
         self.query_proj = torch.nn.Linear(embed_dim, embed_dim, bias=False)
         self.key_proj = torch.nn.Linear(embed_dim, embed_dim, bias=False)
@@ -110,7 +110,10 @@ class SymmetricSVGPAttention(AttentionLayer):
         batch, heads, length, width = features.shape
         # the B N tokens as one data set per head: (H, 1, B N, p), broadcast against the (H, p) batch of q(u)
         flat = features.transpose(0, 1).reshape(heads, 1, batch * length, width)
-        posterior = self.gp(flat)  # batch shape (H, p), event B N
+        # the GP (a K_uu Cholesky, triangular solves) runs in the parameters' precision, never autocast's: GPyTorch's
+        # custom backward of the predictive updates fails on the mixed dtypes that autocast would produce
+        with torch.autocast(flat.device.type, enabled=False):
+            posterior = self.gp(flat.to(self.gp.variational_strategy.inducing_points.dtype))  # batch (H, p), event B N
 
         def unflatten(tokens: Tensor) -> Tensor:  # (H, p, B N) -> (B, H, N, p)
             return tokens.reshape(heads, width, batch, length).permute(2, 0, 3, 1)
@@ -137,7 +140,8 @@ class SymmetricSVGPAttention(AttentionLayer):
         return self.project_out_moments(*self.head_moments(x, mask, context))
 
     def kl_divergence(self) -> Tensor:
-        """:math:`\\sum_{h, d} \\mathrm{KL}(q(u_{hd}) \\| p(u_{hd}))` (whitened prior :math:`\\mathcal N(0, I)`)."""
+        """:math:`\\sum_{h, d} \\mathrm{KL}(q(u_{hd}) \\| p(u_{hd}))` (whitened prior :math:`\\mathcal N(0, I)`),
+        a scalar."""
         return self.gp.variational_strategy.kl_divergence().sum()
 
     def _apply(self, fn, *args, **kwargs):

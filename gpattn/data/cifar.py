@@ -27,6 +27,7 @@ from .digits import ImageDataset
 
 __all__ = ["CIFAR10_CLASSES", "CIFAR10_C_CORRUPTIONS", "load_cifar10", "load_cifar10_c"]
 
+#: The ten CIFAR-10 class names, in label order.
 CIFAR10_CLASSES: tuple[str, ...] = (
     "airplane",
     "automobile",
@@ -39,6 +40,7 @@ CIFAR10_CLASSES: tuple[str, ...] = (
     "ship",
     "truck",
 )
+#: The corruptions of CIFAR-10-C (one ``<corruption>.npy`` file each), as ``load_cifar10_c`` accepts them.
 CIFAR10_C_CORRUPTIONS: tuple[str, ...] = (
     # the 15 benchmark corruptions
     "gaussian_noise",

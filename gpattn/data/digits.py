@@ -46,6 +46,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from .._validation import InputTypeError, check_int, check_tensor, checked_inputs
+
 __all__ = [
     "DEFAULT_HELD_OUT_CLASSES",
     "SHIFT_KINDS",
@@ -63,7 +65,10 @@ __all__ = [
 ]
 
 DEFAULT_HELD_OUT_CLASSES: tuple[int, ...] = (8, 9)
+#: The distribution shifts of :func:`shift_images`, in the order of the comparison's figures.
 SHIFT_KINDS: tuple[str, ...] = ("gaussian_noise", "rotation", "blur")
+#: Parameter of each shift kind at severities 1 to 5: noise std (on the ``[0, 1]`` scale), rotation angle (degrees)
+#: and blur sigma (pixels).
 SHIFT_PARAMETERS: dict[str, tuple[float, ...]] = {
     "gaussian_noise": (0.05, 0.10, 0.15, 0.20, 0.30),  # noise std
     "rotation": (10.0, 20.0, 30.0, 45.0, 60.0),  # degrees
@@ -95,10 +100,12 @@ class ImageDataset:
 
     @property
     def in_channels(self) -> int:
+        """``C``, the second dimension of ``images``."""
         return self.images.shape[1]
 
     @property
     def image_size(self) -> tuple[int, int]:
+        """``(H, W)``, the last two dimensions of ``images``."""
         return (self.images.shape[2], self.images.shape[3])
 
 
@@ -125,8 +132,7 @@ class ImageSplits:
 
 
 def _check_seed(seed: int) -> None:
-    if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
-        raise ValueError(f"expected a non-negative integer seed, got {seed!r}")
+    check_int("seed", seed, minimum=0)
 
 
 @lru_cache(maxsize=1)
@@ -221,8 +227,12 @@ def load_digits_splits(
 
 
 def _check_images(images: Tensor) -> None:
-    if not isinstance(images, Tensor) or images.dim() != 4 or not images.is_floating_point():
-        raise ValueError(f"expected floating images (n, C, H, W), got {getattr(images, 'shape', type(images))}")
+    # one elementwise pass (finiteness), skipped by the helpers that shift_images calls after its own check
+    if not isinstance(images, Tensor):
+        raise InputTypeError(f"expected images to be a torch.Tensor (n, C, H, W), got {type(images).__name__}")
+    if not images.is_floating_point():
+        raise InputTypeError(f"expected floating images (n, C, H, W), got {images.dtype}")
+    check_tensor("images", images, ("n", "C", "H", "W"), finite=True)
 
 
 def rotate_images(images: Tensor, degrees: float | Tensor) -> Tensor:
@@ -295,9 +305,11 @@ def shift_images(images: Tensor, kind: str, severity: int, seed: int = 0) -> Ten
         shifted = images + value * noise.to(images.device)
     elif kind == "rotation":
         signs = torch.randint(0, 2, (images.shape[0],), generator=generator).to(images.dtype) * 2 - 1
-        shifted = rotate_images(images, value * signs.to(images.device))
+        with checked_inputs():
+            shifted = rotate_images(images, value * signs.to(images.device))
     else:
-        shifted = gaussian_blur(images, value)
+        with checked_inputs():
+            shifted = gaussian_blur(images, value)
     return shifted.clamp(0, 1)
 
 
@@ -318,6 +330,8 @@ def make_shifted_test_sets(
     :param severities: Severities (default ``1 .. 5``).
     :return: ``{(kind, severity): ImageDataset}``.
     """
+    if not isinstance(dataset, ImageDataset):
+        raise TypeError(f"expected dataset to be an ImageDataset, got {type(dataset).__name__}")
     _check_seed(seed)
     shifted = {}
     for kind in kinds:
@@ -420,8 +434,10 @@ def images_to_patches(images: Tensor, patch_size: int) -> Tensor:
     :param patch_size: Patch side ``p``.
     :return: ``(n, (H / p) (W / p), C p^2)``.
     """
-    if not isinstance(images, Tensor) or images.dim() != 4:
-        raise ValueError(f"expected images (n, C, H, W), got {getattr(images, 'shape', type(images))}")
+    if not isinstance(images, Tensor):
+        raise InputTypeError(f"expected images to be a torch.Tensor (n, C, H, W), got {type(images).__name__}")
+    if images.dim() != 4:
+        raise ValueError(f"expected images (n, C, H, W), got {tuple(images.shape)}")
     n, channels, height, width = images.shape
     if isinstance(patch_size, bool) or not isinstance(patch_size, int) or patch_size < 1:
         raise ValueError(f"expected a positive integer patch_size, got {patch_size!r}")
@@ -441,8 +457,12 @@ def patches_to_images(patches: Tensor, image_size: int | tuple[int, int], patch_
     :param in_channels: Channels ``C``.
     :return: Images ``(n, C, H, W)``.
     """
+    check_tensor("patches", patches)
     height, width = (image_size, image_size) if isinstance(image_size, int) else tuple(image_size)
-    p = patch_size
+    check_int("image_size", height)
+    check_int("image_size", width)
+    p = check_int("patch_size", patch_size)
+    check_int("in_channels", in_channels)
     if height % p or width % p:
         raise ValueError(f"patch_size {p} must divide the image size {(height, width)}")
     expected = ((height // p) * (width // p), in_channels * p * p)

@@ -61,6 +61,8 @@ from typing import Literal
 import torch
 from torch import Tensor
 
+from .._validation import InputTypeError, check_int
+
 __all__ = ["RegressionData", "make_asymmetric_regression_1d", "make_asymmetric_regression_2d"]
 
 _BOX_1D = (-3.0, 3.0)
@@ -137,7 +139,7 @@ def make_asymmetric_regression_1d(
     Raises:
         ValueError: If an argument is out of range.
     """
-    _validate(n_train, n_test, noise_std, lengthscale, num_sources, dtype)
+    _validate(n_train, n_test, noise_std, lengthscale, num_sources, dtype, seed)
     shift_vec = _as_shift([shift], dim=1)
     generator = torch.Generator().manual_seed(seed)
     low, high = _BOX_1D
@@ -203,7 +205,7 @@ def make_asymmetric_regression_2d(
     Raises:
         ValueError: If an argument is out of range.
     """
-    _validate(n_train, n_test, noise_std, lengthscale, num_sources, dtype)
+    _validate(n_train, n_test, noise_std, lengthscale, num_sources, dtype, seed)
     shift_vec = _as_shift(shift, dim=2)
     generator = torch.Generator().manual_seed(seed)
     low, high = _BOX_2D
@@ -380,18 +382,22 @@ def _assemble(
 
 
 def _validate(
-    n_train: int, n_test: int, noise_std: float, lengthscale: float, num_sources: int, dtype: torch.dtype
+    n_train: int, n_test: int, noise_std: float, lengthscale: float, num_sources: int, dtype: torch.dtype, seed: int
 ) -> None:
     """Check the arguments shared by both constructors, raising ``ValueError`` with what was expected and what came."""
     for name, value in (("n_train", n_train), ("n_test", n_test), ("num_sources", num_sources)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+    for name, value, bound in (("noise_std", noise_std, ">= 0"), ("lengthscale", lengthscale, "> 0")):
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise InputTypeError(f"{name} must be a finite number {bound}, got {value!r}")
     if not math.isfinite(noise_std) or noise_std < 0:
         raise ValueError(f"noise_std must be a finite number >= 0, got {noise_std!r}")
     if not math.isfinite(lengthscale) or lengthscale <= 0:
         raise ValueError(f"lengthscale must be a finite number > 0, got {lengthscale!r}")
     if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
         raise ValueError(f"dtype must be a floating torch.dtype (e.g. torch.float64), got {dtype!r}")
+    check_int("seed", seed, minimum=0)
 
 
 def _as_shift(shift: Sequence[float], dim: int) -> Tensor:

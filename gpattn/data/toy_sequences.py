@@ -28,6 +28,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from .._validation import check_int
+
 __all__ = ["SequenceDataset", "SequenceSplits", "make_pointer_task", "make_successor_task"]
 
 PAD = 0
@@ -104,7 +106,7 @@ def _make_splits(
 ) -> SequenceSplits:
     """Draw each split's balanced labels and lengths, then ``draw(labels, lengths, generator) -> tokens (n, N)``
     (padding left to this function)."""
-    generator = torch.Generator().manual_seed(seed)
+    generator = torch.Generator().manual_seed(check_int("seed", seed, minimum=0))
     datasets = []
     for count in sizes:
         labels = _balanced_labels(count, generator)

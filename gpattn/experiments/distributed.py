@@ -70,7 +70,13 @@ _PARTS = ("loss", "nll", "kl", "ksvd", "grad_norm")
 def shard_indices(order: Tensor, rank: int, world_size: int) -> Tensor:
     """Rank ``rank``'s shard ``padded[rank::world_size]`` of a permutation ``order``, padded to a multiple of
     ``world_size`` by repeating its first indices (every rank gets ``ceil(n / world_size)`` indices; the shards are
-    disjoint when ``world_size`` divides ``n``)."""
+    disjoint when ``world_size`` divides ``n``).
+
+    :param order: A permutation of the ``n`` training indices, shape ``(n,)``.
+    :param rank: This process's rank, ``0 <= rank < world_size``.
+    :param world_size: Number of processes.
+    :return: The indices of this rank, shape ``(ceil(n / world_size),)``.
+    """
     if not 0 <= rank < world_size:
         raise ValueError(f"expected 0 <= rank < world_size = {world_size}, got rank {rank}")
     padding = -order.shape[0] % world_size

@@ -12,8 +12,9 @@ import gpytorch
 import pyro
 import torch
 from torch import Tensor
-from tqdm.auto import trange
+from tqdm import trange
 
+from .._validation import check_float, check_int
 from ..data import RegressionData, make_asymmetric_regression_1d
 from ..kernels import InducedKernel, ShiftedRBFKernel
 from ..models import KernelEigenPairSVGP
@@ -52,6 +53,18 @@ class ToyRegressionConfig:
     initial_shift: float = 0.1
     initial_lengthscale: float = 0.5
 
+    def __post_init__(self) -> None:
+        where = "ToyRegressionConfig"
+        check_int("seed", self.seed, minimum=0, where=where)
+        for name in ("num_landmarks", "rank", "iterations", "pyro_iterations", "pyro_particles"):
+            check_int(name, getattr(self, name), where=where)
+        if self.rank > self.num_landmarks:
+            raise ValueError(f"{where}: rank ({self.rank}) must not exceed num_landmarks ({self.num_landmarks})")
+        for name in ("lr", "ngd_lr", "pyro_lr", "pyro_final_lr_factor", "pyro_variational_lr_factor"):
+            check_float(name, getattr(self, name), 0.0, strict_minimum=True, where=where)
+        check_float("initial_shift", self.initial_shift, where=where)
+        check_float("initial_lengthscale", self.initial_lengthscale, 0.0, strict_minimum=True, where=where)
+
 
 @dataclass
 class ToyRegressionResult:
@@ -64,6 +77,7 @@ class ToyRegressionResult:
     learned: dict[str, dict[str, float]] = field(default_factory=dict)
 
     def to_json(self) -> str:
+        """The result as indented JSON (what ``gpattn regression`` writes to ``results.json``)."""
         return json.dumps(asdict(self), indent=2)
 
 

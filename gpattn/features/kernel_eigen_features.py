@@ -11,8 +11,10 @@ from gpytorch.utils.memoize import cached, clear_cache_hook
 from linear_operator.operators import DiagLinearOperator
 from torch import Tensor
 
+from .._validation import check_choice, check_float, check_tensor
 from ..kernels import AsymmetricKernel
 from ..ksvd import KernelSVD, kernel_svd, ksvd_objective
+from ..ksvd.kernel_svd import METHODS as SVD_METHODS
 from ..mlls import KSVDAddedLossTerm
 
 MODES = ("exact", "primal")
@@ -71,14 +73,21 @@ class KernelEigenFeatures(Module):
             raise ValueError(f"expected mode in {MODES}, got {mode!r}")
         if isinstance(kernel, AsymmetricKernel):
             self.base_kernel = kernel
-        elif callable(kernel):
+        elif callable(kernel) and not isinstance(kernel, torch.nn.Module):  # a module is no getter: a wrong kernel
             object.__setattr__(self, "_kernel_getter", kernel)
         else:
-            raise TypeError(f"expected an AsymmetricKernel or a callable returning one, got {type(kernel).__name__}")
-        self._register_landmarks("landmarks", landmarks, learn_landmarks)
+            raise TypeError(
+                "KernelEigenFeatures: expected an AsymmetricKernel (gpattn.kernels) or a callable returning one, got "
+                f"{type(kernel).__name__}"
+            )
+        check_choice("svd_method", svd_method, SVD_METHODS, where="KernelEigenFeatures")
+        check_float("ksvd_weight", ksvd_weight, 0.0, where="KernelEigenFeatures")
+        # the token width, when the kernel is known now (a getter's kernel may not exist yet)
+        width = kernel.input_dim if isinstance(kernel, AsymmetricKernel) else "d"
+        self._register_landmarks("landmarks", landmarks, learn_landmarks, width)
         # one landmark set by default: the key landmarks are the very same tensor
         key_landmarks = self.landmarks if key_landmarks is None else key_landmarks
-        self._register_landmarks("key_landmarks", key_landmarks, learn_landmarks)
+        self._register_landmarks("key_landmarks", key_landmarks, learn_landmarks, width)
         num_landmarks = min(self.landmarks.shape[-2], self.key_landmarks.shape[-2])
         if isinstance(rank, bool) or not isinstance(rank, int) or not 1 <= rank <= num_landmarks:
             raise ValueError(
@@ -91,10 +100,10 @@ class KernelEigenFeatures(Module):
         if mode == "primal":
             self._init_primal()
 
-    def _register_landmarks(self, name: str, landmarks: Tensor, learn: bool) -> None:
-        if not isinstance(landmarks, Tensor) or landmarks.dim() < 2:
-            got = tuple(landmarks.shape) if isinstance(landmarks, Tensor) else type(landmarks).__name__
-            raise ValueError(f"expected {name} of shape (..., M, d), got {got}")
+    def _register_landmarks(self, name: str, landmarks: Tensor, learn: bool, width: int | str) -> None:
+        if landmarks is not getattr(self, "landmarks", None):  # the shared key landmarks are checked once
+            shape = ("...", "M", width)
+            check_tensor(name, landmarks, shape, floating=True, finite=True, where="KernelEigenFeatures")
         if isinstance(landmarks, torch.nn.Parameter):
             self.register_parameter(name, landmarks)
         elif name == "key_landmarks" and landmarks is getattr(self, "landmarks", None):
@@ -165,6 +174,17 @@ class KernelEigenFeatures(Module):
     def _check_side(self, side: str) -> None:
         if side not in SIDES:
             raise ValueError(f"expected side in {SIDES}, got {side!r}")
+
+    def check_inputs(self, x: Tensor, where: str = "KernelEigenFeatures") -> None:
+        """Check a model's inputs once per call (the strategies do, before any kernel runs): a floating tensor of
+        shape ``(*batch, N, d)`` with ``N >= 1``, the landmarks' width ``d``, dtype and device, and finite values (one
+        elementwise pass).
+
+        :raises TypeError: Not a floating tensor, or another dtype than the landmarks'.
+        :raises ValueError: Another width, no points, another device, or a NaN or infinite value.
+        """
+        shape = ("...", "N", self.landmarks.shape[-1])
+        check_tensor("x", x, shape, floating=True, non_empty=True, like=self.landmarks, finite=True, where=where)
 
     def scores(self, x: Tensor, side: str = "left") -> Tensor:
         r"""Projection scores: :math:`e(x)` (``side="left"``, :math:`x` a query) or :math:`r(x)` (``"right"``, a key).

@@ -7,6 +7,8 @@ from gpytorch.constraints import Positive
 from gpytorch.module import Module
 from torch import Tensor
 
+from .._validation import check_int, check_positive, check_tensor
+
 
 class AsymmetricKernel(Module):
     r"""A kernel :math:`\kappa(x, z)` between queries :math:`x` and keys :math:`z` with, in general,
@@ -31,8 +33,7 @@ class AsymmetricKernel(Module):
 
     def __init__(self, input_dim: int, tie: bool = False, batch_shape: torch.Size = torch.Size()):
         super().__init__()
-        if not isinstance(input_dim, int) or input_dim < 1:
-            raise ValueError(f"expected a positive integer input_dim, got {input_dim!r}")
+        check_int("input_dim", input_dim, where=type(self).__name__)
         self.input_dim = input_dim
         self.tie = bool(tie)
         self.batch_shape = torch.Size(batch_shape)
@@ -42,26 +43,32 @@ class AsymmetricKernel(Module):
 
     @property
     def outputscale(self) -> Tensor:
+        r"""The positive scale :math:`\sigma_f` that multiplies the kernel, shape ``(*batch_shape)``."""
         # shape: (*batch_shape,)
         return self.raw_outputscale_constraint.transform(self.raw_outputscale)
 
     @outputscale.setter
     def outputscale(self, value: float | Tensor) -> None:
-        value = torch.as_tensor(value, dtype=self.raw_outputscale.dtype, device=self.raw_outputscale.device)
+        value = check_positive("outputscale", value, self.raw_outputscale, where=type(self).__name__)
         self.initialize(raw_outputscale=self.raw_outputscale_constraint.inverse_transform(value))
 
-    def _check_tokens(self, tokens: Tensor, name: str) -> None:
-        if not isinstance(tokens, Tensor):
-            raise TypeError(f"expected {name} to be a torch.Tensor, got {type(tokens).__name__}")
-        if tokens.dim() < 2 or tokens.shape[-1] != self.input_dim:
-            raise ValueError(f"expected {name} of shape (..., n, {self.input_dim}), got {tuple(tokens.shape)}")
-        if not tokens.is_floating_point():
-            raise TypeError(f"expected {name} to be a floating-point tensor, got {tokens.dtype}")
+    def _check_tokens(self, tokens: Tensor, name: str, finite: bool = False) -> None:
+        # O(1), plus one elementwise pass with finite=True (the dense path only: the feature maps run inside the
+        # attention layers, which check their inputs once). The dtype is not checked: mixed dtypes promote here.
+        check_tensor(
+            name,
+            tokens,
+            ("...", "n", self.input_dim),
+            floating=True,
+            like=self.raw_outputscale,
+            match_dtype=False,
+            finite=finite,
+            where=type(self).__name__,
+        )
 
     def _register_projections(self, feature_dim: int, in_dim: int) -> None:
         # W_q (and W_k unless tied), shape (*batch_shape, p, in_dim), uniform(+-1/sqrt(in_dim)) as nn.Linear
-        if not isinstance(feature_dim, int) or feature_dim < 1:
-            raise ValueError(f"expected a positive integer feature_dim, got {feature_dim!r}")
+        check_int("feature_dim", feature_dim, where=type(self).__name__)
         self.feature_dim = feature_dim
         bound = 1.0 / in_dim**0.5
         shape = (*self.batch_shape, feature_dim, in_dim)
@@ -88,9 +95,17 @@ class AsymmetricKernel(Module):
         raise NotImplementedError
 
     def __call__(self, x: Tensor, z: Tensor | None = None) -> Tensor:
-        z = x if z is None else z
-        self._check_tokens(x, "x")
-        self._check_tokens(z, "z")
+        r"""The checked dense kernel matrix :math:`K = [\kappa(x_i, z_j)]` (``z`` defaults to ``x``).
+
+        :param x: Queries, shape ``(*batch, N, d)``.
+        :param z: Keys, shape ``(*batch, M, d)``, or ``None`` for :math:`\kappa(x, x)`.
+        :return: shape ``(*batch, N, M)`` (``(*batch, N, N)`` when ``z`` is ``None``).
+        """
+        self._check_tokens(x, "x", finite=True)
+        if z is None or z is x:
+            z = x
+        else:
+            self._check_tokens(z, "z", finite=True)
         return super().__call__(x, z)
 
     def query_features(self, x: Tensor) -> Tensor:

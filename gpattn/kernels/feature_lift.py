@@ -9,6 +9,8 @@ from gpytorch.constraints import Positive
 from gpytorch.module import Module
 from torch import Tensor
 
+from .._validation import check_int, check_positive
+
 LIFTS = ("none", "rff", "mlp")
 
 
@@ -37,8 +39,10 @@ class FeatureLift(Module):
         super().__init__()
         if kind not in LIFTS:
             raise ValueError(f"expected lift in {LIFTS}, got {kind!r}")
-        if kind != "none" and (not isinstance(lift_dim, int) or lift_dim < 1):
-            raise ValueError(f"expected a positive integer lift_dim, got {lift_dim!r}")
+        check_int("input_dim", input_dim, where="FeatureLift")
+        if kind != "none":
+            check_int("lift_dim", lift_dim, where="FeatureLift")
+            check_int("seed", seed, minimum=None, where="FeatureLift")
         self.kind = kind
         self.input_dim = input_dim
         self.output_dim = input_dim if kind == "none" else lift_dim
@@ -49,18 +53,22 @@ class FeatureLift(Module):
             self.register_buffer("phases", 2 * math.pi * torch.rand(lift_dim, generator=generator))
             self.register_parameter("raw_lengthscale", torch.nn.Parameter(torch.zeros(())))
             self.register_constraint("raw_lengthscale", Positive())
-            self.initialize(
-                raw_lengthscale=self.raw_lengthscale_constraint.inverse_transform(torch.tensor(lengthscale))
-            )
+            lengthscale = check_positive("lengthscale", lengthscale, self.raw_lengthscale, where="FeatureLift")
+            self.initialize(raw_lengthscale=self.raw_lengthscale_constraint.inverse_transform(lengthscale))
         elif kind == "mlp":
             self.linear = torch.nn.Linear(input_dim, lift_dim)
 
     @property
     def lengthscale(self) -> Tensor:
+        r"""The learned lengthscale :math:`\ell` of the random Fourier lift (``"rff"`` only), a scalar tensor."""
         return self.raw_lengthscale_constraint.transform(self.raw_lengthscale)
 
     def forward(self, x: Tensor) -> Tensor:
-        """:param x: shape ``(..., N, d)``. :return: shape ``(..., N, D)``."""
+        r"""The lifted tokens :math:`g(x)`.
+
+        :param x: Tokens, shape ``(..., N, d)``.
+        :return: shape ``(..., N, D)`` (``D = d`` for ``"none"``).
+        """
         if self.kind == "rff":
             projection = x @ self.frequencies.to(x).mT / self.lengthscale + self.phases.to(x)
             return math.sqrt(2.0 / self.output_dim) * torch.cos(projection)

@@ -6,6 +6,7 @@ import torch
 from gpytorch.kernels import Kernel
 from torch import Tensor
 
+from .._validation import check_choice, check_tensor
 from .asymmetric_kernel import AsymmetricKernel
 
 SIDES = ("left", "right", "both")
@@ -44,14 +45,18 @@ class InducedKernel(Kernel):
         learn_landmarks: bool = False,
     ):
         super().__init__()
-        if side not in SIDES:
-            raise ValueError(f"expected side in {SIDES}, got {side!r}")
+        check_choice("side", side, SIDES, where="InducedKernel")
+        if not isinstance(kernel, AsymmetricKernel):
+            raise TypeError(f"InducedKernel: expected an AsymmetricKernel, got {type(kernel).__name__}")
+        key_landmarks = landmarks if key_landmarks is None else key_landmarks
+        for name, value in (("landmarks", landmarks), ("key_landmarks", key_landmarks)):
+            shape = ("...", "M", kernel.input_dim)
+            check_tensor(name, value, shape, floating=True, non_empty=True, finite=True, where="InducedKernel")
         self.kernel = kernel
         self.side = side
         register = self.register_parameter if learn_landmarks else self.register_buffer
         wrap = torch.nn.Parameter if learn_landmarks else (lambda t: t)
         register("landmarks", wrap(landmarks.detach().clone()))
-        key_landmarks = landmarks if key_landmarks is None else key_landmarks
         register("key_landmarks", wrap(key_landmarks.detach().clone()))
 
     def root(self, x: Tensor) -> Tensor:

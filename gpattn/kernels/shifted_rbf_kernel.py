@@ -6,6 +6,7 @@ import torch
 from gpytorch.constraints import Positive
 from torch import Tensor
 
+from .._validation import check_positive
 from .asymmetric_kernel import AsymmetricKernel
 
 
@@ -41,13 +42,25 @@ class ShiftedRBFKernel(AsymmetricKernel):
         super().__init__(input_dim, tie=tie, batch_shape=batch_shape)
         self.register_parameter("raw_lengthscale", torch.nn.Parameter(torch.zeros(*self.batch_shape, input_dim)))
         self.register_constraint("raw_lengthscale", Positive())
-        self.initialize(raw_lengthscale=self.raw_lengthscale_constraint.inverse_transform(torch.tensor(lengthscale)))
+        lengthscale = check_positive("lengthscale", lengthscale, self.raw_lengthscale, where=type(self).__name__)
+        self.initialize(raw_lengthscale=self.raw_lengthscale_constraint.inverse_transform(lengthscale))
         if not self.tie:
-            initial_shift = torch.as_tensor(shift, dtype=torch.get_default_dtype()).expand(*self.batch_shape, input_dim)
+            initial_shift = torch.as_tensor(shift, dtype=torch.get_default_dtype())
+            shape = (*self.batch_shape, input_dim)
+            try:
+                initial_shift = initial_shift.expand(shape)
+            except RuntimeError:
+                raise ValueError(
+                    f"ShiftedRBFKernel: expected shift to be a number or a tensor broadcastable to {shape}, got shape "
+                    f"{tuple(initial_shift.shape)}"
+                ) from None
+            if not torch.isfinite(initial_shift).all():
+                raise ValueError(f"ShiftedRBFKernel: expected a finite shift, got {shift!r}")
             self.shift = torch.nn.Parameter(initial_shift.clone())
 
     @property
     def lengthscale(self) -> Tensor:
+        r"""The ARD lengthscales :math:`\ell`, shape ``(*batch_shape, d)``."""
         # shape: (*batch_shape, d)
         return self.raw_lengthscale_constraint.transform(self.raw_lengthscale)
 

@@ -15,6 +15,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from .._validation import InputTypeError
+
 ROW_SUM_TOLERANCE = 1e-4
 
 
@@ -33,7 +35,7 @@ def _as_probabilities(probs: Any, name: str = "probs") -> np.ndarray:
     if array.ndim != 2 or array.shape[0] < 1 or array.shape[1] < 1:
         raise ValueError(f"expected {name} of shape (n, C) with n >= 1 and C >= 1, got shape {tuple(array.shape)}")
     if array.dtype.kind not in "fiu" or array.dtype == np.bool_:
-        raise ValueError(f"expected {name} to hold real probabilities, got dtype {array.dtype}")
+        raise InputTypeError(f"expected {name} to hold real probabilities, got dtype {array.dtype}")
     array = array.astype(np.float64)
     if not np.isfinite(array).all():
         raise ValueError(f"{name} contains NaN or Inf; pass probabilities (e.g. softmax outputs), not logits")
@@ -57,7 +59,7 @@ def _as_labels(labels: Any, num_samples: int, num_classes: int) -> np.ndarray:
     if array.ndim != 1 or array.shape[0] != num_samples:
         raise ValueError(f"expected labels of shape (n,) = ({num_samples},), got shape {tuple(array.shape)}")
     if array.dtype == np.bool_ or array.dtype.kind not in "iu":
-        raise ValueError(f"expected integer labels, got dtype {array.dtype}; cast class indices with .long()")
+        raise InputTypeError(f"expected integer labels, got dtype {array.dtype}; cast class indices with .long()")
     array = array.astype(np.int64)
     if array.min() < 0 or array.max() >= num_classes:
         raise ValueError(

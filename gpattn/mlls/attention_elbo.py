@@ -9,6 +9,8 @@ import torch.nn.functional as F
 from gpytorch.mlls import AddedLossTerm
 from torch import Tensor
 
+from .._validation import check_choice, check_float, check_int, check_tensor
+
 AVERAGES = ("probabilities", "logits")
 
 
@@ -60,11 +62,9 @@ class AttentionELBO(torch.nn.Module):
         super().__init__()
         if not callable(getattr(model, "kl_divergence", None)):
             raise ValueError(f"expected a model with a kl_divergence() method, got {type(model).__name__}")
-        if isinstance(num_data, bool) or not isinstance(num_data, int) or num_data < 1:
-            raise ValueError(f"expected a positive integer num_data (training set size), got {num_data!r}")
-        for name, value in (("beta", beta), ("eta", eta)):
-            if not value >= 0:
-                raise ValueError(f"expected a non-negative {name}, got {value}")
+        check_int("num_data (the training set size)", num_data, where="AttentionELBO")
+        check_float("beta", beta, 0.0, where="AttentionELBO")
+        check_float("eta", eta, 0.0, where="AttentionELBO")
         self.model = model
         self.num_data = num_data
         self.beta = float(beta)
@@ -72,19 +72,39 @@ class AttentionELBO(torch.nn.Module):
         self.combine_terms = bool(combine_terms)
 
     def forward(self, logits: Tensor, targets: Tensor) -> Tensor | dict[str, Tensor]:
-        """:param logits: Shape ``(B, C)``, or ``(T, B, C)`` for :math:`T` Monte Carlo samples.
+        """The loss of the forward pass that produced ``logits``.
+
+        :param logits: Shape ``(B, C)``, or ``(T, B, C)`` for :math:`T` Monte Carlo samples.
         :param targets: Class indices, shape ``(B,)``.
         :return: The loss (a scalar to minimise) or, with ``combine_terms=False``, a dict with the weighted parts
             ``"nll"`` (cross-entropy), ``"kl"`` (:math:`\\beta / n` KL), ``"ksvd"`` (:math:`\\eta` sum of the added
             loss terms) and their sum ``"loss"``.
         """
-        if logits.dim() not in (2, 3) or not logits.is_floating_point():
-            raise ValueError(f"expected float logits of shape (B, C) or (T, B, C), got {tuple(logits.shape)}")
-        if targets.dim() != 1 or targets.shape[0] != logits.shape[-2] or targets.is_floating_point():
+        # O(1) checks and one min/max over the targets; non-finite logits are left to the training loop, which
+        # reports the step (experiments.NonFiniteLossError)
+        check_tensor("logits", logits, floating=True, where="AttentionELBO")
+        if logits.dim() not in (2, 3):
+            raise ValueError(f"AttentionELBO: expected logits of shape (B, C) or (T, B, C), got {tuple(logits.shape)}")
+        check_tensor(
+            "targets",
+            targets,
+            integer=True,
+            like=logits,
+            like_name="the logits",
+            match_dtype=False,
+            where="AttentionELBO",
+        )
+        if targets.dim() != 1 or targets.shape[0] != logits.shape[-2]:
             raise ValueError(
-                f"expected integer targets of shape ({logits.shape[-2]},), got {targets.dtype} {tuple(targets.shape)}"
+                f"AttentionELBO: expected integer targets of shape ({logits.shape[-2]},) (one class index per "
+                f"sequence), got {targets.dtype} {tuple(targets.shape)}"
             )
         num_classes = logits.shape[-1]
+        if targets.numel() and (targets.min() < 0 or targets.max() >= num_classes):
+            raise ValueError(
+                f"AttentionELBO: expected targets in [0, {num_classes - 1}] (class indices of {num_classes} logits), "
+                f"got values in [{int(targets.min())}, {int(targets.max())}]"
+            )
         num_samples = logits.shape[0] if logits.dim() == 3 else 1
         # mean over samples and batch: -1/(T B) sum_{t, b} log p(y_b | F^(t))
         nll = F.cross_entropy(logits.reshape(-1, num_classes), targets.repeat(num_samples))
@@ -125,10 +145,10 @@ def predict_probabilities(
     """
     from ..attention import AttentionLayer, sample_attention  # gpattn.attention imports gpattn.mlls
 
-    if isinstance(num_samples, bool) or not isinstance(num_samples, int) or num_samples < 1:
-        raise ValueError(f"expected a positive integer num_samples, got {num_samples!r}")
-    if average not in AVERAGES:
-        raise ValueError(f"expected average in {AVERAGES}, got {average!r}")
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"predict_probabilities: expected model to be a torch.nn.Module, got {type(model).__name__}")
+    check_int("num_samples", num_samples, where="predict_probabilities")
+    check_choice("average", average, AVERAGES, where="predict_probabilities")
     if not any(isinstance(module, AttentionLayer) and module.is_stochastic for module in model.modules()):
         num_samples = 1  # deterministic in eval mode: every pass would be identical
     was_training = model.training

@@ -5,6 +5,8 @@ from __future__ import annotations
 from gpytorch.mlls import AddedLossTerm
 from torch import Tensor
 
+from .._validation import check_float, check_int, check_tensor
+
 
 class KSVDAddedLossTerm(AddedLossTerm):
     r"""The penalty :math:`\eta J^2` that drives learned KSVD scores to a stationary point (MATH.md section 2).
@@ -20,16 +22,19 @@ class KSVDAddedLossTerm(AddedLossTerm):
     """
 
     def __init__(self, objective: Tensor, weight: float = 1.0, num_averaged_dims: int = 0):
-        if weight < 0:
-            raise ValueError(f"expected a non-negative KSVD weight eta, got {weight}")
-        if not 0 <= num_averaged_dims <= objective.dim():
-            raise ValueError(f"expected num_averaged_dims in [0, {objective.dim()}], got {num_averaged_dims}")
+        # O(1): built on every training forward pass of the KSVD layers
+        check_float("the KSVD weight eta", weight, 0.0, where="KSVDAddedLossTerm")
+        check_tensor("objective", objective, where="KSVDAddedLossTerm")
+        check_int("num_averaged_dims", num_averaged_dims, 0, objective.dim(), where="KSVDAddedLossTerm")
         self.objective = objective
         self.weight = float(weight)
         self.num_averaged_dims = num_averaged_dims
 
     def loss(self) -> Tensor:
-        """:return: :math:`\\eta\\, \\mathrm{mean}_{data} \\sum_{rest} J^2`, a scalar."""
+        """The penalty, averaged over the data dimensions and summed over the others.
+
+        :return: :math:`\\eta\\, \\mathrm{mean}_{data} \\sum_{rest} J^2`, a scalar.
+        """
         squared = self.objective.pow(2)
         if self.num_averaged_dims:
             squared = squared.flatten(0, self.num_averaged_dims - 1).mean(0)

@@ -15,6 +15,7 @@ from gpytorch.variational import (
 )
 from torch import Tensor
 
+from .._validation import check_tensor
 from ..features import KernelEigenFeatures
 from ..kernels import AsymmetricKernel
 from ..variational import KernelEigenPairVariationalStrategy, KernelEigenVariationalStrategy
@@ -84,6 +85,13 @@ class KernelEigenPairSVGP(ApproximateGP):
                     f"got {variational_distribution!r}"
                 )
             variational_distribution = VARIATIONAL_DISTRIBUTIONS[variational_distribution]
+        elif not isinstance(variational_distribution, type) or not issubclass(
+            variational_distribution, _VariationalDistribution
+        ):
+            raise TypeError(
+                f"KernelEigenPairSVGP: expected variational_distribution in {tuple(VARIATIONAL_DISTRIBUTIONS)} or a "
+                f"gpytorch _VariationalDistribution class, got {variational_distribution!r}"
+            )
         features = KernelEigenFeatures(
             kernel, inducing_points, rank, mode=mode, learn_landmarks=learn_inducing_locations, ksvd_weight=ksvd_weight
         )
@@ -98,12 +106,17 @@ class KernelEigenPairSVGP(ApproximateGP):
 
     @property
     def features(self) -> KernelEigenFeatures:
+        """The :class:`~gpattn.features.KernelEigenFeatures` (the KSVD state) shared by both branches."""
         return self.variational_strategy.features
 
     def forward(self, x: Tensor) -> MultivariateNormal:
         r"""The exact prior of the pair before truncation: :math:`\mathcal N(\mu(x), k_e + k_r)` (``"sum"``) or
         the two independent branch priors (``"concat"``), with low-rank roots :math:`\kappa(x, Z)` and
-        :math:`\kappa(X, x)^\top`."""
+        :math:`\kappa(X, x)^\top`.
+
+        :param x: Inputs, shape ``(*batch, N, d)``.
+        :return: Mean shape ``(*batch, N)`` (``"sum"``) or ``(*batch, N, 2)`` (``"concat"``).
+        """
         features = self.features
         left_root = self.covar_module(x, features.key_landmarks)  # kappa(x, Z)
         right_root = self.covar_module(features.landmarks, x).mT  # kappa(X, x)^T
@@ -118,8 +131,26 @@ class KernelEigenPairSVGP(ApproximateGP):
             interleaved=False,
         )
 
+    def __call__(self, inputs: Tensor, prior: bool = False, **kwargs):
+        r"""The posterior :math:`q(F(x))` (or the prior with ``prior=True``), as for any GPyTorch ``ApproximateGP``.
+
+        :param inputs: Inputs :math:`x`, shape ``(*batch, N, d)``.
+        :param prior: Return the prior :meth:`forward` instead of the posterior.
+        :return: A :class:`~gpytorch.distributions.MultivariateNormal` with mean shape ``(*batch, N)`` (``"sum"``)
+            or a two-task :class:`~gpytorch.distributions.MultitaskMultivariateNormal`, mean ``(*batch, N, 2)``
+            (``"concat"``).
+        """
+        # GPyTorch's ApproximateGP.__call__ reads inputs.dim() first: check the type before, the rest in the strategy
+        check_tensor("x", inputs, where=type(self).__name__)
+        return super().__call__(inputs, prior=prior, **kwargs)
+
     def branch(self, x: Tensor, side: str) -> MultivariateNormal:
-        r""":math:`q(f_e(x))` or :math:`q(f_r(x))` alone (``side="left"``/``"right"``), for plots and diagnostics."""
+        r""":math:`q(f_e(x))` or :math:`q(f_r(x))` alone (``side="left"``/``"right"``), for plots and diagnostics.
+
+        :param x: Inputs, shape ``(*batch, N, d)``.
+        :param side: ``"left"`` or ``"right"``.
+        :return: A :class:`~gpytorch.distributions.MultivariateNormal` with mean shape ``(*batch, N)``.
+        """
         return self.variational_strategy.branch(x, side)
 
     @staticmethod
@@ -129,7 +160,14 @@ class KernelEigenPairSVGP(ApproximateGP):
         return normal.to_event(len(function_dist.event_shape) - 1).mask(False)
 
     def pyro_guide(self, input: Tensor, beta: float = 1.0, name_prefix: str = "") -> pyro.distributions.Distribution:
-        r"""Pyro guide: samples :math:`u` of each branch from :math:`q(u)` and returns :math:`q(f(x))`."""
+        r"""Pyro guide: samples :math:`u` of each branch from :math:`q(u)` and returns :math:`q(f(x))`.
+
+        :param input: Inputs, shape ``(*batch, N, d)``.
+        :param beta: Scale of the sample sites (the KL weight).
+        :param name_prefix: Prefix of the sample sites ``{prefix}.u_left``, ``{prefix}.u_right`` (or ``.u_shared``).
+        :return: The marginals of :math:`q(f(x))` as a masked ``pyro.distributions.Normal`` with event shape
+            ``(N,)`` (``(N, 2)`` for ``"concat"``), as GPyTorch's ``pyro_guide`` returns.
+        """
         # q(f(x)) first: in training mode the call clears the memoised q(u) of the previous step (whose autograd
         # graph was freed by its backward pass) and initialises q(u) on the first step, so the sites below sample
         # the current q(u)
@@ -142,7 +180,14 @@ class KernelEigenPairSVGP(ApproximateGP):
 
     def pyro_model(self, input: Tensor, beta: float = 1.0, name_prefix: str = "") -> pyro.distributions.Distribution:
         r"""Pyro model: samples :math:`u` of each branch from :math:`p(u) = \mathcal N(0, \Lambda^2)`, adds GPyTorch
-        priors and subtracts the added loss terms (the KSVD penalty), and returns the prior :math:`p(f(x))`."""
+        priors and subtracts the added loss terms (the KSVD penalty), and returns the prior :math:`p(f(x))`.
+
+        :param input: Inputs, shape ``(*batch, N, d)``.
+        :param beta: Scale of the sample sites (the KL weight).
+        :param name_prefix: Prefix of the sample sites (as in :meth:`pyro_guide`).
+        :return: The marginals of :math:`p(f(x))` as a masked ``pyro.distributions.Normal`` with event shape
+            ``(N,)`` (``(N, 2)`` for ``"concat"``).
+        """
         with pyro.poutine.scale(scale=beta):
             for name, strategy in self.variational_strategy.branches():
                 p_u = strategy.prior_distribution

@@ -8,15 +8,14 @@ import torch
 from gpytorch.module import Module
 from torch import Tensor
 
+from .._validation import InputTypeError, check_float, check_int, check_tensor
 from ..attention import AttentionLayer, SoftmaxAttention, attention_arguments, build_attention
 
 INPUTS = ("tokens", "patches", "vectors")
 
 
 def _positive_int(name: str, value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"expected a positive integer {name}, got {value!r}")
-    return value
+    return check_int(name, value, where="Transformer")
 
 
 class _EncoderBlock(torch.nn.Module):
@@ -114,10 +113,8 @@ class Transformer(Module):
             raise ValueError(f"expected an integer gp_layers in [0, depth={depth}], got {gp_layers!r}")
         if input not in INPUTS:
             raise ValueError(f"expected input in {INPUTS}, got {input!r}")
-        if not mlp_ratio > 0:
-            raise ValueError(f"expected a positive mlp_ratio, got {mlp_ratio}")
-        if not 0.0 <= dropout < 1.0:
-            raise ValueError(f"expected dropout in [0, 1), got {dropout}")
+        check_float("mlp_ratio", mlp_ratio, 0.0, strict_minimum=True, where="Transformer")
+        check_float("dropout", dropout, 0.0, 1.0, strict_maximum=True, where="Transformer")
         input_arguments = {
             "tokens": {"vocab_size": vocab_size},
             "vectors": {"input_dim": input_dim},
@@ -193,7 +190,18 @@ class Transformer(Module):
             raise ValueError(
                 f"expected input={self.input!r} of shape ({', '.join(map(str, shape))}), got {tuple(inputs.shape)}"
             )
-        if integer and inputs.numel() and (inputs.min() < 0 or inputs.max() >= self.vocab_size):
+        # device (and for float inputs dtype and finiteness: one elementwise pass) before any value is read
+        check_tensor(
+            "inputs",
+            inputs,
+            like=self.position_embedding,
+            match_dtype=not integer,
+            finite=not integer,
+            where="Transformer",
+        )
+        if inputs.numel() == 0:
+            raise ValueError(f"Transformer: expected non-empty inputs, got shape {tuple(inputs.shape)}")
+        if integer and (inputs.min() < 0 or inputs.max() >= self.vocab_size):
             raise ValueError(f"token ids must lie in [0, {self.vocab_size}), got [{inputs.min()}, {inputs.max()}]")
         tokens = self.embedding(inputs)
         if self.input == "patches":
@@ -205,7 +213,9 @@ class Transformer(Module):
 
     # -- forward -----------------------------------------------------------------------------------------------------
     def forward(self, inputs: Tensor, mask: Tensor | str | None = None) -> Tensor:
-        """:param inputs: Token ids ``(B, N)``, vectors ``(B, N, input_dim)`` or images ``(B, in_channels, H, W)``.
+        """Class logits.
+
+        :param inputs: Token ids ``(B, N)``, vectors ``(B, N, input_dim)`` or images ``(B, in_channels, H, W)``.
         :param mask: ``None``, a boolean padding mask ``(B, N)`` (``True`` = real token; padded tokens have no
             influence on the logits) or ``"causal"`` (the pooled mean still runs over all tokens).
         :return: Logits, shape ``(B, num_classes)``.
@@ -213,8 +223,9 @@ class Transformer(Module):
         tokens = self.embed(inputs)  # shape: (B, N, C)
         padding = mask if isinstance(mask, Tensor) else None
         if padding is not None and (padding.dtype != torch.bool or tuple(padding.shape) != tuple(tokens.shape[:2])):
-            raise ValueError(
-                f"expected a boolean padding mask of shape {tuple(tokens.shape[:2])}, "
+            error = InputTypeError if padding.dtype != torch.bool else ValueError
+            raise error(
+                f"Transformer: expected a boolean padding mask of shape {tuple(tokens.shape[:2])}, "
                 f"got {padding.dtype} {tuple(padding.shape)}"
             )
         for block in self.blocks:

@@ -2,16 +2,13 @@
 
 from __future__ import annotations
 
-import matplotlib
+# no backend switching here: matplotlib falls back to Agg on headless machines, and notebooks keep their inline backend
+import matplotlib.pyplot as plt
+import torch
+from matplotlib.figure import Figure
 
-matplotlib.use("Agg")  # headless by default; notebooks switch to their inline backend themselves
-
-import matplotlib.pyplot as plt  # noqa: E402
-import torch  # noqa: E402
-from matplotlib.figure import Figure  # noqa: E402
-
-from ..data import RegressionData  # noqa: E402
-from ..models import KernelEigenPairSVGP  # noqa: E402
+from ..data import RegressionData
+from ..models import KernelEigenPairSVGP
 
 
 def _band(axis, x, mean, variance, color: str, label: str) -> None:
@@ -33,6 +30,14 @@ def plot_pair_posterior(model: KernelEigenPairSVGP, data: RegressionData, exact_
     :param exact_gp: Optional trained exact GP (its posterior mean is drawn dashed).
     :return: The figure.
     """
+    if not isinstance(model, KernelEigenPairSVGP):
+        raise TypeError(f"plot_pair_posterior: expected model to be a KernelEigenPairSVGP, got {type(model).__name__}")
+    if not isinstance(data, RegressionData):
+        raise TypeError(f"plot_pair_posterior: expected data to be a RegressionData, got {type(data).__name__}")
+    if model.variational_strategy.merge != "sum":
+        raise ValueError(
+            f"plot_pair_posterior: expected a model with merge='sum', got merge={model.variational_strategy.merge!r}"
+        )
     if data.grid_x.shape[-1] != 1:
         raise ValueError(f"expected 1-D inputs, got grid of shape {tuple(data.grid_x.shape)}")
     model.eval()

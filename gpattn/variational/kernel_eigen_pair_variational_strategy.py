@@ -7,6 +7,7 @@ from gpytorch.distributions import MultitaskMultivariateNormal, MultivariateNorm
 from gpytorch.module import Module
 from torch import Tensor
 
+from .._validation import checked_inputs
 from ._structured import low_rank_plus_diag, times_covariance_root
 from .kernel_eigen_variational_strategy import KernelEigenVariationalStrategy
 
@@ -60,6 +61,7 @@ class KernelEigenPairVariationalStrategy(Module):
 
     @property
     def features(self):
+        """The :class:`~gpattn.features.KernelEigenFeatures` both branches share."""
         return self.left.features
 
     def branches(self) -> list[tuple[str, KernelEigenVariationalStrategy]]:
@@ -113,11 +115,20 @@ class KernelEigenPairVariationalStrategy(Module):
         return mean, root, residual
 
     def __call__(self, x: Tensor, prior: bool = False, **kwargs) -> MultivariateNormal:
-        """:param x: inputs, shape ``(*batch, N, d)``. :return: :math:`q(F(x))` (or the prior with ``prior=True``)."""
-        if prior:
-            return self.model.forward(x, **kwargs)
-        self._prepare()
-        mean, root, residual = self._stacked(x)
+        r"""The merged posterior :math:`q(F(x))`, or the prior :math:`p(F(x))` with ``prior=True``.
+
+        :param x: Inputs, shape ``(*batch, N, d)``.
+        :param prior: Return the model's prior (``model.forward``) instead.
+        :return: A :class:`~gpytorch.distributions.MultivariateNormal` over ``N`` points (``"sum"``; mean shape
+            ``(*batch, N)``) or a two-task :class:`~gpytorch.distributions.MultitaskMultivariateNormal` (``"concat"``;
+            mean shape ``(*batch, N, 2)``), with a low-rank-plus-diagonal covariance.
+        """
+        self.features.check_inputs(x, type(self.model).__name__)
+        with checked_inputs():  # x is checked: the kernels evaluated on it below skip their own pass
+            if prior:
+                return self.model.forward(x, **kwargs)
+            self._prepare()
+            mean, root, residual = self._stacked(x)
         num_points = x.shape[-2]
         prior_mean = self.left.prior_mean(x)
         if self.merge == "sum":
@@ -131,11 +142,18 @@ class KernelEigenPairVariationalStrategy(Module):
         return MultitaskMultivariateNormal(task_mean, low_rank_plus_diag(root, residual), interleaved=False)
 
     def branch(self, x: Tensor, side: str) -> MultivariateNormal:
-        r""":math:`q(f_e(x))` (``side="left"``) or :math:`q(f_r(x))` (``"right"``) alone, without the prior mean."""
+        r""":math:`q(f_e(x))` (``side="left"``) or :math:`q(f_r(x))` (``"right"``) alone, without the prior mean.
+
+        :param x: Inputs, shape ``(*batch, N, d)``.
+        :param side: ``"left"`` or ``"right"``.
+        :return: A :class:`~gpytorch.distributions.MultivariateNormal` with mean shape ``(*batch, N)``.
+        """
         if side not in ("left", "right"):
             raise ValueError(f"expected side 'left' or 'right', got {side!r}")
-        self._prepare()
-        mean, root, residual = self._stacked(x)
+        self.features.check_inputs(x, type(self.model).__name__)
+        with checked_inputs():
+            self._prepare()
+            mean, root, residual = self._stacked(x)
         rows = slice(0, x.shape[-2]) if side == "left" else slice(x.shape[-2], None)
         return MultivariateNormal(
             mean[..., rows], low_rank_plus_diag(root[..., rows, :], None if residual is None else residual[..., rows])

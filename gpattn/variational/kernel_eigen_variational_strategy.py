@@ -12,6 +12,7 @@ from gpytorch.variational._variational_strategy import _VariationalStrategy
 from linear_operator.operators import DiagLinearOperator, LinearOperator
 from torch import Tensor
 
+from .._validation import checked_inputs
 from ..features import KernelEigenFeatures
 from ._structured import diagonal_prior_kl, low_rank_plus_diag, times_covariance_root
 
@@ -87,6 +88,13 @@ class KernelEigenVariationalStrategy(_VariationalStrategy):
             raise ValueError(f"expected side in {SIDES}, got {side!r}")
         if residual not in RESIDUALS:
             raise ValueError(f"expected residual in {RESIDUALS}, got {residual!r}")
+        if not isinstance(variational_distribution, _VariationalDistribution):
+            raise TypeError(
+                "KernelEigenVariationalStrategy: expected variational_distribution to be a gpytorch "
+                f"_VariationalDistribution, got {type(variational_distribution).__name__}"
+            )
+        if features is not None and not isinstance(features, KernelEigenFeatures):
+            raise TypeError(f"expected features to be KernelEigenFeatures or None, got {type(features).__name__}")
         # _VariationalStrategy.__init__ would register a copy of the inducing points here; the landmarks belong to
         # the (possibly shared) features instead, so that a tied pair registers each parameter exactly once
         Module.__init__(self)
@@ -144,6 +152,18 @@ class KernelEigenVariationalStrategy(_VariationalStrategy):
         residual = self.features.residual_diag(x, self.side, scores) if self.residual == "diag" else None
         return interp, residual
 
+    def __call__(self, x: Tensor, prior: bool = False, **kwargs) -> MultivariateNormal:
+        """GPyTorch's ``__call__`` (:math:`q(f(x))`, or the prior with ``prior=True``) after checking ``x`` once (see
+        :meth:`~gpattn.features.KernelEigenFeatures.check_inputs`).
+
+        :param x: Inputs, shape ``(*batch, N, d)``.
+        :param prior: Return the prior :math:`p(f(x))` instead.
+        :return: A :class:`~gpytorch.distributions.MultivariateNormal` with mean shape ``(*batch, N)``.
+        """
+        self.features.check_inputs(x, type(self).__name__)
+        with checked_inputs():
+            return super().__call__(x, prior=prior, **kwargs)
+
     def prior_mean(self, x: Tensor) -> Tensor | float:
         """:math:`\\mu(x)` from ``model.mean_module`` (0 when the model has none), shape ``(*batch, N)``."""
         mean_module = getattr(self.model, "mean_module", None)
@@ -158,6 +178,18 @@ class KernelEigenVariationalStrategy(_VariationalStrategy):
         diag: bool = True,
         **kwargs,
     ) -> MultivariateNormal:
+        r"""The predictive :math:`q(f(x))` for a given :math:`q(u)` (GPyTorch's ``_VariationalStrategy.forward``; call
+        the strategy, or the model, rather than this method).
+
+        :param x: Inputs, shape ``(*batch, N, d)``.
+        :param inducing_points: The landmarks (unused: the features own them).
+        :param inducing_values: :math:`m` (:math:`m_v` when whitened), shape ``(*batch, s)``.
+        :param variational_inducing_covar: :math:`S`, shape ``(*batch, s, s)``, or ``None`` for a delta :math:`q(u)`.
+        :param diag: Unused (the covariance is structured, never dense).
+        :return: :math:`\mathcal N(\mu(x) + e(x) \Lambda^{-1} m,\; e \Lambda^{-1} L (e \Lambda^{-1} L)^\top +
+            \operatorname{diag}(\rho))` with mean shape ``(*batch, N)``, a ``LowRankRootAddedDiagLinearOperator``
+            covariance (:math:`S = L L^\top`, :math:`\rho` the residual diagonal when ``residual="diag"``).
+        """
         if self.training:
             self.features.refresh_ksvd_loss()
         interp, residual = self.interp_and_residual(x)

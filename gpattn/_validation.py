@@ -1,0 +1,256 @@
+"""Checks shared by the public entry points: every error says what was expected and what came.
+
+Scalars (constructor and CLI arguments) are checked with :func:`check_int`, :func:`check_float`,
+:func:`check_choice` and :func:`check_device`; tensors with :func:`check_tensor`, which costs O(1) apart from one
+elementwise pass when ``finite=True`` (skipped while TorchScript or ``torch.compile`` trace, and on the ``meta``
+device, where values do not exist).
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from contextvars import ContextVar
+from typing import Any
+
+import torch
+from torch import Tensor
+
+
+class InputTypeError(TypeError, ValueError):
+    """A wrong type or dtype. A :class:`TypeError` that is also a :class:`ValueError`, so that code written against
+    the ``ValueError`` these checks raised before keeps working (as ``numpy.AxisError`` is both a ``ValueError`` and
+    an ``IndexError``)."""
+
+
+#: Set inside :func:`checked_inputs`: the caller has checked its inputs, inner checks skip their elementwise pass.
+_INPUTS_CHECKED: ContextVar[bool] = ContextVar("gpattn_inputs_checked", default=False)
+
+
+@contextmanager
+def checked_inputs() -> Iterator[None]:
+    """Within the block, :func:`check_tensor` skips its finiteness pass: an entry point that has checked its inputs
+    once wraps its computation in this, so that the inner public calls (e.g. a kernel evaluated three times on the
+    same ``x``) do not pass over the same tensor again."""
+    token = _INPUTS_CHECKED.set(True)
+    try:
+        yield
+    finally:
+        _INPUTS_CHECKED.reset(token)
+
+
+def _prefix(where: str) -> str:
+    return f"{where}: " if where else ""
+
+
+def _is_tracing() -> bool:
+    return torch.jit.is_scripting() or torch.jit.is_tracing() or torch.compiler.is_compiling()
+
+
+def all_finite(value: Tensor) -> bool:
+    """Whether a tensor holds no NaN and no infinity: one reduction pass (``torch.aminmax``, which propagates NaN)
+    and no full-size temporary, about ten times faster on large CPU tensors than ``torch.isfinite(value).all()``."""
+    if value.numel() == 0 or not (value.is_floating_point() or value.is_complex()):
+        return True
+    if value.is_complex():
+        return all_finite(torch.view_as_real(value))
+    low, high = torch.aminmax(value)
+    return bool(torch.isfinite(low) & torch.isfinite(high))
+
+
+def _autocast_enabled(device_type: str) -> bool:
+    try:
+        return torch.is_autocast_enabled(device_type)
+    except TypeError:  # torch < 2.4 takes no device type
+        return torch.is_autocast_enabled() or torch.is_autocast_cpu_enabled()
+
+
+def check_int(name: str, value: Any, minimum: int | None = 1, maximum: int | None = None, where: str = "") -> int:
+    """An integer (not a bool) in ``[minimum, maximum]`` (either bound may be ``None``).
+
+    :raises InputTypeError: For a non-integer (a float, a string, a bool).
+    :raises ValueError: For an integer out of range.
+    :return: ``value`` as a Python ``int``.
+    """
+    if minimum is not None and maximum is not None:
+        wanted = f"an integer in [{minimum}, {maximum}]"
+    elif minimum == 1:
+        wanted = "a positive integer"
+    elif minimum == 0:
+        wanted = "a non-negative integer"
+    elif minimum is not None:
+        wanted = f"an integer >= {minimum}"
+    elif maximum is not None:
+        wanted = f"an integer <= {maximum}"
+    else:
+        wanted = "an integer"
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise InputTypeError(f"{_prefix(where)}expected {name} to be {wanted}, got {value!r}")
+    if (minimum is not None and value < minimum) or (maximum is not None and value > maximum):
+        raise ValueError(f"{_prefix(where)}expected {name} to be {wanted}, got {value!r}")
+    return int(value)
+
+
+def check_float(
+    name: str,
+    value: Any,
+    minimum: float | None = None,
+    maximum: float | None = None,
+    *,
+    strict_minimum: bool = False,
+    strict_maximum: bool = False,
+    where: str = "",
+) -> float:
+    """A finite real number (not a bool) within the given bounds.
+
+    :param strict_minimum: Exclude ``minimum`` itself (e.g. a positive lengthscale).
+    :param strict_maximum: Exclude ``maximum`` itself (e.g. a dropout rate below 1).
+    :raises InputTypeError: For a non-number (a string, a bool, a tensor with more than one element).
+    :raises ValueError: For NaN, an infinity, or a number out of range.
+    :return: ``value`` as a Python ``float``.
+    """
+    bounds = []
+    if minimum is not None:
+        bounds.append(f"{'>' if strict_minimum else '>='} {minimum:g}")
+    if maximum is not None:
+        bounds.append(f"{'<' if strict_maximum else '<='} {maximum:g}")
+    wanted = "a finite number" + (f" {' and '.join(bounds)}" if bounds else "")
+    if isinstance(value, Tensor) and value.numel() == 1 and value.is_floating_point():
+        value = value.item()
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise InputTypeError(f"{_prefix(where)}expected {name} to be {wanted}, got {value!r}")
+    number = float(value)
+    out_of_range = not math.isfinite(number)
+    if minimum is not None:
+        out_of_range |= number < minimum or (strict_minimum and number == minimum)
+    if maximum is not None:
+        out_of_range |= number > maximum or (strict_maximum and number == maximum)
+    if out_of_range:
+        raise ValueError(f"{_prefix(where)}expected {name} to be {wanted}, got {value!r}")
+    return number
+
+
+def check_choice(name: str, value: Any, choices: Sequence[Any], where: str = "") -> Any:
+    """One of ``choices`` (compared with ``==``; unhashable values are fine).
+
+    :raises ValueError: Naming the accepted values.
+    """
+    try:
+        known = value in choices
+    except (TypeError, ValueError):  # e.g. an array, whose == is elementwise
+        known = False
+    if not known:
+        raise ValueError(f"{_prefix(where)}expected {name} to be one of {list(choices)}, got {value!r}")
+    return value
+
+
+def check_device(name: str, value: Any, where: str = "") -> torch.device:
+    """A device string or :class:`torch.device` that exists on this machine (``cpu``, ``cuda``, ``cuda:<index>``...).
+
+    :raises ValueError: For a string torch does not parse, or a CUDA/MPS device that is not available here.
+    """
+    try:
+        device = torch.device(value)
+    except (RuntimeError, TypeError) as error:
+        raise ValueError(
+            f"{_prefix(where)}expected {name} to be a device such as 'cpu', 'cuda' or 'cuda:0', got {value!r}"
+        ) from error
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"{_prefix(where)}{name}={value!r} but CUDA is not available on this machine; use 'cpu'")
+        count = torch.cuda.device_count()
+        if device.index is not None and device.index >= count:
+            raise ValueError(f"{_prefix(where)}{name}={value!r} but this machine has {count} CUDA device(s)")
+    elif device.type == "mps" and not torch.backends.mps.is_available():
+        raise ValueError(f"{_prefix(where)}{name}={value!r} but MPS is not available on this machine; use 'cpu'")
+    return device
+
+
+def _render_shape(shape: Sequence[int | str]) -> str:
+    return "(" + ", ".join(str(size) for size in shape) + ")"
+
+
+def check_tensor(
+    name: str,
+    value: Any,
+    shape: Sequence[int | str] | None = None,
+    *,
+    floating: bool = False,
+    integer: bool = False,
+    non_empty: bool = False,
+    like: Tensor | None = None,
+    like_name: str = "the parameters",
+    match_dtype: bool = True,
+    finite: bool = False,
+    meaning: str = "",
+    where: str = "",
+) -> Tensor:
+    """A tensor of the expected kind, shape, dtype and device, optionally with finite values only.
+
+    :param shape: Expected shape: an ``int`` is a fixed size, a ``str`` names a free size (``"B"``, ``"N"``), and
+        a leading ``"..."`` allows any number of batch dimensions, e.g. ``("B", "N", 64)`` or ``("...", "N", 3)``.
+    :param floating: Require a floating-point dtype.
+    :param integer: Require an integer (not bool) dtype.
+    :param non_empty: Require every dimension named in ``shape`` (the fixed and named ones) to be non-zero.
+    :param like: A reference tensor (e.g. a parameter) whose device, and dtype unless ``match_dtype=False``, the
+        value must share. The dtype check is skipped under ``torch.autocast``, which mixes dtypes on purpose.
+    :param like_name: What ``like`` is, for the message (plural).
+    :param finite: Require no NaN or infinity (one elementwise pass; skipped while tracing, on ``meta`` and inside
+        :func:`checked_inputs`).
+    :param meaning: What the dimensions are, added to the shape message (e.g. ``"(batch, tokens, embed_dim)"``).
+    :raises InputTypeError: Not a tensor, or a wrong dtype.
+    :raises ValueError: A wrong shape, an empty dimension, a device mismatch or a non-finite value.
+    """
+    prefix = _prefix(where)
+    if not isinstance(value, Tensor):
+        raise InputTypeError(f"{prefix}expected {name} to be a torch.Tensor, got {type(value).__name__}")
+    if floating and not value.is_floating_point():
+        raise InputTypeError(f"{prefix}expected {name} to be a floating-point tensor, got {value.dtype}")
+    if integer and (value.is_floating_point() or value.is_complex() or value.dtype == torch.bool):
+        raise InputTypeError(f"{prefix}expected {name} to be an integer tensor, got {value.dtype}")
+    if shape is not None:
+        expected = _render_shape(shape) + (f" = {meaning}" if meaning else "")
+        batched = len(shape) > 0 and shape[0] == "..."
+        fixed = list(shape[1:] if batched else shape)
+        got = tuple(value.shape)
+        trailing = got[len(got) - len(fixed) :] if len(got) >= len(fixed) else ()
+        wrong_rank = len(got) < len(fixed) if batched else len(got) != len(fixed)
+        mismatch = any(isinstance(want, int) and size != want for size, want in zip(trailing, fixed, strict=False))
+        if wrong_rank or mismatch:
+            raise ValueError(f"{prefix}expected {name} of shape {expected}, got {got}")
+        if non_empty and any(size == 0 for size in trailing):
+            raise ValueError(f"{prefix}expected {name} of shape {expected}, non-empty, got {got}")
+    if like is not None:
+        if value.device != like.device:
+            raise ValueError(
+                f"{prefix}{name} is on {value.device} but {like_name} are on {like.device}: move one of them "
+                f"(.to({str(like.device)!r}))"
+            )
+        if match_dtype and value.dtype != like.dtype and not _autocast_enabled(value.device.type):
+            raise InputTypeError(
+                f"{prefix}{name} is {value.dtype} but {like_name} are {like.dtype}: cast one of them "
+                f"(.to({like.dtype}))"
+            )
+    skip_finite = value.device.type == "meta" or _is_tracing() or _INPUTS_CHECKED.get()
+    if finite and not skip_finite and not all_finite(value):
+        raise ValueError(f"{prefix}{name} contains NaN or Inf values")
+    return value
+
+
+def check_positive(name: str, value: Any, like: Tensor, where: str = "") -> Tensor:
+    """A number or tensor of finite values > 0 (what a ``Positive`` constraint can represent: its inverse transform
+    of a value <= 0 is NaN), as a tensor with the dtype and device of ``like``.
+
+    :raises InputTypeError: For something that is not a number or a tensor of numbers.
+    :raises ValueError: For a value <= 0, NaN or infinite.
+    """
+    wanted = "a finite number > 0 (or a tensor of them)"
+    try:
+        tensor = torch.as_tensor(value, dtype=like.dtype, device=like.device)
+    except (TypeError, ValueError, RuntimeError) as error:
+        raise InputTypeError(f"{_prefix(where)}expected {name} to be {wanted}, got {value!r}") from error
+    if tensor.device.type != "meta" and not (torch.isfinite(tensor).all() and (tensor > 0).all()):
+        raise ValueError(f"{_prefix(where)}expected {name} to be {wanted}, got {value!r}")
+    return tensor
