@@ -7,21 +7,29 @@ machine's load hit every layer alike; ratios against softmax attention come from
 the peak of live tensors during one step is measured in a separate pass: from the PyTorch profiler's allocation
 events on CPU, ``torch.cuda.max_memory_allocated`` on GPU.
 
+A second sweep times the ranked layers at one length for every rank ``s`` (``--ranks``, at ``--rank-length``), and
+the KL term alone (``kl_divergence()`` forward+backward), whose cost must not depend on ``N`` and grow linearly in
+``s``. For ranks above the head width the cosine kernel's feature dimension is raised to ``s`` (its rank is at most
+``p``). The script ends with the issue's targets as measured ratios and writes JSON and a log-log figure.
+
 Run ``python benchmarks/attention_scaling.py --help`` for the options; results go to
-``benchmarks/results/attention_scaling.json``.
+``benchmarks/results/attention_scaling.{json,png}``.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
+import os
 import statistics
 import time
 from pathlib import Path
 
-import torch
+os.environ.setdefault("KINETO_LOG_LEVEL", "5")  # keep the profiler's start/stop lines out of the output
+import torch  # noqa: E402
 
-from gpattn.attention import build_attention
+from gpattn.attention import build_attention  # noqa: E402
 
 VARIANTS = {
     "softmax": ("softmax", {}),
@@ -34,13 +42,20 @@ VARIANTS = {
     "sgpa": ("sgpa", {}),
 }
 RANKED = {"kep_svgp", "kep_svgp_sym", "primal"}
+#: the variants timed in the rank sweep (softmax as the reference)
+RANK_VARIANTS = ("softmax", "kep_svgp", "kep_svgp_marginal", "kep_svgp_sym", "primal")
 
 
-def _build(variant: str, embed_dim: int, num_heads: int, rank: int, device: torch.device) -> torch.nn.Module:
+def _build(
+    variant: str, embed_dim: int, num_heads: int, rank: int, device: torch.device, compile_layers: bool = False
+) -> torch.nn.Module:
     name, kwargs = VARIANTS[variant]
     if name in RANKED:
         kwargs = {"rank": rank, **kwargs}
-    return build_attention(name, embed_dim, num_heads, **kwargs).to(device).train()
+        if rank > embed_dim // num_heads:  # the cosine kernel's rank is at most its feature dimension
+            kwargs["feature_dim"] = rank
+    layer = build_attention(name, embed_dim, num_heads, **kwargs).to(device).train()
+    return torch.compile(layer) if compile_layers and name != "softmax" else layer
 
 
 def _step(layer: torch.nn.Module, x: torch.Tensor) -> None:
@@ -77,50 +92,158 @@ def _peak_memory_mb(layer: torch.nn.Module, x: torch.Tensor, device: torch.devic
     return peak / 2**20
 
 
+def _interleaved_medians(steps: dict, args: argparse.Namespace, device: torch.device) -> dict[str, float]:
+    """Median time (ms) of each zero-argument step, repetitions interleaved across steps."""
+    for step in steps.values():
+        for _ in range(args.warmup):
+            step()
+    samples: dict[str, list[float]] = {name: [] for name in steps}
+    deadline = time.perf_counter() + args.budget_s
+    for repetition in range(args.max_reps):
+        for name, step in steps.items():
+            _synchronize(device)
+            start = time.perf_counter()
+            step()
+            _synchronize(device)
+            samples[name].append(1e3 * (time.perf_counter() - start))
+        if repetition + 1 >= args.min_reps and time.perf_counter() > deadline:
+            break
+    return {name: statistics.median(times) for name, times in samples.items()}
+
+
+def _kl_step(layer: torch.nn.Module) -> None:
+    layer.zero_grad(set_to_none=True)
+    layer.kl_divergence().backward()
+
+
+def _format_row(label: str, row: dict[str, float]) -> str:
+    reference = row.get("softmax")
+    cells = ", ".join(
+        f"{variant} {ms:.1f} ms" + (f" ({ms / reference:.2f}x)" if reference else "") for variant, ms in row.items()
+    )
+    return f"{label}: {cells}"
+
+
 def run(args: argparse.Namespace) -> dict:
     device = torch.device(args.device)
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
-    results: dict = {"config": vars(args), "times_ms": {}, "peak_mb": {}}
-    variants = args.attentions
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
+    print(f"threads {args.threads}, load average {load:.2f} on {os.cpu_count()} cores, device {device}", flush=True)
+    if load > (os.cpu_count() or 1):
+        print("warning: the machine is oversubscribed; timings are noisy (see benchmarks/README.md)", flush=True)
+    results: dict = {"config": vars(args), "times_ms": {}, "peak_mb": {}, "rank_times_ms": {}, "kl_times_ms": {}}
     for length in args.lengths:
         x = torch.randn(args.batch, length, args.embed_dim, device=device)
         layers = {}
-        for variant in variants:
+        for variant in args.attentions:
             if variant == "sgpa" and length > args.max_sgpa_length:
                 continue
             if variant == "kep_svgp_exact" and length > args.max_exact_length:
                 continue
-            layers[variant] = _build(variant, args.embed_dim, args.num_heads, args.rank, device)
-        for layer in layers.values():
-            for _ in range(args.warmup):
-                _step(layer, x)
-        samples: dict[str, list[float]] = {variant: [] for variant in layers}
-        deadline = time.perf_counter() + args.budget_s
-        for repetition in range(args.max_reps):
-            for variant, layer in layers.items():
-                _synchronize(device)
-                start = time.perf_counter()
-                _step(layer, x)
-                _synchronize(device)
-                samples[variant].append(1e3 * (time.perf_counter() - start))
-            if repetition + 1 >= args.min_reps and time.perf_counter() > deadline:
-                break
-        results["times_ms"][length] = {variant: statistics.median(times) for variant, times in samples.items()}
+            layers[variant] = _build(variant, args.embed_dim, args.num_heads, args.rank, device, args.compile)
+        steps = {variant: (lambda layer=layer, x=x: _step(layer, x)) for variant, layer in layers.items()}
+        results["times_ms"][length] = _interleaved_medians(steps, args, device)
         if args.memory:
             results["peak_mb"][length] = {v: _peak_memory_mb(layer, x, device) for v, layer in layers.items()}
-        row = results["times_ms"][length]
-        reference = row.get("softmax")
-        cells = ", ".join(
-            f"{variant} {ms:.1f} ms" + (f" ({ms / reference:.2f}x)" if reference else "") for variant, ms in row.items()
-        )
-        print(f"N={length}: {cells}", flush=True)
+        print(_format_row(f"N={length}", results["times_ms"][length]), flush=True)
+    if args.ranks:
+        x = torch.randn(args.batch, args.rank_length, args.embed_dim, device=device)
+        for rank in args.ranks:
+            variants = [v for v in RANK_VARIANTS if v in args.attentions]
+            layers = {v: _build(v, args.embed_dim, args.num_heads, rank, device, args.compile) for v in variants}
+            steps = {variant: (lambda layer=layer, x=x: _step(layer, x)) for variant, layer in layers.items()}
+            results["rank_times_ms"][rank] = _interleaved_medians(steps, args, device)
+            kl_steps = {v: (lambda layer=layer: _kl_step(layer)) for v, layer in layers.items() if v.startswith("kep")}
+            results["kl_times_ms"][rank] = _interleaved_medians(kl_steps, args, device)
+            print(_format_row(f"s={rank} (N={args.rank_length})", results["rank_times_ms"][rank]), flush=True)
+            kl = ", ".join(f"{v} {ms:.3f} ms" for v, ms in results["kl_times_ms"][rank].items())
+            print(f"    KL alone: {kl}", flush=True)
+    results["summary"] = _summary(results)
     return results
+
+
+def _ratio(table: dict, key, numerator: str, denominator: str) -> float | None:
+    row = table.get(key, {})
+    if numerator in row and denominator in row:
+        return row[numerator] / row[denominator]
+    return None
+
+
+def _slope(points: list[tuple[float, float]]) -> float | None:
+    """Least-squares slope of log(y) against log(x)."""
+    points = [(math.log(x), math.log(y)) for x, y in points if x > 0 and y > 0]
+    if len(points) < 2:
+        return None
+    mean_x = sum(p[0] for p in points) / len(points)
+    mean_y = sum(p[1] for p in points) / len(points)
+    num = sum((px - mean_x) * (py - mean_y) for px, py in points)
+    den = sum((px - mean_x) ** 2 for px, _ in points)
+    return num / den
+
+
+def _summary(results: dict) -> dict:
+    """The issue's targets as measured ratios and log-log slopes; ``None`` where not measured."""
+    times, memory = results["times_ms"], results["peak_mb"]
+    summary = {f"kep/softmax@{n}": _ratio(times, n, "kep_svgp", "softmax") for n in (256, 1024, 4096) if n in times}
+    summary["sgpa/kep@1024"] = _ratio(times, 1024, "sgpa", "kep_svgp")
+    summary["marginal/joint@1024"] = _ratio(times, 1024, "kep_svgp_marginal", "kep_svgp")
+    for variant in ("kep_svgp", "softmax"):
+        summary[f"time slope in N ({variant}, N>=256)"] = _slope(
+            [(n, row[variant]) for n, row in times.items() if n >= 256 and variant in row]
+        )
+        summary[f"memory slope in N ({variant})"] = _slope(
+            [(n, row[variant]) for n, row in memory.items() if variant in row]
+        )
+    summary["KL time slope in s (kep_svgp)"] = _slope(
+        [(s, row["kep_svgp"]) for s, row in results["kl_times_ms"].items() if "kep_svgp" in row]
+    )
+    return summary
+
+
+def plot(results: dict, path: Path) -> None:
+    """Log-log figure: time against N, peak memory against N (when measured), time against the rank."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels = [("times_ms", "sequence length N", "forward+backward time (ms)", "time per training step")]
+    if results["peak_mb"]:
+        panels.append(("peak_mb", "sequence length N", "peak memory (MiB)", "peak memory of a step"))
+    if results["rank_times_ms"]:
+        length = results["config"]["rank_length"]
+        panels.append(("rank_times_ms", "rank s", "forward+backward time (ms)", f"time against the rank (N={length})"))
+    figure, axes = plt.subplots(1, len(panels), figsize=(5.2 * len(panels), 4.2), squeeze=False)
+    for axis, (key, xlabel, ylabel, title) in zip(axes[0], panels, strict=True):
+        table = results[key]
+        variants = sorted({v for row in table.values() for v in row}, key=list(VARIANTS).index)
+        for variant in variants:
+            points = sorted((int(x), row[variant]) for x, row in table.items() if variant in row)
+            axis.plot(*zip(*points, strict=True), marker="o", label=variant)
+        axis.set_xscale("log", base=2)
+        axis.set_yscale("log")
+        axis.set(xlabel=xlabel, ylabel=ylabel, title=title)
+        axis.grid(True, which="both", alpha=0.3)
+    axes[0][0].legend(fontsize=8)
+    config = results["config"]
+    figure.suptitle(
+        f"B={config['batch']}, C={config['embed_dim']}, H={config['num_heads']}, s={config['rank']}, "
+        f"{config['threads']} threads, {config['device']}"
+    )
+    figure.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--lengths", type=int, nargs="+", default=[64, 256, 1024], help="sequence lengths N")
+    parser.add_argument(
+        "--lengths", type=int, nargs="+", default=[64, 128, 256, 512, 1024, 2048, 4096], help="sequence lengths N"
+    )
+    parser.add_argument("--ranks", type=int, nargs="*", default=[5, 10, 20, 50], help="ranks s of the rank sweep")
+    parser.add_argument("--rank-length", type=int, default=256, help="N of the rank sweep (default %(default)s)")
     parser.add_argument("--attentions", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
     parser.add_argument("--batch", type=int, default=16, help="batch size B (default %(default)s)")
     parser.add_argument("--embed-dim", type=int, default=128, help="token width C (default %(default)s)")
@@ -135,14 +258,18 @@ def main() -> None:
     parser.add_argument("--max-sgpa-length", type=int, default=1024, help="skip SGPA above this N (O(N^2) memory)")
     parser.add_argument("--max-exact-length", type=int, default=1024, help="skip exact-feature KEP above this N")
     parser.add_argument("--memory", action="store_true", help="also measure peak memory (slower)")
+    parser.add_argument("--compile", action="store_true", help="wrap the gpattn layers in torch.compile")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default="benchmarks/results/attention_scaling.json")
     args = parser.parse_args()
     results = run(args)
+    for key, value in results["summary"].items():
+        print(f"{key}: " + ("not measured" if value is None else f"{value:.3f}"))
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(results, indent=2))
-    print(f"wrote {out}")
+    plot(results, out.with_suffix(".png"))
+    print(f"wrote {out} and {out.with_suffix('.png')}")
 
 
 if __name__ == "__main__":

@@ -9,6 +9,8 @@ import torch
 from gpytorch.module import Module
 from torch import Tensor
 
+from .._validation import check_float, check_int, check_tensor
+
 
 @dataclass(frozen=True)
 class AttentionInputs:
@@ -51,15 +53,18 @@ class AttentionLayer(Module):
     supports_cross_attention: bool = True
     supports_causal: bool = True
 
+    # torch's call (forward hooks, forward pre-hooks) rather than gpytorch.Module's, which bypasses the hooks:
+    # attention layers return plain tensors, and users capture their inputs with register_forward_pre_hook
+    __call__ = torch.nn.Module.__call__
+
     def __init__(self, embed_dim: int, num_heads: int, dropout: float = 0.0):
         super().__init__()
-        for name, value in (("embed_dim", embed_dim), ("num_heads", num_heads)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"expected a positive integer {name}, got {value!r}")
+        where = type(self).__name__
+        check_int("embed_dim", embed_dim, where=where)
+        check_int("num_heads", num_heads, where=where)
         if embed_dim % num_heads:
-            raise ValueError(f"embed_dim ({embed_dim}) must be divisible by num_heads ({num_heads})")
-        if not 0.0 <= dropout < 1.0:
-            raise ValueError(f"expected dropout in [0, 1), got {dropout}")
+            raise ValueError(f"{where}: embed_dim ({embed_dim}) must be divisible by num_heads ({num_heads})")
+        check_float("dropout", dropout, 0.0, 1.0, strict_maximum=True, where=where)
         self.embed_dim = embed_dim
         self.num_heads = num_heads
         self.head_dim = embed_dim // num_heads
@@ -69,51 +74,69 @@ class AttentionLayer(Module):
 
     # -- inputs ------------------------------------------------------------------------------------------------------
     def _check_tokens(self, tokens: Tensor, name: str) -> None:
-        if not isinstance(tokens, Tensor):
-            raise TypeError(f"expected {name} to be a torch.Tensor, got {type(tokens).__name__}")
-        if not tokens.is_floating_point():
-            raise TypeError(f"expected {name} to be a floating-point tensor, got {tokens.dtype}")
-        if tokens.dim() != 3 or tokens.shape[-1] != self.embed_dim:
-            raise ValueError(f"expected {name} of shape (B, N, {self.embed_dim}), got {tuple(tokens.shape)}")
-        if tokens.shape[0] == 0 or tokens.shape[1] == 0:
-            raise ValueError(f"expected a non-empty batch of non-empty sequences for {name}, got {tuple(tokens.shape)}")
-        if not torch.isfinite(tokens).all():
-            raise ValueError(f"{name} contains NaN or Inf")
+        # O(1) checks plus one elementwise pass (finiteness) per input tensor. The device must be the parameters' and
+        # the dtype that of the layer's own first parameter, which it applies to the tokens (a layer with no
+        # parameter besides out_proj, e.g. a test double returning its input, takes any floating dtype)
+        reference, own = self.out_proj.weight, False
+        for parameter_name, parameter in self.named_parameters():
+            if not parameter_name.startswith("out_proj."):
+                reference, own = parameter, True
+                break
+        check_tensor(
+            name,
+            tokens,
+            ("B", "N", self.embed_dim),
+            floating=True,
+            non_empty=True,
+            like=reference,
+            match_dtype=own,
+            finite=True,
+            meaning="(batch, tokens, embed_dim)",
+            where=type(self).__name__,
+        )
 
     def _prepare(self, x: Tensor, mask: Tensor | str | None, context: Tensor | None) -> AttentionInputs:
+        """Check the inputs of ``forward`` / ``posterior`` (the one entry point of every layer) before anything is
+        computed: a bad input raises ``TypeError`` or ``ValueError`` and leaves the layer untouched."""
+        where = type(self).__name__
         self._check_tokens(x, "x")
         keys = x
         if context is not None:
             if not self.supports_cross_attention:
-                raise ValueError(f"{type(self).__name__} does not support cross-attention (context=...)")
+                raise ValueError(f"{where} does not support cross-attention (context=...)")
             self._check_tokens(context, "context")
-            if context.shape[0] != x.shape[0] or context.dtype != x.dtype or context.device != x.device:
+            if context.shape[0] != x.shape[0]:
                 raise ValueError(
-                    f"context must match x in batch size, dtype and device: got {tuple(context.shape)} "
-                    f"{context.dtype} {context.device} for x {tuple(x.shape)} {x.dtype} {x.device}"
+                    f"{where}: context must match x in batch size, got context {tuple(context.shape)} for x "
+                    f"{tuple(x.shape)}"
                 )
             keys = context
         causal, key_mask = False, None
         if isinstance(mask, str):
             if mask != "causal":
-                raise ValueError(f"expected mask to be None, a boolean tensor or 'causal', got {mask!r}")
+                raise ValueError(f"{where}: expected mask to be None, a boolean tensor or 'causal', got {mask!r}")
             if not self.supports_causal:
-                raise ValueError(f"{type(self).__name__} does not support causal masks")
+                raise ValueError(f"{where} does not support causal masks")
             if context is not None:
-                raise ValueError("a causal mask needs self-attention (context=None)")
-            causal = True
+                raise ValueError(f"{where}: a causal mask needs self-attention (context=None)")
+            causal = True  # query i always sees key i: no row of the mask is empty
         elif mask is not None:
             if not isinstance(mask, Tensor) or mask.dtype != torch.bool:
                 got = mask.dtype if isinstance(mask, Tensor) else type(mask).__name__
-                raise TypeError(f"expected a boolean padding mask (True = real token), got {got}")
+                raise TypeError(f"{where}: expected a boolean padding mask (True = real token), got {got}")
             expected = (keys.shape[0], keys.shape[1])
             if tuple(mask.shape) != expected:
-                raise ValueError(f"expected a padding mask of shape {expected}, got {tuple(mask.shape)}")
+                raise ValueError(
+                    f"{where}: expected a padding mask of shape {expected} = (batch, keys), got {tuple(mask.shape)}"
+                )
             if mask.device != keys.device:
-                raise ValueError(f"mask is on {mask.device} but the tokens are on {keys.device}")
+                raise ValueError(f"{where}: mask is on {mask.device} but the tokens are on {keys.device}")
             empty = ~mask.any(dim=-1)
             if empty.any():
-                raise ValueError(f"the mask hides every token of sequence(s) {empty.nonzero().flatten().tolist()}")
+                raise ValueError(
+                    f"{where}: the mask hides every token of sequence(s) {empty.nonzero().flatten().tolist()}: "
+                    "every sequence needs at least one real token"
+                )
             key_mask = mask
         return AttentionInputs(x, keys, key_mask, causal, context is not None)
 
@@ -128,6 +151,26 @@ class AttentionLayer(Module):
         """``(B, H, N, d)`` -> ``(B, N, H d)``."""
         batch, heads, length, width = tokens.shape
         return tokens.transpose(1, 2).reshape(batch, length, heads * width)
+
+    def head_projection(self) -> Tensor:
+        """The head blocks :math:`P_h^\\top` of ``out_proj`` (``y = b + sum_h o_h P_h^T``), shape ``(H, C / H, C)``."""
+        return self.out_proj.weight.mT.reshape(self.num_heads, self.head_dim, self.embed_dim)
+
+    @staticmethod
+    def accumulate_heads(output: Tensor, head_values: Tensor, coefficients: Tensor) -> Tensor:
+        r"""``output + sum_{h, k} head_values[b, h, n, k] coefficients[b, h, k, :]`` as one GEMM of inner dimension
+        :math:`H k` per sequence: layers whose head outputs are linear in small per-head tensors fold their output
+        maps and ``out_proj`` into ``coefficients`` and never form the ``(B, H, N, C / H)`` head outputs.
+
+        :param output: ``(B, N, C)`` (or broadcastable to it, e.g. the bias).
+        :param head_values: ``(B, H, N, k)``; no copy when it is a transposed view of a contiguous ``(B, H, k, N)``.
+        :param coefficients: ``(H, k, C)`` or ``(B, H, k, C)``.
+        :return: ``(B, N, C)``.
+        """
+        batch, heads, length, width = head_values.shape
+        flat = head_values.permute(0, 2, 1, 3).reshape(batch, length, heads * width)
+        coefficients = coefficients.expand(batch, *coefficients.shape[-3:]).reshape(batch, heads * width, -1)
+        return torch.baddbmm(output.expand(batch, length, coefficients.shape[-1]), flat, coefficients)
 
     def project_out(self, heads: Tensor) -> Tensor:
         """Concatenate heads ``(B, H, N, C / H)`` and apply the output projection and dropout: ``(B, N, C)``."""
@@ -166,7 +209,7 @@ class AttentionLayer(Module):
         return mean, torch.zeros_like(mean)
 
     def predictive_mean(self, x: Tensor, mask: Tensor | str | None = None, context: Tensor | None = None) -> Tensor:
-        """The output with sampling switched off (and dropout as the current mode has it)."""
+        """The output with sampling switched off (and dropout as the current mode has it), shape ``(B, N, C)``."""
         previous_training, previous_sample = self.training, self.sample_in_eval
         self.sample_in_eval = False
         try:
@@ -178,6 +221,14 @@ class AttentionLayer(Module):
             self.sample_in_eval = previous_sample
 
     def forward(self, x: Tensor, mask: Tensor | str | None = None, context: Tensor | None = None) -> Tensor:
+        """Attend: a reparameterised sample of the output (stochastic layers in training, or inside
+        :func:`sample_attention`) or its predictive mean (eval mode, deterministic layers).
+
+        :param x: Query tokens, shape ``(B, N, C)``.
+        :param mask: ``None``, a boolean padding mask of shape ``(B, M)`` (``True`` = real token) or ``"causal"``.
+        :param context: Key tokens of shape ``(B, M, C)`` for cross-attention, or ``None`` (self-attention).
+        :return: shape ``(B, N, C)``.
+        """
         raise NotImplementedError
 
 
@@ -185,6 +236,8 @@ class AttentionLayer(Module):
 def sample_attention(module: torch.nn.Module, enabled: bool = True):
     """Within the block, every stochastic :class:`AttentionLayer` in ``module`` returns samples in eval mode too
     (Monte Carlo prediction); restores the previous setting afterwards."""
+    if not isinstance(module, torch.nn.Module):
+        raise TypeError(f"sample_attention: expected a torch.nn.Module, got {type(module).__name__}")
     layers = [layer for layer in module.modules() if isinstance(layer, AttentionLayer)]
     previous = [layer.sample_in_eval for layer in layers]
     for layer in layers:

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 from gpytorch.variational import CholeskyVariationalDistribution
 from torch import Tensor
 
-from ..features.attention_kernel_eigen_features import AttentionKernelEigenFeatures, AttentionScores
+from .._validation import check_int
+from ..features.attention_kernel_eigen_features import DEFAULT_RANK, AttentionKernelEigenFeatures, AttentionScores
 from ..mlls import KSVDAddedLossTerm
 from ..variational._structured import diagonal_prior_kl
 from ._base import AttentionLayer
@@ -49,7 +52,7 @@ class KEPSVGPAttention(AttentionLayer):
 
     :param embed_dim: Token width :math:`C`.
     :param num_heads: :math:`H`.
-    :param rank: :math:`s`.
+    :param rank: :math:`s` (default :math:`\min(10, p)`, :math:`p` the feature dimension).
     :param features: ``"amortized"``, ``"primal_tokens"`` or ``"exact"``.
     :param merge: ``"sum"``, ``"concat"`` or ``"concat_tokens"``.
     :param shared_posterior: One :math:`q(u)` for both branches.
@@ -60,6 +63,8 @@ class KEPSVGPAttention(AttentionLayer):
     :param max_len: Sequence length for ``features="primal_tokens"`` and ``merge="concat_tokens"``.
     :param dropout: Output dropout.
     :param num_outputs: GP outputs per head ``d_out`` (default: the head width).
+    :param feature_dim: Kernel feature dimension :math:`p` (default: the head width); the cosine kernel has rank
+        :math:`\le p`, so ``rank <= feature_dim``.
 
     .. note:: Cost per head (amortised features, joint sampling): O(N C s + N p s) for the scores, O(N s d_out)
         for the output, O(s) for the prior terms of the KL, O(s^2 d_out) for its variational terms; no
@@ -72,7 +77,7 @@ class KEPSVGPAttention(AttentionLayer):
         self,
         embed_dim: int,
         num_heads: int,
-        rank: int = 10,
+        rank: int | None = None,
         features: str = "amortized",
         merge: str = "sum",
         shared_posterior: bool = False,
@@ -83,8 +88,11 @@ class KEPSVGPAttention(AttentionLayer):
         max_len: int | None = None,
         dropout: float = 0.0,
         num_outputs: int | None = None,
+        feature_dim: int | None = None,
     ):
         super().__init__(embed_dim, num_heads, dropout)
+        if rank is None:  # the cosine kernel has rank <= p: the default fits every (embed_dim, num_heads)
+            rank = min(DEFAULT_RANK, self.head_dim if feature_dim is None else feature_dim)
         for name, value, allowed in (("merge", merge, MERGES), ("sampling", sampling, SAMPLINGS)):
             if value not in allowed:
                 raise ValueError(f"expected {name} in {allowed}, got {value!r}")
@@ -94,8 +102,17 @@ class KEPSVGPAttention(AttentionLayer):
             raise ValueError("tie_qk=True uses one branch: merge must be 'sum' and shared_posterior False")
         if merge == "concat_tokens" and (isinstance(max_len, bool) or not isinstance(max_len, int) or max_len < 1):
             raise ValueError(f"merge='concat_tokens' needs an integer max_len, got {max_len!r}")
+        if num_outputs is not None:
+            check_int("num_outputs", num_outputs, where=type(self).__name__)
         self.features = AttentionKernelEigenFeatures(
-            embed_dim, num_heads, rank, mode=features, kernel=kernel, tie_qk=tie_qk, max_len=max_len
+            embed_dim,
+            num_heads,
+            rank,
+            mode=features,
+            kernel=kernel,
+            feature_dim=feature_dim,
+            tie_qk=tie_qk,
+            max_len=max_len,
         )
         self.rank, self.merge, self.sampling_mode, self.residual = rank, merge, sampling, residual
         self.shared_posterior, self.tie_qk, self.max_len = bool(shared_posterior), bool(tie_qk), max_len
@@ -140,65 +157,88 @@ class KEPSVGPAttention(AttentionLayer):
         return self.left_posterior, self.left_posterior if self.shared_posterior else self.right_posterior
 
     # -- the pieces ----------------------------------------------------------------------------------------------------
-    def _interps(self, scores: AttentionScores, is_cross: bool) -> list[tuple[Tensor, Tensor | None]]:
-        """``[(e Lambda^{-1}, residual)]`` per branch used at the queries, each ``(B, H, N, s)`` / ``(B, H, N)``."""
-        inverse = scores.singular_values.reciprocal().unsqueeze(-2)
-        if inverse.dim() == 3:  # learned Lambda (H, 1, s): broadcast over the batch
-            inverse = inverse.unsqueeze(0)
+    def _branch_scores(self, scores: AttentionScores, is_cross: bool) -> list[tuple[Tensor, Tensor | None]]:
+        """``[(scores, residual)]`` per branch used at the queries: :math:`e` (and :math:`r`), each ``(B, H, N, s)``,
+        with the residual variance ``(B, H, N)`` or ``None``."""
         sides = ["left"] if (self.tie_qk or is_cross) else ["left", "right"]
-        parts = []
-        for side in sides:
-            branch_scores = scores.left if side == "left" else scores.right
-            residual = scores.residual_diag(side) if self.residual == "diag" else None
-            parts.append((branch_scores * inverse, residual))
-        return parts
+        return [
+            (
+                scores.left if side == "left" else scores.right,
+                scores.residual_diag(side) if self.residual == "diag" else None,
+            )
+            for side in sides
+        ]
 
-    def _branch_outputs(self, interps: list[tuple[Tensor, Tensor | None]], sample: bool) -> list[Tensor]:
-        """F per branch, each ``(B, H, N, d_out)``: the predictive mean, or a sample.
+    def _output_maps(self, branches: int) -> list[Tensor]:
+        r"""The linear maps from a branch's GP outputs to the layer output, each ``(H, d_out, C)``:
+        :math:`C^b_h = W^b_h P_h^\top` with the branch's rows :math:`W^b_h` of the per-head output map and the head
+        block :math:`P_h` of ``out_proj`` (so ``y = b + sum_{b, h} F^b_h C^b_h``)."""
+        projection = self.head_projection()  # (H, hd, C)
+        width = self.num_outputs
+        maps = []
+        for index in range(branches):
+            rows = slice(index * width, (index + 1) * width) if self.merge == "concat" else slice(0, width)
+            maps.append(self.output_weight[:, rows] @ projection)
+        return maps
 
-        A sample draws :math:`u = m + L \\varepsilon`: once per sequence (``"joint"``) or once per token
-        (``"marginal"``, exact per-token marginals and no correlation across tokens); branches with a shared
-        posterior share :math:`\\varepsilon`.
+    def _mix_tokens(self, tensor: Tensor, index: int) -> Tensor:
+        """``merge="concat_tokens"``: branch ``index``'s block of :math:`W_{tok} [F_e; F_r]` applied to a
+        ``(B, H, N, k)`` tensor; the identity for the other merges."""
+        if self.merge != "concat_tokens":
+            return tensor
+        if tensor.shape[-2] != self.max_len:
+            raise ValueError(f"merge='concat_tokens' needs sequences of length {self.max_len}, got {tensor.shape[-2]}")
+        return self.token_weight[..., index * self.max_len : (index + 1) * self.max_len] @ tensor
+
+    def _output(self, scores: AttentionScores, is_cross: bool, sample: bool) -> Tensor:
+        r"""The layer output before dropout, ``(B, N, C)``: the predictive mean, or a sample.
+
+        The output is linear in the GP outputs, :math:`y = b + \sum_{b, h} F^b_h C^b_h` (:meth:`_output_maps`), and
+        :math:`F^b_h = e^b_h \Lambda_h^{-1} u^b_h{}^\top` with :math:`u = m` (mean) or :math:`u = m + L
+        \varepsilon` (``"joint"``: one draw per sequence, output dimension and branch; branches with a shared
+        posterior share :math:`\varepsilon`). So the small ``(H, s, C)`` coefficients
+        :math:`\Lambda^{-1} u^\top C` are formed first and each branch costs one GEMM of inner dimension
+        :math:`H s`: no ``(B, H, N, d_out)`` tensor. ``"marginal"`` sampling (independent :math:`u` per token,
+        exact per-token marginals, no correlation across tokens) and the residual noise add per-token GP-output
+        noise ``(B, H, N, d_out)``, mapped by :math:`C` too.
         """
-        posteriors = self._branch_posteriors()
+        branches = self._branch_scores(scores, is_cross)
+        maps = self._output_maps(len(branches))
+        inverse = scores.singular_values.reciprocal()  # (H, s), or (B, H, s) in exact mode
+        batch, length = scores.left.shape[0], scores.left.shape[-2]
+        output = self.out_proj.bias
         noise = None
-        outputs = []
-        for (interp, residual), posterior in zip(interps, posteriors, strict=False):  # interps may be shorter
+        for index, ((branch_scores, residual), posterior, output_map) in enumerate(
+            zip(branches, self._branch_posteriors(), maps, strict=False)  # one branch: tie_qk or cross-attention
+        ):
             distribution = posterior()
-            mean = distribution.mean  # shape: (H, d_out, s)
-            output = interp @ mean.mT.unsqueeze(0)  # e Lambda^{-1} m: (B, H, N, d_out)
+            draw = distribution.mean  # shape: (H, d_out, s)
+            extra = None  # per-token GP-output noise: (B, H, N, d_out)
             if sample:
                 root = distribution.lazy_covariance_matrix.root_decomposition().root.to_dense()  # (H, d_out, s, s)
                 if noise is None or not self.shared_posterior:
-                    tokens = (interp.shape[-2],) if self.sampling_mode == "marginal" else ()
-                    shape = (interp.shape[0], self.num_heads, *tokens, *mean.shape[-2:])
-                    noise = torch.randn(shape, dtype=mean.dtype, device=mean.device)
+                    tokens = (length,) if self.sampling_mode == "marginal" else ()
+                    shape = (batch, self.num_heads, *tokens, *draw.shape[-2:])
+                    noise = torch.randn(shape, dtype=draw.dtype, device=draw.device)
                 if self.sampling_mode == "joint":
-                    draw = (root.unsqueeze(0) @ noise.unsqueeze(-1)).squeeze(-1)  # L eps: (B, H, d_out, s)
-                    output = output + interp @ draw.mT
+                    draw = draw + (root @ noise.unsqueeze(-1)).squeeze(-1)  # u = m + L eps: (B, H, d_out, s)
                 else:  # one draw of u per token: O(N s^2 d_out)
-                    draw = torch.einsum("hcst,bhnct->bhncs", root, noise)  # (B, H, N, d_out, s)
-                    output = output + (interp.unsqueeze(-2) * draw).sum(-1)
+                    per_token = torch.einsum("hcst,bhnct->bhncs", root, noise)  # (B, H, N, d_out, s)
+                    interp = branch_scores * inverse.unsqueeze(-2)  # e Lambda^{-1}: (B, H, N, s)
+                    extra = (interp.unsqueeze(-2) * per_token).sum(-1)
                 if residual is not None:
-                    output = output + residual.sqrt().unsqueeze(-1) * torch.randn_like(output)
-            outputs.append(output)
-        return outputs
-
-    def _merge(self, outputs: list[Tensor]) -> Tensor:
-        # merged per-head features (B, H, N, width) -> head outputs (B, H, N, head_dim)
-        if len(outputs) == 1:  # one branch (tie_qk, or cross-attention): the left rows of the output map
-            return outputs[0] @ self.output_weight[:, : self.num_outputs].unsqueeze(0)
-        if self.merge == "sum":
-            merged = sum(outputs)
-        elif self.merge == "concat":
-            merged = torch.cat(outputs, dim=-1)
-        else:
-            if outputs[0].shape[-2] != self.max_len:
-                raise ValueError(
-                    f"merge='concat_tokens' needs sequences of length {self.max_len}, got {outputs[0].shape[-2]}"
-                )
-            merged = self.token_weight.unsqueeze(0) @ torch.cat(outputs, dim=-2)
-        return merged @ self.output_weight.unsqueeze(0)
+                    # sqrt of the residual floored at eps: d sqrt(r) / dr stays finite where the residual is ~ 0
+                    standard_deviation = residual.clamp_min(torch.finfo(residual.dtype).eps).sqrt()
+                    residual_noise = standard_deviation.unsqueeze(-1) * torch.randn(
+                        (batch, self.num_heads, length, self.num_outputs), dtype=draw.dtype, device=draw.device
+                    )
+                    extra = residual_noise if extra is None else extra + residual_noise
+            # Lambda^{-1} u^T C: (H, s, C) or (B, H, s, C)
+            coefficients = inverse.unsqueeze(-1) * (draw.mT @ output_map)
+            output = self.accumulate_heads(output, self._mix_tokens(branch_scores, index), coefficients)
+            if extra is not None:
+                output = output + torch.einsum("bhnd,hdc->bnc", self._mix_tokens(extra, index), output_map)
+        return output
 
     def _scores(self, x: Tensor, mask, context) -> tuple[AttentionScores, bool]:
         inputs = self._prepare(x, mask, context)
@@ -212,6 +252,13 @@ class KEPSVGPAttention(AttentionLayer):
             objective=self.training,
             kernel_diag=self.residual == "diag",
         )
+        if self.features.mode == "exact":
+            # a sequence whose kernel has rank < s has Lambda_k = 0: floor the per-sequence Lambda at
+            # sqrt(eps) Lambda_1 so that e Lambda^{-1} (= H_e Lambda / Lambda) and the prior N(0, Lambda^2) of the KL
+            # stay finite; the floored directions carry scores ~ 0 and contribute nothing to the output
+            values = scores.singular_values
+            floor = (values[..., :1] * torch.finfo(values.dtype).eps ** 0.5).clamp_min(torch.finfo(values.dtype).tiny)
+            scores = dataclasses.replace(scores, singular_values=torch.maximum(values, floor))
         self._last_singular_values = scores.singular_values
         if self.training:
             self.update_added_loss_term("ksvd_loss", KSVDAddedLossTerm(scores.objective, 1.0, num_averaged_dims=1))
@@ -219,8 +266,7 @@ class KEPSVGPAttention(AttentionLayer):
 
     def forward(self, x: Tensor, mask: Tensor | str | None = None, context: Tensor | None = None) -> Tensor:
         scores, is_cross = self._scores(x, mask, context)
-        outputs = self._branch_outputs(self._interps(scores, is_cross), sample=self.sampling)
-        return self.project_out(self._merge(outputs))
+        return self.dropout(self._output(scores, is_cross, sample=self.sampling))
 
     # -- probabilistic interface -----------------------------------------------------------------------------------
     def kl_divergence(self) -> Tensor:
@@ -255,31 +301,27 @@ class KEPSVGPAttention(AttentionLayer):
         self.train(False)
         try:
             scores, is_cross = self._scores(x, mask, context)
-            interps = self._interps(scores, is_cross)
-            mean = self.out_proj(self.merge_heads(self._merge(self._branch_outputs(interps, sample=False))))
-            variance = self._output_variance(interps)
+            mean = self._output(scores, is_cross, sample=False)
+            variance = self._output_variance(scores, is_cross)
         finally:
             self.train(previous)
         return mean, variance
 
-    def _output_variance(self, interps: list[tuple[Tensor, Tensor | None]]) -> Tensor:
-        projection = self.out_proj.weight.view(self.embed_dim, self.num_heads, self.head_dim)  # P_{j,(h,k)}
-        width = self.num_outputs
-        # combined weights C^b_{h,c,j} = sum_k W^b_{h,c,k} P_{j,h,k}; shape (branches, H, d_out, C)
-        weights = []
-        for index in range(len(interps)):
-            rows = slice(index * width, (index + 1) * width) if self.merge == "concat" else slice(0, width)
-            weights.append(torch.einsum("hck,jhk->hcj", self.output_weight[:, rows], projection))
+    def _output_variance(self, scores: AttentionScores, is_cross: bool) -> Tensor:
+        branches = self._branch_scores(scores, is_cross)
+        weights = self._output_maps(len(branches))  # C^b_{h,c,j}: (H, d_out, C) per branch
+        inverse = scores.singular_values.reciprocal().unsqueeze(-2)
         roots = []
-        for (interp, _), posterior in zip(interps, self._branch_posteriors(), strict=False):
+        for (branch_scores, _), posterior in zip(branches, self._branch_posteriors(), strict=False):
             root = posterior().lazy_covariance_matrix.root_decomposition().root.to_dense()  # (H, d_out, s, s)
-            roots.append(torch.einsum("bhns,hcst->bhnct", interp, root))  # e Lambda^{-1} L_c: (B, H, N, d_out, s)
+            # e Lambda^{-1} L_c: (B, H, N, d_out, s)
+            roots.append(torch.einsum("bhns,hcst->bhnct", branch_scores * inverse, root))
         variance = 0.0
         pairs = [(a, b) for a in range(len(roots)) for b in range(len(roots)) if a == b or self.shared_posterior]
         for a, b in pairs:
             inner = (roots[a] * roots[b]).sum(-1)  # (B, H, N, d_out)
             variance = variance + torch.einsum("bhnc,hcj,hcj->bnj", inner, weights[a], weights[b])
-        for (_, residual), weight in zip(interps, weights, strict=True):
+        for (_, residual), weight in zip(branches, weights, strict=True):
             if residual is not None:
                 variance = variance + torch.einsum("bhn,hcj->bnj", residual, weight.pow(2))
         return variance

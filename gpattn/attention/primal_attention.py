@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ..features.attention_kernel_eigen_features import AttentionKernelEigenFeatures
+from ..features.attention_kernel_eigen_features import DEFAULT_RANK, AttentionKernelEigenFeatures
 from ..mlls import KSVDAddedLossTerm
 from ._base import AttentionLayer
 
@@ -24,10 +24,11 @@ class PrimalAttention(AttentionLayer):
 
     :param embed_dim: Token width :math:`C`.
     :param num_heads: :math:`H`.
-    :param rank: :math:`s`.
+    :param rank: :math:`s` (default :math:`\min(10, p)`, :math:`p` the feature dimension).
     :param features: ``"amortized"`` or ``"primal_tokens"``.
     :param max_len: Sequence length of ``"primal_tokens"``.
     :param dropout: Output dropout.
+    :param feature_dim: Kernel feature dimension :math:`p` (default: the head width); ``rank <= feature_dim``.
 
     .. note:: Cost per head O(N C s + N p s): no :math:`N \times N` matrix.
     """
@@ -36,15 +37,20 @@ class PrimalAttention(AttentionLayer):
         self,
         embed_dim: int,
         num_heads: int,
-        rank: int = 10,
+        rank: int | None = None,
         features: str = "amortized",
         max_len: int | None = None,
         dropout: float = 0.0,
+        feature_dim: int | None = None,
     ):
         super().__init__(embed_dim, num_heads, dropout)
+        if rank is None:  # the cosine kernel has rank <= p: the default fits every (embed_dim, num_heads)
+            rank = min(DEFAULT_RANK, self.head_dim if feature_dim is None else feature_dim)
         if features not in ("amortized", "primal_tokens"):
             raise ValueError(f"expected features 'amortized' or 'primal_tokens', got {features!r}")
-        self.features = AttentionKernelEigenFeatures(embed_dim, num_heads, rank, mode=features, max_len=max_len)
+        self.features = AttentionKernelEigenFeatures(
+            embed_dim, num_heads, rank, mode=features, feature_dim=feature_dim, max_len=max_len
+        )
         self.rank = rank
         bound = (2 * rank) ** -0.5
         # per-head map [e; r] (2s) -> head width; shape (H, 2s, head_dim)
@@ -58,6 +64,9 @@ class PrimalAttention(AttentionLayer):
         )
         if self.training:
             self.update_added_loss_term("ksvd_loss", KSVDAddedLossTerm(scores.objective, 1.0, num_averaged_dims=1))
-        right = torch.zeros_like(scores.left) if inputs.is_cross else scores.right
-        projections = torch.cat([scores.left, right], dim=-1)  # shape: (B, H, N, 2s)
-        return self.project_out(projections @ self.output_weight.unsqueeze(0))
+        # y = b + sum_h [e_h, r_h] W_h P_h^T: the per-head map and out_proj folded into (H, 2s, C) coefficients
+        coefficients = self.output_weight @ self.head_projection()
+        output = self.accumulate_heads(self.out_proj.bias, scores.left, coefficients[:, : self.rank])
+        if not inputs.is_cross:  # r lives on the keys: cross-attention uses e alone
+            output = self.accumulate_heads(output, scores.right, coefficients[:, self.rank :])
+        return self.dropout(output)

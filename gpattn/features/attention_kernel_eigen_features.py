@@ -9,10 +9,13 @@ from gpytorch.constraints import Positive
 from gpytorch.module import Module
 from torch import Tensor
 
+from .._validation import check_int
 from ..kernels import CosineFeatureKernel, ExponentialDotProductKernel
 from ..ksvd import kernel_svd, ksvd_objective
 
 MODES = ("amortized", "primal_tokens", "exact")
+#: the attention layers' rank when none is given: min(DEFAULT_RANK, p)
+DEFAULT_RANK = 10
 KERNELS = ("cosine", "exponential")
 
 
@@ -39,47 +42,42 @@ class AttentionScores:
     right_kernel_diag: Tensor | None
 
     def residual_diag(self, side: str) -> Tensor:
-        """:math:`k(x, x) - \\|e(x)\\|^2` (``"left"``) or with :math:`r` (``"right"``), clamped at zero."""
+        """The residual variance :math:`k_e(x, x) - \\|e(x)\\|^2` (``"left"``, shape ``(B, H, N)``) or
+        :math:`k_r(z, z) - \\|r(z)\\|^2` (``"right"``, shape ``(B, H, M)``), clamped at zero."""
         scores, diag = (self.left, self.left_kernel_diag) if side == "left" else (self.right, self.right_kernel_diag)
         if diag is None:
             raise RuntimeError("the kernel diagonals were not computed: call scores(..., kernel_diag=True)")
         return (diag - scores.pow(2).sum(-1)).clamp_min(0.0)
 
 
-def _masked_mean_outer(features: Tensor, values: Tensor, mask: Tensor | None, causal: bool) -> Tensor:
-    r""":math:`\frac{1}{|V|}\sum_{j \in V} \phi_j a_j^\top` over the visible tokens :math:`V`: all real tokens,
-    or the prefix :math:`j \leq i` (one matrix per position) when causal.
+def _prefix_mean_outer(features: Tensor, values: Tensor) -> Tensor:
+    r""":math:`\frac1i \sum_{j \leq i} \phi_j a_j^\top` for every position :math:`i` (causal, linear-attention style).
 
     :param features: :math:`\phi`, shape ``(B, H, M, p)``. :param values: :math:`a`, shape ``(B, H, M, s)``.
-    :param mask: ``(B, M)`` bool or ``None``.
-    :return: ``(B, H, p, s)``, or ``(B, H, M, p, s)`` when causal.
+    :return: ``(B, H, M, p, s)``.
     """
+    outer = features.unsqueeze(-1) * values.unsqueeze(-2)  # shape: (B, H, M, p, s)
+    counts = torch.arange(1, features.shape[-2] + 1, dtype=features.dtype, device=features.device)
+    return outer.cumsum(dim=-3) / counts[:, None, None]
+
+
+def _unit_quadratic_form(
+    columns: Tensor, inverse: Tensor, other_columns: Tensor, other_inverse: Tensor, mask: Tensor | None, causal: bool
+) -> Tensor:
+    r""":math:`\sum_{j \in V} \langle \bar p_i, \bar p'_j \rangle^2` of the unit features :math:`\bar p = \nu P`
+    over the visible tokens :math:`V` of the other side (all real tokens, or :math:`j \leq i` when causal).
+
+    :param columns: :math:`P`, ``(B, H, p, N)``; :param inverse: :math:`\nu`, ``(B, H, 1, N)``; likewise the other
+        side with ``M`` tokens; :param mask: ``(B, M)`` bool or ``None``.
+    :return: ``(B, H, N)``.
+    """
+    unit, other = columns * inverse, other_columns * other_inverse
     if mask is not None:
-        weights = mask[:, None, :, None].to(features.dtype)
-        features = features * weights
-    if causal:
-        # prefix sums of outer products, divided by the prefix length (linear-attention style)
-        outer = features.unsqueeze(-1) * values.unsqueeze(-2)  # shape: (B, H, M, p, s)
-        counts = torch.arange(1, features.shape[-2] + 1, dtype=features.dtype, device=features.device)
-        return outer.cumsum(dim=-3) / counts[:, None, None]
-    count = features.shape[-2] if mask is None else mask.sum(-1).to(features.dtype)[:, None, None, None]
-    return features.mT @ values / count
-
-
-def _masked_gram(features: Tensor, mask: Tensor | None, causal: bool) -> Tensor:
-    # sum_j phi_j phi_j^T over the visible tokens; shape (B, H, p, p) or (B, H, M, p, p) when causal
-    if mask is not None:
-        features = features * mask[:, None, :, None].to(features.dtype)
-    if causal:
-        return (features.unsqueeze(-1) * features.unsqueeze(-2)).cumsum(dim=-3)
-    return features.mT @ features
-
-
-def _quadratic_form(features: Tensor, gram: Tensor) -> Tensor:
-    # phi_i^T G phi_i with one G for all i (B, H, p, p) or one per position (B, H, N, p, p); shape (B, H, N)
-    if gram.dim() == features.dim() + 1:
-        return torch.einsum("bhnp,bhnpq,bhnq->bhn", features, gram, features)
-    return ((features @ gram) * features).sum(-1)
+        other = other * mask[:, None, None, :].to(other.dtype)
+    if causal:  # one Gram matrix per prefix: (B, H, N, p, p)
+        gram = (other.mT.unsqueeze(-1) * other.mT.unsqueeze(-2)).cumsum(dim=-3)
+        return torch.einsum("bhpn,bhnpq,bhqn->bhn", unit, gram, unit)
+    return ((other @ other.mT @ unit) * unit).sum(-2)
 
 
 class AttentionKernelEigenFeatures(Module):
@@ -134,14 +132,20 @@ class AttentionKernelEigenFeatures(Module):
             raise ValueError(
                 f"the exponential kernel has no finite primal features: use features='exact', not {mode!r}"
             )
-        if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
-            raise ValueError(f"expected a positive integer rank, got {rank!r}")
+        where = type(self).__name__
+        check_int("embed_dim", embed_dim, where=where)
+        check_int("num_heads", num_heads, where=where)
+        check_int("rank", rank, where=where)
         feature_dim = embed_dim // num_heads if feature_dim is None else feature_dim
+        check_int("feature_dim", feature_dim, where=where)
         if kernel == "cosine" and rank > feature_dim:  # K = Phi_q Phi_k^T has rank <= p
             raise ValueError(f"rank ({rank}) must not exceed the feature dimension ({feature_dim}) of a cosine kernel")
         if mode == "primal_tokens":
             if isinstance(max_len, bool) or not isinstance(max_len, int) or max_len < rank:
                 raise ValueError(f"features='primal_tokens' needs an integer max_len >= rank ({rank}), got {max_len!r}")
+        elif mode == "exact" and max_len is not None and check_int("max_len", max_len, where=where) < rank:
+            # the SVD of a sequence of at most max_len tokens has at most max_len singular values
+            raise ValueError(f"{where}: rank ({rank}) exceeds the longest sequence, max_len={max_len}, of exact mode")
         self.embed_dim, self.num_heads, self.rank, self.mode = embed_dim, num_heads, rank, mode
         self.tie_qk, self.max_len = bool(tie_qk), max_len
         heads = torch.Size([num_heads])
@@ -173,16 +177,28 @@ class AttentionKernelEigenFeatures(Module):
             raise AttributeError("in exact mode the singular values belong to each sequence: see forward()")
         return self.raw_singular_values_constraint.transform(self.raw_singular_values)
 
-    def _amortized_values(self, tokens: Tensor, side: str) -> Tensor:
-        # A(tokens) per head; shape (B, H, n, s)
-        if side == "right" and not self.tie_qk:
-            weight, bias = self.right_map, self.right_bias
-        else:
-            weight, bias = self.left_map, self.left_bias
+    def _value_columns(self, tokens: Tensor, side: str) -> Tensor:
+        r"""The values :math:`a_j` of the weights :math:`W = \frac1n \sum_j \phi_j a_j^\top`, in column layout:
+        :math:`A_e(Z)^\top` / :math:`A_r(X)^\top`, shape ``(B, H, s, n)`` (amortised), or the per-position
+        :math:`\tilde W^\top`, shape ``(H, s, n)`` (``primal_tokens``)."""
+        left = side == "left" or self.tie_qk
+        if self.mode == "primal_tokens":
+            weights = self.left_token_weights if left else self.right_token_weights
+            return weights.mT
+        weight, bias = (self.left_map, self.left_bias) if left else (self.right_map, self.right_bias)
         heads, width, rank = weight.shape
-        # one GEMM (B n, C) x (C, H s) for all heads
-        flat = tokens @ weight.permute(1, 0, 2).reshape(width, heads * rank)  # shape: (B, n, H s)
-        return flat.unflatten(-1, (heads, rank)).movedim(-2, -3) + bias.unsqueeze(-2)
+        # one GEMM (H s, C) x (C, n) per sequence for all heads
+        values = weight.mT.reshape(heads * rank, width) @ tokens.mT  # shape: (B, H s, n)
+        return values.unflatten(-2, (heads, rank)) + bias.unsqueeze(-1)
+
+    def _token_weights(self, tokens: Tensor, mask: Tensor | None) -> Tensor | float:
+        # the 1/|V| of the masked means over the visible tokens V (1 for primal_tokens): a float or (B, 1, 1, n)
+        if self.mode == "primal_tokens":
+            return 1.0
+        if mask is None:
+            return 1.0 / tokens.shape[-2]
+        weights = mask.to(tokens.dtype)
+        return (weights / weights.sum(-1, keepdim=True))[:, None, None, :]
 
     def scores(
         self,
@@ -195,49 +211,69 @@ class AttentionKernelEigenFeatures(Module):
     ) -> AttentionScores:
         r"""Scores of a batch of sequences.
 
-        :param queries: ``(B, N, C)``. :param keys: ``(B, M, C)`` (the queries in self-attention).
+        :param queries: ``(B, N, C)``.
+        :param keys: ``(B, M, C)`` (the queries in self-attention).
         :param key_mask: ``(B, M)`` bool, ``True`` for real tokens (in self-attention it masks the queries too).
         :param causal: Prefix sums (self-attention, learned modes only).
         :param objective: Compute :math:`J` (O(N p s); needed in training only).
         :param kernel_diag: Compute :math:`k_e(x, x)`, :math:`k_r(z, z)` (O(N p^2), or O(N p^2) memory per
             position when causal; needed for the residual only).
-        :return: :class:`AttentionScores`.
+        :return: :class:`AttentionScores`. In the learned modes ``left`` and ``right`` are transposed views of
+            contiguous ``(B, H, s, N)`` tensors (column layout, as the features are computed).
+
+        .. note:: Learned modes, no causal mask: the features stay in the column layout of
+            :meth:`~gpattn.kernels.CosineFeatureKernel.feature_columns` and their normalisation, the output scale and
+            the padding mask are folded into the ``(s, n)`` values and the ``(p, s)`` weights, so the pass costs
+            four GEMMs of O(N C p) or O(N C s), four batched products of O(N p s) and elementwise work on ``(N, s)``
+            tensors only.
         """
         self_attention = queries is keys
         query_mask = key_mask if self_attention else None
         if self.mode == "exact":
             return self._exact(queries, keys, key_mask, query_mask, causal, kernel_diag)
-        if self.mode == "primal_tokens" and (key_mask is not None or causal or not self_attention):
-            raise ValueError("features='primal_tokens' supports plain self-attention only (no mask, no context)")
-        query_features = self.kernel.query_features(queries.unsqueeze(1))  # shape: (B, H, N, p)
-        key_features = self.kernel.key_features(keys.unsqueeze(1))  # shape: (B, H, M, p)
-        if self.mode == "amortized":
-            left_values = self._amortized_values(keys, "left")  # A_e(Z)
-            right_values = self._amortized_values(queries, "right")  # A_r(X)
-            left_weights = _masked_mean_outer(key_features, left_values, key_mask, False)  # W_{e|X}: (B, H, p, s)
-            right_weights = _masked_mean_outer(query_features, right_values, query_mask, False)
-        else:
-            length = queries.shape[-2]
-            if length != self.max_len:
+        if self.mode == "primal_tokens":
+            if key_mask is not None or causal or not self_attention:
+                raise ValueError("features='primal_tokens' supports plain self-attention only (no mask, no context)")
+            if queries.shape[-2] != self.max_len:
                 raise ValueError(
-                    f"features='primal_tokens' needs sequences of length max_len={self.max_len}, got {length}"
+                    f"features='primal_tokens' needs sequences of length max_len={self.max_len}, got "
+                    f"{queries.shape[-2]}"
                 )
-            right_tokens = self.left_token_weights if self.tie_qk else self.right_token_weights
-            left_weights = key_features.mT @ self.left_token_weights  # Phi_k^T W~_e: (B, H, p, s)
-            right_weights = query_features.mT @ right_tokens
+        kernel = self.kernel
+        query_columns, query_inverse = kernel.feature_columns(queries, "query")  # P_q (B, H, p, N), nu_q (B, H, 1, N)
+        if self_attention and self.tie_qk:
+            key_columns, key_inverse = query_columns, query_inverse
+        else:
+            key_columns, key_inverse = kernel.feature_columns(keys, "key")  # P_k (B, H, p, M), nu_k (B, H, 1, M)
+        root_scale = kernel.outputscale.sqrt()[:, None, None]  # sqrt(sigma_f): (H, 1, 1)
+        left_values = self._value_columns(keys, "left")  # A_e(Z)^T: (B, H, s, M)
+        right_values = self._value_columns(queries, "right")  # A_r(X)^T: (B, H, s, N)
+        # W_{e|X}^T = A_e^T Phi_k / |V| = sqrt(sigma) A_e^T diag(nu_k / |V|) P_k^T: (B, H, s, p); W_{r|X} likewise.
+        # (Products are arranged so that the long axis N is the columns of every output and operand: batched GEMMs
+        # with an (N, s) output are several times slower on CPU, forward and backward.)
+        left_weights = (
+            root_scale * ((left_values * key_inverse * self._token_weights(keys, key_mask)) @ key_columns.mT).mT
+        )
+        right_weights = (
+            root_scale
+            * ((right_values * query_inverse * self._token_weights(queries, query_mask)) @ query_columns.mT).mT
+        )
         singular_values = self.singular_values
         if causal:
-            left_prefix = _masked_mean_outer(key_features, left_values, None, True)  # (B, H, N, p, s)
-            right_prefix = _masked_mean_outer(query_features, right_values, None, True)
+            query_features = (query_columns * query_inverse * root_scale).mT  # Phi_q: (B, H, N, p)
+            key_features = (key_columns * key_inverse * root_scale).mT
+            left_prefix = _prefix_mean_outer(key_features, left_values.mT)  # (B, H, N, p, s)
+            right_prefix = _prefix_mean_outer(query_features, right_values.mT)
             left = (query_features.unsqueeze(-2) @ left_prefix).squeeze(-2)
             right = (key_features.unsqueeze(-2) @ right_prefix).squeeze(-2)
-        else:
-            left, right = query_features @ left_weights, key_features @ right_weights
+        # e(X) = Phi_q W_e = sqrt(sigma) diag(nu_q) P_q^T W_e, built as its transpose (B, H, s, N); r(Z) likewise
+        full_left = ((left_weights.mT @ query_columns) * (query_inverse * root_scale)).mT
+        full_right = ((right_weights.mT @ key_columns) * (key_inverse * root_scale)).mT
+        if not causal:
+            left, right = full_left, full_right
         objective_value = None
         if objective:
             # J uses the full-sequence scores e(X) = Phi_q W_{e|X}, r(Z) = Phi_k W_{r|X} (the outputs unless causal)
-            full_left = query_features @ left_weights if causal else left
-            full_right = key_features @ right_weights if causal else right
             objective_value = ksvd_objective(
                 self._zero_masked(full_left, query_mask),
                 self._zero_masked(full_right, key_mask),
@@ -247,8 +283,14 @@ class AttentionKernelEigenFeatures(Module):
             )
         left_diag = right_diag = None
         if kernel_diag:
-            left_diag = _quadratic_form(query_features, _masked_gram(key_features, key_mask, causal))
-            right_diag = _quadratic_form(key_features, _masked_gram(query_features, query_mask, causal))
+            # k_e(x_i, x_i) = sum_j kappa(x_i, z_j)^2 = sigma^2 sum_j <unit q_i, unit k_j>^2; k_r likewise
+            scale = kernel.outputscale.square()[:, None]  # shape: (H, 1)
+            left_diag = scale * _unit_quadratic_form(
+                query_columns, query_inverse, key_columns, key_inverse, key_mask, causal
+            )
+            right_diag = scale * _unit_quadratic_form(
+                key_columns, key_inverse, query_columns, query_inverse, query_mask, causal
+            )
         return AttentionScores(left, right, singular_values, objective_value, left_diag, right_diag)
 
     @staticmethod

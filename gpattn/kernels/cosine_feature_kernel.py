@@ -64,6 +64,36 @@ class CosineFeatureKernel(AsymmetricKernel):
         normalised = torch.nn.functional.normalize(projected, dim=-1, eps=1e-12)
         return normalised * self.outputscale.sqrt()[..., None, None]
 
+    def feature_columns(self, tokens: Tensor, side: str = "query") -> tuple[Tensor, Tensor]:
+        r"""The features of tokens shared by a batch of kernels (e.g. attention heads), in column layout and
+        unnormalised: :math:`\Phi^\top = \sqrt{\sigma_f}\, P \operatorname{diag}(\nu)` with the projections
+        :math:`P = W g(X)^\top` and the inverse norms :math:`\nu_i = 1 / \|P_{:, i}\|`.
+
+        Callers fold :math:`\nu` and :math:`\sqrt{\sigma_f}` into the (smaller) matrices the features multiply, so
+        the normalised ``(n, p)`` features are never materialised; the column layout makes every later product a
+        plain batched GEMM without copies.
+
+        :param tokens: ``(B, n, d)``, the same tokens for every kernel of the batch.
+        :param side: ``"query"`` (:math:`W_q`) or ``"key"`` (:math:`W_k`).
+        :return: :math:`P`, shape ``(B, *batch_shape, p, n)``, contiguous; :math:`\nu`, shape
+            ``(B, *batch_shape, 1, n)``.
+
+        .. note:: One GEMM ``(batch p, D) x (D, n)`` per sequence and one pass over :math:`P`: O(n D p batch).
+        """
+        self._check_tokens(tokens, "tokens")
+        if tokens.dim() != 3 or len(self.batch_shape) != 1:
+            raise ValueError(
+                "feature_columns needs tokens of shape (B, n, d) and one batch dimension of kernels, got tokens "
+                f"{tuple(tokens.shape)} and batch_shape {tuple(self.batch_shape)}"
+            )
+        weight = self.query_weight if side == "query" else self.key_projection  # shape: (H, p, D)
+        heads, features = weight.shape[0], weight.shape[1]
+        projected = weight.reshape(heads * features, -1) @ self.lift(tokens).mT  # shape: (B, H p, n)
+        projected = projected.unflatten(-2, (heads, features))  # shape: (B, H, p, n)
+        # 1 / max(||P_i||, 1e-12), as torch.nn.functional.normalize
+        inverse_norm = projected.pow(2).sum(-2, keepdim=True).clamp_min(1e-24).rsqrt()
+        return projected, inverse_norm
+
     def query_features(self, x: Tensor) -> Tensor:
         self._check_tokens(x, "x")
         return self._project(x, self.query_weight)

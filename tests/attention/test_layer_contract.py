@@ -222,3 +222,23 @@ def test_bad_inputs_raise(name):
         layer(x, mask=padding().long())
     with pytest.raises(ValueError, match="causal"):
         layer(x, mask="anti-causal")
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_default_arguments_fit_small_heads(name):
+    # head width 4 < the default rank 10: the default rank is min(10, head width)
+    layer = build_attention(name, 8, 2).double()
+    assert layer(tokens(width=8)).shape == (BATCH, LENGTH, 8)
+    if "rank" in attention_arguments(name):
+        assert layer.rank == 4
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_forward_hooks_fire(name):
+    layer = build(name).eval()
+    seen = {}
+    layer.register_forward_pre_hook(lambda module, args, kwargs: seen.update(input=args[0]), with_kwargs=True)
+    layer.register_forward_hook(lambda module, args, output: seen.update(output=output))
+    x = tokens()
+    output = layer(x, mask=torch.ones(BATCH, LENGTH, dtype=torch.bool))
+    assert seen["input"] is x and seen["output"] is output
