@@ -2,7 +2,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 PYTEST_ARGS ?=
 
-.PHONY: all env test test-fast lint main compare bench clean
+.PHONY: all env test test-fast lint main quick regression bench docs notebooks clean
 
 all: test
 
@@ -18,11 +18,23 @@ test-fast: env
 lint:
 	$(VENV)/bin/ruff check gpattn tests benchmarks
 
+# the main job: the embedded default comparison (six attentions x pointer task and digits x 3 seeds)
 main: env
+	$(VENV)/bin/gpattn compare --out runs/main
+
+quick: env
+	$(VENV)/bin/gpattn compare --quick --out runs/quick
+
+regression: env
 	$(VENV)/bin/gpattn regression --out runs/regression
 
-compare: env
-	$(VENV)/bin/gpattn compare
+# the documentation site (strict: warnings fail) into site/
+docs: env
+	$(VENV)/bin/mkdocs build --strict
+
+# re-execute the notebooks at full size, in place (outputs committed)
+notebooks: env
+	$(PY) scripts/build_notebooks.py --execute
 
 bench: env
 	$(PY) benchmarks/kl_scaling.py

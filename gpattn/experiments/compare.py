@@ -20,16 +20,19 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from tqdm.auto import tqdm
+from tqdm import tqdm
 
 from .. import metrics
+from .._validation import check_device, check_float, check_int
 from ..attention import attention_arguments, attention_names
 from ..data import load_digits_splits, make_noise_ood, make_pointer_task, make_shifted_test_sets
 from ..models import Transformer
 from .training import TrainConfig, ensemble_probabilities, train_model
 
 TASKS = ("pointer", "digits")
-TABLE_METRICS = ("accuracy", "nll", "ece", "brier", "aurc", "auroc", "fpr95")
+#: the in-distribution columns of the table; "confidence" (mean top-label probability) next to the accuracy shows the
+#: sign of the miscalibration: over-confident when above it, under-confident when below
+TABLE_METRICS = ("accuracy", "confidence", "nll", "ece", "brier", "aurc", "auroc", "fpr95")
 
 
 @dataclass
@@ -51,7 +54,8 @@ class CompareConfig:
     :ivar num_inducing: Inducing points of SGPA (global keys) and the symmetric SVGP.
     :ivar eval_samples: Monte Carlo samples :math:`T` at evaluation.
     :ivar ensemble: Members per model (1: single models; K > 1: ensembles whose probabilities are averaged).
-    :ivar beta: KL weight; :ivar eta: KSVD weight.
+    :ivar beta: KL weight.
+    :ivar eta: KSVD weight.
     :ivar device: ``"cpu"`` or ``"cuda"``.
     :ivar progress: Progress bars.
     """
@@ -88,6 +92,28 @@ class CompareConfig:
             raise ValueError(f"expected distinct seeds, got {list(self.seeds)}")
         if isinstance(self.ensemble, bool) or not isinstance(self.ensemble, int) or self.ensemble < 1:
             raise ValueError(f"expected a positive integer ensemble size, got {self.ensemble!r}")
+        where = "CompareConfig"
+        for seed in self.seeds:
+            check_int("seeds", seed, minimum=0, where=where)
+        for name in ("pointer_epochs", "digits_epochs", "batch_size", "embed_dim", "depth", "num_heads"):
+            check_int(name, getattr(self, name), where=where)
+        for name in ("num_inducing", "eval_samples", "rank"):
+            check_int(name, getattr(self, name), where=where)
+        check_int("gp_layers", self.gp_layers, 0, self.depth, where=where)
+        if self.embed_dim % self.num_heads:
+            raise ValueError(f"{where}: embed_dim ({self.embed_dim}) must be divisible by num_heads ({self.num_heads})")
+        head_width = self.embed_dim // self.num_heads
+        with_rank = [name for name in self.attentions if "rank" in attention_arguments(name)]
+        if with_rank and self.rank > head_width:  # the cosine kernel of a head has rank <= its feature width
+            raise ValueError(
+                f"{where}: rank ({self.rank}) must not exceed the head width embed_dim / num_heads = {head_width} "
+                f"of the KSVD attentions {with_rank}"
+            )
+        check_float("lr", self.lr, 0.0, strict_minimum=True, where=where)
+        check_float("beta", self.beta, 0.0, where=where)
+        check_float("eta", self.eta, 0.0, where=where)
+        if check_device("device", self.device, where=where).type not in ("cpu", "cuda"):
+            raise ValueError(f"{where}: expected device 'cpu', 'cuda' or 'cuda:<index>', got {self.device!r}")
 
     @classmethod
     def quick(cls, **overrides: Any) -> CompareConfig:
@@ -136,6 +162,7 @@ def _labels(dataset: Any) -> torch.Tensor:
 def _classification_metrics(probabilities: torch.Tensor, labels: torch.Tensor) -> dict[str, float]:
     return {
         "accuracy": metrics.accuracy(probabilities, labels),
+        "confidence": float(probabilities.max(dim=-1).values.mean()),
         "nll": metrics.negative_log_likelihood(probabilities, labels),
         "ece": metrics.expected_calibration_error(probabilities, labels),
         "mce": metrics.maximum_calibration_error(probabilities, labels),

@@ -1,6 +1,7 @@
 """Models built from the kernel-eigen strategies."""
 
 from .kernel_eigen_pair_svgp import KernelEigenPairSVGP
+from .presets import VIT_CIFAR_PRESET
 from .transformer import Transformer
 
-__all__ = ["KernelEigenPairSVGP", "Transformer"]
+__all__ = ["VIT_CIFAR_PRESET", "KernelEigenPairSVGP", "Transformer"]

@@ -23,13 +23,10 @@ import re
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
-import matplotlib
-
-matplotlib.use("Agg")  # headless by default; notebooks switch to their inline backend themselves
-
-import matplotlib.pyplot as plt  # noqa: E402
-import numpy as np  # noqa: E402
-from matplotlib.figure import Figure  # noqa: E402
+# no backend switching here: matplotlib falls back to Agg on headless machines, and notebooks keep their inline backend
+import matplotlib.pyplot as plt
+import numpy as np
+from matplotlib.figure import Figure
 
 ATTENTION_ORDER = ("kep_svgp", "kep_svgp_sym", "sgpa", "svgp", "softmax", "primal")
 REQUIRED_KEYS = ("task", "attention", "seed", "metrics")
@@ -346,7 +343,8 @@ def _spectra_records(records: list[dict]) -> list[dict]:
 
 
 def plot_spectra(records: list[dict]) -> Figure:
-    """Singular values of the KSVD of every attention layer and head (mean over seeds, log scale).
+    """Singular values of the KSVD of every attention layer and head (mean over seeds; log scale when they span a
+    decade or more).
 
     Records without spectra are skipped; seeds with spectra of different lengths are truncated to the shortest.
 
@@ -357,7 +355,7 @@ def plot_spectra(records: list[dict]) -> Figure:
     for axis, (task, attention) in zip(axes, groups, strict=True):
         group = [r for r in selected if r["task"] == task and r["attention"] == attention]
         layers = sorted(_unique(layer for r in group for layer in r["spectra"]), key=_natural_key)
-        lines = 0
+        lines, spread = 0, []
         for layer_index, layer in enumerate(layers):
             num_heads = max(len(r["spectra"].get(layer) or []) for r in group)
             for head in range(num_heads):
@@ -376,7 +374,9 @@ def plot_spectra(records: list[dict]) -> Figure:
                     label=f"{layer.replace('_', ' ')}, head {head + 1}",
                 )  # fmt: skip
                 lines += 1
-        axis.set_yscale("log")
+                spread.extend(float(v) for v in mean if v == v and v > 0)
+        if spread and max(spread) > 10 * min(spread):  # log scale only where the spectra span a decade or more
+            axis.set_yscale("log")
         axis.set_title(
             f"{_panel_name(task, attention, tasks)} ({len(group)} seed{'s' if len(group) != 1 else ''})", fontsize=10
         )

@@ -29,9 +29,14 @@ def test_one_record_per_task_attention_seed(records) -> None:
     ]
     for record in records:
         test = record["metrics"]["test"]
-        assert set(test) == {"accuracy", "nll", "ece", "mce", "brier", "aurc", "eaurc", "auroc", "fpr95"}
+        expected = {"accuracy", "confidence", "nll", "ece", "mce", "brier", "aurc", "eaurc", "auroc", "fpr95"}
+        assert set(test) == expected
         assert 0.0 <= test["accuracy"] <= 1.0 and test["nll"] > 0
-        assert sum(record["reliability"]["count"]) == (512 if record["task"] == "pointer" else 361)
+        reliability = record["reliability"]
+        assert sum(reliability["count"]) == (512 if record["task"] == "pointer" else 361)
+        # the mean confidence is the count-weighted mean of the reliability bins' confidences
+        weighted = sum(c * n for c, n in zip(reliability["confidence"], reliability["count"], strict=True) if n)
+        assert test["confidence"] == pytest.approx(weighted / sum(reliability["count"]), rel=1e-6)
 
 
 def test_digits_records_hold_shift_ood_and_spectra(records) -> None:
