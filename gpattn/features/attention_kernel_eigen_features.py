@@ -188,7 +188,8 @@ class AttentionKernelEigenFeatures(Module):
         weight, bias = (self.left_map, self.left_bias) if left else (self.right_map, self.right_bias)
         heads, width, rank = weight.shape
         # one GEMM (H s, C) x (C, n) per sequence for all heads
-        values = weight.mT.reshape(heads * rank, width) @ tokens.mT  # shape: (B, H s, n)
+        stacked = weight.mT.reshape(heads * rank, width).expand(tokens.shape[0], -1, -1)
+        values = torch.bmm(stacked, tokens.mT)  # shape: (B, H s, n), contiguous
         return values.unflatten(-2, (heads, rank)) + bias.unsqueeze(-1)
 
     def _token_weights(self, tokens: Tensor, mask: Tensor | None) -> Tensor | float:

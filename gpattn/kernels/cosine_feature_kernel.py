@@ -88,7 +88,10 @@ class CosineFeatureKernel(AsymmetricKernel):
             )
         weight = self.query_weight if side == "query" else self.key_projection  # shape: (H, p, D)
         heads, features = weight.shape[0], weight.shape[1]
-        projected = weight.reshape(heads * features, -1) @ self.lift(tokens).mT  # shape: (B, H p, n)
+        lifted = self.lift(tokens)
+        # a batched GEMM with the weight broadcast over the sequences writes P contiguous; `weight @ lifted.mT`
+        # would be computed as (lifted @ weight^T)^T and leave a transposed view that later products copy
+        projected = torch.bmm(weight.reshape(heads * features, -1).expand(lifted.shape[0], -1, -1), lifted.mT)
         projected = projected.unflatten(-2, (heads, features))  # shape: (B, H, p, n)
         # 1 / max(||P_i||, 1e-12), as torch.nn.functional.normalize
         inverse_norm = projected.pow(2).sum(-2, keepdim=True).clamp_min(1e-24).rsqrt()
