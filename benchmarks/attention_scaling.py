@@ -220,7 +220,8 @@ def plot(results: dict, path: Path) -> None:
         variants = sorted({v for row in table.values() for v in row}, key=list(VARIANTS).index)
         for variant in variants:
             points = sorted((int(x), row[variant]) for x, row in table.items() if variant in row)
-            axis.plot(*zip(*points, strict=True), marker="o", label=variant)
+            color = f"C{list(VARIANTS).index(variant) % 10}"  # one colour per variant in every panel
+            axis.plot(*zip(*points, strict=True), marker="o", color=color, label=variant)
         axis.set_xscale("log", base=2)
         axis.set_yscale("log")
         axis.set(xlabel=xlabel, ylabel=ylabel, title=title)
