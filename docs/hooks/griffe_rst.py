@@ -20,22 +20,18 @@ The extension is configured in ``mkdocs.yml`` (``plugins.mkdocstrings.handlers.p
 from __future__ import annotations
 
 import re
+from pathlib import Path
 from typing import Any
 
 import griffe
 
-SUBPACKAGES = (
-    "kernels",
-    "ksvd",
-    "features",
-    "variational",
-    "models",
-    "mlls",
-    "attention",
-    "data",
-    "metrics",
-    "experiments",
-    "plotting",
+# every public subpackage of gpattn, read from the source tree (the hook must not import gpattn and torch)
+SUBPACKAGES = tuple(
+    sorted(
+        path.name
+        for path in (Path(__file__).resolve().parents[2] / "gpattn").iterdir()
+        if (path / "__init__.py").is_file() and not path.name.startswith("_")
+    )
 )
 # objects rendered on a page of their own besides the subpackages' ``__all__`` (lazily exported names)
 EXTRA_RENDERED = ("experiments.distributed",)

@@ -20,15 +20,6 @@ ATOL = 1e-10
 C, H, RANK, D_OUT = 8, 2, 3, 3  # head width C / H = 4 = feature dimension p
 
 
-@pytest.fixture(autouse=True)
-def _single_thread():
-    """The tensors here are tiny: one intra-op thread avoids oversubscription slow-downs on busy machines."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
-
-
 def _randn(*shape: int, seed: int) -> Tensor:
     return torch.randn(*shape, generator=torch.Generator().manual_seed(seed), dtype=DTYPE)
 

@@ -7,10 +7,8 @@ import json
 
 import pytest
 
-import gpattn.experiments.training as training_module
 from gpattn.cli import main
 from gpattn.experiments.compare import CompareConfig, flat_rows, markdown_table, run_comparison
-from gpattn.mlls import AttentionELBO
 
 TINY = dict(pointer_epochs=1, digits_epochs=1, eval_samples=2, seeds=(0,), progress=False)
 
@@ -140,31 +138,15 @@ def test_cli_compare_rejects_bad_values(capsys) -> None:
     assert "distinct seeds" in capsys.readouterr().err
 
 
-class _InterruptedELBO(AttentionELBO):
-    """Raises KeyboardInterrupt at its ``interrupt_at``-th call, like a Ctrl-C in the middle of an epoch."""
-
-    interrupt_at = 30  # digits: 866 images / 64 = 14 steps per epoch, so this is inside epoch 3
-
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.calls = 0
-
-    def forward(self, logits, targets):
-        self.calls += 1
-        if self.calls == self.interrupt_at:
-            raise KeyboardInterrupt
-        return super().forward(logits, targets)
-
-
-def test_cli_train_resume_after_an_interruption_gives_the_same_numbers(tmp_path, monkeypatch, capsys) -> None:
+def test_cli_train_resume_after_an_interruption_gives_the_same_numbers(tmp_path, faulty_elbo, capsys) -> None:
     arguments = ["train", "--task", "digits", "--attention", "kep_svgp", "--epochs", "4", "--eval-samples", "2"]
     assert main([*arguments, "--out", str(tmp_path / "full")]) == 0
     full = json.loads((tmp_path / "full" / "record.json").read_text())
 
-    monkeypatch.setattr(training_module, "AttentionELBO", _InterruptedELBO)
+    faulty_elbo.interrupt_at = 30  # digits: 866 images / 64 = 14 steps per epoch, so this is inside epoch 3
     with pytest.raises(KeyboardInterrupt):
         main([*arguments, "--out", str(tmp_path / "cut")])
-    monkeypatch.undo()
+    faulty_elbo.interrupt_at = None
     assert not (tmp_path / "cut" / "record.json").exists()
     assert main([*arguments, "--out", str(tmp_path / "cut"), "--resume"]) == 0
     resumed = json.loads((tmp_path / "cut" / "record.json").read_text())

@@ -22,19 +22,9 @@ from gpattn.experiments import (
     warmup_cosine_lr,
     warmup_cosine_schedule,
 )
-from gpattn.experiments import training as training_module
-from gpattn.mlls import AttentionELBO
 from gpattn.models import Transformer
 
 VOCAB, LENGTH = 6, 6
-
-
-@pytest.fixture(autouse=True)
-def _few_threads():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # tiny matrices: extra OpenMP threads only spin
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")
@@ -64,27 +54,6 @@ def _assert_same_parameters(first: torch.nn.Module, second: torch.nn.Module) -> 
     assert one.keys() == two.keys()
     for name in one:
         assert torch.equal(one[name], two[name]), name
-
-
-class _FailingELBO(AttentionELBO):
-    """AttentionELBO whose ``fail_at``-th call (from 1) returns NaN parts and whose ``interrupt_at``-th call raises
-    ``KeyboardInterrupt``."""
-
-    fail_at: int | None = None
-    interrupt_at: int | None = None
-
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.calls = 0
-
-    def forward(self, logits, targets):
-        self.calls += 1
-        if self.calls == self.interrupt_at:
-            raise KeyboardInterrupt
-        parts = super().forward(logits, targets)
-        if self.calls == self.fail_at:
-            parts = {name: value * math.nan for name, value in parts.items()}
-        return parts
 
 
 # -- configuration ---------------------------------------------------------------------------------------------------
@@ -167,17 +136,16 @@ def test_staged_run_resumes_bitwise(data, tmp_path):
     assert all(torch.equal(last[0][name], last[1][name]) for name in last[0])
 
 
-def test_interrupted_run_resumes_bitwise(data, tmp_path, monkeypatch):
+def test_interrupted_run_resumes_bitwise(data, tmp_path, faulty_elbo):
     config = _config(epochs=4, checkpoint_dir=tmp_path)
     reference = _model()
     interrupted = copy.deepcopy(reference)
     full = train_model(reference, data.train, data.val, _config(epochs=4))
 
-    monkeypatch.setattr(_FailingELBO, "interrupt_at", 10)  # 4 steps per epoch: during epoch 3
-    monkeypatch.setattr(training_module, "AttentionELBO", _FailingELBO)
+    faulty_elbo.interrupt_at = 10  # 4 steps per epoch: during epoch 3
     with pytest.raises(KeyboardInterrupt):
         train_model(interrupted, data.train, data.val, config)
-    monkeypatch.setattr(_FailingELBO, "interrupt_at", None)
+    faulty_elbo.interrupt_at = None
     assert torch.load(tmp_path / "last.pt", weights_only=True)["epoch"] == 2
 
     resumed = train_model(interrupted, data.train, data.val, config, resume=True)
@@ -266,9 +234,8 @@ def test_checkpoints_hold_the_documented_keys(data, tmp_path):
     assert last["config"]["epochs"] == 2 and last["config"]["checkpoint_dir"] == str(tmp_path)
 
 
-def test_non_finite_loss_stops_with_the_best_state(data, tmp_path, monkeypatch):
-    monkeypatch.setattr(_FailingELBO, "fail_at", 7)  # epoch 2, step 3
-    monkeypatch.setattr(training_module, "AttentionELBO", _FailingELBO)
+def test_non_finite_loss_stops_with_the_best_state(data, tmp_path, faulty_elbo):
+    faulty_elbo.fail_at = 7  # epoch 2, step 3
     model = _model()
     with pytest.raises(NonFiniteLossError, match=r"epoch 2, step 3/4.*nll=nan.*kl=.*ksvd="):
         train_model(model, data.train, data.val, _config(epochs=3, checkpoint_dir=tmp_path))

@@ -21,15 +21,6 @@ ATOL = 1e-10
 C, H = 16, 2  # token width and heads: feature dimension p = C / H = 8
 
 
-@pytest.fixture(autouse=True)
-def _single_thread():
-    """The tensors here are tiny: one intra-op thread avoids oversubscription slow-downs on busy machines."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
-
-
 def _randn(*shape: int, seed: int) -> Tensor:
     return torch.randn(*shape, generator=torch.Generator().manual_seed(seed), dtype=DTYPE)
 

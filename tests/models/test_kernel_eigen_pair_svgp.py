@@ -22,16 +22,6 @@ NUM_LANDMARKS = 12
 RANK = 8
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    # matrices here are at most 64 wide: intra-op threads only add overhead, and on a busy 2-core machine OpenMP
-    # spin-waiting makes a two-thread run about ten times slower than a one-thread one
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 @pytest.fixture(scope="module")
 def data():
     toy = make_asymmetric_regression_1d(n_train=60, dtype=torch.float64)

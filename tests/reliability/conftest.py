@@ -19,15 +19,6 @@ def small_sizes(name: str, size: int = 4) -> dict[str, int]:
     return {key: size for key in SIZE_ARGUMENTS if key in attention_arguments(name)}
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    # tiny matrices on a busy 2-core machine: extra OpenMP threads only spin
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 @pytest.fixture
 def make_layer() -> Callable[..., AttentionLayer]:
     """``make_layer(name, embed_dim=16, num_heads=2, seed=0, **kwargs)``: a small registry layer, seeded."""

@@ -20,8 +20,6 @@ from gpattn.experiments import (
     load_checkpoint,
     train_model,
 )
-from gpattn.experiments import training as training_module
-from gpattn.mlls import AttentionELBO
 from gpattn.models import Transformer
 
 STEPS_PER_EPOCH = 2  # 96 training sequences, batches of 48
@@ -162,23 +160,6 @@ def test_load_checkpoint_reads_and_loads_a_good_file(make_transformer, trained):
 
 
 # -- non-finite values stop training with the last good checkpoint ---------------------------------------------------
-class _PoisonedELBO(AttentionELBO):
-    """Returns NaN loss parts at its ``fail_at``-th call."""
-
-    fail_at: int | None = None
-
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.calls = 0
-
-    def forward(self, logits, targets):
-        self.calls += 1
-        parts = super().forward(logits, targets)
-        if self.calls == self.fail_at:
-            parts = {name: value * math.nan for name, value in parts.items()}
-        return parts
-
-
 def _assert_last_good_checkpoint(make_transformer, data, directory, epoch: int) -> None:
     """``last.pt`` holds ``epoch`` with finite parameters, loads into a fresh model and resumes to the end."""
     checkpoint = load_checkpoint(directory / "last.pt")
@@ -192,15 +173,14 @@ def _assert_last_good_checkpoint(make_transformer, data, directory, epoch: int) 
     assert all(math.isfinite(record["loss"]) for record in result.history)
 
 
-def test_non_finite_loss_keeps_the_last_good_checkpoint(make_transformer, data, tmp_path, monkeypatch):
-    monkeypatch.setattr(_PoisonedELBO, "fail_at", 2 * STEPS_PER_EPOCH + 2)  # epoch 3, step 2
-    monkeypatch.setattr(training_module, "AttentionELBO", _PoisonedELBO)
+def test_non_finite_loss_keeps_the_last_good_checkpoint(make_transformer, data, tmp_path, faulty_elbo):
+    faulty_elbo.fail_at = 2 * STEPS_PER_EPOCH + 2  # epoch 3, step 2
     model = _fresh_model(make_transformer)
     message = r"non-finite training loss at epoch 3, step 2/2 .*last\.pt still holds epoch 2, the last good one"
     with pytest.raises(NonFiniteLossError, match=message):
         train_model(model, data.train, data.val, _config(tmp_path, epochs=3))
     assert all(torch.isfinite(parameter).all() for parameter in model.parameters())
-    monkeypatch.setattr(_PoisonedELBO, "fail_at", None)
+    faulty_elbo.fail_at = None
     _assert_last_good_checkpoint(make_transformer, data, tmp_path, epoch=2)
 
 

@@ -14,7 +14,6 @@ from torch import Tensor
 from gpattn.attention import ATTENTIONS, attention_names
 from gpattn.data import make_pointer_task
 from gpattn.experiments import TrainConfig, load_checkpoint, train_model
-from gpattn.experiments import training as training_module
 from gpattn.mlls import AttentionELBO, predict_probabilities
 
 NAMES = attention_names()
@@ -137,40 +136,23 @@ def test_monte_carlo_prediction_is_a_function_of_the_seed(make_transformer, data
 
 
 # -- bitwise resume --------------------------------------------------------------------------------------------------
-class _InterruptingELBO(AttentionELBO):
-    """Raises ``KeyboardInterrupt`` (a Ctrl-C) at its ``interrupt_at``-th call."""
-
-    interrupt_at: int | None = None
-
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.calls = 0
-
-    def forward(self, logits, targets):
-        self.calls += 1
-        if self.calls == self.interrupt_at:
-            raise KeyboardInterrupt
-        return super().forward(logits, targets)
-
-
 def _without_time(history):
     return [{key: value for key, value in record.items() if key != "seconds"} for record in history]
 
 
 @pytest.mark.parametrize("name", NAMES)
-def test_interrupted_run_resumes_bit_identically(make_transformer, data, name, tmp_path, monkeypatch):
+def test_interrupted_run_resumes_bit_identically(make_transformer, data, name, tmp_path, faulty_elbo):
     settings = dict(epochs=3, batch_size=48, lr=1e-2, warmup_epochs=1, eval_samples=2, progress=False)
     reference = make_transformer(name)
     interrupted = copy.deepcopy(reference)
     full = train_model(reference, data.train, data.val, TrainConfig(**settings, checkpoint_dir=tmp_path / "full"))
 
     # 3 steps per epoch: the 8th loss is the second step of epoch 3, after two checkpoints
-    monkeypatch.setattr(_InterruptingELBO, "interrupt_at", 8)
-    monkeypatch.setattr(training_module, "AttentionELBO", _InterruptingELBO)
+    faulty_elbo.interrupt_at = 8
     config = TrainConfig(**settings, checkpoint_dir=tmp_path / "staged")
     with pytest.raises(KeyboardInterrupt):
         train_model(interrupted, data.train, data.val, config)
-    monkeypatch.setattr(_InterruptingELBO, "interrupt_at", None)
+    faulty_elbo.interrupt_at = None
     assert load_checkpoint(tmp_path / "staged" / "last.pt")["epoch"] == 2
     resumed = train_model(interrupted, data.train, data.val, config, resume=True)
 

@@ -34,16 +34,6 @@ from gpattn.variational import KernelEigenVariationalStrategy
 NATURAL_FILE = "natural_variational_distribution.py"
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    # matrices here are at most 64 wide: intra-op threads only add overhead, and on a busy 2-core machine OpenMP
-    # spin-waiting makes a two-thread run about ten times slower than a one-thread one
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 class _KernelEigenSVGP(gpytorch.models.ApproximateGP):
     """The harness's regression model with the cosine-feature kernel in place of a scaled RBF."""
 

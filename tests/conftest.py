@@ -1,0 +1,51 @@
+"""Fixtures shared across test modules (the suite runs with ``--import-mode=importlib``: modules cannot import
+each other)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import gpattn.experiments.training as training_module
+from gpattn.mlls import AttentionELBO
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _one_thread():
+    """One intra-op thread for the whole suite: its matrices are small, and on a busy 2-core machine OpenMP
+    spin-waiting makes two-thread runs up to ten times slower (subprocesses, e.g. notebooks and torchrun, keep
+    their own settings)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture
+def faulty_elbo(monkeypatch):
+    """Swap the training loop's :class:`~gpattn.mlls.AttentionELBO` for a subclass that fails on request, and return
+    that class: set ``interrupt_at`` to raise ``KeyboardInterrupt`` (a Ctrl-C) at that call of a loss object, or
+    ``fail_at`` to make that call return NaN loss parts (calls counted from 1). Both ``None`` (the default): the plain
+    loss."""
+
+    class FaultyELBO(AttentionELBO):
+        interrupt_at: int | None = None
+        fail_at: int | None = None
+
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            self.calls = 0
+
+        def forward(self, logits, targets):
+            self.calls += 1
+            if self.calls == self.interrupt_at:
+                raise KeyboardInterrupt
+            parts = super().forward(logits, targets)
+            if self.calls == self.fail_at:
+                parts = {name: value * math.nan for name, value in parts.items()}
+            return parts
+
+    monkeypatch.setattr(training_module, "AttentionELBO", FaultyELBO)
+    return FaultyELBO
