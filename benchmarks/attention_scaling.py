@@ -175,11 +175,7 @@ def _slope(points: list[tuple[float, float]]) -> float | None:
     points = [(math.log(x), math.log(y)) for x, y in points if x > 0 and y > 0]
     if len(points) < 2:
         return None
-    mean_x = sum(p[0] for p in points) / len(points)
-    mean_y = sum(p[1] for p in points) / len(points)
-    num = sum((px - mean_x) * (py - mean_y) for px, py in points)
-    den = sum((px - mean_x) ** 2 for px, _ in points)
-    return num / den
+    return statistics.linear_regression(*zip(*points, strict=True)).slope
 
 
 def _summary(results: dict) -> dict:

@@ -16,8 +16,13 @@ from pathlib import Path
 
 import torch
 
-from gpattn import metrics
-from gpattn.experiments.compare import CompareConfig, _task_data, build_model, make_train_config
+from gpattn.experiments.compare import (
+    CompareConfig,
+    _classification_metrics,
+    _task_data,
+    build_model,
+    make_train_config,
+)
 from gpattn.experiments.training import evaluate, train_model
 
 SETTINGS = [
@@ -44,15 +49,8 @@ def run(name: str, overrides: dict, seed: int, data: dict, base: CompareConfig) 
     train_model(model, data["train"], data["val"], train_config)
     torch.manual_seed(seed)
     probabilities = evaluate(model, data["val"], num_samples=config.eval_samples)
-    labels = data["val"].labels
-    return {
-        "accuracy": metrics.accuracy(probabilities, labels),
-        # mean top-label probability: below the accuracy = under-confident, above = over-confident
-        "confidence": float(probabilities.max(dim=-1).values.mean()),
-        "nll": metrics.negative_log_likelihood(probabilities, labels),
-        "ece": metrics.expected_calibration_error(probabilities, labels),
-        "brier": metrics.brier_score(probabilities, labels),
-    }
+    # the comparison's metrics ("confidence", the mean top-label probability: below the accuracy = under-confident)
+    return _classification_metrics(probabilities, data["val"].labels)
 
 
 def main() -> None:

@@ -9,7 +9,7 @@ from gpytorch.variational import CholeskyVariationalDistribution
 from torch import Tensor
 
 from .._validation import check_int
-from ..features.attention_kernel_eigen_features import DEFAULT_RANK, AttentionKernelEigenFeatures, AttentionScores
+from ..features.attention_kernel_eigen_features import AttentionKernelEigenFeatures, AttentionScores
 from ..mlls import KSVDAddedLossTerm
 from ..variational._structured import diagonal_prior_kl
 from ._base import AttentionLayer
@@ -91,8 +91,6 @@ class KEPSVGPAttention(AttentionLayer):
         feature_dim: int | None = None,
     ):
         super().__init__(embed_dim, num_heads, dropout)
-        if rank is None:  # the cosine kernel has rank <= p: the default fits every (embed_dim, num_heads)
-            rank = min(DEFAULT_RANK, self.head_dim if feature_dim is None else feature_dim)
         for name, value, allowed in (("merge", merge, MERGES), ("sampling", sampling, SAMPLINGS)):
             if value not in allowed:
                 raise ValueError(f"expected {name} in {allowed}, got {value!r}")
@@ -114,6 +112,7 @@ class KEPSVGPAttention(AttentionLayer):
             tie_qk=tie_qk,
             max_len=max_len,
         )
+        rank = self.features.rank  # the default resolved there: min(10, p)
         self.rank, self.merge, self.sampling_mode, self.residual = rank, merge, sampling, residual
         self.shared_posterior, self.tie_qk, self.max_len = bool(shared_posterior), bool(tie_qk), max_len
         self.num_outputs = self.head_dim if num_outputs is None else num_outputs

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ..features.attention_kernel_eigen_features import DEFAULT_RANK, AttentionKernelEigenFeatures
+from ..features.attention_kernel_eigen_features import AttentionKernelEigenFeatures
 from ..mlls import KSVDAddedLossTerm
 from ._base import AttentionLayer
 
@@ -44,14 +44,12 @@ class PrimalAttention(AttentionLayer):
         feature_dim: int | None = None,
     ):
         super().__init__(embed_dim, num_heads, dropout)
-        if rank is None:  # the cosine kernel has rank <= p: the default fits every (embed_dim, num_heads)
-            rank = min(DEFAULT_RANK, self.head_dim if feature_dim is None else feature_dim)
         if features not in ("amortized", "primal_tokens"):
             raise ValueError(f"expected features 'amortized' or 'primal_tokens', got {features!r}")
         self.features = AttentionKernelEigenFeatures(
             embed_dim, num_heads, rank, mode=features, feature_dim=feature_dim, max_len=max_len
         )
-        self.rank = rank
+        self.rank = rank = self.features.rank  # the default resolved there: min(10, p)
         bound = (2 * rank) ** -0.5
         # per-head map [e; r] (2s) -> head width; shape (H, 2s, head_dim)
         self.output_weight = torch.nn.Parameter(torch.empty(num_heads, 2 * rank, self.head_dim).uniform_(-bound, bound))

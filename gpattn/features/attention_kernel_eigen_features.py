@@ -103,7 +103,7 @@ class AttentionKernelEigenFeatures(Module):
 
     :param embed_dim: Token width :math:`C`.
     :param num_heads: :math:`H`.
-    :param rank: :math:`s`.
+    :param rank: :math:`s` (default :math:`\min(10, p)`: the cosine kernel has rank at most :math:`p`).
     :param mode: ``"amortized"``, ``"primal_tokens"`` or ``"exact"``.
     :param kernel: ``"cosine"`` (primal features :math:`\phi = W x / \|W x\|`) or ``"exponential"`` (exact mode
         only: the softmax numerator :math:`\exp(\langle W_q x, W_k z\rangle / \sqrt p)`).
@@ -116,7 +116,7 @@ class AttentionKernelEigenFeatures(Module):
         self,
         embed_dim: int,
         num_heads: int,
-        rank: int,
+        rank: int | None = None,
         mode: str = "amortized",
         kernel: str = "cosine",
         feature_dim: int | None = None,
@@ -135,9 +135,11 @@ class AttentionKernelEigenFeatures(Module):
         where = type(self).__name__
         check_int("embed_dim", embed_dim, where=where)
         check_int("num_heads", num_heads, where=where)
-        check_int("rank", rank, where=where)
         feature_dim = embed_dim // num_heads if feature_dim is None else feature_dim
         check_int("feature_dim", feature_dim, where=where)
+        if rank is None:  # the cosine kernel has rank <= p: the default fits every (embed_dim, num_heads)
+            rank = min(DEFAULT_RANK, feature_dim)
+        check_int("rank", rank, where=where)
         if kernel == "cosine" and rank > feature_dim:  # K = Phi_q Phi_k^T has rank <= p
             raise ValueError(f"rank ({rank}) must not exceed the feature dimension ({feature_dim}) of a cosine kernel")
         if mode == "primal_tokens":
@@ -249,39 +251,39 @@ class AttentionKernelEigenFeatures(Module):
         root_scale = kernel.outputscale.sqrt()[:, None, None]  # sqrt(sigma_f): (H, 1, 1)
         left_values = self._value_columns(keys, "left")  # A_e(Z)^T: (B, H, s, M)
         right_values = self._value_columns(queries, "right")  # A_r(X)^T: (B, H, s, N)
-        # W_{e|X}^T = A_e^T Phi_k / |V| = sqrt(sigma) A_e^T diag(nu_k / |V|) P_k^T: (B, H, s, p); W_{r|X} likewise.
-        # (Products are arranged so that the long axis N is the columns of every output and operand: batched GEMMs
-        # with an (N, s) output are several times slower on CPU, forward and backward.)
-        left_weights = (
-            root_scale * ((left_values * key_inverse * self._token_weights(keys, key_mask)) @ key_columns.mT).mT
-        )
-        right_weights = (
-            root_scale
-            * ((right_values * query_inverse * self._token_weights(queries, query_mask)) @ query_columns.mT).mT
-        )
         singular_values = self.singular_values
-        if causal:
+        if causal:  # the outputs use prefix means: one (p, s) matrix per position
             query_features = (query_columns * query_inverse * root_scale).mT  # Phi_q: (B, H, N, p)
             key_features = (key_columns * key_inverse * root_scale).mT
             left_prefix = _prefix_mean_outer(key_features, left_values.mT)  # (B, H, N, p, s)
             right_prefix = _prefix_mean_outer(query_features, right_values.mT)
             left = (query_features.unsqueeze(-2) @ left_prefix).squeeze(-2)
             right = (key_features.unsqueeze(-2) @ right_prefix).squeeze(-2)
-        # e(X) = Phi_q W_e = sqrt(sigma) diag(nu_q) P_q^T W_e, built as its transpose (B, H, s, N); r(Z) likewise
-        full_left = ((left_weights.mT @ query_columns) * (query_inverse * root_scale)).mT
-        full_right = ((right_weights.mT @ key_columns) * (key_inverse * root_scale)).mT
-        if not causal:
-            left, right = full_left, full_right
         objective_value = None
-        if objective:
-            # J uses the full-sequence scores e(X) = Phi_q W_{e|X}, r(Z) = Phi_k W_{r|X} (the outputs unless causal)
-            objective_value = ksvd_objective(
-                self._zero_masked(full_left, query_mask),
-                self._zero_masked(full_right, key_mask),
-                left_weights,
-                right_weights,
-                singular_values.unsqueeze(0),
+        if objective or not causal:  # the full-sequence weights and scores: the outputs, or J's inputs when causal
+            # W_{e|X}^T = A_e^T Phi_k / |V| = sqrt(sigma) A_e^T diag(nu_k / |V|) P_k^T: (B, H, s, p); W_{r|X}
+            # likewise. (Products are arranged so that the long axis N is the columns of every output and operand:
+            # batched GEMMs with an (N, s) output are several times slower on CPU, forward and backward.)
+            left_weights = (
+                root_scale * ((left_values * key_inverse * self._token_weights(keys, key_mask)) @ key_columns.mT).mT
             )
+            right_weights = (
+                root_scale
+                * ((right_values * query_inverse * self._token_weights(queries, query_mask)) @ query_columns.mT).mT
+            )
+            # e(X) = Phi_q W_e = sqrt(sigma) diag(nu_q) P_q^T W_e, built as its transpose (B, H, s, N); r(Z) likewise
+            full_left = ((left_weights.mT @ query_columns) * (query_inverse * root_scale)).mT
+            full_right = ((right_weights.mT @ key_columns) * (key_inverse * root_scale)).mT
+            if not causal:
+                left, right = full_left, full_right
+            if objective:
+                objective_value = ksvd_objective(
+                    self._zero_masked(full_left, query_mask),
+                    self._zero_masked(full_right, key_mask),
+                    left_weights,
+                    right_weights,
+                    singular_values.unsqueeze(0),
+                )
         left_diag = right_diag = None
         if kernel_diag:
             # k_e(x_i, x_i) = sum_j kappa(x_i, z_j)^2 = sigma^2 sum_j <unit q_i, unit k_j>^2; k_r likewise
