@@ -107,7 +107,7 @@ class KernelEigenBranchGP(ApproximateGP):
 
     def __init__(self, features: KernelEigenFeatures, q_class: type):
         strategy = KernelEigenVariationalStrategy(
-            self, features.landmarks, q_class(features.rank), side="left", features=features, residual="diag"
+            self, features.landmarks, q_class(features.num_inducing), side="left", features=features, residual="diag"
         )
         super().__init__(strategy)
 
@@ -241,7 +241,7 @@ def _bench_size(
     # KEP: one set of primal features (the exact SVD of the s x s landmark kernel runs here, once)
     start = time.perf_counter()
     kernel = CosineFeatureKernel(input_dim=args.input_dim, feature_dim=s).to(device=device, dtype=dtype)
-    features = KernelEigenFeatures(kernel, randn(s, args.input_dim), rank=s, mode="primal")
+    features = KernelEigenFeatures(kernel, randn(s, args.input_dim), num_inducing=s, mode="primal")
     kep = {name: KernelEigenBranchGP(features, cls).to(device=device, dtype=dtype) for name, cls in Q_CLASSES.items()}
     for model in kep.values():
         initialise_q(model, generator)

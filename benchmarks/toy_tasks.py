@@ -20,8 +20,8 @@ import torch
 
 from gpattn.attention import attention_arguments, attention_names
 from gpattn.data import make_pointer_task, make_successor_task
-from gpattn.mlls import AttentionELBO, predict_probabilities
-from gpattn.models import Transformer
+from gpattn.mlls import AttentionELBO
+from gpattn.models import Transformer, predict_probabilities
 
 TASKS = {
     "pointer": lambda seed: make_pointer_task(2048, 0, 512, length=8, seed=seed, vocab_size=8, min_length=4),
@@ -37,7 +37,7 @@ def _accuracy(model: Transformer, dataset) -> float:
 def train(name: str, splits, seed: int, checkpoints: list[int], batch: int, lr: float) -> dict[int, float]:
     """Train one model; return the test accuracy at each checkpoint step."""
     torch.manual_seed(seed)
-    sizes = {key: 4 for key in ("rank", "num_global_inducing", "num_inducing") if key in attention_arguments(name)}
+    sizes = {key: 4 for key in ("num_inducing",) if key in attention_arguments(name)}
     model = Transformer(
         splits.train.num_classes,
         embed_dim=32,

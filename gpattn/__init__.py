@@ -10,8 +10,8 @@ from .attention import KEPSVGPAttention, build_attention
 from .features import AttentionKernelEigenFeatures, KernelEigenFeatures
 from .kernels import CosineFeatureKernel, ExponentialDotProductKernel, InducedKernel, ShiftedRBFKernel
 from .ksvd import kernel_svd, ksvd_objective
-from .mlls import AttentionELBO, KSVDAddedLossTerm, predict_probabilities
-from .models import KernelEigenPairSVGP, Transformer
+from .mlls import AttentionELBO, KSVDAddedLossTerm
+from .models import KernelEigenPairSVGP, Transformer, predict_probabilities
 from .variational import KernelEigenPairVariationalStrategy, KernelEigenVariationalStrategy
 
 __version__ = "0.1.0"

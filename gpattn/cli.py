@@ -41,7 +41,7 @@ def _non_negative_float(text: str) -> float:
 
 
 def _device(text: str) -> str:
-    from ._validation import check_device
+    from .validation import check_device
 
     try:
         device = check_device("device", text)
@@ -76,7 +76,7 @@ def build_parser() -> argparse.ArgumentParser:
     regression.add_argument(
         "--seed", type=_non_negative_int, default=0, help="data and initialisation seed (default: %(default)s)"
     )
-    regression.add_argument("--rank", type=_positive_int, default=16, help="KSVD rank s (default: %(default)s)")
+    regression.add_argument("--num-inducing", type=_positive_int, default=16, help="KSVD rank s (default: %(default)s)")
     regression.add_argument(
         "--landmarks", type=_positive_int, default=24, help="number of fixed landmarks M (default: %(default)s)"
     )
@@ -113,7 +113,9 @@ def _add_train(commands) -> None:
     train.add_argument("--seed", type=_non_negative_int, default=0, help="default: %(default)s")
     train.add_argument("--epochs", type=_positive_int, default=None, help="default: the comparison's for the task")
     train.add_argument("--eval-samples", type=_positive_int, default=defaults.eval_samples, help="default: %(default)s")
-    train.add_argument("--rank", type=_positive_int, default=defaults.rank, help="default: %(default)s")
+    train.add_argument(
+        "--num-inducing", type=_positive_int, default=None, help="inducing set size (default: the layer's own)"
+    )
     train.add_argument(
         "--out", type=_out_dir, default=None, help="run folder (default: runs/train-<task>-<attention>-<seed>)"
     )
@@ -135,7 +137,7 @@ def _run_train(args: argparse.Namespace) -> int:
             tasks=(args.task,),
             seeds=(args.seed,),
             eval_samples=args.eval_samples,
-            rank=args.rank,
+            num_inducing=args.num_inducing,
             device=args.device,
             progress=False,
             **epochs,
@@ -190,9 +192,9 @@ def _add_compare(commands) -> None:
         ("digits_epochs", _positive_int, "training epochs on digits"),
         ("eval_samples", _positive_int, "Monte Carlo samples at evaluation"),
         ("ensemble", _positive_int, "members per model: Deep / KEP-SVGP ensembles when > 1"),
-        ("rank", _positive_int, "KSVD rank of KEP-SVGP and Primal-Attention"),
+        ("num_inducing", _positive_int, "inducing set size: KSVD rank, SGPA/SVGP inducing points"),
         ("beta", _non_negative_float, "KL weight"),
-        ("eta", _non_negative_float, "KSVD weight"),
+        ("ksvd_weight", _non_negative_float, "KSVD weight eta"),
     )
     for name, kind, text in numbers:
         flag = "--" + name.replace("_", "-")
@@ -214,9 +216,9 @@ def _run_compare(args: argparse.Namespace) -> int:
         "digits_epochs",
         "eval_samples",
         "ensemble",
-        "rank",
+        "num_inducing",
         "beta",
-        "eta",
+        "ksvd_weight",
     )
     overrides = {name: getattr(args, name) for name in names if getattr(args, name) is not None}
     overrides.update(device=args.device, progress=not args.no_progress)
@@ -242,14 +244,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "regression":
         from .experiments import ToyRegressionConfig, format_result, run_toy_regression
 
-        if args.rank > args.landmarks:
-            message = f"--rank ({args.rank}) must not exceed --landmarks ({args.landmarks})"
+        if args.num_inducing > args.landmarks:
+            message = f"--num-inducing ({args.num_inducing}) must not exceed --landmarks ({args.landmarks})"
             print(f"gpattn regression: error: {message}", file=sys.stderr)
             return 2
         config = ToyRegressionConfig(
             seed=args.seed,
             num_landmarks=args.landmarks,
-            rank=args.rank,
+            num_inducing=args.num_inducing,
             iterations=args.iterations,
             pyro_iterations=args.pyro_iterations,
             lr=args.lr,

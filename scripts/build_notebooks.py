@@ -226,7 +226,7 @@ def notebook_01() -> list[nbformat.NotebookNode]:
         """),
         code(r"""
         landmarks = torch.linspace(-3, 3, 30).unsqueeze(-1)
-        features = KernelEigenFeatures(shifted_rbf, landmarks, rank=4, mode="exact", learn_landmarks=False)
+        features = KernelEigenFeatures(shifted_rbf, landmarks, num_inducing=4, mode="exact", learn_landmarks=False)
         grid = torch.linspace(-3, 3, 300).unsqueeze(-1)
         with torch.no_grad():
             svd = features.decomposition()
@@ -274,7 +274,7 @@ def notebook_01() -> list[nbformat.NotebookNode]:
         landmarks_2d = torch.cartesian_prod(axis_points, axis_points)
         delta = torch.tensor([0.8, 0.4])
         kernel_2d = ShiftedRBFKernel(2, shift=delta, lengthscale=0.7)
-        features_2d = KernelEigenFeatures(kernel_2d, landmarks_2d, rank=3, learn_landmarks=False)
+        features_2d = KernelEigenFeatures(kernel_2d, landmarks_2d, num_inducing=3, learn_landmarks=False)
         fine = torch.linspace(-2, 2, pick(60, 20))
         grid_2d = torch.cartesian_prod(fine, fine)  # first coordinate varies slowest
         with torch.no_grad():
@@ -317,8 +317,8 @@ def notebook_01() -> list[nbformat.NotebookNode]:
         landmarks_cos = torch.rand(40, 2, generator=generator) * 4 - 2
         queries = torch.rand(300, 2, generator=generator) * 4 - 2  # out-of-sample inputs
         kernel_cos = CosineFeatureKernel(2, feature_dim=8, lift="rff", lift_dim=32, seed=1)
-        exact = KernelEigenFeatures(kernel_cos, landmarks_cos, rank=4, mode="exact", learn_landmarks=False)
-        primal = KernelEigenFeatures(kernel_cos, landmarks_cos, rank=4, mode="primal", learn_landmarks=False)
+        exact = KernelEigenFeatures(kernel_cos, landmarks_cos, num_inducing=4, mode="exact", learn_landmarks=False)
+        primal = KernelEigenFeatures(kernel_cos, landmarks_cos, num_inducing=4, mode="primal", learn_landmarks=False)
 
         def compare(tag):
             with torch.no_grad():
@@ -373,7 +373,7 @@ def notebook_01() -> list[nbformat.NotebookNode]:
 
         def subspace_alignment(features):
             # mean cosine of the principal angles between span e(X) and span H_e of the current kernel
-            exact_svd = kernel_svd(features.kernel(landmarks_1d, landmarks_1d), features.rank)
+            exact_svd = kernel_svd(features.kernel(landmarks_1d, landmarks_1d), features.num_inducing)
             basis = torch.linalg.qr(features.scores(landmarks_1d, "left")).Q
             return torch.linalg.svdvals(basis.mT @ exact_svd.left).mean().item()
 
@@ -381,7 +381,7 @@ def notebook_01() -> list[nbformat.NotebookNode]:
         for eta in (0.0, 1.0, 10.0):
             torch.manual_seed(0)
             kernel = CosineFeatureKernel(1, feature_dim=16, lift="rff", lift_dim=64, lift_lengthscale=0.5)
-            model = KernelEigenPairSVGP(landmarks_1d, kernel, rank=8, mode="primal", ksvd_weight=eta,
+            model = KernelEigenPairSVGP(landmarks_1d, kernel, num_inducing=8, mode="primal", ksvd_weight=eta,
                                         learn_inducing_locations=False)
             likelihood = gpytorch.likelihoods.GaussianLikelihood()
             mll = gpytorch.mlls.VariationalELBO(likelihood, model, num_data=data.train_x.shape[0])
@@ -561,7 +561,7 @@ def notebook_02() -> list[nbformat.NotebookNode]:
         md(r"""
         ## 2. Left, right and merged posteriors against the exact GP
 
-        `fit_pair_svgp` trains `KernelEigenPairSVGP(landmarks, ShiftedRBFKernel(1), rank=16)` (24 fixed landmarks,
+        `fit_pair_svgp` trains `KernelEigenPairSVGP(landmarks, ShiftedRBFKernel(1), num_inducing=16)` (24 fixed landmarks,
         natural-gradient steps on $q(u)$, Adam on the kernel and the noise) with `gpytorch.mlls.VariationalELBO`;
         `fit_exact_gp` fits the exact GP with kernel $k_e + k_r$ on the same landmarks by the exact marginal
         likelihood. Both start from $\delta = 0.1$, $\ell = 0.5$. We report the test RMSE and the negative log
@@ -661,7 +661,7 @@ def notebook_02() -> list[nbformat.NotebookNode]:
             # KEP-SVGP trained on the ELBO; returns model, likelihood and -ELBO/n of every step
             torch.manual_seed(0)
             kernel = ShiftedRBFKernel(1, shift=config.initial_shift, lengthscale=config.initial_lengthscale)
-            model = KernelEigenPairSVGP(landmarks, kernel, rank=rank, residual=residual, whiten=whiten,
+            model = KernelEigenPairSVGP(landmarks, kernel, num_inducing=rank, residual=residual, whiten=whiten,
                                         variational_distribution="natural" if natural else "cholesky",
                                         learn_inducing_locations=False)
             likelihood = gpytorch.likelihoods.GaussianLikelihood()
@@ -794,7 +794,7 @@ def notebook_02() -> list[nbformat.NotebookNode]:
 
         # the whitened model with the parameters that correspond to the trained unwhitened one
         unwhitened = parametrisations[False][0]
-        whitened = KernelEigenPairSVGP(landmarks, ShiftedRBFKernel(1), rank=16, whiten=True,
+        whitened = KernelEigenPairSVGP(landmarks, ShiftedRBFKernel(1), num_inducing=16, whiten=True,
                                        learn_inducing_locations=False)
         whitened.load_state_dict(unwhitened.state_dict())
         whitened.eval()
@@ -924,7 +924,7 @@ def notebook_03() -> list[nbformat.NotebookNode]:
             from gpattn.experiments import TrainConfig, evaluate, train_model
             from gpattn.ksvd import kernel_svd
             from gpattn.metrics import accuracy, expected_calibration_error, negative_log_likelihood
-            from gpattn.mlls import predict_probabilities
+            from gpattn.models import predict_probabilities
             from gpattn.models import Transformer
             """,
         ),
@@ -955,7 +955,7 @@ def notebook_03() -> list[nbformat.NotebookNode]:
         models, summary = {}, {}
         for mode in MODES:
             torch.manual_seed(0)
-            model = Transformer(2, embed_dim=32, depth=2, num_heads=2, attention="kep_svgp", gp_layers=1, rank=4,
+            model = Transformer(2, embed_dim=32, depth=2, num_heads=2, attention="kep_svgp", gp_layers=1, num_inducing=4,
                                 vocab_size=8, max_len=length, features=mode)
             start = time.perf_counter()
             result = train_model(model, data.train, data.val,
@@ -1449,9 +1449,9 @@ def notebook_04() -> list[nbformat.NotebookNode]:
                          for task in tasks for name in names}
 
         def make_layer(name):
-            inducing = config.num_inducing
-            sizes = {"rank": config.rank, "num_inducing": inducing, "num_global_inducing": inducing}
-            kwargs = {key: value for key, value in sizes.items() if key in attention_arguments(name)}
+            kwargs = {}
+            if config.num_inducing is not None and "num_inducing" in attention_arguments(name):
+                kwargs["num_inducing"] = config.num_inducing
             torch.manual_seed(0)
             return build_attention(name, config.embed_dim, config.num_heads, **kwargs).train()
 

@@ -23,7 +23,7 @@ def test_regression_command_writes_run_folder(tmp_path, capsys) -> None:
             "3",
             "--landmarks",
             "8",
-            "--rank",
+            "--num-inducing",
             "4",
             "--no-progress",
         ]
@@ -36,12 +36,12 @@ def test_regression_command_writes_run_folder(tmp_path, capsys) -> None:
 
 
 def test_rank_larger_than_landmarks_is_an_error(tmp_path, capsys) -> None:
-    assert main(["regression", "--out", str(tmp_path), "--rank", "30", "--landmarks", "24"]) == 2
-    assert "--rank (30) must not exceed --landmarks (24)" in capsys.readouterr().err
+    assert main(["regression", "--out", str(tmp_path), "--num-inducing", "30", "--landmarks", "24"]) == 2
+    assert "--num-inducing (30) must not exceed --landmarks (24)" in capsys.readouterr().err
     assert not (tmp_path / "results.json").exists()
 
 
-@pytest.mark.parametrize("argument", [["--rank", "0"], ["--iterations", "-1"], ["--lr", "0"], ["--rank", "two"]])
+@pytest.mark.parametrize("argument", [["--num-inducing", "0"], ["--iterations", "-1"], ["--lr", "0"], ["--num-inducing", "two"]])
 def test_bad_numbers_are_rejected_by_the_parser(argument, capsys) -> None:
     with pytest.raises(SystemExit) as error:
         build_parser().parse_args(["regression", *argument])

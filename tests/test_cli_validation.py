@@ -38,9 +38,9 @@ CASES = [
     # (argv, fragments of the stderr message)
     ([], ["required", "command"]),
     (["fit"], ["invalid choice: 'fit'", "regression", "compare", "train"]),
-    (["regression", "--rank", "0"], ["--rank", "expected a positive integer, got '0'"]),
-    (["regression", "--rank", "two"], ["--rank", "expected a positive integer, got 'two'"]),
-    (["regression", "--rank", "2.5"], ["--rank", "expected a positive integer, got '2.5'"]),
+    (["regression", "--num-inducing", "0"], ["--num-inducing", "expected a positive integer, got '0'"]),
+    (["regression", "--num-inducing", "two"], ["--num-inducing", "expected a positive integer, got 'two'"]),
+    (["regression", "--num-inducing", "2.5"], ["--num-inducing", "expected a positive integer, got '2.5'"]),
     (["regression", "--landmarks", "-1"], ["--landmarks", "positive integer, got '-1'"]),
     (["regression", "--iterations", "0"], ["--iterations", "positive integer"]),
     (["regression", "--pyro-iterations", "-5"], ["--pyro-iterations", "positive integer"]),
@@ -49,15 +49,15 @@ CASES = [
     (["regression", "--lr", "inf"], ["--lr", "finite number > 0, got 'inf'"]),
     (["regression", "--seed", "-1"], ["--seed", "non-negative integer, got '-1'"]),
     (["regression", "--seed", "abc"], ["--seed", "non-negative integer, got 'abc'"]),
-    (["regression", "--rank", "30", "--landmarks", "24"], ["--rank (30) must not exceed --landmarks (24)"]),
+    (["regression", "--num-inducing", "30", "--landmarks", "24"], ["--num-inducing (30) must not exceed --landmarks (24)"]),
     (["regression", "--frobnicate"], ["unrecognized arguments: --frobnicate"]),
     (["train", "--attention", "nope"], ["--attention", "invalid choice: 'nope'", "kep_svgp"]),
     (["train", "--task", "mnist"], ["--task", "invalid choice: 'mnist'", "digits"]),
     (["train", "--epochs", "0"], ["--epochs", "positive integer, got '0'"]),
     (["train", "--epochs", "-3"], ["--epochs", "positive integer, got '-3'"]),
     (["train", "--eval-samples", "0"], ["--eval-samples", "positive integer"]),
-    (["train", "--rank", "0"], ["--rank", "positive integer"]),
-    (["train", "--rank", "17"], ["gpattn train: error:", "rank (17)", "head width", "16"]),
+    (["train", "--num-inducing", "0"], ["--num-inducing", "positive integer"]),
+    (["train", "--num-inducing", "17"], ["gpattn train: error:", "num_inducing (17)", "head width", "16"]),
     (["train", "--seed", "-2"], ["--seed", "non-negative integer"]),
     (["train", "--device", "banana"], ["--device", "'cpu', 'cuda' or 'cuda:0', got 'banana'"]),
     (["train", "--device", "meta"], ["--device", "'cpu', 'cuda' or 'cuda:<index>', got 'meta'"]),
@@ -69,9 +69,9 @@ CASES = [
     (["compare", "--pointer-epochs", "0"], ["--pointer-epochs", "positive integer"]),
     (["compare", "--digits-epochs", "-1"], ["--digits-epochs", "positive integer"]),
     (["compare", "--eval-samples", "0"], ["--eval-samples", "positive integer"]),
-    (["compare", "--rank", "99"], ["gpattn compare: error:", "rank (99)", "head width"]),
-    (["compare", "--attentions", "softmax", "--rank", "99", "--beta", "-1"], ["--beta", "finite number >= 0"]),
-    (["compare", "--eta", "nan"], ["--eta", "finite number >= 0, got 'nan'"]),
+    (["compare", "--num-inducing", "99"], ["gpattn compare: error:", "num_inducing (99)", "head width"]),
+    (["compare", "--attentions", "softmax", "--num-inducing", "99", "--beta", "-1"], ["--beta", "finite number >= 0"]),
+    (["compare", "--ksvd-weight", "nan"], ["--ksvd-weight", "finite number >= 0, got 'nan'"]),
     (["compare", "--device", "cpux"], ["--device", "got 'cpux'"]),
     (["compare", "--quick", "--ensemble", "-2"], ["--ensemble", "positive integer"]),
 ]
@@ -116,7 +116,7 @@ def test_good_options_still_reach_the_run(monkeypatch, tmp_path):
     for argv in (
         ["regression", "--out", str(tmp_path / "r")],
         ["train", "--out", str(tmp_path / "t"), "--device", "cpu", "--seed", "0"],
-        ["compare", "--quick", "--out", str(tmp_path / "c"), "--beta", "0", "--eta", "0.5", "--seeds", "0", "1"],
+        ["compare", "--quick", "--out", str(tmp_path / "c"), "--beta", "0", "--ksvd-weight", "0.5", "--seeds", "0", "1"],
     ):
         with pytest.raises(AssertionError, match="a run started"):
             cli.main(argv)

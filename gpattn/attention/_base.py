@@ -9,7 +9,7 @@ import torch
 from gpytorch.module import Module
 from torch import Tensor
 
-from .._validation import check_float, check_int, check_tensor
+from ..validation import check_float, check_int, check_tensor
 
 
 @dataclass(frozen=True)

@@ -8,9 +8,9 @@ import torch
 from gpytorch.variational import CholeskyVariationalDistribution
 from torch import Tensor
 
-from .._validation import check_int
 from ..features.attention_kernel_eigen_features import AttentionKernelEigenFeatures, AttentionScores
 from ..mlls import KSVDAddedLossTerm
+from ..validation import check_float, check_int
 from ..variational._structured import diagonal_prior_kl
 from ._base import AttentionLayer
 
@@ -45,14 +45,15 @@ class KEPSVGPAttention(AttentionLayer):
     ``"marginal"`` (the official code's) draws independent noise per token with the right marginals only,
     O(N s^2 d_out). ``residual="diag"`` adds the residual variance :math:`k(x, x) - \|e(x)\|^2` per token. Eval
     mode returns the predictive mean. The KSVD penalty :math:`J^2` (mean over sequences, sum over heads) is the
-    added loss term ``"ksvd_loss"``; :class:`~gpattn.mlls.AttentionELBO` weighs it by :math:`\eta`.
+    added loss term ``"ksvd_loss"``, weighted by :math:`\eta` = ``ksvd_weight`` (as every GPyTorch added loss term, it
+    carries its own weight: :class:`~gpattn.mlls.AttentionELBO` and GPyTorch's MLLs add it as it is).
 
     With ``context`` (cross-attention) the output at the queries is the left branch alone: :math:`r` lives on the
     keys. With ``tie_qk=True`` (the symmetric KEP ablation) :math:`H_e = H_r` and one branch is used.
 
     :param embed_dim: Token width :math:`C`.
     :param num_heads: :math:`H`.
-    :param rank: :math:`s` (default :math:`\min(10, p)`, :math:`p` the feature dimension).
+    :param num_inducing: :math:`s`, the KSVD rank (default :math:`\min(10, p)`, :math:`p` the feature dimension).
     :param features: ``"amortized"``, ``"primal_tokens"`` or ``"exact"``.
     :param merge: ``"sum"``, ``"concat"`` or ``"concat_tokens"``.
     :param shared_posterior: One :math:`q(u)` for both branches.
@@ -64,7 +65,8 @@ class KEPSVGPAttention(AttentionLayer):
     :param dropout: Output dropout.
     :param num_outputs: GP outputs per head ``d_out`` (default: the head width).
     :param feature_dim: Kernel feature dimension :math:`p` (default: the head width); the cosine kernel has rank
-        :math:`\le p`, so ``rank <= feature_dim``.
+        :math:`\le p`, so ``num_inducing <= feature_dim``.
+    :param ksvd_weight: :math:`\eta \geq 0`, the weight of the KSVD penalty :math:`\eta J^2`.
 
     .. note:: Cost per head (amortised features, joint sampling): O(N C s + N p s) for the scores, O(N s d_out)
         for the output, O(s) for the prior terms of the KL, O(s^2 d_out) for its variational terms; no
@@ -77,7 +79,7 @@ class KEPSVGPAttention(AttentionLayer):
         self,
         embed_dim: int,
         num_heads: int,
-        rank: int | None = None,
+        num_inducing: int | None = None,
         features: str = "amortized",
         merge: str = "sum",
         shared_posterior: bool = False,
@@ -89,8 +91,10 @@ class KEPSVGPAttention(AttentionLayer):
         dropout: float = 0.0,
         num_outputs: int | None = None,
         feature_dim: int | None = None,
+        ksvd_weight: float = 1.0,
     ):
         super().__init__(embed_dim, num_heads, dropout)
+        self.ksvd_weight = check_float("ksvd_weight", ksvd_weight, 0.0, where=type(self).__name__)
         for name, value, allowed in (("merge", merge, MERGES), ("sampling", sampling, SAMPLINGS)):
             if value not in allowed:
                 raise ValueError(f"expected {name} in {allowed}, got {value!r}")
@@ -105,23 +109,23 @@ class KEPSVGPAttention(AttentionLayer):
         self.features = AttentionKernelEigenFeatures(
             embed_dim,
             num_heads,
-            rank,
+            num_inducing,
             mode=features,
             kernel=kernel,
             feature_dim=feature_dim,
             tie_qk=tie_qk,
             max_len=max_len,
         )
-        rank = self.features.rank  # the default resolved there: min(10, p)
-        self.rank, self.merge, self.sampling_mode, self.residual = rank, merge, sampling, residual
+        num_inducing = self.features.num_inducing  # the default resolved there: min(10, p)
+        self.num_inducing, self.merge, self.sampling_mode, self.residual = num_inducing, merge, sampling, residual
         self.shared_posterior, self.tie_qk, self.max_len = bool(shared_posterior), bool(tie_qk), max_len
         self.num_outputs = self.head_dim if num_outputs is None else num_outputs
         self.register_added_loss_term("ksvd_loss")
         self._last_singular_values: Tensor | None = None
         batch = torch.Size([num_heads, self.num_outputs])
-        self.left_posterior = CholeskyVariationalDistribution(rank, batch_shape=batch)
+        self.left_posterior = CholeskyVariationalDistribution(num_inducing, batch_shape=batch)
         if not (self.shared_posterior or self.tie_qk):
-            self.right_posterior = CholeskyVariationalDistribution(rank, batch_shape=batch)
+            self.right_posterior = CholeskyVariationalDistribution(num_inducing, batch_shape=batch)
         self._initialize_posteriors()
         width = 2 * self.num_outputs if merge == "concat" else self.num_outputs
         bound = width**-0.5
@@ -138,7 +142,7 @@ class KEPSVGPAttention(AttentionLayer):
         # m ~ N(0, Lambda^2) so that Lambda^{-1} m acts like a random value projection; S = (0.1 Lambda)^2
         with torch.no_grad():
             if self.features.mode == "exact":
-                scale = torch.ones(self.num_heads, 1, self.rank)
+                scale = torch.ones(self.num_heads, 1, self.num_inducing)
             else:
                 scale = self.features.singular_values.unsqueeze(1)
             for posterior in self._posteriors():
@@ -260,7 +264,9 @@ class KEPSVGPAttention(AttentionLayer):
             scores = dataclasses.replace(scores, singular_values=torch.maximum(values, floor))
         self._last_singular_values = scores.singular_values
         if self.training:
-            self.update_added_loss_term("ksvd_loss", KSVDAddedLossTerm(scores.objective, 1.0, num_averaged_dims=1))
+            self.update_added_loss_term(
+                "ksvd_loss", KSVDAddedLossTerm(scores.objective, self.ksvd_weight, num_averaged_dims=1)
+            )
         return scores, inputs.is_cross
 
     def forward(self, x: Tensor, mask: Tensor | str | None = None, context: Tensor | None = None) -> Tensor:

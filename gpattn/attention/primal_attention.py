@@ -7,6 +7,7 @@ from torch import Tensor
 
 from ..features.attention_kernel_eigen_features import AttentionKernelEigenFeatures
 from ..mlls import KSVDAddedLossTerm
+from ..validation import check_float
 from ._base import AttentionLayer
 
 
@@ -19,16 +20,17 @@ class PrimalAttention(AttentionLayer):
 
     with :math:`e, r` from :class:`~gpattn.features.AttentionKernelEigenFeatures` (amortised by default, or the
     paper's ``"primal_tokens"``) and the penalty :math:`J^2` (the added loss term ``"ksvd_loss"``, weighed by
-    :math:`\eta` in :class:`~gpattn.mlls.AttentionELBO`). Deterministic: ``kl_divergence()`` is zero. In
+    :math:`\eta` = ``ksvd_weight``). Deterministic: ``kl_divergence()`` is zero. In
     cross-attention :math:`r` lives on the keys, so the queries use :math:`[e(x_i); 0]`.
 
     :param embed_dim: Token width :math:`C`.
     :param num_heads: :math:`H`.
-    :param rank: :math:`s` (default :math:`\min(10, p)`, :math:`p` the feature dimension).
+    :param num_inducing: :math:`s`, the KSVD rank (default :math:`\min(10, p)`, :math:`p` the feature dimension).
     :param features: ``"amortized"`` or ``"primal_tokens"``.
     :param max_len: Sequence length of ``"primal_tokens"``.
     :param dropout: Output dropout.
-    :param feature_dim: Kernel feature dimension :math:`p` (default: the head width); ``rank <= feature_dim``.
+    :param feature_dim: Kernel feature dimension :math:`p` (default: the head width); ``num_inducing <= feature_dim``.
+    :param ksvd_weight: :math:`\eta \geq 0`, the weight of the KSVD penalty :math:`\eta J^2`.
 
     .. note:: Cost per head O(N C s + N p s): no :math:`N \times N` matrix.
     """
@@ -37,22 +39,26 @@ class PrimalAttention(AttentionLayer):
         self,
         embed_dim: int,
         num_heads: int,
-        rank: int | None = None,
+        num_inducing: int | None = None,
         features: str = "amortized",
         max_len: int | None = None,
         dropout: float = 0.0,
         feature_dim: int | None = None,
+        ksvd_weight: float = 1.0,
     ):
         super().__init__(embed_dim, num_heads, dropout)
+        self.ksvd_weight = check_float("ksvd_weight", ksvd_weight, 0.0, where=type(self).__name__)
         if features not in ("amortized", "primal_tokens"):
             raise ValueError(f"expected features 'amortized' or 'primal_tokens', got {features!r}")
         self.features = AttentionKernelEigenFeatures(
-            embed_dim, num_heads, rank, mode=features, feature_dim=feature_dim, max_len=max_len
+            embed_dim, num_heads, num_inducing, mode=features, feature_dim=feature_dim, max_len=max_len
         )
-        self.rank = rank = self.features.rank  # the default resolved there: min(10, p)
-        bound = (2 * rank) ** -0.5
+        self.num_inducing = num_inducing = self.features.num_inducing  # the default resolved there: min(10, p)
+        bound = (2 * num_inducing) ** -0.5
         # per-head map [e; r] (2s) -> head width; shape (H, 2s, head_dim)
-        self.output_weight = torch.nn.Parameter(torch.empty(num_heads, 2 * rank, self.head_dim).uniform_(-bound, bound))
+        self.output_weight = torch.nn.Parameter(
+            torch.empty(num_heads, 2 * num_inducing, self.head_dim).uniform_(-bound, bound)
+        )
         self.register_added_loss_term("ksvd_loss")
 
     def forward(self, x: Tensor, mask: Tensor | str | None = None, context: Tensor | None = None) -> Tensor:
@@ -61,10 +67,12 @@ class PrimalAttention(AttentionLayer):
             inputs.queries, inputs.keys, inputs.key_mask, inputs.causal, objective=self.training, kernel_diag=False
         )
         if self.training:
-            self.update_added_loss_term("ksvd_loss", KSVDAddedLossTerm(scores.objective, 1.0, num_averaged_dims=1))
+            self.update_added_loss_term(
+                "ksvd_loss", KSVDAddedLossTerm(scores.objective, self.ksvd_weight, num_averaged_dims=1)
+            )
         # y = b + sum_h [e_h, r_h] W_h P_h^T: the per-head map and out_proj folded into (H, 2s, C) coefficients
         coefficients = self.output_weight @ self.head_projection()
-        output = self.accumulate_heads(self.out_proj.bias, scores.left, coefficients[:, : self.rank])
+        output = self.accumulate_heads(self.out_proj.bias, scores.left, coefficients[:, : self.num_inducing])
         if not inputs.is_cross:  # r lives on the keys: cross-attention uses e alone
-            output = self.accumulate_heads(output, scores.right, coefficients[:, self.rank :])
+            output = self.accumulate_heads(output, scores.right, coefficients[:, self.num_inducing :])
         return self.dropout(output)

@@ -47,7 +47,7 @@ def _layer_class(name: str) -> type[AttentionLayer]:
 
 def attention_arguments(name: str) -> list[str]:
     """The keyword arguments the layer registered as ``name`` accepts besides ``embed_dim`` and ``num_heads``
-    (e.g. to pass ``rank`` only to the layers that have one).
+    (e.g. to pass ``num_inducing`` only to the layers that have one).
 
     :param name: One of :func:`attention_names`.
     :return: Argument names, in signature order.

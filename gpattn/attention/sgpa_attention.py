@@ -10,8 +10,8 @@ from gpytorch.constraints import Positive
 from linear_operator.utils.cholesky import psd_safe_cholesky
 from torch import Tensor
 
-from .._validation import check_float, check_int, check_positive
 from ..kernels.exponential_dot_product_kernel import safe_max_logit
+from ..validation import check_float, check_int, check_positive
 from ._base import AttentionInputs, AttentionLayer
 
 KERNELS = ("ard", "exponential")
@@ -62,7 +62,7 @@ class SGPAAttention(AttentionLayer):
 
     :param embed_dim: Token width :math:`C`.
     :param num_heads: Number of heads :math:`H`.
-    :param num_global_inducing: :math:`M_g`, the number of global inducing keys per head.
+    :param num_inducing: :math:`M_g`, the number of global inducing keys per head.
     :param kernel: ``"ard"`` or ``"exponential"``.
     :param dropout: Dropout on the output.
     :param jitter: Relative jitter on :math:`K_{bb}` (times the mean of its diagonal) and on the sampling variance.
@@ -79,26 +79,26 @@ class SGPAAttention(AttentionLayer):
         self,
         embed_dim: int,
         num_heads: int,
-        num_global_inducing: int = 16,
+        num_inducing: int = 16,
         kernel: str = "ard",
         dropout: float = 0.0,
         jitter: float = 1e-6,
     ):
         super().__init__(embed_dim, num_heads, dropout)
-        check_int("num_global_inducing", num_global_inducing, where=type(self).__name__)
+        check_int("num_inducing", num_inducing, where=type(self).__name__)
         if kernel not in KERNELS:
             raise ValueError(f"expected kernel in {KERNELS}, got {kernel!r}")
         check_float("jitter", jitter, 0.0, 1.0, strict_maximum=True, where=type(self).__name__)
         self.kernel_type = kernel
-        self.num_global_inducing = num_global_inducing
+        self.num_inducing = num_inducing
         self.jitter = float(jitter)
         heads, width = num_heads, self.head_dim
         self.key_proj = torch.nn.Linear(embed_dim, embed_dim, bias=False)  # W_q = W_k: a symmetric kernel
         self.value_proj = torch.nn.Linear(embed_dim, embed_dim, bias=False)
-        self.inducing_keys = torch.nn.Parameter(torch.randn(heads, num_global_inducing, width))  # k_b
-        self.inducing_values = torch.nn.Parameter(1e-3 * torch.randn(heads, num_global_inducing, width))  # v_b
+        self.inducing_keys = torch.nn.Parameter(torch.randn(heads, num_inducing, width))  # k_b
+        self.inducing_values = torch.nn.Parameter(1e-3 * torch.randn(heads, num_inducing, width))  # v_b
         # raw L_S: strict lower triangle as is, diagonal through exp; zeros give S = I (q(u) = p(u) whitened)
-        self.chol_variational_covar = torch.nn.Parameter(torch.zeros(heads, num_global_inducing, num_global_inducing))
+        self.chol_variational_covar = torch.nn.Parameter(torch.zeros(heads, num_inducing, num_inducing))
         # ARD: ||x - y||^2 ~ 2p for unit-scale features; exponential: <x, y> / sqrt(p), the softmax numerator
         lengthscale = math.sqrt(width) if kernel == "ard" else width**0.25
         self.register_parameter("raw_lengthscale", torch.nn.Parameter(torch.zeros(heads, width)))
@@ -160,7 +160,7 @@ class SGPAAttention(AttentionLayer):
         """:math:`L_{bb}` of the jittered :math:`K_{bb}`, shape ``(H, M_g, M_g)``, and the jitter, shape ``(H,)``."""
         induc_induc_covar = self.kernel(self.inducing_keys, self.inducing_keys)  # shape: (H, M_g, M_g)
         jitter = self.jitter * induc_induc_covar.diagonal(dim1=-2, dim2=-1).mean(-1).detach()  # shape: (H,)
-        eye = torch.eye(self.num_global_inducing, dtype=jitter.dtype, device=jitter.device)
+        eye = torch.eye(self.num_inducing, dtype=jitter.dtype, device=jitter.device)
         return psd_safe_cholesky(induc_induc_covar + jitter[:, None, None] * eye), jitter
 
     # -- GP ----------------------------------------------------------------------------------------------------------
@@ -168,7 +168,7 @@ class SGPAAttention(AttentionLayer):
         # 1/2 [Tr S - M_g - log|S| + v_b^T K_bb v_b] summed over heads and value dims (S is shared by the p dims)
         covar_root = self.variational_covar_root
         log_det = 2 * self.chol_variational_covar.diagonal(dim1=-2, dim2=-1).sum(-1)  # log|S|; shape: (H,)
-        covar_term = covar_root.square().sum((-2, -1)) - self.num_global_inducing - log_det
+        covar_term = covar_root.square().sum((-2, -1)) - self.num_inducing - log_det
         mean_term = (induc_chol.mT @ self.inducing_values).square().sum((-2, -1))  # ||L_bb^T v_b||^2
         return 0.5 * (self.head_dim * covar_term + mean_term).sum()
 

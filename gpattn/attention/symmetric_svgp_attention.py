@@ -12,7 +12,7 @@ from gpytorch.models import ApproximateGP
 from gpytorch.variational import CholeskyVariationalDistribution, VariationalStrategy
 from torch import Tensor
 
-from .._validation import check_int
+from ..validation import check_int
 from ._base import AttentionInputs, AttentionLayer
 
 

@@ -46,7 +46,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .._validation import InputTypeError, check_int, check_tensor, checked_inputs
+from ..validation import InputTypeError, check_int, check_tensor, checked_inputs
 
 __all__ = [
     "DEFAULT_HELD_OUT_CLASSES",

@@ -61,7 +61,7 @@ from typing import Literal
 import torch
 from torch import Tensor
 
-from .._validation import InputTypeError, check_int
+from ..validation import InputTypeError, check_int
 
 __all__ = ["RegressionData", "make_asymmetric_regression_1d", "make_asymmetric_regression_2d"]
 

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from .._validation import check_int
+from ..validation import check_int
 
 __all__ = ["SequenceDataset", "SequenceSplits", "make_pointer_task", "make_successor_task"]
 

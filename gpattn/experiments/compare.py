@@ -23,10 +23,10 @@ import torch
 from tqdm import tqdm
 
 from .. import metrics
-from .._validation import check_device, check_float, check_int
 from ..attention import attention_arguments, attention_names
 from ..data import load_digits_splits, make_noise_ood, make_pointer_task, make_shifted_test_sets
 from ..models import Transformer
+from ..validation import check_device, check_float, check_int
 from .training import TrainConfig, ensemble_probabilities, train_model
 
 TASKS = ("pointer", "digits")
@@ -50,12 +50,13 @@ class CompareConfig:
     :ivar depth: Encoder blocks.
     :ivar num_heads: Heads per block.
     :ivar gp_layers: Blocks (the last ones) using the attention under test.
-    :ivar rank: KSVD rank of KEP-SVGP / Primal-Attention layers.
-    :ivar num_inducing: Inducing points of SGPA (global keys) and the symmetric SVGP.
+    :ivar num_inducing: Size of the inducing set of every attention that has one (the KSVD rank :math:`s` of
+        KEP-SVGP and Primal-Attention, the global inducing keys of SGPA, the inducing points of the symmetric SVGP);
+        ``None``: each layer's own default (:math:`s = \\min(10, p)`, 16 for SGPA and the SVGP).
     :ivar eval_samples: Monte Carlo samples :math:`T` at evaluation.
     :ivar ensemble: Members per model (1: single models; K > 1: ensembles whose probabilities are averaged).
     :ivar beta: KL weight.
-    :ivar eta: KSVD weight.
+    :ivar ksvd_weight: :math:`\\eta` of the KSVD penalty :math:`\\eta J^2` of the KSVD attentions (a layer argument).
     :ivar device: ``"cpu"`` or ``"cuda"``.
     :ivar progress: Progress bars.
     """
@@ -71,12 +72,11 @@ class CompareConfig:
     depth: int = 2
     num_heads: int = 2
     gp_layers: int = 1
-    rank: int = 8
-    num_inducing: int = 16
+    num_inducing: int | None = None
     eval_samples: int = 10
     ensemble: int = 1
     beta: float = 1.0
-    eta: float = 1.0
+    ksvd_weight: float = 1.0
     device: str = "cpu"
     progress: bool = True
 
@@ -97,21 +97,23 @@ class CompareConfig:
             check_int("seeds", seed, minimum=0, where=where)
         for name in ("pointer_epochs", "digits_epochs", "batch_size", "embed_dim", "depth", "num_heads"):
             check_int(name, getattr(self, name), where=where)
-        for name in ("num_inducing", "eval_samples", "rank"):
-            check_int(name, getattr(self, name), where=where)
+        check_int("eval_samples", self.eval_samples, where=where)
+        if self.num_inducing is not None:
+            check_int("num_inducing", self.num_inducing, where=where)
         check_int("gp_layers", self.gp_layers, 0, self.depth, where=where)
         if self.embed_dim % self.num_heads:
             raise ValueError(f"{where}: embed_dim ({self.embed_dim}) must be divisible by num_heads ({self.num_heads})")
         head_width = self.embed_dim // self.num_heads
-        with_rank = [name for name in self.attentions if "rank" in attention_arguments(name)]
-        if with_rank and self.rank > head_width:  # the cosine kernel of a head has rank <= its feature width
+        with_rank = [name for name in self.attentions if "feature_dim" in attention_arguments(name)]
+        if with_rank and self.num_inducing is not None and self.num_inducing > head_width:
+            # the cosine kernel of a head has rank <= its feature width
             raise ValueError(
-                f"{where}: rank ({self.rank}) must not exceed the head width embed_dim / num_heads = {head_width} "
-                f"of the KSVD attentions {with_rank}"
+                f"{where}: num_inducing ({self.num_inducing}) must not exceed the head width embed_dim / num_heads = "
+                f"{head_width} of the KSVD attentions {with_rank}"
             )
         check_float("lr", self.lr, 0.0, strict_minimum=True, where=where)
         check_float("beta", self.beta, 0.0, where=where)
-        check_float("eta", self.eta, 0.0, where=where)
+        check_float("ksvd_weight", self.ksvd_weight, 0.0, where=where)
         if check_device("device", self.device, where=where).type not in ("cpu", "cuda"):
             raise ValueError(f"{where}: expected device 'cpu', 'cuda' or 'cuda:<index>', got {self.device!r}")
 
@@ -141,8 +143,9 @@ def _task_data(task: str) -> dict[str, Any]:
 def build_model(config: CompareConfig, attention: str, num_classes: int, model_kwargs: dict[str, Any]) -> Transformer:
     """The Transformer of one run; the attention's size arguments come from ``config``."""
     accepted = attention_arguments(attention)
-    sizes = {"rank": config.rank, "num_global_inducing": config.num_inducing, "num_inducing": config.num_inducing}
-    attention_kwargs = {key: value for key, value in sizes.items() if key in accepted}
+    attention_kwargs = {"ksvd_weight": config.ksvd_weight} if "ksvd_weight" in accepted else {}
+    if config.num_inducing is not None and "num_inducing" in accepted:
+        attention_kwargs["num_inducing"] = config.num_inducing
     return Transformer(
         num_classes,
         embed_dim=config.embed_dim,
@@ -238,7 +241,6 @@ def make_train_config(
         batch_size=config.batch_size,
         lr=config.lr,
         beta=config.beta,
-        eta=config.eta,
         eval_samples=config.eval_samples,
         seed=seed,
         device=config.device,

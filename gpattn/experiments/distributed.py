@@ -160,7 +160,7 @@ def _train(model, train_inputs, train_mask, train_labels, val, val_labels, confi
     shard_size = math.ceil(num_data / world_size)
     steps_per_epoch = math.ceil(shard_size / config.batch_size)
     total_steps, warmup_steps = config.schedule_steps(steps_per_epoch)
-    loss_fn = AttentionELBO(model, num_data=num_data, beta=config.beta, eta=config.eta, combine_terms=False)
+    loss_fn = AttentionELBO(model, num_data=num_data, beta=config.beta, combine_terms=False)
     optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, weight_decay=config.weight_decay)
     scheduler = warmup_cosine_schedule(optimizer, total_steps, warmup_steps, config.min_lr)
     generator = torch.Generator().manual_seed(config.seed)  # the same batch order on every rank

@@ -14,10 +14,10 @@ import torch
 from torch import Tensor
 from tqdm import trange
 
-from .._validation import check_float, check_int
 from ..data import RegressionData, make_asymmetric_regression_1d
 from ..kernels import InducedKernel, ShiftedRBFKernel
 from ..models import KernelEigenPairSVGP
+from ..validation import check_float, check_int
 
 
 @dataclass
@@ -26,7 +26,7 @@ class ToyRegressionConfig:
 
     :ivar seed: Data and initialisation seed.
     :ivar num_landmarks: :math:`M`, evenly spaced over the input box and kept fixed.
-    :ivar rank: :math:`s` of the kernel SVD.
+    :ivar num_inducing: :math:`s`, the number of kernel-eigen inducing variables (the rank of the kernel SVD).
     :ivar iterations: Optimisation steps of every fit.
     :ivar lr: Adam learning rate of the hyperparameters (kernel, noise).
     :ivar ngd_lr: Natural-gradient learning rate of :math:`q(u)` (VariationalELBO fit).
@@ -41,7 +41,7 @@ class ToyRegressionConfig:
 
     seed: int = 0
     num_landmarks: int = 24
-    rank: int = 16
+    num_inducing: int = 16
     iterations: int = 500
     lr: float = 0.05
     ngd_lr: float = 0.5
@@ -56,10 +56,12 @@ class ToyRegressionConfig:
     def __post_init__(self) -> None:
         where = "ToyRegressionConfig"
         check_int("seed", self.seed, minimum=0, where=where)
-        for name in ("num_landmarks", "rank", "iterations", "pyro_iterations", "pyro_particles"):
+        for name in ("num_landmarks", "num_inducing", "iterations", "pyro_iterations", "pyro_particles"):
             check_int(name, getattr(self, name), where=where)
-        if self.rank > self.num_landmarks:
-            raise ValueError(f"{where}: rank ({self.rank}) must not exceed num_landmarks ({self.num_landmarks})")
+        if self.num_inducing > self.num_landmarks:
+            raise ValueError(
+                f"{where}: num_inducing ({self.num_inducing}) must not exceed num_landmarks ({self.num_landmarks})"
+            )
         for name in ("lr", "ngd_lr", "pyro_lr", "pyro_final_lr_factor", "pyro_variational_lr_factor"):
             check_float(name, getattr(self, name), 0.0, strict_minimum=True, where=where)
         check_float("initial_shift", self.initial_shift, where=where)
@@ -149,7 +151,7 @@ def _pair_model(data: RegressionData, config: ToyRegressionConfig, variational_d
     model = KernelEigenPairSVGP(
         _landmarks(config, data),
         _kernel(config, data.train_x.dtype),
-        rank=config.rank,
+        num_inducing=config.num_inducing,
         variational_distribution=variational_distribution,
         whiten=whiten,
         learn_inducing_locations=False,

@@ -32,7 +32,8 @@ import torch
 from torch import Tensor
 from tqdm import tqdm
 
-from ..mlls import AttentionELBO, predict_probabilities
+from ..mlls import AttentionELBO
+from ..models import predict_probabilities
 
 __all__ = [
     "CHECKPOINT_KEYS",
@@ -106,7 +107,6 @@ class TrainConfig:
     :ivar min_lr: Learning rate at the end of the cosine decay (``0 <= min_lr <= lr``).
     :ivar grad_clip: Maximum global gradient norm, or ``None`` for no clipping.
     :ivar beta: KL weight :math:`\\beta` of :class:`~gpattn.mlls.AttentionELBO`.
-    :ivar eta: KSVD weight :math:`\\eta` of :class:`~gpattn.mlls.AttentionELBO`.
     :ivar eval_samples: Monte Carlo samples :math:`T` of the validation predictions.
     :ivar eval_batch_size: Batch size of the validation predictions.
     :ivar seed: Seed of the global torch RNG and of the batch order.
@@ -127,7 +127,6 @@ class TrainConfig:
     min_lr: float = 0.0
     grad_clip: float | None = 1.0
     beta: float = 1.0
-    eta: float = 1.0
     eval_samples: int = 10
     eval_batch_size: int = 256
     seed: int = 0
@@ -150,7 +149,6 @@ class TrainConfig:
         if self.grad_clip is not None:
             _check_float("grad_clip", self.grad_clip, 0.0, strict=True)
         _check_float("beta", self.beta, 0.0, strict=False)
-        _check_float("eta", self.eta, 0.0, strict=False)
         _check_int("eval_samples", self.eval_samples, 1)
         _check_int("eval_batch_size", self.eval_batch_size, 1)
         if isinstance(self.seed, bool) or not isinstance(self.seed, int):
@@ -273,7 +271,7 @@ def warmup_cosine_schedule(
 # -- evaluation ------------------------------------------------------------------------------------------------------
 def evaluate(model: torch.nn.Module, dataset: Any, num_samples: int = 10, batch_size: int = 256) -> Tensor:
     """Monte Carlo predictive probabilities of ``model`` on a data set, by batches of
-    :func:`~gpattn.mlls.predict_probabilities` (eval mode, ``num_samples`` samples, no gradients; the global torch RNG
+    :func:`~gpattn.models.predict_probabilities` (eval mode, ``num_samples`` samples, no gradients; the global torch RNG
     drives the samples).
 
     :param model: Maps ``(inputs, mask=mask)`` to logits.
@@ -482,7 +480,7 @@ def train_model(model: torch.nn.Module, train: Any, val: Any, config: TrainConfi
     num_data = train_labels.shape[0]
     steps_per_epoch = math.ceil(num_data / config.batch_size)
     total_steps, warmup_steps = config.schedule_steps(steps_per_epoch)
-    loss_fn = AttentionELBO(model, num_data=num_data, beta=config.beta, eta=config.eta, combine_terms=False)
+    loss_fn = AttentionELBO(model, num_data=num_data, beta=config.beta, combine_terms=False)
     optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, weight_decay=config.weight_decay)
     scheduler = warmup_cosine_schedule(optimizer, total_steps, warmup_steps, config.min_lr)
     generator = torch.Generator()

@@ -9,13 +9,13 @@ from gpytorch.constraints import Positive
 from gpytorch.module import Module
 from torch import Tensor
 
-from .._validation import check_int
 from ..kernels import CosineFeatureKernel, ExponentialDotProductKernel
 from ..ksvd import kernel_svd, ksvd_objective
+from ..validation import check_int
 
 MODES = ("amortized", "primal_tokens", "exact")
-#: the attention layers' rank when none is given: min(DEFAULT_RANK, p)
-DEFAULT_RANK = 10
+#: the attention layers' number of inducing variables (the KSVD rank s) when none is given: min(DEFAULT_NUM_INDUCING, p)
+DEFAULT_NUM_INDUCING = 10
 KERNELS = ("cosine", "exponential")
 
 
@@ -103,7 +103,7 @@ class AttentionKernelEigenFeatures(Module):
 
     :param embed_dim: Token width :math:`C`.
     :param num_heads: :math:`H`.
-    :param rank: :math:`s` (default :math:`\min(10, p)`: the cosine kernel has rank at most :math:`p`).
+    :param num_inducing: :math:`s` (default :math:`\min(10, p)`: the cosine kernel has rank at most :math:`p`).
     :param mode: ``"amortized"``, ``"primal_tokens"`` or ``"exact"``.
     :param kernel: ``"cosine"`` (primal features :math:`\phi = W x / \|W x\|`) or ``"exponential"`` (exact mode
         only: the softmax numerator :math:`\exp(\langle W_q x, W_k z\rangle / \sqrt p)`).
@@ -116,7 +116,7 @@ class AttentionKernelEigenFeatures(Module):
         self,
         embed_dim: int,
         num_heads: int,
-        rank: int | None = None,
+        num_inducing: int | None = None,
         mode: str = "amortized",
         kernel: str = "cosine",
         feature_dim: int | None = None,
@@ -137,18 +137,26 @@ class AttentionKernelEigenFeatures(Module):
         check_int("num_heads", num_heads, where=where)
         feature_dim = embed_dim // num_heads if feature_dim is None else feature_dim
         check_int("feature_dim", feature_dim, where=where)
-        if rank is None:  # the cosine kernel has rank <= p: the default fits every (embed_dim, num_heads)
-            rank = min(DEFAULT_RANK, feature_dim)
-        check_int("rank", rank, where=where)
-        if kernel == "cosine" and rank > feature_dim:  # K = Phi_q Phi_k^T has rank <= p
-            raise ValueError(f"rank ({rank}) must not exceed the feature dimension ({feature_dim}) of a cosine kernel")
+        if num_inducing is None:  # the cosine kernel has rank <= p: the default fits every (embed_dim, num_heads)
+            num_inducing = min(DEFAULT_NUM_INDUCING, feature_dim)
+        check_int("num_inducing", num_inducing, where=where)
+        if kernel == "cosine" and num_inducing > feature_dim:  # K = Phi_q Phi_k^T has rank <= p
+            raise ValueError(
+                f"num_inducing ({num_inducing}) must not exceed the feature dimension ({feature_dim}) of a cosine "
+                "kernel"
+            )
         if mode == "primal_tokens":
-            if isinstance(max_len, bool) or not isinstance(max_len, int) or max_len < rank:
-                raise ValueError(f"features='primal_tokens' needs an integer max_len >= rank ({rank}), got {max_len!r}")
-        elif mode == "exact" and max_len is not None and check_int("max_len", max_len, where=where) < rank:
+            if isinstance(max_len, bool) or not isinstance(max_len, int) or max_len < num_inducing:
+                raise ValueError(
+                    f"features='primal_tokens' needs an integer max_len >= num_inducing ({num_inducing}), got "
+                    f"{max_len!r}"
+                )
+        elif mode == "exact" and max_len is not None and check_int("max_len", max_len, where=where) < num_inducing:
             # the SVD of a sequence of at most max_len tokens has at most max_len singular values
-            raise ValueError(f"{where}: rank ({rank}) exceeds the longest sequence, max_len={max_len}, of exact mode")
-        self.embed_dim, self.num_heads, self.rank, self.mode = embed_dim, num_heads, rank, mode
+            raise ValueError(
+                f"{where}: num_inducing ({num_inducing}) exceeds the longest sequence, max_len={max_len}, of exact mode"
+            )
+        self.embed_dim, self.num_heads, self.num_inducing, self.mode = embed_dim, num_heads, num_inducing, mode
         self.tie_qk, self.max_len = bool(tie_qk), max_len
         heads = torch.Size([num_heads])
         if kernel == "cosine":
@@ -160,16 +168,20 @@ class AttentionKernelEigenFeatures(Module):
         bound = embed_dim**-0.5
         if mode == "amortized":
             # A_e, A_r: R^C -> R^s per head, as nn.Linear; shape (H, C, s) and (H, s)
-            self.left_map = torch.nn.Parameter(torch.empty(num_heads, embed_dim, rank).uniform_(-bound, bound))
-            self.left_bias = torch.nn.Parameter(torch.zeros(num_heads, rank))
+            self.left_map = torch.nn.Parameter(torch.empty(num_heads, embed_dim, num_inducing).uniform_(-bound, bound))
+            self.left_bias = torch.nn.Parameter(torch.zeros(num_heads, num_inducing))
             if not self.tie_qk:
-                self.right_map = torch.nn.Parameter(torch.empty(num_heads, embed_dim, rank).uniform_(-bound, bound))
-                self.right_bias = torch.nn.Parameter(torch.zeros(num_heads, rank))
+                self.right_map = torch.nn.Parameter(
+                    torch.empty(num_heads, embed_dim, num_inducing).uniform_(-bound, bound)
+                )
+                self.right_bias = torch.nn.Parameter(torch.zeros(num_heads, num_inducing))
         else:
-            self.left_token_weights = torch.nn.Parameter(torch.randn(num_heads, max_len, rank) * max_len**-0.5)
+            self.left_token_weights = torch.nn.Parameter(torch.randn(num_heads, max_len, num_inducing) * max_len**-0.5)
             if not self.tie_qk:
-                self.right_token_weights = torch.nn.Parameter(torch.randn(num_heads, max_len, rank) * max_len**-0.5)
-        self.register_parameter("raw_singular_values", torch.nn.Parameter(torch.zeros(num_heads, rank)))
+                self.right_token_weights = torch.nn.Parameter(
+                    torch.randn(num_heads, max_len, num_inducing) * max_len**-0.5
+                )
+        self.register_parameter("raw_singular_values", torch.nn.Parameter(torch.zeros(num_heads, num_inducing)))
         self.register_constraint("raw_singular_values", Positive())
 
     @property
@@ -320,9 +332,11 @@ class AttentionKernelEigenFeatures(Module):
             queries.shape[-2] if query_mask is None else int(query_mask.sum(-1).min()),
             keys.shape[-2] if key_mask is None else int(key_mask.sum(-1).min()),
         )
-        if self.rank > visible:
-            raise ValueError(f"rank ({self.rank}) exceeds the shortest sequence in the batch ({visible} tokens)")
-        svd = kernel_svd(matrix, self.rank)
+        if self.num_inducing > visible:
+            raise ValueError(
+                f"num_inducing ({self.num_inducing}) exceeds the shortest sequence in the batch ({visible} tokens)"
+            )
+        svd = kernel_svd(matrix, self.num_inducing)
         left = svd.left * svd.singular_values.unsqueeze(-2)  # e(X) = K H_r = H_e Lambda
         right = svd.right * svd.singular_values.unsqueeze(-2)  # r(Z) = K^T H_e = H_r Lambda
         objective = torch.zeros(matrix.shape[:2], dtype=matrix.dtype, device=matrix.device)

@@ -11,11 +11,11 @@ from gpytorch.utils.memoize import cached, clear_cache_hook
 from linear_operator.operators import DiagLinearOperator
 from torch import Tensor
 
-from .._validation import check_choice, check_float, check_tensor
 from ..kernels import AsymmetricKernel
 from ..ksvd import KernelSVD, kernel_svd, ksvd_objective
 from ..ksvd.kernel_svd import METHODS as SVD_METHODS
 from ..mlls import KSVDAddedLossTerm
+from ..validation import check_choice, check_float, check_int, check_tensor
 
 MODES = ("exact", "primal")
 SIDES = ("left", "right")
@@ -49,7 +49,7 @@ class KernelEigenFeatures(Module):
         read ``model.covar_module`` lazily; the callable's kernel is then not registered here).
     :param landmarks: Query landmarks :math:`X`, shape ``(*batch, M, d)``. A :class:`torch.nn.Parameter` is
         registered as is (shared), anything else is copied.
-    :param rank: :math:`s \leq \min(M_X, M_Z)`.
+    :param num_inducing: :math:`s \leq \min(M_X, M_Z)`, the KSVD rank.
     :param mode: ``"exact"`` or ``"primal"``.
     :param key_landmarks: Key landmarks :math:`Z`, shape ``(*batch, M', d)`` (default: the query landmarks).
     :param learn_landmarks: Register copied landmarks as parameters (else buffers).
@@ -61,7 +61,7 @@ class KernelEigenFeatures(Module):
         self,
         kernel: AsymmetricKernel | Callable[[], AsymmetricKernel],
         landmarks: Tensor,
-        rank: int,
+        num_inducing: int,
         mode: str = "exact",
         key_landmarks: Tensor | None = None,
         learn_landmarks: bool = True,
@@ -82,6 +82,7 @@ class KernelEigenFeatures(Module):
             )
         check_choice("svd_method", svd_method, SVD_METHODS, where="KernelEigenFeatures")
         check_float("ksvd_weight", ksvd_weight, 0.0, where="KernelEigenFeatures")
+        where = "KernelEigenFeatures"
         # the token width, when the kernel is known now (a getter's kernel may not exist yet)
         width = kernel.input_dim if isinstance(kernel, AsymmetricKernel) else "d"
         self._register_landmarks("landmarks", landmarks, learn_landmarks, width)
@@ -89,11 +90,7 @@ class KernelEigenFeatures(Module):
         key_landmarks = self.landmarks if key_landmarks is None else key_landmarks
         self._register_landmarks("key_landmarks", key_landmarks, learn_landmarks, width)
         num_landmarks = min(self.landmarks.shape[-2], self.key_landmarks.shape[-2])
-        if isinstance(rank, bool) or not isinstance(rank, int) or not 1 <= rank <= num_landmarks:
-            raise ValueError(
-                f"expected an integer rank in [1, number of landmarks] = [1, {num_landmarks}], got {rank!r}"
-            )
-        self.rank = rank
+        self.num_inducing = check_int("num_inducing (the KSVD rank)", num_inducing, 1, num_landmarks, where=where)
         self.mode = mode
         self.svd_method = svd_method
         self.ksvd_weight = float(ksvd_weight)
@@ -117,8 +114,10 @@ class KernelEigenFeatures(Module):
         kernel = self.kernel
         if not kernel.has_primal_features:
             raise ValueError(f"mode='primal' needs a kernel with primal features; {type(kernel).__name__} has none")
-        if self.rank > kernel.feature_dim:
-            raise ValueError(f"expected rank <= feature_dim = {kernel.feature_dim} in primal mode, got {self.rank}")
+        if self.num_inducing > kernel.feature_dim:
+            raise ValueError(
+                f"expected num_inducing <= feature_dim = {kernel.feature_dim} in primal mode, got {self.num_inducing}"
+            )
         with torch.no_grad():
             svd = self._exact_svd()
             # the stationary point W_e = Phi_k^T H_r, W_r = Phi_q^T H_e (MATH.md identity 2)
@@ -149,7 +148,7 @@ class KernelEigenFeatures(Module):
         clear_cache_hook(self)
 
     def _exact_svd(self) -> KernelSVD:
-        return kernel_svd(self.kernel(self.landmarks, self.key_landmarks), self.rank, method=self.svd_method)
+        return kernel_svd(self.kernel(self.landmarks, self.key_landmarks), self.num_inducing, method=self.svd_method)
 
     @cached(name="ksvd_memo")
     def decomposition(self) -> KernelSVD:

@@ -7,7 +7,7 @@ from gpytorch.constraints import Positive
 from gpytorch.module import Module
 from torch import Tensor
 
-from .._validation import check_int, check_positive, check_tensor
+from ..validation import check_int, check_positive, check_tensor
 
 
 class AsymmetricKernel(Module):

@@ -9,7 +9,7 @@ from gpytorch.constraints import Positive
 from gpytorch.module import Module
 from torch import Tensor
 
-from .._validation import check_int, check_positive
+from ..validation import check_int, check_positive
 
 LIFTS = ("none", "rff", "mlp")
 

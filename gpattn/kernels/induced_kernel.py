@@ -6,7 +6,7 @@ import torch
 from gpytorch.kernels import Kernel
 from torch import Tensor
 
-from .._validation import check_choice, check_tensor
+from ..validation import check_choice, check_tensor
 from .asymmetric_kernel import AsymmetricKernel
 
 SIDES = ("left", "right", "both")

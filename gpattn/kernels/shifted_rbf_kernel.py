@@ -6,7 +6,7 @@ import torch
 from gpytorch.constraints import Positive
 from torch import Tensor
 
-from .._validation import check_positive
+from ..validation import check_positive
 from .asymmetric_kernel import AsymmetricKernel
 
 

@@ -15,7 +15,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from .._validation import InputTypeError
+from ..validation import InputTypeError
 
 ROW_SUM_TOLERANCE = 1e-4
 

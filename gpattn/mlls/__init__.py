@@ -1,6 +1,6 @@
-"""Objectives: the KSVD added loss term, the attention ELBO and Monte Carlo prediction."""
+"""Objectives: the KSVD added loss term and the attention ELBO."""
 
-from .attention_elbo import AttentionELBO, predict_probabilities
+from .attention_elbo import AttentionELBO
 from .ksvd_added_loss_term import KSVDAddedLossTerm
 
-__all__ = ["AttentionELBO", "KSVDAddedLossTerm", "predict_probabilities"]
+__all__ = ["AttentionELBO", "KSVDAddedLossTerm"]

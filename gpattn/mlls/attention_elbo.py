@@ -1,4 +1,4 @@
-"""The training loss of classifiers with GP attention (MATH.md section 4) and Monte Carlo prediction."""
+"""The training loss of classifiers with GP attention (MATH.md section 4)."""
 
 from __future__ import annotations
 
@@ -9,9 +9,7 @@ import torch.nn.functional as F
 from gpytorch.mlls import AddedLossTerm
 from torch import Tensor
 
-from .._validation import check_choice, check_float, check_int, check_tensor
-
-AVERAGES = ("probabilities", "logits")
+from ..validation import check_float, check_int, check_tensor
 
 
 def _added_loss_terms(model: torch.nn.Module) -> Iterator[AddedLossTerm]:
@@ -35,12 +33,13 @@ class AttentionELBO(torch.nn.Module):
 
         \mathcal L = \frac{1}{B} \sum_{b} \frac{1}{T} \sum_{t=1}^{T} -\log p(y_b \mid F^{(t)})
             + \frac{\beta}{n} \sum_{l, h, \text{branch}} \mathrm{KL}\big(q(u) \,\|\, p(u)\big)
-            + \eta \sum_{\text{terms}} \text{term.loss()},
+            + \sum_{\text{terms}} \text{term.loss()},
 
     where the first term is the cross-entropy of the logits averaged over the batch and the :math:`T` Monte Carlo
     samples (a reparameterised estimate of :math:`\mathbb E_q[-\log p(y \mid F)]`), the KL is
     ``model.kl_divergence()`` and the last sum runs over every added loss term registered in the model (the KSVD
-    terms :math:`J^2` of the KEP-SVGP and Primal-Attention layers, :class:`~gpattn.mlls.KSVDAddedLossTerm`).
+    terms :math:`\eta J^2` of the KEP-SVGP and Primal-Attention layers, :class:`~gpattn.mlls.KSVDAddedLossTerm`,
+    each weighted by its layer's ``ksvd_weight``: as in GPyTorch's MLLs, a term carries its own weight).
     With :math:`\beta = 1` and no penalty, :math:`\mathcal L` is the negative of GPyTorch's ``VariationalELBO``
     (the per-sequence bound, KL divided by ``num_data``). The official KEP-SVGP code adds the KL without the
     :math:`1 / n`; pass ``beta=num_data`` to reproduce it.
@@ -50,25 +49,20 @@ class AttentionELBO(torch.nn.Module):
     :param model: A module with ``kl_divergence()`` (e.g. :class:`~gpattn.models.Transformer`).
     :param num_data: Number of training sequences :math:`n`.
     :param beta: KL weight :math:`\beta \geq 0`.
-    :param eta: KSVD weight :math:`\eta \geq 0`.
     :param combine_terms: Return the scalar loss (``True``) or a dict of its parts.
 
     .. note:: Cost: O(T B C) for the cross-entropy plus the model's KL (O(s) to O(s^2 d_out) per KEP head).
     """
 
-    def __init__(
-        self, model: torch.nn.Module, num_data: int, beta: float = 1.0, eta: float = 1.0, combine_terms: bool = True
-    ):
+    def __init__(self, model: torch.nn.Module, num_data: int, beta: float = 1.0, combine_terms: bool = True):
         super().__init__()
         if not callable(getattr(model, "kl_divergence", None)):
             raise ValueError(f"expected a model with a kl_divergence() method, got {type(model).__name__}")
         check_int("num_data (the training set size)", num_data, where="AttentionELBO")
         check_float("beta", beta, 0.0, where="AttentionELBO")
-        check_float("eta", eta, 0.0, where="AttentionELBO")
         self.model = model
         self.num_data = num_data
         self.beta = float(beta)
-        self.eta = float(eta)
         self.combine_terms = bool(combine_terms)
 
     def forward(self, logits: Tensor, targets: Tensor) -> Tensor | dict[str, Tensor]:
@@ -77,8 +71,8 @@ class AttentionELBO(torch.nn.Module):
         :param logits: Shape ``(B, C)``, or ``(T, B, C)`` for :math:`T` Monte Carlo samples.
         :param targets: Class indices, shape ``(B,)``.
         :return: The loss (a scalar to minimise) or, with ``combine_terms=False``, a dict with the weighted parts
-            ``"nll"`` (cross-entropy), ``"kl"`` (:math:`\\beta / n` KL), ``"ksvd"`` (:math:`\\eta` sum of the added
-            loss terms) and their sum ``"loss"``.
+            ``"nll"`` (cross-entropy), ``"kl"`` (:math:`\\beta / n` KL), ``"ksvd"`` (the sum of the added loss
+            terms, :math:`\\eta J^2` each) and their sum ``"loss"``.
         """
         # O(1) checks and one min/max over the targets; non-finite logits are left to the training loop, which
         # reports the step (experiments.NonFiniteLossError)
@@ -112,52 +106,7 @@ class AttentionELBO(torch.nn.Module):
         ksvd = torch.zeros_like(nll)
         for term in _added_loss_terms(self.model):
             ksvd = ksvd + term.loss().to(nll)
-        ksvd = ksvd * self.eta
         loss = nll + kl + ksvd
         if self.combine_terms:
             return loss
         return {"nll": nll, "kl": kl, "ksvd": ksvd, "loss": loss}
-
-
-@torch.no_grad()
-def predict_probabilities(
-    model: torch.nn.Module,
-    inputs: Tensor,
-    mask: Tensor | str | None = None,
-    num_samples: int = 10,
-    average: str = "probabilities",
-) -> Tensor:
-    r"""Monte Carlo predictive class probabilities of a classifier with stochastic attention.
-
-    The model runs in eval mode (no dropout) with :func:`~gpattn.attention.sample_attention` on, :math:`T` =
-    ``num_samples`` times; ``average="probabilities"`` returns
-    :math:`\frac{1}{T} \sum_t \operatorname{softmax}(\text{logits}^{(t)})` (the predictive distribution, the
-    papers' choice), ``"logits"`` returns :math:`\operatorname{softmax}(\frac{1}{T} \sum_t \text{logits}^{(t)})`.
-    A model without stochastic layers is run once. The model's training mode is restored afterwards; no gradients
-    are recorded.
-
-    :param model: Maps ``(inputs, mask=mask)`` to logits ``(B, C)``.
-    :param inputs: The model's inputs.
-    :param mask: The model's mask argument.
-    :param num_samples: :math:`T \geq 1`.
-    :param average: ``"probabilities"`` or ``"logits"``.
-    :return: Class probabilities, shape ``(B, C)``.
-    """
-    from ..attention import AttentionLayer, sample_attention  # gpattn.attention imports gpattn.mlls
-
-    if not isinstance(model, torch.nn.Module):
-        raise TypeError(f"predict_probabilities: expected model to be a torch.nn.Module, got {type(model).__name__}")
-    check_int("num_samples", num_samples, where="predict_probabilities")
-    check_choice("average", average, AVERAGES, where="predict_probabilities")
-    if not any(isinstance(module, AttentionLayer) and module.is_stochastic for module in model.modules()):
-        num_samples = 1  # deterministic in eval mode: every pass would be identical
-    was_training = model.training
-    model.eval()
-    try:
-        with sample_attention(model):
-            logits = torch.stack([model(inputs, mask=mask) for _ in range(num_samples)])  # shape: (T, B, C)
-    finally:
-        model.train(was_training)
-    if average == "probabilities":
-        return logits.softmax(dim=-1).mean(dim=0)
-    return logits.mean(dim=0).softmax(dim=-1)

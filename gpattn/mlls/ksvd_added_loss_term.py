@@ -5,7 +5,7 @@ from __future__ import annotations
 from gpytorch.mlls import AddedLossTerm
 from torch import Tensor
 
-from .._validation import check_float, check_int, check_tensor
+from ..validation import check_float, check_int, check_tensor
 
 
 class KSVDAddedLossTerm(AddedLossTerm):

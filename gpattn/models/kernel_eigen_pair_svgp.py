@@ -15,9 +15,9 @@ from gpytorch.variational import (
 )
 from torch import Tensor
 
-from .._validation import check_tensor
 from ..features import KernelEigenFeatures
 from ..kernels import AsymmetricKernel
+from ..validation import check_tensor
 from ..variational import KernelEigenPairVariationalStrategy, KernelEigenVariationalStrategy
 from ..variational._structured import low_rank_plus_diag
 
@@ -44,7 +44,7 @@ class KernelEigenPairSVGP(ApproximateGP):
 
     :param inducing_points: Landmarks :math:`X = Z`, shape ``(*batch, M, d)``.
     :param kernel: The asymmetric kernel (becomes ``covar_module``).
-    :param rank: :math:`s \leq M`.
+    :param num_inducing: :math:`s \leq M`, the KSVD rank.
     :param merge: ``"sum"`` or ``"concat"``.
     :param shared_posterior: One :math:`q(u)` for both branches (the official code's choice).
     :param whiten: Whitened parametrisation :math:`u = \Lambda v`.
@@ -66,7 +66,7 @@ class KernelEigenPairSVGP(ApproximateGP):
         self,
         inducing_points: Tensor,
         kernel: AsymmetricKernel,
-        rank: int,
+        num_inducing: int,
         merge: str = "sum",
         shared_posterior: bool = False,
         whiten: bool = False,
@@ -93,10 +93,15 @@ class KernelEigenPairSVGP(ApproximateGP):
                 f"gpytorch _VariationalDistribution class, got {variational_distribution!r}"
             )
         features = KernelEigenFeatures(
-            kernel, inducing_points, rank, mode=mode, learn_landmarks=learn_inducing_locations, ksvd_weight=ksvd_weight
+            kernel,
+            inducing_points,
+            num_inducing,
+            mode=mode,
+            learn_landmarks=learn_inducing_locations,
+            ksvd_weight=ksvd_weight,
         )
-        left_q = variational_distribution(rank, batch_shape=batch_shape)
-        right_q = left_q if shared_posterior else variational_distribution(rank, batch_shape=batch_shape)
+        left_q = variational_distribution(num_inducing, batch_shape=batch_shape)
+        right_q = left_q if shared_posterior else variational_distribution(num_inducing, batch_shape=batch_shape)
         branch_kwargs = dict(features=features, whiten=whiten, residual=residual)
         left = KernelEigenVariationalStrategy(self, features.landmarks, left_q, side="left", **branch_kwargs)
         right = KernelEigenVariationalStrategy(self, features.landmarks, right_q, side="right", **branch_kwargs)

@@ -22,7 +22,7 @@ VIT_CIFAR_PRESET: dict[str, Any] = {
     "dropout": 0.1,
     "attention": "kep_svgp",
     "gp_layers": 1,  # KEP-SVGP attention in the last block only
-    "rank": 10,
+    "num_inducing": 10,
 }
 """The CIFAR-10/100 ViT of KEP-SVGP (Chen, Tao, Tonin, Suykens, *Self-Attention through Kernel-Eigen Pair Sparse
 Variational Gaussian Processes*, ICML 2024, arXiv 2402.01476; official code defaults): depth 7, width 384, 12 heads,

@@ -8,8 +8,8 @@ import torch
 from gpytorch.module import Module
 from torch import Tensor
 
-from .._validation import InputTypeError, check_float, check_int, check_tensor
 from ..attention import AttentionLayer, SoftmaxAttention, attention_arguments, build_attention
+from ..validation import InputTypeError, check_float, check_int, check_tensor
 
 INPUTS = ("tokens", "patches", "vectors")
 
@@ -58,7 +58,7 @@ class Transformer(Module):
       ``N = (H / patch_size) (W / patch_size)`` tokens (``max_len`` is not used).
 
     Stochastic attention layers sample in training and return their predictive mean in eval mode; use
-    :func:`~gpattn.attention.sample_attention` or :func:`~gpattn.mlls.predict_probabilities` for Monte Carlo
+    :func:`~gpattn.attention.sample_attention` or :func:`~gpattn.models.predict_probabilities` for Monte Carlo
     prediction, and :class:`~gpattn.mlls.AttentionELBO` (which reads :meth:`kl_divergence` and the added KSVD loss
     terms) for training.
 
@@ -80,8 +80,8 @@ class Transformer(Module):
     :param mlp_ratio: Hidden width of the MLPs as a multiple of ``embed_dim``.
     :param dropout: Dropout on the embeddings, the MLPs and every attention output (unless ``attention_kwargs``
         sets the GP layers' own).
-    :param attention_kwargs: Keyword arguments of the ``attention`` layers (e.g. ``rank=10``). Layers that take a
-        ``max_len`` get the model's (the number of patches for images) unless it is given here.
+    :param attention_kwargs: Keyword arguments of the ``attention`` layers (e.g. ``num_inducing=10``). Layers that
+        take a ``max_len`` get the model's (the number of patches for images) unless it is given here.
 
     .. note:: Cost per forward: the attention layers' costs plus O(B N C^2 mlp_ratio) per block for the MLPs.
     """

@@ -66,7 +66,7 @@ def plot_pair_posterior(model: KernelEigenPairSVGP, data: RegressionData, exact_
         axis.legend(fontsize=7, loc="upper left")
     axes[0].set_ylabel("f(x)")
     figure.suptitle(
-        f"KEP-SVGP on the asymmetric toy data (rank s = {model.features.rank}, "
+        f"KEP-SVGP on the asymmetric toy data (rank s = {model.features.num_inducing}, "
         f"{model.features.landmarks.shape[-2]} landmarks; shaded: no training data)"
     )
     figure.tight_layout()

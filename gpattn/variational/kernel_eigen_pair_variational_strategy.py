@@ -7,7 +7,7 @@ from gpytorch.distributions import MultitaskMultivariateNormal, MultivariateNorm
 from gpytorch.module import Module
 from torch import Tensor
 
-from .._validation import checked_inputs
+from ..validation import checked_inputs
 from ._structured import low_rank_plus_diag, times_covariance_root
 from .kernel_eigen_variational_strategy import KernelEigenVariationalStrategy
 

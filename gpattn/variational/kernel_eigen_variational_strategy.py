@@ -12,8 +12,8 @@ from gpytorch.variational._variational_strategy import _VariationalStrategy
 from linear_operator.operators import DiagLinearOperator, LinearOperator
 from torch import Tensor
 
-from .._validation import checked_inputs
 from ..features import KernelEigenFeatures
+from ..validation import checked_inputs
 from ._structured import diagonal_prior_kl, low_rank_plus_diag, times_covariance_root
 
 SIDES = ("left", "right")
@@ -53,7 +53,8 @@ class KernelEigenVariationalStrategy(_VariationalStrategy):
     The bracket (the residual :math:`K_{ff} - Q_{ff}`) is dropped (``residual="none"``) or kept on the
     diagonal (``"diag"``). The mean :math:`\mu` is ``model.mean_module`` when the model has one, else zero.
 
-    The rank :math:`s` is ``variational_distribution.num_inducing_points`` (at most the number of landmarks).
+    The number of inducing variables :math:`s` (the KSVD rank) is ``variational_distribution.num_inducing_points``
+    (at most the number of landmarks).
     Any GPyTorch variational distribution works (Cholesky, mean-field, natural).
 
     :param model: The :class:`~gpytorch.models.ApproximateGP` (its ``covar_module`` must be an
@@ -102,14 +103,15 @@ class KernelEigenVariationalStrategy(_VariationalStrategy):
         object.__setattr__(self, "model", model)
         self._variational_distribution = variational_distribution
         self.register_buffer("variational_params_initialized", torch.tensor(0))
-        rank = variational_distribution.num_inducing_points
+        num_inducing = variational_distribution.num_inducing_points
         if features is None:
             features = KernelEigenFeatures(
-                _CovarModuleOf(model), inducing_points, rank, learn_landmarks=learn_inducing_locations
+                _CovarModuleOf(model), inducing_points, num_inducing, learn_landmarks=learn_inducing_locations
             )
-        elif features.rank != rank:
+        elif features.num_inducing != num_inducing:
             raise ValueError(
-                f"the features have rank {features.rank} but the variational distribution has {rank} inducing variables"
+                f"the features have {features.num_inducing} inducing variables but the variational distribution has "
+                f"{num_inducing}"
             )
         self.features = features
         self.side = side

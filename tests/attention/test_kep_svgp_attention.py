@@ -28,7 +28,7 @@ def _layer(seed: int = 0, num_outputs: int | None = D_OUT, **kwargs) -> KEPSVGPA
     """A float64 layer with every parameter randomised, full (non-triangular) Cholesky parameters included: the
     variational distribution must use their lower triangle only."""
     torch.manual_seed(seed)
-    layer = KEPSVGPAttention(C, H, rank=RANK, num_outputs=num_outputs, **kwargs).double()
+    layer = KEPSVGPAttention(C, H, num_inducing=RANK, num_outputs=num_outputs, **kwargs).double()
     features = layer.features
     with torch.no_grad():
         features.kernel.raw_outputscale.copy_(_randn(H, seed=seed + 1))
@@ -476,7 +476,7 @@ def test_exact_mode_has_no_ksvd_loss():
 )
 def test_constructor_errors(kwargs: dict, match: str):
     with pytest.raises(ValueError, match=match):
-        KEPSVGPAttention(C, H, rank=RANK, **kwargs)
+        KEPSVGPAttention(C, H, num_inducing=RANK, **kwargs)
 
 
 def test_call_errors():

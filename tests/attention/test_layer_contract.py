@@ -21,7 +21,7 @@ from gpattn.attention import (
 
 EMBED_DIM, NUM_HEADS = 16, 2
 BATCH, LENGTH = 3, 7
-SIZE_ARGUMENTS = ("rank", "num_global_inducing", "num_inducing")
+SIZE_ARGUMENTS = ("num_inducing",)
 NAMES = attention_names()
 MODES = ["eval", "train"]
 
@@ -63,7 +63,7 @@ def test_registry_names():
     with pytest.raises(TypeError, match="not_an_argument"):
         build_attention("softmax", EMBED_DIM, NUM_HEADS, not_an_argument=1)
     assert attention_arguments("softmax") == ["dropout"]
-    assert {"rank", "tie_qk", "dropout"} <= set(attention_arguments("kep_svgp"))
+    assert {"num_inducing", "ksvd_weight", "tie_qk", "dropout"} <= set(attention_arguments("kep_svgp"))
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -226,11 +226,11 @@ def test_bad_inputs_raise(name):
 
 @pytest.mark.parametrize("name", NAMES)
 def test_default_arguments_fit_small_heads(name):
-    # head width 4 < the default rank 10: the default rank is min(10, head width)
+    # head width 4 < the default KSVD rank 10: the KSVD layers' default is min(10, head width)
     layer = build_attention(name, 8, 2).double()
     assert layer(tokens(width=8)).shape == (BATCH, LENGTH, 8)
-    if "rank" in attention_arguments(name):
-        assert layer.rank == 4
+    if "feature_dim" in attention_arguments(name):
+        assert layer.num_inducing == 4
 
 
 @pytest.mark.parametrize("name", NAMES)

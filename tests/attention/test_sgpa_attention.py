@@ -18,7 +18,7 @@ SETTINGS = ("none", "padding", "causal", "cross")
 
 def make_layer(kernel: str = "ard", seed: int = 0, **kwargs) -> SGPAAttention:
     torch.manual_seed(seed)
-    layer = SGPAAttention(EMBED, HEADS, kwargs.pop("num_global_inducing", GLOBAL), kernel=kernel, **kwargs).to(DTYPE)
+    layer = SGPAAttention(EMBED, HEADS, kwargs.pop("num_inducing", GLOBAL), kernel=kernel, **kwargs).to(DTYPE)
     with torch.no_grad():  # move the variational parameters and hyperparameters away from their initial values
         layer.inducing_values.normal_()
         layer.chol_variational_covar.normal_(std=0.3)
@@ -120,8 +120,8 @@ def dense_global_kl(layer: SGPAAttention) -> torch.Tensor:
 @pytest.mark.parametrize(
     "kwargs",
     [
-        {"num_global_inducing": 0},
-        {"num_global_inducing": 2.0},
+        {"num_inducing": 0},
+        {"num_inducing": 2.0},
         {"kernel": "rbf"},
         {"jitter": -1e-6},
         {"embed_dim": 6, "num_heads": 4},
@@ -260,7 +260,7 @@ def test_every_parameter_gets_a_gradient(setting):
 @pytest.mark.parametrize("kernel", ["ard", "exponential"])
 def test_gradcheck(kernel, setting):
     torch.manual_seed(0)
-    layer = SGPAAttention(4, 2, num_global_inducing=2, kernel=kernel).double().eval()
+    layer = SGPAAttention(4, 2, num_inducing=2, kernel=kernel).double().eval()
     x, mask, context = make_inputs(setting, batch=1, length=3, context_length=4)
     x, context = x[..., :4].clone(), None if context is None else context[..., :4].clone()
     mask = mask[:1] if isinstance(mask, torch.Tensor) else mask

@@ -89,7 +89,7 @@ def test_single_process_matches_train_model():
     data = make_pointer_task(128, 32, 32, length=6, seed=0, vocab_size=6)
     torch.manual_seed(0)
     reference = Transformer(
-        2, embed_dim=16, depth=1, num_heads=2, attention="kep_svgp", vocab_size=6, max_len=6, rank=4
+        2, embed_dim=16, depth=1, num_heads=2, attention="kep_svgp", vocab_size=6, max_len=6, num_inducing=4
     )
     model = copy.deepcopy(reference)
     config = TrainConfig(epochs=2, batch_size=32, lr=1e-2, eval_samples=2, progress=False)

@@ -9,7 +9,7 @@ import pytest
 
 from gpattn.experiments import ToyRegressionConfig, format_result, run_toy_regression
 
-SMOKE = ToyRegressionConfig(iterations=5, pyro_iterations=5, num_landmarks=10, rank=6)
+SMOKE = ToyRegressionConfig(iterations=5, pyro_iterations=5, num_landmarks=10, num_inducing=6)
 
 
 def test_smoke_run_writes_results_and_figure(tmp_path) -> None:
@@ -18,7 +18,7 @@ def test_smoke_run_writes_results_and_figure(tmp_path) -> None:
     assert all(value > 0 for value in result.rmse.values())
     saved = json.loads((tmp_path / "results.json").read_text())
     assert saved["rmse"] == result.rmse
-    assert saved["config"]["rank"] == 6
+    assert saved["config"]["num_inducing"] == 6
     assert (tmp_path / "posterior.png").stat().st_size > 10_000
     table = format_result(result)
     assert "kep_svgp_pyro" in table and "+0.0%" in table  # the exact GP row is the reference

@@ -34,7 +34,7 @@ def data():
 
 def _model(attention: str = "kep_svgp", depth: int = 1, seed: int = 0) -> Transformer:
     torch.manual_seed(seed)
-    sizes = {"rank": 4} if attention == "kep_svgp" else {}
+    sizes = {"num_inducing": 4} if attention == "kep_svgp" else {}
     return Transformer(
         2, embed_dim=16, depth=depth, num_heads=2, attention=attention, vocab_size=VOCAB, max_len=LENGTH, **sizes
     )
@@ -113,7 +113,15 @@ def test_image_datasets_without_mask_are_supported():
     dataset = Images(images, (images.mean(dim=(1, 2, 3)) > 0).long())
     torch.manual_seed(0)
     model = Transformer(
-        2, embed_dim=16, depth=1, num_heads=2, input="patches", image_size=4, patch_size=2, in_channels=1, rank=4
+        2,
+        embed_dim=16,
+        depth=1,
+        num_heads=2,
+        input="patches",
+        image_size=4,
+        patch_size=2,
+        in_channels=1,
+        num_inducing=4,
     )
     result = train_model(model, dataset, dataset, _config(epochs=1, batch_size=8))
     assert len(result.history) == 1 and math.isfinite(result.history[0]["val_nll"])

@@ -25,9 +25,10 @@ def _randn(*shape: int, seed: int) -> Tensor:
     return torch.randn(*shape, generator=torch.Generator().manual_seed(seed), dtype=DTYPE)
 
 
-def _features(rank: int = 3, seed: int = 0, **kwargs) -> AttentionKernelEigenFeatures:
+def _features(num_inducing: int = 3, seed: int = 0, **kwargs) -> AttentionKernelEigenFeatures:
     """A module with every parameter randomised (biases, output scales and distinct singular values included)."""
     torch.manual_seed(seed)
+    rank = num_inducing
     module = AttentionKernelEigenFeatures(C, H, rank, **kwargs).double()
     with torch.no_grad():
         module.kernel.raw_outputscale.copy_(_randn(H, seed=seed + 1))
@@ -76,8 +77,8 @@ def _dense_amortized(module, queries, keys, mask=None, causal=False):
     left_values, right_values = _maps(module, keys, "left"), _maps(module, queries, "right")
     lam = module.singular_values
     batch, _, num_q, num_k = kernel.shape
-    left = torch.zeros(batch, H, num_q, module.rank, dtype=DTYPE)
-    right = torch.zeros(batch, H, num_k, module.rank, dtype=DTYPE)
+    left = torch.zeros(batch, H, num_q, module.num_inducing, dtype=DTYPE)
+    right = torch.zeros(batch, H, num_k, module.num_inducing, dtype=DTYPE)
     left_diag, right_diag = torch.zeros(batch, H, num_q, dtype=DTYPE), torch.zeros(batch, H, num_k, dtype=DTYPE)
     objective = torch.zeros(batch, H, dtype=DTYPE)
     for b in range(batch):
@@ -122,7 +123,7 @@ def _padding_mask() -> Tensor:
 
 # -- amortized -----------------------------------------------------------------------------------------------------
 def test_amortized_scores_match_dense():
-    module = _features(rank=3)
+    module = _features(num_inducing=3)
     x = _randn(3, 6, C, seed=10)
     scores = module.scores(x, x)
     _assert_scores(scores, _dense_amortized(module, x, x))
@@ -135,7 +136,7 @@ def test_amortized_scores_match_dense():
 
 
 def test_amortized_tied_is_symmetric():
-    module = _features(rank=3, tie_qk=True)
+    module = _features(num_inducing=3, tie_qk=True)
     x = _randn(2, 5, C, seed=11)
     kernel = _dense_kernel(module, x, x)
     torch.testing.assert_close(kernel, kernel.mT, atol=ATOL, rtol=0)
@@ -145,7 +146,7 @@ def test_amortized_tied_is_symmetric():
 
 
 def test_amortized_padding_mask():
-    module = _features(rank=3)
+    module = _features(num_inducing=3)
     x, mask = _randn(3, 6, C, seed=12), _padding_mask()
     scores = module.scores(x, x, mask)
     _assert_scores(scores, _dense_amortized(module, x, x, mask=mask))
@@ -164,7 +165,7 @@ def test_amortized_padding_mask():
 
 
 def test_amortized_causal_prefix_means():
-    module = _features(rank=3)
+    module = _features(num_inducing=3)
     x = _randn(2, 6, C, seed=14)
     scores = module.scores(x, x, causal=True)
     _assert_scores(scores, _dense_amortized(module, x, x, causal=True), objective=False)
@@ -181,7 +182,7 @@ def test_amortized_causal_prefix_means():
 
 @pytest.mark.parametrize("masked", [False, True])
 def test_amortized_cross_attention(masked: bool):
-    module = _features(rank=3)
+    module = _features(num_inducing=3)
     x, context = _randn(3, 4, C, seed=15), _randn(3, 7, C, seed=16)
     mask = torch.tensor([[True] * 7, [True, False, True, True, False, True, True], [False] + [True] * 6])
     mask = mask if masked else None
@@ -191,7 +192,7 @@ def test_amortized_cross_attention(masked: bool):
 
 
 def test_residual_diag_is_clamped():
-    module = _features(rank=3)
+    module = _features(num_inducing=3)
     x = _randn(2, 5, C, seed=17)
     scores = module.scores(x, x)
     left_residual = scores.left_kernel_diag - scores.left.pow(2).sum(-1)
@@ -212,7 +213,7 @@ def test_objective_vanishes_when_the_maps_reproduce_the_singular_vectors():
     A_e(Z)/M = H_r and A_r(X)/N = H_e (numpy SVD of the dense kernel), Lambda = its singular values; then
     e(X) = H_e Lambda, r(Z) = H_r Lambda and J = 0. Random maps give J != 0."""
     rank, length = 4, 6
-    module = _features(rank=rank, seed=3)
+    module = _features(num_inducing=rank, seed=3)
     x = _randn(1, length, C, seed=18)
     assert module.scores(x, x).objective.abs().min() > 1e-3  # random init: not stationary
     kernel = _dense_kernel(module, x, x)[0].detach().numpy()
@@ -274,7 +275,7 @@ def test_amortized_objective_decreases_under_the_ksvd_loss():
 def test_amortized_objective_decreases_with_a_joint_objective():
     """A tiny regression loss on the KEP-SVGP layer output plus the layer's KSVD added loss term: |J| goes down."""
     torch.manual_seed(1)
-    layer = KEPSVGPAttention(C, H, rank=4).double()
+    layer = KEPSVGPAttention(C, H, num_inducing=4).double()
     tokens = _randn(64, 12, C, seed=20)
     targets = torch.tanh(tokens @ _randn(C, C, seed=21) / math.sqrt(C))
     before = _mean_abs_objective(layer.features, tokens)
@@ -323,7 +324,7 @@ def _assert_exact_svd(scores: AttentionScores, kernel: np.ndarray, b: int, h: in
 @pytest.mark.parametrize("kernel_name", ["cosine", "exponential"])
 def test_exact_full_rank_reproduces_the_dense_svd(kernel_name: str):
     length = 5
-    module = _features(rank=length, mode="exact", kernel=kernel_name, seed=4)
+    module = _features(num_inducing=length, mode="exact", kernel=kernel_name, seed=4)
     x = _randn(2, length, C, seed=22)
     scores = module.scores(x, x)
     kernel = _dense_kernel(module, x, x).detach().numpy()
@@ -345,7 +346,7 @@ def test_exact_full_rank_reproduces_the_dense_svd(kernel_name: str):
 def test_exact_truncated_residual_is_the_tail_of_the_spectrum():
     """MATH.md identity 5: the left residual sums to sum_{i>s} lambda_i^2 (nothing is clamped here)."""
     rank = 2
-    module = _features(rank=rank, mode="exact", seed=5)
+    module = _features(num_inducing=rank, mode="exact", seed=5)
     x = _randn(2, 6, C, seed=23)
     scores = module.scores(x, x)
     kernel = _dense_kernel(module, x, x).detach().numpy()
@@ -361,7 +362,7 @@ def test_exact_truncated_residual_is_the_tail_of_the_spectrum():
 
 def test_exact_cross_attention_with_padding():
     rank = 3
-    module = _features(rank=rank, mode="exact", kernel="exponential", seed=6)
+    module = _features(num_inducing=rank, mode="exact", kernel="exponential", seed=6)
     x, context = _randn(2, 4, C, seed=24), _randn(2, 6, C, seed=25)
     mask = torch.tensor([[True, False, True, True, True, False], [True] * 6])
     scores = module.scores(x, context, mask)
@@ -373,7 +374,7 @@ def test_exact_cross_attention_with_padding():
 
 
 def test_exact_self_attention_with_padding_zeroes_rows_and_columns():
-    module = _features(rank=4, mode="exact", seed=7)
+    module = _features(num_inducing=4, mode="exact", seed=7)
     x, mask = _randn(3, 6, C, seed=26), _padding_mask()  # the shortest sequence has 4 real tokens
     scores = module.scores(x, x, mask)
     dense = _dense_kernel(module, x, x).detach().numpy()
@@ -397,7 +398,7 @@ def test_exact_self_attention_with_padding_zeroes_rows_and_columns():
 
 
 def test_exact_errors():
-    module = _features(rank=4, mode="exact")
+    module = _features(num_inducing=4, mode="exact")
     x = _randn(2, 6, C, seed=28)
     with pytest.raises(ValueError, match="causal"):
         module.scores(x, x, causal=True)
@@ -422,7 +423,7 @@ def test_exact_cosine_rank_above_the_feature_dimension_is_rejected():
 @pytest.mark.parametrize("tie_qk", [False, True])
 def test_primal_tokens_match_dense(tie_qk: bool):
     length, rank = 5, 3
-    module = _features(rank=rank, mode="primal_tokens", max_len=length, tie_qk=tie_qk, seed=8)
+    module = _features(num_inducing=rank, mode="primal_tokens", max_len=length, tie_qk=tie_qk, seed=8)
     x = _randn(2, length, C, seed=30)
     scores = module.scores(x, x)
     phi_q, phi_k = _dense_features(module, x, "query"), _dense_features(module, x, "key")
@@ -445,7 +446,7 @@ def test_primal_tokens_match_dense(tie_qk: bool):
 
 
 def test_primal_tokens_errors():
-    module = _features(rank=3, mode="primal_tokens", max_len=5)
+    module = _features(num_inducing=3, mode="primal_tokens", max_len=5)
     with pytest.raises(ValueError, match="max_len=5"):
         module.scores(*(2 * [_randn(2, 4, C, seed=31)]))
     x = _randn(2, 5, C, seed=32)
@@ -466,7 +467,7 @@ def test_constructor_errors():
         AttentionKernelEigenFeatures(C, H, 2, mode="dual")
     with pytest.raises(ValueError, match="kernel"):
         AttentionKernelEigenFeatures(C, H, 2, kernel="rbf")
-    with pytest.raises(ValueError, match="rank"):
+    with pytest.raises(ValueError, match="num_inducing"):
         AttentionKernelEigenFeatures(C, H, 0)
     with pytest.raises(ValueError, match="feature dimension"):
         AttentionKernelEigenFeatures(C, H, C // H + 1)

@@ -1,5 +1,5 @@
 """:class:`~gpattn.mlls.AttentionELBO` against a hand computation, and Monte Carlo averaging of
-:func:`~gpattn.mlls.predict_probabilities` (float64)."""
+:func:`~gpattn.models.predict_probabilities` (float64)."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ import torch.nn.functional as F
 from gpytorch.module import Module
 
 from gpattn.attention import AttentionLayer, sample_attention
-from gpattn.mlls import AttentionELBO, KSVDAddedLossTerm, predict_probabilities
-from gpattn.models import Transformer
+from gpattn.mlls import AttentionELBO, KSVDAddedLossTerm
+from gpattn.models import Transformer, predict_probabilities
 
 BATCH, CLASSES = 5, 3
 
@@ -27,16 +27,16 @@ class _Penalised(Module):
 
 
 class _ToyModel(Module):
-    """Logits are a parameter; KL = 3 w^2; two KSVD terms, one registered twice."""
+    """Logits are a parameter; KL = 3 w^2; two KSVD terms of weight ``eta``, one registered twice."""
 
-    def __init__(self, first: torch.Tensor, second: torch.Tensor):
+    def __init__(self, first: torch.Tensor, second: torch.Tensor, eta: float):
         super().__init__()
         self.logits = torch.nn.Parameter(torch.randn(BATCH, CLASSES, dtype=torch.float64))
         self.weight = torch.nn.Parameter(torch.tensor(0.7, dtype=torch.float64))
         self.container = torch.nn.Sequential(_Penalised())
         self.register_added_loss_term("ksvd")
-        self.update_added_loss_term("ksvd", KSVDAddedLossTerm(first))
-        second_term = KSVDAddedLossTerm(second, num_averaged_dims=1)
+        self.update_added_loss_term("ksvd", KSVDAddedLossTerm(first, eta))
+        second_term = KSVDAddedLossTerm(second, eta, num_averaged_dims=1)
         self.container[0].update_added_loss_term("ksvd", second_term)
         self.register_added_loss_term("same_term_again")
         self.update_added_loss_term("same_term_again", second_term)
@@ -48,18 +48,18 @@ class _ToyModel(Module):
         return 3 * self.weight**2
 
 
-def _toy() -> tuple[_ToyModel, torch.Tensor, torch.Tensor, torch.Tensor]:
+def _toy(eta: float = 1.0) -> tuple[_ToyModel, torch.Tensor, torch.Tensor, torch.Tensor]:
     torch.manual_seed(0)
     first = torch.tensor([0.3, -0.2], dtype=torch.float64)
     second = torch.tensor([[0.5, 1.0, -1.0], [0.1, 0.2, 0.3]], dtype=torch.float64)
     targets = torch.tensor([0, 2, 1, 1, 0])
-    return _ToyModel(first, second), first, second, targets
+    return _ToyModel(first, second, eta), first, second, targets
 
 
 def test_loss_equals_hand_computation():
-    model, first, second, targets = _toy()
     beta, eta, num_data = 0.5, 3.0, 40
-    loss = AttentionELBO(model, num_data, beta=beta, eta=eta)(model(), targets)
+    model, first, second, targets = _toy(eta)
+    loss = AttentionELBO(model, num_data, beta=beta)(model(), targets)
     # sum_i J1_i^2 + mean over the first dim of sum_j J2_ij^2 (num_averaged_dims=1), counted once
     ksvd = first.pow(2).sum() + second.pow(2).sum(dim=1).mean()
     expected = F.cross_entropy(model.logits, targets) + beta / num_data * 3 * 0.7**2 + eta * ksvd
@@ -69,14 +69,14 @@ def test_loss_equals_hand_computation():
 
 
 def test_parts_sum_to_the_loss():
-    model, first, second, targets = _toy()
-    parts = AttentionELBO(model, 10, beta=2.0, eta=0.5, combine_terms=False)(model(), targets)
+    model, first, second, targets = _toy(eta=0.5)
+    parts = AttentionELBO(model, 10, beta=2.0, combine_terms=False)(model(), targets)
     assert set(parts) == {"nll", "kl", "ksvd", "loss"}
     torch.testing.assert_close(parts["nll"], F.cross_entropy(model.logits, targets))
     torch.testing.assert_close(parts["kl"], 2.0 / 10 * model.kl_divergence())
     torch.testing.assert_close(parts["ksvd"], 0.5 * (first.pow(2).sum() + second.pow(2).sum(dim=1).mean()))
     torch.testing.assert_close(parts["loss"], parts["nll"] + parts["kl"] + parts["ksvd"], rtol=1e-14, atol=0)
-    combined = AttentionELBO(model, 10, beta=2.0, eta=0.5)(model(), targets)
+    combined = AttentionELBO(model, 10, beta=2.0)(model(), targets)
     torch.testing.assert_close(combined, parts["loss"], rtol=0, atol=0)
 
 
@@ -90,14 +90,25 @@ def test_monte_carlo_logits_average_over_samples_and_batch():
 
 def test_transformer_terms():
     torch.manual_seed(0)
-    model = Transformer(CLASSES, embed_dim=16, num_heads=2, attention="kep_svgp", rank=4, vocab_size=7, max_len=8)
+    model = Transformer(
+        CLASSES,
+        embed_dim=16,
+        num_heads=2,
+        attention="kep_svgp",
+        num_inducing=4,
+        ksvd_weight=10.0,
+        vocab_size=7,
+        max_len=8,
+    )
     model = model.double().train()
     ids, targets = torch.randint(0, 7, (BATCH, 6)), torch.tensor([0, 1, 2, 0, 1])
     logits = model(ids)
-    parts = AttentionELBO(model, 100, beta=1.0, eta=10.0, combine_terms=False)(logits, targets)
+    parts = AttentionELBO(model, 100, beta=1.0, combine_terms=False)(logits, targets)
     terms = list(model.added_loss_terms())
     assert terms, "the KEP-SVGP layer registers its KSVD term"
-    torch.testing.assert_close(parts["ksvd"], 10.0 * sum(term.loss() for term in terms))
+    assert all(term.weight == 10.0 for term in terms), "the layer's ksvd_weight is the term's eta"
+    squared = sum(term.objective.pow(2).mean(0).sum() for term in terms)  # J^2, mean over sequences, sum over heads
+    torch.testing.assert_close(parts["ksvd"], 10.0 * squared)
     torch.testing.assert_close(parts["kl"], model.kl_divergence() / 100)
     assert parts["kl"] > 0 and parts["ksvd"] > 0
     parts["loss"].backward()
@@ -174,7 +185,9 @@ def test_predict_probabilities_of_a_deterministic_model_runs_once():
 
 def test_predict_probabilities_of_a_gp_transformer():
     torch.manual_seed(0)
-    model = Transformer(CLASSES, embed_dim=16, num_heads=2, attention="kep_svgp", rank=4, vocab_size=5, max_len=6)
+    model = Transformer(
+        CLASSES, embed_dim=16, num_heads=2, attention="kep_svgp", num_inducing=4, vocab_size=5, max_len=6
+    )
     ids = torch.randint(0, 5, (BATCH, 6))
     torch.manual_seed(2)
     probabilities = predict_probabilities(model, ids, num_samples=4)

@@ -32,7 +32,7 @@ def data():
 def _model(landmarks, kernel=None, seed=0, **kwargs):
     torch.manual_seed(seed)
     kernel = ShiftedRBFKernel(1) if kernel is None else kernel
-    return KernelEigenPairSVGP(landmarks, kernel.double(), rank=kwargs.pop("rank", RANK), **kwargs).double()
+    return KernelEigenPairSVGP(landmarks, kernel.double(), num_inducing=kwargs.pop("num_inducing", RANK), **kwargs).double()
 
 
 def _train(gp, likelihood, mll, x, y, steps, lr=0.05):
@@ -90,7 +90,7 @@ def test_primal_mode_includes_the_ksvd_penalty_and_keeps_J_small(data):
     torch.manual_seed(0)  # the projections W_q, W_k are drawn from the global generator
     kernel = CosineFeatureKernel(1, feature_dim=16, lift="rff", lift_dim=32)
     # rank 4: the top singular values of the 12 x 12 cosine matrix are well separated from 0 (lambda_4 ~ 0.29)
-    gp = _model(landmarks, kernel=kernel, rank=4, mode="primal", ksvd_weight=eta)
+    gp = _model(landmarks, kernel=kernel, num_inducing=4, mode="primal", ksvd_weight=eta)
     features = gp.features
     # one feature object shared by both branches: the penalty is registered (and subtracted) once
     assert [name for name, _ in gp.named_added_loss_terms()] == ["variational_strategy.left.features.ksvd_loss"]
@@ -259,7 +259,9 @@ def test_every_parameter_is_listed_once(shared_posterior: bool) -> None:
     ``hyperparameters()``/``variational_parameters()`` must still list each tensor once (an optimiser rejects
     duplicates)."""
     landmarks = torch.linspace(-3, 3, 10, dtype=torch.float64).unsqueeze(-1)
-    model = KernelEigenPairSVGP(landmarks, ShiftedRBFKernel(1).double(), rank=6, shared_posterior=shared_posterior)
+    model = KernelEigenPairSVGP(
+        landmarks, ShiftedRBFKernel(1).double(), num_inducing=6, shared_posterior=shared_posterior
+    )
     for named in (model.named_hyperparameters(), model.named_variational_parameters(), model.named_parameters()):
         params = [param for _, param in named]
         assert len(params) == len({id(param) for param in params})

@@ -13,8 +13,8 @@ import torch
 
 from gpattn.attention import attention_arguments, attention_names
 from gpattn.data import make_pointer_task
-from gpattn.mlls import AttentionELBO, predict_probabilities
-from gpattn.models import Transformer
+from gpattn.mlls import AttentionELBO
+from gpattn.models import Transformer, predict_probabilities
 
 STEPS, BATCH, LEARNING_RATE = 400, 64, 3e-3
 LENGTH, VOCAB = 8, 8
@@ -22,7 +22,7 @@ LENGTH, VOCAB = 8, 8
 
 def _train_and_test(name: str, data) -> float:
     torch.manual_seed(0)
-    sizes = {key: 4 for key in ("rank", "num_global_inducing", "num_inducing") if key in attention_arguments(name)}
+    sizes = {key: 4 for key in ("num_inducing",) if key in attention_arguments(name)}
     model = Transformer(
         2, embed_dim=32, depth=2, num_heads=2, attention=name, gp_layers=2, vocab_size=VOCAB, max_len=LENGTH, **sizes
     )

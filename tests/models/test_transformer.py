@@ -17,7 +17,7 @@ from gpattn.attention import (
 from gpattn.models import Transformer
 from gpattn.models.presets import VIT_CIFAR_PRESET
 
-SIZE_ARGUMENTS = ("rank", "num_global_inducing", "num_inducing")
+SIZE_ARGUMENTS = ("num_inducing",)
 VOCAB, LENGTH, BATCH, CLASSES = 11, 9, 4, 3
 
 
@@ -65,10 +65,10 @@ def test_gp_layers_are_the_last_blocks(gp_layers):
 
 
 def test_attention_kwargs_reach_the_gp_layers_only():
-    model = small_model("kep_svgp", depth=3, gp_layers=2, rank=3, dropout=0.25, tie_qk=True)
+    model = small_model("kep_svgp", depth=3, gp_layers=2, num_inducing=3, dropout=0.25, tie_qk=True)
     first, *gp = model.attention_layers()
     assert isinstance(first, SoftmaxAttention) and first.dropout.p == 0.25
-    assert all(isinstance(layer, KEPSVGPAttention) and layer.rank == 3 and layer.tie_qk for layer in gp)
+    assert all(isinstance(layer, KEPSVGPAttention) and layer.num_inducing == 3 and layer.tie_qk for layer in gp)
     assert all(layer.max_len == 16 for layer in gp)  # the model's max_len is passed to layers that take one
 
 
@@ -114,7 +114,7 @@ def test_vit_cifar_preset_builds():
     model = Transformer(num_classes=10, **VIT_CIFAR_PRESET).eval()
     layers = model.attention_layers()
     assert len(layers) == 7 and all(isinstance(layer, SoftmaxAttention) for layer in layers[:-1])
-    assert isinstance(layers[-1], KEPSVGPAttention) and layers[-1].rank == 10 and layers[-1].num_heads == 12
+    assert isinstance(layers[-1], KEPSVGPAttention) and layers[-1].num_inducing == 10 and layers[-1].num_heads == 12
     assert model.max_len == 64 and model.blocks[0].mlp[0].out_features == 384
     with torch.no_grad():
         assert model(torch.randn(2, 3, 32, 32)).shape == (2, 10)

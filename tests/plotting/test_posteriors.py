@@ -13,7 +13,7 @@ from gpattn.plotting import plot_pair_posterior
 
 def _model() -> KernelEigenPairSVGP:
     landmarks = torch.linspace(-3, 3, 10, dtype=torch.float64).unsqueeze(-1)
-    return KernelEigenPairSVGP(landmarks, ShiftedRBFKernel(1).double(), rank=6).double()
+    return KernelEigenPairSVGP(landmarks, ShiftedRBFKernel(1).double(), num_inducing=6).double()
 
 
 def test_three_labelled_panels() -> None:

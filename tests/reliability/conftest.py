@@ -10,7 +10,7 @@ import torch
 from gpattn.attention import AttentionLayer, attention_arguments, build_attention
 from gpattn.models import Transformer
 
-SIZE_ARGUMENTS = ("rank", "num_global_inducing", "num_inducing")
+SIZE_ARGUMENTS = ("num_inducing",)
 VOCAB, LENGTH = 6, 6
 
 

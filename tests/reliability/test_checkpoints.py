@@ -40,7 +40,9 @@ def trained(tmp_path_factory, data):
     """A directory with the ``last.pt`` and ``best.pt`` of a 2-epoch KEP-SVGP run, and its bytes."""
     directory = tmp_path_factory.mktemp("run")
     torch.manual_seed(0)  # the architecture of _fresh_model
-    model = Transformer(2, embed_dim=16, depth=1, num_heads=2, attention="kep_svgp", rank=4, vocab_size=6, max_len=6)
+    model = Transformer(
+        2, embed_dim=16, depth=1, num_heads=2, attention="kep_svgp", num_inducing=4, vocab_size=6, max_len=6
+    )
     train_model(model, data.train, data.val, _config(directory))
     return directory, (directory / "last.pt").read_bytes()
 
@@ -125,9 +127,9 @@ def test_incomplete_or_malformed_checkpoints_raise(make_transformer, data, train
         ({"embed_dim": 32}, r"another model configuration: .*shape mismatches .*in the file"),
         ({"attention": "softmax"}, r"another model configuration: missing \[.*unexpected \["),
         ({"depth": 2}, r"another model configuration: missing \['blocks\.0\.attention\.q_proj"),
-        ({"rank": 3}, r"another model configuration: shape mismatches"),
+        ({"num_inducing": 3}, r"another model configuration: shape mismatches"),
     ],
-    ids=["width", "attention", "depth", "rank"],
+    ids=["width", "attention", "depth", "num_inducing"],
 )
 def test_checkpoint_of_another_configuration_raises(make_transformer, data, trained, kwargs, match):
     directory, _ = trained

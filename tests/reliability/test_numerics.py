@@ -17,8 +17,8 @@ from gpattn.features import AttentionKernelEigenFeatures, KernelEigenFeatures
 from gpattn.kernels import CosineFeatureKernel, ExponentialDotProductKernel, InducedKernel
 from gpattn.kernels.exponential_dot_product_kernel import safe_max_logit
 from gpattn.ksvd import default_gradient_tolerance, kernel_svd
-from gpattn.mlls import AttentionELBO, predict_probabilities
-from gpattn.models import KernelEigenPairSVGP
+from gpattn.mlls import AttentionELBO
+from gpattn.models import KernelEigenPairSVGP, predict_probabilities
 
 DTYPE = torch.float64
 NAMES = attention_names()
@@ -233,7 +233,7 @@ def test_exact_attention_with_padding_has_finite_gradients(kernel):
     # padded rows and columns make the kernel matrix rank-deficient with repeated zero singular values, where
     # torch.linalg.svd's own backward returns NaN in float32
     torch.manual_seed(0)
-    layer = KEPSVGPAttention(8, 2, rank=2, features="exact", kernel=kernel)
+    layer = KEPSVGPAttention(8, 2, num_inducing=2, features="exact", kernel=kernel)
     tokens = torch.randn(3, 5, 8, generator=_generator(15), requires_grad=True)
     mask = torch.ones(3, 5, dtype=torch.bool)
     mask[0, 3:] = False
@@ -246,7 +246,7 @@ def test_exact_attention_with_padding_has_finite_gradients(kernel):
 
 def test_exact_attention_with_padding_and_residual_has_finite_gradients():
     torch.manual_seed(0)
-    layer = KEPSVGPAttention(8, 2, rank=2, features="exact", residual="diag")
+    layer = KEPSVGPAttention(8, 2, num_inducing=2, features="exact", residual="diag")
     tokens = torch.randn(3, 5, 8, generator=_generator(15), requires_grad=True)
     mask = torch.ones(3, 5, dtype=torch.bool)
     mask[0, 3:] = False
@@ -257,7 +257,7 @@ def test_exact_attention_with_padding_and_residual_has_finite_gradients():
 @pytest.mark.parametrize("kernel", ["cosine", "exponential"])
 def test_exact_attention_on_a_rank_deficient_sequence_is_finite(kernel):
     torch.manual_seed(0)
-    layer = KEPSVGPAttention(8, 2, rank=3, features="exact", kernel=kernel)
+    layer = KEPSVGPAttention(8, 2, num_inducing=3, features="exact", kernel=kernel)
     tokens = torch.randn(1, 1, 8, generator=_generator(20)).expand(2, 5, 8).clone()  # K has rank 1
     output = layer(tokens)
     assert torch.isfinite(output).all() and torch.isfinite(layer.kl_divergence())
@@ -318,7 +318,7 @@ def test_primal_kernel_eigen_features_lambda_stays_positive():
     torch.manual_seed(1)
     kernel = CosineFeatureKernel(2, feature_dim=8, lift="rff", lift_dim=16)
     landmarks = torch.randn(10, 2, generator=_generator(17))
-    features = KernelEigenFeatures(kernel, landmarks, rank=4, mode="primal")
+    features = KernelEigenFeatures(kernel, landmarks, num_inducing=4, mode="primal")
     assert isinstance(features.raw_singular_values_constraint, Positive)
     _push_lambda_down(features.raw_singular_values, lambda: features.singular_values)
     assert features.singular_values.max() < 1e-4
@@ -377,7 +377,7 @@ def test_exponential_kernel_clamp_bounds():
 
 def test_exact_exponential_attention_with_large_logits_is_finite():
     torch.manual_seed(3)
-    layer = KEPSVGPAttention(8, 2, rank=2, features="exact", kernel="exponential")
+    layer = KEPSVGPAttention(8, 2, num_inducing=2, features="exact", kernel="exponential")
     with torch.no_grad():
         layer.features.kernel.query_weight.mul_(300.0)  # logits in the thousands
     tokens = (3.0 * torch.randn(3, 5, 8, generator=_generator(19))).requires_grad_(True)
@@ -473,7 +473,7 @@ def test_double_pair_svgp_computes_in_float64_only(mode):
     torch.manual_seed(4)
     landmarks = torch.linspace(-2, 2, 12, dtype=DTYPE).unsqueeze(-1)
     kernel = CosineFeatureKernel(1, feature_dim=8, lift="rff", lift_dim=16).double()
-    model = KernelEigenPairSVGP(landmarks, kernel, rank=4, mode=mode).double()
+    model = KernelEigenPairSVGP(landmarks, kernel, num_inducing=4, mode=mode).double()
     likelihood = gpytorch.likelihoods.GaussianLikelihood().double()
     x = torch.linspace(-2, 2, 20, dtype=DTYPE).unsqueeze(-1)
     y = torch.sin(2 * x).squeeze(-1)

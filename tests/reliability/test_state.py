@@ -14,7 +14,8 @@ from torch import Tensor
 from gpattn.attention import ATTENTIONS, attention_names
 from gpattn.data import make_pointer_task
 from gpattn.experiments import TrainConfig, load_checkpoint, train_model
-from gpattn.mlls import AttentionELBO, predict_probabilities
+from gpattn.mlls import AttentionELBO
+from gpattn.models import predict_probabilities
 
 NAMES = attention_names()
 STOCHASTIC = [name for name in NAMES if ATTENTIONS[name][0].is_stochastic]

@@ -16,7 +16,6 @@ import numpy as np
 import pytest
 import torch
 
-from gpattn._validation import InputTypeError, check_choice, check_device, check_float, check_int, check_tensor
 from gpattn.attention import (
     KEPSVGPAttention,
     PrimalAttention,
@@ -60,14 +59,15 @@ from gpattn.metrics import (
     negative_log_likelihood,
     ood_auroc,
 )
-from gpattn.mlls import AttentionELBO, KSVDAddedLossTerm, predict_probabilities
-from gpattn.models import KernelEigenPairSVGP, Transformer
+from gpattn.mlls import AttentionELBO, KSVDAddedLossTerm
+from gpattn.models import KernelEigenPairSVGP, Transformer, predict_probabilities
 from gpattn.plotting import plot_pair_posterior, write_comparison_figures
+from gpattn.validation import InputTypeError, check_choice, check_device, check_float, check_int, check_tensor
 from gpattn.variational import KernelEigenVariationalStrategy
 
 EMBED_DIM, NUM_HEADS, BATCH, LENGTH = 8, 2, 2, 5
 NAMES = attention_names()
-SIZES = {"rank": 2, "num_global_inducing": 3, "num_inducing": 3}
+SIZES = {"num_inducing": 2}
 
 
 # -- helpers -----------------------------------------------------------------------------------------------------------
@@ -163,25 +163,25 @@ def test_input_type_error_is_both():
         (SoftmaxAttention, {"embed_dim": 8, "num_heads": 2, "dropout": -0.1}, ValueError, "dropout"),
         (SoftmaxAttention, {"embed_dim": 8, "num_heads": 2, "dropout": math.nan}, ValueError, "dropout"),
         (SoftmaxAttention, {"embed_dim": 8, "num_heads": 2, "dropout": "0.1"}, TypeError, "dropout.*got '0.1'"),
-        (KEPSVGPAttention, {"rank": 0}, ValueError, "rank.*got 0"),
-        (KEPSVGPAttention, {"rank": 2.5}, TypeError, "rank.*got 2.5"),
-        (KEPSVGPAttention, {"rank": 5}, ValueError, r"rank \(5\).*feature dimension \(4\)"),
+        (KEPSVGPAttention, {"num_inducing": 0}, ValueError, "num_inducing.*got 0"),
+        (KEPSVGPAttention, {"num_inducing": 2.5}, TypeError, "num_inducing.*got 2.5"),
+        (KEPSVGPAttention, {"num_inducing": 5}, ValueError, r"num_inducing \(5\).*feature dimension \(4\)"),
         (KEPSVGPAttention, {"features": "dense"}, ValueError, "features.*'dense'"),
         (KEPSVGPAttention, {"merge": "max"}, ValueError, "merge.*'max'"),
         (KEPSVGPAttention, {"sampling": "iid"}, ValueError, "sampling.*'iid'"),
         (KEPSVGPAttention, {"residual": "full"}, ValueError, "residual.*'full'"),
         (KEPSVGPAttention, {"kernel": "rbf"}, ValueError, "kernel.*'rbf'"),
         (KEPSVGPAttention, {"kernel": "exponential"}, ValueError, "features='exact'"),
-        (KEPSVGPAttention, {"features": "primal_tokens"}, ValueError, "max_len >= rank"),
-        (KEPSVGPAttention, {"features": "primal_tokens", "max_len": 1}, ValueError, r"max_len >= rank \(2\), got 1"),
-        (KEPSVGPAttention, {"features": "exact", "max_len": 1}, ValueError, r"rank \(2\).*max_len=1"),
+        (KEPSVGPAttention, {"features": "primal_tokens"}, ValueError, "max_len >= num_inducing"),
+        (KEPSVGPAttention, {"features": "primal_tokens", "max_len": 1}, ValueError, r"max_len >= num_inducing \(2\), got 1"),
+        (KEPSVGPAttention, {"features": "exact", "max_len": 1}, ValueError, r"num_inducing \(2\).*max_len=1"),
         (KEPSVGPAttention, {"merge": "concat_tokens"}, ValueError, "max_len"),
         (KEPSVGPAttention, {"merge": "concat", "tie_qk": True}, ValueError, "tie_qk"),
         (KEPSVGPAttention, {"num_outputs": 0}, ValueError, "num_outputs.*got 0"),
         (KEPSVGPAttention, {"num_outputs": 2.0}, TypeError, "num_outputs.*got 2.0"),
         (PrimalAttention, {"features": "exact"}, ValueError, "features"),
-        (PrimalAttention, {"rank": -1}, ValueError, "rank"),
-        (SGPAAttention, {"num_global_inducing": 0}, ValueError, "num_global_inducing"),
+        (PrimalAttention, {"num_inducing": -1}, ValueError, "num_inducing"),
+        (SGPAAttention, {"num_inducing": 0}, ValueError, "num_inducing"),
         (SGPAAttention, {"kernel": "rbf"}, ValueError, "kernel"),
         (SGPAAttention, {"jitter": -1e-6}, ValueError, "jitter"),
         (SGPAAttention, {"jitter": math.nan}, ValueError, "jitter"),
@@ -192,7 +192,7 @@ def test_input_type_error_is_both():
 def test_attention_constructor_rejects(cls, kwargs, error, match):
     sizes = {"embed_dim": EMBED_DIM, "num_heads": NUM_HEADS}
     if cls in (KEPSVGPAttention, PrimalAttention):
-        sizes["rank"] = 2  # within the head width 4, so that the case's own error is the first
+        sizes["num_inducing"] = 2  # within the head width 4, so that the case's own error is the first
     with pytest.raises(error, match=match):
         cls(**{**sizes, **kwargs})
 
@@ -202,15 +202,15 @@ def test_attention_constructor_rejects(cls, kwargs, error, match):
     [
         ({"num_heads": 0}, ValueError, "num_heads.*got 0"),
         ({"embed_dim": 0}, ValueError, "embed_dim.*got 0"),
-        ({"rank": 0}, ValueError, "rank"),
+        ({"num_inducing": 0}, ValueError, "num_inducing"),
         ({"feature_dim": 0}, ValueError, "feature_dim.*got 0"),
         ({"mode": "dense"}, ValueError, "features.*'dense'"),
-        ({"mode": "exact", "max_len": 1}, ValueError, r"rank \(2\).*max_len=1"),
+        ({"mode": "exact", "max_len": 1}, ValueError, r"num_inducing \(2\).*max_len=1"),
     ],
 )
 def test_attention_features_constructor_rejects(kwargs, error, match):
     with pytest.raises(error, match=match):
-        AttentionKernelEigenFeatures(**{"embed_dim": EMBED_DIM, "num_heads": NUM_HEADS, "rank": 2, **kwargs})
+        AttentionKernelEigenFeatures(**{"embed_dim": EMBED_DIM, "num_heads": NUM_HEADS, "num_inducing": 2, **kwargs})
 
 
 def test_registry_rejects_unknown_names_and_arguments():
@@ -346,24 +346,24 @@ def test_attention_float64_works_where_float32_does(name):
 
 
 def test_rank_larger_than_the_sequence_in_exact_mode():
-    attention = KEPSVGPAttention(EMBED_DIM, NUM_HEADS, rank=3, features="exact")
+    attention = KEPSVGPAttention(EMBED_DIM, NUM_HEADS, num_inducing=3, features="exact")
     before = snapshot(attention)
-    with pytest.raises(ValueError, match=r"rank \(3\) exceeds the shortest sequence in the batch \(2 tokens\)"):
+    with pytest.raises(ValueError, match=r"num_inducing \(3\) exceeds the shortest sequence in the batch \(2 tokens\)"):
         attention(tokens(length=2))
-    with pytest.raises(ValueError, match=r"rank \(3\) exceeds the shortest sequence in the batch \(2 tokens\)"):
+    with pytest.raises(ValueError, match=r"num_inducing \(3\) exceeds the shortest sequence in the batch \(2 tokens\)"):
         attention(tokens(), mask=mask([True] * LENGTH, [True, True, False, False, False]))
     assert_unchanged(attention, before)
 
 
 def test_primal_tokens_length_is_checked():
-    attention = KEPSVGPAttention(EMBED_DIM, NUM_HEADS, rank=2, features="primal_tokens", max_len=LENGTH)
+    attention = KEPSVGPAttention(EMBED_DIM, NUM_HEADS, num_inducing=2, features="primal_tokens", max_len=LENGTH)
     with pytest.raises(ValueError, match=f"length max_len={LENGTH}, got 3"):
         attention(tokens(length=3))
 
 
 def test_rejected_training_step_leaves_parameters_finite():
     """A NaN batch is refused before the forward pass, so an optimiser step never sees a NaN gradient."""
-    model = Transformer(2, embed_dim=EMBED_DIM, depth=1, num_heads=NUM_HEADS, attention="kep_svgp", rank=2,
+    model = Transformer(2, embed_dim=EMBED_DIM, depth=1, num_heads=NUM_HEADS, attention="kep_svgp", num_inducing=2,
                         input="vectors", input_dim=3, max_len=LENGTH)  # fmt: skip
     optimizer = torch.optim.Adam(model.parameters(), lr=0.1)
     loss_fn = AttentionELBO(model, num_data=8)
@@ -405,7 +405,7 @@ def test_kernel_constructor_rejects(make, error, match):
 @pytest.mark.parametrize("value", [-1.0, 0.0, math.nan, math.inf])
 def test_positive_setters_reject_values_that_would_be_nan(value):
     kernel = ShiftedRBFKernel(1)
-    attention = SGPAAttention(EMBED_DIM, NUM_HEADS, num_global_inducing=3)
+    attention = SGPAAttention(EMBED_DIM, NUM_HEADS, num_inducing=3)
     for module, name in ((kernel, "outputscale"), (attention, "lengthscale"), (attention, "outputscale")):
         before = snapshot(module)
         with pytest.raises(ValueError, match=f"{name}.*> 0"):
@@ -469,8 +469,8 @@ def landmarks(count: int = 6, dim: int = 1, dtype=torch.float32) -> torch.Tensor
         ({"landmarks": landmarks(dim=2)}, ValueError, r"landmarks of shape \(\.\.\., M, 1\), got \(6, 2\)"),
         ({"landmarks": landmarks() / 0.0}, ValueError, "landmarks contains NaN or Inf"),
         ({"key_landmarks": landmarks(dim=2)}, ValueError, "key_landmarks of shape"),
-        ({"rank": 7}, ValueError, r"rank in \[1, number of landmarks\] = \[1, 6\], got 7"),
-        ({"rank": 0}, ValueError, "rank"),
+        ({"num_inducing": 7}, ValueError, r"num_inducing \(the KSVD rank\) to be an integer in \[1, 6\], got 7"),
+        ({"num_inducing": 0}, ValueError, "num_inducing"),
         ({"mode": "dual"}, ValueError, "mode"),
         ({"svd_method": "lanczos"}, ValueError, "svd_method.*'lanczos'"),
         ({"ksvd_weight": -1.0}, ValueError, "ksvd_weight.*>= 0"),
@@ -479,7 +479,7 @@ def landmarks(count: int = 6, dim: int = 1, dtype=torch.float32) -> torch.Tensor
     ],
 )
 def test_kernel_eigen_features_constructor_rejects(kwargs, error, match):
-    arguments = {"kernel": ShiftedRBFKernel(1), "landmarks": landmarks(), "rank": 3, **kwargs}
+    arguments = {"kernel": ShiftedRBFKernel(1), "landmarks": landmarks(), "num_inducing": 3, **kwargs}
     with pytest.raises(error, match=match):
         KernelEigenFeatures(**arguments)
 
@@ -489,7 +489,7 @@ def test_kernel_eigen_features_constructor_rejects(kwargs, error, match):
     [
         ({"kernel": gpytorch.kernels.RBFKernel()}, TypeError, "AsymmetricKernel"),
         ({"inducing_points": landmarks() * math.inf}, ValueError, "NaN or Inf"),
-        ({"rank": 9}, ValueError, "rank"),
+        ({"num_inducing": 9}, ValueError, "num_inducing"),
         ({"merge": "max"}, ValueError, "merge"),
         ({"residual": "full"}, ValueError, "residual"),
         ({"variational_distribution": "delta"}, ValueError, "variational_distribution"),
@@ -498,7 +498,7 @@ def test_kernel_eigen_features_constructor_rejects(kwargs, error, match):
     ],
 )
 def test_pair_svgp_constructor_rejects(kwargs, error, match):
-    arguments = {"inducing_points": landmarks(), "kernel": ShiftedRBFKernel(1), "rank": 3, **kwargs}
+    arguments = {"inducing_points": landmarks(), "kernel": ShiftedRBFKernel(1), "num_inducing": 3, **kwargs}
     with pytest.raises(error, match=match):
         KernelEigenPairSVGP(**arguments)
 
@@ -518,7 +518,7 @@ PAIR_BAD_INPUTS = {
 @pytest.mark.parametrize("call", ["posterior", "prior", "branch"])
 def test_pair_svgp_call_rejects(call, case):
     x, error, match = PAIR_BAD_INPUTS[case]
-    model = KernelEigenPairSVGP(landmarks(), ShiftedRBFKernel(1), rank=3)
+    model = KernelEigenPairSVGP(landmarks(), ShiftedRBFKernel(1), num_inducing=3)
     before = snapshot(model)
     with pytest.raises(error, match=f"KernelEigenPairSVGP: .*{match}"):
         if call == "branch":
@@ -530,13 +530,13 @@ def test_pair_svgp_call_rejects(call, case):
 
 
 def test_pair_svgp_branch_side():
-    model = KernelEigenPairSVGP(landmarks(), ShiftedRBFKernel(1), rank=3)
+    model = KernelEigenPairSVGP(landmarks(), ShiftedRBFKernel(1), num_inducing=3)
     with pytest.raises(ValueError, match="side 'left' or 'right', got 'up'"):
         model.branch(landmarks(), "up")
 
 
 def test_pair_svgp_float64_works():
-    model = KernelEigenPairSVGP(landmarks(dtype=torch.float64), ShiftedRBFKernel(1).double(), rank=3).double()
+    model = KernelEigenPairSVGP(landmarks(dtype=torch.float64), ShiftedRBFKernel(1).double(), num_inducing=3).double()
     assert model(landmarks(4, dtype=torch.float64)).mean.dtype == torch.float64
 
 
@@ -595,8 +595,7 @@ class _Classifier(torch.nn.Module):
         ({"num_data": 10.0}, TypeError, "num_data"),
         ({"beta": -1.0}, ValueError, "beta"),
         ({"beta": math.inf}, ValueError, "beta"),
-        ({"eta": math.nan}, ValueError, "eta"),
-        ({"eta": "1"}, TypeError, "eta.*got '1'"),
+        ({"beta": "1"}, TypeError, "beta.*got '1'"),
         ({"model": torch.nn.Linear(2, 2)}, ValueError, "kl_divergence"),
     ],
 )
@@ -637,7 +636,7 @@ def test_predict_probabilities_rejects():
 # -- the Transformer ---------------------------------------------------------------------------------------------------
 def transformer(**kwargs: Any) -> Transformer:
     torch.manual_seed(0)
-    arguments = {"num_classes": 2, "embed_dim": EMBED_DIM, "depth": 1, "num_heads": NUM_HEADS, "rank": 2}
+    arguments = {"num_classes": 2, "embed_dim": EMBED_DIM, "depth": 1, "num_heads": NUM_HEADS, "num_inducing": 2}
     return Transformer(**{**arguments, **kwargs})
 
 
@@ -650,7 +649,7 @@ def transformer(**kwargs: Any) -> Transformer:
         ({"attention": "nope", "vocab_size": 5}, ValueError, "expected one of"),
         ({"vocab_size": 0}, ValueError, "vocab_size"),
         ({"vocab_size": 5, "max_len": 0}, ValueError, "max_len"),
-        ({"vocab_size": 5, "rank": 5}, ValueError, "feature dimension"),
+        ({"vocab_size": 5, "num_inducing": 5}, ValueError, "feature dimension"),
         ({"vocab_size": 5, "mlp_ratio": "2"}, TypeError, "mlp_ratio"),
         ({"vocab_size": 5, "dropout": "0"}, TypeError, "dropout"),
         ({"input": "images", "vocab_size": 5}, ValueError, "input"),
@@ -839,13 +838,12 @@ def test_file_loaders_reject(tmp_path):
         ({"embed_dim": 30, "num_heads": 4}, ValueError, r"embed_dim \(30\).*num_heads \(4\)"),
         ({"depth": 0}, ValueError, "depth"),
         ({"gp_layers": 3}, ValueError, "gp_layers"),
-        ({"rank": 17}, ValueError, r"rank \(17\).*head width embed_dim / num_heads = 16"),
-        ({"rank": 0}, ValueError, "rank"),
+        ({"num_inducing": 17}, ValueError, r"num_inducing \(17\).*head width embed_dim / num_heads = 16"),
         ({"num_inducing": 0}, ValueError, "num_inducing"),
         ({"eval_samples": 0}, ValueError, "eval_samples"),
         ({"ensemble": 0}, ValueError, "ensemble size"),
         ({"beta": -1.0}, ValueError, "beta"),
-        ({"eta": math.nan}, ValueError, "eta"),
+        ({"ksvd_weight": math.nan}, ValueError, "ksvd_weight"),
         ({"device": "banana"}, ValueError, "device"),
     ],
 )
@@ -854,8 +852,9 @@ def test_compare_config_rejects(kwargs, error, match):
         CompareConfig(**kwargs)
 
 
-def test_compare_config_rank_only_matters_for_rank_layers():
-    assert CompareConfig(attentions=("softmax", "sgpa"), rank=64).rank == 64
+def test_compare_config_size_is_only_bounded_for_ksvd_layers():
+    # a size above the head width is only an error for the KSVD layers, whose cosine kernel has rank <= p
+    assert CompareConfig(attentions=("softmax", "sgpa"), num_inducing=64).num_inducing == 64
 
 
 def test_compare_config_without_cuda(monkeypatch):
@@ -867,7 +866,7 @@ def test_compare_config_without_cuda(monkeypatch):
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [
-        ({"rank": 30}, r"rank \(30\) must not exceed num_landmarks \(24\)"),
+        ({"num_inducing": 30}, r"num_inducing \(30\) must not exceed num_landmarks \(24\)"),
         ({"num_landmarks": 0}, "num_landmarks"),
         ({"iterations": 0}, "iterations"),
         ({"lr": -0.1}, "lr"),
@@ -885,10 +884,10 @@ def test_plotting_rejects(tmp_path):
     data = make_asymmetric_regression_1d(n_train=8, n_test=4, dtype=torch.float32)
     with pytest.raises(TypeError, match="KernelEigenPairSVGP, got Linear"):
         plot_pair_posterior(torch.nn.Linear(1, 1), data)
-    model = KernelEigenPairSVGP(landmarks(), ShiftedRBFKernel(1), rank=3)
+    model = KernelEigenPairSVGP(landmarks(), ShiftedRBFKernel(1), num_inducing=3)
     with pytest.raises(TypeError, match="RegressionData, got dict"):
         plot_pair_posterior(model, {})
-    concat = KernelEigenPairSVGP(landmarks(), ShiftedRBFKernel(1), rank=3, merge="concat")
+    concat = KernelEigenPairSVGP(landmarks(), ShiftedRBFKernel(1), num_inducing=3, merge="concat")
     with pytest.raises(ValueError, match="merge='sum'"):
         plot_pair_posterior(concat, data)
     with pytest.raises(ValueError, match="expected 1-D inputs"):

@@ -1,0 +1,53 @@
+"""Monte Carlo prediction of classifiers with stochastic (GP) attention."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from ..attention import AttentionLayer, sample_attention
+from ..validation import check_choice, check_int
+
+AVERAGES = ("probabilities", "logits")
+
+
+@torch.no_grad()
+def predict_probabilities(
+    model: torch.nn.Module,
+    inputs: Tensor,
+    mask: Tensor | str | None = None,
+    num_samples: int = 10,
+    average: str = "probabilities",
+) -> Tensor:
+    r"""Monte Carlo predictive class probabilities of a classifier with stochastic attention.
+
+    The model runs in eval mode (no dropout) with :func:`~gpattn.attention.sample_attention` on, :math:`T` =
+    ``num_samples`` times; ``average="probabilities"`` returns
+    :math:`\frac{1}{T} \sum_t \operatorname{softmax}(\text{logits}^{(t)})` (the predictive distribution, the
+    papers' choice), ``"logits"`` returns :math:`\operatorname{softmax}(\frac{1}{T} \sum_t \text{logits}^{(t)})`.
+    A model without stochastic layers is run once. The model's training mode is restored afterwards; no gradients
+    are recorded.
+
+    :param model: Maps ``(inputs, mask=mask)`` to logits ``(B, C)``.
+    :param inputs: The model's inputs.
+    :param mask: The model's mask argument.
+    :param num_samples: :math:`T \geq 1`.
+    :param average: ``"probabilities"`` or ``"logits"``.
+    :return: Class probabilities, shape ``(B, C)``.
+    """
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"predict_probabilities: expected model to be a torch.nn.Module, got {type(model).__name__}")
+    check_int("num_samples", num_samples, where="predict_probabilities")
+    check_choice("average", average, AVERAGES, where="predict_probabilities")
+    if not any(isinstance(module, AttentionLayer) and module.is_stochastic for module in model.modules()):
+        num_samples = 1  # deterministic in eval mode: every pass would be identical
+    was_training = model.training
+    model.eval()
+    try:
+        with sample_attention(model):
+            logits = torch.stack([model(inputs, mask=mask) for _ in range(num_samples)])  # shape: (T, B, C)
+    finally:
+        model.train(was_training)
+    if average == "probabilities":
+        return logits.softmax(dim=-1).mean(dim=0)
+    return logits.mean(dim=0).softmax(dim=-1)
