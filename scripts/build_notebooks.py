@@ -561,8 +561,9 @@ def notebook_02() -> list[nbformat.NotebookNode]:
         md(r"""
         ## 2. Left, right and merged posteriors against the exact GP
 
-        `fit_pair_svgp` trains `KernelEigenPairSVGP(landmarks, ShiftedRBFKernel(1), num_inducing=16)` (24 fixed landmarks,
-        natural-gradient steps on $q(u)$, Adam on the kernel and the noise) with `gpytorch.mlls.VariationalELBO`;
+        `fit_pair_svgp` trains `KernelEigenPairSVGP(landmarks, ShiftedRBFKernel(1), num_inducing=16)` (24 fixed
+        landmarks, natural-gradient steps on $q(u)$, Adam on the kernel and the noise) with
+        `gpytorch.mlls.VariationalELBO`;
         `fit_exact_gp` fits the exact GP with kernel $k_e + k_r$ on the same landmarks by the exact marginal
         likelihood. Both start from $\delta = 0.1$, $\ell = 0.5$. We report the test RMSE and the negative log
         predictive density (NLPD, per test point, Gaussian predictive with the learned noise).
@@ -955,8 +956,8 @@ def notebook_03() -> list[nbformat.NotebookNode]:
         models, summary = {}, {}
         for mode in MODES:
             torch.manual_seed(0)
-            model = Transformer(2, embed_dim=32, depth=2, num_heads=2, attention="kep_svgp", gp_layers=1, num_inducing=4,
-                                vocab_size=8, max_len=length, features=mode)
+            model = Transformer(2, embed_dim=32, depth=2, num_heads=2, attention="kep_svgp", gp_layers=1,
+                                num_inducing=4, vocab_size=8, max_len=length, features=mode)
             start = time.perf_counter()
             result = train_model(model, data.train, data.val,
                                  TrainConfig(epochs=pick(20, 1), lr=3e-3, eval_samples=pick(5, 1), progress=False))

@@ -41,7 +41,9 @@ def test_rank_larger_than_landmarks_is_an_error(tmp_path, capsys) -> None:
     assert not (tmp_path / "results.json").exists()
 
 
-@pytest.mark.parametrize("argument", [["--num-inducing", "0"], ["--iterations", "-1"], ["--lr", "0"], ["--num-inducing", "two"]])
+@pytest.mark.parametrize(
+    "argument", [["--num-inducing", "0"], ["--iterations", "-1"], ["--lr", "0"], ["--num-inducing", "two"]]
+)
 def test_bad_numbers_are_rejected_by_the_parser(argument, capsys) -> None:
     with pytest.raises(SystemExit) as error:
         build_parser().parse_args(["regression", *argument])

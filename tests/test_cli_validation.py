@@ -49,7 +49,10 @@ CASES = [
     (["regression", "--lr", "inf"], ["--lr", "finite number > 0, got 'inf'"]),
     (["regression", "--seed", "-1"], ["--seed", "non-negative integer, got '-1'"]),
     (["regression", "--seed", "abc"], ["--seed", "non-negative integer, got 'abc'"]),
-    (["regression", "--num-inducing", "30", "--landmarks", "24"], ["--num-inducing (30) must not exceed --landmarks (24)"]),
+    (
+        ["regression", "--num-inducing", "30", "--landmarks", "24"],
+        ["--num-inducing (30) must not exceed --landmarks (24)"],
+    ),
     (["regression", "--frobnicate"], ["unrecognized arguments: --frobnicate"]),
     (["train", "--attention", "nope"], ["--attention", "invalid choice: 'nope'", "kep_svgp"]),
     (["train", "--task", "mnist"], ["--task", "invalid choice: 'mnist'", "digits"]),
@@ -116,7 +119,19 @@ def test_good_options_still_reach_the_run(monkeypatch, tmp_path):
     for argv in (
         ["regression", "--out", str(tmp_path / "r")],
         ["train", "--out", str(tmp_path / "t"), "--device", "cpu", "--seed", "0"],
-        ["compare", "--quick", "--out", str(tmp_path / "c"), "--beta", "0", "--ksvd-weight", "0.5", "--seeds", "0", "1"],
+        [
+            "compare",
+            "--quick",
+            "--out",
+            str(tmp_path / "c"),
+            "--beta",
+            "0",
+            "--ksvd-weight",
+            "0.5",
+            "--seeds",
+            "0",
+            "1",
+        ],
     ):
         with pytest.raises(AssertionError, match="a run started"):
             cli.main(argv)

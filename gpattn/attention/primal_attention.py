@@ -5,9 +5,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ..features.attention_kernel_eigen_features import AttentionKernelEigenFeatures
-from ..mlls import KSVDAddedLossTerm
-from ..validation import check_float
+from ..features import AttentionKernelEigenFeatures
+from ..validation import check_choice
 from ._base import AttentionLayer
 
 
@@ -19,7 +18,7 @@ class PrimalAttention(AttentionLayer):
         o(x_i) = W_o \begin{bmatrix} e(x_i) \\ r(x_i) \end{bmatrix}, \qquad W_o: \mathbb R^{2s} \to \mathbb R^{C/H},
 
     with :math:`e, r` from :class:`~gpattn.features.AttentionKernelEigenFeatures` (amortised by default, or the
-    paper's ``"primal_tokens"``) and the penalty :math:`J^2` (the added loss term ``"ksvd_loss"``, weighed by
+    paper's ``"primal_tokens"``) and the penalty :math:`\eta J^2` (the features' added loss term ``"ksvd_loss"``,
     :math:`\eta` = ``ksvd_weight``). Deterministic: ``kl_divergence()`` is zero. In
     cross-attention :math:`r` lives on the keys, so the queries use :math:`[e(x_i); 0]`.
 
@@ -47,11 +46,15 @@ class PrimalAttention(AttentionLayer):
         ksvd_weight: float = 1.0,
     ):
         super().__init__(embed_dim, num_heads, dropout)
-        self.ksvd_weight = check_float("ksvd_weight", ksvd_weight, 0.0, where=type(self).__name__)
-        if features not in ("amortized", "primal_tokens"):
-            raise ValueError(f"expected features 'amortized' or 'primal_tokens', got {features!r}")
+        check_choice("features", features, ("amortized", "primal_tokens"), where=type(self).__name__)
         self.features = AttentionKernelEigenFeatures(
-            embed_dim, num_heads, num_inducing, mode=features, feature_dim=feature_dim, max_len=max_len
+            embed_dim,
+            num_heads,
+            num_inducing,
+            mode=features,
+            feature_dim=feature_dim,
+            max_len=max_len,
+            ksvd_weight=ksvd_weight,
         )
         self.num_inducing = num_inducing = self.features.num_inducing  # the default resolved there: min(10, p)
         bound = (2 * num_inducing) ** -0.5
@@ -59,20 +62,20 @@ class PrimalAttention(AttentionLayer):
         self.output_weight = torch.nn.Parameter(
             torch.empty(num_heads, 2 * num_inducing, self.head_dim).uniform_(-bound, bound)
         )
-        self.register_added_loss_term("ksvd_loss")
+
+    def learned_spectrum(self) -> Tensor:
+        """The learned KSVD singular values per head, shape ``(H, s)``."""
+        return self.features.singular_values.detach()
 
     def forward(self, x: Tensor, mask: Tensor | str | None = None, context: Tensor | None = None) -> Tensor:
         inputs = self._prepare(x, mask, context)
-        scores = self.features.scores(
+        # the features refresh their KSVD penalty in training
+        scores = self.features(
             inputs.queries, inputs.keys, inputs.key_mask, inputs.causal, objective=self.training, kernel_diag=False
         )
-        if self.training:
-            self.update_added_loss_term(
-                "ksvd_loss", KSVDAddedLossTerm(scores.objective, self.ksvd_weight, num_averaged_dims=1)
-            )
         # y = b + sum_h [e_h, r_h] W_h P_h^T: the per-head map and out_proj folded into (H, 2s, C) coefficients
         coefficients = self.output_weight @ self.head_projection()
-        output = self.accumulate_heads(self.out_proj.bias, scores.left, coefficients[:, : self.num_inducing])
+        output = self.accumulate_heads(self.out_proj.bias, scores.left_scores, coefficients[:, : self.num_inducing])
         if not inputs.is_cross:  # r lives on the keys: cross-attention uses e alone
-            output = self.accumulate_heads(output, scores.right, coefficients[:, self.num_inducing :])
+            output = self.accumulate_heads(output, scores.right_scores, coefficients[:, self.num_inducing :])
         return self.dropout(output)

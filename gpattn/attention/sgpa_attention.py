@@ -10,7 +10,7 @@ from gpytorch.constraints import Positive
 from linear_operator.utils.cholesky import psd_safe_cholesky
 from torch import Tensor
 
-from ..kernels.exponential_dot_product_kernel import safe_max_logit
+from ..kernels import safe_max_logit
 from ..validation import check_float, check_int, check_positive
 from ._base import AttentionInputs, AttentionLayer
 

@@ -1,6 +1,16 @@
-"""Kernel-eigen inducing features: on a landmark set (GP models) and per sequence (attention)."""
+"""Kernel-eigen inducing features: one interface (:class:`KernelEigenFeaturesBase`), evaluated into one per-call
+object (:class:`KernelEigenScores`) by the landmark features of GP models and the per-sequence features of attention."""
 
-from .attention_kernel_eigen_features import AttentionKernelEigenFeatures, AttentionScores
+from .attention_kernel_eigen_features import AttentionKernelEigenFeatures
 from .kernel_eigen_features import KernelEigenFeatures
+from .kernel_eigen_features_base import KernelEigenFeaturesBase
+from .kernel_eigen_scores import KernelEigenScores, induced_kernel_diag, inducing_covariance
 
-__all__ = ["AttentionKernelEigenFeatures", "AttentionScores", "KernelEigenFeatures"]
+__all__ = [
+    "AttentionKernelEigenFeatures",
+    "KernelEigenFeatures",
+    "KernelEigenFeaturesBase",
+    "KernelEigenScores",
+    "induced_kernel_diag",
+    "inducing_covariance",
+]

@@ -2,52 +2,22 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
 
 import torch
-from gpytorch.constraints import Positive
-from gpytorch.module import Module
 from torch import Tensor
 
 from ..kernels import CosineFeatureKernel, ExponentialDotProductKernel
 from ..ksvd import kernel_svd, ksvd_objective
-from ..validation import check_int
+from ..mlls import KSVDAddedLossTerm
+from ..validation import check_choice, check_float, check_int
+from .kernel_eigen_features_base import KernelEigenFeaturesBase
+from .kernel_eigen_scores import KernelEigenScores, induced_kernel_diag
 
 MODES = ("amortized", "primal_tokens", "exact")
 #: the attention layers' number of inducing variables (the KSVD rank s) when none is given: min(DEFAULT_NUM_INDUCING, p)
 DEFAULT_NUM_INDUCING = 10
 KERNELS = ("cosine", "exponential")
-
-
-@dataclass(frozen=True)
-class AttentionScores:
-    r"""KSVD quantities of one attention call, for every sequence ``B`` and head ``H``.
-
-    :ivar left: :math:`e(x_i)` at the queries, shape ``(B, H, N, s)``.
-    :ivar right: :math:`r(z_j)` at the keys, shape ``(B, H, M, s)``.
-    :ivar singular_values: :math:`\Lambda`, shape ``(H, s)`` (learned) or ``(B, H, s)`` (exact mode).
-    :ivar objective: :math:`J` (sum form) per sequence and head, shape ``(B, H)``; zero in exact mode; ``None``
-        when not asked for.
-    :ivar left_kernel_diag: :math:`k_e(x_i, x_i) = \|\kappa(x_i, Z)\|^2` over the visible keys, ``(B, H, N)``;
-        ``None`` when not asked for.
-    :ivar right_kernel_diag: :math:`k_r(z_j, z_j) = \|\kappa(X, z_j)\|^2` over the visible queries, ``(B, H, M)``;
-        ``None`` when not asked for.
-    """
-
-    left: Tensor
-    right: Tensor
-    singular_values: Tensor
-    objective: Tensor | None
-    left_kernel_diag: Tensor | None
-    right_kernel_diag: Tensor | None
-
-    def residual_diag(self, side: str) -> Tensor:
-        """The residual variance :math:`k_e(x, x) - \\|e(x)\\|^2` (``"left"``, shape ``(B, H, N)``) or
-        :math:`k_r(z, z) - \\|r(z)\\|^2` (``"right"``, shape ``(B, H, M)``), clamped at zero."""
-        scores, diag = (self.left, self.left_kernel_diag) if side == "left" else (self.right, self.right_kernel_diag)
-        if diag is None:
-            raise RuntimeError("the kernel diagonals were not computed: call scores(..., kernel_diag=True)")
-        return (diag - scores.pow(2).sum(-1)).clamp_min(0.0)
 
 
 def _prefix_mean_outer(features: Tensor, values: Tensor) -> Tensor:
@@ -72,15 +42,14 @@ def _unit_quadratic_form(
     :return: ``(B, H, N)``.
     """
     unit, other = columns * inverse, other_columns * other_inverse
-    if mask is not None:
-        other = other * mask[:, None, None, :].to(other.dtype)
-    if causal:  # one Gram matrix per prefix: (B, H, N, p, p)
-        gram = (other.mT.unsqueeze(-1) * other.mT.unsqueeze(-2)).cumsum(dim=-3)
-        return torch.einsum("bhpn,bhnpq,bhqn->bhn", unit, gram, unit)
-    return ((other @ other.mT @ unit) * unit).sum(-2)
+    if not causal:
+        return induced_kernel_diag(unit.mT, other.mT, None if mask is None else mask[:, None, :])
+    # one Gram matrix per prefix: (B, H, N, p, p); a causal call has no padding mask
+    gram = (other.mT.unsqueeze(-1) * other.mT.unsqueeze(-2)).cumsum(dim=-3)
+    return torch.einsum("bhpn,bhnpq,bhqn->bhn", unit, gram, unit)
 
 
-class AttentionKernelEigenFeatures(Module):
+class AttentionKernelEigenFeatures(KernelEigenFeaturesBase):
     r"""Per-sequence KSVD scores of the attention kernel of every head (MATH.md section 2).
 
     For queries :math:`X` (``N`` tokens) and keys :math:`Z` (``M`` tokens) of one sequence and one head:
@@ -110,6 +79,9 @@ class AttentionKernelEigenFeatures(Module):
     :param feature_dim: :math:`p` (default ``embed_dim // num_heads``).
     :param tie_qk: :math:`W_q = W_k` (symmetric kernel; the two amortised maps are tied too).
     :param max_len: Sequence length of ``"primal_tokens"``.
+    :param ksvd_weight: :math:`\eta \geq 0` of the KSVD penalty :math:`\eta J^2`, the added loss term ``"ksvd_loss"``
+        refreshed by every training call (mean of :math:`J^2` over the sequences, summed over the heads; zero in exact
+        mode, where :math:`J = 0`).
     """
 
     def __init__(
@@ -122,17 +94,16 @@ class AttentionKernelEigenFeatures(Module):
         feature_dim: int | None = None,
         tie_qk: bool = False,
         max_len: int | None = None,
+        ksvd_weight: float = 1.0,
     ):
         super().__init__()
-        if mode not in MODES:
-            raise ValueError(f"expected features in {MODES}, got {mode!r}")
-        if kernel not in KERNELS:
-            raise ValueError(f"expected kernel in {KERNELS}, got {kernel!r}")
+        where = type(self).__name__
+        check_choice("features", mode, MODES, where=where)
+        check_choice("kernel", kernel, KERNELS, where=where)
         if kernel == "exponential" and mode != "exact":
             raise ValueError(
                 f"the exponential kernel has no finite primal features: use features='exact', not {mode!r}"
             )
-        where = type(self).__name__
         check_int("embed_dim", embed_dim, where=where)
         check_int("num_heads", num_heads, where=where)
         feature_dim = embed_dim // num_heads if feature_dim is None else feature_dim
@@ -158,11 +129,14 @@ class AttentionKernelEigenFeatures(Module):
             )
         self.embed_dim, self.num_heads, self.num_inducing, self.mode = embed_dim, num_heads, num_inducing, mode
         self.tie_qk, self.max_len = bool(tie_qk), max_len
+        self.ksvd_weight = check_float("ksvd_weight", ksvd_weight, 0.0, where=where)
+        self.register_added_loss_term("ksvd_loss")
         heads = torch.Size([num_heads])
         if kernel == "cosine":
             self.kernel = CosineFeatureKernel(embed_dim, feature_dim, tie=tie_qk, batch_shape=heads)
         else:
             self.kernel = ExponentialDotProductKernel(embed_dim, feature_dim, tie=tie_qk, batch_shape=heads)
+        self._sequence_singular_values: Tensor | None = None
         if mode == "exact":
             return
         bound = embed_dim**-0.5
@@ -181,15 +155,17 @@ class AttentionKernelEigenFeatures(Module):
                 self.right_token_weights = torch.nn.Parameter(
                     torch.randn(num_heads, max_len, num_inducing) * max_len**-0.5
                 )
-        self.register_parameter("raw_singular_values", torch.nn.Parameter(torch.zeros(num_heads, num_inducing)))
-        self.register_constraint("raw_singular_values", Positive())
+        # Lambda = softplus(0) = log 2 for every head at initialisation
+        self._register_singular_values(torch.full((num_heads, num_inducing), math.log(2.0)))
 
-    @property
-    def singular_values(self) -> Tensor:
-        r"""Learned :math:`\Lambda`, shape ``(H, s)`` (not defined in exact mode, where it is per sequence)."""
-        if self.mode == "exact":
-            raise AttributeError("in exact mode the singular values belong to each sequence: see forward()")
-        return self.raw_singular_values_constraint.transform(self.raw_singular_values)
+    def _exact_singular_values(self) -> Tensor:
+        # exact mode: Lambda belongs to each sequence; the prior of a strategy's KL reads the last call's
+        if self._sequence_singular_values is None:
+            raise RuntimeError(
+                "with features='exact' the singular values belong to each sequence: call the features (or the "
+                "layer) on a batch first"
+            )
+        return self._sequence_singular_values
 
     def _value_columns(self, tokens: Tensor, side: str) -> Tensor:
         r"""The values :math:`a_j` of the weights :math:`W = \frac1n \sum_j \phi_j a_j^\top`, in column layout:
@@ -215,26 +191,30 @@ class AttentionKernelEigenFeatures(Module):
         weights = mask.to(tokens.dtype)
         return (weights / weights.sum(-1, keepdim=True))[:, None, None, :]
 
-    def scores(
+    def forward(
         self,
         queries: Tensor,
-        keys: Tensor,
+        keys: Tensor | None = None,
         key_mask: Tensor | None = None,
         causal: bool = False,
         objective: bool = True,
         kernel_diag: bool = True,
-    ) -> AttentionScores:
-        r"""Scores of a batch of sequences.
+    ) -> KernelEigenScores:
+        r"""The features of a batch of sequences: :math:`e` at the queries, :math:`r` at the keys, :math:`\Lambda`.
+
+        The inputs are the layer's checked tokens (the attention layers check them once per call).
 
         :param queries: ``(B, N, C)``.
-        :param keys: ``(B, M, C)`` (the queries in self-attention).
+        :param keys: ``(B, M, C)``, or ``None`` (self-attention: the queries).
         :param key_mask: ``(B, M)`` bool, ``True`` for real tokens (in self-attention it masks the queries too).
         :param causal: Prefix sums (self-attention, learned modes only).
         :param objective: Compute :math:`J` (O(N p s); needed in training only).
         :param kernel_diag: Compute :math:`k_e(x, x)`, :math:`k_r(z, z)` (O(N p^2), or O(N p^2) memory per
             position when causal; needed for the residual only).
-        :return: :class:`AttentionScores`. In the learned modes ``left`` and ``right`` are transposed views of
-            contiguous ``(B, H, s, N)`` tensors (column layout, as the features are computed).
+        :return: A :class:`~gpattn.features.KernelEigenScores` with scores of shape ``(B, H, N, s)`` and ``(B, H, M,
+            s)``, :math:`\Lambda` of shape ``(H, s)`` (learned) or ``(B, H, s)`` (exact), :math:`J` of shape ``(B, H)``
+            and the kernel diagonals ``(B, H, N)``, ``(B, H, M)``. In the learned modes the scores are transposed views
+            of contiguous ``(B, H, s, N)`` tensors (column layout, as the features are computed).
 
         .. note:: Learned modes, no causal mask: the features stay in the column layout of
             :meth:`~gpattn.kernels.CosineFeatureKernel.feature_columns` and their normalisation, the output scale and
@@ -242,10 +222,12 @@ class AttentionKernelEigenFeatures(Module):
             four GEMMs of O(N C p) or O(N C s), four batched products of O(N p s) and elementwise work on ``(N, s)``
             tensors only.
         """
+        if keys is None:
+            keys = queries
         self_attention = queries is keys
         query_mask = key_mask if self_attention else None
         if self.mode == "exact":
-            return self._exact(queries, keys, key_mask, query_mask, causal, kernel_diag)
+            return self._penalised(self._exact(queries, keys, key_mask, query_mask, causal, kernel_diag))
         if self.mode == "primal_tokens":
             if key_mask is not None or causal or not self_attention:
                 raise ValueError("features='primal_tokens' supports plain self-attention only (no mask, no context)")
@@ -306,7 +288,14 @@ class AttentionKernelEigenFeatures(Module):
             right_diag = scale * _unit_quadratic_form(
                 key_columns, key_inverse, query_columns, query_inverse, query_mask, causal
             )
-        return AttentionScores(left, right, singular_values, objective_value, left_diag, right_diag)
+        return self._penalised(KernelEigenScores(left, right, singular_values, objective_value, left_diag, right_diag))
+
+    def _penalised(self, scores: KernelEigenScores) -> KernelEigenScores:
+        # a training call refreshes the KSVD penalty eta J^2 (averaged over the sequences, summed over the heads)
+        if self.training and scores.objective is not None:
+            penalty = KSVDAddedLossTerm(scores.objective, self.ksvd_weight, num_averaged_dims=1)
+            self.update_added_loss_term("ksvd_loss", penalty)
+        return scores
 
     @staticmethod
     def _zero_masked(scores: Tensor, mask: Tensor | None) -> Tensor:
@@ -320,10 +309,10 @@ class AttentionKernelEigenFeatures(Module):
         query_mask: Tensor | None,
         causal: bool,
         kernel_diag: bool,
-    ) -> AttentionScores:
+    ) -> KernelEigenScores:
         if causal:
             raise ValueError("features='exact' mixes every token through the SVD: it cannot be causal")
-        matrix = self.kernel(queries.unsqueeze(1), keys.unsqueeze(1))  # shape: (B, H, N, M)
+        matrix = self.kernel.forward(queries.unsqueeze(1), keys.unsqueeze(1))  # shape: (B, H, N, M)
         if key_mask is not None:
             matrix = matrix * key_mask[:, None, None, :].to(matrix.dtype)
         if query_mask is not None:
@@ -339,6 +328,14 @@ class AttentionKernelEigenFeatures(Module):
         svd = kernel_svd(matrix, self.num_inducing)
         left = svd.left * svd.singular_values.unsqueeze(-2)  # e(X) = K H_r = H_e Lambda
         right = svd.right * svd.singular_values.unsqueeze(-2)  # r(Z) = K^T H_e = H_r Lambda
+        # a sequence whose kernel has rank < s has lambda_k = 0: Lambda is floored at sqrt(eps) lambda_1 so that
+        # e Lambda^{-1} (= H_e Lambda / Lambda) and the prior N(0, Lambda^2) stay finite; the floored directions carry
+        # scores ~ 0 and contribute nothing to the output
+        values = svd.singular_values
+        info = torch.finfo(values.dtype)
+        floor = (values[..., :1] * info.eps**0.5).clamp_min(info.tiny)
+        singular_values = torch.maximum(values, floor)  # shape: (B, H, s)
+        self._sequence_singular_values = singular_values
         objective = torch.zeros(matrix.shape[:2], dtype=matrix.dtype, device=matrix.device)
         left_diag, right_diag = (matrix.pow(2).sum(-1), matrix.pow(2).sum(-2)) if kernel_diag else (None, None)
-        return AttentionScores(left, right, svd.singular_values, objective, left_diag, right_diag)
+        return KernelEigenScores(left, right, singular_values, objective, left_diag, right_diag)

@@ -5,23 +5,20 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
-from gpytorch.constraints import Positive
-from gpytorch.module import Module
 from gpytorch.utils.memoize import cached, clear_cache_hook
-from linear_operator.operators import DiagLinearOperator
 from torch import Tensor
 
 from ..kernels import AsymmetricKernel
-from ..ksvd import KernelSVD, kernel_svd, ksvd_objective
-from ..ksvd.kernel_svd import METHODS as SVD_METHODS
+from ..ksvd import SVD_METHODS, KernelSVD, kernel_svd, ksvd_objective
 from ..mlls import KSVDAddedLossTerm
 from ..validation import check_choice, check_float, check_int, check_tensor
+from .kernel_eigen_features_base import KernelEigenFeaturesBase
+from .kernel_eigen_scores import SIDES, KernelEigenScores, induced_kernel_diag
 
 MODES = ("exact", "primal")
-SIDES = ("left", "right")
 
 
-class KernelEigenFeatures(Module):
+class KernelEigenFeatures(KernelEigenFeaturesBase):
     r"""Kernel-eigen inducing features of an asymmetric kernel on a landmark set.
 
     Holds the rank-:math:`s` KSVD :math:`\kappa(X, Z) \approx H_e \Lambda H_r^\top` of the kernel between query
@@ -34,7 +31,8 @@ class KernelEigenFeatures(Module):
     for any query :math:`x` and key :math:`z`. The inducing variables :math:`u_e = H_e^\top f_e(X)` of the left
     GP :math:`f_e(x) = \kappa(x, Z) w` have :math:`K_{uu} = \Lambda^2` and :math:`K_{fu}(x) = e(x) \Lambda`; the
     right branch is the same with roles swapped. This object plays the role that ``inducing_points`` play in
-    GPyTorch (and inducing variables in GPflow).
+    GPyTorch (and inducing variables in GPflow): ``features(x)`` returns the
+    :class:`~gpattn.features.KernelEigenScores` at ``x`` (see :meth:`forward`), which the strategies consume.
 
     Modes (MATH.md section 2):
 
@@ -69,8 +67,8 @@ class KernelEigenFeatures(Module):
         ksvd_weight: float = 1.0,
     ):
         super().__init__()
-        if mode not in MODES:
-            raise ValueError(f"expected mode in {MODES}, got {mode!r}")
+        where = "KernelEigenFeatures"
+        check_choice("mode", mode, MODES, where=where)
         if isinstance(kernel, AsymmetricKernel):
             self.base_kernel = kernel
         elif callable(kernel) and not isinstance(kernel, torch.nn.Module):  # a module is no getter: a wrong kernel
@@ -80,9 +78,8 @@ class KernelEigenFeatures(Module):
                 "KernelEigenFeatures: expected an AsymmetricKernel (gpattn.kernels) or a callable returning one, got "
                 f"{type(kernel).__name__}"
             )
-        check_choice("svd_method", svd_method, SVD_METHODS, where="KernelEigenFeatures")
-        check_float("ksvd_weight", ksvd_weight, 0.0, where="KernelEigenFeatures")
-        where = "KernelEigenFeatures"
+        check_choice("svd_method", svd_method, SVD_METHODS, where=where)
+        check_float("ksvd_weight", ksvd_weight, 0.0, where=where)
         # the token width, when the kernel is known now (a getter's kernel may not exist yet)
         width = kernel.input_dim if isinstance(kernel, AsymmetricKernel) else "d"
         self._register_landmarks("landmarks", landmarks, learn_landmarks, width)
@@ -132,13 +129,6 @@ class KernelEigenFeatures(Module):
         zero_objective = torch.zeros(left_weights.shape[:-2], dtype=left_weights.dtype)
         self.update_added_loss_term("ksvd_loss", KSVDAddedLossTerm(zero_objective, self.ksvd_weight))
 
-    def _register_singular_values(self, singular_values: Tensor) -> None:
-        constraint = Positive()
-        self.register_parameter(
-            "raw_singular_values", torch.nn.Parameter(constraint.inverse_transform(singular_values))
-        )
-        self.register_constraint("raw_singular_values", constraint)
-
     @property
     def kernel(self) -> AsymmetricKernel:
         """The asymmetric kernel :math:`\\kappa`."""
@@ -158,26 +148,12 @@ class KernelEigenFeatures(Module):
             raise RuntimeError("decomposition() is defined in exact mode only")
         return self._exact_svd()
 
-    @property
-    def singular_values(self) -> Tensor:
-        r""":math:`\Lambda`, shape ``(*batch, s)``."""
-        if self.mode == "primal":
-            return self.raw_singular_values_constraint.transform(self.raw_singular_values)
+    def _exact_singular_values(self) -> Tensor:
         return self.decomposition().singular_values
 
-    def Kuu(self) -> DiagLinearOperator:  # noqa: N802 (GPflow's name for the inducing covariance)
-        r""":math:`K_{uu} = \Lambda^2` as a :class:`~linear_operator.operators.DiagLinearOperator`,
-        shape ``(*batch, s, s)``: inverse and log-determinant in O(s)."""
-        return DiagLinearOperator(self.singular_values.pow(2))
-
-    def _check_side(self, side: str) -> None:
-        if side not in SIDES:
-            raise ValueError(f"expected side in {SIDES}, got {side!r}")
-
     def check_inputs(self, x: Tensor, where: str = "KernelEigenFeatures") -> None:
-        """Check a model's inputs once per call (the strategies do, before any kernel runs): a floating tensor of
-        shape ``(*batch, N, d)`` with ``N >= 1``, the landmarks' width ``d``, dtype and device, and finite values (one
-        elementwise pass).
+        """Check a model's inputs once per call: a floating tensor of shape ``(*batch, N, d)`` with ``N >= 1``, the
+        landmarks' width ``d``, dtype and device, and finite values (one elementwise pass).
 
         :raises TypeError: Not a floating tensor, or another dtype than the landmarks'.
         :raises ValueError: Another width, no points, another device, or a NaN or infinite value.
@@ -185,51 +161,81 @@ class KernelEigenFeatures(Module):
         shape = ("...", "N", self.landmarks.shape[-1])
         check_tensor("x", x, shape, floating=True, non_empty=True, like=self.landmarks, finite=True, where=where)
 
-    def scores(self, x: Tensor, side: str = "left") -> Tensor:
-        r"""Projection scores: :math:`e(x)` (``side="left"``, :math:`x` a query) or :math:`r(x)` (``"right"``, a key).
+    def forward(
+        self,
+        x: Tensor,
+        sides: tuple[str, ...] = SIDES,
+        kernel_diag: bool = False,
+        where: str = "KernelEigenFeatures",
+        check: bool = True,
+    ) -> KernelEigenScores:
+        r"""The features at the points ``x``: :math:`e(x) = \kappa(x, Z) H_r` (``"left"``, ``x`` as queries) and
+        :math:`r(x) = \kappa(X, x)^\top H_e` (``"right"``, ``x`` as keys) in exact mode, :math:`W_e^\top \phi_q(x)`
+        and :math:`W_r^\top \phi_k(x)` in primal mode; with ``kernel_diag`` also :math:`k_e(x, x) =
+        \|\kappa(x, Z)\|^2` and :math:`k_r(x, x) = \|\kappa(X, x)\|^2` (the residual's inputs).
 
         :param x: shape ``(*batch, N, d)``.
-        :return: shape ``(*batch, N, s)``; :math:`K_{fu}(x) = ` ``scores(x) * singular_values``.
+        :param sides: The branches to evaluate, ``("left", "right")`` or one of them.
+        :param kernel_diag: Also compute the kernel diagonals.
+        :param where: The caller named in error messages.
+        :param check: Check ``x`` (:meth:`check_inputs`); a caller that has checked it already passes ``False``.
+        :return: A :class:`~gpattn.features.KernelEigenScores` with scores of shape ``(*batch, N, s)`` (``None``
+            for a side not asked for) and :math:`\Lambda` of shape ``(*batch_l, s)``.
+
+        .. note:: Cost: exact mode O(N M p) for the cross-kernel matrices (the diagonals come from them for free),
+            plus the memoised O(M^2 p + M^3) KSVD of the landmarks; primal mode O(N D p + N p s), plus O((N + M) p^2)
+            for the diagonals.
         """
-        self._check_side(side)
+        for side in sides:
+            check_choice("side", side, SIDES, where=where)
+        if check:
+            self.check_inputs(x, where)
         kernel = self.kernel
-        if self.mode == "primal":
+        parts: dict[str, Tensor | None] = {}
+        for side in SIDES:
+            if side not in sides:
+                parts[side], parts[f"{side}_diag"] = None, None
+                continue
+            if self.mode == "primal":
+                if side == "left":  # e(x) = W_e^T phi_q(x)
+                    features, weights = kernel.query_features(x), self.left_weights
+                    other = kernel.key_features(self.key_landmarks) if kernel_diag else None
+                else:  # r(x) = W_r^T phi_k(x)
+                    features, weights = kernel.key_features(x), self.right_weights
+                    other = kernel.query_features(self.landmarks) if kernel_diag else None
+                parts[side] = features @ weights
+                parts[f"{side}_diag"] = induced_kernel_diag(features, other) if kernel_diag else None
+                continue
+            svd = self.decomposition()
             if side == "left":
-                return kernel.query_features(x) @ self.left_weights
-            return kernel.key_features(x) @ self.right_weights
-        svd = self.decomposition()
-        if side == "left":
-            return kernel(x, self.key_landmarks) @ svd.right  # kappa(x, Z) H_r
-        return kernel(self.landmarks, x).mT @ svd.left  # kappa(X, z)^T H_e
+                cross, vectors = kernel.forward(x, self.key_landmarks), svd.right  # kappa(x, Z), H_r
+            else:
+                cross, vectors = kernel.forward(self.landmarks, x).mT, svd.left  # kappa(X, x)^T, H_e
+            parts[side] = cross @ vectors
+            parts[f"{side}_diag"] = cross.pow(2).sum(-1) if kernel_diag else None
+        return KernelEigenScores(
+            left_scores=parts["left"],
+            right_scores=parts["right"],
+            singular_values=self.singular_values,
+            left_kernel_diag=parts["left_diag"],
+            right_kernel_diag=parts["right_diag"],
+        )
+
+    def scores(self, x: Tensor, side: str = "left") -> Tensor:
+        r"""Projection scores :math:`e(x)` (``side="left"``, :math:`x` a query) or :math:`r(x)` (``"right"``, a key),
+        shape ``(*batch, N, s)``; :math:`K_{fu}(x) =` ``scores(x) * singular_values``. See :meth:`forward`."""
+        return self(x, sides=(side,)).scores(side)
 
     def kernel_diag(self, x: Tensor, side: str = "left") -> Tensor:
-        r"""Prior variance :math:`k_e(x, x) = \|\kappa(x, Z)\|^2` (left) or :math:`k_r(z, z) = \|\kappa(X, z)\|^2`
-        (right), shape ``(*batch, N)``. With primal features it is computed as
-        :math:`\phi_q(x)^\top (\Phi_k^\top \Phi_k) \phi_q(x)` in O(N p^2 + M p^2), else densely in O(N M p)."""
-        self._check_side(side)
-        kernel = self.kernel
-        if kernel.has_primal_features:
-            if side == "left":
-                features, landmark_features = kernel.query_features(x), kernel.key_features(self.key_landmarks)
-            else:
-                features, landmark_features = kernel.key_features(x), kernel.query_features(self.landmarks)
-            gram = landmark_features.mT @ landmark_features  # shape: (*batch, p, p)
-            return ((features @ gram) * features).sum(-1)
-        cross = kernel(x, self.key_landmarks) if side == "left" else kernel(self.landmarks, x).mT
-        return cross.pow(2).sum(-1)
+        r"""Prior variance :math:`k_e(x, x) = \|\kappa(x, Z)\|^2` (left) or :math:`k_r(x, x) = \|\kappa(X, x)\|^2`
+        (right), shape ``(*batch, N)``. See :meth:`forward`."""
+        return self(x, sides=(side,), kernel_diag=True).kernel_diag(side)
 
-    def residual_diag(self, x: Tensor, side: str = "left", scores: Tensor | None = None) -> Tensor:
-        r"""Diagonal of the residual :math:`K_{ff} - Q_{ff}`: :math:`k_e(x, x) - \|e(x)\|^2` (left), clamped at 0.
-
-        Its sum over the query landmarks is :math:`\sum_{i > s} \lambda_i^2` in exact mode; zero iff
-        :math:`\operatorname{rank} K \leq s`.
-
-        :param x: shape ``(*batch, N, d)``.
-        :param scores: ``scores(x, side)`` if already computed.
-        :return: shape ``(*batch, N)``.
-        """
-        scores = self.scores(x, side) if scores is None else scores
-        return (self.kernel_diag(x, side) - scores.pow(2).sum(-1)).clamp_min(0.0)
+    def residual_diag(self, x: Tensor, side: str = "left") -> Tensor:
+        r"""Diagonal of the residual :math:`K_{ff} - Q_{ff}`, :math:`k_e(x, x) - \|e(x)\|^2` (left), clamped at 0
+        (see :meth:`~gpattn.features.KernelEigenScores.residual_diag`); its sum over the query landmarks is
+        :math:`\sum_{i > s} \lambda_i^2` in exact mode. Shape ``(*batch, N)``."""
+        return self(x, sides=(side,), kernel_diag=True).residual_diag(side)
 
     def ksvd_objective(self) -> Tensor:
         r""":math:`J` (sum form) on the landmarks; identically zero in exact mode. Shape ``(*batch)``."""

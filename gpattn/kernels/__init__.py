@@ -2,7 +2,7 @@
 
 from .asymmetric_kernel import AsymmetricKernel
 from .cosine_feature_kernel import CosineFeatureKernel
-from .exponential_dot_product_kernel import ExponentialDotProductKernel
+from .exponential_dot_product_kernel import ExponentialDotProductKernel, safe_max_logit
 from .feature_lift import FeatureLift
 from .induced_kernel import InducedKernel
 from .shifted_rbf_kernel import ShiftedRBFKernel
@@ -14,4 +14,5 @@ __all__ = [
     "FeatureLift",
     "InducedKernel",
     "ShiftedRBFKernel",
+    "safe_max_logit",
 ]

@@ -7,7 +7,9 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-METHODS = ("exact", "randomized")
+#: The methods of :func:`kernel_svd`: a full ``torch.linalg.svd`` truncated to the rank, or a seeded randomised range
+#: finder with power iterations.
+SVD_METHODS = ("exact", "randomized")
 _HALF_DTYPES = (torch.float16, torch.bfloat16)
 
 
@@ -228,8 +230,8 @@ def kernel_svd(
     num_rows, num_cols = matrix.shape[-2:]
     if isinstance(rank, bool) or not isinstance(rank, int) or not 1 <= rank <= min(num_rows, num_cols):
         raise ValueError(f"expected an integer rank in [1, min(N, M)] = [1, {min(num_rows, num_cols)}], got {rank!r}")
-    if method not in METHODS:
-        raise ValueError(f"expected method in {METHODS}, got {method!r}")
+    if method not in SVD_METHODS:
+        raise ValueError(f"expected method in {SVD_METHODS}, got {method!r}")
     if gradient_tolerance is not None and (
         isinstance(gradient_tolerance, bool)
         or not isinstance(gradient_tolerance, (int, float))

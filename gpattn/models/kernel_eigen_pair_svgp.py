@@ -18,8 +18,8 @@ from torch import Tensor
 from ..features import KernelEigenFeatures
 from ..kernels import AsymmetricKernel
 from ..validation import check_tensor
-from ..variational import KernelEigenPairVariationalStrategy, KernelEigenVariationalStrategy
-from ..variational._structured import low_rank_plus_diag
+from ..variational import KernelEigenPairVariationalStrategy
+from ..variational.structured_covariance import low_rank_plus_diag
 
 VARIATIONAL_DISTRIBUTIONS = {
     "cholesky": CholeskyVariationalDistribution,
@@ -40,7 +40,7 @@ class KernelEigenPairSVGP(ApproximateGP):
     :class:`~gpytorch.distributions.MultitaskMultivariateNormal`). The KL sums both branches.
 
     Trains with :class:`gpytorch.mlls.VariationalELBO`, :class:`gpytorch.mlls.PredictiveLogLikelihood`, and Pyro
-    SVI through :meth:`pyro_model`/:meth:`pyro_guide` (sample sites ``{prefix}.u_left``, ``{prefix}.u_right``).
+    SVI through :meth:`pyro_model`/:meth:`pyro_guide` (one sample site ``{prefix}.u`` holding both branches).
 
     :param inducing_points: Landmarks :math:`X = Z`, shape ``(*batch, M, d)``.
     :param kernel: The asymmetric kernel (becomes ``covar_module``).
@@ -100,12 +100,20 @@ class KernelEigenPairSVGP(ApproximateGP):
             learn_landmarks=learn_inducing_locations,
             ksvd_weight=ksvd_weight,
         )
-        left_q = variational_distribution(num_inducing, batch_shape=batch_shape)
-        right_q = left_q if shared_posterior else variational_distribution(num_inducing, batch_shape=batch_shape)
-        branch_kwargs = dict(features=features, whiten=whiten, residual=residual)
-        left = KernelEigenVariationalStrategy(self, features.landmarks, left_q, side="left", **branch_kwargs)
-        right = KernelEigenVariationalStrategy(self, features.landmarks, right_q, side="right", **branch_kwargs)
-        super().__init__(KernelEigenPairVariationalStrategy(self, left, right, merge, shared_posterior))
+        # one q(u) for both branches, stacked on the last batch dimension: (left, right), or one shared posterior
+        branches = torch.Size([1 if shared_posterior else 2])
+        posterior = variational_distribution(num_inducing, batch_shape=torch.Size(batch_shape) + branches)
+        strategy = KernelEigenPairVariationalStrategy(
+            self,
+            features.landmarks,
+            posterior,
+            merge=merge,
+            shared_posterior=shared_posterior,
+            whiten=whiten,
+            residual=residual,
+            features=features,
+        )
+        super().__init__(strategy)
         self.covar_module = kernel
         self.mean_module = ZeroMean() if mean_module is None else mean_module
 
@@ -165,11 +173,12 @@ class KernelEigenPairSVGP(ApproximateGP):
         return normal.to_event(len(function_dist.event_shape) - 1).mask(False)
 
     def pyro_guide(self, input: Tensor, beta: float = 1.0, name_prefix: str = "") -> pyro.distributions.Distribution:
-        r"""Pyro guide: samples :math:`u` of each branch from :math:`q(u)` and returns :math:`q(f(x))`.
+        r"""Pyro guide: samples :math:`u` of both branches from :math:`q(u)` and returns :math:`q(f(x))`.
 
         :param input: Inputs, shape ``(*batch, N, d)``.
-        :param beta: Scale of the sample sites (the KL weight).
-        :param name_prefix: Prefix of the sample sites ``{prefix}.u_left``, ``{prefix}.u_right`` (or ``.u_shared``).
+        :param beta: Scale of the sample site (the KL weight).
+        :param name_prefix: Prefix of the sample site ``{prefix}.u``: both branches' :math:`u`, event shape
+            ``(*batch, 2, s)`` (``(*batch, 1, s)`` with a shared posterior).
         :return: The marginals of :math:`q(f(x))` as a masked ``pyro.distributions.Normal`` with event shape
             ``(N,)`` (``(N, 2)`` for ``"concat"``), as GPyTorch's ``pyro_guide`` returns.
         """
@@ -178,25 +187,23 @@ class KernelEigenPairSVGP(ApproximateGP):
         # the current q(u)
         function_dist = self(input, prior=False)
         with pyro.poutine.scale(scale=beta):
-            for name, strategy in self.variational_strategy.branches():
-                q_u = strategy.variational_distribution
-                pyro.sample(f"{name_prefix}.u_{name}", q_u.to_event(len(q_u.batch_shape)))
+            q_u = self.variational_strategy.variational_distribution
+            pyro.sample(f"{name_prefix}.u", q_u.to_event(len(q_u.batch_shape)))
         return self._masked_function_dist(function_dist)
 
     def pyro_model(self, input: Tensor, beta: float = 1.0, name_prefix: str = "") -> pyro.distributions.Distribution:
-        r"""Pyro model: samples :math:`u` of each branch from :math:`p(u) = \mathcal N(0, \Lambda^2)`, adds GPyTorch
+        r"""Pyro model: samples :math:`u` of both branches from :math:`p(u) = \mathcal N(0, \Lambda^2)`, adds GPyTorch
         priors and subtracts the added loss terms (the KSVD penalty), and returns the prior :math:`p(f(x))`.
 
         :param input: Inputs, shape ``(*batch, N, d)``.
-        :param beta: Scale of the sample sites (the KL weight).
-        :param name_prefix: Prefix of the sample sites (as in :meth:`pyro_guide`).
+        :param beta: Scale of the sample site (the KL weight).
+        :param name_prefix: Prefix of the sample site (as in :meth:`pyro_guide`).
         :return: The marginals of :math:`p(f(x))` as a masked ``pyro.distributions.Normal`` with event shape
             ``(N,)`` (``(N, 2)`` for ``"concat"``).
         """
         with pyro.poutine.scale(scale=beta):
-            for name, strategy in self.variational_strategy.branches():
-                p_u = strategy.prior_distribution
-                pyro.sample(f"{name_prefix}.u_{name}", p_u.to_event(len(p_u.batch_shape)))
+            p_u = self.variational_strategy.prior_distribution
+            pyro.sample(f"{name_prefix}.u", p_u.to_event(len(p_u.batch_shape)))
         log_prior = sum(
             (prior.log_prob(closure(module)).sum() for _, module, prior, closure, _ in self.named_priors()),
             torch.zeros(()),

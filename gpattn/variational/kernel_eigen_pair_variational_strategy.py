@@ -1,145 +1,177 @@
-"""The paired (left/right) kernel-eigen variational strategy of KEP-SVGP."""
+"""The paired (left/right) kernel-eigen variational strategy of KEP-SVGP: both branches on one batch dimension."""
 
 from __future__ import annotations
 
 import torch
 from gpytorch.distributions import MultitaskMultivariateNormal, MultivariateNormal
+from gpytorch.models import ApproximateGP
 from gpytorch.module import Module
+from gpytorch.variational import _VariationalDistribution
+from linear_operator.operators import LinearOperator
 from torch import Tensor
 
-from ..validation import checked_inputs
-from ._structured import low_rank_plus_diag, times_covariance_root
-from .kernel_eigen_variational_strategy import KernelEigenVariationalStrategy
+from ..features import KernelEigenFeaturesBase
+from ..validation import check_choice
+from .kernel_eigen_variational_strategy import SIDES, KernelEigenVariationalStrategy
+from .structured_covariance import low_rank_plus_diag
 
 MERGES = ("sum", "concat")
 
 
-class KernelEigenPairVariationalStrategy(Module):
-    r"""Two kernel-eigen branches over one :class:`~gpattn.features.KernelEigenFeatures`, merged (MATH.md section 3).
+class KernelEigenPairVariationalStrategy(KernelEigenVariationalStrategy):
+    r"""The two kernel-eigen branches of KEP-SVGP over one set of features, stacked on the last batch dimension of
+    :math:`q(u)` and merged (MATH.md section 3).
 
-    * ``merge="sum"``: :math:`F = F_e + F_r`. Independent posteriors add their covariances; the KL is
-      :math:`\mathrm{KL}_e + \mathrm{KL}_r` (as ``_DeepGPVariationalStrategy`` sums its sub-strategies).
+    As GPyTorch's :class:`~gpytorch.variational.BatchDecoupledVariationalStrategy` stacks its two inducing sets on a
+    batch dimension, this strategy is the single-branch :class:`KernelEigenVariationalStrategy` whose
+    :math:`q(u)` has batch shape ``(*batch, 2)``: ``[..., 0, :]`` is the left branch's :math:`u_e` (scores
+    :math:`e`, prior :math:`\mathcal N(0, \Lambda^2)`), ``[..., 1, :]`` the right branch's :math:`u_r` (scores
+    :math:`r`, the same prior). The features are evaluated once for both branches, their interpolation terms are
+    stacked on that dimension, and the single strategy's algebra (:meth:`predictive_terms`) gives both
+    :math:`q(f_e)` and :math:`q(f_r)` at once; only the merge is new:
+
+    * ``merge="sum"``: :math:`F = F_e + F_r`. Independent posteriors add their covariances (the roots are
+      concatenated), and the KL is :math:`\mathrm{KL}_e + \mathrm{KL}_r` (as ``_DeepGPVariationalStrategy`` sums its
+      sub-strategies).
     * ``merge="concat"``: the two outputs side by side, a
       :class:`~gpytorch.distributions.MultitaskMultivariateNormal` with two tasks (left, right).
-    * ``shared_posterior=True`` (the official KEP-SVGP code): both branches use the *same* :math:`q(u)`, so
-      :math:`F = (e + r) \Lambda^{-1} u` for ``"sum"``, and there is one KL. The right strategy must then hold
-      the left strategy's variational distribution.
+    * ``shared_posterior=True`` (the official KEP-SVGP code): both branches use the *same* :math:`q(u)`, a batch
+      shape ``(*batch, 1)`` broadcast over the two branches, so :math:`F = (e + r)\Lambda^{-1} u` for ``"sum"``
+      (the roots add) and there is one KL.
 
-    Both branches are evaluated in one pass over the features: one KSVD per call.
-
-    :param model: The owning model (its ``mean_module`` adds a prior mean).
-    :param left: Strategy with ``side="left"``.
-    :param right: Strategy with ``side="right"`` over the same features.
+    :param model: The owning model (its ``mean_module`` adds a prior mean to the merged output).
+    :param inducing_points: Landmarks, shape ``(*batch, M, d)`` (``None`` when ``features`` are given).
+    :param variational_distribution: :math:`q(u)` with batch shape ``(*batch, 2)`` (``(*batch, 1)`` with
+        ``shared_posterior=True``).
+    :param learn_inducing_locations: Learn the landmarks.
     :param merge: ``"sum"`` or ``"concat"``.
-    :param shared_posterior: Share :math:`q(u)` between the branches.
+    :param shared_posterior: One :math:`q(u)` for both branches.
+    :param whiten: Parametrise :math:`q(v)` with :math:`u = \Lambda v`.
+    :param residual: ``"none"`` or ``"diag"``.
+    :param features: Shared kernel-eigen features (default: exact-mode landmark features, see
+        :class:`KernelEigenVariationalStrategy`).
+    :param num_output_dims: Batch dimensions of :math:`q(u)` before the branch dimension that index outputs sharing
+        the features.
 
-    .. note:: Cost: one feature evaluation per branch plus O(N s^2); the KL is O(s) for the prior part.
+    .. note:: Cost: one feature evaluation for both branches plus O(N s^2); the KL is O(s) for the prior part.
     """
 
     def __init__(
         self,
-        model: Module,
-        left: KernelEigenVariationalStrategy,
-        right: KernelEigenVariationalStrategy,
+        model: ApproximateGP | Module,
+        inducing_points: Tensor | None,
+        variational_distribution: _VariationalDistribution,
+        learn_inducing_locations: bool = True,
         merge: str = "sum",
         shared_posterior: bool = False,
+        whiten: bool = False,
+        residual: str = "diag",
+        features: KernelEigenFeaturesBase | None = None,
+        jitter_val: float | None = None,
+        num_output_dims: int = 0,
     ):
-        super().__init__()
-        if merge not in MERGES:
-            raise ValueError(f"expected merge in {MERGES}, got {merge!r}")
-        if (left.side, right.side) != ("left", "right"):
-            raise ValueError(f"expected a left and a right strategy, got sides {left.side!r} and {right.side!r}")
-        if left.features is not right.features:
-            raise ValueError("the left and right strategies must share one KernelEigenFeatures object")
-        if shared_posterior and left._variational_distribution is not right._variational_distribution:
-            raise ValueError("shared_posterior=True needs both strategies to hold the same variational distribution")
-        object.__setattr__(self, "model", model)
-        self.left = left
-        self.right = right
+        super().__init__(
+            model,
+            inducing_points,
+            variational_distribution,
+            side="left",
+            learn_inducing_locations=learn_inducing_locations,
+            whiten=whiten,
+            residual=residual,
+            features=features,
+            jitter_val=jitter_val,
+            num_output_dims=num_output_dims,
+        )
+        where = type(self).__name__
+        check_choice("merge", merge, MERGES, where=where)
+        branches = 1 if shared_posterior else 2
+        batch_shape = variational_distribution.batch_shape
+        if len(batch_shape) < 1 + num_output_dims or batch_shape[-1] != branches:
+            raise ValueError(
+                f"{where}: expected a variational distribution with batch shape (*batch, {branches}) (the last "
+                f"dimension indexes the branches{'; one shared posterior' if shared_posterior else ': left, right'}), "
+                f"got {tuple(batch_shape)}"
+            )
         self.merge = merge
         self.shared_posterior = bool(shared_posterior)
 
     @property
-    def features(self):
-        """The :class:`~gpattn.features.KernelEigenFeatures` both branches share."""
-        return self.left.features
+    def branch_sides(self) -> tuple[str, ...]:
+        """``("left", "right")``."""
+        return SIDES
 
-    def branches(self) -> list[tuple[str, KernelEigenVariationalStrategy]]:
-        """``[(name, strategy)]`` of the branches that own a :math:`q(u)`: one when the posterior is shared."""
-        return [("shared", self.left)] if self.shared_posterior else [("left", self.left), ("right", self.right)]
+    def select_branch(self, tensor: Tensor, side: str, event_dims: int) -> Tensor:
+        """The branch ``side`` of a tensor laid out like :math:`q(u)`'s batch (``(*batch, 2 or 1)``, then
+        ``event_dims`` event dimensions): a selection on the branch dimension (the one shared posterior for both
+        sides when it has size 1)."""
+        check_choice("side", side, SIDES, where=type(self).__name__)
+        dim = tensor.dim() - 1 - event_dims
+        return tensor.select(dim, 0 if tensor.shape[dim] == 1 else SIDES.index(side))
+
+    def select_branch_covariance(self, covariance: LinearOperator | None, side: str) -> LinearOperator | None:
+        """The branch ``side`` of a covariance laid out like :math:`q(u)`'s, ``(*batch, 2 or 1, s, s)``."""
+        check_choice("side", side, SIDES, where=type(self).__name__)
+        if covariance is None:
+            return None
+        return covariance[..., 0 if covariance.shape[-3] == 1 else SIDES.index(side), :, :]
 
     def kl_divergence(self) -> Tensor:
-        r""":math:`\mathrm{KL}_e + \mathrm{KL}_r` (one KL with a shared posterior), shape ``(*batch)``."""
-        return sum(strategy.kl_divergence() for _, strategy in self.branches())
+        r""":math:`\mathrm{KL}_e + \mathrm{KL}_r` (one KL with a shared posterior), shape ``(*batch)``: the single
+        strategy's closed form on the stacked :math:`q(u)`, summed over the branch dimension."""
+        return super().kl_divergence().sum(-1)
 
-    def _prepare(self) -> None:
-        if self.training:
-            for strategy in (self.left, self.right):
-                strategy._clear_cache()
-            self.features.refresh_ksvd_loss()
-        for strategy in (self.left, self.right):
-            if not strategy.variational_params_initialized.item():
-                strategy._variational_distribution.initialize_variational_distribution(strategy.prior_distribution)
-                strategy.variational_params_initialized.fill_(1)
+    def forward(
+        self,
+        x: Tensor,
+        inducing_points: Tensor,
+        inducing_values: Tensor,
+        variational_inducing_covar: LinearOperator | None = None,
+        diag: bool = True,
+        merge_branches: bool = True,
+        **kwargs,
+    ) -> MultivariateNormal:
+        r"""The merged posterior :math:`q(F(x))` (called through GPyTorch's ``__call__``: call the strategy or the
+        model, not this method).
 
-    def _stacked(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor | None]:
-        # Mean, covariance root and residual of the stacked vector [F_e(x); F_r(x)], shape (*batch, 2N, ...).
-        left_interp, left_residual = self.left.interp_and_residual(x)
-        right_interp, right_residual = self.right.interp_and_residual(x)
-        left_q, right_q = self.left.variational_distribution, self.right.variational_distribution
-        batch_shape = torch.broadcast_shapes(left_interp.shape[:-2], left_q.batch_shape, right_q.batch_shape)
-        left_root = times_covariance_root(left_interp, left_q.lazy_covariance_matrix)  # e Lambda^{-1} L_e
-        right_root = times_covariance_root(right_interp, right_q.lazy_covariance_matrix)  # r Lambda^{-1} L_r
-        left_root = left_root.expand(*batch_shape, *left_root.shape[-2:])
-        right_root = right_root.expand(*batch_shape, *right_root.shape[-2:])
-        if self.shared_posterior:
-            root = torch.cat([left_root, right_root], dim=-2)
-        else:  # block-diagonal root: independent branches
-            root = torch.cat(
-                [
-                    torch.cat([left_root, torch.zeros_like(left_root[..., :, :1]).expand_as(left_root)], dim=-1),
-                    torch.cat([torch.zeros_like(right_root[..., :, :1]).expand_as(right_root), right_root], dim=-1),
-                ],
-                dim=-2,
-            )
-        mean = torch.cat(
-            [
-                (left_interp @ left_q.mean.unsqueeze(-1)).squeeze(-1).expand(*batch_shape, x.shape[-2]),
-                (right_interp @ right_q.mean.unsqueeze(-1)).squeeze(-1).expand(*batch_shape, x.shape[-2]),
-            ],
-            dim=-1,
-        )
-        residual = None
-        if left_residual is not None:
-            residual = torch.cat([left_residual, right_residual], dim=-1).expand(*batch_shape, 2 * x.shape[-2])
-        return mean, root, residual
-
-    def __call__(self, x: Tensor, prior: bool = False, **kwargs) -> MultivariateNormal:
-        r"""The merged posterior :math:`q(F(x))`, or the prior :math:`p(F(x))` with ``prior=True``.
-
-        :param x: Inputs, shape ``(*batch, N, d)``.
-        :param prior: Return the model's prior (``model.forward``) instead.
+        :param merge_branches: Merge (default), or return the stacked branches :math:`q(f_e(x))`, :math:`q(f_r(x))`
+            as a batch ``(*batch, 2)`` of distributions over ``N`` points, without the prior mean.
         :return: A :class:`~gpytorch.distributions.MultivariateNormal` over ``N`` points (``"sum"``; mean shape
             ``(*batch, N)``) or a two-task :class:`~gpytorch.distributions.MultitaskMultivariateNormal` (``"concat"``;
             mean shape ``(*batch, N, 2)``), with a low-rank-plus-diagonal covariance.
         """
-        self.features.check_inputs(x, type(self.model).__name__)
-        with checked_inputs():  # x is checked: the kernels evaluated on it below skip their own pass
-            if prior:
-                return self.model.forward(x, **kwargs)
-            self._prepare()
-            mean, root, residual = self._stacked(x)
-        num_points = x.shape[-2]
-        prior_mean = self.left.prior_mean(x)
+        scores = self.evaluate_features(x)
+        means, roots, residuals = [], [], []
+        for side in SIDES:  # the single strategy's algebra, once per branch of the stacked q(u)
+            interp, residual = self.interpolation(scores, side)
+            branch_mean = self.select_branch(inducing_values, side, 1)
+            branch_covar = self.select_branch_covariance(variational_inducing_covar, side)
+            mean, root = self.predictive_terms(interp, branch_mean, branch_covar)
+            means.append(mean)
+            roots.append(root)
+            residuals.append(None if residual is None else residual.expand(mean.shape))
+        if not merge_branches:
+            residual = None if residuals[0] is None else torch.stack(residuals, dim=-2)
+            return MultivariateNormal(torch.stack(means, -2), low_rank_plus_diag(torch.stack(roots, -3), residual))
+        (left_mean, right_mean), (left_root, right_root), residual = means, roots, residuals
+        prior_mean = self.prior_mean(x)
         if self.merge == "sum":
-            summed_residual = None if residual is None else residual[..., :num_points] + residual[..., num_points:]
-            summed_root = root[..., :num_points, :] + root[..., num_points:, :]
-            merged_mean = mean[..., :num_points] + mean[..., num_points:] + prior_mean
-            return MultivariateNormal(merged_mean, low_rank_plus_diag(summed_root, summed_residual))
-        task_mean = torch.stack([mean[..., :num_points], mean[..., num_points:]], dim=-1)  # shape: (*batch, N, 2)
+            # shared u: (A_e + A_r) L; independent: [A_e L_e, A_r L_r], whose product adds the covariances
+            summed_root = left_root + right_root if self.shared_posterior else torch.cat([left_root, right_root], -1)
+            summed_residual = None if residual[0] is None else residual[0] + residual[1]
+            covariance = low_rank_plus_diag(summed_root, summed_residual)
+            return MultivariateNormal(left_mean + right_mean + prior_mean, covariance)
+        if self.shared_posterior:  # one u: the tasks are correlated
+            joint_root = torch.cat([left_root, right_root], dim=-2)  # (*batch, 2N, s)
+        else:  # block-diagonal root: independent tasks
+            zeros = torch.zeros_like(left_root)
+            joint_root = torch.cat(
+                [torch.cat([left_root, zeros], dim=-1), torch.cat([zeros, right_root], dim=-1)], dim=-2
+            )
+        joint_residual = None if residual[0] is None else torch.cat(residual, dim=-1)  # (*batch, 2N)
+        task_mean = torch.stack([left_mean, right_mean], dim=-1)  # shape: (*batch, N, 2)
         if torch.is_tensor(prior_mean):
             task_mean = task_mean + prior_mean.unsqueeze(-1)
-        return MultitaskMultivariateNormal(task_mean, low_rank_plus_diag(root, residual), interleaved=False)
+        return MultitaskMultivariateNormal(task_mean, low_rank_plus_diag(joint_root, joint_residual), interleaved=False)
 
     def branch(self, x: Tensor, side: str) -> MultivariateNormal:
         r""":math:`q(f_e(x))` (``side="left"``) or :math:`q(f_r(x))` (``"right"``) alone, without the prior mean.
@@ -148,13 +180,7 @@ class KernelEigenPairVariationalStrategy(Module):
         :param side: ``"left"`` or ``"right"``.
         :return: A :class:`~gpytorch.distributions.MultivariateNormal` with mean shape ``(*batch, N)``.
         """
-        if side not in ("left", "right"):
-            raise ValueError(f"expected side 'left' or 'right', got {side!r}")
-        self.features.check_inputs(x, type(self.model).__name__)
-        with checked_inputs():
-            self._prepare()
-            mean, root, residual = self._stacked(x)
-        rows = slice(0, x.shape[-2]) if side == "left" else slice(x.shape[-2], None)
-        return MultivariateNormal(
-            mean[..., rows], low_rank_plus_diag(root[..., rows, :], None if residual is None else residual[..., rows])
-        )
+        check_choice("side", side, SIDES, where=type(self).__name__)
+        stacked = self(x, merge_branches=False)
+        index = SIDES.index(side)
+        return MultivariateNormal(stacked.mean[..., index, :], stacked.lazy_covariance_matrix[..., index, :, :])

@@ -12,8 +12,9 @@ import pytest
 import torch
 from torch import Tensor
 
-from gpattn.attention._base import sample_attention
-from gpattn.attention.kep_svgp_attention import KEPSVGPAttention
+from gpattn.attention import KEPSVGPAttention, sample_attention
+from gpattn.kernels import CosineFeatureKernel
+from gpattn.models import KernelEigenPairSVGP
 
 DTYPE = torch.float64
 ATOL = 1e-10
@@ -22,6 +23,23 @@ C, H, RANK, D_OUT = 8, 2, 3, 3  # head width C / H = 4 = feature dimension p
 
 def _randn(*shape: int, seed: int) -> Tensor:
     return torch.randn(*shape, generator=torch.Generator().manual_seed(seed), dtype=DTYPE)
+
+
+def _posteriors(layer: KEPSVGPAttention) -> list[tuple[Tensor, Tensor]]:
+    """Views ``(m, raw L)`` into the strategy's stacked q(u) (batch (H, d_out, branches)): one per q(u) the layer holds
+    (two branches; one when the posterior is shared or the kernel tied)."""
+    q = layer.strategy._variational_distribution
+    if layer.tie_qk:
+        return [(q.variational_mean, q.chol_variational_covar)]
+    branches = q.variational_mean.shape[-2]
+    return [(q.variational_mean[..., i, :], q.chol_variational_covar[..., i, :, :]) for i in range(branches)]
+
+
+def _branch_q(layer: KEPSVGPAttention, side: str) -> tuple[Tensor, Tensor]:
+    """The mean (H, d_out, s) and Cholesky factor (H, d_out, s, s) of a branch's q(u)."""
+    posteriors = _posteriors(layer)
+    mean, chol = posteriors[1 if (side == "right" and len(posteriors) == 2) else 0]
+    return mean, chol.tril()
 
 
 def _layer(seed: int = 0, num_outputs: int | None = D_OUT, **kwargs) -> KEPSVGPAttention:
@@ -37,10 +55,11 @@ def _layer(seed: int = 0, num_outputs: int | None = D_OUT, **kwargs) -> KEPSVGPA
                 getattr(features, name).copy_(0.3 * _randn(H, RANK, seed=seed + 2 + offset))
         if features.mode != "exact":
             features.raw_singular_values.copy_(_randn(H, RANK, seed=seed + 4))
-        for offset, posterior in enumerate(layer._posteriors()):
-            posterior.variational_mean.copy_(_randn(H, layer.num_outputs, RANK, seed=seed + 5 + offset))
-            noise = 0.4 * _randn(H, layer.num_outputs, RANK, RANK, seed=seed + 7 + offset)
-            posterior.chol_variational_covar.copy_(torch.eye(RANK, dtype=DTYPE) + noise)
+        for offset, (mean, chol) in enumerate(_posteriors(layer)):
+            mean.copy_(_randn(H, layer.num_outputs, RANK, seed=seed + 5 + offset))
+            chol.copy_(
+                torch.eye(RANK, dtype=DTYPE) + 0.4 * _randn(H, layer.num_outputs, RANK, RANK, seed=seed + 7 + offset)
+            )
         layer.out_proj.bias.copy_(_randn(C, seed=seed + 9))
         if hasattr(layer, "token_weight"):
             layer.token_weight.add_(0.3 * _randn(*layer.token_weight.shape, seed=seed + 10))
@@ -123,10 +142,6 @@ def _dense_scores(layer: KEPSVGPAttention, x: Tensor, context=None, mask=None, c
     }
 
 
-def _cholesky(posterior) -> Tensor:
-    return posterior.chol_variational_covar.tril()  # shape: (H, d_out, s, s)
-
-
 def _branches(layer: KEPSVGPAttention, x: Tensor, context=None, mask=None, causal: bool = False) -> list[dict]:
     """Per branch at the queries: interp e Lambda^{-1} (B, H, N, s), m (H, d, s), L (H, d, s, s), the combined output
     weights C[h, c, j] (H, d, C) of the per-head output map and the output projection, the residual (B, H, N)."""
@@ -135,19 +150,19 @@ def _branches(layer: KEPSVGPAttention, x: Tensor, context=None, mask=None, causa
     inverse = (1.0 / lam)[..., None, :] if lam.dim() == 3 else (1.0 / lam)[None, :, None, :]
     single = layer.tie_qk or context is not None
     projection = layer.out_proj.weight.view(C, H, -1)  # P[j, h, k]
-    right_posterior = layer.left_posterior if layer.shared_posterior else getattr(layer, "right_posterior", None)
     branches = []
-    for index, (side, posterior) in enumerate((("left", layer.left_posterior), ("right", right_posterior))):
+    for index, side in enumerate(("left", "right")):
         if index == 1 and single:
             break
+        mean, chol = _branch_q(layer, side)
         d = layer.num_outputs
         rows = slice(d, 2 * d) if (layer.merge == "concat" and index == 1) else slice(0, d)
         weight = torch.einsum("hck,jhk->hcj", layer.output_weight[:, rows], projection)
         branches.append(
             {
                 "interp": scores[side] * inverse,
-                "mean": posterior.variational_mean,
-                "chol": _cholesky(posterior),
+                "mean": mean,
+                "chol": chol,
                 "weight": weight,
                 "residual": scores[f"{side}_residual"],
             }
@@ -405,11 +420,11 @@ def _dense_kl(mean: Tensor, chol: Tensor, lam: Tensor) -> Tensor:
 def test_kl_matches_torch_distributions(layer_kwargs: dict):
     layer = _layer(**layer_kwargs)
     lam = layer.features.singular_values
-    expected = _dense_kl(layer.left_posterior.variational_mean, _cholesky(layer.left_posterior), lam)
+    expected = _dense_kl(*_branch_q(layer, "left"), lam)
     if not (layer.shared_posterior or layer.tie_qk):
-        expected = expected + _dense_kl(layer.right_posterior.variational_mean, _cholesky(layer.right_posterior), lam)
+        expected = expected + _dense_kl(*_branch_q(layer, "right"), lam)
     else:
-        assert not hasattr(layer, "right_posterior")  # one KL per head and output
+        assert len(_posteriors(layer)) == 1  # one KL per head and output
     kl = layer.kl_divergence()
     assert kl.shape == ()
     torch.testing.assert_close(kl, expected, atol=ATOL, rtol=0)
@@ -419,23 +434,22 @@ def test_kl_at_the_prior_is_zero():
     layer = _layer()
     with torch.no_grad():
         lam = layer.features.singular_values
-        for posterior in layer._posteriors():
-            posterior.variational_mean.zero_()
-            posterior.chol_variational_covar.copy_(torch.diag_embed(lam[:, None].expand(-1, D_OUT, -1)))
+        for mean, chol in _posteriors(layer):
+            mean.zero_()
+            chol.copy_(torch.diag_embed(lam[:, None].expand(-1, D_OUT, -1)))
     torch.testing.assert_close(layer.kl_divergence(), torch.zeros((), dtype=DTYPE), atol=ATOL, rtol=0)
 
 
 def test_exact_mode_kl_uses_the_last_batch():
     layer = _layer(features="exact")
-    with pytest.raises(RuntimeError, match="forward"):
+    with pytest.raises(RuntimeError, match="call the features"):
         layer.kl_divergence()
     x = _randn(3, 5, C, seed=47)
     layer.eval()(x)
     lam = _dense_scores(layer, x)["lam"]  # (B, H, s) from numpy SVDs
     per_sequence = []
     for b in range(3):
-        kl = _dense_kl(layer.left_posterior.variational_mean, _cholesky(layer.left_posterior), lam[b])
-        kl = kl + _dense_kl(layer.right_posterior.variational_mean, _cholesky(layer.right_posterior), lam[b])
+        kl = _dense_kl(*_branch_q(layer, "left"), lam[b]) + _dense_kl(*_branch_q(layer, "right"), lam[b])
         per_sequence.append(kl)
     torch.testing.assert_close(layer.kl_divergence(), torch.stack(per_sequence).mean(), atol=ATOL, rtol=0)
 
@@ -445,7 +459,7 @@ def test_ksvd_loss_term_after_a_training_forward(options: dict):
     layer = _layer().train()
     x, call, dense = _call_args(options, seed=48)
     layer(x, **call)
-    term = dict(layer.named_added_loss_terms())["ksvd_loss"]
+    term = dict(layer.features.named_added_loss_terms())["ksvd_loss"]
     # J of the whole sequence over the real tokens (a causal layer penalises the full-sequence KSVD)
     objective = _dense_scores(layer, x, mask=dense["mask"])["objective"]  # (B, H)
     torch.testing.assert_close(term.loss(), objective.pow(2).sum(-1).mean(), atol=ATOL, rtol=0)
@@ -455,7 +469,7 @@ def test_exact_mode_has_no_ksvd_loss():
     layer = _layer(features="exact").train()
     layer(_randn(2, 5, C, seed=50))
     torch.testing.assert_close(
-        dict(layer.named_added_loss_terms())["ksvd_loss"].loss(), torch.zeros((), dtype=DTYPE), atol=0, rtol=0
+        dict(layer.features.named_added_loss_terms())["ksvd_loss"].loss(), torch.zeros((), dtype=DTYPE), atol=0, rtol=0
     )
 
 
@@ -498,3 +512,159 @@ def test_call_errors():
         _layer(features="exact")(x, mask="causal")
     with pytest.raises(ValueError, match="shortest sequence"):
         _layer(features="exact")(x, mask=torch.tensor([[True] * 5, [True, True] + [False] * 3]))
+
+
+# -- the layer IS the pair SVGP of the GPyTorch strategy (equivalence, float64) -------------------------------------
+SEQUENCE = 6  # tokens of the one sequence whose tokens are the landmarks
+
+
+def _one_head_layer(seed: int, **kwargs) -> KEPSVGPAttention:
+    """A one-head layer (head width = feature dimension C) with exact features and random q(u)."""
+    torch.manual_seed(seed)
+    layer = KEPSVGPAttention(C, 1, num_inducing=RANK, num_outputs=D_OUT, features="exact", **kwargs).double()
+    with torch.no_grad():
+        layer.features.kernel.raw_outputscale.fill_(0.4)
+        for offset, (mean, chol) in enumerate(_posteriors(layer)):
+            mean.copy_(_randn(*mean.shape, seed=seed + 1 + offset))
+            chol.copy_(torch.eye(RANK, dtype=DTYPE) + 0.4 * _randn(*chol.shape, seed=seed + 3 + offset))
+        layer.out_proj.bias.copy_(_randn(C, seed=seed + 5))
+    return layer.eval()
+
+
+def _as_pair_svgp(layer: KEPSVGPAttention, tokens: Tensor) -> KernelEigenPairSVGP:
+    """``KernelEigenPairSVGP`` on the tokens of one sequence as landmarks, with the layer's head-0 kernel and q(u):
+    the d_out outputs of the head become the model's batch of independent outputs."""
+    source = layer.features.kernel
+    kernel = CosineFeatureKernel(C, C).double()
+    with torch.no_grad():
+        kernel.query_weight.copy_(source.query_weight[0])
+        kernel.key_weight.copy_(source.key_weight[0])
+        kernel.raw_outputscale.copy_(source.raw_outputscale[0])
+    model = KernelEigenPairSVGP(
+        tokens,
+        kernel,
+        num_inducing=RANK,
+        residual=layer.residual,
+        shared_posterior=layer.shared_posterior,
+        batch_shape=torch.Size([D_OUT]),
+        learn_inducing_locations=False,
+    ).double()
+    target, source_q = model.variational_strategy._variational_distribution, layer.strategy._variational_distribution
+    with torch.no_grad():
+        target.variational_mean.copy_(source_q.variational_mean[0])
+        target.chol_variational_covar.copy_(source_q.chol_variational_covar[0])
+    model.variational_strategy.variational_params_initialized.fill_(1)
+    return model.eval()
+
+
+def _output_map(layer: KEPSVGPAttention) -> Tensor:
+    """C (d_out, C): y = b + F^T C for one head and merge="sum"."""
+    return layer.output_weight[0] @ layer.out_proj.weight.T
+
+
+EQUIVALENCE_CASES = [
+    pytest.param({}, id="independent"),
+    pytest.param({"shared_posterior": True}, id="shared"),
+    pytest.param({"residual": "diag"}, id="residual"),
+    pytest.param({"shared_posterior": True, "residual": "diag"}, id="shared-residual"),
+]
+
+
+@pytest.mark.parametrize("layer_kwargs", EQUIVALENCE_CASES)
+def test_exact_layer_on_one_sequence_is_the_pair_svgp(layer_kwargs: dict):
+    layer = _one_head_layer(60, **layer_kwargs)
+    x = _randn(1, SEQUENCE, C, seed=66)
+    model = _as_pair_svgp(layer, x[0])
+    # exact per-sequence features = exact landmark features on the same points
+    per_sequence, landmark = layer.features(x, kernel_diag=True), model.features(x[0], kernel_diag=True)
+    for name in ("left_scores", "right_scores", "singular_values", "left_kernel_diag", "right_kernel_diag"):
+        torch.testing.assert_close(getattr(per_sequence, name)[0, 0], getattr(landmark, name), atol=ATOL, rtol=0)
+    # each branch's q(f) at the tokens: the layer's strategy against the model's (mean and covariance)
+    for side in ("left", "right"):
+        from_layer, from_model = layer.strategy.predictive(per_sequence, side), model.branch(x[0], side)
+        torch.testing.assert_close(from_layer.mean[0, 0], from_model.mean, atol=ATOL, rtol=0)
+        torch.testing.assert_close(from_layer.covariance_matrix[0, 0], from_model.covariance_matrix, atol=ATOL, rtol=0)
+    # the layer's output is the model's merged q(F) pushed through the output map: mean and variance
+    merged, output_map = model(x[0]), _output_map(layer)
+    mean, variance = layer.posterior(x)
+    torch.testing.assert_close(layer(x)[0], merged.mean.mT @ output_map + layer.out_proj.bias, atol=ATOL, rtol=0)
+    torch.testing.assert_close(mean[0], merged.mean.mT @ output_map + layer.out_proj.bias, atol=ATOL, rtol=0)
+    torch.testing.assert_close(variance[0], merged.variance.mT @ output_map.pow(2), atol=ATOL, rtol=0)
+    # the KL (the model's sums the d_out outputs; one sequence, so the layer's mean over sequences is that one)
+    torch.testing.assert_close(
+        layer.kl_divergence(), model.variational_strategy.kl_divergence().sum(), atol=ATOL, rtol=0
+    )
+
+
+@pytest.mark.parametrize("layer_kwargs", EQUIVALENCE_CASES)
+def test_exact_layer_samples_are_the_pair_svgp_samples(layer_kwargs: dict):
+    """Under one seed, the layer's joint sample equals F = sum_b e_b Lambda^{-1} (m_b + L_b eps_b) (+ the residual
+    noise) computed here from the model's q(u) and features, pushed through the output map."""
+    layer = _one_head_layer(70, **layer_kwargs)
+    x = _randn(1, SEQUENCE, C, seed=76)
+    model = _as_pair_svgp(layer, x[0])
+    torch.manual_seed(5)
+    with sample_attention(layer):
+        sample = layer(x)[0]
+    torch.manual_seed(5)
+    q = model.variational_strategy._variational_distribution
+    mean, chol = q.variational_mean, q.chol_variational_covar.tril()  # (d_out, branches, s), (d_out, branches, s, s)
+    draw = mean + (chol @ torch.randn(1, 1, *mean.shape, dtype=DTYPE)[0, 0].unsqueeze(-1)).squeeze(-1)
+    features = model.features(x[0], kernel_diag=True)
+    outputs = 0.0
+    for index, side in enumerate(("left", "right")):
+        branch = draw[:, 0 if layer.shared_posterior else index]  # (d_out, s)
+        outputs = outputs + branch @ features.interp(side).mT  # (d_out, N)
+    if layer.residual == "diag":
+        for side in ("left", "right"):
+            noise = torch.randn(1, 1, D_OUT, SEQUENCE, dtype=DTYPE)[0, 0]
+            outputs = outputs + features.residual_diag(side).clamp_min(torch.finfo(DTYPE).eps).sqrt() * noise
+    expected = outputs.mT @ _output_map(layer) + layer.out_proj.bias
+    torch.testing.assert_close(sample, expected, atol=ATOL, rtol=0)
+
+
+STRATEGY_CASES = [
+    pytest.param({}, {}, id="sum"),
+    pytest.param({"merge": "concat"}, {}, id="concat"),
+    pytest.param({"shared_posterior": True}, {}, id="shared"),
+    pytest.param({"tie_qk": True}, {}, id="tie_qk"),
+    pytest.param({"residual": "diag"}, {"mask": True}, id="residual-padding"),
+    pytest.param({"merge": "concat"}, {"causal": True}, id="causal"),
+    pytest.param({}, {"context": True}, id="cross"),
+]
+
+
+@pytest.mark.parametrize(("layer_kwargs", "options"), STRATEGY_CASES)
+def test_amortised_layer_is_the_strategy_q_f_through_the_output_maps(layer_kwargs: dict, options: dict):
+    """The fused output path (coefficients Lambda^{-1} u^T C, one GEMM per branch) against the strategy's q(f) at the
+    tokens (``predictive``: its mean and covariance), mapped by the per-head output maps and out_proj; and the
+    layer's joint sample against u = m + L eps drawn by the strategy under the same seed."""
+    layer = _layer(**layer_kwargs).eval()
+    x, call, dense = _call_args(options, seed=80)
+    scores = layer.features(x, dense["context"], dense["mask"], dense["causal"], kernel_diag=True)
+    branches = _branches(layer, x, **dense)  # the combined output weights C^b (H, d_out, C) of each branch
+    sides = ("left", "right")[: len(branches)]
+    q_f = [layer.strategy.predictive(scores, side) for side in sides]  # batch (B, H, d_out) over the N queries
+    expected_mean = layer.out_proj.bias + sum(
+        torch.einsum("bhcn,hcj->bnj", branch_q.mean, branch["weight"])
+        for branch_q, branch in zip(q_f, branches, strict=True)
+    )
+    torch.testing.assert_close(layer(x, **call), expected_mean, atol=ATOL, rtol=0)
+    if not layer.shared_posterior:  # independent branches: the variances add (shared: test_posterior_matches_dense)
+        expected_variance = sum(
+            torch.einsum("bhcn,hcj->bnj", branch_q.variance, branch["weight"].pow(2))
+            for branch_q, branch in zip(q_f, branches, strict=True)
+        )
+        torch.testing.assert_close(layer.posterior(x, **call)[1], expected_variance, atol=ATOL, rtol=0)
+    torch.manual_seed(9)
+    with sample_attention(layer):
+        sample = layer(x, **call)
+    torch.manual_seed(9)
+    draw = layer.strategy.inducing_draw(torch.Size([x.shape[0]]))  # (B, H, d_out[, branches], s)
+    expected_sample = layer.out_proj.bias
+    for side, branch in zip(sides, branches, strict=True):
+        interp, _ = layer.strategy.interpolation(scores, side)  # (B, H, 1, N, s)
+        outputs = interp @ layer.strategy.select_branch(draw, side, 1).unsqueeze(-1)  # (B, H, d_out, N, 1)
+        expected_sample = expected_sample + torch.einsum("bhcn,hcj->bnj", outputs.squeeze(-1), branch["weight"])
+    if layer.residual == "none":  # (the residual adds per-token noise: covered by the dense sampling tests)
+        torch.testing.assert_close(sample, expected_sample, atol=ATOL, rtol=0)

@@ -50,7 +50,9 @@ def test_digits_records_hold_shift_ood_and_spectra(records) -> None:
         pairs = [(a > b) + 0.5 * (a == b) for a in scores_in for b in scores_out]
         assert ood["auroc_max_prob"] == pytest.approx(sum(pairs) / len(pairs), abs=1e-12)
     kep = next(r for r in digits if r["attention"] == "kep_svgp")
-    assert len(kep["spectra"]["layer_2"]) == 2 and len(kep["spectra"]["layer_2"][0]) == 10  # 2 heads, s = min(10, p = 16)
+    assert (
+        len(kep["spectra"]["layer_2"]) == 2 and len(kep["spectra"]["layer_2"][0]) == 10
+    )  # 2 heads, s = min(10, p = 16)
     assert next(r for r in digits if r["attention"] == "softmax")["spectra"] == {}
     assert all(r["metrics"]["shift"] == {} and r["ood_scores"] == {} for r in records if r["task"] == "pointer")
 

@@ -14,7 +14,7 @@ import torch
 from torch import Tensor
 
 from gpattn.attention.kep_svgp_attention import KEPSVGPAttention
-from gpattn.features.attention_kernel_eigen_features import AttentionKernelEigenFeatures, AttentionScores
+from gpattn.features import AttentionKernelEigenFeatures, KernelEigenScores
 
 DTYPE = torch.float64
 ATOL = 1e-10
@@ -107,10 +107,10 @@ def _dense_amortized(module, queries, keys, mask=None, causal=False):
     return left, right, objective, left_diag, right_diag
 
 
-def _assert_scores(scores: AttentionScores, reference, objective: bool = True) -> None:
+def _assert_scores(scores: KernelEigenScores, reference, objective: bool = True) -> None:
     left, right, J, left_diag, right_diag = reference
-    torch.testing.assert_close(scores.left, left, atol=ATOL, rtol=0)
-    torch.testing.assert_close(scores.right, right, atol=ATOL, rtol=0)
+    torch.testing.assert_close(scores.left_scores, left, atol=ATOL, rtol=0)
+    torch.testing.assert_close(scores.right_scores, right, atol=ATOL, rtol=0)
     torch.testing.assert_close(scores.left_kernel_diag, left_diag, atol=ATOL, rtol=0)
     torch.testing.assert_close(scores.right_kernel_diag, right_diag, atol=ATOL, rtol=0)
     if objective:
@@ -125,14 +125,14 @@ def _padding_mask() -> Tensor:
 def test_amortized_scores_match_dense():
     module = _features(num_inducing=3)
     x = _randn(3, 6, C, seed=10)
-    scores = module.scores(x, x)
+    scores = module(x, x)
     _assert_scores(scores, _dense_amortized(module, x, x))
-    assert scores.left.shape == (3, H, 6, 3) and scores.singular_values.shape == (H, 3)
+    assert scores.left_scores.shape == (3, H, 6, 3) and scores.singular_values.shape == (H, 3)
     torch.testing.assert_close(scores.singular_values, module.singular_values, atol=0, rtol=0)
     # e(X) = K A_e(Z) / M, r(Z) = K^T A_r(X) / N in matrix form as well
     kernel = _dense_kernel(module, x, x)
-    torch.testing.assert_close(scores.left, kernel @ _maps(module, x, "left") / 6, atol=ATOL, rtol=0)
-    torch.testing.assert_close(scores.right, kernel.mT @ _maps(module, x, "right") / 6, atol=ATOL, rtol=0)
+    torch.testing.assert_close(scores.left_scores, kernel @ _maps(module, x, "left") / 6, atol=ATOL, rtol=0)
+    torch.testing.assert_close(scores.right_scores, kernel.mT @ _maps(module, x, "right") / 6, atol=ATOL, rtol=0)
 
 
 def test_amortized_tied_is_symmetric():
@@ -140,44 +140,44 @@ def test_amortized_tied_is_symmetric():
     x = _randn(2, 5, C, seed=11)
     kernel = _dense_kernel(module, x, x)
     torch.testing.assert_close(kernel, kernel.mT, atol=ATOL, rtol=0)
-    scores = module.scores(x, x)
+    scores = module(x, x)
     _assert_scores(scores, _dense_amortized(module, x, x))
-    torch.testing.assert_close(scores.left, scores.right, atol=ATOL, rtol=0)  # A_e = A_r and K = K^T
+    torch.testing.assert_close(scores.left_scores, scores.right_scores, atol=ATOL, rtol=0)  # A_e = A_r and K = K^T
 
 
 def test_amortized_padding_mask():
     module = _features(num_inducing=3)
     x, mask = _randn(3, 6, C, seed=12), _padding_mask()
-    scores = module.scores(x, x, mask)
+    scores = module(x, x, mask)
     _assert_scores(scores, _dense_amortized(module, x, x, mask=mask))
     # padded tokens perturbed: the scores, kernel diagonals and J of the real tokens are unchanged
     perturbed = torch.where(mask[..., None], x, x + 5.0 * _randn(3, 6, C, seed=13))
-    other = module.scores(perturbed, perturbed, mask)
+    other = module(perturbed, perturbed, mask)
     real = mask[:, None, :].expand(-1, H, -1)
-    for name in ("left", "right"):
+    for name in ("left_scores", "right_scores"):
         torch.testing.assert_close(getattr(other, name)[real], getattr(scores, name)[real], atol=ATOL, rtol=0)
-        diag = f"{name}_kernel_diag"
+        diag = name.replace("scores", "kernel_diag")
         torch.testing.assert_close(getattr(other, diag)[real], getattr(scores, diag)[real], atol=ATOL, rtol=0)
     torch.testing.assert_close(other.objective, scores.objective, atol=ATOL, rtol=0)
     # an all-True mask is no mask
-    full = module.scores(x, x, torch.ones(3, 6, dtype=torch.bool))
-    torch.testing.assert_close(full.objective, module.scores(x, x).objective, atol=ATOL, rtol=0)
+    full = module(x, x, torch.ones(3, 6, dtype=torch.bool))
+    torch.testing.assert_close(full.objective, module(x, x).objective, atol=ATOL, rtol=0)
 
 
 def test_amortized_causal_prefix_means():
     module = _features(num_inducing=3)
     x = _randn(2, 6, C, seed=14)
-    scores = module.scores(x, x, causal=True)
+    scores = module(x, x, causal=True)
     _assert_scores(scores, _dense_amortized(module, x, x, causal=True), objective=False)
     # causality: changing the last token leaves every earlier score unchanged
     changed = x.clone()
     changed[:, -1] += 1.0
-    other = module.scores(changed, changed, causal=True)
-    torch.testing.assert_close(other.left[..., :-1, :], scores.left[..., :-1, :], atol=ATOL, rtol=0)
-    torch.testing.assert_close(other.right[..., :-1, :], scores.right[..., :-1, :], atol=ATOL, rtol=0)
+    other = module(changed, changed, causal=True)
+    torch.testing.assert_close(other.left_scores[..., :-1, :], scores.left_scores[..., :-1, :], atol=ATOL, rtol=0)
+    torch.testing.assert_close(other.right_scores[..., :-1, :], scores.right_scores[..., :-1, :], atol=ATOL, rtol=0)
     # the last position sees the whole sequence: the non-causal scores
-    full = module.scores(x, x)
-    torch.testing.assert_close(scores.left[..., -1, :], full.left[..., -1, :], atol=ATOL, rtol=0)
+    full = module(x, x)
+    torch.testing.assert_close(scores.left_scores[..., -1, :], full.left_scores[..., -1, :], atol=ATOL, rtol=0)
 
 
 @pytest.mark.parametrize("masked", [False, True])
@@ -186,23 +186,23 @@ def test_amortized_cross_attention(masked: bool):
     x, context = _randn(3, 4, C, seed=15), _randn(3, 7, C, seed=16)
     mask = torch.tensor([[True] * 7, [True, False, True, True, False, True, True], [False] + [True] * 6])
     mask = mask if masked else None
-    scores = module.scores(x, context, mask)
-    assert scores.left.shape == (3, H, 4, 3) and scores.right.shape == (3, H, 7, 3)
+    scores = module(x, context, mask)
+    assert scores.left_scores.shape == (3, H, 4, 3) and scores.right_scores.shape == (3, H, 7, 3)
     _assert_scores(scores, _dense_amortized(module, x, context, mask=mask))
 
 
 def test_residual_diag_is_clamped():
     module = _features(num_inducing=3)
     x = _randn(2, 5, C, seed=17)
-    scores = module.scores(x, x)
-    left_residual = scores.left_kernel_diag - scores.left.pow(2).sum(-1)
+    scores = module(x, x)
+    left_residual = scores.left_kernel_diag - scores.left_scores.pow(2).sum(-1)
     torch.testing.assert_close(scores.residual_diag("left"), left_residual.clamp_min(0.0), atol=0, rtol=0)
-    right_residual = scores.right_kernel_diag - scores.right.pow(2).sum(-1)
+    right_residual = scores.right_kernel_diag - scores.right_scores.pow(2).sum(-1)
     torch.testing.assert_close(scores.residual_diag("right"), right_residual.clamp_min(0.0), atol=0, rtol=0)
     # hand-made scores exceeding the kernel diagonal: the residual is zero there, exact elsewhere
     left = torch.tensor([[[[1.0, 1.0], [0.5, 0.0]]]], dtype=DTYPE)  # ||e||^2 = 2, 0.25
     diag = torch.tensor([[[1.0, 1.0]]], dtype=DTYPE)
-    handmade = AttentionScores(left, left, torch.ones(1, 2, dtype=DTYPE), torch.zeros(1, 1, dtype=DTYPE), diag, diag)
+    handmade = KernelEigenScores(left, left, torch.ones(1, 2, dtype=DTYPE), torch.zeros(1, 1, dtype=DTYPE), diag, diag)
     torch.testing.assert_close(handmade.residual_diag("left"), torch.tensor([[[0.0, 0.75]]], dtype=DTYPE))
     torch.testing.assert_close(handmade.residual_diag("right"), torch.tensor([[[0.0, 0.75]]], dtype=DTYPE))
 
@@ -215,7 +215,7 @@ def test_objective_vanishes_when_the_maps_reproduce_the_singular_vectors():
     rank, length = 4, 6
     module = _features(num_inducing=rank, seed=3)
     x = _randn(1, length, C, seed=18)
-    assert module.scores(x, x).objective.abs().min() > 1e-3  # random init: not stationary
+    assert module(x, x).objective.abs().min() > 1e-3  # random init: not stationary
     kernel = _dense_kernel(module, x, x)[0].detach().numpy()
     left_vectors, right_vectors, singular_values = [], [], []
     for h in range(H):
@@ -236,22 +236,22 @@ def test_objective_vanishes_when_the_maps_reproduce_the_singular_vectors():
         lam = torch.from_numpy(np.stack(singular_values))
         module.raw_singular_values.copy_(module.raw_singular_values_constraint.inverse_transform(lam))
     torch.testing.assert_close(_maps(module, x, "left")[0] / length, torch.from_numpy(np.stack(right_vectors)))
-    scores = module.scores(x, x)
+    scores = module(x, x)
     torch.testing.assert_close(scores.objective, torch.zeros(1, H, dtype=DTYPE), atol=ATOL, rtol=0)
     for h in range(H):
         expected_left = torch.from_numpy(left_vectors[h] * singular_values[h])
         expected_right = torch.from_numpy(right_vectors[h] * singular_values[h])
-        torch.testing.assert_close(scores.left[0, h], expected_left, atol=ATOL, rtol=0)
-        torch.testing.assert_close(scores.right[0, h], expected_right, atol=ATOL, rtol=0)
+        torch.testing.assert_close(scores.left_scores[0, h], expected_left, atol=ATOL, rtol=0)
+        torch.testing.assert_close(scores.right_scores[0, h], expected_right, atol=ATOL, rtol=0)
     # any other Lambda leaves the stationary point
     with torch.no_grad():
         module.raw_singular_values.add_(0.5)
-    assert module.scores(x, x).objective.abs().min() > 1e-3
+    assert module(x, x).objective.abs().min() > 1e-3
 
 
 def _mean_abs_objective(module: AttentionKernelEigenFeatures, tokens: Tensor) -> float:
     with torch.no_grad():
-        return module.scores(tokens, tokens).objective.abs().mean().item()
+        return module(tokens, tokens).objective.abs().mean().item()
 
 
 def test_amortized_objective_decreases_under_the_ksvd_loss():
@@ -263,7 +263,7 @@ def test_amortized_objective_decreases_under_the_ksvd_loss():
     optimizer = torch.optim.Adam(module.parameters(), lr=1e-2)
     for _ in range(200):
         optimizer.zero_grad()
-        objective = module.scores(tokens, tokens).objective
+        objective = module(tokens, tokens).objective
         loss = 1.0 * objective.pow(2).sum(-1).mean()
         loss.backward()
         optimizer.step()
@@ -285,7 +285,7 @@ def test_amortized_objective_decreases_with_a_joint_objective():
     for _ in range(200):
         optimizer.zero_grad()
         fit = (layer(tokens) - targets).pow(2).mean()
-        ksvd = dict(layer.named_added_loss_terms())["ksvd_loss"].loss()
+        ksvd = dict(layer.features.named_added_loss_terms())["ksvd_loss"].loss()
         (fit + ksvd).backward()
         optimizer.step()
         mse.append(fit.item())
@@ -299,13 +299,13 @@ def test_amortized_objective_decreases_with_a_joint_objective():
 
 
 # -- exact -----------------------------------------------------------------------------------------------------------
-def _assert_exact_svd(scores: AttentionScores, kernel: np.ndarray, b: int, h: int, rank: int) -> None:
+def _assert_exact_svd(scores: KernelEigenScores, kernel: np.ndarray, b: int, h: int, rank: int) -> None:
     """Scores of sequence b, head h against numpy's SVD of the dense kernel (signs: largest |H_e| entry > 0)."""
     u, sigma, vt = np.linalg.svd(kernel)
     lam = scores.singular_values[b, h].detach().numpy()
     np.testing.assert_allclose(lam, sigma[:rank], atol=ATOL, rtol=0)
-    left = scores.left[b, h].detach().numpy()
-    right = scores.right[b, h].detach().numpy()
+    left = scores.left_scores[b, h].detach().numpy()
+    right = scores.right_scores[b, h].detach().numpy()
     left_vectors, right_vectors = left / lam, right / lam
     # orthonormal columns, adjointness K H_r = H_e Lambda, K^T H_e = H_r Lambda, K = H_e Lambda H_r^T
     np.testing.assert_allclose(left_vectors.T @ left_vectors, np.eye(rank), atol=ATOL, rtol=0)
@@ -326,7 +326,7 @@ def test_exact_full_rank_reproduces_the_dense_svd(kernel_name: str):
     length = 5
     module = _features(num_inducing=length, mode="exact", kernel=kernel_name, seed=4)
     x = _randn(2, length, C, seed=22)
-    scores = module.scores(x, x)
+    scores = module(x, x)
     kernel = _dense_kernel(module, x, x).detach().numpy()
     torch.testing.assert_close(scores.objective, torch.zeros(2, H, dtype=DTYPE), atol=0, rtol=0)
     assert scores.singular_values.shape == (2, H, length)
@@ -334,9 +334,9 @@ def test_exact_full_rank_reproduces_the_dense_svd(kernel_name: str):
         for h in range(H):
             _assert_exact_svd(scores, kernel[b, h], b, h, length)
             # full rank: K = H_e Lambda H_r^T exactly
-            left_vectors = scores.left[b, h] / scores.singular_values[b, h]
+            left_vectors = scores.left_scores[b, h] / scores.singular_values[b, h]
             np.testing.assert_allclose(
-                (left_vectors @ scores.right[b, h].mT).detach().numpy(), kernel[b, h], atol=ATOL, rtol=0
+                (left_vectors @ scores.right_scores[b, h].mT).detach().numpy(), kernel[b, h], atol=ATOL, rtol=0
             )
     np.testing.assert_allclose(scores.left_kernel_diag.detach().numpy(), (kernel**2).sum(-1), atol=ATOL)
     np.testing.assert_allclose(scores.right_kernel_diag.detach().numpy(), (kernel**2).sum(-2), atol=ATOL)
@@ -348,7 +348,7 @@ def test_exact_truncated_residual_is_the_tail_of_the_spectrum():
     rank = 2
     module = _features(num_inducing=rank, mode="exact", seed=5)
     x = _randn(2, 6, C, seed=23)
-    scores = module.scores(x, x)
+    scores = module(x, x)
     kernel = _dense_kernel(module, x, x).detach().numpy()
     for b in range(2):
         for h in range(H):
@@ -365,18 +365,18 @@ def test_exact_cross_attention_with_padding():
     module = _features(num_inducing=rank, mode="exact", kernel="exponential", seed=6)
     x, context = _randn(2, 4, C, seed=24), _randn(2, 6, C, seed=25)
     mask = torch.tensor([[True, False, True, True, True, False], [True] * 6])
-    scores = module.scores(x, context, mask)
+    scores = module(x, context, mask)
     kernel = _dense_kernel(module, x, context).detach().numpy() * mask[:, None, None, :].numpy()
     for b in range(2):
         for h in range(H):
             _assert_exact_svd(scores, kernel[b, h], b, h, rank)
-    assert scores.right[0, :, ~mask[0]].abs().max() < ATOL  # masked keys: zero columns, zero scores
+    assert scores.right_scores[0, :, ~mask[0]].abs().max() < ATOL  # masked keys: zero columns, zero scores
 
 
 def test_exact_self_attention_with_padding_zeroes_rows_and_columns():
     module = _features(num_inducing=4, mode="exact", seed=7)
     x, mask = _randn(3, 6, C, seed=26), _padding_mask()  # the shortest sequence has 4 real tokens
-    scores = module.scores(x, x, mask)
+    scores = module(x, x, mask)
     dense = _dense_kernel(module, x, x).detach().numpy()
     for b in range(3):
         real = mask[b].numpy()
@@ -385,15 +385,15 @@ def test_exact_self_attention_with_padding_zeroes_rows_and_columns():
             _assert_exact_svd(scores, zeroed[h], b, h, 4)
             sub = np.linalg.svd(dense[b, h][np.ix_(real, real)], compute_uv=False)
             np.testing.assert_allclose(scores.singular_values[b, h].detach().numpy(), sub[:4], atol=ATOL, rtol=0)
-        for name in ("left", "right"):  # padded rows of K are zero, hence so are their scores
+        for name in ("left_scores", "right_scores"):  # padded rows of K are zero, hence so are their scores
             torch.testing.assert_close(
                 getattr(scores, name)[b] * ~mask[b, :, None], getattr(scores, name)[b] * 0, atol=ATOL, rtol=0
             )
     # padded tokens perturbed: nothing at the real tokens changes
     perturbed = torch.where(mask[..., None], x, x + 3.0 * _randn(3, 6, C, seed=27))
-    other = module.scores(perturbed, perturbed, mask)
+    other = module(perturbed, perturbed, mask)
     real = mask[:, None, :].expand(-1, H, -1)
-    torch.testing.assert_close(other.left[real], scores.left[real], atol=ATOL, rtol=0)
+    torch.testing.assert_close(other.left_scores[real], scores.left_scores[real], atol=ATOL, rtol=0)
     torch.testing.assert_close(other.singular_values, scores.singular_values, atol=ATOL, rtol=0)
 
 
@@ -401,16 +401,16 @@ def test_exact_errors():
     module = _features(num_inducing=4, mode="exact")
     x = _randn(2, 6, C, seed=28)
     with pytest.raises(ValueError, match="causal"):
-        module.scores(x, x, causal=True)
+        module(x, x, causal=True)
     with pytest.raises(ValueError, match="shortest sequence"):
-        module.scores(x, x, torch.tensor([[True] * 6, [True] * 3 + [False] * 3]))
+        module(x, x, torch.tensor([[True] * 6, [True] * 3 + [False] * 3]))
     with pytest.raises(ValueError, match="shortest sequence"):
-        module.scores(x, _randn(2, 3, C, seed=29))  # cross-attention with 3 keys
+        module(x, _randn(2, 3, C, seed=29))  # cross-attention with 3 keys
     with pytest.raises(ValueError, match="exponential"):
         AttentionKernelEigenFeatures(C, H, 2, mode="amortized", kernel="exponential")
     with pytest.raises(ValueError, match="exponential"):
         AttentionKernelEigenFeatures(C, H, 2, mode="primal_tokens", kernel="exponential", max_len=4)
-    with pytest.raises(AttributeError):
+    with pytest.raises(RuntimeError, match="each sequence"):
         _ = module.singular_values
 
 
@@ -425,19 +425,19 @@ def test_primal_tokens_match_dense(tie_qk: bool):
     length, rank = 5, 3
     module = _features(num_inducing=rank, mode="primal_tokens", max_len=length, tie_qk=tie_qk, seed=8)
     x = _randn(2, length, C, seed=30)
-    scores = module.scores(x, x)
+    scores = module(x, x)
     phi_q, phi_k = _dense_features(module, x, "query"), _dense_features(module, x, "key")
     left_tokens = module.left_token_weights
     right_tokens = left_tokens if tie_qk else module.right_token_weights
     left_weight = phi_k.mT @ left_tokens  # W_e|X = Phi_k(X)^T W~_e: (B, H, p, s)
     right_weight = phi_q.mT @ right_tokens
     kernel = _dense_kernel(module, x, x)
-    torch.testing.assert_close(scores.left, kernel @ left_tokens, atol=ATOL, rtol=0)  # e(X) = K W~_e
-    torch.testing.assert_close(scores.right, kernel.mT @ right_tokens, atol=ATOL, rtol=0)
+    torch.testing.assert_close(scores.left_scores, kernel @ left_tokens, atol=ATOL, rtol=0)  # e(X) = K W~_e
+    torch.testing.assert_close(scores.right_scores, kernel.mT @ right_tokens, atol=ATOL, rtol=0)
     lam = module.singular_values
     objective = (
-        0.5 * (scores.left.pow(2) / lam[:, None]).sum((-2, -1))
-        + 0.5 * (scores.right.pow(2) / lam[:, None]).sum((-2, -1))
+        0.5 * (scores.left_scores.pow(2) / lam[:, None]).sum((-2, -1))
+        + 0.5 * (scores.right_scores.pow(2) / lam[:, None]).sum((-2, -1))
         - (left_weight * right_weight).sum((-2, -1))
     )
     torch.testing.assert_close(scores.objective, objective, atol=ATOL, rtol=0)
@@ -448,14 +448,14 @@ def test_primal_tokens_match_dense(tie_qk: bool):
 def test_primal_tokens_errors():
     module = _features(num_inducing=3, mode="primal_tokens", max_len=5)
     with pytest.raises(ValueError, match="max_len=5"):
-        module.scores(*(2 * [_randn(2, 4, C, seed=31)]))
+        module(*(2 * [_randn(2, 4, C, seed=31)]))
     x = _randn(2, 5, C, seed=32)
     with pytest.raises(ValueError, match="self-attention only"):
-        module.scores(x, x, torch.ones(2, 5, dtype=torch.bool))
+        module(x, x, torch.ones(2, 5, dtype=torch.bool))
     with pytest.raises(ValueError, match="self-attention only"):
-        module.scores(x, x, causal=True)
+        module(x, x, causal=True)
     with pytest.raises(ValueError, match="self-attention only"):
-        module.scores(x, _randn(2, 5, C, seed=33))
+        module(x, _randn(2, 5, C, seed=33))
     with pytest.raises(ValueError, match="max_len"):
         AttentionKernelEigenFeatures(C, H, 3, mode="primal_tokens")
     with pytest.raises(ValueError, match="max_len"):

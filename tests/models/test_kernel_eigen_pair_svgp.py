@@ -32,7 +32,9 @@ def data():
 def _model(landmarks, kernel=None, seed=0, **kwargs):
     torch.manual_seed(seed)
     kernel = ShiftedRBFKernel(1) if kernel is None else kernel
-    return KernelEigenPairSVGP(landmarks, kernel.double(), num_inducing=kwargs.pop("num_inducing", RANK), **kwargs).double()
+    return KernelEigenPairSVGP(
+        landmarks, kernel.double(), num_inducing=kwargs.pop("num_inducing", RANK), **kwargs
+    ).double()
 
 
 def _train(gp, likelihood, mll, x, y, steps, lr=0.05):
@@ -80,8 +82,8 @@ def test_concat_merge_with_multitask_likelihood_runs_one_step(data):
     assert output.mean.shape == (x.shape[0], 2)
     losses = _train(gp, likelihood, mll, x, targets, steps=1)
     assert torch.isfinite(torch.tensor(losses[0]))
-    assert gp.variational_strategy.left._variational_distribution.variational_mean.grad.abs().sum() > 0
-    assert gp.variational_strategy.right._variational_distribution.variational_mean.grad.abs().sum() > 0
+    # both branches of the stacked q(u) receive gradients
+    assert (gp.variational_strategy._variational_distribution.variational_mean.grad.abs().sum(-1) > 0).all()
 
 
 def test_primal_mode_includes_the_ksvd_penalty_and_keeps_J_small(data):
@@ -93,7 +95,7 @@ def test_primal_mode_includes_the_ksvd_penalty_and_keeps_J_small(data):
     gp = _model(landmarks, kernel=kernel, num_inducing=4, mode="primal", ksvd_weight=eta)
     features = gp.features
     # one feature object shared by both branches: the penalty is registered (and subtracted) once
-    assert [name for name, _ in gp.named_added_loss_terms()] == ["variational_strategy.left.features.ksvd_loss"]
+    assert [name for name, _ in gp.named_added_loss_terms()] == ["variational_strategy.features.ksvd_loss"]
     assert abs(features.ksvd_objective().item()) < 1e-10  # the exact-KSVD initialisation is stationary
 
     likelihood = gpytorch.likelihoods.GaussianLikelihood().double()
@@ -177,13 +179,13 @@ def test_pyro_svi_lowers_the_loss(data):
     assert last < 0.5 * first, (first, last)
     assert likelihood.noise.item() != initial_noise  # the noise is learned through pyro.module
 
-    assert _latent_sites(pyro.poutine.trace(guide).get_trace(x, y)) == ["gp.u_left", "gp.u_right", "gp.f(x)"]
+    assert _latent_sites(pyro.poutine.trace(guide).get_trace(x, y)) == ["gp.u", "gp.f(x)"]
     model_trace = pyro.poutine.trace(model).get_trace(x, y)
-    assert _latent_sites(model_trace) == ["gp.u_left", "gp.u_right", "gp.f(x)"]
+    assert _latent_sites(model_trace) == ["gp.u", "gp.f(x)"]
     assert model_trace.nodes["gp.y"]["is_observed"]
 
 
-def test_pyro_shared_posterior_has_one_site(data):
+def test_pyro_shared_posterior_samples_one_u_for_both_branches(data):
     x, y, landmarks = data
     pyro.clear_param_store()
     gp = _model(landmarks, shared_posterior=True)
@@ -193,9 +195,9 @@ def test_pyro_shared_posterior_has_one_site(data):
     losses = [svi.step(x, y) for _ in range(3)]  # several steps: the guide must not reuse a freed graph
     assert all(torch.isfinite(torch.tensor(losses)))
     guide_trace = pyro.poutine.trace(guide).get_trace(x, y)
-    assert _latent_sites(guide_trace) == ["gp.u_shared", "gp.f(x)"]
-    assert _latent_sites(pyro.poutine.trace(model).get_trace(x, y)) == ["gp.u_shared", "gp.f(x)"]
-    assert guide_trace.nodes["gp.u_shared"]["value"].shape == (RANK,)
+    assert _latent_sites(guide_trace) == ["gp.u", "gp.f(x)"]
+    assert _latent_sites(pyro.poutine.trace(model).get_trace(x, y)) == ["gp.u", "gp.f(x)"]
+    assert guide_trace.nodes["gp.u"]["value"].shape == (1, RANK)  # one shared posterior for both branches
 
 
 def test_state_dict_round_trip_gives_identical_predictions(data):
@@ -207,7 +209,7 @@ def test_state_dict_round_trip_gives_identical_predictions(data):
     fresh.load_state_dict(gp.state_dict())
     # the landmarks stay tied: strategies, features and key landmarks share one tensor after loading
     strategy = fresh.variational_strategy
-    assert strategy.left.inducing_points is strategy.right.inducing_points is fresh.features.landmarks
+    assert strategy.inducing_points is fresh.features.landmarks
     assert fresh.features.key_landmarks is fresh.features.landmarks
     gp.eval()
     fresh.eval()
@@ -269,4 +271,5 @@ def test_every_parameter_is_listed_once(shared_posterior: bool) -> None:
     variational = {id(param) for param in model.variational_parameters()}
     assert hyper.isdisjoint(variational)
     assert hyper | variational == {id(param) for param in model.parameters()}
-    assert len(variational) == (2 if shared_posterior else 4)
+    # one q(u) stacked over the branches (or shared): its mean and Cholesky factor
+    assert len(variational) == 2

@@ -202,6 +202,15 @@ def test_strategy_kl_equals_torch_distributions(rank, extra_landmarks, batch, di
     assert strategy.kl_divergence().abs().max() < 1e-10
 
 
+def _posteriors(layer: KEPSVGPAttention) -> list[tuple[Tensor, Tensor]]:
+    """Views (m, L) into the layer's stacked q(u), one per q(u) the layer holds (branches; one shared or tied)."""
+    q = layer.strategy._variational_distribution
+    if layer.tie_qk:
+        return [(q.variational_mean, q.chol_variational_covar)]
+    branches = q.variational_mean.shape[-2]
+    return [(q.variational_mean[..., i, :], q.chol_variational_covar[..., i, :, :]) for i in range(branches)]
+
+
 @PROFILE
 @given(
     rank=st.integers(1, 4),
@@ -219,20 +228,20 @@ def test_kep_attention_kl_equals_torch_distributions(rank, num_heads, num_output
     prior = torch.distributions.MultivariateNormal(
         torch.zeros(num_heads, 1, rank, dtype=DTYPE), torch.diag_embed(singular_values.square()).unsqueeze(1)
     )
-    for posterior in layer._posteriors():
+    for mean_parameter, chol_parameter in _posteriors(layer):
         mean = torch.randn(num_heads, num_outputs, rank, generator=generator, dtype=DTYPE)
         chol = _random_tril((num_heads, num_outputs, rank, rank), generator)
         with torch.no_grad():
-            posterior.variational_mean.copy_(mean)
-            posterior.chol_variational_covar.copy_(chol)
+            mean_parameter.copy_(mean)
+            chol_parameter.copy_(chol)
         q = torch.distributions.MultivariateNormal(mean, scale_tril=chol)
         expected = expected + torch.distributions.kl_divergence(q, prior).sum()
     torch.testing.assert_close(layer.kl_divergence().detach(), expected, atol=1e-9, rtol=1e-9)
     # q = p for every branch, head and output: KL 0
     with torch.no_grad():
-        for posterior in layer._posteriors():
-            posterior.variational_mean.zero_()
-            posterior.chol_variational_covar.copy_(torch.diag_embed(singular_values).unsqueeze(1).expand_as(chol))
+        for mean_parameter, chol_parameter in _posteriors(layer):
+            mean_parameter.zero_()
+            chol_parameter.copy_(torch.diag_embed(singular_values).unsqueeze(1).expand_as(chol))
     assert layer.kl_divergence().abs() < 1e-10
 
 

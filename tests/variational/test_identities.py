@@ -22,7 +22,7 @@ from torch import Tensor
 from gpattn.features import KernelEigenFeatures
 from gpattn.kernels import CosineFeatureKernel, InducedKernel
 from gpattn.models import KernelEigenPairSVGP
-from gpattn.variational import KernelEigenVariationalStrategy
+from gpattn.variational import KernelEigenPairVariationalStrategy, KernelEigenVariationalStrategy
 
 DTYPE = torch.float64
 ATOL = 1e-8
@@ -87,6 +87,19 @@ def _set_q(strategy: KernelEigenVariationalStrategy, mean: np.ndarray, chol: np.
         else:
             distribution.chol_variational_covar.copy_(torch.from_numpy(chol))
     strategy.variational_params_initialized.fill_(1)
+
+
+def _set_pair_q(
+    strategy: KernelEigenPairVariationalStrategy,
+    left: tuple[np.ndarray, np.ndarray],
+    right: tuple[np.ndarray, np.ndarray] | None = None,
+) -> None:
+    """Write the stacked q(u) of a pair: the left and right branches on the last batch dimension, or one shared
+    posterior (``right=None``)."""
+    branches = [left] if right is None else [left, right]
+    mean = np.stack([branch[0] for branch in branches], axis=-2)
+    chol = np.stack([branch[1] for branch in branches], axis=-3)
+    _set_q(strategy, mean, chol)
 
 
 class SingleBranchSVGP(gpytorch.models.ApproximateGP):
@@ -341,18 +354,17 @@ def test_kl_identity_7_pair(shared_posterior: bool, batch_shape: tuple[int, ...]
     _, singular_values, _ = _numpy_svd(_dense(kernel, landmarks, landmarks), 5)
     strategy = model.variational_strategy
     left_q, right_q = _random_q(5, seed=12, batch_shape=batch_shape), _random_q(5, seed=13, batch_shape=batch_shape)
-    _set_q(strategy.left, *left_q)
     if shared_posterior:
-        strategy.right.variational_params_initialized.fill_(1)
+        _set_pair_q(strategy, left_q)
         expected = _dense_kl(*left_q, singular_values)
     else:
-        _set_q(strategy.right, *right_q)
+        _set_pair_q(strategy, left_q, right_q)
         expected = _dense_kl(*left_q, singular_values) + _dense_kl(*right_q, singular_values)
     model(_tokens(4, 3, seed=14))
     kl = strategy.kl_divergence()
     assert kl.shape == batch_shape
     torch.testing.assert_close(kl.detach(), expected, atol=1e-10, rtol=0)
-    assert len(strategy.branches()) == (1 if shared_posterior else 2)
+    assert strategy.variational_distribution.batch_shape == (*batch_shape, 1 if shared_posterior else 2)
 
 
 # --- the pair model ----------------------------------------------------------------------------------------------
@@ -388,8 +400,7 @@ def test_pair_sum(residual: str, whiten: bool, shared_posterior: bool) -> None:
     ).double()
     left_q = _random_q(4, seed=16)
     right_q = left_q if shared_posterior else _random_q(4, seed=17)
-    _set_q(model.variational_strategy.left, *left_q)
-    _set_q(model.variational_strategy.right, *right_q)
+    _set_pair_q(model.variational_strategy, left_q, None if right_q is left_q else right_q)
     x = _tokens(6, 3, seed=18)
     ref = _pair_reference(kernel, landmarks, x, 4, left_q, right_q, whiten)
     output = model(x)
@@ -423,8 +434,7 @@ def test_pair_sum_with_mean_module_and_batch() -> None:
     with torch.no_grad():
         mean_module.constant.fill_(0.7)
     left_q, right_q = _random_q(3, seed=20, batch_shape=(2,)), _random_q(3, seed=21, batch_shape=(2,))
-    _set_q(model.variational_strategy.left, *left_q)
-    _set_q(model.variational_strategy.right, *right_q)
+    _set_pair_q(model.variational_strategy, left_q, right_q)
     x = _tokens(5, 3, seed=22)
     output = model(x)
     assert output.mean.shape == (2, 5) and output.covariance_matrix.shape == (2, 5, 5)
@@ -443,8 +453,7 @@ def test_pair_concat(shared_posterior: bool) -> None:
     model = KernelEigenPairSVGP(landmarks, kernel, 4, merge="concat", shared_posterior=shared_posterior).double()
     left_q = _random_q(4, seed=24)
     right_q = left_q if shared_posterior else _random_q(4, seed=25)
-    _set_q(model.variational_strategy.left, *left_q)
-    _set_q(model.variational_strategy.right, *right_q)
+    _set_pair_q(model.variational_strategy, left_q, None if right_q is left_q else right_q)
     x = _tokens(6, 3, seed=26)
     ref = _pair_reference(kernel, landmarks, x, 4, left_q, right_q)
     output = model(x)
@@ -492,8 +501,7 @@ def test_joint_sampling_identity_8(residual: str) -> None:
     landmarks = _tokens(8, 3, seed=29)
     model = KernelEigenPairSVGP(landmarks, kernel, 2, residual=residual).double()
     left_q, right_q = _random_q(2, seed=30), _random_q(2, seed=31)
-    _set_q(model.variational_strategy.left, *left_q)
-    _set_q(model.variational_strategy.right, *right_q)
+    _set_pair_q(model.variational_strategy, left_q, right_q)
     x = _tokens(6, 3, seed=32)
     ref = _pair_reference(kernel, landmarks, x, 2, left_q, right_q)
     mean = ref["left"]["mean"] + ref["right"]["mean"]
@@ -559,7 +567,7 @@ def test_no_cholesky_or_inverse_identity_10(distribution: str, mode: str, shared
             patch.stop()
     for name, wrapped in mocks.items():
         assert wrapped.call_count == 0, name
-    assert model.variational_strategy.left._variational_distribution.variational_mean.grad is not None
+    assert model.variational_strategy._variational_distribution.variational_mean.grad is not None
     assert kernel.query_weight.grad is not None and kernel.query_weight.grad.abs().max() > 0
 
 
@@ -607,14 +615,13 @@ def test_parameter_changes_reach_the_predictions() -> None:
     landmarks = _tokens(8, 3, seed=42)
     model = KernelEigenPairSVGP(landmarks, kernel, 4).double()
     left_q, right_q = _random_q(4, seed=43), _random_q(4, seed=44)
-    _set_q(model.variational_strategy.left, *left_q)
-    _set_q(model.variational_strategy.right, *right_q)
+    _set_pair_q(model.variational_strategy, left_q, right_q)
     x = _tokens(6, 3, seed=45)
     model.train()
     for step in range(3):
         with torch.no_grad():  # an optimiser step on the kernel and on q(u)
             kernel.query_weight.add_(0.2 * _tokens(*kernel.query_weight.shape, seed=46 + step))
-            model.variational_strategy.left._variational_distribution.variational_mean.add_(0.1)
+            model.variational_strategy._variational_distribution.variational_mean[..., 0, :].add_(0.1)  # left branch
         left_q = (left_q[0] + 0.1, left_q[1])
         if step == 2:
             model.eval()
@@ -665,8 +672,7 @@ def test_tied_kernel_gives_identical_branches_identity_9() -> None:
     kernel = CosineFeatureKernel(3, feature_dim=12, tie=True, lift="rff", lift_dim=16, seed=2).double()
     landmarks = _tokens(8, 3, seed=54)
     model = KernelEigenPairSVGP(landmarks, kernel, 4, shared_posterior=True, merge="concat").double()
-    _set_q(model.variational_strategy.left, *_random_q(4, seed=55))
-    model.variational_strategy.right.variational_params_initialized.fill_(1)
+    _set_pair_q(model.variational_strategy, _random_q(4, seed=55))
     x = _tokens(6, 3, seed=56)
     output = model(x)
     torch.testing.assert_close(output.mean[:, 0], output.mean[:, 1], atol=ATOL, rtol=0)

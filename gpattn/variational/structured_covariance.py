@@ -1,4 +1,6 @@
-"""Structured algebra shared by the kernel-eigen strategies: covariance roots and the diagonal-prior KL."""
+r"""Structured algebra of the kernel-eigen strategies: covariance roots, low-rank-plus-diagonal covariances and the
+closed-form KL against a diagonal prior. Nothing here ever forms or factorises a dense :math:`N \times N` or
+:math:`K_{uu}` matrix."""
 
 from __future__ import annotations
 
@@ -9,6 +11,8 @@ from linear_operator.operators import (
     LowRankRootLinearOperator,
 )
 from torch import Tensor
+
+__all__ = ["diagonal_prior_kl", "low_rank_plus_diag", "reparameterised_draw", "times_covariance_root"]
 
 
 def times_covariance_root(interp: Tensor, variational_covar: LinearOperator) -> Tensor:
@@ -23,6 +27,21 @@ def times_covariance_root(interp: Tensor, variational_covar: LinearOperator) -> 
     if isinstance(variational_covar, DiagLinearOperator):
         return interp * variational_covar.diagonal().sqrt().unsqueeze(-2)
     return interp @ variational_covar.root_decomposition().root.to_dense()
+
+
+def reparameterised_draw(mean: Tensor, variational_covar: LinearOperator, noise: Tensor) -> Tensor:
+    r""":math:`u = m + L \varepsilon` for a root :math:`S = L L^\top` of the variational covariance: a
+    reparameterised draw of :math:`q(u) = \mathcal N(m, S)` from standard normal noise.
+
+    :param mean: :math:`m`, shape ``(*batch, s)``.
+    :param variational_covar: :math:`S`, shape ``(*batch, s, s)`` (mean-field: a column scaling, O(s)).
+    :param noise: :math:`\varepsilon`, shape ``(*sample, *batch, s)`` (broadcast against the batch).
+    :return: shape ``(*sample, *batch, s)``.
+    """
+    if isinstance(variational_covar, DiagLinearOperator):
+        return mean + variational_covar.diagonal().sqrt() * noise
+    root = variational_covar.root_decomposition().root.to_dense()  # shape: (*batch, s, s)
+    return mean + (root @ noise.unsqueeze(-1)).squeeze(-1)
 
 
 def low_rank_plus_diag(root: Tensor, diag: Tensor | None) -> LinearOperator:

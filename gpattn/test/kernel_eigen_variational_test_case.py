@@ -1,0 +1,182 @@
+r"""GPyTorch's variational-strategy harness for kernel-eigen strategies.
+
+:class:`gpytorch.test.variational_test_case.VariationalTestCase` trains and evaluates a small SVGP over a grid of
+batch shapes and checks shapes, that every parameter receives a nonzero gradient, and (through its mocks) which
+linear-algebra routines run. :class:`KernelEigenVariationalTestCase` runs it on a kernel-eigen strategy: the model's
+kernel is a :class:`~gpattn.kernels.CosineFeatureKernel` (random Fourier lift, so the 16 x 16 landmark matrix of 2-D
+inputs has full rank 16), and the O(s) claim is checked on every iteration: no Cholesky (and no CG or CIQ) of
+:math:`K_{uu} = \Lambda^2` ever runs.
+
+* Cholesky and mean-field :math:`q(u)`: ``torch.linalg.cholesky_ex`` is never called, in training or evaluation.
+* Natural :math:`q(u)`: :class:`~gpytorch.variational.NaturalVariationalDistribution` turns its natural parameters into
+  :math:`(m, S)` by Cholesky factorisations of s x s matrices built from the *variational* parameters. Those calls are
+  legitimate (they are :math:`q(u)`'s, not :math:`K_{uu}`'s); the natural cases therefore assert that every Cholesky
+  call originates in ``gpytorch/variational/natural_variational_distribution.py`` and nowhere else.
+* The strategies have no online-conditioning (fantasy) support: ``get_fantasy_model`` raises GPyTorch's
+  ``NotImplementedError`` ("No fantasy model support"), which :meth:`test_fantasy_call` documents.
+
+A pair strategy (``branches = 2``) gets a variational distribution with a trailing branch dimension, as
+:class:`~gpattn.variational.KernelEigenPairVariationalStrategy` expects.
+
+Example::
+
+    class TestMyStrategy(KernelEigenVariationalTestCase, unittest.TestCase):
+        strategy_cls = KernelEigenVariationalStrategy
+"""
+
+from __future__ import annotations
+
+import traceback
+from unittest.mock import patch
+
+import gpytorch
+import torch
+from gpytorch.test.variational_test_case import VariationalTestCase
+from linear_operator.operators import LowRankRootLinearOperator
+
+from ..kernels import CosineFeatureKernel
+from ..variational import KernelEigenVariationalStrategy
+
+NATURAL_FILE = "natural_variational_distribution.py"
+
+
+class _KernelEigenSVGP(gpytorch.models.ApproximateGP):
+    """The harness's regression model with the cosine-feature kernel in place of a scaled RBF."""
+
+    def __init__(self, inducing_points, variational_distribution, strategy_cls, constant_mean, tie):
+        variational_strategy = strategy_cls(
+            self, inducing_points, variational_distribution, learn_inducing_locations=True
+        )
+        super().__init__(variational_strategy)
+        if constant_mean:
+            self.mean_module = gpytorch.means.ConstantMean()
+            self.mean_module.initialize(constant=1.0)
+        else:
+            self.mean_module = gpytorch.means.ZeroMean()
+        self.covar_module = CosineFeatureKernel(input_dim=2, feature_dim=32, tie=tie, lift="rff", lift_dim=64)
+
+    def forward(self, x):
+        # The exact (untruncated) prior of the left branch: f(x) = kappa(x, Z) w, w ~ N(0, I). Used by the harness only
+        # through ``prior=True`` and the fantasy path.
+        root = self.covar_module(x, self.variational_strategy.inducing_points)  # shape: (*batch, N, M)
+        return gpytorch.distributions.MultivariateNormal(self.mean_module(x), LowRankRootLinearOperator(root))
+
+
+class _CholeskyCallSites:
+    """A stand-in for ``torch.linalg.cholesky_ex`` that records the gpytorch/linear_operator file that called it."""
+
+    def __init__(self, wrapped):
+        self.wrapped = wrapped
+        self.callers: list[str] = []
+
+    def __call__(self, *args, **kwargs):
+        frames = traceback.extract_stack()[:-1]
+        # the innermost frame outside linear_operator's Cholesky helpers
+        outer = [f.filename for f in frames if not f.filename.endswith(("cholesky.py", "mock.py"))]
+        self.callers.append(outer[-1])
+        return self.wrapped(*args, **kwargs)
+
+
+class KernelEigenVariationalTestCase(VariationalTestCase):
+    """:class:`~gpytorch.test.variational_test_case.VariationalTestCase` for kernel-eigen strategies.
+
+    :ivar strategy_cls: The strategy class (called as GPyTorch's harness calls strategies).
+    :ivar branches: 2 for a pair strategy (the variational distribution gets a trailing branch dimension), else 1.
+    :ivar tie: Tie the cosine kernel's query and key maps (a symmetric kernel).
+    """
+
+    seed = 0
+    tie = True
+    branches = 1
+    strategy_cls = KernelEigenVariationalStrategy
+    mll_cls = gpytorch.mlls.VariationalELBO
+    distribution_cls = gpytorch.variational.CholeskyVariationalDistribution
+
+    @property
+    def batch_shape(self):
+        return torch.Size([])
+
+    @property
+    def natural(self) -> bool:
+        return issubclass(self.distribution_cls, gpytorch.variational.NaturalVariationalDistribution)
+
+    def _make_model_and_likelihood(
+        self,
+        num_inducing=16,
+        batch_shape=torch.Size([]),
+        inducing_batch_shape=torch.Size([]),
+        strategy_cls=KernelEigenVariationalStrategy,
+        distribution_cls=gpytorch.variational.CholeskyVariationalDistribution,
+        constant_mean=True,
+    ):
+        inducing_points = torch.randn(num_inducing, 2).repeat(*inducing_batch_shape, 1, 1)
+        branch_shape = torch.Size([self.branches]) if self.branches > 1 else torch.Size()
+        variational_distribution = distribution_cls(num_inducing, batch_shape=torch.Size(batch_shape) + branch_shape)
+        model = _KernelEigenSVGP(inducing_points, variational_distribution, strategy_cls, constant_mean, self.tie)
+        return model, self.likelihood_cls()
+
+    def _check_no_kuu_factorisation(self, cg_mock, cholesky_mock, ciq_mock, recorder):
+        self.assertFalse(cg_mock.called)
+        self.assertFalse(ciq_mock.called)
+        if self.natural:
+            # q(u)'s own Cholesky factorisations only (see the module docstring)
+            self.assertTrue(recorder.callers)
+            for caller in recorder.callers:
+                self.assertTrue(caller.endswith(NATURAL_FILE), f"Cholesky called from {caller}")
+        else:
+            self.assertFalse(cholesky_mock.called)
+            self.assertEqual(recorder.callers, [])
+
+    # The batch variants (test_eval_*_pred_batch, test_training_iteration_batch_*, test_training_all_batch_zero_mean)
+    # call these two through ``self``, so the Cholesky/CG checks below run for every one of them.
+    def test_eval_iteration(self, *args, **kwargs):
+        recorder = _CholeskyCallSites(torch.linalg.cholesky_ex)
+        with patch("torch.linalg.cholesky_ex", new=recorder):  # the harness's mock wraps the recorder
+            cg_mock, cholesky_mock, ciq_mock = super().test_eval_iteration(*args, **kwargs)
+        self._check_no_kuu_factorisation(cg_mock, cholesky_mock, ciq_mock, recorder)
+
+    def test_training_iteration(self, *args, **kwargs):
+        recorder = _CholeskyCallSites(torch.linalg.cholesky_ex)
+        with patch("torch.linalg.cholesky_ex", new=recorder):
+            cg_mock, cholesky_mock, ciq_mock = super().test_training_iteration(*args, **kwargs)
+        self._check_no_kuu_factorisation(cg_mock, cholesky_mock, ciq_mock, recorder)
+
+    def test_fantasy_call(
+        self,
+        data_batch_shape=None,
+        inducing_batch_shape=None,
+        model_batch_shape=None,
+        expected_batch_shape=None,
+        constant_mean=True,
+    ):
+        model_batch_shape = model_batch_shape if model_batch_shape is not None else self.batch_shape
+        data_batch_shape = data_batch_shape if data_batch_shape is not None else self.batch_shape
+        inducing_batch_shape = inducing_batch_shape if inducing_batch_shape is not None else self.batch_shape
+        model, likelihood = self._make_model_and_likelihood(
+            batch_shape=model_batch_shape,
+            inducing_batch_shape=inducing_batch_shape,
+            distribution_cls=self.distribution_cls,
+            strategy_cls=self.strategy_cls,
+            constant_mean=constant_mean,
+        )
+        self.assertFalse(model.variational_strategy.has_fantasy_strategy)
+        self._training_iter(model, likelihood, data_batch_shape, mll_cls=self.mll_cls)
+        for cm_dict in (
+            {"covar_module": None, "mean_module": None},
+            {"covar_module": gpytorch.kernels.MaternKernel(), "mean_module": gpytorch.means.ZeroMean()},
+        ):
+            with self.assertRaisesRegex(NotImplementedError, "No fantasy model support"):
+                self._fantasy_iter(model, likelihood, data_batch_shape, num_fant=10, **cm_dict)
+
+    def test_prior_call_is_model_forward(self):
+        model, _ = self._make_model_and_likelihood(
+            batch_shape=self.batch_shape,
+            inducing_batch_shape=self.batch_shape,
+            distribution_cls=self.distribution_cls,
+            strategy_cls=self.strategy_cls,
+        )
+        x = torch.randn(*self.batch_shape, 5, 2)
+        prior = model(x, prior=True)
+        self.assertIsInstance(prior.lazy_covariance_matrix, LowRankRootLinearOperator)
+        root = model.covar_module(x, model.variational_strategy.inducing_points)
+        self.assertAllClose(prior.covariance_matrix, root @ root.mT)
