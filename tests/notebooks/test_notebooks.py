@@ -24,25 +24,22 @@ NOTEBOOK_DIR = ROOT / "notebooks"
 CELL_TIMEOUT = 300  # seconds per cell; smoke-size cells take a few seconds
 
 
-def _load_runner():
-    spec = importlib.util.spec_from_file_location("execute_notebooks", ROOT / "scripts" / "execute_notebooks.py")
+def _load(name: str, path: Path):
+    spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
 
 
-runner = _load_runner()
+runner = _load("execute_notebooks", ROOT / "scripts" / "execute_notebooks.py")
 SOURCES = runner.notebook_sources(NOTEBOOK_DIR)
 HELPERS = sorted(NOTEBOOK_DIR.glob("_*.py"))
 
 
-def test_the_four_notebooks_have_sources():
-    assert [source.stem for source in SOURCES] == [
-        "01_asymmetric_kernels_and_ksvd",
-        "02_kernel_eigen_svgp_regression",
-        "03_attention_posteriors",
-        "04_calibration_comparison",
-    ]
+def test_every_notebook_source_is_a_page_of_the_docs():
+    pytest.importorskip("mkdocs")
+    hook = _load("gpattn_docs_notebook_pages", ROOT / "docs" / "hooks" / "notebook_pages.py")
+    assert list(hook.NOTEBOOKS) == [source.with_suffix(".ipynb").name for source in SOURCES]
 
 
 def test_every_notebook_is_paired_with_its_source_and_every_python_file_is_a_source_or_helper():
@@ -59,7 +56,10 @@ def test_committed_notebook_matches_its_source_and_carries_outputs(source):
     paired = jupytext.read(source)
     assert [(cell.cell_type, cell.source) for cell in committed.cells] == [
         (cell.cell_type, cell.source) for cell in paired.cells
-    ], f"{source.with_suffix('.ipynb').name} is out of date: make notebooks NOTEBOOKS=notebooks/{source.name}"
+    ], (
+        f"{source.with_suffix('.ipynb').name} is out of date: make notebooks NOTEBOOKS=notebooks/{source.name} "
+        f"(text-only edits: jupytext --sync notebooks/{source.name})"
+    )
     assert committed.metadata["jupytext"]["formats"] == "ipynb,py:percent"
     code_cells = [cell for cell in committed.cells if cell.cell_type == "code"]
     unexecuted = [index for index, cell in enumerate(code_cells) if cell.execution_count is None or not cell.outputs]
