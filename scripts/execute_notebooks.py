@@ -84,7 +84,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     sources = args.sources or notebook_sources()
     for source in sources:
-        if source.suffix != ".py" or not source.is_file():
+        if not source.match(SOURCE_PATTERN) or not source.is_file():
             parser.error(f"expected a notebook source notebooks/NN_name.py, got {source}")
     for source in sources:
         notebook = read_source(source)
