@@ -32,9 +32,11 @@ regression: env
 docs: env
 	$(VENV)/bin/mkdocs build --strict
 
-# re-execute the notebooks at full size, in place (outputs committed)
+# re-execute the notebooks at full size from their sources notebooks/NN_*.py, writing the paired .ipynb (outputs
+# committed); one notebook: make notebooks NOTEBOOKS=notebooks/02_kernel_eigen_svgp_regression.py
+NOTEBOOKS ?= $(wildcard notebooks/[0-9][0-9]_*.py)
 notebooks: env
-	$(PY) scripts/build_notebooks.py --execute
+	$(PY) scripts/execute_notebooks.py $(NOTEBOOKS)
 
 bench: env
 	$(PY) benchmarks/kl_scaling.py

@@ -1,8 +1,11 @@
 """MkDocs hook: render the repository's notebooks (``notebooks/*.ipynb``) without copying them into ``docs/``.
 
-The notebooks live in ``notebooks/`` at the repository root, where the test suite executes them. ``on_files`` adds
-each one to the site as ``notebooks/<name>.ipynb`` (the path the ``nav`` uses), before mkdocs-jupyter turns
-``.ipynb`` files into pages (``execute: false``: the committed outputs are shown).
+The notebooks live in ``notebooks/`` at the repository root. Each one's source is the jupytext percent-format script
+beside it (``notebooks/NN_name.py``, the file people edit); ``make notebooks`` (``scripts/execute_notebooks.py``)
+executes the sources at full size and writes the paired ``.ipynb`` with its outputs, and the test suite executes the
+sources at smoke size. ``on_files`` adds each ``.ipynb`` to the site as ``notebooks/<name>.ipynb`` (the path the
+``nav`` uses), before mkdocs-jupyter turns ``.ipynb`` files into pages (``execute: false``: the committed outputs are
+shown; the ``.py`` sources are not pages).
 
 A notebook listed in ``NOTEBOOKS`` that does not exist yet is replaced by a one-cell placeholder page saying so, so
 that the strict build stays green while a notebook is being written; the docs test reports the missing notebook.
