@@ -342,11 +342,11 @@ whitened.load_state_dict(unwhitened.state_dict())
 whitened.eval()
 with torch.no_grad():
     singular_values = unwhitened.features.singular_values
-    for (_, source), (_, target) in zip(unwhitened.variational_strategy.branches(),
-                                        whitened.variational_strategy.branches()):
-        q_u, q_v = source._variational_distribution, target._variational_distribution
-        q_v.variational_mean.copy_(q_u.variational_mean / singular_values)  # m_v = Lambda^{-1} m
-        q_v.chol_variational_covar.copy_(q_u.chol_variational_covar.tril() / singular_values.unsqueeze(-1))
+    # both branches at once: q(u) is stacked on its last batch dimension (left, right)
+    q_u = unwhitened.variational_strategy._variational_distribution
+    q_v = whitened.variational_strategy._variational_distribution
+    q_v.variational_mean.copy_(q_u.variational_mean / singular_values)  # m_v = Lambda^{-1} m
+    q_v.chol_variational_covar.copy_(q_u.chol_variational_covar.tril() / singular_values.unsqueeze(-1))
     a, b = unwhitened(data.grid_x), whitened(data.grid_x)
 print(f"same q(f): max |mean difference| = {(a.mean - b.mean).abs().max():.1e}, "
       f"max |covariance difference| = {(a.covariance_matrix - b.covariance_matrix).abs().max():.1e}")

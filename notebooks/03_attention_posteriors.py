@@ -311,12 +311,12 @@ def attention_maps(model, tokens):
     features = kep_layer(model).features
     x = attention_inputs(model, tokens)
     with torch.no_grad():
-        scores = features.scores(x, x, objective=True, kernel_diag=False)
+        scores = features(x, objective=True, kernel_diag=False)  # a KernelEigenScores
         kernel = features.kernel(x.unsqueeze(1), x.unsqueeze(1))
         singular_values = scores.singular_values
         if singular_values.dim() == 2:  # learned Lambda (H, s): broadcast over the batch
             singular_values = singular_values.unsqueeze(0)
-        implied = (scores.left / singular_values.unsqueeze(-2)) @ scores.right.mT
+        implied = (scores.left_scores / singular_values.unsqueeze(-2)) @ scores.right_scores.mT
     return kernel, implied, scores
 
 figure, axes = plt.subplots(len(MODES), 4, figsize=(15, 3.4 * len(MODES)), layout="constrained")
@@ -363,7 +363,7 @@ for mode in MODES:
     error_implied = ((kernel - implied).norm(dim=(-2, -1)) / norm).mean().item()
     error_best = ((kernel - best).norm(dim=(-2, -1)) / norm).mean().item()
     alpha = ((kernel * implied).sum((-2, -1)) / implied.pow(2).sum((-2, -1))).median().item()
-    basis = torch.linalg.qr(scores.left).Q
+    basis = torch.linalg.qr(scores.left_scores).Q
     cosines = torch.linalg.svdvals(basis.mT @ exact.left).mean(0)  # (H, s), averaged over sequences
     objective = scores.objective.abs().mean().item()
     print(f"{mode:<15}{objective:>10.4f}{error_implied:>11.3f}{error_best:>12.3f}{alpha:>13.2f}   "

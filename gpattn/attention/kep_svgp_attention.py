@@ -107,8 +107,10 @@ class KEPSVGPAttention(AttentionLayer):
         check_choice("residual", residual, RESIDUALS, where=where)
         if tie_qk and (merge != "sum" or shared_posterior):
             raise ValueError(f"{where}: tie_qk=True uses one branch: merge must be 'sum' and shared_posterior False")
-        if merge == "concat_tokens" and (isinstance(max_len, bool) or not isinstance(max_len, int) or max_len < 1):
-            raise ValueError(f"{where}: merge='concat_tokens' needs an integer max_len, got {max_len!r}")
+        if merge == "concat_tokens":
+            if max_len is None:
+                raise ValueError(f"{where}: merge='concat_tokens' needs max_len (its fixed sequence length)")
+            check_int("max_len (the sequence length of merge='concat_tokens')", max_len, where=where)
         self.num_outputs = self.head_dim if num_outputs is None else check_int("num_outputs", num_outputs, where=where)
         kernel_features = AttentionKernelEigenFeatures(
             embed_dim,

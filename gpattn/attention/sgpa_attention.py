@@ -11,7 +11,7 @@ from linear_operator.utils.cholesky import psd_safe_cholesky
 from torch import Tensor
 
 from ..kernels import safe_max_logit
-from ..validation import check_float, check_int, check_positive
+from ..validation import check_choice, check_float, check_int, check_positive
 from ._base import AttentionInputs, AttentionLayer
 
 KERNELS = ("ard", "exponential")
@@ -86,8 +86,7 @@ class SGPAAttention(AttentionLayer):
     ):
         super().__init__(embed_dim, num_heads, dropout)
         check_int("num_inducing", num_inducing, where=type(self).__name__)
-        if kernel not in KERNELS:
-            raise ValueError(f"expected kernel in {KERNELS}, got {kernel!r}")
+        check_choice("kernel", kernel, KERNELS, where=type(self).__name__)
         check_float("jitter", jitter, 0.0, 1.0, strict_maximum=True, where=type(self).__name__)
         self.kernel_type = kernel
         self.num_inducing = num_inducing

@@ -117,11 +117,9 @@ class AttentionKernelEigenFeatures(KernelEigenFeaturesBase):
                 "kernel"
             )
         if mode == "primal_tokens":
-            if isinstance(max_len, bool) or not isinstance(max_len, int) or max_len < num_inducing:
-                raise ValueError(
-                    f"features='primal_tokens' needs an integer max_len >= num_inducing ({num_inducing}), got "
-                    f"{max_len!r}"
-                )
+            if max_len is None:
+                raise ValueError(f"{where}: features='primal_tokens' needs max_len (its fixed sequence length)")
+            check_int("max_len (the sequence length of features='primal_tokens')", max_len, num_inducing, where=where)
         elif mode == "exact" and max_len is not None and check_int("max_len", max_len, where=where) < num_inducing:
             # the SVD of a sequence of at most max_len tokens has at most max_len singular values
             raise ValueError(

@@ -9,7 +9,7 @@ from gpytorch.constraints import Positive
 from gpytorch.module import Module
 from torch import Tensor
 
-from ..validation import check_int, check_positive
+from ..validation import check_choice, check_int, check_positive
 
 LIFTS = ("none", "rff", "mlp")
 
@@ -37,8 +37,7 @@ class FeatureLift(Module):
 
     def __init__(self, kind: str, input_dim: int, lift_dim: int = 64, lengthscale: float = 1.0, seed: int = 0):
         super().__init__()
-        if kind not in LIFTS:
-            raise ValueError(f"expected lift in {LIFTS}, got {kind!r}")
+        check_choice("lift", kind, LIFTS, where="FeatureLift")
         check_int("input_dim", input_dim, where="FeatureLift")
         if kind != "none":
             check_int("lift_dim", lift_dim, where="FeatureLift")

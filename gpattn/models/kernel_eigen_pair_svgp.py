@@ -17,7 +17,7 @@ from torch import Tensor
 
 from ..features import KernelEigenFeatures
 from ..kernels import AsymmetricKernel
-from ..validation import check_tensor
+from ..validation import check_choice, check_tensor
 from ..variational import KernelEigenPairVariationalStrategy
 from ..variational.structured_covariance import low_rank_plus_diag
 
@@ -79,11 +79,7 @@ class KernelEigenPairSVGP(ApproximateGP):
         ksvd_weight: float = 1.0,
     ):
         if isinstance(variational_distribution, str):
-            if variational_distribution not in VARIATIONAL_DISTRIBUTIONS:
-                raise ValueError(
-                    f"expected variational_distribution in {tuple(VARIATIONAL_DISTRIBUTIONS)} or a class, "
-                    f"got {variational_distribution!r}"
-                )
+            check_choice("variational_distribution", variational_distribution, tuple(VARIATIONAL_DISTRIBUTIONS))
             variational_distribution = VARIATIONAL_DISTRIBUTIONS[variational_distribution]
         elif not isinstance(variational_distribution, type) or not issubclass(
             variational_distribution, _VariationalDistribution

@@ -9,7 +9,7 @@ from gpytorch.module import Module
 from torch import Tensor
 
 from ..attention import AttentionLayer, SoftmaxAttention, attention_arguments, build_attention
-from ..validation import InputTypeError, check_float, check_int, check_tensor
+from ..validation import InputTypeError, check_choice, check_float, check_int, check_tensor
 
 INPUTS = ("tokens", "patches", "vectors")
 
@@ -109,10 +109,8 @@ class Transformer(Module):
         _positive_int("num_classes", num_classes)
         _positive_int("embed_dim", embed_dim)
         _positive_int("depth", depth)
-        if isinstance(gp_layers, bool) or not isinstance(gp_layers, int) or not 0 <= gp_layers <= depth:
-            raise ValueError(f"expected an integer gp_layers in [0, depth={depth}], got {gp_layers!r}")
-        if input not in INPUTS:
-            raise ValueError(f"expected input in {INPUTS}, got {input!r}")
+        check_int("gp_layers", gp_layers, 0, depth, where="Transformer")
+        check_choice("input", input, INPUTS, where="Transformer")
         check_float("mlp_ratio", mlp_ratio, 0.0, strict_minimum=True, where="Transformer")
         check_float("dropout", dropout, 0.0, 1.0, strict_maximum=True, where="Transformer")
         input_arguments = {
