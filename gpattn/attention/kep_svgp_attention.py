@@ -274,6 +274,11 @@ class KEPSVGPAttention(AttentionLayer):
         return self.dropout(self._output(scores, is_cross, sample=self.sampling))
 
     # -- probabilistic interface -----------------------------------------------------------------------------------
+    def learned_spectrum(self) -> Tensor | None:
+        """The learned KSVD singular values per head, shape ``(H, s)``; ``None`` with ``features="exact"`` (recomputed
+        per sequence, nothing learned)."""
+        return None if self.features.mode == "exact" else self.features.singular_values.detach()
+
     def kl_divergence(self) -> Tensor:
         r""":math:`\sum_{h, c, \text{branch}} \mathrm{KL}(q(u) \| \mathcal N(0, \Lambda^2))`, a scalar; in exact mode
         :math:`\Lambda` is the last batch's and the KL is averaged over its sequences."""

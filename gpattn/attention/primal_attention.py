@@ -61,6 +61,10 @@ class PrimalAttention(AttentionLayer):
         )
         self.register_added_loss_term("ksvd_loss")
 
+    def learned_spectrum(self) -> Tensor | None:
+        """The learned KSVD singular values per head, shape ``(H, s)``."""
+        return self.features.singular_values.detach()
+
     def forward(self, x: Tensor, mask: Tensor | str | None = None, context: Tensor | None = None) -> Tensor:
         inputs = self._prepare(x, mask, context)
         scores = self.features.scores(
