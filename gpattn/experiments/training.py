@@ -285,6 +285,15 @@ def train_model(
     :raises CheckpointError: ``resume=True`` with a checkpoint that cannot be read, is incomplete or was written for
         another model (see :func:`~gpattn.experiments.load_checkpoint`; the message names the file). The model is then
         left untouched.
+
+    Example:
+        >>> data = make_pointer_task(256, 64, 64, length=8, seed=0, vocab_size=8)  # gpattn.data
+        >>> model = Transformer(2, embed_dim=16, depth=1, num_heads=2, vocab_size=8, max_len=8)  # gpattn.models
+        >>> result = train_model(model, data.train, data.val, TrainConfig(epochs=2, progress=False))
+        >>> result.best_epoch, result.best_val_nll  # the selected epoch and its validation NLL
+
+    .. note:: Per epoch one forward and backward pass over the training set and ``eval_samples`` forward passes over
+        the validation set; the checkpoints add two state copies (model, AdamW moments) written to disk.
     """
     if not isinstance(config, TrainConfig):
         raise TypeError(f"expected a TrainConfig, got {type(config).__name__}")
