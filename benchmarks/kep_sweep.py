@@ -1,6 +1,6 @@
 """Validation-split sweep of KEP-SVGP's rank ``s``, KSVD weight ``eta`` and KL weight ``beta`` on digits.
 
-One factor at a time around the comparison's defaults (rank 8, eta 1, beta 1), plus softmax and SGPA references,
+One factor at a time around the comparison's defaults (rank s = 10, eta 1, beta 1), plus softmax and SGPA references,
 each over several seeds, with the comparison's model and training loop (:mod:`gpattn.experiments.compare`).
 Everything is measured on the VALIDATION split, never the test split, so the table can be used to choose settings.
 Results go to ``benchmarks/results/kep_sweep.json``.
@@ -11,26 +11,21 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-from dataclasses import replace
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import torch
 
-from gpattn.experiments.compare import (
-    CompareConfig,
-    _classification_metrics,
-    _task_data,
-    build_model,
-    make_train_config,
-)
-from gpattn.experiments.training import evaluate, train_model
+from gpattn.experiments import CompareConfig, TaskData, evaluate, load_task, train_model
+from gpattn.experiments.compare import build_model, make_train_config
+from gpattn.experiments.evaluation import classification_metrics
 
 SETTINGS = [
     ("kep_svgp", {}),
-    ("kep_svgp", {"rank": 4}),
-    ("kep_svgp", {"rank": 16}),
-    ("kep_svgp", {"eta": 0.1}),
-    ("kep_svgp", {"eta": 10.0}),
+    ("kep_svgp", {"num_inducing": 4}),
+    ("kep_svgp", {"num_inducing": 16}),
+    ("kep_svgp", {"ksvd_weight": 0.1}),
+    ("kep_svgp", {"ksvd_weight": 10.0}),
     ("kep_svgp", {"beta": 0.1}),
     ("kep_svgp", {"beta": 10.0}),
     ("kep_svgp", {"beta": 0.01}),
@@ -41,16 +36,16 @@ SETTINGS = [
 ]
 
 
-def run(name: str, overrides: dict, seed: int, data: dict, base: CompareConfig) -> dict[str, float]:
+def run(name: str, overrides: dict, seed: int, data: TaskData, base: CompareConfig) -> dict[str, float]:
     config = replace(base, **overrides)
     torch.manual_seed(seed)
-    model = build_model(config, name, data["train"].num_classes, data["model"])
+    model = build_model(config, name, data.num_classes, data.model_kwargs)
     train_config = make_train_config(config, "digits", seed)
-    train_model(model, data["train"], data["val"], train_config)
+    train_model(model, data.train, data.val, train_config)
     torch.manual_seed(seed)
-    probabilities = evaluate(model, data["val"], num_samples=config.eval_samples)
+    probabilities = evaluate(model, data.val, num_samples=config.eval_samples)
     # the comparison's metrics ("confidence", the mean top-label probability: below the accuracy = under-confident)
-    return _classification_metrics(probabilities, data["val"].labels)
+    return asdict(classification_metrics(probabilities, data.val.labels))
 
 
 def main() -> None:
@@ -61,7 +56,7 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     base = CompareConfig(progress=False)
-    data = _task_data("digits")
+    data = load_task("digits")
     results = []
     header = ("val acc", "val conf", "val NLL", "val ECE")
     print(f"{'attention':<10} {'setting':<16} " + " ".join(f"{name:>15}" for name in header))

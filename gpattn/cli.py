@@ -5,50 +5,46 @@ data)."""
 from __future__ import annotations
 
 import argparse
-import math
 import sys
 from collections.abc import Callable, Sequence
+from dataclasses import asdict
 from pathlib import Path
+from typing import Any
+
+from .validation import check_device, check_float, check_int
 
 # Option types: a bad value exits with status 2 and "gpattn <command>: error: argument --x: <what was expected, what
-# came>" before anything runs.
+# came>" before anything runs; the checks are gpattn.validation's.
 
 
-def _number(text: str, kind: Callable[[str], float], wanted: str, accept: Callable[[float], bool]):
-    try:
-        value = kind(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected {wanted}, got {text!r}") from None
-    if not accept(value):
-        raise argparse.ArgumentTypeError(f"expected {wanted}, got {text!r}")
-    return value
+def _option(kind: Callable[[str], Any], check: Callable[..., Any], **bounds: Any) -> Callable[[str], Any]:
+    """An argparse type: the text converted by ``kind`` (or left as text when it does not convert) and checked by a
+    :mod:`gpattn.validation` helper, whose message names what was expected and what came."""
+
+    def parse(text: str) -> Any:
+        try:
+            value = kind(text)
+        except ValueError:
+            value = text
+        try:
+            return check("the value", value, **bounds)
+        except ValueError as error:  # InputTypeError is a ValueError too
+            raise argparse.ArgumentTypeError(str(error)) from None
+
+    return parse
 
 
-def _positive_int(text: str) -> int:
-    return _number(text, int, "a positive integer", lambda value: value >= 1)
-
-
-def _non_negative_int(text: str) -> int:
-    return _number(text, int, "a non-negative integer", lambda value: value >= 0)
-
-
-def _positive_float(text: str) -> float:
-    return _number(text, float, "a finite number > 0", lambda value: math.isfinite(value) and value > 0)
-
-
-def _non_negative_float(text: str) -> float:
-    return _number(text, float, "a finite number >= 0", lambda value: math.isfinite(value) and value >= 0)
+_positive_int = _option(int, check_int, minimum=1)
+_non_negative_int = _option(int, check_int, minimum=0)
+_positive_float = _option(float, check_float, minimum=0.0, strict_minimum=True)
+_non_negative_float = _option(float, check_float, minimum=0.0)
 
 
 def _device(text: str) -> str:
-    from .validation import check_device
-
     try:
-        device = check_device("device", text)
+        check_device("device", text, types=("cpu", "cuda"))
     except ValueError as error:
         raise argparse.ArgumentTypeError(str(error)) from None
-    if device.type not in ("cpu", "cuda"):
-        raise argparse.ArgumentTypeError(f"expected 'cpu', 'cuda' or 'cuda:<index>', got {text!r}")
     return text
 
 
@@ -97,7 +93,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _add_train(commands) -> None:
     from .attention import attention_names
-    from .experiments.compare import TASKS, CompareConfig
+    from .experiments import TASKS, CompareConfig
 
     defaults = CompareConfig()
     train = commands.add_parser(
@@ -125,7 +121,6 @@ def _add_train(commands) -> None:
 
 def _run_train(args: argparse.Namespace) -> int:
     import json
-    from pathlib import Path
 
     from .experiments.compare import CompareConfig, train_and_evaluate
 
@@ -148,7 +143,7 @@ def _run_train(args: argparse.Namespace) -> int:
     if args.resume and not (out / "checkpoints" / "last.pt").exists():
         print(f"gpattn train: error: --resume needs {out / 'checkpoints' / 'last.pt'}", file=sys.stderr)
         return 2
-    from .experiments.training import CheckpointError, NonFiniteLossError
+    from .experiments import CheckpointError, NonFiniteLossError
 
     try:
         record = train_and_evaluate(
@@ -158,8 +153,8 @@ def _run_train(args: argparse.Namespace) -> int:
         print(f"gpattn train: error: {error}", file=sys.stderr)
         return 1
     out.mkdir(parents=True, exist_ok=True)
-    (out / "record.json").write_text(json.dumps(record, indent=1))
-    test = record["metrics"]["test"]
+    (out / "record.json").write_text(json.dumps(record.to_dict(), indent=1))
+    test = asdict(record.metrics.test)
     print(", ".join(f"{key} {value:.4f}" for key, value in test.items()))
     print(f"wrote {out / 'record.json'}")
     return 0
@@ -167,7 +162,7 @@ def _run_train(args: argparse.Namespace) -> int:
 
 def _add_compare(commands) -> None:
     from .attention import attention_names
-    from .experiments.compare import TASKS, CompareConfig
+    from .experiments import TASKS, CompareConfig
 
     defaults = CompareConfig()
     compare = commands.add_parser(
@@ -181,7 +176,7 @@ def _add_compare(commands) -> None:
     compare.add_argument("--out", type=_out_dir, default=None, help="run folder (default: runs/compare-<date>-<time>)")
     compare.add_argument("--quick", action="store_true", help="one seed, few epochs: a first look in under 2 minutes")
     compare.add_argument(
-        "--attentions", nargs="+", choices=attention_names(), default=None, help="default: all six registry entries"
+        "--attentions", nargs="+", choices=attention_names(), default=None, help="default: every registered attention"
     )
     compare.add_argument("--tasks", nargs="+", choices=TASKS, default=None, help="default: %(choices)s")
     compare.add_argument(
@@ -207,6 +202,7 @@ def _run_compare(args: argparse.Namespace) -> int:
     import time
 
     from .experiments.compare import CompareConfig, markdown_table, run_comparison, write_outputs
+    from .plotting import write_comparison_figures
 
     names = (
         "attentions",
@@ -229,7 +225,7 @@ def _run_compare(args: argparse.Namespace) -> int:
         return 2
     out = args.out or f"runs/compare-{time.strftime('%Y%m%d-%H%M%S')}"
     records = run_comparison(config)
-    written = write_outputs(records, config, out)
+    written = write_outputs(records, config, out) + write_comparison_figures(records, out)
     print(markdown_table(records))
     print("wrote " + ", ".join(str(path) for path in written))
     return 0
@@ -256,7 +252,15 @@ def main(argv: Sequence[str] | None = None) -> int:
             pyro_iterations=args.pyro_iterations,
             lr=args.lr,
         )
+        import matplotlib.pyplot as plt
+
+        from .plotting import plot_pair_posterior
+
         result = run_toy_regression(config, out=args.out, progress=not args.no_progress)
+        models = result.models
+        figure = plot_pair_posterior(models["kep_svgp_elbo"], result.data, exact_gp=models["exact_gp"])
+        figure.savefig(Path(args.out) / "posterior.png", dpi=120, bbox_inches="tight")
+        plt.close(figure)
         print(format_result(result))
         print(f"wrote {args.out}/results.json and {args.out}/posterior.png")
     return 0

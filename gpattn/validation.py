@@ -146,10 +146,12 @@ def check_choice(name: str, value: Any, choices: Sequence[Any], where: str = "")
     return value
 
 
-def check_device(name: str, value: Any, where: str = "") -> torch.device:
+def check_device(name: str, value: Any, where: str = "", types: Sequence[str] | None = None) -> torch.device:
     """A device string or :class:`torch.device` that exists on this machine (``cpu``, ``cuda``, ``cuda:<index>``...).
 
-    :raises ValueError: For a string torch does not parse, or a CUDA/MPS device that is not available here.
+    :param types: The device types accepted (e.g. ``("cpu", "cuda")``), or ``None`` for any.
+    :raises ValueError: For a string torch does not parse, a device type not in ``types``, or a CUDA/MPS device that
+        is not available here.
     """
     try:
         device = torch.device(value)
@@ -157,6 +159,10 @@ def check_device(name: str, value: Any, where: str = "") -> torch.device:
         raise ValueError(
             f"{_prefix(where)}expected {name} to be a device such as 'cpu', 'cuda' or 'cuda:0', got {value!r}"
         ) from error
+    if types is not None and device.type not in types:
+        forms = [f"'{kind}'" for kind in types] + [f"'{kind}:<index>'" for kind in types if kind != "cpu"]
+        wanted = " or ".join([", ".join(forms[:-1]), forms[-1]] if len(forms) > 1 else forms)
+        raise ValueError(f"{_prefix(where)}expected {name} to be {wanted}, got {value!r}")
     if device.type == "cuda":
         if not torch.cuda.is_available():
             raise ValueError(f"{_prefix(where)}{name}={value!r} but CUDA is not available on this machine; use 'cpu'")

@@ -4,12 +4,15 @@ each other)."""
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import pytest
 import torch
 
 import gpattn.experiments.training as training_module
+from gpattn.attention import select_arguments
 from gpattn.mlls import AttentionELBO
+from gpattn.models import Transformer
 
 
 @pytest.fixture(autouse=True, scope="session")
@@ -49,3 +52,18 @@ def faulty_elbo(monkeypatch):
 
     monkeypatch.setattr(training_module, "AttentionELBO", FaultyELBO)
     return FaultyELBO
+
+
+@pytest.fixture
+def make_transformer() -> Callable[..., Transformer]:
+    """``make_transformer(attention, seed=0, **kwargs)``: a tiny token classifier (2 classes, width 16, depth 2 with one
+    GP block, vocabulary 6, length 6, inducing sets of 4 where the attention has one), seeded."""
+
+    def build(attention: str, seed: int = 0, **kwargs) -> Transformer:
+        torch.manual_seed(seed)
+        settings = dict(embed_dim=16, depth=2, num_heads=2, vocab_size=6, max_len=6)
+        return Transformer(
+            2, attention=attention, **{**settings, **select_arguments(attention, num_inducing=4), **kwargs}
+        )
+
+    return build

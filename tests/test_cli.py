@@ -32,7 +32,7 @@ def test_regression_command_writes_run_folder(tmp_path, capsys) -> None:
     printed = capsys.readouterr().out
     assert "exact_gp" in printed and "kep_svgp_elbo" in printed
     assert json.loads((tmp_path / "results.json").read_text())["config"]["num_landmarks"] == 8
-    assert (tmp_path / "posterior.png").exists()
+    assert (tmp_path / "posterior.png").stat().st_size > 10_000
 
 
 def test_rank_larger_than_landmarks_is_an_error(tmp_path, capsys) -> None:

@@ -3,7 +3,15 @@
 from ._base import AttentionInputs, AttentionLayer, sample_attention
 from .kep_svgp_attention import KEPSVGPAttention
 from .primal_attention import PrimalAttention
-from .registry import ATTENTIONS, attention_arguments, attention_names, build_attention
+from .registry import (
+    ATTENTIONS,
+    attention_arguments,
+    attention_names,
+    build_attention,
+    register_attention,
+    select_arguments,
+    unregister_attention,
+)
 from .sgpa_attention import SGPAAttention
 from .softmax_attention import SoftmaxAttention
 from .symmetric_svgp_attention import SymmetricSVGPAttention
@@ -20,5 +28,8 @@ __all__ = [
     "attention_arguments",
     "attention_names",
     "build_attention",
+    "register_attention",
     "sample_attention",
+    "select_arguments",
+    "unregister_attention",
 ]

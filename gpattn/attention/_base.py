@@ -201,6 +201,12 @@ class AttentionLayer(Module):
         parameter = next(self.parameters())
         return torch.zeros((), dtype=parameter.dtype, device=parameter.device)
 
+    def learned_spectrum(self) -> Tensor | None:
+        """The learned KSVD singular values per head, shape ``(H, s)``, or ``None`` for layers without a learned
+        spectrum (the default; e.g. softmax or SGPA attention, and KSVD layers whose singular values are recomputed
+        exactly per sequence). ``gpattn compare`` records and plots it for every layer that has one."""
+        return None
+
     def posterior(
         self, x: Tensor, mask: Tensor | str | None = None, context: Tensor | None = None
     ) -> tuple[Tensor, Tensor]:

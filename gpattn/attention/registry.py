@@ -1,8 +1,16 @@
-"""Attention layers by name: a new attention is one file plus one line in :data:`ATTENTIONS`."""
+"""Attention layers by name: a new attention is one file plus one line in :data:`ATTENTIONS` (or one call of
+:func:`register_attention` from outside the package).
+
+Everything that runs attentions by name (:class:`~gpattn.models.Transformer`, ``gpattn compare``, its figures) reads
+this registry: the names and their order (:func:`attention_names`, the order of tables and figure colours), the
+arguments a layer accepts (:func:`attention_arguments`, :func:`select_arguments`) and the layer itself
+(:func:`build_attention`).
+"""
 
 from __future__ import annotations
 
 import inspect
+from collections.abc import Mapping
 from typing import Any
 
 from ._base import AttentionLayer
@@ -32,7 +40,7 @@ ATTENTIONS: dict[str, tuple[type[AttentionLayer], dict[str, Any]]] = {
 def attention_names() -> list[str]:
     """The registered attention names.
 
-    :return: The keys of :data:`ATTENTIONS`, in registry order.
+    :return: The keys of :data:`ATTENTIONS`, in registry order (the order of the comparison's tables and figures).
     """
     return list(ATTENTIONS)
 
@@ -45,6 +53,11 @@ def _layer_class(name: str) -> type[AttentionLayer]:
     return ATTENTIONS[name][0]
 
 
+def _arguments(layer_cls: type[AttentionLayer]) -> list[str]:
+    parameters = inspect.signature(layer_cls).parameters
+    return [key for key in parameters if key not in ("embed_dim", "num_heads")]
+
+
 def attention_arguments(name: str) -> list[str]:
     """The keyword arguments the layer registered as ``name`` accepts besides ``embed_dim`` and ``num_heads``
     (e.g. to pass ``num_inducing`` only to the layers that have one).
@@ -52,8 +65,26 @@ def attention_arguments(name: str) -> list[str]:
     :param name: One of :func:`attention_names`.
     :return: Argument names, in signature order.
     """
-    parameters = inspect.signature(_layer_class(name)).parameters
-    return [key for key in parameters if key not in ("embed_dim", "num_heads")]
+    return _arguments(_layer_class(name))
+
+
+def select_arguments(name: str, **settings: Any) -> dict[str, Any]:
+    """The shared ``settings`` that the layer registered as ``name`` takes: how a runner passes one setting (e.g.
+    ``num_inducing`` or ``ksvd_weight``) to every attention that has it. A setting the layer does not take is left
+    out, and so is a ``None`` value (the layer then uses its own default).
+
+    Example:
+        >>> select_arguments("softmax", num_inducing=8, ksvd_weight=1.0)
+        {}
+        >>> select_arguments("primal", num_inducing=None, ksvd_weight=1.0)
+        {'ksvd_weight': 1.0}
+
+    :param name: One of :func:`attention_names`.
+    :param settings: Candidate keyword arguments.
+    :return: The keyword arguments for :func:`build_attention`.
+    """
+    accepted = attention_arguments(name)
+    return {key: value for key, value in settings.items() if value is not None and key in accepted}
 
 
 def build_attention(name: str, embed_dim: int, num_heads: int, **kwargs: Any) -> AttentionLayer:
@@ -72,3 +103,46 @@ def build_attention(name: str, embed_dim: int, num_heads: int, **kwargs: Any) ->
     if unknown:
         raise TypeError(f"{layer_cls.__name__} ({name!r}) got unexpected arguments {unknown}; it accepts {accepted}")
     return layer_cls(embed_dim, num_heads, **{**ATTENTIONS[name][1], **kwargs})
+
+
+def register_attention(name: str, layer_cls: type[AttentionLayer], defaults: Mapping[str, Any] | None = None) -> None:
+    """Register an attention layer under ``name``, after the built-in ones: from then on the
+    :class:`~gpattn.models.Transformer`, ``gpattn compare`` (``--attentions name``) and its figures know it.
+
+    Example:
+        >>> from gpattn.attention import SoftmaxAttention
+        >>> class MyAttention(SoftmaxAttention):
+        ...     '''Softmax attention under another name.'''
+        >>> register_attention("mine", MyAttention)
+        >>> attention_names()[-1]
+        'mine'
+        >>> unregister_attention("mine")
+
+    :param name: A new name (a non-empty string without spaces).
+    :param layer_cls: A subclass of :class:`~gpattn.attention.AttentionLayer` taking ``(embed_dim, num_heads,
+        **kwargs)``.
+    :param defaults: Keyword arguments passed to every layer built under ``name`` (overridden by the caller's).
+    :raises ValueError: ``name`` is taken or malformed, or ``defaults`` names an argument the class does not take.
+    :raises TypeError: ``layer_cls`` is not an ``AttentionLayer`` subclass.
+    """
+    if not isinstance(name, str) or not name or any(character.isspace() for character in name):
+        raise ValueError(f"expected the attention name to be a non-empty string without spaces, got {name!r}")
+    if name in ATTENTIONS:
+        raise ValueError(f"the attention {name!r} is already registered ({ATTENTIONS[name][0].__name__})")
+    if not (isinstance(layer_cls, type) and issubclass(layer_cls, AttentionLayer)):
+        raise TypeError(f"expected layer_cls to be a subclass of AttentionLayer, got {layer_cls!r}")
+    defaults = dict(defaults or {})
+    unknown = sorted(set(defaults) - set(_arguments(layer_cls)))
+    if unknown:
+        raise ValueError(f"defaults {unknown} are not arguments of {layer_cls.__name__} ({_arguments(layer_cls)})")
+    ATTENTIONS[name] = (layer_cls, defaults)
+
+
+def unregister_attention(name: str) -> None:
+    """Remove the attention registered as ``name`` (e.g. at the end of a test that registered it).
+
+    :param name: One of :func:`attention_names`.
+    :raises ValueError: ``name`` is not registered.
+    """
+    _layer_class(name)
+    del ATTENTIONS[name]

@@ -5,7 +5,6 @@ from .cifar import CIFAR10_C_CORRUPTIONS, CIFAR10_CLASSES, load_cifar10, load_ci
 from .digits import (
     SHIFT_KINDS,
     SHIFT_PARAMETERS,
-    ImageDataset,
     ImageSplits,
     images_to_patches,
     load_digits_splits,
@@ -14,6 +13,7 @@ from .digits import (
     patches_to_images,
     shift_images,
 )
+from .image_dataset import ImageDataset
 from .toy_regression import RegressionData, make_asymmetric_regression_1d, make_asymmetric_regression_2d
 from .toy_sequences import SequenceDataset, SequenceSplits, make_pointer_task, make_successor_task
 

@@ -9,7 +9,7 @@
   ``uint8 (5 m, 32, 32, 3)`` = severities 1..5 stacked (``m = 10000``), and ``labels.npy`` (``5 m`` labels, the test
   labels repeated per severity). ``root`` may be that folder or its parent holding ``CIFAR-10-C``.
 
-Both return :class:`~gpattn.data.digits.ImageDataset` with ``float32 (n, 3, 32, 32)`` images in ``[0, 1]`` (the
+Both return :class:`~gpattn.data.ImageDataset` with ``float32 (n, 3, 32, 32)`` images in ``[0, 1]`` (the
 layout of :class:`~gpattn.models.Transformer` with ``input="patches"``, see ``VIT_CIFAR_PRESET``) and int64 labels.
 
 The batches are Python pickles: only load files from a source you trust.
@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .digits import ImageDataset
+from .image_dataset import ImageDataset
 
 __all__ = ["CIFAR10_CLASSES", "CIFAR10_C_CORRUPTIONS", "load_cifar10", "load_cifar10_c"]
 

@@ -47,12 +47,12 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ..validation import InputTypeError, check_int, check_tensor, checked_inputs
+from .image_dataset import ImageDataset
 
 __all__ = [
     "DEFAULT_HELD_OUT_CLASSES",
     "SHIFT_KINDS",
     "SHIFT_PARAMETERS",
-    "ImageDataset",
     "ImageSplits",
     "gaussian_blur",
     "images_to_patches",
@@ -75,38 +75,6 @@ SHIFT_PARAMETERS: dict[str, tuple[float, ...]] = {
     "blur": (0.5, 0.7, 0.9, 1.1, 1.4),  # Gaussian sigma in pixels
 }
 NOISE_OOD_FAMILIES: tuple[str, ...] = ("smooth_field", "blobs", "stripes")
-
-
-@dataclass(frozen=True)
-class ImageDataset:
-    """An image classification data set.
-
-    Attributes:
-        images: ``float32 (n, C, H, W)`` in ``[0, 1]``.
-        labels: Class indices ``(n,)`` (int64), indices into ``class_names``.
-        num_classes: Number of classes (``len(class_names)``).
-        class_names: Name of every class index.
-        description: Where the images come from.
-    """
-
-    images: Tensor
-    labels: Tensor
-    num_classes: int
-    class_names: tuple[str, ...]
-    description: str
-
-    def __len__(self) -> int:
-        return self.labels.shape[0]
-
-    @property
-    def in_channels(self) -> int:
-        """``C``, the second dimension of ``images``."""
-        return self.images.shape[1]
-
-    @property
-    def image_size(self) -> tuple[int, int]:
-        """``(H, W)``, the last two dimensions of ``images``."""
-        return (self.images.shape[2], self.images.shape[3])
 
 
 @dataclass(frozen=True)

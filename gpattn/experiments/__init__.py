@@ -1,7 +1,23 @@
-"""Experiments: the toy regression fit (exact GP vs KEP-SVGP via VariationalELBO and Pyro SVI); the training loop;
-the comparison of every attention (``gpattn compare``)."""
+"""Experiments: the training loop that single-process, ensemble and data-parallel training share; checkpoints;
+evaluation; the comparison of every attention (``gpattn compare``) and its typed records; the toy regression fit
+(exact GP vs KEP-SVGP via VariationalELBO and Pyro SVI)."""
 
-from .compare import CompareConfig, markdown_table, run_comparison, write_outputs
+from .checkpoints import CHECKPOINT_KEYS, CheckpointError, load_checkpoint
+from .compare import CompareConfig, markdown_table, run_comparison, train_and_evaluate, write_outputs
+from .ensembles import member_seed, train_ensemble
+from .evaluation import ensemble_probabilities, evaluate
+from .records import (
+    ClassificationMetrics,
+    OODMetrics,
+    ReliabilityBins,
+    RunMetrics,
+    RunRecord,
+    ShiftMetrics,
+    TrainingSummary,
+    read_records,
+)
+from .schedule import warmup_cosine_lr, warmup_cosine_schedule
+from .tasks import TASKS, TaskData, load_task
 from .toy_regression import (
     ToyRegressionConfig,
     ToyRegressionResult,
@@ -11,34 +27,35 @@ from .toy_regression import (
     format_result,
     run_toy_regression,
 )
-from .training import (
-    CHECKPOINT_KEYS,
-    CheckpointError,
-    NonFiniteLossError,
-    TrainConfig,
-    TrainResult,
-    ensemble_probabilities,
-    evaluate,
-    load_checkpoint,
-    train_ensemble,
-    train_model,
-    warmup_cosine_lr,
-    warmup_cosine_schedule,
-)
+from .training import NonFiniteLossError, TrainConfig, TrainingStrategy, TrainResult, train_model
 
 __all__ = [
     "CompareConfig",
     "markdown_table",
     "run_comparison",
+    "train_and_evaluate",
     "write_outputs",
+    "TASKS",
+    "TaskData",
+    "load_task",
+    "ClassificationMetrics",
+    "OODMetrics",
+    "ReliabilityBins",
+    "RunMetrics",
+    "RunRecord",
+    "ShiftMetrics",
+    "TrainingSummary",
+    "read_records",
     "CHECKPOINT_KEYS",
     "CheckpointError",
     "NonFiniteLossError",
     "TrainConfig",
     "TrainResult",
+    "TrainingStrategy",
     "ensemble_probabilities",
     "evaluate",
     "load_checkpoint",
+    "member_seed",
     "train_ensemble",
     "train_model",
     "warmup_cosine_lr",
@@ -50,12 +67,13 @@ __all__ = [
     "fit_pair_svgp_pyro",
     "format_result",
     "run_toy_regression",
+    "DataParallelStrategy",
     "parameter_checksum",
     "shard_indices",
     "train_distributed",
 ]
 
-_DISTRIBUTED = ("parameter_checksum", "shard_indices", "train_distributed")
+_DISTRIBUTED = ("DataParallelStrategy", "parameter_checksum", "shard_indices", "train_distributed")
 
 
 def __getattr__(name: str):

@@ -11,15 +11,16 @@ Launch with ``torchrun --standalone --nproc_per_node K -m gpattn.experiments.dis
 * minimises :class:`~gpattn.mlls.AttentionELBO` with ``num_data = len(train)``; DDP averages the gradients over the
   ranks, i.e. the gradient of the mean cross-entropy over the global batch plus :math:`\beta / n` KL (identical on
   every rank) plus the mean of the ranks' KSVD terms;
-* uses AdamW, gradient clipping and the warm-up + cosine schedule of :func:`~gpattn.experiments.train_model`
-  (gradients are all-reduced before clipping, so every rank clips identically and the replicas never diverge).
+* runs the loop of :func:`~gpattn.experiments.train_model` itself (AdamW, gradient clipping, the warm-up + cosine
+  schedule) through a :class:`DataParallelStrategy`: gradients are all-reduced before clipping, so every rank clips
+  identically and the replicas never diverge.
 
 The global torch RNG (reparameterisation noise, dropout) is seeded with ``config.seed + r``, so the ranks draw
 independent Monte Carlo samples. Rank 0 evaluates on ``val`` after every epoch and keeps the state with the lowest
-validation NLL; at the end the ranks check that their replicas still agree (parameter checksums, else
-``RuntimeError``) and rank 0's best state is broadcast so that every rank holds the same parameters, and rank 0 returns
-the :class:`~gpattn.experiments.TrainResult` (the other ranks ``None``). Checkpoints and resumption are not
-supported (``config.checkpoint_dir`` is ignored with a warning).
+validation NLL; a non-finite loss on any rank stops every rank. At the end the ranks check that their replicas still
+agree (parameter checksums, else ``RuntimeError``) and rank 0's best state is broadcast so that every rank holds the
+same parameters, and rank 0 returns the :class:`~gpattn.experiments.TrainResult` (the other ranks ``None``).
+Checkpoints and resumption are not supported (``config.checkpoint_dir`` is ignored with a warning).
 
 DDP notes: the GP attention layers compute their KL divergence and KSVD added loss terms inside ``forward`` and
 :class:`~gpattn.mlls.AttentionELBO` reads them from the wrapped module after the forward pass. Every parameter
@@ -37,9 +38,8 @@ import json
 import math
 import os
 import socket
-import time
 import warnings
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
@@ -48,23 +48,12 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.nn.parallel import DistributedDataParallel
 
-from ..mlls import AttentionELBO
-from .training import (
-    NonFiniteLossError,
-    TrainConfig,
-    TrainResult,
-    _batch,
-    _inputs,
-    _labels,
-    _metrics,
-    _state_copy,
-    evaluate,
-    warmup_cosine_schedule,
-)
+from ..attention import select_arguments
+from ..data import make_pointer_task
+from ..models import Transformer
+from .training import TrainConfig, TrainingStrategy, TrainResult, train_model
 
-__all__ = ["parameter_checksum", "shard_indices", "train_distributed"]
-
-_PARTS = ("loss", "nll", "kl", "ksvd", "grad_norm")
+__all__ = ["DataParallelStrategy", "parameter_checksum", "shard_indices", "train_distributed"]
 
 
 def shard_indices(order: Tensor, rank: int, world_size: int) -> Tensor:
@@ -90,6 +79,59 @@ def parameter_checksum(model: torch.nn.Module) -> float:
     return float(sum(parameter.detach().double().abs().sum().item() for parameter in model.parameters()))
 
 
+class DataParallelStrategy(TrainingStrategy):
+    """The :class:`~gpattn.experiments.TrainingStrategy` of data-parallel training over the initialised default
+    process group (see the module docstring): DDP-wrapped forward passes, sharded batches, loss sums and stop
+    decisions all-reduced over the ranks, and at the end a replica check and rank 0's best state broadcast.
+
+    .. note:: Per step one all-reduce of the gradients (DDP) and one of a stop flag; per epoch two small
+        all-reduces; at the end one all-gather and one broadcast per state tensor.
+    """
+
+    def __init__(self) -> None:
+        if not dist.is_initialized():
+            raise RuntimeError("DataParallelStrategy needs an initialised process group (see train_distributed)")
+        self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+
+    def device(self, config: TrainConfig) -> torch.device:
+        """``config.device``; on CUDA the GPU ``LOCAL_RANK`` (torchrun's) of this node."""
+        device = torch.device(config.device)
+        if device.type == "cuda":
+            device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", device.index or 0)))
+        return device
+
+    def wrap(self, model: torch.nn.Module) -> torch.nn.Module:
+        """``DistributedDataParallel(model)``, which broadcasts rank 0's initial parameters to every rank."""
+        # every parameter gets a gradient in every step (through the logits or the KL / KSVD terms): see the docstring
+        return DistributedDataParallel(model, find_unused_parameters=False)
+
+    def shard(self, order: Tensor) -> Tensor:
+        """This rank's :func:`shard_indices` of the epoch's permutation: shape ``(n,)`` -> ``(ceil(n / K),)``."""
+        return shard_indices(order, self.rank, self.world_size)
+
+    def any(self, flag: bool) -> bool:
+        """``flag`` all-reduced with a maximum over the ranks."""
+        flags = torch.tensor([1.0 if flag else 0.0])
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+        return bool(flags.item())
+
+    def sum(self, values: list[float]) -> list[float]:
+        """``values`` all-reduced (summed) in float64."""
+        totals = torch.tensor(values, dtype=torch.float64)
+        dist.all_reduce(totals)
+        return totals.tolist()
+
+    def finish(self, model: torch.nn.Module, best_state: dict[str, Tensor]) -> None:
+        """Check that the replicas still agree (DDP keeps them in sync; a mismatch means a rank trained on different
+        gradients) and broadcast rank 0's best state into ``best_state`` on every rank, in place (same shapes)."""
+        checksums = [None] * self.world_size
+        dist.all_gather_object(checksums, parameter_checksum(model))
+        if any(not math.isclose(value, checksums[0], rel_tol=1e-9, abs_tol=1e-9) for value in checksums):
+            raise RuntimeError(f"the DDP replicas diverged during training: parameter checksums per rank {checksums}")
+        for value in best_state.values():
+            dist.broadcast(value, src=0)
+
+
 def _free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -106,15 +148,6 @@ def _init_process_group() -> bool:
     else:
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
     return True
-
-
-def _device(config: TrainConfig) -> torch.device:
-    device = torch.device(config.device)
-    if device.type == "cuda":
-        if not torch.cuda.is_available():
-            raise ValueError(f"config.device={config.device!r} but CUDA is not available; use device='cpu'")
-        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", device.index or 0)))
-    return device
 
 
 def train_distributed(model: torch.nn.Module, train: Any, val: Any, config: TrainConfig) -> TrainResult | None:
@@ -139,89 +172,16 @@ def train_distributed(model: torch.nn.Module, train: Any, val: Any, config: Trai
         raise RuntimeError("torch.distributed is not available in this build of PyTorch")
     if config.checkpoint_dir is not None:
         warnings.warn("train_distributed ignores config.checkpoint_dir (no checkpoints)", stacklevel=2)
-    train_inputs, train_mask = _inputs(train)
-    train_labels = _labels(train)
-    val_labels = _labels(val)
-    device = _device(config)
+        config = replace(config, checkpoint_dir=None)
     owns_group = _init_process_group()
     try:
-        return _train(model, train_inputs, train_mask, train_labels, val, val_labels, config, device)
+        strategy = DataParallelStrategy()
+        result = train_model(model, train, val, config, strategy=strategy)
+        dist.barrier()
+        return result if strategy.is_main else None
     finally:
         if owns_group:
             dist.destroy_process_group()
-
-
-def _train(model, train_inputs, train_mask, train_labels, val, val_labels, config, device) -> TrainResult | None:
-    rank, world_size = dist.get_rank(), dist.get_world_size()
-    model.to(device)
-    # every parameter gets a gradient in every step (through the logits or the KL / KSVD terms): see the docstring
-    ddp = DistributedDataParallel(model, find_unused_parameters=False)
-    num_data = train_labels.shape[0]
-    shard_size = math.ceil(num_data / world_size)
-    steps_per_epoch = math.ceil(shard_size / config.batch_size)
-    total_steps, warmup_steps = config.schedule_steps(steps_per_epoch)
-    loss_fn = AttentionELBO(model, num_data=num_data, beta=config.beta, combine_terms=False)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, weight_decay=config.weight_decay)
-    scheduler = warmup_cosine_schedule(optimizer, total_steps, warmup_steps, config.min_lr)
-    generator = torch.Generator().manual_seed(config.seed)  # the same batch order on every rank
-    torch.manual_seed(config.seed + rank)  # independent noise per rank
-    result = TrainResult()
-    best_state = _state_copy(model)
-    max_norm = math.inf if config.grad_clip is None else config.grad_clip
-
-    for epoch in range(1, config.epochs + 1):
-        started = time.perf_counter()
-        model.train()
-        totals = torch.zeros(len(_PARTS) + 1, dtype=torch.float64)  # weighted parts and the sequence count
-        shard = shard_indices(torch.randperm(num_data, generator=generator), rank, world_size)
-        for step in range(steps_per_epoch):
-            index = shard[step * config.batch_size : (step + 1) * config.batch_size]
-            inputs, mask = _batch(train_inputs, train_mask, index, device)
-            labels = train_labels[index].to(device)
-            parts = loss_fn(ddp(inputs, mask=mask), labels)
-            optimizer.zero_grad(set_to_none=True)
-            parts["loss"].backward()  # DDP averages the gradients over the ranks here
-            # a non-finite loss on any rank stops every rank (raising on one rank alone would hang the others)
-            bad = torch.tensor([0.0 if torch.isfinite(parts["loss"]) else 1.0])
-            dist.all_reduce(bad, op=dist.ReduceOp.MAX)
-            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
-            if bad.item() or not torch.isfinite(grad_norm):
-                model.load_state_dict(best_state)
-                model.eval()
-                raise NonFiniteLossError(
-                    f"non-finite training loss or gradient norm (rank {rank}: loss {parts['loss'].item():.6g}, "
-                    f"grad norm {grad_norm.item():.6g}) at epoch {epoch}, step {step + 1}/{steps_per_epoch}; the "
-                    f"model now holds the state of epoch {result.best_epoch}"
-                )
-            optimizer.step()
-            last_lr = scheduler.get_last_lr()[0]
-            scheduler.step()
-            size = index.shape[0]
-            values = [parts[name].item() for name in _PARTS[:-1]] + [grad_norm.item()]
-            totals += torch.tensor([value * size for value in values] + [size], dtype=torch.float64)
-        dist.all_reduce(totals)  # sums over the ranks
-        if rank == 0:
-            probabilities = evaluate(model, val, config.eval_samples, config.eval_batch_size)
-            val_accuracy, val_nll = _metrics(probabilities, val_labels)
-            record = {"epoch": epoch, **{name: (totals[i] / totals[-1]).item() for i, name in enumerate(_PARTS)}}
-            record.update(val_accuracy=val_accuracy, val_nll=val_nll, lr=last_lr, seconds=time.perf_counter() - started)
-            result.history.append(record)
-            if val_nll < result.best_val_nll:
-                result.best_epoch, result.best_val_nll = epoch, val_nll
-                best_state = _state_copy(model)
-
-    # the replicas must still agree (DDP keeps them in sync); a mismatch means a rank trained on different gradients
-    checksums = [None] * world_size
-    dist.all_gather_object(checksums, parameter_checksum(model))
-    if any(not math.isclose(value, checksums[0], rel_tol=1e-9, abs_tol=1e-9) for value in checksums):
-        raise RuntimeError(f"the DDP replicas diverged during training: parameter checksums per rank {checksums}")
-    # rank 0's best state to every rank
-    for value in best_state.values():
-        dist.broadcast(value, src=0)
-    model.load_state_dict(best_state)
-    model.eval()
-    dist.barrier()
-    return result if rank == 0 else None
 
 
 # -- command line ----------------------------------------------------------------------------------------------------
@@ -229,10 +189,6 @@ def main(argv: list[str] | None = None) -> None:
     """``python -m gpattn.experiments.distributed --attention kep_svgp --epochs 2 --out DIR`` (under ``torchrun``):
     trains a tiny Transformer on a pointer task; rank 0 writes ``DIR/result.json`` and every rank its checksum
     ``DIR/rank<r>.json``."""
-    from ..attention import attention_arguments
-    from ..data import make_pointer_task
-    from ..models import Transformer
-
     parser = argparse.ArgumentParser(description=main.__doc__)
     parser.add_argument("--attention", default="kep_svgp")
     parser.add_argument("--epochs", type=int, default=2)
@@ -246,9 +202,15 @@ def main(argv: list[str] | None = None) -> None:
     length, vocab = 6, 6
     data = make_pointer_task(512, 128, 128, length=length, seed=0, vocab_size=vocab)
     torch.manual_seed(args.seed)
-    sizes = {"rank": 4} if "rank" in attention_arguments(args.attention) else {}
     model = Transformer(
-        2, embed_dim=16, depth=1, num_heads=2, attention=args.attention, vocab_size=vocab, max_len=length, **sizes
+        2,
+        embed_dim=16,
+        depth=1,
+        num_heads=2,
+        attention=args.attention,
+        vocab_size=vocab,
+        max_len=length,
+        **select_arguments(args.attention, num_inducing=4),
     )
     config = TrainConfig(
         epochs=args.epochs,

@@ -70,17 +70,28 @@ class ToyRegressionConfig:
 
 @dataclass
 class ToyRegressionResult:
-    """Test RMSEs (against noisy targets and the noiseless function) and run times of the three fits."""
+    """Test RMSEs (against noisy targets and the noiseless function) and run times of the three fits, and the fitted
+    models with their data (e.g. for :func:`~gpattn.plotting.plot_pair_posterior`; not part of the JSON).
+
+    :ivar models: Fit name -> the fitted model (in eval mode); the exact GP is a ``gpytorch.models.ExactGP``, the two
+        KEP-SVGP fits are :class:`~gpattn.models.KernelEigenPairSVGP` s.
+    :ivar data: The regression data of the fits.
+    """
 
     config: ToyRegressionConfig
     rmse: dict[str, float] = field(default_factory=dict)
     rmse_noiseless: dict[str, float] = field(default_factory=dict)
     seconds: dict[str, float] = field(default_factory=dict)
     learned: dict[str, dict[str, float]] = field(default_factory=dict)
+    models: dict[str, gpytorch.models.GP] = field(default_factory=dict, repr=False, compare=False)
+    data: RegressionData | None = field(default=None, repr=False, compare=False)
 
     def to_json(self) -> str:
-        """The result as indented JSON (what ``gpattn regression`` writes to ``results.json``)."""
-        return json.dumps(asdict(self), indent=2)
+        """The result as indented JSON (what ``gpattn regression`` writes to ``results.json``): the config, the
+        RMSEs, the run times and the learned hyperparameters."""
+        content = {"config": asdict(self.config), "rmse": self.rmse, "rmse_noiseless": self.rmse_noiseless}
+        content.update(seconds=self.seconds, learned=self.learned)
+        return json.dumps(content, indent=2)
 
 
 class _InducedExactGP(gpytorch.models.ExactGP):
@@ -238,7 +249,8 @@ def run_toy_regression(
 ) -> ToyRegressionResult:
     """Fit the exact GP, KEP-SVGP (VariationalELBO) and KEP-SVGP (Pyro SVI) on the 1-D toy data.
 
-    Writes ``results.json`` and ``posterior.png`` (left, right and merged posteriors) to ``out`` when given.
+    Writes ``results.json`` to ``out`` when given (``gpattn regression`` also draws ``posterior.png`` from the
+    returned models with :func:`~gpattn.plotting.plot_pair_posterior`).
 
     :param config: Settings (default :class:`ToyRegressionConfig`).
     :param out: Output folder.
@@ -246,8 +258,7 @@ def run_toy_regression(
     """
     config = ToyRegressionConfig() if config is None else config
     data = make_asymmetric_regression_1d(seed=config.seed)
-    result = ToyRegressionResult(config)
-    fitted = {}
+    result = ToyRegressionResult(config, data=data)
     fits = {"exact_gp": fit_exact_gp, "kep_svgp_elbo": fit_pair_svgp, "kep_svgp_pyro": fit_pair_svgp_pyro}
     for name, fit in fits.items():
         start = time.perf_counter()
@@ -259,15 +270,11 @@ def run_toy_regression(
         result.rmse_noiseless[name] = _rmse(mean, data.test_f)
         kernel = model.covar_module.kernel if name == "exact_gp" else model.covar_module
         result.learned[name] = _kernel_summary(kernel, likelihood)
-        fitted[name] = (model, likelihood)
+        result.models[name] = model
     if out is not None:
-        from ..plotting import plot_pair_posterior
-
         out = Path(out)
         out.mkdir(parents=True, exist_ok=True)
         (out / "results.json").write_text(result.to_json())
-        figure = plot_pair_posterior(fitted["kep_svgp_elbo"][0], data, exact_gp=fitted["exact_gp"][0])
-        figure.savefig(out / "posterior.png", dpi=120, bbox_inches="tight")
     return result
 
 

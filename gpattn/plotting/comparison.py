@@ -1,23 +1,15 @@
 """Figures of the attention comparison: reliability diagrams, shift curves, OOD histograms and KSVD spectra.
 
-Every function takes the runner's list of *records*, one plain (JSON-able) dict per ``(task, attention, seed)``::
-
-    {"task": "digits", "attention": "kep_svgp", "seed": 0,
-     "metrics": {"test": {"accuracy": ..., "nll": ..., "ece": ..., ...},
-                 "shift": {"gaussian_noise": {"1": {"accuracy": ..., ...}, ..., "5": {...}}, ...},  # or {}
-                 "ood": {"held_out": {"auroc_max_prob": ..., ...}, "noise": {...}}},               # or {}
-     "reliability": {"confidence": [...], "accuracy": [...], "count": [...]},  # per bin, test set
-     "ood_scores": {"in": [...], "held_out": [...], "noise": [...]},          # max probabilities, or {}
-     "spectra": {"layer_1": [[sigma_1, sigma_2, ...], ...]},                  # one list per head, or {}
-     "train": {...}}
-
-Only ``task``, ``attention``, ``seed`` and ``metrics`` are required; a record lacking the data of a figure (no
-shift, no OOD scores, no spectra, ...) is skipped by that figure. Seeds are pooled (reliability bins, OOD scores) or
-averaged (metrics, spectra). Each attention keeps its colour across all figures.
+Every function takes the runner's list of :class:`~gpattn.experiments.RunRecord` s, one per ``(task, attention,
+seed)`` (:func:`~gpattn.experiments.run_comparison`, or :func:`~gpattn.experiments.read_records` of a
+``results.json``). A record lacking the data of a figure (no shift, no OOD scores, no spectra, ...) is skipped by that
+figure. Seeds are pooled (reliability bins, OOD scores) or averaged (metrics, spectra). Attentions appear in registry
+order (:func:`~gpattn.attention.attention_names`), and each keeps its colour across all figures.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 from collections.abc import Iterable, Sequence
@@ -28,8 +20,12 @@ import matplotlib.pyplot as plt
 import numpy as np
 from matplotlib.figure import Figure
 
-ATTENTION_ORDER = ("kep_svgp", "kep_svgp_sym", "sgpa", "svgp", "softmax", "primal")
-REQUIRED_KEYS = ("task", "attention", "seed", "metrics")
+from ..attention import attention_names
+from ..experiments.records import RunRecord, ShiftMetrics
+from ..validation import InputTypeError, check_choice
+
+#: The metrics a shift curve can show (those of :class:`~gpattn.experiments.ShiftMetrics`).
+SHIFT_METRICS = tuple(entry.name for entry in dataclasses.fields(ShiftMetrics))
 OOD_SETS = {"in": "in-distribution (test)", "held_out": "held-out classes", "noise": "noise"}
 DPI = 110
 
@@ -43,24 +39,17 @@ __all__ = [
 
 
 # ----------------------------------------------------------------------------------------------------------- helpers
-def _validate(records) -> list[dict]:
+def _validate(records) -> list[RunRecord]:
     if isinstance(records, (str, bytes, dict)) or not isinstance(records, Sequence):
-        raise ValueError(f"records must be a non-empty list of dicts, got {type(records).__name__}")
+        raise InputTypeError(f"records must be a non-empty list of RunRecords, got {type(records).__name__}")
     if len(records) == 0:
-        raise ValueError("records must be a non-empty list of dicts, got an empty list")
+        raise ValueError("records must be a non-empty list of RunRecords, got an empty list")
     for index, record in enumerate(records):
-        if not isinstance(record, dict):
-            raise ValueError(f"record {index} is a {type(record).__name__}, expected a dict")
-        missing = [key for key in REQUIRED_KEYS if key not in record]
-        if missing:
-            raise ValueError(f"record {index} lacks the required keys {missing}")
-        if not isinstance(record["task"], str) or not isinstance(record["attention"], str):
-            raise ValueError(f"record {index}: 'task' and 'attention' must be strings")
-        if not isinstance(record["metrics"], dict):
-            raise ValueError(f"record {index}: 'metrics' must be a dict, got {type(record['metrics']).__name__}")
-        for key in ("reliability", "ood_scores", "spectra"):
-            if record.get(key) is not None and not isinstance(record[key], dict):
-                raise ValueError(f"record {index}: '{key}' must be a dict, got {type(record[key]).__name__}")
+        if not isinstance(record, RunRecord):
+            raise InputTypeError(
+                f"record {index} is a {type(record).__name__}, expected a RunRecord (read the dicts of a "
+                f"results.json with gpattn.experiments.read_records or RunRecord.from_dict)"
+            )
     return list(records)
 
 
@@ -69,30 +58,21 @@ def _unique(values: Iterable) -> list:
 
 
 def _attention_order(attentions: Iterable[str]) -> list[str]:
-    present = _unique(attentions)
-    return [a for a in ATTENTION_ORDER if a in present] + [a for a in present if a not in ATTENTION_ORDER]
+    # registered attentions in registry order, then the others (e.g. ensembles "<name>_ens<K>") as they come
+    present, registered = _unique(attentions), attention_names()
+    return [a for a in registered if a in present] + [a for a in present if a not in registered]
 
 
 def _colour(attention: str) -> str:
-    if attention in ATTENTION_ORDER:
-        return f"C{ATTENTION_ORDER.index(attention)}"
-    return f"C{(len(ATTENTION_ORDER) + sum(map(ord, attention))) % 10}"
+    registered = attention_names()
+    if attention in registered:
+        return f"C{registered.index(attention) % 10}"
+    return f"C{(len(registered) + sum(map(ord, attention))) % 10}"
 
 
-def _float(value) -> float:
-    """A JSON number as a float; ``None`` (JSON's stand-in for NaN) and non-numbers become NaN."""
-    try:
-        return float(value) if value is not None else math.nan
-    except (TypeError, ValueError):
-        return math.nan
-
-
-def _lookup(mapping, *keys) -> float:
-    for key in keys:
-        if not isinstance(mapping, dict) or key not in mapping:
-            return math.nan
-        mapping = mapping[key]
-    return _float(mapping)
+def _values(values: Iterable[float | None]) -> np.ndarray:
+    """Floats with ``None`` (an empty reliability bin) as NaN."""
+    return np.asarray([math.nan if value is None else value for value in values], dtype=np.float64)
 
 
 def _mean_std(values: Iterable[float]) -> tuple[float, float, int]:
@@ -133,15 +113,11 @@ def _panel_name(task: str, attention: str, tasks: Sequence[str]) -> str:
 
 
 # ------------------------------------------------------------------------------------------------------ reliability
-def _reliability_records(records: list[dict], task: str) -> list[dict]:
-    return [
-        r
-        for r in records
-        if r["task"] == task and isinstance(r.get("reliability"), dict) and r["reliability"].get("count")
-    ]
+def _reliability_records(records: list[RunRecord], task: str) -> list[RunRecord]:
+    return [r for r in records if r.task == task and r.reliability is not None and r.reliability.count]
 
 
-def pool_reliability(records: Sequence[dict]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def pool_reliability(records: Sequence[RunRecord]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Pool the per-bin reliability data of several records (e.g. seeds).
 
     Counts are summed; confidence and accuracy are count-weighted means over the records whose bin is non-empty.
@@ -149,7 +125,7 @@ def pool_reliability(records: Sequence[dict]) -> tuple[np.ndarray, np.ndarray, n
     :param records: Records with a ``reliability`` entry, all with the same number of bins.
     :return: ``(confidence, accuracy, count)``, NumPy arrays of one value per bin (NaN for bins empty in all).
     """
-    num_bins = {len(r["reliability"]["count"]) for r in records}
+    num_bins = {len(r.reliability.count) for r in records}
     if len(num_bins) != 1:
         raise ValueError(f"reliability data with different numbers of bins: {sorted(num_bins)}")
     (size,) = num_bins
@@ -157,13 +133,8 @@ def pool_reliability(records: Sequence[dict]) -> tuple[np.ndarray, np.ndarray, n
     confidence_sum = np.zeros(size)
     accuracy_sum = np.zeros(size)
     for record in records:
-        data = record["reliability"]
-        n = np.asarray([_float(c) for c in data["count"]])
-        n = np.where(np.isfinite(n), n, 0.0)
-        conf = np.asarray([_float(c) for c in data.get("confidence", [None] * size)])
-        acc = np.asarray([_float(a) for a in data.get("accuracy", [None] * size)])
-        if conf.shape != (size,) or acc.shape != (size,):
-            raise ValueError(f"reliability data of {record['attention']} (seed {record['seed']}) has ragged bins")
+        n = np.asarray(record.reliability.count, dtype=np.float64)
+        conf, acc = _values(record.reliability.confidence), _values(record.reliability.accuracy)
         filled = n > 0
         count += n
         confidence_sum += np.where(filled, n * np.nan_to_num(conf), 0.0)
@@ -172,7 +143,7 @@ def pool_reliability(records: Sequence[dict]) -> tuple[np.ndarray, np.ndarray, n
         return confidence_sum / count, accuracy_sum / count, count.astype(np.int64)
 
 
-def plot_reliability_diagrams(records: list[dict], task: str) -> Figure:
+def plot_reliability_diagrams(records: list[RunRecord], task: str) -> Figure:
     """Reliability diagram of every attention on ``task``'s test set, seeds pooled.
 
     Bars (in the attention's colour): accuracy of each non-empty confidence bin, pooled over seeds (counts summed,
@@ -188,10 +159,10 @@ def plot_reliability_diagrams(records: list[dict], task: str) -> Figure:
     selected = _reliability_records(records, task)
     if not selected:
         raise ValueError(f"no reliability data for task {task!r}")
-    attentions = _attention_order(r["attention"] for r in selected)
+    attentions = _attention_order(r.attention for r in selected)
     figure, axes = _grid(len(attentions), 3.6, 3.6)
     for axis, attention in zip(axes, attentions, strict=True):
-        group = [r for r in selected if r["attention"] == attention]
+        group = [r for r in selected if r.attention == attention]
         confidence, accuracy, count = pool_reliability(group)
         size = len(count)
         edges = np.linspace(0.0, 1.0, size + 1)
@@ -211,7 +182,7 @@ def plot_reliability_diagrams(records: list[dict], task: str) -> Figure:
         axis.set_aspect("equal")
         axis.set_xlabel("confidence")
         axis.set_ylabel("accuracy")
-        ece, ece_std, seeds = _mean_std(_lookup(r["metrics"], "test", "ece") for r in group)
+        ece, ece_std, seeds = _mean_std(r.metrics.test.ece for r in group)
         ece_text = f"ECE {100 * ece:.2f} ± {100 * ece_std:.2f}%" if seeds else "ECE n/a"
         axis.set_title(f"{attention}\n{ece_text} ({len(group)} seed{'s' if len(group) != 1 else ''})", fontsize=10)
     handles, labels = axes[0].get_legend_handles_labels()
@@ -221,29 +192,36 @@ def plot_reliability_diagrams(records: list[dict], task: str) -> Figure:
 
 
 # ------------------------------------------------------------------------------------------------------------ shift
-def _shift_records(records: list[dict]) -> list[dict]:
-    return [r for r in records if isinstance(r["metrics"].get("shift"), dict) and r["metrics"]["shift"]]
+def _shift_records(records: list[RunRecord]) -> list[RunRecord]:
+    return [r for r in records if r.metrics.shift]
 
 
-def plot_shift_curves(records: list[dict], metrics: Sequence[str] = ("accuracy", "ece", "nll")) -> Figure:
+def _shifted(record: RunRecord, kind: str, severity: str, metric: str) -> float:
+    entry = record.metrics.shift.get(kind, {}).get(severity)
+    return math.nan if entry is None else getattr(entry, metric)
+
+
+def plot_shift_curves(records: list[RunRecord], metrics: Sequence[str] = ("accuracy", "ece", "nll")) -> Figure:
     """Metrics under distribution shift against severity, one line per attention (mean ± std band over seeds).
 
     Severity 0 is the clean test set (``metrics.test``). Records without shift data are skipped.
 
     :param records: The comparison records.
-    :param metrics: Metric names, one row each.
+    :param metrics: Metric names among :data:`SHIFT_METRICS`, one row each.
     :return: The figure: rows = metrics, columns = shift kinds, one legend for the figure.
     """
     records = _validate(records)
     metrics = [metrics] if isinstance(metrics, str) else list(metrics)
     if not metrics:
         raise ValueError("metrics must name at least one metric")
+    for metric in metrics:
+        check_choice("metrics", metric, SHIFT_METRICS)
     selected = _shift_records(records)
     if not selected:
         raise ValueError("no records with shift data")
-    kinds = _unique(kind for r in selected for kind in r["metrics"]["shift"])
-    tasks = _unique(r["task"] for r in selected)
-    groups = [(t, a) for t in tasks for a in _attention_order(r["attention"] for r in selected if r["task"] == t)]
+    kinds = _unique(kind for r in selected for kind in r.metrics.shift)
+    tasks = _unique(r.task for r in selected)
+    groups = [(t, a) for t in tasks for a in _attention_order(r.attention for r in selected if r.task == t)]
     figure, axes = plt.subplots(
         len(metrics), len(kinds), figsize=(3.8 * len(kinds) + 1.8, 2.9 * len(metrics)), squeeze=False,
         sharex=True, layout="constrained",
@@ -251,17 +229,16 @@ def plot_shift_curves(records: list[dict], metrics: Sequence[str] = ("accuracy",
     linestyles = ("-", "--", ":", "-.")
     for column, kind in enumerate(kinds):
         severities = sorted(
-            _unique(s for r in selected for s in r["metrics"]["shift"].get(kind, {}) if s != "0"), key=_severity_key
+            _unique(s for r in selected for s in r.metrics.shift.get(kind, {}) if s != "0"), key=_severity_key
         )
         x = np.asarray([0.0] + [_severity_key(s)[1] if _severity_key(s)[0] == 0 else np.nan for s in severities])
         for row, metric in enumerate(metrics):
             axis = axes[row, column]
             for task, attention in groups:
-                group = [r for r in selected if r["task"] == task and r["attention"] == attention]
+                group = [r for r in selected if r.task == task and r.attention == attention]
                 per_seed = np.asarray(
                     [
-                        [_lookup(r["metrics"], "test", metric)]
-                        + [_lookup(r["metrics"], "shift", kind, s, metric) for s in severities]
+                        [getattr(r.metrics.test, metric)] + [_shifted(r, kind, s, metric) for s in severities]
                         for r in group
                     ]
                 )
@@ -285,8 +262,8 @@ def plot_shift_curves(records: list[dict], metrics: Sequence[str] = ("accuracy",
 
 
 # -------------------------------------------------------------------------------------------------------------- OOD
-def _ood_records(records: list[dict]) -> list[dict]:
-    return [r for r in records if isinstance(r.get("ood_scores"), dict) and r["ood_scores"].get("in")]
+def _ood_records(records: list[RunRecord]) -> list[RunRecord]:
+    return [r for r in records if r.ood_scores.get("in")]
 
 
 def _task_attention_panels(records, select, what: str):
@@ -295,13 +272,13 @@ def _task_attention_panels(records, select, what: str):
     selected = select(records)
     if not selected:
         raise ValueError(f"no records with {what}")
-    tasks = _unique(r["task"] for r in selected)
-    groups = [(t, a) for t in tasks for a in _attention_order(r["attention"] for r in selected if r["task"] == t)]
+    tasks = _unique(r.task for r in selected)
+    groups = [(t, a) for t in tasks for a in _attention_order(r.attention for r in selected if r.task == t)]
     figure, axes = _grid(len(groups), 4.0, 3.2)
     return selected, tasks, groups, figure, axes
 
 
-def plot_ood_histograms(records: list[dict]) -> Figure:
+def plot_ood_histograms(records: list[RunRecord]) -> Figure:
     """Densities of the maximum predicted probability on in-distribution, held-out-class and noise inputs.
 
     Scores are pooled over seeds; the panel title gives the held-out AUROC of the maximum probability (mean ± std over
@@ -314,11 +291,11 @@ def plot_ood_histograms(records: list[dict]) -> Figure:
     bins = np.linspace(0.0, 1.0, 41)
     colours = {"in": "C0", "held_out": "C3", "noise": "C7"}
     for axis, (task, attention) in zip(axes, groups, strict=True):
-        group = [r for r in selected if r["task"] == task and r["attention"] == attention]
-        names = _unique(name for r in group for name in r["ood_scores"])
+        group = [r for r in selected if r.task == task and r.attention == attention]
+        names = _unique(name for r in group for name in r.ood_scores)
         names = [n for n in OOD_SETS if n in names] + [n for n in names if n not in OOD_SETS]
         for index, name in enumerate(names):
-            scores = np.asarray([_float(v) for r in group for v in (r["ood_scores"].get(name) or [])])
+            scores = np.asarray([v for r in group for v in r.ood_scores.get(name, [])], dtype=np.float64)
             scores = scores[np.isfinite(scores)]
             if scores.size == 0:
                 continue
@@ -326,7 +303,8 @@ def plot_ood_histograms(records: list[dict]) -> Figure:
             label = f"{OOD_SETS.get(name, name)} (n={scores.size})"
             axis.hist(scores, bins=bins, density=True, color=colour, alpha=0.3, label=label)
             axis.hist(scores, bins=bins, density=True, color=colour, histtype="step", lw=1.2)
-        auroc, auroc_std, seeds = _mean_std(_lookup(r["metrics"], "ood", "held_out", "auroc_max_prob") for r in group)
+        held_out = [r.metrics.ood["held_out"].auroc_max_prob for r in group if "held_out" in r.metrics.ood]
+        auroc, auroc_std, seeds = _mean_std(held_out)
         auroc_text = f"AUROC (held-out) {auroc:.3f} ± {auroc_std:.3f}" if seeds else "AUROC (held-out) n/a"
         axis.set_title(f"{_panel_name(task, attention, tasks)}\n{auroc_text}", fontsize=10)
         axis.set_xlim(0, 1)
@@ -338,11 +316,11 @@ def plot_ood_histograms(records: list[dict]) -> Figure:
 
 
 # ---------------------------------------------------------------------------------------------------------- spectra
-def _spectra_records(records: list[dict]) -> list[dict]:
-    return [r for r in records if isinstance(r.get("spectra"), dict) and any(heads for heads in r["spectra"].values())]
+def _spectra_records(records: list[RunRecord]) -> list[RunRecord]:
+    return [r for r in records if any(heads for heads in r.spectra.values())]
 
 
-def plot_spectra(records: list[dict]) -> Figure:
+def plot_spectra(records: list[RunRecord]) -> Figure:
     """Singular values of the KSVD of every attention layer and head (mean over seeds; log scale when they span a
     decade or more).
 
@@ -353,16 +331,16 @@ def plot_spectra(records: list[dict]) -> Figure:
     """
     selected, tasks, groups, figure, axes = _task_attention_panels(records, _spectra_records, "spectra")
     for axis, (task, attention) in zip(axes, groups, strict=True):
-        group = [r for r in selected if r["task"] == task and r["attention"] == attention]
-        layers = sorted(_unique(layer for r in group for layer in r["spectra"]), key=_natural_key)
+        group = [r for r in selected if r.task == task and r.attention == attention]
+        layers = sorted(_unique(layer for r in group for layer in r.spectra), key=_natural_key)
         lines, spread = 0, []
         for layer_index, layer in enumerate(layers):
-            num_heads = max(len(r["spectra"].get(layer) or []) for r in group)
+            num_heads = max(len(r.spectra.get(layer, [])) for r in group)
             for head in range(num_heads):
                 curves = [
-                    np.asarray([_float(v) for v in r["spectra"][layer][head]])
+                    np.asarray(r.spectra[layer][head], dtype=np.float64)
                     for r in group
-                    if len(r["spectra"].get(layer) or []) > head and len(r["spectra"][layer][head]) > 0
+                    if len(r.spectra.get(layer, [])) > head and len(r.spectra[layer][head]) > 0
                 ]
                 if not curves:
                     continue
@@ -390,7 +368,7 @@ def plot_spectra(records: list[dict]) -> Figure:
 
 
 # ----------------------------------------------------------------------------------------------------------- writing
-def write_comparison_figures(records: list[dict], out_dir: str | Path) -> list[Path]:
+def write_comparison_figures(records: list[RunRecord], out_dir: str | Path) -> list[Path]:
     """Write every comparison figure for which the records have data, as PNG at 110 dpi.
 
     Files: ``reliability_<task>.png`` per task with reliability data, ``shift.png``, ``ood_histograms.png`` and
@@ -404,7 +382,7 @@ def write_comparison_figures(records: list[dict], out_dir: str | Path) -> list[P
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     jobs = []
-    for task in _unique(r["task"] for r in records):
+    for task in _unique(r.task for r in records):
         if _reliability_records(records, task):
             jobs.append((f"reliability_{task}.png", lambda task=task: plot_reliability_diagrams(records, task)))
     if _shift_records(records):

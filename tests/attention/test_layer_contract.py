@@ -242,3 +242,17 @@ def test_forward_hooks_fire(name):
     x = tokens()
     output = layer(x, mask=torch.ones(BATCH, LENGTH, dtype=torch.bool))
     assert seen["input"] is x and seen["output"] is output
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_learned_spectrum_is_the_ksvd_singular_values_or_none(name):
+    layer = build(name)
+    spectrum = layer.learned_spectrum()
+    if ATTENTIONS[name][0].__name__ in ("KEPSVGPAttention", "PrimalAttention"):
+        # the learned KSVD singular values of every head, shape (H, s), detached from the graph
+        assert spectrum.shape == (NUM_HEADS, 4) and not spectrum.requires_grad
+        assert torch.equal(spectrum, layer.features.singular_values)
+        if name.startswith("kep_svgp"):  # exact features are recomputed per sequence: nothing learned
+            assert build_attention(name, EMBED_DIM, NUM_HEADS, features="exact").learned_spectrum() is None
+    else:
+        assert spectrum is None

@@ -1,90 +1,103 @@
-"""The comparison runner and ``gpattn compare`` (smoke-sized: the full run is the main job)."""
+"""The comparison runner and ``gpattn compare`` (smoke-sized: the full run is the main job), including a new attention
+registered from outside the package."""
 
 from __future__ import annotations
 
 import csv
 import json
+from dataclasses import asdict
 
 import pytest
+import torch
+from torch import Tensor
 
+from gpattn.attention import AttentionLayer, register_attention, unregister_attention
 from gpattn.cli import main
-from gpattn.experiments.compare import CompareConfig, flat_rows, markdown_table, run_comparison
+from gpattn.experiments import RunRecord, load_task, read_records
+from gpattn.experiments.compare import (
+    CompareConfig,
+    build_model,
+    flat_rows,
+    learned_spectra,
+    markdown_table,
+    run_comparison,
+    train_and_evaluate,
+)
+from gpattn.experiments.evaluation import evaluate_run
 
 TINY = dict(pointer_epochs=1, digits_epochs=1, eval_samples=2, seeds=(0,), progress=False)
 
 
 @pytest.fixture(scope="module")
-def records() -> list[dict]:
+def records() -> list[RunRecord]:
     return run_comparison(CompareConfig(attentions=("kep_svgp", "softmax"), **TINY))
 
 
 def test_one_record_per_task_attention_seed(records) -> None:
-    assert [(r["task"], r["attention"], r["seed"]) for r in records] == [
+    assert [(r.task, r.attention, r.seed) for r in records] == [
         ("pointer", "kep_svgp", 0),
         ("pointer", "softmax", 0),
         ("digits", "kep_svgp", 0),
         ("digits", "softmax", 0),
     ]
     for record in records:
-        test = record["metrics"]["test"]
+        test = asdict(record.metrics.test)
         expected = {"accuracy", "confidence", "nll", "ece", "mce", "brier", "aurc", "eaurc", "auroc", "fpr95"}
         assert set(test) == expected
         assert 0.0 <= test["accuracy"] <= 1.0 and test["nll"] > 0
-        reliability = record["reliability"]
-        assert sum(reliability["count"]) == (512 if record["task"] == "pointer" else 361)
+        reliability = record.reliability
+        assert sum(reliability.count) == (512 if record.task == "pointer" else 361)
         # the mean confidence is the count-weighted mean of the reliability bins' confidences
-        weighted = sum(c * n for c, n in zip(reliability["confidence"], reliability["count"], strict=True) if n)
-        assert test["confidence"] == pytest.approx(weighted / sum(reliability["count"]), rel=1e-6)
+        weighted = sum(c * n for c, n in zip(reliability.confidence, reliability.count, strict=True) if n)
+        assert test["confidence"] == pytest.approx(weighted / sum(reliability.count), rel=1e-6)
 
 
 def test_digits_records_hold_shift_ood_and_spectra(records) -> None:
-    digits = [r for r in records if r["task"] == "digits"]
+    digits = [r for r in records if r.task == "digits"]
     for record in digits:
-        shift = record["metrics"]["shift"]
+        shift = record.metrics.shift
         assert set(shift) == {"gaussian_noise", "rotation", "blur"}
         assert all(set(levels) == {"1", "2", "3", "4", "5"} for levels in shift.values())
-        assert set(record["metrics"]["ood"]) == {"held_out", "noise"}
-        ood = record["metrics"]["ood"]["held_out"]
+        assert set(record.metrics.ood) == {"held_out", "noise"}
+        ood = record.metrics.ood["held_out"]
         # the stored AUROC is the metric of the stored scores (max probability), recomputed independently here
-        scores_in, scores_out = record["ood_scores"]["in"], record["ood_scores"]["held_out"]
+        scores_in, scores_out = record.ood_scores["in"], record.ood_scores["held_out"]
         pairs = [(a > b) + 0.5 * (a == b) for a in scores_in for b in scores_out]
-        assert ood["auroc_max_prob"] == pytest.approx(sum(pairs) / len(pairs), abs=1e-12)
-    kep = next(r for r in digits if r["attention"] == "kep_svgp")
-    assert (
-        len(kep["spectra"]["layer_2"]) == 2 and len(kep["spectra"]["layer_2"][0]) == 10
-    )  # 2 heads, s = min(10, p = 16)
-    assert next(r for r in digits if r["attention"] == "softmax")["spectra"] == {}
-    assert all(r["metrics"]["shift"] == {} and r["ood_scores"] == {} for r in records if r["task"] == "pointer")
+        assert ood.auroc_max_prob == pytest.approx(sum(pairs) / len(pairs), abs=1e-12)
+    kep = next(r for r in digits if r.attention == "kep_svgp")
+    assert len(kep.spectra["layer_2"]) == 2 and len(kep.spectra["layer_2"][0]) == 10  # 2 heads, s = min(10, p = 16)
+    assert next(r for r in digits if r.attention == "softmax").spectra == {}
+    assert all(r.metrics.shift == {} and r.ood_scores == {} for r in records if r.task == "pointer")
 
 
 def test_same_config_same_numbers(records) -> None:
     again = run_comparison(CompareConfig(attentions=("kep_svgp", "softmax"), **TINY))
-    assert [r["metrics"] for r in again] == [r["metrics"] for r in records]
+    assert [r.metrics for r in again] == [r.metrics for r in records]
 
 
 def test_table_and_rows(records) -> None:
     rows = flat_rows(records)
-    assert rows[0]["test_accuracy"] == records[0]["metrics"]["test"]["accuracy"]
+    assert rows[0]["test_accuracy"] == records[0].metrics.test.accuracy
     assert rows[2]["shift_accuracy"] == pytest.approx(
-        sum(v["accuracy"] for kind in records[2]["metrics"]["shift"].values() for v in kind.values()) / 15
+        sum(v.accuracy for kind in records[2].metrics.shift.values() for v in kind.values()) / 15
     )
     table = markdown_table(records)
     assert table.count("\n| digits |") == 2 and "ood_held_out_auroc" in table
-    percent = f"{100 * records[0]['metrics']['test']['accuracy']:.2f} ± 0.00"
+    percent = f"{100 * records[0].metrics.test.accuracy:.2f} ± 0.00"
     assert percent in table
 
 
 def test_ece_agrees_with_the_stored_reliability_bins(records) -> None:
     # ECE = sum_b (n_b / n) |acc_b - conf_b|, recomputed from the reliability data stored beside it
     for record in records:
-        bins = record["reliability"]
-        total = sum(bins["count"])
+        bins = record.reliability
+        total = sum(bins.count)
         gaps = [
             count / total * abs(accuracy - confidence)
-            for count, accuracy, confidence in zip(bins["count"], bins["accuracy"], bins["confidence"], strict=True)
+            for count, accuracy, confidence in zip(bins.count, bins.accuracy, bins.confidence, strict=True)
             if count
         ]
-        assert record["metrics"]["test"]["ece"] == pytest.approx(sum(gaps), abs=1e-12)
+        assert record.metrics.test.ece == pytest.approx(sum(gaps), abs=1e-12)
 
 
 def test_bad_config_is_refused() -> None:
@@ -154,6 +167,7 @@ def test_cli_train_resume_after_an_interruption_gives_the_same_numbers(tmp_path,
     resumed = json.loads((tmp_path / "cut" / "record.json").read_text())
     assert resumed["metrics"] == full["metrics"]
     assert resumed["spectra"] == full["spectra"]
+    assert RunRecord.from_dict(resumed).train.best_epoch == RunRecord.from_dict(full).train.best_epoch
 
 
 def test_cli_train_resume_without_checkpoint_is_an_error(tmp_path, capsys) -> None:
@@ -162,29 +176,112 @@ def test_cli_train_resume_without_checkpoint_is_an_error(tmp_path, capsys) -> No
 
 
 def test_ensemble_record_averages_member_probabilities() -> None:
-    import torch
-
-    from gpattn.experiments.compare import _task_data, build_model, evaluate_run
-
     config = CompareConfig(attentions=("softmax",), tasks=("digits",), **TINY)
-    data = _task_data("digits")
+    data = load_task("digits")
     members = []
     for seed in (0, 1):
         torch.manual_seed(seed)
-        members.append(build_model(config, "softmax", data["train"].num_classes, data["model"]).eval())
-    record = evaluate_run(members, data, num_samples=2)
+        members.append(build_model(config, "softmax", data.num_classes, data.model_kwargs).eval())
+    metrics, _, _ = evaluate_run(members, data, num_samples=2)
     with torch.no_grad():  # softmax attention is deterministic: the ensemble is the mean of the members' softmax
-        probabilities = torch.stack([m(data["test"].images).softmax(-1) for m in members]).mean(0).double()
-    picked = probabilities.gather(1, data["test"].labels.unsqueeze(1)).squeeze(1)
-    assert record["metrics"]["test"]["nll"] == pytest.approx(-picked.log().mean().item(), rel=1e-6)
-    expected_accuracy = (probabilities.argmax(-1) == data["test"].labels).double().mean().item()
-    assert record["metrics"]["test"]["accuracy"] == pytest.approx(expected_accuracy, abs=1e-12)
+        probabilities = torch.stack([m(data.test.images).softmax(-1) for m in members]).mean(0).double()
+    picked = probabilities.gather(1, data.test.labels.unsqueeze(1)).squeeze(1)
+    assert metrics.test.nll == pytest.approx(-picked.log().mean().item(), rel=1e-6)
+    expected_accuracy = (probabilities.argmax(-1) == data.test.labels).double().mean().item()
+    assert metrics.test.accuracy == pytest.approx(expected_accuracy, abs=1e-12)
 
 
 def test_compare_with_ensembles_names_and_sizes_the_records() -> None:
     single = run_comparison(CompareConfig(attentions=("softmax",), tasks=("pointer",), **TINY))[0]
     ensemble = run_comparison(CompareConfig(attentions=("softmax",), tasks=("pointer",), ensemble=2, **TINY))[0]
-    assert ensemble["attention"] == "softmax_ens2" and ensemble["train"]["ensemble"] == 2
-    assert ensemble["train"]["num_parameters"] == 2 * single["train"]["num_parameters"]
+    assert ensemble.attention == "softmax_ens2" and ensemble.train.ensemble == 2
+    assert ensemble.train.num_parameters == 2 * single.train.num_parameters
     with pytest.raises(ValueError, match="ensemble size"):
         CompareConfig(ensemble=0)
+
+
+# -- the runner's contract -------------------------------------------------------------------------------------------
+def test_a_run_depends_on_its_arguments_only() -> None:
+    config = CompareConfig(attentions=("kep_svgp",), tasks=("pointer",), **TINY)
+    torch.manual_seed(123)
+    first = train_and_evaluate(config, "pointer", "kep_svgp", 3)
+    torch.manual_seed(456)  # another global RNG state before the call
+    second = train_and_evaluate(config, "pointer", "kep_svgp", 3)
+    assert first.metrics == second.metrics and first.spectra == second.spectra
+    assert first.train.best_epoch == second.train.best_epoch
+
+
+def test_size_arguments_come_from_the_registry() -> None:
+    state = torch.get_rng_state()
+    config = CompareConfig(num_inducing=8, ksvd_weight=0.5)  # every layer is built once to check the size ...
+    assert torch.equal(torch.get_rng_state(), state)  # ... without touching the caller's RNG
+    assert config.attention_arguments("softmax") == {}
+    assert config.attention_arguments("sgpa") == {"num_inducing": 8}
+    assert config.attention_arguments("kep_svgp") == {"num_inducing": 8, "ksvd_weight": 0.5}
+    default = CompareConfig()
+    assert default.num_inducing is None and default.attention_arguments("sgpa") == {}  # the layer's own default
+    model = build_model(config, "sgpa", 2, {"input": "tokens", "vocab_size": 5, "max_len": 4})
+    assert model.attention_layers()[-1].num_inducing == 8
+
+
+def test_learned_spectra_are_the_layers_singular_values_in_descending_order() -> None:
+    torch.manual_seed(0)
+    config = CompareConfig(attentions=("primal",), num_inducing=4, **TINY)
+    model = build_model(config, "primal", 2, {"input": "tokens", "vocab_size": 5, "max_len": 4})
+    spectra = learned_spectra(model)
+    assert list(spectra) == ["layer_2"]  # the first block is softmax attention, without a spectrum
+    values = model.attention_layers()[1].features.singular_values.detach()
+    assert spectra["layer_2"] == [sorted(head.tolist(), reverse=True) for head in values]
+
+
+# -- a new attention is one file plus one registry line ---------------------------------------------------------------
+class UniformAttention(AttentionLayer):
+    """Every query attends uniformly to the real keys; a learned per-head "spectrum" of ``num_inducing`` values stands
+    in for the KSVD singular values. Defined here, outside the package, and registered by the fixture below."""
+
+    supports_causal = False
+
+    def __init__(self, embed_dim: int, num_heads: int, num_inducing: int = 3, dropout: float = 0.0):
+        super().__init__(embed_dim, num_heads, dropout)
+        self.num_inducing = num_inducing
+        self.v_proj = torch.nn.Linear(embed_dim, embed_dim)
+        self.spectrum = torch.nn.Parameter(torch.linspace(1.0, 2.0, num_inducing).repeat(num_heads, 1))
+
+    def forward(self, x: Tensor, mask=None, context=None) -> Tensor:
+        inputs = self._prepare(x, mask, context)
+        values = self.v_proj(inputs.keys)  # shape: (B, M, C)
+        weights = torch.ones(values.shape[:2], dtype=values.dtype, device=values.device)
+        if inputs.key_mask is not None:
+            weights = weights * inputs.key_mask
+        pooled = (weights.unsqueeze(-1) * values).sum(1, keepdim=True) / weights.sum(1)[:, None, None]
+        scale = self.spectrum.mean()  # so that the spectrum is learned
+        return self.dropout(self.out_proj(scale * pooled.expand(-1, inputs.queries.shape[1], -1)))
+
+    def learned_spectrum(self) -> Tensor:
+        return self.spectrum.detach()
+
+
+@pytest.fixture
+def uniform_attention():
+    register_attention("uniform", UniformAttention)  # the one registry line
+    yield "uniform"
+    unregister_attention("uniform")
+
+
+def test_a_registered_attention_runs_through_gpattn_compare(uniform_attention, tmp_path, capsys) -> None:
+    out = tmp_path / "run"
+    argv = ["compare", "--quick", "--attentions", uniform_attention, "--tasks", "pointer", "--num-inducing", "5"]
+    assert main([*argv, "--out", str(out), "--no-progress"]) == 0
+    printed = capsys.readouterr().out
+    assert "| pointer | uniform |" in printed and (out / "table.md").read_text() in printed
+    saved = json.loads((out / "results.json").read_text())
+    assert saved["config"]["attentions"] == ["uniform"] and saved["config"]["num_inducing"] == 5
+    (record,) = read_records(out / "results.json")
+    assert (record.task, record.attention, record.seed) == ("pointer", "uniform", 0)
+    assert 0.0 <= record.metrics.test.accuracy <= 1.0 and record.train.epochs == 2
+    # the size argument reached the layer: 2 heads of 5 values, learned, in descending order
+    assert [len(head) for head in record.spectra["layer_2"]] == [5, 5]
+    assert all(head == sorted(head, reverse=True) for head in record.spectra["layer_2"])
+    assert record.spectra["layer_2"][0] != [2.0, 1.75, 1.5, 1.25, 1.0]
+    for name in ("reliability_pointer.png", "spectra.png"):
+        assert (out / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and (out / name).stat().st_size > 10_000

@@ -15,7 +15,12 @@ import torch.distributed as dist
 
 from gpattn.data import make_pointer_task
 from gpattn.experiments import TrainConfig, train_model
-from gpattn.experiments.distributed import parameter_checksum, shard_indices, train_distributed
+from gpattn.experiments.distributed import (
+    DataParallelStrategy,
+    parameter_checksum,
+    shard_indices,
+    train_distributed,
+)
 from gpattn.models import Transformer
 
 pytestmark = pytest.mark.skipif(
@@ -105,3 +110,9 @@ def test_single_process_matches_train_model():
     assert parameter_checksum(model) == parameter_checksum(reference)
     for name, value in reference.state_dict().items():
         assert torch.equal(model.state_dict()[name], value), name
+
+
+def test_the_strategy_needs_a_process_group():
+    assert not dist.is_initialized()
+    with pytest.raises(RuntimeError, match="initialised process group"):
+        DataParallelStrategy()

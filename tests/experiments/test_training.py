@@ -1,4 +1,5 @@
-"""The training loop: learning, determinism, bitwise resume, schedule, clipping, checkpoints, failures, ensembles."""
+"""The training loop: learning, determinism, bitwise resume (every attention), scheduled rates, clipping, checkpoints,
+failures, model selection on the reported NLL, and the strategy hooks that data-parallel training plugs in."""
 
 from __future__ import annotations
 
@@ -8,41 +9,28 @@ from dataclasses import dataclass
 
 import pytest
 import torch
+from torch import Tensor
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
+from gpattn.attention import attention_names
 from gpattn.data import make_pointer_task
 from gpattn.experiments import (
     CHECKPOINT_KEYS,
     NonFiniteLossError,
     TrainConfig,
-    ensemble_probabilities,
+    TrainingStrategy,
     evaluate,
-    train_ensemble,
+    load_checkpoint,
     train_model,
-    warmup_cosine_lr,
-    warmup_cosine_schedule,
 )
+from gpattn.metrics import accuracy, negative_log_likelihood
 from gpattn.models import Transformer
-
-VOCAB, LENGTH = 6, 6
 
 
 @pytest.fixture(scope="module")
-def data():
-    return make_pointer_task(256, 64, 64, length=LENGTH, seed=0, vocab_size=VOCAB)
-
-
-def _model(attention: str = "kep_svgp", depth: int = 1, seed: int = 0) -> Transformer:
-    torch.manual_seed(seed)
-    sizes = {"num_inducing": 4} if attention == "kep_svgp" else {}
-    return Transformer(
-        2, embed_dim=16, depth=depth, num_heads=2, attention=attention, vocab_size=VOCAB, max_len=LENGTH, **sizes
-    )
-
-
-def _config(**overrides) -> TrainConfig:
-    settings = {"epochs": 2, "batch_size": 64, "lr": 1e-2, "warmup_epochs": 1, "eval_samples": 2, "progress": False}
-    return TrainConfig(**{**settings, **overrides})
+def masked_data():
+    # variable lengths: the padding mask travels through every path
+    return make_pointer_task(128, 32, 32, length=6, seed=0, vocab_size=6, min_length=4)
 
 
 def _without_time(history):
@@ -78,9 +66,9 @@ def test_config_rejects_bad_values(overrides):
 
 # -- learning and determinism ----------------------------------------------------------------------------------------
 @pytest.mark.parametrize("attention", ["softmax", "kep_svgp"])
-def test_loss_decreases_and_beats_chance(data, attention):
-    model = _model(attention)
-    config = _config(epochs=6, batch_size=16, lr=3e-2, weight_decay=0.0, eval_samples=4)
+def test_loss_decreases_and_beats_chance(data, attention, small_model, small_config):
+    model = small_model(attention)
+    config = small_config(epochs=6, batch_size=16, lr=3e-2, weight_decay=0.0, eval_samples=4)
     result = train_model(model, data.train, data.val, config)
     losses = [record["loss"] for record in result.history]
     assert losses[-1] < 0.7 * losses[0], losses
@@ -92,17 +80,17 @@ def test_loss_decreases_and_beats_chance(data, attention):
     assert accuracy > 0.7
 
 
-def test_same_seed_gives_identical_runs(data):
-    first, second, other = _model(), _model(), _model()
-    one = train_model(first, data.train, data.val, _config())
-    two = train_model(second, data.train, data.val, _config())
-    three = train_model(other, data.train, data.val, _config(seed=1))
+def test_same_seed_gives_identical_runs(data, small_model, small_config):
+    first, second, other = small_model(), small_model(), small_model()
+    one = train_model(first, data.train, data.val, small_config())
+    two = train_model(second, data.train, data.val, small_config())
+    three = train_model(other, data.train, data.val, small_config(seed=1))
     assert _without_time(one.history) == _without_time(two.history)
     _assert_same_parameters(first, second)
     assert _without_time(one.history) != _without_time(three.history)
 
 
-def test_image_datasets_without_mask_are_supported():
+def test_image_datasets_without_mask_are_supported(small_config):
     @dataclass
     class Images:
         images: torch.Tensor
@@ -123,19 +111,23 @@ def test_image_datasets_without_mask_are_supported():
         in_channels=1,
         num_inducing=4,
     )
-    result = train_model(model, dataset, dataset, _config(epochs=1, batch_size=8))
+    result = train_model(model, dataset, dataset, small_config(epochs=1, batch_size=8))
     assert len(result.history) == 1 and math.isfinite(result.history[0]["val_nll"])
     assert evaluate(model, dataset, num_samples=2, batch_size=5).shape == (32, 2)
 
 
 # -- resume ----------------------------------------------------------------------------------------------------------
-def test_staged_run_resumes_bitwise(data, tmp_path):
-    reference = _model(depth=2)
+def test_staged_run_resumes_bitwise(data, tmp_path, small_model, small_config):
+    reference = small_model(depth=2)
     staged = copy.deepcopy(reference)
-    full = train_model(reference, data.train, data.val, _config(epochs=4, checkpoint_dir=tmp_path / "full"))
+    full = train_model(reference, data.train, data.val, small_config(epochs=4, checkpoint_dir=tmp_path / "full"))
 
-    train_model(staged, data.train, data.val, _config(epochs=2, schedule_epochs=4, checkpoint_dir=tmp_path / "staged"))
-    resumed = train_model(staged, data.train, data.val, _config(epochs=4, checkpoint_dir=tmp_path / "staged"), True)
+    train_model(
+        staged, data.train, data.val, small_config(epochs=2, schedule_epochs=4, checkpoint_dir=tmp_path / "staged")
+    )
+    resumed = train_model(
+        staged, data.train, data.val, small_config(epochs=4, checkpoint_dir=tmp_path / "staged"), True
+    )
 
     assert _without_time(resumed.history) == _without_time(full.history)
     assert (resumed.best_epoch, resumed.best_val_nll) == (full.best_epoch, full.best_val_nll)
@@ -144,11 +136,11 @@ def test_staged_run_resumes_bitwise(data, tmp_path):
     assert all(torch.equal(last[0][name], last[1][name]) for name in last[0])
 
 
-def test_interrupted_run_resumes_bitwise(data, tmp_path, faulty_elbo):
-    config = _config(epochs=4, checkpoint_dir=tmp_path)
-    reference = _model()
+def test_interrupted_run_resumes_bitwise(data, tmp_path, faulty_elbo, small_model, small_config):
+    config = small_config(epochs=4, checkpoint_dir=tmp_path)
+    reference = small_model()
     interrupted = copy.deepcopy(reference)
-    full = train_model(reference, data.train, data.val, _config(epochs=4))
+    full = train_model(reference, data.train, data.val, small_config(epochs=4))
 
     faulty_elbo.interrupt_at = 10  # 4 steps per epoch: during epoch 3
     with pytest.raises(KeyboardInterrupt):
@@ -161,23 +153,68 @@ def test_interrupted_run_resumes_bitwise(data, tmp_path, faulty_elbo):
     _assert_same_parameters(interrupted, reference)
 
 
-def test_resuming_with_another_schedule_warns(data, tmp_path):
-    model = _model()
-    train_model(model, data.train, data.val, _config(epochs=1, checkpoint_dir=tmp_path))
+def _assert_equal_nested(first, second, where: str = "") -> None:
+    """Bitwise equality of nested dicts / lists of tensors and plain values (optimiser and checkpoint states)."""
+    if isinstance(first, Tensor):
+        assert isinstance(second, Tensor) and first.dtype == second.dtype and torch.equal(first, second), where
+    elif isinstance(first, dict):
+        assert isinstance(second, dict) and first.keys() == second.keys(), where
+        for key in first:
+            _assert_equal_nested(first[key], second[key], f"{where}/{key}")
+    elif isinstance(first, (list, tuple)):
+        assert isinstance(second, (list, tuple)) and len(first) == len(second), where
+        for index, (a, b) in enumerate(zip(first, second, strict=True)):
+            _assert_equal_nested(a, b, f"{where}[{index}]")
+    elif isinstance(first, float) and math.isnan(first):
+        assert isinstance(second, float) and math.isnan(second), where
+    else:
+        assert first == second, where
+
+
+@pytest.mark.parametrize("name", attention_names())
+def test_interrupted_run_resumes_bit_identically(make_transformer, masked_data, name, tmp_path, faulty_elbo):
+    data = masked_data
+    settings = dict(epochs=3, batch_size=48, lr=1e-2, warmup_epochs=1, eval_samples=2, progress=False)
+    reference = make_transformer(name)
+    interrupted = copy.deepcopy(reference)
+    full = train_model(reference, data.train, data.val, TrainConfig(**settings, checkpoint_dir=tmp_path / "full"))
+
+    # 3 steps per epoch: the 8th loss is the second step of epoch 3, after two checkpoints
+    faulty_elbo.interrupt_at = 8
+    config = TrainConfig(**settings, checkpoint_dir=tmp_path / "staged")
+    with pytest.raises(KeyboardInterrupt):
+        train_model(interrupted, data.train, data.val, config)
+    faulty_elbo.interrupt_at = None
+    assert load_checkpoint(tmp_path / "staged" / "last.pt")["epoch"] == 2
+    resumed = train_model(interrupted, data.train, data.val, config, resume=True)
+
+    # metrics, selection and the final (best) parameters
+    assert _without_time(resumed.history) == _without_time(full.history)
+    assert (resumed.best_epoch, resumed.best_val_nll) == (full.best_epoch, full.best_val_nll)
+    _assert_equal_nested(interrupted.state_dict(), reference.state_dict(), "best state")
+    # the last state, the optimiser moments, the schedule and the RNG streams
+    last = [load_checkpoint(tmp_path / run / "last.pt") for run in ("full", "staged")]
+    for key in ("model", "optimizer", "scheduler", "rng", "epoch", "best_epoch", "best_val_nll"):
+        _assert_equal_nested(last[0][key], last[1][key], key)
+
+
+def test_resuming_with_another_schedule_warns(data, tmp_path, small_model, small_config):
+    model = small_model()
+    train_model(model, data.train, data.val, small_config(epochs=1, checkpoint_dir=tmp_path))
     with pytest.warns(UserWarning, match="schedule horizon"):
-        result = train_model(model, data.train, data.val, _config(epochs=2, checkpoint_dir=tmp_path), resume=True)
+        result = train_model(model, data.train, data.val, small_config(epochs=2, checkpoint_dir=tmp_path), resume=True)
     assert [record["epoch"] for record in result.history] == [1, 2]
 
 
-def test_resume_errors_name_the_problem(data, tmp_path):
-    model = _model()
+def test_resume_errors_name_the_problem(data, tmp_path, small_model, small_config):
+    model = small_model()
     with pytest.raises(ValueError, match="checkpoint_dir"):
-        train_model(model, data.train, data.val, _config(), resume=True)
+        train_model(model, data.train, data.val, small_config(), resume=True)
     with pytest.raises(FileNotFoundError, match="last.pt"):
-        train_model(model, data.train, data.val, _config(checkpoint_dir=tmp_path), resume=True)
+        train_model(model, data.train, data.val, small_config(checkpoint_dir=tmp_path), resume=True)
     (tmp_path / "last.pt").write_bytes(b"\x00garbage, not a checkpoint\xff" * 10)
     with pytest.raises(RuntimeError, match="could not read the checkpoint .*last.pt"):
-        train_model(model, data.train, data.val, _config(checkpoint_dir=tmp_path), resume=True)
+        train_model(model, data.train, data.val, small_config(checkpoint_dir=tmp_path), resume=True)
 
 
 # -- schedule and clipping -------------------------------------------------------------------------------------------
@@ -187,29 +224,15 @@ def _closed_form(step, total, warmup, peak, floor):
     return floor + (peak - floor) * (1 + math.cos(math.pi * min(1.0, (step - warmup) / (total - warmup)))) / 2
 
 
-def test_schedule_is_warmup_then_cosine():
-    total, warmup, peak, floor = 20, 5, 0.1, 0.01
-    optimizer = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))], lr=peak)
-    scheduler = warmup_cosine_schedule(optimizer, total, warmup, floor)
-    for step in range(total + 3):
-        expected = _closed_form(step, total, warmup, peak, floor)
-        assert optimizer.param_groups[0]["lr"] == pytest.approx(expected, rel=1e-12, abs=1e-15)
-        assert warmup_cosine_lr(step, total, warmup, peak, floor) == pytest.approx(expected, rel=1e-12)
-        optimizer.step()
-        scheduler.step()
-    assert _closed_form(warmup, total, warmup, peak, floor) == pytest.approx(peak)
-    assert optimizer.param_groups[0]["lr"] == pytest.approx(floor)
-
-
-def test_history_records_the_scheduled_rates(data):
-    config = _config(epochs=3, warmup_steps=3, min_lr=1e-3)  # 4 steps per epoch, 12 in all
-    result = train_model(_model(), data.train, data.val, config)
+def test_history_records_the_scheduled_rates(data, small_model, small_config):
+    config = small_config(epochs=3, warmup_steps=3, min_lr=1e-3)  # 4 steps per epoch, 12 in all
+    result = train_model(small_model(), data.train, data.val, config)
     for record in result.history:
         last_step = 4 * record["epoch"] - 1
         assert record["lr"] == pytest.approx(_closed_form(last_step, 12, 3, config.lr, config.min_lr), rel=1e-12)
 
 
-def test_gradients_are_clipped(data):
+def test_gradients_are_clipped(data, small_model, small_config):
     norms = []
 
     def hook(optimizer, args, kwargs):
@@ -218,7 +241,7 @@ def test_gradients_are_clipped(data):
 
     handle = register_optimizer_step_pre_hook(hook)
     try:
-        result = train_model(_model(), data.train, data.val, _config(grad_clip=0.05))
+        result = train_model(small_model(), data.train, data.val, small_config(grad_clip=0.05))
     finally:
         handle.remove()
     assert len(norms) == 8
@@ -227,9 +250,9 @@ def test_gradients_are_clipped(data):
 
 
 # -- checkpoints and failures ----------------------------------------------------------------------------------------
-def test_checkpoints_hold_the_documented_keys(data, tmp_path):
-    model = _model()
-    result = train_model(model, data.train, data.val, _config(checkpoint_dir=tmp_path))
+def test_checkpoints_hold_the_documented_keys(data, tmp_path, small_model, small_config):
+    model = small_model()
+    result = train_model(model, data.train, data.val, small_config(checkpoint_dir=tmp_path))
     last = torch.load(tmp_path / "last.pt", weights_only=True)
     best = torch.load(tmp_path / "best.pt", weights_only=True)
     for checkpoint in (last, best):
@@ -242,11 +265,11 @@ def test_checkpoints_hold_the_documented_keys(data, tmp_path):
     assert last["config"]["epochs"] == 2 and last["config"]["checkpoint_dir"] == str(tmp_path)
 
 
-def test_non_finite_loss_stops_with_the_best_state(data, tmp_path, faulty_elbo):
+def test_non_finite_loss_stops_with_the_best_state(data, tmp_path, faulty_elbo, small_model, small_config):
     faulty_elbo.fail_at = 7  # epoch 2, step 3
-    model = _model()
+    model = small_model()
     with pytest.raises(NonFiniteLossError, match=r"epoch 2, step 3/4.*nll=nan.*kl=.*ksvd="):
-        train_model(model, data.train, data.val, _config(epochs=3, checkpoint_dir=tmp_path))
+        train_model(model, data.train, data.val, small_config(epochs=3, checkpoint_dir=tmp_path))
     best = torch.load(tmp_path / "best.pt", weights_only=True)
     assert best["epoch"] == 1
     assert not (tmp_path / "last.pt").exists() or torch.load(tmp_path / "last.pt", weights_only=True)["epoch"] == 1
@@ -255,23 +278,85 @@ def test_non_finite_loss_stops_with_the_best_state(data, tmp_path, faulty_elbo):
         assert torch.equal(value, best["model"][name]), name
 
 
-# -- ensembles and output --------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("attention", ["softmax", "kep_svgp"])
-def test_ensemble_averages_member_probabilities(data, attention):
-    members = train_ensemble(lambda k: _model(attention, seed=100 + k), data.train, data.val, _config(epochs=1), 2)
-    models = [model for model, _ in members]
-    assert len(members) == 2
-    assert not all(torch.equal(a, b) for a, b in zip(models[0].parameters(), models[1].parameters(), strict=True))
-    torch.manual_seed(5)
-    probabilities = ensemble_probabilities(models, data.test, num_samples=3)
-    torch.manual_seed(5)
-    expected = torch.stack([evaluate(model, data.test, num_samples=3) for model in models]).mean(dim=0)
-    assert probabilities.shape == (len(data.test), 2)
-    torch.testing.assert_close(probabilities.sum(dim=-1), torch.ones(len(data.test)))
-    assert torch.equal(probabilities, expected)
-
-
-def test_progress_false_prints_nothing(data, capfd):
-    train_model(_model(), data.train, data.val, _config(epochs=1, progress=False))
+# -- output ----------------------------------------------------------------------------------------------------------
+def test_progress_false_prints_nothing(data, capfd, small_model, small_config):
+    train_model(small_model(), data.train, data.val, small_config(epochs=1, progress=False))
     captured = capfd.readouterr()
     assert captured.out == "" and captured.err == ""
+
+
+# -- model selection -------------------------------------------------------------------------------------------------
+def test_selection_uses_the_reported_nll(data, small_model, small_config):
+    # softmax attention is deterministic: the best state's validation predictions can be recomputed exactly
+    model = small_model("softmax")
+    result = train_model(model, data.train, data.val, small_config(epochs=3))
+    probabilities = evaluate(model, data.val, num_samples=2)
+    assert result.best_val_nll == negative_log_likelihood(probabilities, data.val.labels)
+    best = result.history[result.best_epoch - 1]
+    assert best["val_accuracy"] == accuracy(probabilities, data.val.labels)
+    assert best["val_nll"] == min(record["val_nll"] for record in result.history)
+
+
+# -- strategies ------------------------------------------------------------------------------------------------------
+class RecordingStrategy(TrainingStrategy):
+    """A single process that records the hooks the loop calls (and can pretend another process saw a NaN loss)."""
+
+    def __init__(self, stop_at_call: int | None = None):
+        self.calls: list[str] = []
+        self.stop_at_call = stop_at_call
+
+    def wrap(self, model):
+        self.calls.append("wrap")
+        return model
+
+    def shard(self, order: Tensor) -> Tensor:
+        self.calls.append("shard")
+        return order
+
+    def any(self, flag: bool) -> bool:
+        self.calls.append("any")
+        return flag or self.calls.count("any") == self.stop_at_call
+
+    def sum(self, values):
+        self.calls.append("sum")
+        return values
+
+    def finish(self, model, best_state):
+        self.calls.append("finish")
+
+
+def test_a_strategy_sees_every_hook_and_leaves_the_run_unchanged(data, small_model, small_config):
+    reference, hooked = small_model(), small_model()
+    expected = train_model(reference, data.train, data.val, small_config())
+    strategy = RecordingStrategy()
+    result = train_model(hooked, data.train, data.val, small_config(), strategy=strategy)
+    assert _without_time(result.history) == _without_time(expected.history)
+    _assert_same_parameters(hooked, reference)
+    # 2 epochs of 4 steps: one stop vote per step and one on the validation predictions per epoch
+    epoch = ["shard"] + ["any"] * 4 + ["sum", "any"]
+    assert strategy.calls == ["wrap", *epoch, *epoch, "finish"]
+
+
+def test_a_stop_vote_from_another_process_stops_this_one(data, small_model, small_config):
+    model = small_model()
+    with pytest.raises(NonFiniteLossError, match=r"non-finite training loss at epoch 1, step 3/4"):
+        train_model(model, data.train, data.val, small_config(), strategy=RecordingStrategy(stop_at_call=3))
+    assert not model.training  # the best state (the initial one) is back, in eval mode
+
+
+def test_processes_other_than_the_main_one_neither_validate_nor_write(data, tmp_path, small_model, small_config):
+    class SecondRank(TrainingStrategy):
+        rank, world_size = 1, 2
+
+    model, initial = small_model(), small_model()
+    steps = []
+    handle = register_optimizer_step_pre_hook(lambda optimizer, args, kwargs: steps.append(1))
+    try:
+        result = train_model(model, data.train, data.val, small_config(checkpoint_dir=tmp_path), strategy=SecondRank())
+    finally:
+        handle.remove()
+    assert len(steps) == 2 * 2  # ceil(ceil(256 / 2) / 64) = 2 steps per epoch: the shard size sets the steps
+    assert result.history == [] and result.best_epoch == 0
+    assert not (tmp_path / "last.pt").exists() and not (tmp_path / "best.pt").exists()
+    # the best state is the main process's (DataParallelStrategy.finish broadcasts it): alone, this one keeps its own
+    _assert_same_parameters(model, initial)

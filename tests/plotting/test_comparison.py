@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
-import copy
+import dataclasses
 import json
 import zlib
 
+import matplotlib
 import matplotlib.pyplot as plt
 import numpy as np
 import pytest
 
+from gpattn.experiments import RunRecord
 from gpattn.plotting import (
     plot_ood_histograms,
     plot_reliability_diagrams,
@@ -34,11 +36,11 @@ def _reliability(rng: np.random.Generator) -> dict:
     return {"confidence": confidence, "accuracy": accuracy, "count": [int(n) for n in count]}
 
 
-def _record(task: str, attention: str, seed: int) -> dict:
+def _record(task: str, attention: str, seed: int) -> RunRecord:
     rng = np.random.default_rng(zlib.crc32(f"{task}-{attention}-{seed}".encode()))
     test = {
         key: float(rng.uniform(0, 1))
-        for key in ("accuracy", "nll", "ece", "mce", "brier", "aurc", "eaurc", "auroc", "fpr95")
+        for key in ("accuracy", "nll", "ece", "mce", "brier", "aurc", "eaurc", "auroc", "fpr95", "confidence")
     }
     record = {
         "task": task,
@@ -48,7 +50,7 @@ def _record(task: str, attention: str, seed: int) -> dict:
         "reliability": _reliability(rng),
         "ood_scores": {},
         "spectra": {},
-        "train": {"seconds": 1.0, "epochs": 3, "best_epoch": 2, "num_parameters": 100},
+        "train": {"seconds": 1.0, "epochs": 3, "best_epoch": 2, "num_parameters": 100, "ensemble": 1},
     }
     if task == "digits":
         record["metrics"]["shift"] = {
@@ -70,11 +72,11 @@ def _record(task: str, attention: str, seed: int) -> dict:
         record["spectra"] = {
             f"layer_{layer}": [np.sort(rng.uniform(0.01, 10, 6))[::-1].tolist() for _ in range(2)] for layer in (1, 2)
         }
-    return json.loads(json.dumps(record))  # JSON round trip: what the runner writes
+    return RunRecord.from_dict(json.loads(json.dumps(record)))  # JSON round trip: what the runner writes
 
 
 @pytest.fixture(scope="module")
-def records() -> list[dict]:
+def records() -> list[RunRecord]:
     return [_record(task, a, s) for task in ("digits", "pointer") for a in ATTENTIONS for s in SEEDS]
 
 
@@ -101,17 +103,17 @@ def test_reliability_panels_pool_seeds(records) -> None:
     assert [axis.get_xlabel() for axis in figure.axes] == ["confidence"] * 2
     assert [axis.get_ylabel() for axis in figure.axes] == ["accuracy"] * 2
     for axis, attention in zip(figure.axes, ATTENTIONS, strict=True):
-        group = [r for r in records if r["task"] == "pointer" and r["attention"] == attention]
+        group = [r for r in records if r.task == "pointer" and r.attention == attention]
         # hand computation of the pooled bins
         count = np.zeros(NUM_BINS)
         accuracy = np.zeros(NUM_BINS)
         confidence = np.zeros(NUM_BINS)
         for record in group:
-            for b, n in enumerate(record["reliability"]["count"]):
+            for b, n in enumerate(record.reliability.count):
                 if n:
                     count[b] += n
-                    accuracy[b] += n * record["reliability"]["accuracy"][b]
-                    confidence[b] += n * record["reliability"]["confidence"][b]
+                    accuracy[b] += n * record.reliability.accuracy[b]
+                    confidence[b] += n * record.reliability.confidence[b]
         filled = count > 0
         expected_accuracy = accuracy[filled] / count[filled]
         expected_confidence = confidence[filled] / count[filled]
@@ -121,7 +123,7 @@ def test_reliability_panels_pool_seeds(records) -> None:
         np.testing.assert_allclose([p.get_height() for p in bars], expected_accuracy)
         gaps = sorted(_bars(axis, "gap"), key=lambda p: p.get_x())
         np.testing.assert_allclose([p.get_y() + p.get_height() for p in gaps], expected_confidence)
-        ece = np.mean([r["metrics"]["test"]["ece"] for r in group])
+        ece = np.mean([r.metrics.test.ece for r in group])
         assert attention in axis.get_title() and f"ECE {100 * ece:.2f}" in axis.get_title()
     assert len(figure.legends) == 1 and len(figure.legends[0].get_texts()) == 3
     assert "pointer" in figure.get_suptitle()
@@ -143,9 +145,9 @@ def test_shift_curves_grid(records) -> None:
     # the first panel (gaussian noise, accuracy): severities 0..5, mean over seeds, clean test at 0
     lines = figure.axes[0].get_lines()
     assert len(lines) == len(ATTENTIONS)
-    group = [r for r in records if r["task"] == "digits" and r["attention"] == ATTENTIONS[0]]
-    expected = [np.mean([r["metrics"]["test"]["accuracy"] for r in group])] + [
-        np.mean([r["metrics"]["shift"]["gaussian_noise"][str(s)]["accuracy"] for r in group]) for s in range(1, 6)
+    group = [r for r in records if r.task == "digits" and r.attention == ATTENTIONS[0]]
+    expected = [np.mean([r.metrics.test.accuracy for r in group])] + [
+        np.mean([r.metrics.shift["gaussian_noise"][str(s)].accuracy for r in group]) for s in range(1, 6)
     ]
     np.testing.assert_allclose(lines[0].get_xdata(), np.arange(6))
     np.testing.assert_allclose(lines[0].get_ydata(), expected)
@@ -153,10 +155,10 @@ def test_shift_curves_grid(records) -> None:
 
 
 def test_shift_curves_skip_records_without_shift(records) -> None:
-    partial = copy.deepcopy(records)
-    for record in partial:
-        if record["attention"] == "softmax":
-            record["metrics"].pop("shift")
+    partial = [
+        dataclasses.replace(r, metrics=dataclasses.replace(r.metrics, shift={})) if r.attention == "softmax" else r
+        for r in records
+    ]
     figure = plot_shift_curves(partial, metrics=("accuracy",))
     assert len(figure.axes) == len(KINDS)
     assert len(figure.axes[0].get_lines()) == 1
@@ -167,8 +169,8 @@ def test_ood_histograms(records) -> None:
     assert len(figure.axes) == len(ATTENTIONS)
     _labelled(figure)
     for axis, attention in zip(figure.axes, ATTENTIONS, strict=True):
-        group = [r for r in records if r["task"] == "digits" and r["attention"] == attention]
-        auroc = np.mean([r["metrics"]["ood"]["held_out"]["auroc_max_prob"] for r in group])
+        group = [r for r in records if r.task == "digits" and r.attention == attention]
+        auroc = np.mean([r.metrics.ood["held_out"].auroc_max_prob for r in group])
         assert attention in axis.get_title() and f"AUROC (held-out) {auroc:.3f}" in axis.get_title()
         texts = [text.get_text() for text in axis.get_legend().get_texts()]
         assert len(texts) == 3 and texts[0].startswith("in-distribution") and "(n=120)" in texts[0]
@@ -185,9 +187,9 @@ def test_spectra_log_scale(records) -> None:
         lines = axis.get_lines()
         assert len(lines) == 4  # 2 layers x 2 heads
         assert axis.get_legend() is not None and len(axis.get_legend().get_texts()) == 4
-        group = [r for r in records if r["task"] == task and r["attention"] == "kep_svgp"]
+        group = [r for r in records if r.task == task and r.attention == "kep_svgp"]
         np.testing.assert_allclose(lines[0].get_xdata(), np.arange(1, 7))
-        np.testing.assert_allclose(lines[0].get_ydata(), np.mean([r["spectra"]["layer_1"][0] for r in group], axis=0))
+        np.testing.assert_allclose(lines[0].get_ydata(), np.mean([r.spectra["layer_1"][0] for r in group], axis=0))
 
 
 def test_write_comparison_figures(records, tmp_path) -> None:
@@ -207,11 +209,10 @@ def test_write_comparison_figures(records, tmp_path) -> None:
 
 
 def test_write_skips_figures_without_data(records, tmp_path) -> None:
-    pointer = [copy.deepcopy(r) for r in records if r["task"] == "pointer" and r["attention"] == "softmax"]
+    pointer = [r for r in records if r.task == "pointer" and r.attention == "softmax"]
     paths = write_comparison_figures(pointer, tmp_path)
     assert [p.name for p in paths] == ["reliability_pointer.png"]
-    for record in pointer:
-        record.pop("reliability")
+    pointer = [dataclasses.replace(record, reliability=None) for record in pointer]
     assert write_comparison_figures(pointer, tmp_path / "empty") == []
 
 
@@ -231,10 +232,30 @@ def test_bad_records_are_refused(bad) -> None:
 
 
 def test_plots_refuse_records_without_their_data(records) -> None:
-    pointer = [r for r in records if r["task"] == "pointer" and r["attention"] == "softmax"]
+    pointer = [r for r in records if r.task == "pointer" and r.attention == "softmax"]
     with pytest.raises(ValueError, match="shift"):
         plot_shift_curves(pointer)
     with pytest.raises(ValueError, match="OOD"):
         plot_ood_histograms(pointer)
     with pytest.raises(ValueError, match="spectra"):
         plot_spectra(pointer)
+
+
+def test_dicts_are_refused_with_a_pointer_to_the_reader(records) -> None:
+    with pytest.raises(TypeError, match=r"record 0 is a dict, expected a RunRecord \(read .*read_records"):
+        plot_spectra([records[0].to_dict()])
+
+
+def test_attentions_come_in_registry_order(records) -> None:
+    # records in the reverse order, and an attention the registry does not know (an ensemble): registry order first
+    ensemble = [dataclasses.replace(r, attention="kep_svgp_ens2") for r in records if r.attention == "kep_svgp"]
+    figure = plot_reliability_diagrams([*ensemble, *reversed(records)], "pointer")
+    titles = [axis.get_title().split("\n")[0] for axis in figure.axes]
+    assert titles == ["kep_svgp", "softmax", "kep_svgp_ens2"]
+    colours = [_bars(axis, "accuracy")[0].get_facecolor()[:3] for axis in figure.axes[:2]]
+    assert colours == [matplotlib.colors.to_rgb("C0"), matplotlib.colors.to_rgb("C4")]  # registry positions 0 and 4
+
+
+def test_shift_metrics_must_be_known(records) -> None:
+    with pytest.raises(ValueError, match=r"expected metrics to be one of \['accuracy', 'nll', 'ece', 'brier'\]"):
+        plot_shift_curves(records, metrics=("mce",))

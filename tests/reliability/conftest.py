@@ -1,4 +1,5 @@
-"""Shared helpers of the reliability tests: small models of every registered attention, one intra-op thread."""
+"""Shared helpers of the reliability tests: small layers of every registered attention (``make_transformer`` is in
+``tests/conftest.py``)."""
 
 from __future__ import annotations
 
@@ -7,37 +8,16 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from gpattn.attention import AttentionLayer, attention_arguments, build_attention
-from gpattn.models import Transformer
-
-SIZE_ARGUMENTS = ("num_inducing",)
-VOCAB, LENGTH = 6, 6
-
-
-def small_sizes(name: str, size: int = 4) -> dict[str, int]:
-    """``size`` for the rank / inducing-set arguments the layer registered as ``name`` takes."""
-    return {key: size for key in SIZE_ARGUMENTS if key in attention_arguments(name)}
+from gpattn.attention import AttentionLayer, build_attention, select_arguments
 
 
 @pytest.fixture
 def make_layer() -> Callable[..., AttentionLayer]:
-    """``make_layer(name, embed_dim=16, num_heads=2, seed=0, **kwargs)``: a small registry layer, seeded."""
+    """``make_layer(name, embed_dim=16, num_heads=2, seed=0, **kwargs)``: a small registry layer (inducing sets of 4
+    where it has one), seeded."""
 
     def build(name: str, embed_dim: int = 16, num_heads: int = 2, seed: int = 0, **kwargs) -> AttentionLayer:
         torch.manual_seed(seed)
-        return build_attention(name, embed_dim, num_heads, **{**small_sizes(name), **kwargs})
-
-    return build
-
-
-@pytest.fixture
-def make_transformer() -> Callable[..., Transformer]:
-    """``make_transformer(attention, seed=0, **kwargs)``: a tiny token classifier (2 classes, width 16, depth 2 with one
-    GP block, vocabulary 6, length 6), seeded."""
-
-    def build(attention: str, seed: int = 0, **kwargs) -> Transformer:
-        torch.manual_seed(seed)
-        settings = dict(embed_dim=16, depth=2, num_heads=2, vocab_size=VOCAB, max_len=LENGTH)
-        return Transformer(2, attention=attention, **{**settings, **small_sizes(attention), **kwargs})
+        return build_attention(name, embed_dim, num_heads, **{**select_arguments(name, num_inducing=4), **kwargs})
 
     return build

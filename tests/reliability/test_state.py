@@ -1,11 +1,8 @@
 """State: a trained Transformer survives ``state_dict`` and whole-model ``torch.save`` round trips with identical
-predictions, Monte Carlo evaluation is a function of the seed, and an interrupted run resumes bit for bit on the CPU,
-for every registered attention."""
+predictions, and Monte Carlo evaluation is a function of the seed, for every registered attention. (Bitwise resume of
+an interrupted run is tested with the training loop, tests/experiments/test_training.py.)"""
 
 from __future__ import annotations
-
-import copy
-import math
 
 import pytest
 import torch
@@ -13,7 +10,6 @@ from torch import Tensor
 
 from gpattn.attention import ATTENTIONS, attention_names
 from gpattn.data import make_pointer_task
-from gpattn.experiments import TrainConfig, load_checkpoint, train_model
 from gpattn.mlls import AttentionELBO
 from gpattn.models import predict_probabilities
 
@@ -63,24 +59,6 @@ def _assert_identical(first: dict[str, Tensor], second: dict[str, Tensor]) -> No
     assert first.keys() == second.keys()
     for key in first:
         assert torch.equal(first[key], second[key]), key
-
-
-def _assert_equal_nested(first, second, where: str = "") -> None:
-    """Bitwise equality of nested dicts / lists of tensors and plain values (optimiser and checkpoint states)."""
-    if isinstance(first, Tensor):
-        assert isinstance(second, Tensor) and first.dtype == second.dtype and torch.equal(first, second), where
-    elif isinstance(first, dict):
-        assert isinstance(second, dict) and first.keys() == second.keys(), where
-        for key in first:
-            _assert_equal_nested(first[key], second[key], f"{where}/{key}")
-    elif isinstance(first, (list, tuple)):
-        assert isinstance(second, (list, tuple)) and len(first) == len(second), where
-        for index, (a, b) in enumerate(zip(first, second, strict=True)):
-            _assert_equal_nested(a, b, f"{where}[{index}]")
-    elif isinstance(first, float) and math.isnan(first):
-        assert isinstance(second, float) and math.isnan(second), where
-    else:
-        assert first == second, where
 
 
 # -- round trips -----------------------------------------------------------------------------------------------------
@@ -134,34 +112,3 @@ def test_monte_carlo_prediction_is_a_function_of_the_seed(make_transformer, data
         torch.manual_seed(3)
         forked = predict_probabilities(model, tokens, mask=mask, num_samples=5)
     assert torch.equal(forked, first) and torch.equal(torch.get_rng_state(), state)
-
-
-# -- bitwise resume --------------------------------------------------------------------------------------------------
-def _without_time(history):
-    return [{key: value for key, value in record.items() if key != "seconds"} for record in history]
-
-
-@pytest.mark.parametrize("name", NAMES)
-def test_interrupted_run_resumes_bit_identically(make_transformer, data, name, tmp_path, faulty_elbo):
-    settings = dict(epochs=3, batch_size=48, lr=1e-2, warmup_epochs=1, eval_samples=2, progress=False)
-    reference = make_transformer(name)
-    interrupted = copy.deepcopy(reference)
-    full = train_model(reference, data.train, data.val, TrainConfig(**settings, checkpoint_dir=tmp_path / "full"))
-
-    # 3 steps per epoch: the 8th loss is the second step of epoch 3, after two checkpoints
-    faulty_elbo.interrupt_at = 8
-    config = TrainConfig(**settings, checkpoint_dir=tmp_path / "staged")
-    with pytest.raises(KeyboardInterrupt):
-        train_model(interrupted, data.train, data.val, config)
-    faulty_elbo.interrupt_at = None
-    assert load_checkpoint(tmp_path / "staged" / "last.pt")["epoch"] == 2
-    resumed = train_model(interrupted, data.train, data.val, config, resume=True)
-
-    # metrics, selection and the final (best) parameters
-    assert _without_time(resumed.history) == _without_time(full.history)
-    assert (resumed.best_epoch, resumed.best_val_nll) == (full.best_epoch, full.best_val_nll)
-    _assert_equal_nested(interrupted.state_dict(), reference.state_dict(), "best state")
-    # the last state, the optimiser moments, the schedule and the RNG streams
-    last = [load_checkpoint(tmp_path / run / "last.pt") for run in ("full", "staged")]
-    for key in ("model", "optimizer", "scheduler", "rng", "epoch", "best_epoch", "best_val_nll"):
-        _assert_equal_nested(last[0][key], last[1][key], key)

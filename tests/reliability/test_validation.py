@@ -28,6 +28,7 @@ from gpattn.attention import (
     sample_attention,
 )
 from gpattn.data import (
+    ImageDataset,
     images_to_patches,
     load_cifar10,
     load_cifar10_c,
@@ -41,7 +42,6 @@ from gpattn.data import (
     patches_to_images,
     shift_images,
 )
-from gpattn.data.digits import ImageDataset
 from gpattn.experiments import CompareConfig, ToyRegressionConfig
 from gpattn.features import AttentionKernelEigenFeatures, KernelEigenFeatures
 from gpattn.kernels import (

@@ -1,6 +1,6 @@
-"""Damaged checkpoints fail with a clear error naming the file and the problem (never deep inside torch, never leaving a
-half-loaded model), and a non-finite loss, gradient or parameter stops training with the last good checkpoint intact
-on disk."""
+"""Checkpoints: atomic writes and RNG states; damaged checkpoints fail with a clear error naming the file and the
+problem (never deep inside torch, never leaving a half-loaded model), and a non-finite loss, gradient or parameter stops
+training with the last good checkpoint intact on disk."""
 
 from __future__ import annotations
 
@@ -20,6 +20,7 @@ from gpattn.experiments import (
     load_checkpoint,
     train_model,
 )
+from gpattn.experiments.checkpoints import check_state_fits, restore_rng_state, rng_state, save_checkpoint
 from gpattn.models import Transformer
 
 STEPS_PER_EPOCH = 2  # 96 training sequences, batches of 48
@@ -72,6 +73,40 @@ def _resume_fails(make_transformer, data, directory, match: str):
     assert isinstance(caught.value, ValueError) and isinstance(caught.value, RuntimeError)
     assert all(torch.equal(value, before[name]) for name, value in model.state_dict().items())
     return caught.value
+
+
+# -- writing and RNG states ------------------------------------------------------------------------------------------
+def test_save_is_atomic_and_round_trips(tmp_path):
+    checkpoint = {"model": {"w": torch.arange(3.0)}, "epoch": 2}
+    save_checkpoint(checkpoint, tmp_path / "last.pt")
+    assert [path.name for path in tmp_path.iterdir()] == ["last.pt"]  # the temporary file was renamed
+    loaded = torch.load(tmp_path / "last.pt", weights_only=True)
+    assert loaded["epoch"] == 2 and torch.equal(loaded["model"]["w"], torch.arange(3.0))
+
+
+def test_rng_states_restore_the_streams():
+    generator = torch.Generator().manual_seed(7)
+    torch.manual_seed(3)
+    torch.rand(5), torch.rand(2, generator=generator)  # advance both streams
+    state = rng_state(generator, torch.device("cpu"))
+    assert set(state) == {"torch", "batch_generator", "cuda"} and state["cuda"] is None
+    expected = torch.rand(4), torch.randperm(10, generator=generator)
+    torch.manual_seed(99)
+    other = torch.Generator().manual_seed(1)
+    restore_rng_state(state, other, torch.device("cpu"))
+    again = torch.rand(4), torch.randperm(10, generator=other)
+    assert torch.equal(again[0], expected[0]) and torch.equal(again[1], expected[1])
+
+
+def test_a_state_of_another_model_is_described(tmp_path):
+    model = torch.nn.Sequential(*[torch.nn.Linear(2, 2) for _ in range(4)])
+    state = {f"{index}.{name}": torch.zeros(3) for index in range(4) for name in ("weight", "bias")}
+    with pytest.raises(CheckpointError, match=r"x\.pt was written for another model configuration: shape mismatches"):
+        check_state_fits(state, model, tmp_path / "x.pt")
+    state = {"extra": torch.zeros(1)}
+    with pytest.raises(CheckpointError, match=r"missing \['0\.weight', .*\] and 3 more; unexpected \['extra'\]"):
+        check_state_fits(state, model, tmp_path / "x.pt")
+    check_state_fits(model.state_dict(), model, tmp_path / "x.pt")  # a fitting state passes
 
 
 # -- damaged files ---------------------------------------------------------------------------------------------------

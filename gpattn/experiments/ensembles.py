@@ -1,0 +1,71 @@
+"""Ensembles: independent members trained by the one training loop, with one seed rule.
+
+**Seed rule.** Member :math:`k` (from 0) of an ensemble of :math:`K` members with seed :math:`s` is initialised and
+trained with the seed :math:`sK + k` (:func:`member_seed`). A single model (:math:`K = 1`) keeps its seed :math:`s`,
+and for non-negative seeds the members of the ensembles of different seeds never share a seed (seeds ``0, 1, 2``
+with :math:`K = 2` train the members ``{0, 1}``, ``{2, 3}``, ``{4, 5}``), so that their spread over seeds is that of
+independent ensembles. ``gpattn compare --ensemble K`` uses the same rule.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..validation import check_int
+from .training import TrainConfig, TrainResult, train_model
+
+__all__ = ["member_seed", "train_ensemble"]
+
+
+def member_seed(seed: int, member: int, size: int) -> int:
+    """The seed :math:`sK + k` of member ``member`` (:math:`k`) of an ensemble of ``size`` (:math:`K`) members with
+    seed ``seed`` (:math:`s`); see the module docstring.
+
+    :raises ValueError: Unless ``0 <= member < size``.
+    """
+    check_int("size", size)
+    check_int("member", member, minimum=0, maximum=size - 1)
+    return seed * size + member
+
+
+def train_ensemble(
+    make_model: Callable[[int], torch.nn.Module],
+    train: Any,
+    val: Any,
+    config: TrainConfig,
+    size: int,
+    resume: bool = False,
+) -> list[tuple[torch.nn.Module, TrainResult]]:
+    """Train ``size`` independent members (Deep Ensembles with softmax attention, KEP-SVGP ensembles with
+    ``"kep_svgp"``) with :func:`~gpattn.experiments.train_model`; average their predictions with
+    :func:`~gpattn.experiments.ensemble_probabilities`.
+
+    Member ``k`` is built by ``make_model(k)`` right after ``torch.manual_seed(member_seed(config.seed, k, size))``
+    (so its initialisation is seeded too) and trained with that seed. With a ``checkpoint_dir``, member ``k`` writes
+    its checkpoints to the subdirectory ``member_<k>`` (an ensemble of one, a single model, to ``checkpoint_dir``
+    itself), and ``resume=True`` resumes every member from there.
+
+    :param make_model: Builds member ``k`` (on any device: it is moved to ``config.device``).
+    :param train: Training set (as for :func:`~gpattn.experiments.train_model`).
+    :param val: Validation set.
+    :param config: The settings of every member (their seeds follow the rule above).
+    :param size: Number of members :math:`K`.
+    :param resume: Continue interrupted members from their ``last.pt``.
+    :return: ``[(model, result), ...]`` in member order.
+    """
+    check_int("size", size)
+    members = []
+    for k in range(size):
+        directory = config.checkpoint_dir
+        if directory is not None and size > 1:
+            directory = Path(directory) / f"member_{k}"
+        member_config = replace(config, seed=member_seed(config.seed, k, size), checkpoint_dir=directory)
+        torch.manual_seed(member_config.seed)
+        model = make_model(k)
+        members.append((model, train_model(model, train, val, member_config, resume=resume)))
+    return members

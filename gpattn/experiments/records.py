@@ -1,0 +1,300 @@
+"""The typed result of one comparison run (:class:`RunRecord`), what ``results.json`` holds and the figures read.
+
+A record is built by :func:`~gpattn.experiments.train_and_evaluate`, written with :meth:`RunRecord.to_dict` (plain
+JSON: the layout below) and read back with :meth:`RunRecord.from_dict` or :func:`read_records`, which check it once
+(types, required entries) so that no reader has to::
+
+    {"task": "digits", "attention": "kep_svgp", "seed": 0,
+     "metrics": {"test": {"accuracy": ..., "confidence": ..., "nll": ..., "ece": ..., ...},
+                 "shift": {"gaussian_noise": {"1": {"accuracy": ..., "nll": ..., "ece": ..., "brier": ...}, ...}},
+                 "ood": {"held_out": {"auroc_max_prob": ..., ...}, "noise": {...}}},
+     "reliability": {"confidence": [...], "accuracy": [...], "count": [...]},  # per bin, test set
+     "ood_scores": {"in": [...], "held_out": [...], "noise": [...]},          # max probabilities
+     "spectra": {"layer_2": [[sigma_1, sigma_2, ...], ...]},                  # one list per head
+     "train": {"seconds": ..., "epochs": ..., "best_epoch": ..., "num_parameters": ..., "ensemble": ...}}
+
+``task``, ``attention``, ``seed`` and ``metrics.test`` are required; ``shift``, ``ood``, ``ood_scores`` and
+``spectra`` may be empty (a task without shifted or OOD sets, an attention without a learned spectrum) and
+``reliability`` and ``train`` may be ``null``. Every number is a fraction, not a percent; NaN is written as JSON's
+``NaN`` and read back as NaN (``null`` too, in the reliability bins that are empty).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import numbers
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TypeVar
+
+__all__ = [
+    "ClassificationMetrics",
+    "OODMetrics",
+    "ReliabilityBins",
+    "RunMetrics",
+    "RunRecord",
+    "ShiftMetrics",
+    "TrainingSummary",
+    "read_records",
+]
+
+Fields = TypeVar("Fields")
+
+
+@dataclass(frozen=True)
+class ClassificationMetrics:
+    """Metrics of predictive probabilities on a labelled test set (:mod:`gpattn.metrics`).
+
+    :ivar accuracy: Top-1 accuracy.
+    :ivar confidence: Mean top-label probability (above ``accuracy``: over-confident).
+    :ivar nll: Mean negative log-likelihood (nats; :func:`~gpattn.metrics.negative_log_likelihood`).
+    :ivar ece: Expected calibration error (15 bins).
+    :ivar mce: Maximum calibration error.
+    :ivar brier: Brier score (sum over classes).
+    :ivar aurc: Area under the risk-coverage curve.
+    :ivar eaurc: Excess AURC.
+    :ivar auroc: Misclassification AUROC of the top-label probability.
+    :ivar fpr95: Misclassification FPR at 95% TPR.
+    """
+
+    accuracy: float
+    confidence: float
+    nll: float
+    ece: float
+    mce: float
+    brier: float
+    aurc: float
+    eaurc: float
+    auroc: float
+    fpr95: float
+
+
+@dataclass(frozen=True)
+class ShiftMetrics:
+    """Metrics on one shifted test set (one kind, one severity)."""
+
+    accuracy: float
+    nll: float
+    ece: float
+    brier: float
+
+
+@dataclass(frozen=True)
+class OODMetrics:
+    """Separation of the in-distribution test set (positive) from one OOD set."""
+
+    auroc_max_prob: float
+    auroc_entropy: float
+    aupr_max_prob: float
+    fpr95_max_prob: float
+
+
+@dataclass(frozen=True)
+class RunMetrics:
+    """Every metric of a run.
+
+    :ivar test: On the clean test set.
+    :ivar shift: Shift kind -> severity (``"1"`` to ``"5"``, a string as in JSON) -> metrics; ``{}`` without shifts.
+    :ivar ood: OOD set name (``"held_out"``, ``"noise"``) -> metrics; ``{}`` without OOD sets.
+    """
+
+    test: ClassificationMetrics
+    shift: dict[str, dict[str, ShiftMetrics]] = field(default_factory=dict)
+    ood: dict[str, OODMetrics] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class ReliabilityBins:
+    """The test set's reliability diagram (:func:`~gpattn.metrics.reliability_diagram_data`), one entry per bin.
+
+    :ivar confidence: Mean confidence of each bin, ``None`` for an empty bin.
+    :ivar accuracy: Accuracy of each bin, ``None`` for an empty bin.
+    :ivar count: Number of test points in each bin.
+    """
+
+    confidence: list[float | None]
+    accuracy: list[float | None]
+    count: list[int]
+
+    def __post_init__(self) -> None:
+        lengths = {len(self.confidence), len(self.accuracy), len(self.count)}
+        if len(lengths) != 1:
+            raise ValueError(
+                f"ReliabilityBins: confidence, accuracy and count differ in length (ragged bins): {lengths}"
+            )
+
+
+@dataclass(frozen=True)
+class TrainingSummary:
+    """How a run was trained.
+
+    :ivar seconds: Wall time of the training (every member of an ensemble).
+    :ivar epochs: Epochs per member.
+    :ivar best_epoch: Epoch of the lowest validation NLL (of the first member).
+    :ivar num_parameters: Parameters of the model (summed over the members).
+    :ivar ensemble: Number of members (1: a single model).
+    """
+
+    seconds: float
+    epochs: int
+    best_epoch: int
+    num_parameters: int
+    ensemble: int
+
+
+@dataclass(frozen=True)
+class RunRecord:
+    """The result of one ``(task, attention, seed)`` run of the comparison (see the module docstring for its JSON).
+
+    :ivar task: ``"pointer"`` or ``"digits"``.
+    :ivar attention: Registry name, ``"<name>_ens<K>"`` for an ensemble of ``K`` members.
+    :ivar seed: The run's seed.
+    :ivar metrics: Test, shift and OOD metrics.
+    :ivar reliability: The test set's reliability bins, or ``None``.
+    :ivar ood_scores: Set name (``"in"`` for the test set) -> maximum probability of every input; ``{}`` without OOD.
+    :ivar spectra: ``"layer_<l>"`` -> learned KSVD singular values, one descending list per head, for every layer
+        with a learned spectrum (:meth:`~gpattn.attention.AttentionLayer.learned_spectrum`); ``{}`` for none.
+    :ivar train: How the run was trained, or ``None``.
+
+    Example:
+        >>> records = read_records("runs/main/results.json")  # the run folder of ``gpattn compare``
+        >>> {r.attention: r.metrics.test.ece for r in records if r.task == "digits" and r.seed == 0}
+    """
+
+    task: str
+    attention: str
+    seed: int
+    metrics: RunMetrics
+    reliability: ReliabilityBins | None = None
+    ood_scores: dict[str, list[float]] = field(default_factory=dict)
+    spectra: dict[str, list[list[float]]] = field(default_factory=dict)
+    train: TrainingSummary | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        """The record as plain JSON-able data (nested dicts and lists), the layout of ``results.json``."""
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> RunRecord:
+        """Read a record from :meth:`to_dict`'s layout (e.g. one entry of ``results.json``'s ``"records"``).
+
+        :raises ValueError: Naming the entry that is missing, unexpected or of the wrong type.
+        """
+        where = "record"
+        data = _mapping(data, where)
+        missing = [key for key in ("task", "attention", "seed", "metrics") if key not in data]
+        unknown = sorted(set(data) - {entry.name for entry in dataclasses.fields(cls)})
+        if missing or unknown:
+            raise ValueError(f"{where}: missing entries {missing}, unexpected entries {unknown}")
+        for key in ("task", "attention"):
+            if not isinstance(data[key], str):
+                raise ValueError(f"{where}: expected {key!r} to be a string, got {data[key]!r}")
+        metrics = _mapping(data["metrics"], "record.metrics")
+        if "test" not in metrics:
+            raise ValueError("record.metrics: missing the entry 'test'")
+        shift = _mapping(metrics.get("shift", {}), "record.metrics.shift")
+        ood = _mapping(metrics.get("ood", {}), "record.metrics.ood")
+        reliability = data.get("reliability")
+        train = data.get("train")
+        return cls(
+            task=data["task"],
+            attention=data["attention"],
+            seed=_integer(data["seed"], "record.seed"),
+            metrics=RunMetrics(
+                test=_fields(ClassificationMetrics, metrics["test"], "record.metrics.test"),
+                shift={
+                    kind: {
+                        str(severity): _fields(ShiftMetrics, values, f"record.metrics.shift.{kind}.{severity}")
+                        for severity, values in _mapping(levels, f"record.metrics.shift.{kind}").items()
+                    }
+                    for kind, levels in shift.items()
+                },
+                ood={name: _fields(OODMetrics, values, f"record.metrics.ood.{name}") for name, values in ood.items()},
+            ),
+            reliability=None if reliability is None else _reliability(reliability),
+            ood_scores={
+                name: _numbers(scores, f"record.ood_scores.{name}")
+                for name, scores in _mapping(data.get("ood_scores", {}), "record.ood_scores").items()
+            },
+            spectra={
+                layer: [_numbers(head, f"record.spectra.{layer}") for head in _list(heads, f"record.spectra.{layer}")]
+                for layer, heads in _mapping(data.get("spectra", {}), "record.spectra").items()
+            },
+            train=None if train is None else _fields(TrainingSummary, train, "record.train"),
+        )
+
+
+def read_records(path: str | os.PathLike) -> list[RunRecord]:
+    """The records of a ``results.json`` written by :func:`~gpattn.experiments.write_outputs` (or ``gpattn
+    compare``), e.g. to redraw its figures with :func:`~gpattn.plotting.write_comparison_figures`.
+
+    :param path: The ``results.json`` file.
+    :return: Its records, in file order.
+    """
+    content = json.loads(Path(path).read_text())
+    if not isinstance(content, dict) or not isinstance(content.get("records"), list):
+        raise ValueError(f"{path}: expected a results.json with a list of 'records'")
+    return [RunRecord.from_dict(record) for record in content["records"]]
+
+
+# -- reading JSON values ---------------------------------------------------------------------------------------------
+def _mapping(value: Any, where: str) -> Mapping[str, Any]:
+    if not isinstance(value, Mapping):
+        raise ValueError(f"{where}: expected a dict, got {type(value).__name__}")
+    return value
+
+
+def _list(value: Any, where: str) -> list[Any]:
+    if not isinstance(value, (list, tuple)):
+        raise ValueError(f"{where}: expected a list, got {type(value).__name__}")
+    return list(value)
+
+
+def _number(value: Any, where: str) -> float:
+    # JSON has no NaN of its own: None (null) stands for it
+    if value is None:
+        return math.nan
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise ValueError(f"{where}: expected a number, got {value!r}")
+    return float(value)
+
+
+def _numbers(values: Any, where: str) -> list[float]:
+    return [_number(value, where) for value in _list(values, where)]
+
+
+def _integer(value: Any, where: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise ValueError(f"{where}: expected an integer, got {value!r}")
+    return int(value)
+
+
+def _fields(cls: type[Fields], values: Any, where: str) -> Fields:
+    """A flat dataclass of numbers (int fields stay integers) from a dict with exactly its fields."""
+    values = _mapping(values, where)
+    names = [entry.name for entry in dataclasses.fields(cls)]
+    missing = [name for name in names if name not in values]
+    unknown = sorted(set(values) - set(names))
+    if missing or unknown:
+        raise ValueError(f"{where}: missing entries {missing}, unexpected entries {unknown}")
+    converted = {}
+    for entry in dataclasses.fields(cls):
+        value = values[entry.name]
+        convert = _integer if entry.type == "int" else _number
+        converted[entry.name] = convert(value, f"{where}.{entry.name}")
+    return cls(**converted)
+
+
+def _reliability(values: Any) -> ReliabilityBins:
+    where = "record.reliability"
+    values = _mapping(values, where)
+    bins = {name: _list(values.get(name), f"{where}.{name}") for name in ("confidence", "accuracy", "count")}
+    optional = {
+        name: [None if value is None else _number(value, f"{where}.{name}") for value in bins[name]]
+        for name in ("confidence", "accuracy")
+    }
+    return ReliabilityBins(**optional, count=[_integer(value, f"{where}.count") for value in bins["count"]])

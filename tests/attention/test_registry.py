@@ -1,0 +1,98 @@
+"""The attention registry: names in order, accepted arguments, shared settings, registration of a new layer."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from gpattn.attention import (
+    ATTENTIONS,
+    AttentionLayer,
+    SoftmaxAttention,
+    attention_arguments,
+    attention_names,
+    build_attention,
+    register_attention,
+    select_arguments,
+    unregister_attention,
+)
+from gpattn.models import Transformer
+
+BUILT_IN = ["kep_svgp", "kep_svgp_sym", "sgpa", "svgp", "softmax", "primal"]
+
+
+class ScaledSoftmax(SoftmaxAttention):
+    """Softmax attention whose output is multiplied by ``scale``: a layer defined outside the package."""
+
+    def __init__(self, embed_dim: int, num_heads: int, scale: float = 1.0, dropout: float = 0.0):
+        super().__init__(embed_dim, num_heads, dropout)
+        self.scale = scale
+
+    def forward(self, x, mask=None, context=None):
+        return self.scale * super().forward(x, mask=mask, context=context)
+
+
+@pytest.fixture
+def registered():
+    register_attention("scaled", ScaledSoftmax, {"scale": 2.0})
+    yield "scaled"
+    unregister_attention("scaled")
+
+
+def test_built_in_names_and_order() -> None:
+    assert attention_names() == BUILT_IN
+    assert attention_arguments("kep_svgp_sym") == attention_arguments("kep_svgp")
+
+
+def test_select_arguments_keeps_what_the_layer_takes() -> None:
+    settings = {"num_inducing": 8, "ksvd_weight": 0.5}
+    assert select_arguments("softmax", **settings) == {}
+    assert select_arguments("sgpa", **settings) == {"num_inducing": 8}
+    assert select_arguments("svgp", **settings) == {"num_inducing": 8}
+    assert select_arguments("kep_svgp", **settings) == settings
+    assert select_arguments("primal", num_inducing=None, ksvd_weight=0.5) == {"ksvd_weight": 0.5}  # None: own default
+    with pytest.raises(ValueError, match="unknown attention 'nope'"):
+        select_arguments("nope", num_inducing=8)
+
+
+def test_a_registered_layer_is_built_with_its_defaults(registered) -> None:
+    assert attention_names() == [*BUILT_IN, registered]
+    assert attention_arguments(registered) == ["scale", "dropout"]
+    torch.manual_seed(0)
+    layer = build_attention(registered, 8, 2)
+    torch.manual_seed(0)
+    reference = SoftmaxAttention(8, 2)
+    x = torch.randn(2, 5, 8, generator=torch.Generator().manual_seed(1))
+    torch.testing.assert_close(layer(x), 2.0 * reference(x), rtol=0, atol=0)
+    assert build_attention(registered, 8, 2, scale=3.0).scale == 3.0  # the caller's arguments win
+    model = Transformer(2, embed_dim=8, depth=1, num_heads=2, attention=registered, vocab_size=5, max_len=4)
+    assert isinstance(model.attention_layers()[0], ScaledSoftmax)
+
+
+def test_unregister_removes_the_name(registered) -> None:
+    unregister_attention(registered)
+    assert registered not in ATTENTIONS and attention_names() == BUILT_IN
+    register_attention(registered, ScaledSoftmax)  # the fixture unregisters it again
+    with pytest.raises(ValueError, match="unknown attention 'never'"):
+        unregister_attention("never")
+
+
+@pytest.mark.parametrize(
+    ("name", "layer_cls", "defaults", "error", "match"),
+    [
+        ("softmax", SoftmaxAttention, None, ValueError, "already registered"),
+        ("", SoftmaxAttention, None, ValueError, "non-empty string"),
+        ("two words", SoftmaxAttention, None, ValueError, "without spaces"),
+        ("linear", torch.nn.Linear, None, TypeError, "subclass of AttentionLayer"),
+        ("bad", SoftmaxAttention, {"num_inducing": 4}, ValueError, r"defaults \['num_inducing'\] are not arguments"),
+    ],
+)
+def test_bad_registrations_are_refused(name, layer_cls, defaults, error, match) -> None:
+    before = dict(ATTENTIONS)
+    with pytest.raises(error, match=match):
+        register_attention(name, layer_cls, defaults)
+    assert ATTENTIONS == before
+
+
+def test_layers_without_a_spectrum_say_none() -> None:
+    assert AttentionLayer.learned_spectrum(SoftmaxAttention(8, 2)) is None

@@ -1,0 +1,83 @@
+"""Ensembles: one seed rule, member checkpoints, averaged predictions."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from gpattn.experiments import (
+    ensemble_probabilities,
+    evaluate,
+    member_seed,
+    train_ensemble,
+    train_model,
+)
+from gpattn.models import Transformer
+
+
+# -- the seed rule ---------------------------------------------------------------------------------------------------
+def test_member_seeds_are_seed_times_size_plus_member():
+    assert [member_seed(3, k, 4) for k in range(4)] == [12, 13, 14, 15]
+    assert member_seed(7, 0, 1) == 7  # a single model keeps its seed
+
+
+def test_member_seeds_of_different_ensembles_never_coincide():
+    for size in (1, 2, 3, 5):
+        seeds = [member_seed(seed, k, size) for seed in range(50) for k in range(size)]
+        assert len(set(seeds)) == len(seeds) and sorted(seeds) == list(range(50 * size))
+
+
+def test_member_outside_the_ensemble_is_refused():
+    with pytest.raises(ValueError, match="member"):
+        member_seed(0, 2, 2)
+    with pytest.raises(ValueError, match="size"):
+        member_seed(0, 0, 0)
+
+
+def test_members_are_built_and_trained_under_their_seeds(data, small_model, small_config):
+    built = {}
+
+    def make_model(k: int) -> Transformer:
+        model = small_model("softmax", seed=None)  # under the seed train_ensemble set
+        built[k] = {name: value.clone() for name, value in model.state_dict().items()}
+        return model
+
+    members = train_ensemble(make_model, data.train, data.val, small_config(seed=4), 3)
+    for k, (model, result) in enumerate(members):
+        seed = member_seed(4, k, 3)
+        reference = small_model("softmax", seed=seed)  # built right after torch.manual_seed(seed)
+        assert all(torch.equal(built[k][name], value) for name, value in reference.state_dict().items())
+        expected = train_model(reference, data.train, data.val, small_config(seed=seed))  # and trained with that seed
+        assert result.history[0]["val_nll"] == expected.history[0]["val_nll"]
+        assert all(torch.equal(a, b) for a, b in zip(model.parameters(), reference.parameters(), strict=True))
+
+
+# -- checkpoints -----------------------------------------------------------------------------------------------------
+def test_members_write_their_own_checkpoints(data, tmp_path, small_model, small_config):
+    train_ensemble(
+        lambda k: small_model("softmax"), data.train, data.val, small_config(checkpoint_dir=tmp_path / "two"), 2
+    )
+    assert sorted(path.name for path in (tmp_path / "two").iterdir()) == ["member_0", "member_1"]
+    assert all((tmp_path / "two" / f"member_{k}" / "last.pt").is_file() for k in range(2))
+    train_ensemble(
+        lambda k: small_model("softmax"), data.train, data.val, small_config(checkpoint_dir=tmp_path / "one"), 1
+    )
+    assert sorted(path.name for path in (tmp_path / "one").iterdir()) == ["best.pt", "last.pt"]  # a single model
+
+
+# -- predictions -----------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("attention", ["softmax", "kep_svgp"])
+def test_ensemble_averages_member_probabilities(data, attention, small_model, small_config):
+    members = train_ensemble(
+        lambda k: small_model(attention, seed=100 + k), data.train, data.val, small_config(epochs=1), 2
+    )
+    models = [model for model, _ in members]
+    assert len(members) == 2
+    assert not all(torch.equal(a, b) for a, b in zip(models[0].parameters(), models[1].parameters(), strict=True))
+    torch.manual_seed(5)
+    probabilities = ensemble_probabilities(models, data.test, num_samples=3)
+    torch.manual_seed(5)
+    expected = torch.stack([evaluate(model, data.test, num_samples=3) for model in models]).mean(dim=0)
+    assert probabilities.shape == (len(data.test), 2)
+    torch.testing.assert_close(probabilities.sum(dim=-1), torch.ones(len(data.test)))
+    assert torch.equal(probabilities, expected)

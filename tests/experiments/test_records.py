@@ -1,0 +1,125 @@
+"""The typed run record: its JSON layout, the round trip through results.json, and the checks on reading."""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+
+import pytest
+
+from gpattn.experiments import (
+    ClassificationMetrics,
+    OODMetrics,
+    ReliabilityBins,
+    RunMetrics,
+    RunRecord,
+    ShiftMetrics,
+    TrainingSummary,
+    read_records,
+)
+
+TEST = dict(accuracy=0.9, confidence=0.85, nll=0.3, ece=0.05, mce=0.2, brier=0.15, aurc=0.02, eaurc=0.01,
+            auroc=0.8, fpr95=0.6)  # fmt: skip
+
+
+def _record() -> RunRecord:
+    return RunRecord(
+        task="digits",
+        attention="kep_svgp",
+        seed=1,
+        metrics=RunMetrics(
+            test=ClassificationMetrics(**TEST),
+            shift={"blur": {"1": ShiftMetrics(0.8, 0.5, 0.1, 0.3), "2": ShiftMetrics(0.7, math.nan, 0.2, 0.4)}},
+            ood={"noise": OODMetrics(0.9, 0.85, 0.95, 0.4)},
+        ),
+        reliability=ReliabilityBins(confidence=[None, 0.55, 0.95], accuracy=[None, 0.5, 1.0], count=[0, 4, 6]),
+        ood_scores={"in": [0.9, 0.8], "noise": [0.4]},
+        spectra={"layer_2": [[3.0, 2.0], [1.5, 0.5]]},
+        train=TrainingSummary(seconds=1.5, epochs=3, best_epoch=2, num_parameters=1234, ensemble=1),
+    )
+
+
+def _same(first: RunRecord, second: RunRecord) -> bool:
+    # NaN != NaN: compare the JSON texts, where NaN is written as NaN
+    return json.dumps(first.to_dict()) == json.dumps(second.to_dict())
+
+
+def test_to_dict_is_the_documented_layout():
+    data = _record().to_dict()
+    assert list(data) == ["task", "attention", "seed", "metrics", "reliability", "ood_scores", "spectra", "train"]
+    assert list(data["metrics"]) == ["test", "shift", "ood"]
+    assert data["metrics"]["test"] == TEST
+    assert data["metrics"]["shift"]["blur"]["1"] == {"accuracy": 0.8, "nll": 0.5, "ece": 0.1, "brier": 0.3}
+    assert data["metrics"]["ood"]["noise"]["aupr_max_prob"] == 0.95
+    assert data["reliability"] == {"confidence": [None, 0.55, 0.95], "accuracy": [None, 0.5, 1.0], "count": [0, 4, 6]}
+    assert data["train"] == {"seconds": 1.5, "epochs": 3, "best_epoch": 2, "num_parameters": 1234, "ensemble": 1}
+
+
+def test_json_round_trip_gives_the_same_record(tmp_path):
+    record = _record()
+    text = json.dumps(record.to_dict())
+    again = RunRecord.from_dict(json.loads(text))
+    assert _same(again, record)
+    assert math.isnan(again.metrics.shift["blur"]["2"].nll) and again.reliability.confidence[0] is None
+    assert isinstance(again.train.epochs, int) and isinstance(again.metrics.test.accuracy, float)
+    (tmp_path / "results.json").write_text(json.dumps({"config": {}, "records": [record.to_dict()] * 2}))
+    assert [_same(r, record) for r in read_records(tmp_path / "results.json")] == [True, True]
+
+
+def test_optional_parts_may_be_absent():
+    minimal = {"task": "pointer", "attention": "softmax", "seed": 0, "metrics": {"test": TEST}}
+    record = RunRecord.from_dict(minimal)
+    assert record.metrics.shift == {} and record.metrics.ood == {} and record.ood_scores == {} and record.spectra == {}
+    assert record.reliability is None and record.train is None
+    assert RunRecord.from_dict({**minimal, "reliability": None, "train": None}) == record
+    nan_metric = RunRecord.from_dict({**minimal, "metrics": {"test": {**TEST, "auroc": None}}})  # JSON null is NaN
+    assert math.isnan(nan_metric.metrics.test.auroc)
+
+
+def _broken(edit) -> dict:
+    data = copy.deepcopy(_record().to_dict())
+    edit(data)
+    return data
+
+
+@pytest.mark.parametrize(
+    ("edit", "match"),
+    [
+        (lambda d: d.pop("metrics"), r"record: missing entries \['metrics'\]"),
+        (lambda d: d.update(colour="red"), r"unexpected entries \['colour'\]"),
+        (lambda d: d["metrics"].pop("test"), r"record.metrics: missing the entry 'test'"),
+        (lambda d: d["metrics"]["test"].pop("confidence"), r"record.metrics.test: missing entries \['confidence'\]"),
+        (lambda d: d["metrics"]["test"].update(ece="low"), r"record.metrics.test.ece: expected a number, got 'low'"),
+        (lambda d: d.update(seed="0"), r"record.seed: expected an integer, got '0'"),
+        (lambda d: d.update(task=3), r"expected 'task' to be a string"),
+        (lambda d: d["metrics"]["shift"]["blur"].update({"3": {"accuracy": 1.0}}), r"shift.blur.3: missing entries"),
+        (lambda d: d["train"].update(epochs=2.5), r"record.train.epochs: expected an integer, got 2.5"),
+        (lambda d: d["reliability"]["count"].pop(), r"differ in length \(ragged bins\)"),
+        (lambda d: d.update(spectra={"layer_1": 3.0}), r"record.spectra.layer_1: expected a list"),
+        (lambda d: d.update(ood_scores=[]), r"record.ood_scores: expected a dict, got list"),
+    ],
+    ids=[
+        "no-metrics",
+        "unknown",
+        "no-test",
+        "no-confidence",
+        "text",
+        "seed",
+        "task",
+        "shift",
+        "epochs",
+        "ragged",
+        "spectra",
+        "ood-scores",
+    ],  # fmt: skip
+)
+def test_malformed_records_are_refused_naming_the_entry(edit, match):
+    with pytest.raises(ValueError, match=match):
+        RunRecord.from_dict(_broken(edit))
+
+
+def test_not_a_results_file(tmp_path):
+    (tmp_path / "results.json").write_text(json.dumps([1, 2]))
+    with pytest.raises(ValueError, match="list of 'records'"):
+        read_records(tmp_path / "results.json")
