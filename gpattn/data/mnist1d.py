@@ -16,9 +16,10 @@ global mean and standard deviation.
   sequences, stratified by class and seeded. Each length-40 signal becomes :math:`40 / p` tokens of :math:`p`
   consecutive values (``patch_size`` :math:`p`, default 4: 10 tokens of width 4, so that the attention layers see
   sequences of length 10, as a ViT sees patches; a softmax Transformer of 2 blocks of width 32 trained for 20 epochs
-  reached 75 / 82 / 75 % test accuracy with p = 2 / 4 / 8), for :class:`~gpattn.models.Transformer` with ``input="vectors"``,
-  ``input_dim=p`` and ``max_len=40 / p``. ``tokens.reshape(n, 40)`` gives the signals back. Classes held out
-  (``held_out_classes``, none by default, so that accuracies compare with the published ones) form a semantic OOD set.
+  reached 75 / 82 / 75 % test accuracy with p = 2 / 4 / 8), for :class:`~gpattn.models.Transformer` with
+  ``input="vectors"``, ``input_dim=p`` and ``max_len=40 / p``. ``tokens.reshape(n, 40)`` gives the signals back.
+  Classes held out (``held_out_classes``, none by default, so that accuracies compare with the published ones) form
+  a semantic OOD set.
 * :func:`make_mnist1d_shifted_test_sets`: covariate shift at severities 1 to 5, by *regenerating* every test
   sequence (same class) with one generator parameter raised above its training value (``MNIST1D_SHIFT_PARAMETERS``;
   the training value is the default of ``mnist1d.data.get_dataset_args``):
