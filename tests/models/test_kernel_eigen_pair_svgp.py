@@ -32,7 +32,9 @@ def data():
 def _model(landmarks, kernel=None, seed=0, **kwargs):
     torch.manual_seed(seed)
     kernel = ShiftedRBFKernel(1) if kernel is None else kernel
-    return KernelEigenPairSVGP(landmarks, kernel.double(), num_inducing=kwargs.pop("num_inducing", RANK), **kwargs).double()
+    return KernelEigenPairSVGP(
+        landmarks, kernel.double(), num_inducing=kwargs.pop("num_inducing", RANK), **kwargs
+    ).double()
 
 
 def _train(gp, likelihood, mll, x, y, steps, lr=0.05):
