@@ -1,7 +1,15 @@
 """Experiments: the toy regression fit (exact GP vs KEP-SVGP via VariationalELBO and Pyro SVI); the training loop;
-the comparison of every attention (``gpattn compare``)."""
+the comparison of every attention (``gpattn compare``); statistics over seeds (paired differences with intervals)."""
 
 from .compare import CompareConfig, markdown_table, run_comparison, write_outputs
+from .statistics import (
+    INTERVAL_METHODS,
+    PairedDifference,
+    SeedSummary,
+    compare_to_reference,
+    paired_difference,
+    summarize_seeds,
+)
 from .toy_regression import (
     ToyRegressionConfig,
     ToyRegressionResult,
@@ -31,6 +39,12 @@ __all__ = [
     "markdown_table",
     "run_comparison",
     "write_outputs",
+    "INTERVAL_METHODS",
+    "PairedDifference",
+    "SeedSummary",
+    "compare_to_reference",
+    "paired_difference",
+    "summarize_seeds",
     "CHECKPOINT_KEYS",
     "CheckpointError",
     "NonFiniteLossError",
