@@ -122,8 +122,8 @@ class MNIST1DSplits:
         train: Training split: float tokens ``(n, 40 / p, p)``, labels ``(n,)`` (in-distribution classes only).
         val: Validation split, carved from the standard training sequences.
         test: The standard test split (its in-distribution classes).
-        ood_classes: The standard test sequences of the held-out classes (labels index its own ``class_names``-like
-            order, ``0 .. len(held_out_classes) - 1``), or ``None`` when no class is held out.
+        ood_classes: The standard test sequences of the held-out classes (label ``k`` is digit
+            ``held_out_classes[k]``), or ``None`` when no class is held out.
         held_out_classes: The held-out digits, ``()`` when none.
         label_map: Digit -> in-distribution label, for the kept digits.
         patch_size: Values per token :math:`p`.
