@@ -1,6 +1,6 @@
 """Experiments: the training loop that single-process, ensemble and data-parallel training share; checkpoints;
-evaluation; the comparison of every attention (``gpattn compare``) and its typed records; the toy regression fit
-(exact GP vs KEP-SVGP via VariationalELBO and Pyro SVI)."""
+evaluation; the comparison of every attention (``gpattn compare``) and its typed records; statistics over seeds (paired
+differences with intervals); the toy regression fit (exact GP vs KEP-SVGP via VariationalELBO and Pyro SVI)."""
 
 from .checkpoints import CHECKPOINT_KEYS, CheckpointError, load_checkpoint
 from .compare import CompareConfig, markdown_table, run_comparison, train_and_evaluate, write_outputs
@@ -17,6 +17,14 @@ from .records import (
     read_records,
 )
 from .schedule import warmup_cosine_lr, warmup_cosine_schedule
+from .statistics import (
+    INTERVAL_METHODS,
+    PairedDifference,
+    SeedSummary,
+    compare_to_reference,
+    paired_difference,
+    summarize_seeds,
+)
 from .tasks import TASKS, TaskData, load_task
 from .toy_regression import (
     ToyRegressionConfig,
@@ -46,6 +54,12 @@ __all__ = [
     "ShiftMetrics",
     "TrainingSummary",
     "read_records",
+    "INTERVAL_METHODS",
+    "PairedDifference",
+    "SeedSummary",
+    "compare_to_reference",
+    "paired_difference",
+    "summarize_seeds",
     "CHECKPOINT_KEYS",
     "CheckpointError",
     "NonFiniteLossError",

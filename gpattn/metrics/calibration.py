@@ -1,4 +1,4 @@
-r"""Accuracy, proper scoring rules and top-label calibration errors of probabilistic classifiers.
+r"""Accuracy, proper scoring rules and calibration errors (top-label and classwise) of probabilistic classifiers.
 
 All metrics take predicted class probabilities :math:`P \in [0, 1]^{n \times C}` (rows summing to one) and integer
 labels :math:`y \in \{0, \dots, C - 1\}^n`, as ``torch.Tensor`` or ``numpy.ndarray``, and return plain Python floats
@@ -15,7 +15,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from ..validation import InputTypeError
+from ..validation import InputTypeError, check_choice
 
 ROW_SUM_TOLERANCE = 1e-4
 
@@ -81,6 +81,45 @@ def _confidence_and_correctness(probabilities: np.ndarray, targets: np.ndarray) 
 def _check_num_bins(num_bins: int) -> None:
     if isinstance(num_bins, bool) or not isinstance(num_bins, int) or num_bins < 1:
         raise ValueError(f"expected a positive integer num_bins, got {num_bins!r}")
+
+
+#: The calibration errors of :func:`expected_calibration_error` and :func:`maximum_calibration_error`.
+CALIBRATION_KINDS = ("top_label", "classwise")
+
+
+def _binned_means(
+    scores: np.ndarray, hits: np.ndarray, groups: np.ndarray, num_groups: int, num_bins: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Count, mean score and mean hit of every (group, bin), bins of equal width on (0, 1] (a score 0 goes to the
+    first bin), flattened as ``group * num_bins + bin``; empty cells have NaN means."""
+    interior_edges = np.linspace(0.0, 1.0, num_bins + 1)[1:-1]
+    # searchsorted(side="left") on the interior edges gives b with e_b < p <= e_{b+1}.
+    cells = groups * num_bins + np.searchsorted(interior_edges, scores, side="left")
+    size = num_groups * num_bins
+    count = np.bincount(cells, minlength=size)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        mean_score = np.bincount(cells, weights=scores, minlength=size) / count
+        mean_hit = np.bincount(cells, weights=hits.astype(np.float64), minlength=size) / count
+    return count, mean_score, mean_hit
+
+
+def _calibration_gaps(probs: Any, labels: Any, num_bins: int, kind: str) -> tuple[np.ndarray, np.ndarray]:
+    """Counts and ``|accuracy - confidence|`` of the non-empty cells: B top-label bins, or C x B classwise cells."""
+    check_choice("kind", kind, CALIBRATION_KINDS)
+    if kind == "top_label":
+        diagram = reliability_diagram_data(probs, labels, num_bins)
+        count, mean_score, mean_hit = diagram.count, diagram.confidence, diagram.accuracy
+    else:
+        _check_num_bins(num_bins)
+        probabilities, targets = _check_inputs(probs, labels)
+        num_samples, num_classes = probabilities.shape
+        is_class = targets[:, None] == np.arange(num_classes)  # shape: (n, C)
+        classes = np.broadcast_to(np.arange(num_classes), (num_samples, num_classes))
+        count, mean_score, mean_hit = _binned_means(
+            probabilities.ravel(), is_class.ravel(), classes.ravel(), num_classes, num_bins
+        )
+    filled = count > 0
+    return count[filled], np.abs(mean_hit[filled] - mean_score[filled])
 
 
 def accuracy(probs: Tensor | np.ndarray, labels: Tensor | np.ndarray) -> float:
@@ -162,42 +201,53 @@ def reliability_diagram_data(
     _check_num_bins(num_bins)
     probabilities, targets = _check_inputs(probs, labels)
     confidence, correct = _confidence_and_correctness(probabilities, targets)
+    groups = np.zeros(confidence.shape[0], dtype=np.int64)
+    count, mean_confidence, mean_accuracy = _binned_means(confidence, correct, groups, 1, num_bins)
     bin_edges = np.linspace(0.0, 1.0, num_bins + 1)
-    # searchsorted(side="left") on the interior edges gives b with e_b < p <= e_{b+1}.
-    bins = np.searchsorted(bin_edges[1:-1], confidence, side="left")
-    count = np.bincount(bins, minlength=num_bins)
-    with np.errstate(invalid="ignore", divide="ignore"):
-        mean_confidence = np.bincount(bins, weights=confidence, minlength=num_bins) / count
-        mean_accuracy = np.bincount(bins, weights=correct.astype(np.float64), minlength=num_bins) / count
     return ReliabilityDiagram(bin_edges, mean_confidence, mean_accuracy, count.astype(np.int64))
 
 
-def expected_calibration_error(probs: Tensor | np.ndarray, labels: Tensor | np.ndarray, num_bins: int = 15) -> float:
-    r"""Top-label expected calibration error :math:`\sum_b \frac{n_b}{n} |\mathrm{acc}_b - \mathrm{conf}_b|`.
+def expected_calibration_error(
+    probs: Tensor | np.ndarray, labels: Tensor | np.ndarray, num_bins: int = 15, kind: str = "top_label"
+) -> float:
+    r"""Expected calibration error, top-label (default) or classwise.
 
-    Bins are those of :func:`reliability_diagram_data` (equal width on :math:`(0, 1]`); empty bins contribute 0.
+    ``kind="top_label"`` (Guo et al., 2017; the KEP-SVGP and SGPA papers' ECE):
+    :math:`\sum_b \frac{n_b}{n} |\mathrm{acc}_b - \mathrm{conf}_b|` over the bins of the confidence
+    :math:`\hat p_i` (those of :func:`reliability_diagram_data`, equal width on :math:`(0, 1]`; empty bins
+    contribute 0). It equals ``torchmetrics``' ``MulticlassCalibrationError(norm="l1")`` up to samples exactly on a
+    bin edge (torchmetrics' bins are closed on the left).
+
+    ``kind="classwise"`` (Kull et al., 2019): every class :math:`c` is binned on its own probability
+    :math:`P_{ic}` of all samples,
+
+    .. math:: \mathrm{cwECE} = \frac1C \sum_{c=1}^C \sum_b \frac{n_{cb}}{n}
+        \big|\overline{[y_i = c]}_{cb} - \overline{P_{ic}}_{cb}\big|,
+
+    with the same bins (a probability 0 goes to the first bin, :math:`[0, 1/B]`).
 
     :param probs: Predicted probabilities, shape ``(n, C)``.
     :param labels: Integer labels, shape ``(n,)``.
-    :param num_bins: Number of bins :math:`B \geq 1`.
+    :param num_bins: Number of bins :math:`B \geq 1` (15 by default, as the KEP-SVGP paper).
+    :param kind: ``"top_label"`` or ``"classwise"``.
     :return: A fraction in :math:`[0, 1]` (multiply by 100 for the percent that papers often report).
     """
-    diagram = reliability_diagram_data(probs, labels, num_bins)
-    filled = diagram.count > 0
-    gaps = np.abs(diagram.accuracy[filled] - diagram.confidence[filled])
-    return float((diagram.count[filled] * gaps).sum() / diagram.count.sum())
+    count, gaps = _calibration_gaps(probs, labels, num_bins, kind)
+    return float((count * gaps).sum() / count.sum())
 
 
-def maximum_calibration_error(probs: Tensor | np.ndarray, labels: Tensor | np.ndarray, num_bins: int = 15) -> float:
-    r"""Top-label maximum calibration error :math:`\max_{b : n_b > 0} |\mathrm{acc}_b - \mathrm{conf}_b|`.
+def maximum_calibration_error(
+    probs: Tensor | np.ndarray, labels: Tensor | np.ndarray, num_bins: int = 15, kind: str = "top_label"
+) -> float:
+    r"""Maximum calibration error :math:`\max |\mathrm{acc}_b - \mathrm{conf}_b|` over the non-empty bins.
 
-    Bins are those of :func:`reliability_diagram_data`; empty bins are skipped.
+    The bins are those of :func:`expected_calibration_error`: of the top-label confidence (default), or of every
+    class's probability (``kind="classwise"``, the maximum over classes and bins).
 
     :param probs: Predicted probabilities, shape ``(n, C)``.
     :param labels: Integer labels, shape ``(n,)``.
     :param num_bins: Number of bins :math:`B \geq 1`.
+    :param kind: ``"top_label"`` or ``"classwise"``.
     :return: A fraction in :math:`[0, 1]`.
     """
-    diagram = reliability_diagram_data(probs, labels, num_bins)
-    filled = diagram.count > 0
-    return float(np.abs(diagram.accuracy[filled] - diagram.confidence[filled]).max())
+    return float(_calibration_gaps(probs, labels, num_bins, kind)[1].max())

@@ -1,4 +1,5 @@
-"""Tests of accuracy, NLL, Brier score, ECE, MCE and reliability-diagram data."""
+"""Tests of accuracy, NLL, Brier score, ECE and MCE (top-label and classwise) and reliability-diagram data, against
+hand computations, loops, scikit-learn and torchmetrics."""
 
 from __future__ import annotations
 
@@ -7,9 +8,10 @@ import math
 import numpy as np
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 from sklearn.metrics import brier_score_loss, log_loss
+from torchmetrics.functional.classification import multiclass_calibration_error
 
 from gpattn.metrics import (
     accuracy,
@@ -203,3 +205,65 @@ def test_bad_inputs_raise(probs: np.ndarray, labels: np.ndarray, match: str) -> 
 def test_bad_num_bins_raise(num_bins) -> None:
     with pytest.raises(ValueError, match="num_bins"):
         expected_calibration_error(PROBS, LABELS, num_bins=num_bins)
+
+
+def test_classwise_hand_computed() -> None:
+    # num_bins=5, every class binned on its own probability; each cell holds one sample:
+    #   class 0: p = 0.9, 0.7, 0.3, 0.55 with [y = 0] = 1, 0, 0, 1 -> gaps 0.1, 0.7, 0.3, 0.45 (sum 1.55)
+    #   class 1: p = 0.1, 0.3, 0.7, 0.45 with [y = 1] = 0, 1, 1, 0 -> gaps 0.1, 0.7, 0.3, 0.45 (sum 1.55)
+    # cwECE = 1/2 (1.55 / 4 + 1.55 / 4) = 0.3875; cwMCE = 0.7
+    assert expected_calibration_error(PROBS, LABELS, num_bins=5, kind="classwise") == pytest.approx(0.3875, abs=1e-12)
+    assert maximum_calibration_error(PROBS, LABELS, num_bins=5, kind="classwise") == pytest.approx(0.7, abs=1e-12)
+    # the default is the top-label error
+    assert expected_calibration_error(PROBS, LABELS, num_bins=5) == expected_calibration_error(
+        PROBS, LABELS, num_bins=5, kind="top_label"
+    )
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    seed=st.integers(0, 2**32 - 1),
+    num_samples=st.integers(1, 60),
+    num_classes=st.integers(2, 5),
+    ties=st.booleans(),
+    num_bins=st.integers(1, 20),
+)
+def test_classwise_against_loop(seed: int, num_samples: int, num_classes: int, ties: bool, num_bins: int) -> None:
+    probs, labels = _random_inputs(seed, num_samples, num_classes, ties)
+    edges = np.linspace(0, 1, num_bins + 1)
+    total, worst = 0.0, 0.0
+    for c in range(num_classes):
+        for b, (lower, upper) in enumerate(zip(edges[:-1], edges[1:], strict=True)):
+            members = [i for i in range(num_samples) if lower < probs[i, c] <= upper or (b == 0 and probs[i, c] == 0)]
+            if members:
+                gap = abs(np.mean(labels[members] == c) - np.mean(probs[members, c]))
+                total += len(members) / num_samples * gap
+                worst = max(worst, gap)
+    expected = total / num_classes
+    assert expected_calibration_error(probs, labels, num_bins, kind="classwise") == pytest.approx(expected, abs=1e-12)
+    assert maximum_calibration_error(probs, labels, num_bins, kind="classwise") == pytest.approx(worst, abs=1e-12)
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    seed=st.integers(0, 2**32 - 1),
+    num_samples=st.integers(1, 200),
+    num_classes=st.integers(2, 6),
+    num_bins=st.sampled_from([1, 5, 10, 15, 20]),
+)
+def test_top_label_against_torchmetrics(seed: int, num_samples: int, num_classes: int, num_bins: int) -> None:
+    probs, labels = _random_inputs(seed, num_samples, num_classes, ties=False)
+    # torchmetrics closes its bins on the left and bins in float32: keep confidences away from the edges
+    confidence = probs.max(axis=1)
+    assume(np.abs(confidence[:, None] - np.linspace(0, 1, num_bins + 1)).min() > 1e-6)
+    preds, target = torch.tensor(probs), torch.tensor(labels)
+    for norm, ours in (("l1", expected_calibration_error), ("max", maximum_calibration_error)):
+        reference = multiclass_calibration_error(preds, target, num_classes, n_bins=num_bins, norm=norm)
+        assert ours(probs, labels, num_bins) == pytest.approx(float(reference), abs=1e-6)
+
+
+@pytest.mark.parametrize("kind", ["marginal", "top-label", None])
+def test_bad_kind_raises(kind) -> None:
+    for metric in (expected_calibration_error, maximum_calibration_error):
+        with pytest.raises(ValueError, match="kind"):
+            metric(PROBS, LABELS, kind=kind)

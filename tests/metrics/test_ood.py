@@ -1,4 +1,4 @@
-"""Tests of OOD-detection AUROC, AUPR and FPR at 95% TPR against scikit-learn."""
+"""Tests of OOD-detection AUROC, AUPR-In / AUPR-Out and FPR at 95% TPR against scikit-learn and torchmetrics."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from sklearn.metrics import average_precision_score, roc_auc_score, roc_curve
+from torchmetrics.functional.classification import binary_auroc, binary_average_precision
 
 from gpattn.metrics import ood_aupr, ood_auroc, ood_fpr_at_95_tpr
 
@@ -96,3 +97,25 @@ def test_bad_inputs_raise() -> None:
         ood_fpr_at_95_tpr(probs, np.zeros((0, 3)))
     with pytest.raises(ValueError, match="probs_in"):
         ood_auroc(np.array([[2.0, -1.0, 0.0]]), probs)
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    seed=st.integers(0, 2**32 - 1),
+    num_in=st.integers(1, 80),
+    num_out=st.integers(1, 80),
+    num_classes=st.integers(2, 5),
+    score=st.sampled_from(["max_prob", "entropy"]),
+)
+def test_against_torchmetrics(seed: int, num_in: int, num_out: int, num_classes: int, score: str) -> None:
+    # AUROC, AUPR-In and AUPR-Out against torchmetrics' binary metrics on the same scores (in-distribution positive;
+    # AUPR-Out: OOD positive, ranked by -s). torchmetrics maps scores outside [0, 1] through a sigmoid (monotone).
+    probs_in = _random_probs(seed, num_in, num_classes, ties=False)
+    probs_out = _random_probs(seed + 1, num_out, num_classes, ties=False)
+    scores = torch.tensor(np.concatenate([_reference_scores(probs_in, score), _reference_scores(probs_out, score)]))
+    is_in = torch.cat([torch.ones(num_in, dtype=torch.long), torch.zeros(num_out, dtype=torch.long)])
+    assert ood_auroc(probs_in, probs_out, score=score) == pytest.approx(float(binary_auroc(scores, is_in)), abs=1e-6)
+    expected_in = float(binary_average_precision(scores, is_in))
+    assert ood_aupr(probs_in, probs_out, score=score, positive="in") == pytest.approx(expected_in, abs=1e-6)
+    expected_out = float(binary_average_precision(-scores, 1 - is_in))
+    assert ood_aupr(probs_in, probs_out, score=score, positive="out") == pytest.approx(expected_out, abs=1e-6)

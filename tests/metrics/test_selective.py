@@ -10,6 +10,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from sklearn.metrics import roc_auc_score, roc_curve
+from torchmetrics.functional.classification import binary_auroc
 
 from gpattn.metrics import aurc, eaurc, fpr_at_95_tpr, misclassification_auroc
 
@@ -120,3 +121,17 @@ def test_bad_inputs_raise(metric) -> None:
         metric(PROBS, LABELS.astype(float))
     with pytest.raises(ValueError, match="shape"):
         metric(PROBS, LABELS[:2])
+
+
+@settings(max_examples=40, deadline=None)
+@given(seed=st.integers(0, 2**32 - 1), num_samples=st.integers(2, 120), num_classes=st.integers(2, 5))
+def test_misclassification_auroc_against_torchmetrics(seed: int, num_samples: int, num_classes: int) -> None:
+    rng = np.random.default_rng(seed)
+    probs = rng.dirichlet(np.full(num_classes, 0.5), size=num_samples) + 1e-9
+    probs /= probs.sum(axis=1, keepdims=True)
+    labels = rng.integers(0, num_classes, size=num_samples)
+    correct = probs.argmax(axis=1) == labels
+    if correct.all() or not correct.any():
+        return  # AUROC is undefined with one class (ours is NaN, see test_degenerate_cases_are_nan)
+    expected = float(binary_auroc(torch.tensor(probs.max(axis=1)), torch.tensor(correct.astype(np.int64))))
+    assert misclassification_auroc(probs, labels) == pytest.approx(expected, abs=1e-6)

@@ -1,0 +1,69 @@
+"""Tests of :func:`~gpattn.models.monte_carlo_logits`: it equals :func:`~gpattn.models.predict_probabilities` before the
+softmax average, runs deterministic models once, batches without changing results, samples dropout on request."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from gpattn.models import Transformer, monte_carlo_logits, predict_probabilities
+
+TOKENS = torch.randint(1, 7, (6, 5), generator=torch.Generator().manual_seed(1))
+MASK = torch.arange(5) < torch.tensor([5, 2, 4, 1, 5, 3])[:, None]
+
+
+def small_model(attention: str, dropout: float = 0.0) -> Transformer:
+    torch.manual_seed(0)
+    extra = {"num_inducing": 3} if attention in ("kep_svgp", "sgpa") else {}
+    return Transformer(
+        3, embed_dim=16, depth=2, num_heads=2, attention=attention, vocab_size=7, dropout=dropout, **extra
+    ).double()
+
+
+@pytest.mark.parametrize("attention", ["kep_svgp", "sgpa"])
+def test_softmax_average_is_predict_probabilities(attention: str) -> None:
+    model = small_model(attention).train()
+    torch.manual_seed(3)
+    expected = predict_probabilities(model, TOKENS, mask=MASK, num_samples=5)
+    torch.manual_seed(3)
+    logits = monte_carlo_logits(model, TOKENS, mask=MASK, num_samples=5)
+    assert logits.shape == (5, 6, 3)
+    assert (logits[0] - logits[1]).abs().max() > 1e-6  # GP samples
+    torch.testing.assert_close(logits.softmax(-1).mean(0), expected, rtol=1e-12, atol=1e-12)
+    assert model.training  # the mode is restored
+
+
+def test_deterministic_model_runs_once_and_batches_agree() -> None:
+    model = small_model("softmax").eval()
+    logits = monte_carlo_logits(model, TOKENS, mask=MASK, num_samples=7)
+    assert logits.shape == (1, 6, 3)
+    torch.testing.assert_close(logits[0], model(TOKENS, mask=MASK), rtol=0, atol=0)
+    batched = monte_carlo_logits(model, TOKENS, mask=MASK, num_samples=7, batch_size=4)  # batches of 4 and 2
+    torch.testing.assert_close(batched, logits, rtol=1e-12, atol=1e-12)
+
+
+def test_mc_dropout_samples() -> None:
+    model = small_model("softmax", dropout=0.3).eval()
+    torch.manual_seed(0)
+    logits = monte_carlo_logits(model, TOKENS, num_samples=4, mc_dropout=True, batch_size=5)
+    assert logits.shape == (4, 6, 3)
+    assert (logits[0] - logits[1]).abs().max() > 1e-3
+    torch.manual_seed(0)
+    torch.testing.assert_close(
+        monte_carlo_logits(model, TOKENS, num_samples=4, mc_dropout=True, batch_size=5), logits, rtol=0, atol=0
+    )
+    assert not any(module.training for module in model.modules())  # dropout off again
+    with pytest.raises(ValueError, match="no dropout"):
+        monte_carlo_logits(small_model("softmax"), TOKENS, mc_dropout=True)
+
+
+def test_bad_arguments() -> None:
+    model = small_model("softmax")
+    with pytest.raises(TypeError, match="torch.nn.Module"):
+        monte_carlo_logits(lambda x: x, TOKENS)
+    with pytest.raises(ValueError, match="num_samples"):
+        monte_carlo_logits(model, TOKENS, num_samples=0)
+    with pytest.raises(ValueError, match="batch_size"):
+        monte_carlo_logits(model, TOKENS, batch_size=0)
+    with pytest.raises(ValueError, match="inputs"):
+        monte_carlo_logits(model, TOKENS[:0])
