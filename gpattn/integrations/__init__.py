@@ -6,7 +6,6 @@ of chosen blocks by adapters around a registry layer; what both share is here. A
 :class:`~gpattn.mlls.AttentionELBO` and predicts with :func:`~gpattn.models.predict_probabilities` as it is.
 """
 
-from ._torchvision import import_torchvision
 from .conversion import (
     HEAD_TARGETS,
     LINEAR_TARGETS,
@@ -17,6 +16,7 @@ from .conversion import (
     padding_mask,
     resolve_blocks,
 )
+from .torchvision_import import import_torchvision
 
 # before timm or transformers import it (gpattn.integrations.timm and .huggingface are submodules of this package)
 import_torchvision()
@@ -28,6 +28,7 @@ __all__ = [
     "build_layer",
     "convert_modules",
     "copy_projections",
+    "import_torchvision",
     "padding_mask",
     "resolve_blocks",
 ]

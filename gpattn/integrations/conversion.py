@@ -131,8 +131,8 @@ def copy_projections(layer: AttentionLayer, projections: Mapping[str, Projection
 def padding_mask(attention_mask: Tensor | None, batch: int, length: int, where: str = "padding_mask") -> Tensor | None:
     r"""gpattn's padding mask from the mask an attention module of timm or transformers receives.
 
-    The mask follows :func:`torch.nn.functional.scaled_dot_product_attention`: a tensor of shape ``(N, N)``,
-    ``(B, N, N)`` or ``(B, H, N, N)`` (or any shape broadcastable to the last), either boolean (``True``: the query
+    The mask follows :func:`torch.nn.functional.scaled_dot_product_attention`: a tensor of shape ``(B, H, N, N)``
+    or broadcastable to it (``(B, 1, 1, N)``, ``(N, N)``, ...), either boolean (``True``: the query
     may attend to the key; timm, transformers' ``sdpa`` masks) or additive (0 for a visible key, a value
     :math:`\leq -10^4` or :math:`-\infty` for a hidden one; transformers' ``eager`` masks hold
     ``torch.finfo(dtype).min``). gpattn's layers take a key padding mask, so the mask must be the same for every
