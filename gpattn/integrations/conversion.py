@@ -228,7 +228,7 @@ def convert_modules(
         built before the first module is replaced, so an error leaves the model as it was.
     :param expected: What an attention module is, for the message when there is none.
     :param where: The caller, for the messages.
-    :return: ``model``.
+    :return: ``model``; every replacement is in the training mode of the module it replaces.
     """
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"{where}: expected a torch.nn.Module, got {type(model).__name__}")
@@ -244,5 +244,6 @@ def convert_modules(
     for name, module in chosen:
         replacements.update(make_adapter(name, module))
     for name, replacement in replacements.items():
+        replacement.train(model.get_submodule(name).training)  # the replaced module's mode (e.g. eval: no sampling)
         model.set_submodule(name, replacement)
     return model
