@@ -60,7 +60,7 @@ def build_layer(
     :param embed_dim: The module's token width :math:`C`.
     :param num_heads: The module's head count :math:`H`.
     :param layer_options: Further arguments of the layer class.
-    :param like: A parameter of the converted module.
+    :param like: A parameter of the converted module (any shape): the layer takes its device and dtype.
     :param where: The caller and the module, for the messages.
     :return: The layer.
     :raises TypeError: ``embed_dim`` or ``num_heads`` in ``layer_options``, or an argument the layer does not take.
