@@ -8,7 +8,6 @@ clear error."""
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable
 
 import pytest
 import torch
@@ -29,64 +28,43 @@ IMPLEMENTATIONS = ("eager", "sdpa")
 ATOL, VIT_EAGER_ATOL = 1e-12, 1e-6
 
 
-def _bert_like(config_cls: type) -> Callable[[str], torch.nn.Module]:
-    def build(implementation: str) -> torch.nn.Module:
-        config = config_cls(
-            hidden_size=WIDTH,
-            num_hidden_layers=LAYERS,
-            num_attention_heads=HEADS,
-            intermediate_size=2 * WIDTH,
-            vocab_size=VOCAB,
-            max_position_embeddings=LENGTH + 4,
-            num_labels=CLASSES,
-            attn_implementation=implementation,
-        )
-        model_cls = getattr(transformers, config_cls.__name__.replace("Config", "ForSequenceClassification"))
-        return model_cls(config)
-
-    return build
-
-
-def _distilbert(implementation: str) -> torch.nn.Module:
-    config = transformers.DistilBertConfig(
-        dim=WIDTH,
-        n_layers=LAYERS,
-        n_heads=HEADS,
-        hidden_dim=2 * WIDTH,
-        vocab_size=VOCAB,
-        max_position_embeddings=LENGTH,
-        num_labels=CLASSES,
-        attn_implementation=implementation,
-    )
-    return transformers.DistilBertForSequenceClassification(config)
-
-
-def _vit(implementation: str, **options) -> torch.nn.Module:
-    config = transformers.ViTConfig(
-        hidden_size=WIDTH,
-        num_hidden_layers=LAYERS,
-        num_attention_heads=HEADS,
-        intermediate_size=2 * WIDTH,
-        image_size=IMAGE,
-        patch_size=PATCH,
-        num_labels=CLASSES,
-        attn_implementation=implementation,
-        **options,
-    )
-    return transformers.ViTForImageClassification(config)
-
-
-BUILDERS = {
-    "bert": _bert_like(transformers.BertConfig),
-    "roberta": _bert_like(transformers.RobertaConfig),
-    "distilbert": _distilbert,
-    "vit": _vit,
+TEXT = {
+    "hidden_size": WIDTH,
+    "num_hidden_layers": LAYERS,
+    "num_attention_heads": HEADS,
+    "intermediate_size": 2 * WIDTH,
+    "vocab_size": VOCAB,
+    "max_position_embeddings": LENGTH + 4,
+}
+#: family -> (config class, model class, configuration)
+FAMILY_MODELS = {
+    "bert": (transformers.BertConfig, transformers.BertForSequenceClassification, TEXT),
+    "roberta": (transformers.RobertaConfig, transformers.RobertaForSequenceClassification, TEXT),
+    "distilbert": (
+        transformers.DistilBertConfig,
+        transformers.DistilBertForSequenceClassification,
+        {"dim": WIDTH, "n_layers": LAYERS, "n_heads": HEADS, "hidden_dim": 2 * WIDTH, "vocab_size": VOCAB},
+    ),
+    "vit": (
+        transformers.ViTConfig,
+        transformers.ViTForImageClassification,
+        {
+            "hidden_size": WIDTH,
+            "num_hidden_layers": LAYERS,
+            "num_attention_heads": HEADS,
+            "intermediate_size": 2 * WIDTH,
+            "image_size": IMAGE,
+            "patch_size": PATCH,
+        },
+    ),
 }
 
 
-def _model(family: str, implementation: str = "sdpa", seed: int = 0) -> torch.nn.Module:
+def _model(family: str, implementation: str = "sdpa", seed: int = 0, **options) -> torch.nn.Module:
+    config_cls, model_cls, config = FAMILY_MODELS[family]
     torch.manual_seed(seed)
-    return BUILDERS[family](implementation).double().eval()
+    config = config_cls(**config, num_labels=CLASSES, attn_implementation=implementation, **options)
+    return model_cls(config).double().eval()
 
 
 def _real_tokens(length: int) -> torch.Tensor:
@@ -273,7 +251,7 @@ class BertSelfAttention(torch.nn.Module):  # a module of another layout under a 
         (_model("bert"), "performer", {}, ValueError, "expected attention to be one of"),
         (_model("roberta"), "kep_svgp", {"num_inducing": 9}, ValueError, r"layer.1.attention.self.*head width 8"),
         (_model("distilbert"), "sgpa", {"embed_dim": 8}, TypeError, "come from the converted model"),
-        (_vit("sdpa", head_dim=4), "softmax", {}, ValueError, r"'attention width': 8"),
+        (_model("vit", head_dim=4), "softmax", {}, ValueError, r"'attention width': 8"),
         (torch.nn.Sequential(BertSelfAttention()), "softmax", {}, ValueError, "lays the module out differently"),
     ],
 )
