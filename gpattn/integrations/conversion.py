@@ -194,6 +194,8 @@ class AttentionAdapter(torch.nn.Module):
     :ivar layer: The gpattn layer: its ``kl_divergence()``, ``posterior`` and added loss terms are the GP parts of
         the converted model.
     :ivar copied: As given.
+
+    .. note:: Cost: the layer's, plus what a subclass spends translating the call (e.g. a mask check).
     """
 
     def __init__(self, layer: AttentionLayer, copied: tuple[str, ...] = ()):
