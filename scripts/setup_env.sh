@@ -3,8 +3,9 @@
 #   - creates .venv (with $PYTHON, default python3) if missing
 #   - installs ${GPATTN_TORCH_SPEC:-torch==2.13.0} first, only if torch is not importable
 #     (a bare `torch` requirement would otherwise pull the large CUDA wheels)
-#   - installs the package editable with the [test] extra, skipped while the stamp
-#     .venv/.gpattn-installed is newer than pyproject.toml
+#   - installs the package editable with the [test] extra, with the installed torch as a constraint (so that no
+#     dependency, e.g. timm's torchvision, replaces it: pip picks the torchvision release made for it), skipped while
+#     the stamp .venv/.gpattn-installed is newer than pyproject.toml
 set -euo pipefail
 
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -36,7 +37,8 @@ if [ -f "$STAMP" ] && [ "$STAMP" -nt pyproject.toml ]; then
     echo "[setup_env] gpattn up to date (stamp newer than pyproject.toml)"
 else
     echo "[setup_env] installing gpattn (editable, [test] extra)"
-    quiet_pip install --quiet --disable-pip-version-check -e ".[test]"
+    TORCH_VERSION="$("$VPY" -c 'import torch; print(torch.__version__)')"
+    quiet_pip install --quiet --disable-pip-version-check --constraint <(echo "torch==$TORCH_VERSION") -e ".[test]"
     touch "$STAMP"
 fi
 

@@ -10,7 +10,7 @@ README = Path(__file__).resolve().parents[1] / "README.md"
 
 def test_readme_python_blocks_run() -> None:
     blocks = re.findall(r"```python\n(.*?)```", README.read_text(), flags=re.S)
-    assert len(blocks) == 2, "the README shows a GP model and an attention model"
+    assert len(blocks) == 4, "the README shows a GP model, an attention model, a timm and a Hugging Face conversion"
     namespaces = []
     for block in blocks:
         namespace: dict = {}
@@ -23,6 +23,12 @@ def test_readme_python_blocks_run() -> None:
     assert float(rmse.detach()) < 0.1
     assert namespaces[1]["probabilities"].shape == (128, 2)
     assert namespaces[1]["variance"].shape == (1, 8, 32) and bool((namespaces[1]["variance"] >= 0).all())
+    timm_model = namespaces[2]["model"]
+    assert type(timm_model.blocks[-1].attn.layer).__name__ == "KEPSVGPAttention"
+    assert timm_model.blocks[-1].attn.layer.left_posterior.variational_mean.grad.abs().sum() > 0
+    probabilities = namespaces[3]["probabilities"]
+    assert probabilities.shape == (2, 2)
+    assert float((probabilities.sum(-1) - 1).abs().max()) < 1e-6
 
 
 def test_readme_commands_exist_in_makefile() -> None:

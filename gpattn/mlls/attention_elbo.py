@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -23,6 +24,43 @@ def _added_loss_terms(model: torch.nn.Module) -> Iterator[AddedLossTerm]:
                 yield term
 
 
+def _kl_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """``[model]`` when it has ``kl_divergence()``; else its outermost submodules that have one (the GP layers of a
+    foreign model; what is below them is theirs), each once."""
+    if callable(getattr(model, "kl_divergence", None)):
+        return [model]
+    found: dict[int, torch.nn.Module] = {}
+    pending = list(model.children())
+    while pending:
+        module = pending.pop(0)
+        if callable(getattr(module, "kl_divergence", None)):
+            found.setdefault(id(module), module)
+        else:
+            pending[:0] = list(module.children())  # depth first: model order
+    return list(found.values())
+
+
+def model_logits(output: Any, where: str = "model_logits") -> Tensor:
+    """The logits in a model's output: the output itself when it is a tensor, its ``"logits"`` entry when it is a
+    mapping (a dict, or a ``transformers`` ``ModelOutput`` such as ``SequenceClassifierOutput``).
+
+    :param output: What the model's forward returned.
+    :param where: The caller, for the messages.
+    :return: The logits, shape ``(B, C)`` (or ``(T, B, C)``).
+    :raises TypeError: Any other output (e.g. a tuple: pass ``return_dict=True`` or wrap the model).
+    """
+    if isinstance(output, Tensor):
+        return output
+    if isinstance(output, Mapping):
+        if output.get("logits") is None:
+            raise ValueError(f"{where}: the model's output has no 'logits' entry (it has {list(output)})")
+        return output["logits"]
+    raise TypeError(
+        f"{where}: expected the model to return logits as a Tensor or a mapping with a 'logits' entry (a dict, a "
+        f"transformers ModelOutput), got {type(output).__name__}"
+    )
+
+
 class AttentionELBO(torch.nn.Module):
     r"""The negative evidence lower bound of a classifier with GP attention, plus the KSVD penalty: a loss to
     **minimise** (unlike GPyTorch's MLLs, which return the bound to maximise).
@@ -37,7 +75,9 @@ class AttentionELBO(torch.nn.Module):
 
     where the first term is the cross-entropy of the logits averaged over the batch and the :math:`T` Monte Carlo
     samples (a reparameterised estimate of :math:`\mathbb E_q[-\log p(y \mid F)]`), the KL is
-    ``model.kl_divergence()`` and the last sum runs over every added loss term registered in the model (the KSVD
+    ``model.kl_divergence()`` (for a model without one, e.g. a timm or Hugging Face model converted by
+    :mod:`gpattn.integrations`, the sum of ``kl_divergence()`` over its outermost submodules that have one: every
+    gpattn attention layer) and the last sum runs over every added loss term registered in the model (the KSVD
     terms :math:`\eta J^2` of the KEP-SVGP and Primal-Attention layers, :class:`~gpattn.mlls.KSVDAddedLossTerm`,
     each weighted by its layer's ``ksvd_weight``: as in GPyTorch's MLLs, a term carries its own weight).
     With :math:`\beta = 1` and no penalty, :math:`\mathcal L` is the negative of GPyTorch's ``VariationalELBO``
@@ -46,7 +86,8 @@ class AttentionELBO(torch.nn.Module):
 
     Call it after the forward pass that produced the logits: the KL and the KSVD terms are those of that pass.
 
-    :param model: A module with ``kl_divergence()`` (e.g. :class:`~gpattn.models.Transformer`).
+    :param model: A module with ``kl_divergence()`` (e.g. :class:`~gpattn.models.Transformer`), or any module with
+        submodules that have one (a converted timm or Hugging Face model).
     :param num_data: Number of training sequences :math:`n`.
     :param beta: KL weight :math:`\beta \geq 0`.
     :param combine_terms: Return the scalar loss (``True``) or a dict of its parts.
@@ -56,8 +97,11 @@ class AttentionELBO(torch.nn.Module):
 
     def __init__(self, model: torch.nn.Module, num_data: int, beta: float = 1.0, combine_terms: bool = True):
         super().__init__()
-        if not callable(getattr(model, "kl_divergence", None)):
-            raise ValueError(f"expected a model with a kl_divergence() method, got {type(model).__name__}")
+        if not isinstance(model, torch.nn.Module) or not _kl_modules(model):
+            raise ValueError(
+                f"expected a model with a kl_divergence() method, or with submodules that have one (GP attention "
+                f"layers), got {type(model).__name__}"
+            )
         check_int("num_data (the training set size)", num_data, where="AttentionELBO")
         check_float("beta", beta, 0.0, where="AttentionELBO")
         self.model = model
@@ -65,10 +109,11 @@ class AttentionELBO(torch.nn.Module):
         self.beta = float(beta)
         self.combine_terms = bool(combine_terms)
 
-    def forward(self, logits: Tensor, targets: Tensor) -> Tensor | dict[str, Tensor]:
+    def forward(self, logits: Tensor | Mapping[str, Any], targets: Tensor) -> Tensor | dict[str, Tensor]:
         """The loss of the forward pass that produced ``logits``.
 
-        :param logits: Shape ``(B, C)``, or ``(T, B, C)`` for :math:`T` Monte Carlo samples.
+        :param logits: Shape ``(B, C)``, or ``(T, B, C)`` for :math:`T` Monte Carlo samples; or the model's output
+            holding them under ``"logits"`` (a dict, a ``transformers`` ``ModelOutput``).
         :param targets: Class indices, shape ``(B,)``.
         :return: The loss (a scalar to minimise) or, with ``combine_terms=False``, a dict with the weighted parts
             ``"nll"`` (cross-entropy), ``"kl"`` (:math:`\\beta / n` KL), ``"ksvd"`` (the sum of the added loss
@@ -76,6 +121,8 @@ class AttentionELBO(torch.nn.Module):
         """
         # O(1) checks and one min/max over the targets; non-finite logits are left to the training loop, which
         # reports the step (experiments.NonFiniteLossError)
+        if isinstance(logits, Mapping):
+            logits = model_logits(logits, where="AttentionELBO")
         check_tensor("logits", logits, floating=True, where="AttentionELBO")
         if logits.dim() not in (2, 3):
             raise ValueError(f"AttentionELBO: expected logits of shape (B, C) or (T, B, C), got {tuple(logits.shape)}")
@@ -102,7 +149,10 @@ class AttentionELBO(torch.nn.Module):
         num_samples = logits.shape[0] if logits.dim() == 3 else 1
         # mean over samples and batch: -1/(T B) sum_{t, b} log p(y_b | F^(t))
         nll = F.cross_entropy(logits.reshape(-1, num_classes), targets.repeat(num_samples))
-        kl = self.model.kl_divergence().to(nll) * (self.beta / self.num_data)
+        kl = torch.zeros_like(nll)
+        for module in _kl_modules(self.model):
+            kl = kl + module.kl_divergence().to(nll)
+        kl = kl * (self.beta / self.num_data)
         ksvd = torch.zeros_like(nll)
         for term in _added_loss_terms(self.model):
             ksvd = ksvd + term.loss().to(nll)

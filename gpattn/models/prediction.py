@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import Any
+
 import torch
 from torch import Tensor
 
 from ..attention import AttentionLayer, sample_attention
+from ..mlls.attention_elbo import model_logits
 from ..validation import check_choice, check_int
 
 AVERAGES = ("probabilities", "logits")
@@ -14,7 +18,7 @@ AVERAGES = ("probabilities", "logits")
 @torch.no_grad()
 def predict_probabilities(
     model: torch.nn.Module,
-    inputs: Tensor,
+    inputs: Tensor | Mapping[str, Any],
     mask: Tensor | str | None = None,
     num_samples: int = 10,
     average: str = "probabilities",
@@ -28,9 +32,12 @@ def predict_probabilities(
     A model without stochastic layers is run once. The model's training mode is restored afterwards; no gradients
     are recorded.
 
-    :param model: Maps ``(inputs, mask=mask)`` to logits ``(B, C)``.
-    :param inputs: The model's inputs.
-    :param mask: The model's mask argument.
+    :param model: Maps ``(inputs, mask=mask)`` (``inputs`` alone when ``mask`` is ``None``, ``**inputs`` for a
+        mapping) to logits ``(B, C)``, or to a mapping holding them under ``"logits"`` (a dict, a ``transformers``
+        ``ModelOutput``).
+    :param inputs: The model's inputs: a tensor, or a mapping of keyword arguments (e.g. ``{"input_ids": ...,
+        "attention_mask": ...}`` for a Hugging Face model).
+    :param mask: The model's mask argument (tensor inputs only).
     :param num_samples: :math:`T \geq 1`.
     :param average: ``"probabilities"`` or ``"logits"``.
     :return: Class probabilities, shape ``(B, C)``.
@@ -39,13 +46,21 @@ def predict_probabilities(
         raise TypeError(f"predict_probabilities: expected model to be a torch.nn.Module, got {type(model).__name__}")
     check_int("num_samples", num_samples, where="predict_probabilities")
     check_choice("average", average, AVERAGES, where="predict_probabilities")
+    if isinstance(inputs, Mapping):
+        if mask is not None:
+            raise ValueError("predict_probabilities: with a mapping of inputs, pass the mask inside it")
+        arguments, keywords = (), dict(inputs)
+    else:
+        arguments, keywords = (inputs,), ({} if mask is None else {"mask": mask})
     if not any(isinstance(module, AttentionLayer) and module.is_stochastic for module in model.modules()):
         num_samples = 1  # deterministic in eval mode: every pass would be identical
     was_training = model.training
     model.eval()
     try:
         with sample_attention(model):
-            logits = torch.stack([model(inputs, mask=mask) for _ in range(num_samples)])  # shape: (T, B, C)
+            logits = torch.stack(
+                [model_logits(model(*arguments, **keywords), "predict_probabilities") for _ in range(num_samples)]
+            )  # shape: (T, B, C)
     finally:
         model.train(was_training)
     if average == "probabilities":

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from gpytorch.module import Module
 
-from gpattn.attention import AttentionLayer, sample_attention
+from gpattn.attention import AttentionLayer, build_attention, sample_attention
 from gpattn.mlls import AttentionELBO, KSVDAddedLossTerm
 from gpattn.models import Transformer, predict_probabilities
 
@@ -201,3 +201,85 @@ def test_predict_probabilities_of_a_gp_transformer():
         predict_probabilities(model, ids, num_samples=0)
     with pytest.raises(ValueError, match="average"):
         predict_probabilities(model, ids, average="median")
+
+
+# -- models without kl_divergence(), outputs that hold the logits (foreign models, gpattn.integrations) -------------
+class _Foreign(torch.nn.Module):
+    """No kl_divergence() of its own: two GP layers (one shared by two containers) and a softmax layer, nested in
+    plain containers; returns a dict, as a transformers model returns a ModelOutput."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        gp = build_attention("svgp", 4, 2, num_inducing=3).double()
+        self.blocks = torch.nn.ModuleList(
+            [
+                torch.nn.Sequential(gp),
+                torch.nn.Sequential(build_attention("kep_svgp", 4, 2, num_inducing=2).double()),
+                torch.nn.Sequential(gp, build_attention("softmax", 4, 2).double()),
+            ]
+        )
+        self.head = torch.nn.Linear(4, CLASSES).double()
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> dict:
+        for block in self.blocks:
+            for layer in block:
+                input_ids = layer(input_ids, mask=attention_mask)
+        return {"logits": self.head(input_ids.mean(dim=1)), "hidden": input_ids}
+
+
+def test_elbo_sums_the_kl_of_the_gp_layers_of_a_model_without_kl_divergence():
+    model = _Foreign().train()
+    tokens, targets = torch.randn(BATCH, 6, 4, dtype=torch.float64), torch.tensor([0, 2, 1, 1, 0])
+    output = model(tokens)
+    parts = AttentionELBO(model, num_data=20, beta=0.5, combine_terms=False)(output, targets)
+    gp, kep, softmax = model.blocks[0][0], model.blocks[1][0], model.blocks[2][1]
+    # each layer once (the shared one too), computed by the layer itself; the GPyTorch strategy inside the SVGP
+    # layer (which has a kl_divergence() of its own) is the layer's, not counted again
+    expected = (gp.kl_divergence() + kep.kl_divergence() + softmax.kl_divergence()) * 0.5 / 20
+    assert gp.kl_divergence() > 0 and kep.kl_divergence() > 0
+    torch.testing.assert_close(parts["kl"], expected, rtol=1e-14, atol=0)
+    torch.testing.assert_close(parts["nll"], F.cross_entropy(output["logits"], targets), rtol=0, atol=0)
+    parts["loss"].backward()
+    assert kep.left_posterior.variational_mean.grad.abs().sum() > 0
+
+
+def test_elbo_reads_the_logits_of_a_mapping_output():
+    model = _Foreign()
+    tokens, targets = torch.randn(BATCH, 6, 4, dtype=torch.float64), torch.tensor([0, 2, 1, 1, 0])
+    elbo = AttentionELBO(model, num_data=20)
+    output = model.eval()(tokens)
+    torch.testing.assert_close(elbo(output, targets), elbo(output["logits"], targets), rtol=0, atol=0)
+    with pytest.raises(ValueError, match=r"no 'logits' entry \(it has \['hidden'\]\)"):
+        elbo({"hidden": output["hidden"]}, targets)
+
+
+def test_predict_probabilities_takes_a_mapping_of_keyword_inputs():
+    model = _Foreign().eval()
+    tokens = torch.randn(BATCH, 6, 4, dtype=torch.float64)
+    mask = torch.arange(6) < torch.tensor([6, 2, 3, 4, 1])[:, None]
+    inputs = {"input_ids": tokens, "attention_mask": mask}
+    torch.manual_seed(4)
+    probabilities = predict_probabilities(model, inputs, num_samples=3)
+    torch.manual_seed(4)
+    with sample_attention(model), torch.no_grad():
+        expected = torch.stack([model(tokens, attention_mask=mask)["logits"].softmax(-1) for _ in range(3)]).mean(0)
+    torch.testing.assert_close(probabilities, expected, rtol=0, atol=0)
+    with pytest.raises(ValueError, match="pass the mask inside it"):
+        predict_probabilities(model, inputs, mask=mask)
+
+
+def test_predict_probabilities_calls_a_model_without_a_mask_argument_and_checks_its_output():
+    class _NoMask(torch.nn.Module):
+        def __init__(self, output):
+            super().__init__()
+            self.output = output
+
+        def forward(self, inputs):
+            return self.output(inputs)
+
+    inputs = torch.randn(BATCH, CLASSES, dtype=torch.float64)
+    probabilities = predict_probabilities(_NoMask(lambda x: x), inputs)
+    torch.testing.assert_close(probabilities, inputs.softmax(-1), rtol=0, atol=0)
+    with pytest.raises(TypeError, match="logits as a Tensor or a mapping.*got tuple"):
+        predict_probabilities(_NoMask(lambda x: (x,)), inputs)

@@ -1,0 +1,174 @@
+"""Convert the self-attention of Hugging Face encoders (BERT, RoBERTa, DistilBERT, ViT) to gpattn layers. Needs the
+``huggingface`` extra: ``pip install gpattn[huggingface]``."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from .conversion import AttentionAdapter, build_layer, convert_modules, copy_projections, padding_mask
+
+WHERE = "gpattn.integrations.huggingface.convert_attention"
+
+
+@dataclass(frozen=True)
+class SelfAttentionLayout:
+    """Where a family's self-attention module keeps its projections.
+
+    :ivar query: Attribute of the query ``torch.nn.Linear``.
+    :ivar key: Attribute of the key ``torch.nn.Linear``.
+    :ivar value: Attribute of the value ``torch.nn.Linear``.
+    :ivar heads: Attribute holding the head count.
+    :ivar output: Path of the output projection ``torch.nn.Linear``: from the module itself, or from its parent
+        when ``output_in_parent`` (BERT keeps it in ``BertAttention.output.dense``, after ``BertSelfAttention``).
+    :ivar output_in_parent: See ``output``.
+    """
+
+    query: str
+    key: str
+    value: str
+    heads: str
+    output: str
+    output_in_parent: bool = False
+
+
+_BERT = SelfAttentionLayout("query", "key", "value", "num_attention_heads", "output.dense", output_in_parent=True)
+
+#: Self-attention class name -> layout (transformers 5). Register another encoder family's bidirectional
+#: self-attention here; its forward must be ``(hidden_states, attention_mask=None, **kwargs) -> (output, weights)``.
+LAYOUTS: dict[str, SelfAttentionLayout] = {
+    "BertSelfAttention": _BERT,
+    "RobertaSelfAttention": _BERT,
+    "DistilBertSelfAttention": SelfAttentionLayout("q_lin", "k_lin", "v_lin", "n_heads", "out_lin"),
+    "ViTAttention": SelfAttentionLayout("q_proj", "k_proj", "v_proj", "num_attention_heads", "o_proj"),
+}
+
+
+class HuggingFaceAttentionAdapter(AttentionAdapter):
+    r"""A gpattn layer with the call of a transformers self-attention module:
+    ``(hidden_states, attention_mask=None, **kwargs) -> (output, None)`` (the attention weights of the replaced
+    module are not defined: ``None``).
+
+    ``attention_mask`` is the mask the encoder builds for its layers: a 2-D ``(B, N)`` mask (1 = real token, the
+    form of the ``attention_mask`` argument of the model), a 4-D boolean mask (``sdpa``) or a 4-D additive mask
+    (``eager``, :math:`-\infty`/``torch.finfo(dtype).min`` on padding); it becomes gpattn's boolean padding mask
+    (:func:`~gpattn.integrations.padding_mask`). Other keyword arguments the encoder passes (``position_ids``,
+    ``output_attentions``, ...) are ignored; cross-attention, cached decoding and head masks are refused.
+
+    :param layer: The gpattn layer.
+    :param copied: The names of the layer's parameters copied from the replaced module.
+
+    .. note:: Cost: the layer's, plus O(B H N^2) to check a 4-D mask.
+    """
+
+    def forward(
+        self, hidden_states: Tensor, attention_mask: Tensor | None = None, **kwargs: Any
+    ) -> tuple[Tensor, None]:
+        """Attend, as the replaced module did.
+
+        :param hidden_states: Tokens, shape ``(B, N, C)``.
+        :param attention_mask: ``None``, ``(B, N)`` (1 = real token) or the encoder's 4-D mask
+            ``(B, 1, N, N)``.
+        :param kwargs: Further arguments of the encoder's call.
+        :return: The output ``(B, N, C)`` and ``None`` for the attention weights.
+        """
+        where = type(self).__name__
+        refused = [
+            key for key in ("encoder_hidden_states", "past_key_values", "head_mask") if kwargs.get(key) is not None
+        ]
+        if refused:
+            raise ValueError(f"{where}: a converted encoder layer supports self-attention only, got {refused}")
+        batch, length = hidden_states.shape[:2]
+        if attention_mask is not None and attention_mask.dim() == 2:  # (B, N), 1 = real token: as SDPA's (B, 1, 1, N)
+            attention_mask = attention_mask.bool()[:, None, None, :]
+        return self.layer(hidden_states, mask=padding_mask(attention_mask, batch, length, where=where)), None
+
+
+def _linear(module: torch.nn.Module, path: str, where: str) -> torch.nn.Linear:
+    try:
+        linear = module.get_submodule(path)
+    except AttributeError:
+        linear = None
+    if not isinstance(linear, torch.nn.Linear):
+        raise ValueError(
+            f"{where}: expected a torch.nn.Linear at {type(module).__name__}.{path}; this transformers version lays "
+            "the module out differently from gpattn.integrations.huggingface.LAYOUTS"
+        )
+    return linear
+
+
+def convert_attention(
+    model: torch.nn.Module, attention: str = "kep_svgp", blocks: Sequence[int] = (-1,), **layer_options: Any
+) -> torch.nn.Module:
+    r"""Replace the self-attention of the chosen layers of a Hugging Face encoder by gpattn's ``attention`` layer.
+
+    The self-attention modules are those whose class is in :data:`LAYOUTS` (``BertSelfAttention``,
+    ``RobertaSelfAttention``, ``DistilBertSelfAttention``, ``ViTAttention``), in model order: ``blocks=(-1,)``
+    converts the last layer. Any model around the encoder works (``BertModel``,
+    ``BertForSequenceClassification``, ``ViTForImageClassification``, ...). Each module is replaced by a
+    :class:`HuggingFaceAttentionAdapter` holding ``build_attention(attention, C, H, **layer_options)`` on the
+    module's device and dtype. The gpattn layer owns the output projection: where the family keeps it outside the
+    self-attention (BERT and RoBERTa: ``BertSelfOutput.dense``), it moves into the layer's ``out_proj`` and its old
+    place becomes ``torch.nn.Identity`` (the dropout, residual and LayerNorm around it stay). Copied
+    (:func:`~gpattn.integrations.copy_projections`): the query, key, value and output projections into every
+    parameter of the layer that plays their role (softmax: all four, so that ``attention="softmax"`` reproduces the
+    model in eval mode; KEP-SVGP and Primal-Attention: ``out_proj`` and the per-head kernel weights
+    :math:`W_q^h, W_k^h`; SGPA: keys, values and output; symmetric SVGP: queries, keys and output); the rest
+    starts fresh and the adapter's ``copied`` lists what was copied. The attention-weight dropout of the module has
+    no counterpart (the layer's ``dropout`` acts on its output; default 0).
+
+    A pretrained model takes the same path: ``AutoModelForSequenceClassification.from_pretrained(name)`` then
+    ``convert_attention(model, ...)``, then fine-tune with :class:`~gpattn.mlls.AttentionELBO` (which reads the
+    ``logits`` of the model's output).
+
+    :param model: A transformers model, changed in place.
+    :param attention: A name of :func:`~gpattn.attention.attention_names`.
+    :param blocks: Indices of the self-attention modules to convert, negative ones from the end.
+    :param layer_options: Keyword arguments of the layer (e.g. ``num_inducing=8``), besides ``embed_dim`` and
+        ``num_heads``, which come from the module.
+    :return: ``model``.
+    :raises ValueError: No self-attention module of :data:`LAYOUTS`, an index out of range or already converted, an
+        unknown attention name, a causal (decoder) self-attention, a module whose attention width differs from its
+        token width, or a head count or width the layer cannot take.
+
+    .. note:: Cost: building the layers and copying O(C^2) weights per converted layer.
+
+    Example:
+
+        >>> from transformers import BertConfig, BertForSequenceClassification
+        >>> from gpattn.integrations.huggingface import convert_attention
+        >>> config = BertConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128)
+        >>> model = convert_attention(BertForSequenceClassification(config), "kep_svgp", num_inducing=8)
+    """
+
+    def make_adapter(name: str, module: torch.nn.Module) -> dict[str, torch.nn.Module]:
+        where = f"{WHERE} ({name})"
+        layout = LAYOUTS[type(module).__name__]
+        if getattr(module, "is_causal", False):
+            raise ValueError(f"{where}: causal (decoder) self-attention is not supported; convert encoders")
+        owner = name.rpartition(".")[0] if layout.output_in_parent else name
+        query, key, value = (_linear(module, path, where) for path in (layout.query, layout.key, layout.value))
+        output = _linear(model.get_submodule(owner), layout.output, where)
+        width = query.in_features
+        widths = {"token width": width, "attention width": query.out_features, "output width": output.out_features}
+        if len(set(widths.values())) != 1:
+            raise ValueError(f"{where}: gpattn layers map (B, N, C) to (B, N, C); this module has {widths}")
+        layer = build_layer(attention, width, getattr(module, layout.heads), layer_options, query.weight, where)
+        projections = {
+            role: (linear.weight, linear.bias)
+            for role, linear in (("query", query), ("key", key), ("value", value), ("output", output))
+        }
+        replacements = {name: HuggingFaceAttentionAdapter(layer, copy_projections(layer, projections))}
+        if layout.output_in_parent:
+            replacements[f"{owner}.{layout.output}"] = torch.nn.Identity()
+        return replacements
+
+    def is_slot(module: torch.nn.Module) -> bool:
+        return type(module).__name__ in LAYOUTS or isinstance(module, HuggingFaceAttentionAdapter)
+
+    expected = f"a self-attention module of {sorted(LAYOUTS)}"
+    return convert_modules(model, is_slot, blocks, attention, make_adapter, expected, WHERE)
