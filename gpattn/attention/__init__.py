@@ -1,6 +1,8 @@
-"""Attention layers with one interface: KEP-SVGP, its symmetric ablation, SGPA, symmetric SVGP, softmax, Primal."""
+"""Attention layers with one interface: KEP-SVGP, its symmetric ablation, SGPA, symmetric SVGP, softmax, Primal,
+CGPT."""
 
 from ._base import AttentionInputs, AttentionLayer, sample_attention
+from .cgpt_attention import CGPTAttention
 from .kep_svgp_attention import KEPSVGPAttention
 from .primal_attention import PrimalAttention
 from .registry import ATTENTIONS, attention_arguments, attention_names, build_attention
@@ -12,6 +14,7 @@ __all__ = [
     "ATTENTIONS",
     "AttentionInputs",
     "AttentionLayer",
+    "CGPTAttention",
     "KEPSVGPAttention",
     "PrimalAttention",
     "SGPAAttention",
