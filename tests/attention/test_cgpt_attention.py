@@ -33,17 +33,17 @@ def make_layer(seed: int = 0, **kwargs) -> CGPTAttention:
 
 
 def make_inputs(setting: str, seed: int = 1, batch: int = 2, length: int = 5, context_length: int = 7):
-    """``(x, mask, context)``; padding masks hide the tail of the first sequence (the keys in cross-attention)."""
+    """``(x, mask, context)``; padding masks hide the last two keys (the queries too in self-attention) of the first
+    sequence."""
     generator = torch.Generator().manual_seed(seed)
-    x = torch.randn(batch, length, EMBED, generator=generator, dtype=DTYPE)
-    if setting == "none":
-        return x, None, None
-    context = (
-        torch.randn(batch, context_length, EMBED, generator=generator, dtype=DTYPE) if setting == "cross" else None
+    x, context = (
+        torch.randn(batch, size, EMBED, generator=generator, dtype=DTYPE) for size in (length, context_length)
     )
-    mask = torch.ones(batch, context_length if setting == "cross" else length, dtype=torch.bool)
-    mask[0, -2:] = False
-    return x, mask, context
+    keys = context if setting == "cross" else x
+    real = torch.full((batch, 1), keys.shape[1])
+    real[0] -= 2
+    mask = None if setting == "none" else torch.arange(keys.shape[1]) < real
+    return x, mask, context if setting == "cross" else None
 
 
 # -- dense reference -------------------------------------------------------------------------------------------------
