@@ -181,7 +181,7 @@ def _add_compare(commands) -> None:
     compare.add_argument("--out", type=_out_dir, default=None, help="run folder (default: runs/compare-<date>-<time>)")
     compare.add_argument("--quick", action="store_true", help="one seed, few epochs: a first look in under 2 minutes")
     compare.add_argument(
-        "--attentions", nargs="+", choices=attention_names(), default=None, help="default: all six registry entries"
+        "--attentions", nargs="+", choices=attention_names(), default=None, help="default: every registry entry"
     )
     compare.add_argument("--tasks", nargs="+", choices=TASKS, default=None, help="default: %(choices)s")
     compare.add_argument(
