@@ -44,7 +44,7 @@ def _restrict(covar: Tensor, row_mask: Tensor | None, col_mask: Tensor | None) -
     return covar
 
 
-def _decouple(covar: Tensor, mask: Tensor | None, variance: Tensor) -> Tensor:
+def _decouple(covar: Tensor, mask: Tensor | None, variance: Tensor | float) -> Tensor:
     """A prior covariance ``(B, H, n, n)`` whose padded tokens are independent of the others with variance
     ``variance``: the real block, and thus every solve and factor restricted to it, is that of the real tokens."""
     if mask is None:
@@ -267,12 +267,11 @@ class CGPTAttention(AttentionLayer):
         query_mask = None if inputs.is_cross else key_mask
         if key_mask is not None:  # z_k = K_kk v must vanish at padded keys
             values = values * key_mask.unsqueeze(-1)
-        one = torch.ones((), dtype=queries.dtype, device=queries.device)
         # the matrices K of the unit-amplitude GPs; the GPs' covariances are a^2 K
-        latent_covar = _decouple(_rbf(latents, latents), key_mask, one)  # K_00 / a^2; shape: (B, H, M, M)
+        latent_covar = _decouple(_rbf(latents, latents), key_mask, 1.0)  # K_00; shape: (B, H, M, M)
         latent_chol = self._cholesky(latent_covar, 1.0, "K_00 (the latent GP's kernel matrix on x_0)")
-        latent_query = _restrict(_rbf(latents, queries), key_mask, query_mask)  # K_0q / a^2; shape: (B, H, M, N)
-        latent_key = _restrict(_rbf(latents, keys), key_mask, key_mask)  # K_0k / a^2; shape: (B, H, M, M)
+        latent_query = _restrict(_rbf(latents, queries), key_mask, query_mask)  # K_0q; shape: (B, H, M, N)
+        latent_key = _restrict(_rbf(latents, keys), key_mask, key_mask)  # K_0k; shape: (B, H, M, M)
         query_interp = torch.linalg.solve_triangular(latent_chol, latent_query, upper=False)
         key_interp = torch.linalg.solve_triangular(latent_chol, latent_key, upper=False)
         amplitude = self.outputscale[:, None, None]  # a^2; shape: (H, 1, 1)
@@ -280,21 +279,21 @@ class CGPTAttention(AttentionLayer):
         return _Latent(queries, keys, values, query_mask, key_mask, query_interp, key_interp, amplitude, mean)
 
     def _prior_covar(self, side: str, latent: _Latent) -> tuple[Tensor, Tensor]:
-        r""":math:`K_{ss} / a^2 = \sigma_s^2 \kappa(s, s)` (padded tokens decoupled, no nugget), ``(B, H, n, n)``, and
+        r""":math:`K_{ss} = \sigma_s^2 \kappa(s, s)` (padded tokens decoupled, no nugget), ``(B, H, n, n)``, and
         :math:`\sigma_s^2`, shape ``(H, 1, 1)``."""
         tokens, mask = (latent.queries, latent.query_mask) if side == "query" else (latent.keys, latent.key_mask)
         ratio = getattr(self, f"{side}_variance_ratio")[:, None, None]
         return _decouple(ratio * _rbf(tokens, tokens), mask, ratio), ratio
 
     def _conditional_cholesky(self, side: str, latent: _Latent, prior_covar: Tensor, ratio: Tensor) -> Tensor:
-        r"""The Cholesky factor of :math:`\Sigma_s / a^2 = (K_{ss} - K_{s0} K_{00}^{-1} K_{0s}) / a^2` (+ nugget)."""
+        r"""The Cholesky factor :math:`L_s` of :math:`\Sigma_s = K_{ss} - K_{s0} K_{00}^{-1} K_{0s}` (+ nugget)."""
         interp = latent.query_interp if side == "query" else latent.key_interp
         conditional = prior_covar - interp.mT @ interp
         return self._cholesky(conditional, ratio, f"Sigma_{side[0]} (the {side} GP's covariance given z_0)")
 
     def _objective(self, latent: _Latent, side: str, observed: Tensor, chol: Tensor) -> Tensor:
-        r""":math:`\tfrac12 \sum_c [z_c^\top \Sigma^{-1} z_c + \mathrm{tr}(\Sigma^{-1} Q) + \log|2\pi\Sigma|]`
-        for one side, shape ``(B, H)``; ``chol`` is the factor of :math:`\Sigma / a^2`."""
+        r""":math:`\tfrac12 \sum_c [a^{-2} z_c^\top \Sigma_s^{-1} z_c + \mathrm{tr}(\Sigma_s^{-1} K_{s0} K_{00}^{-1}
+        K_{0s}) + \log|2\pi a^2 \Sigma_s|]` for one side, shape ``(B, H)``; ``chol`` is :math:`L_s`."""
         interp, mask = (
             (latent.query_interp, latent.query_mask) if side == "query" else (latent.key_interp, latent.key_mask)
         )
@@ -314,7 +313,7 @@ class CGPTAttention(AttentionLayer):
         query_chol = self._conditional_cholesky("query", latent, query_covar, query_ratio)
         key_cond_chol = self._conditional_cholesky("key", latent, key_covar, key_ratio)
         key_chol = self._cholesky(key_covar, key_ratio, "K_kk (the key GP's kernel matrix)")
-        # unit-amplitude prior draws: z_0' = L_00 eps_0, so that k_s0 k_00^{-1} z_0' = interp_s^T eps_0
+        # unit-amplitude prior draws: z_0' = L_00 eps_0, so that K_s0 K_00^{-1} z_0' = interp_s^T eps_0
         latent_noise = torch.randn_like(latent.values)
         prior_key = latent.key_interp.mT @ latent_noise + key_cond_chol @ torch.randn_like(latent.values)
         weights = torch.cholesky_solve(prior_key, key_chol)  # K_kk^{-1} z_k'
@@ -346,15 +345,15 @@ class CGPTAttention(AttentionLayer):
         self, x: Tensor, mask: Tensor | str | None = None, context: Tensor | None = None
     ) -> tuple[Tensor, Tensor]:
         """Predictive mean ``(B, H, N, C / H)`` of every head and its covariance across the tokens
-        :math:`K_{qq} - K_{qk} K_{kk}^{-1} K_{kq}`, ``(B, H, N, N)``, shared by the value dimensions (which are
+        :math:`a^2 (K_{qq} - K_{qk} K_{kk}^{-1} K_{kq})`, ``(B, H, N, N)``, shared by the value dimensions (which are
         independent). Padded queries are decoupled from the real ones."""
         inputs = self._prepare(x, mask, context)
         with torch.autocast(x.device.type, enabled=False):
             latent = self._latent(inputs)
             key_covar, key_ratio = self._prior_covar("key", latent)
             key_chol = self._cholesky(key_covar, key_ratio, "K_kk (the key GP's kernel matrix)")
-            key_query_covar = latent.key_interp.mT @ latent.query_interp  # K_kq / a^2; shape: (B, H, M, N)
-            explained = torch.linalg.solve_triangular(key_chol, key_query_covar, upper=False)  # L_kk^{-1} K_kq / a
+            key_query_covar = latent.key_interp.mT @ latent.query_interp  # K_kq; shape: (B, H, M, N)
+            explained = torch.linalg.solve_triangular(key_chol, key_query_covar, upper=False)  # L_kk^{-1} K_kq
             query_covar, query_ratio = self._prior_covar("query", latent)
             eye = torch.eye(query_covar.shape[-1], dtype=query_covar.dtype, device=query_covar.device)
             covar = latent.amplitude * (query_covar + self.jitter * query_ratio * eye - explained.mT @ explained)
