@@ -1,7 +1,9 @@
 """Forward+backward time and peak memory of every attention layer against sequence length.
 
 Each layer of the registry (plus the marginal-sampling and exact-feature KEP variants) runs a training step,
-``(layer(x).sum() + layer.kl_divergence()).backward()``, on a batch ``x`` of shape ``(B, N, C)``. Repetitions are
+``(layer(x).sum() + layer.kl_divergence() + added loss terms).backward()`` (the added terms: the KSVD penalty, the CGP
+regulariser), on a batch ``x`` of shape ``(B, N, C)``. SGPA and exact-feature KEP, whose N x N matrices grow as
+O(N^2), and CGPT, whose Cholesky factorisations grow as O(N^3), stop at a length cap each. Repetitions are
 interleaved across layers (layer 1, layer 2, ..., layer 1, ...) and the median is reported, so that drifts in the
 machine's load hit every layer alike; ratios against softmax attention come from the same run. With ``--memory``,
 the peak of live tensors during one step is measured in a separate pass: from the PyTorch profiler's allocation
@@ -40,6 +42,7 @@ VARIANTS = {
     "primal": ("primal", {}),
     "svgp": ("svgp", {}),
     "sgpa": ("sgpa", {}),
+    "cgpt": ("cgpt", {}),
 }
 RANKED = {"kep_svgp", "kep_svgp_sym", "primal"}
 #: the variants timed in the rank sweep (softmax as the reference)
@@ -51,7 +54,7 @@ def _build(
 ) -> torch.nn.Module:
     name, kwargs = VARIANTS[variant]
     if name in RANKED:
-        kwargs = {"rank": rank, **kwargs}
+        kwargs = {"num_inducing": rank, **kwargs}
         if rank > embed_dim // num_heads:  # the cosine kernel's rank is at most its feature dimension
             kwargs["feature_dim"] = rank
     layer = build_attention(name, embed_dim, num_heads, **kwargs).to(device).train()
@@ -61,6 +64,8 @@ def _build(
 def _step(layer: torch.nn.Module, x: torch.Tensor) -> None:
     layer.zero_grad(set_to_none=True)
     loss = layer(x).sum() + layer.kl_divergence()
+    for term in layer.added_loss_terms():  # computed by the forward pass in training mode
+        loss = loss + term.loss()
     loss.backward()
 
 
@@ -140,6 +145,8 @@ def run(args: argparse.Namespace) -> dict:
             if variant == "sgpa" and length > args.max_sgpa_length:
                 continue
             if variant == "kep_svgp_exact" and length > args.max_exact_length:
+                continue
+            if variant == "cgpt" and length > args.max_cgpt_length:
                 continue
             layers[variant] = _build(variant, args.embed_dim, args.num_heads, args.rank, device, args.compile)
         steps = {variant: (lambda layer=layer, x=x: _step(layer, x)) for variant, layer in layers.items()}
@@ -254,6 +261,7 @@ def main() -> None:
     parser.add_argument("--budget-s", type=float, default=20.0, help="time budget per length for the repetitions")
     parser.add_argument("--max-sgpa-length", type=int, default=1024, help="skip SGPA above this N (O(N^2) memory)")
     parser.add_argument("--max-exact-length", type=int, default=1024, help="skip exact-feature KEP above this N")
+    parser.add_argument("--max-cgpt-length", type=int, default=512, help="skip CGPT above this N (O(N^3) time)")
     parser.add_argument("--memory", action="store_true", help="also measure peak memory (slower)")
     parser.add_argument("--compile", action="store_true", help="wrap the gpattn layers in torch.compile")
     parser.add_argument("--seed", type=int, default=0)

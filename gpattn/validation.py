@@ -10,9 +10,7 @@ from __future__ import annotations
 
 import math
 import numbers
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
-from contextvars import ContextVar
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -23,22 +21,6 @@ class InputTypeError(TypeError, ValueError):
     """A wrong type or dtype. A :class:`TypeError` that is also a :class:`ValueError`, so that code written against
     the ``ValueError`` these checks raised before keeps working (as ``numpy.AxisError`` is both a ``ValueError`` and
     an ``IndexError``)."""
-
-
-#: Set inside :func:`checked_inputs`: the caller has checked its inputs, inner checks skip their elementwise pass.
-_INPUTS_CHECKED: ContextVar[bool] = ContextVar("gpattn_inputs_checked", default=False)
-
-
-@contextmanager
-def checked_inputs() -> Iterator[None]:
-    """Within the block, :func:`check_tensor` skips its finiteness pass: an entry point that has checked its inputs
-    once wraps its computation in this, so that the inner public calls (e.g. a kernel evaluated three times on the
-    same ``x``) do not pass over the same tensor again."""
-    token = _INPUTS_CHECKED.set(True)
-    try:
-        yield
-    finally:
-        _INPUTS_CHECKED.reset(token)
 
 
 def _prefix(where: str) -> str:
@@ -203,8 +185,7 @@ def check_tensor(
     :param like: A reference tensor (e.g. a parameter) whose device, and dtype unless ``match_dtype=False``, the
         value must share. The dtype check is skipped under ``torch.autocast``, which mixes dtypes on purpose.
     :param like_name: What ``like`` is, for the message (plural).
-    :param finite: Require no NaN or infinity (one elementwise pass; skipped while tracing, on ``meta`` and inside
-        :func:`checked_inputs`).
+    :param finite: Require no NaN or infinity (one elementwise pass; skipped while tracing and on ``meta``).
     :param meaning: What the dimensions are, added to the shape message (e.g. ``"(batch, tokens, embed_dim)"``).
     :raises InputTypeError: Not a tensor, or a wrong dtype.
     :raises ValueError: A wrong shape, an empty dimension, a device mismatch or a non-finite value.
@@ -239,7 +220,7 @@ def check_tensor(
                 f"{prefix}{name} is {value.dtype} but {like_name} are {like.dtype}: cast one of them "
                 f"(.to({like.dtype}))"
             )
-    skip_finite = value.device.type == "meta" or _is_tracing() or _INPUTS_CHECKED.get()
+    skip_finite = value.device.type == "meta" or _is_tracing()
     if finite and not skip_finite and not all_finite(value):
         raise ValueError(f"{prefix}{name} contains NaN or Inf values")
     return value

@@ -69,9 +69,15 @@ import numpy as np
 import torch
 from IPython.display import Markdown, display
 
-from gpattn.attention import attention_arguments, attention_names, build_attention
+from gpattn.attention import attention_names, build_attention
 from gpattn.experiments import CompareConfig, markdown_table, run_comparison, write_outputs
-from gpattn.plotting import plot_ood_histograms, plot_reliability_diagrams, plot_shift_curves, plot_spectra
+from gpattn.plotting import (
+    plot_ood_histograms,
+    plot_reliability_diagrams,
+    plot_shift_curves,
+    plot_spectra,
+    write_comparison_figures,
+)
 
 # %matplotlib inline
 style()
@@ -80,10 +86,10 @@ print(f"notebook size: {SIZE}")
 # %% [markdown]
 # ## 1. Run the comparison
 #
-# `CompareConfig` holds the settings; `run_comparison` returns one JSON-able record per (task, attention, seed)
+# `CompareConfig` holds the settings; `run_comparison` returns one typed `RunRecord` per (task, attention, seed)
 # with the metrics and everything the figures need; `markdown_table` summarises them; `write_outputs` writes
-# `results.json`, `results.csv`, `table.md` and the figures of `gpattn compare` to a folder (a temporary one
-# here).
+# `results.json`, `results.csv` and `table.md`, and `write_comparison_figures` the figures of `gpattn compare`, to a
+# folder (a temporary one here).
 
 # %%
 config = CompareConfig(
@@ -100,7 +106,7 @@ records = run_comparison(config)
 print(f"{len(records)} runs in {time.perf_counter() - start:.0f} s")
 
 out = Path(tempfile.mkdtemp(prefix="gpattn-compare-"))
-written = write_outputs(records, config, out)
+written = write_outputs(records, config, out) + write_comparison_figures(records, out)
 print("written:", ", ".join(path.name for path in written))
 display(Markdown(markdown_table(records)))
 
@@ -221,18 +227,15 @@ plt.show()
 # grows with the sequence length.
 
 # %%
-names = list(dict.fromkeys(record["attention"] for record in records))
-tasks = list(dict.fromkeys(record["task"] for record in records))
-train_seconds = {(task, name): statistics.fmean(r["train"]["seconds"] for r in records
-                                                if r["task"] == task and r["attention"] == name)
+names = list(dict.fromkeys(record.attention for record in records))
+tasks = list(dict.fromkeys(record.task for record in records))
+train_seconds = {(task, name): statistics.fmean(r.train.seconds for r in records
+                                                if r.task == task and r.attention == name)
                  for task in tasks for name in names}
 
 def make_layer(name):
-    kwargs = {}
-    if config.num_inducing is not None and "num_inducing" in attention_arguments(name):
-        kwargs["num_inducing"] = config.num_inducing
     torch.manual_seed(0)
-    return build_attention(name, config.embed_dim, config.num_heads, **kwargs).train()
+    return build_attention(name, config.embed_dim, config.num_heads, **config.attention_arguments(name)).train()
 
 lengths = (8, 16, 64)
 repeats = pick(15, 2)

@@ -40,11 +40,9 @@
 # meaningless. Without it the notebook runs at full size (a few minutes on two CPU cores).
 
 # %%
-import os
-import warnings
+from _notebook_size import SIZE, pick, setup, style
 
-SMOKE = os.environ.get("GPATTN_NOTEBOOK_SIZE") == "smoke"
-warnings.filterwarnings("ignore", message="IProgress not found")  # tqdm's notebook bars need ipywidgets
+setup()  # seed 0, one torch thread, quiet tqdm
 
 import copy  # noqa: E402
 import time  # noqa: E402
@@ -70,11 +68,10 @@ from gpattn.mlls import AttentionELBO  # noqa: E402
 from gpattn.models import predict_probabilities  # noqa: E402
 
 # %matplotlib inline
-torch.set_num_threads(1)
-torch.manual_seed(0)
-EPOCHS = 2 if SMOKE else 60
-SAMPLES = 2 if SMOKE else 20  # Monte Carlo samples at prediction
-print(f"notebook size: {'smoke' if SMOKE else 'full'}")
+style()
+EPOCHS = pick(60, 2)
+SAMPLES = pick(20, 2)  # Monte Carlo samples at prediction
+print(f"notebook size: {SIZE}")
 
 # %% [markdown]
 # ## 1. Data and the two models

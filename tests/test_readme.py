@@ -25,7 +25,7 @@ def test_readme_python_blocks_run() -> None:
     assert namespaces[1]["variance"].shape == (1, 8, 32) and bool((namespaces[1]["variance"] >= 0).all())
     timm_model = namespaces[2]["model"]
     assert type(timm_model.blocks[-1].attn.layer).__name__ == "KEPSVGPAttention"
-    assert timm_model.blocks[-1].attn.layer.left_posterior.variational_mean.grad.abs().sum() > 0
+    assert timm_model.blocks[-1].attn.layer.strategy._variational_distribution.variational_mean.grad.abs().sum() > 0
     probabilities = namespaces[3]["probabilities"]
     assert probabilities.shape == (2, 2)
     assert float((probabilities.sum(-1) - 1).abs().max()) < 1e-6

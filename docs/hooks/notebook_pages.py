@@ -31,6 +31,7 @@ NOTEBOOKS = (
     "02_kernel_eigen_svgp_regression.ipynb",
     "03_attention_posteriors.ipynb",
     "04_calibration_comparison.ipynb",
+    "05_timm_conversion.ipynb",
 )
 ENVIRONMENT_VARIABLE = "GPATTN_DOCS_NOTEBOOKS"
 PLACEHOLDER_TEXT = "This notebook has not been written yet"

@@ -1,6 +1,8 @@
-"""Attention layers with one interface: KEP-SVGP, its symmetric ablation, SGPA, symmetric SVGP, softmax, Primal."""
+"""Attention layers with one interface: KEP-SVGP, its symmetric ablation, SGPA, symmetric SVGP, softmax, Primal,
+CGPT."""
 
 from ._base import AttentionInputs, AttentionLayer, sample_attention
+from .cgpt_attention import CGPTAttention
 from .kep_svgp_attention import KEPSVGPAttention
 from .primal_attention import PrimalAttention
 from .registry import (
@@ -20,6 +22,7 @@ __all__ = [
     "ATTENTIONS",
     "AttentionInputs",
     "AttentionLayer",
+    "CGPTAttention",
     "KEPSVGPAttention",
     "PrimalAttention",
     "SGPAAttention",

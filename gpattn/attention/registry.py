@@ -14,6 +14,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from ._base import AttentionLayer
+from .cgpt_attention import CGPTAttention
 from .kep_svgp_attention import KEPSVGPAttention
 from .primal_attention import PrimalAttention
 from .sgpa_attention import SGPAAttention
@@ -34,6 +35,8 @@ ATTENTIONS: dict[str, tuple[type[AttentionLayer], dict[str, Any]]] = {
     "softmax": (SoftmaxAttention, {}),
     # Primal-Attention (Chen et al. 2023): deterministic KSVD scores, KSVD loss
     "primal": (PrimalAttention, {}),
+    # CGPT (Bui et al. 2024): asymmetric kernel as the cross-covariance of two GPs correlated through a latent GP
+    "cgpt": (CGPTAttention, {}),
 }
 
 

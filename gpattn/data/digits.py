@@ -46,7 +46,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ..validation import InputTypeError, check_int, check_tensor, checked_inputs
+from ..validation import InputTypeError, check_int, check_tensor
 from .image_dataset import ImageDataset
 
 __all__ = [
@@ -195,7 +195,7 @@ def load_digits_splits(
 
 
 def _check_images(images: Tensor) -> None:
-    # one elementwise pass (finiteness), skipped by the helpers that shift_images calls after its own check
+    # one elementwise pass (finiteness); shift_images checks once and calls the unchecked _rotate / _blur
     if not isinstance(images, Tensor):
         raise InputTypeError(f"expected images to be a torch.Tensor (n, C, H, W), got {type(images).__name__}")
     if not images.is_floating_point():
@@ -213,6 +213,10 @@ def rotate_images(images: Tensor, degrees: float | Tensor) -> Tensor:
     :return: Rotated images ``(n, C, H, W)`` (not clipped; bilinear interpolation stays within the input range).
     """
     _check_images(images)
+    return _rotate(images, degrees)
+
+
+def _rotate(images: Tensor, degrees: float | Tensor) -> Tensor:
     n, _, height, width = images.shape
     angles = torch.as_tensor(degrees, dtype=images.dtype, device=images.device).expand(n) * (math.pi / 180)
     cos, sin = angles.cos(), angles.sin()
@@ -235,6 +239,10 @@ def gaussian_blur(images: Tensor, sigma: float) -> Tensor:
     _check_images(images)
     if not sigma >= 0:
         raise ValueError(f"expected sigma >= 0, got {sigma!r}")
+    return _blur(images, sigma)
+
+
+def _blur(images: Tensor, sigma: float) -> Tensor:
     if sigma == 0:
         return images.clone()
     channels = images.shape[1]
@@ -273,11 +281,9 @@ def shift_images(images: Tensor, kind: str, severity: int, seed: int = 0) -> Ten
         shifted = images + value * noise.to(images.device)
     elif kind == "rotation":
         signs = torch.randint(0, 2, (images.shape[0],), generator=generator).to(images.dtype) * 2 - 1
-        with checked_inputs():
-            shifted = rotate_images(images, value * signs.to(images.device))
+        shifted = _rotate(images, value * signs.to(images.device))  # images checked above
     else:
-        with checked_inputs():
-            shifted = gaussian_blur(images, value)
+        shifted = _blur(images, value)
     return shifted.clamp(0, 1)
 
 

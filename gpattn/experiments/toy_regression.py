@@ -35,6 +35,9 @@ class ToyRegressionConfig:
     :ivar pyro_final_lr_factor: Learning rate at the last SVI step relative to the first (exponential decay).
     :ivar pyro_variational_lr_factor: Learning rate of :math:`q(u)` relative to the hyperparameters' in SVI.
     :ivar pyro_particles: Monte Carlo particles of the Pyro ELBO.
+    :ivar pyro_clip_norm: Gradient-norm clip of Pyro's ``ClippedAdam``, per parameter tensor. Pyro's default (10)
+        clips the stacked :math:`q(u)` of both branches as one tensor and then slows the fit (test RMSE 0.176 against
+        0.120 with seed 0); 100 leaves the Monte Carlo steps unclipped in practice.
     :ivar initial_shift: Initial shift :math:`\\delta` of the directional kernel.
     :ivar initial_lengthscale: Initial lengthscale of the directional kernel.
     """
@@ -50,6 +53,7 @@ class ToyRegressionConfig:
     pyro_final_lr_factor: float = 1.0
     pyro_variational_lr_factor: float = 10.0
     pyro_particles: int = 8
+    pyro_clip_norm: float = 100.0
     initial_shift: float = 0.1
     initial_lengthscale: float = 0.5
 
@@ -62,7 +66,7 @@ class ToyRegressionConfig:
             raise ValueError(
                 f"{where}: num_inducing ({self.num_inducing}) must not exceed num_landmarks ({self.num_landmarks})"
             )
-        for name in ("lr", "ngd_lr", "pyro_lr", "pyro_final_lr_factor", "pyro_variational_lr_factor"):
+        for name in ("lr", "ngd_lr", "pyro_lr", "pyro_final_lr_factor", "pyro_variational_lr_factor", "pyro_clip_norm"):
             check_float(name, getattr(self, name), 0.0, strict_minimum=True, where=where)
         check_float("initial_shift", self.initial_shift, where=where)
         check_float("initial_lengthscale", self.initial_lengthscale, 0.0, strict_minimum=True, where=where)
@@ -229,7 +233,8 @@ def fit_pair_svgp_pyro(data: RegressionData, config: ToyRegressionConfig, progre
     def optimizer_settings(module_name: str, param_name: str) -> dict[str, float]:
         # q(u) moves faster than the hyperparameters, so that their gradients see a nearly optimal q(u)
         is_variational = "variational_distribution" in param_name
-        return {"lr": config.pyro_lr * (config.pyro_variational_lr_factor if is_variational else 1.0), "lrd": decay}
+        lr = config.pyro_lr * (config.pyro_variational_lr_factor if is_variational else 1.0)
+        return {"lr": lr, "lrd": decay, "clip_norm": config.pyro_clip_norm}
 
     optimizer = pyro.optim.ClippedAdam(optimizer_settings)
     svi = pyro.infer.SVI(pyro_model, pyro_guide, optimizer, elbo)

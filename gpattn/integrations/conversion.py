@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 from torch import Tensor
-from torch.nn import Linear
+from torch.nn import Linear, Module
 
 from ..attention import AttentionLayer, attention_names, build_attention
 from ..validation import check_choice, check_int, check_tensor
@@ -117,15 +117,22 @@ def copy_projections(layer: AttentionLayer, projections: Mapping[str, Projection
                         linear.bias.copy_(bias)
                     copied.append(f"{name}.bias")
             path = HEAD_TARGETS.get(role)
-            try:
-                heads = layer.get_parameter(path) if path else None
-            except AttributeError:  # e.g. the key weight of a tied (symmetric) kernel
-                heads = None
+            heads = _attribute(layer, path) if path else None  # None e.g. for the key weight of a tied kernel
             # (H, p, C) takes the (H p, C) weight when p is the head width
             if heads is not None and heads.numel() == weight.numel() and heads.shape[-1] == weight.shape[-1]:
                 heads.copy_(weight.reshape(heads.shape))
                 copied.append(path)
     return tuple(copied)
+
+
+def _attribute(module: Module, path: str) -> Tensor | None:
+    """The tensor at a dotted attribute path (``features.kernel.query_weight``), or ``None`` where it is missing."""
+    value = module
+    for part in path.split("."):
+        value = getattr(value, part, None)
+        if value is None:
+            return None
+    return value if isinstance(value, Tensor) else None
 
 
 def padding_mask(attention_mask: Tensor | None, batch: int, length: int, where: str = "padding_mask") -> Tensor | None:

@@ -1,6 +1,7 @@
-"""Objectives: the KSVD added loss term and the attention ELBO."""
+"""Objectives: the KSVD and CGP added loss terms and the attention ELBO."""
 
 from .attention_elbo import AttentionELBO
+from .cgp_added_loss_term import CGPAddedLossTerm
 from .ksvd_added_loss_term import KSVDAddedLossTerm
 
-__all__ = ["AttentionELBO", "KSVDAddedLossTerm"]
+__all__ = ["AttentionELBO", "CGPAddedLossTerm", "KSVDAddedLossTerm"]

@@ -93,11 +93,13 @@ class KernelEigenVariationalTestCase(VariationalTestCase):
     distribution_cls = gpytorch.variational.CholeskyVariationalDistribution
 
     @property
-    def batch_shape(self):
+    def batch_shape(self) -> torch.Size:
+        """The model's batch shape in the shape-independent tests (a subclass overrides it, e.g. ``(2,)``)."""
         return torch.Size([])
 
     @property
     def natural(self) -> bool:
+        """Whether :math:`q(u)` is natural-parametrised (its own Cholesky factorisations are then expected)."""
         return issubclass(self.distribution_cls, gpytorch.variational.NaturalVariationalDistribution)
 
     def _make_model_and_likelihood(
@@ -130,12 +132,14 @@ class KernelEigenVariationalTestCase(VariationalTestCase):
     # The batch variants (test_eval_*_pred_batch, test_training_iteration_batch_*, test_training_all_batch_zero_mean)
     # call these two through ``self``, so the Cholesky/CG checks below run for every one of them.
     def test_eval_iteration(self, *args, **kwargs):
+        """GPyTorch's evaluation test, plus: no Cholesky, CG or CIQ of :math:`K_{uu}` during the call."""
         recorder = _CholeskyCallSites(torch.linalg.cholesky_ex)
         with patch("torch.linalg.cholesky_ex", new=recorder):  # the harness's mock wraps the recorder
             cg_mock, cholesky_mock, ciq_mock = super().test_eval_iteration(*args, **kwargs)
         self._check_no_kuu_factorisation(cg_mock, cholesky_mock, ciq_mock, recorder)
 
     def test_training_iteration(self, *args, **kwargs):
+        """GPyTorch's training test (nonzero gradients everywhere), plus: no factorisation of :math:`K_{uu}`."""
         recorder = _CholeskyCallSites(torch.linalg.cholesky_ex)
         with patch("torch.linalg.cholesky_ex", new=recorder):
             cg_mock, cholesky_mock, ciq_mock = super().test_training_iteration(*args, **kwargs)
@@ -149,6 +153,8 @@ class KernelEigenVariationalTestCase(VariationalTestCase):
         expected_batch_shape=None,
         constant_mean=True,
     ):
+        """Online conditioning is not supported: ``get_fantasy_model`` raises GPyTorch's ``NotImplementedError``
+        ("No fantasy model support"), with and without replacement mean and covariance modules."""
         model_batch_shape = model_batch_shape if model_batch_shape is not None else self.batch_shape
         data_batch_shape = data_batch_shape if data_batch_shape is not None else self.batch_shape
         inducing_batch_shape = inducing_batch_shape if inducing_batch_shape is not None else self.batch_shape
@@ -169,6 +175,8 @@ class KernelEigenVariationalTestCase(VariationalTestCase):
                 self._fantasy_iter(model, likelihood, data_batch_shape, num_fant=10, **cm_dict)
 
     def test_prior_call_is_model_forward(self):
+        """``model(x, prior=True)`` is the model's exact prior: a low-rank root :math:`\\kappa(x, Z)` of shape
+        ``(*batch, N, M)``, never densified."""
         model, _ = self._make_model_and_likelihood(
             batch_shape=self.batch_shape,
             inducing_batch_shape=self.batch_shape,

@@ -56,7 +56,7 @@ def set_mode(layer: AttentionLayer, mode: str) -> AttentionLayer:
 
 
 def test_registry_names():
-    assert NAMES == ["kep_svgp", "kep_svgp_sym", "sgpa", "svgp", "softmax", "primal"]
+    assert NAMES == ["kep_svgp", "kep_svgp_sym", "sgpa", "svgp", "softmax", "primal", "cgpt"]
     assert ATTENTIONS["kep_svgp_sym"][1] == {"tie_qk": True}
     with pytest.raises(ValueError, match="kep_svgp"):
         build_attention("not_an_attention", EMBED_DIM, NUM_HEADS)

@@ -38,6 +38,7 @@ NOTEBOOKS = (
     "02_kernel_eigen_svgp_regression.ipynb",
     "03_attention_posteriors.ipynb",
     "04_calibration_comparison.ipynb",
+    "05_timm_conversion.ipynb",
 )
 # reST that the Griffe extension (docs/hooks/griffe_rst.py) must have turned into Markdown before rendering
 REST_LEFTOVERS = (

@@ -173,7 +173,8 @@ def test_converted_model_trains_with_attention_elbo(family):
         torch.testing.assert_close(parts["kl"], layer.kl_divergence() / 64, rtol=1e-12, atol=0)
         assert parts["kl"] > 0 and parts["ksvd"] > 0
         parts["loss"].backward()
-        for parameter in (layer.left_posterior.variational_mean, layer.features.raw_singular_values):
+        q_u = layer.strategy._variational_distribution
+        for parameter in (q_u.variational_mean, layer.features.raw_singular_values):
             assert parameter.grad is not None and parameter.grad.abs().sum() > 0
         optimizer.step()
     assert torch.isfinite(parts["loss"])

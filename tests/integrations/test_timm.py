@@ -131,7 +131,7 @@ def test_converted_model_trains_with_attention_elbo():
     elbo = AttentionELBO(model, num_data=64, combine_terms=False)
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
     images, targets = _images(8), torch.arange(8) % CLASSES
-    mean_before = layer.left_posterior.variational_mean.detach().clone()
+    mean_before = layer.strategy._variational_distribution.variational_mean.detach().clone()
     for _ in range(3):
         optimizer.zero_grad()
         parts = elbo(model(images), targets)
@@ -140,11 +140,12 @@ def test_converted_model_trains_with_attention_elbo():
         torch.testing.assert_close(parts["kl"], layer.kl_divergence() / 64, rtol=1e-12, atol=0)
         torch.testing.assert_close(parts["ksvd"], next(layer.added_loss_terms()).loss(), rtol=1e-12, atol=0)
         assert parts["kl"] > 0 and parts["ksvd"] > 0
-        for parameter in (layer.left_posterior.variational_mean, layer.features.raw_singular_values):
+        q_u = layer.strategy._variational_distribution
+        for parameter in (q_u.variational_mean, layer.features.raw_singular_values):
             assert parameter.grad is not None and parameter.grad.abs().sum() > 0
         optimizer.step()
     assert torch.isfinite(parts["loss"])
-    assert not torch.equal(layer.left_posterior.variational_mean, mean_before)
+    assert not torch.equal(layer.strategy._variational_distribution.variational_mean, mean_before)
 
 
 def test_predict_probabilities_averages_samples_of_a_converted_model():

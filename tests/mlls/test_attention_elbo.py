@@ -241,7 +241,7 @@ def test_elbo_sums_the_kl_of_the_gp_layers_of_a_model_without_kl_divergence():
     torch.testing.assert_close(parts["kl"], expected, rtol=1e-14, atol=0)
     torch.testing.assert_close(parts["nll"], F.cross_entropy(output["logits"], targets), rtol=0, atol=0)
     parts["loss"].backward()
-    assert kep.left_posterior.variational_mean.grad.abs().sum() > 0
+    assert kep.strategy._variational_distribution.variational_mean.grad.abs().sum() > 0
 
 
 def test_elbo_reads_the_logits_of_a_mapping_output():
