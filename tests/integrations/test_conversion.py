@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gpattn.attention import SoftmaxAttention, attention_names, build_attention
+from gpattn.attention import SoftmaxAttention, attention_names, build_attention, select_arguments
 from gpattn.integrations import (
     AttentionAdapter,
     build_layer,
@@ -114,7 +114,7 @@ def _projections(bias: bool = True) -> dict[str, tuple[torch.Tensor, torch.Tenso
 
 def _layer(name: str) -> torch.nn.Module:
     torch.manual_seed(0)
-    options = {"num_inducing": 2} if name != "softmax" else {}
+    options = select_arguments(name, num_inducing=2)
     return build_layer(name, WIDTH, HEADS, options, torch.zeros((), dtype=torch.float64), "test")
 
 
@@ -126,6 +126,7 @@ EXPECTED_LINEAR = {
     "kep_svgp": {"output": "out_proj"},
     "kep_svgp_sym": {"output": "out_proj"},
     "primal": {"output": "out_proj"},
+    "cgpt": {"query": "query_proj", "key": "key_proj", "value": "value_proj", "output": "out_proj"},
 }
 EXPECTED_HEADS = {
     "kep_svgp": {"query": "features.kernel.query_weight", "key": "features.kernel.key_weight"},
