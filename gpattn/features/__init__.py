@@ -3,14 +3,23 @@ object (:class:`KernelEigenScores`) by the landmark features of GP models and th
 
 from .attention_kernel_eigen_features import AttentionKernelEigenFeatures
 from .kernel_eigen_features import KernelEigenFeatures
-from .kernel_eigen_features_base import KernelEigenFeaturesBase
-from .kernel_eigen_scores import KernelEigenScores, induced_kernel_diag, inducing_covariance
+from .kernel_eigen_features_base import SINGULAR_VALUE_FLOOR, KernelEigenFeaturesBase
+from .kernel_eigen_scores import (
+    KernelEigenScores,
+    induced_kernel_diag,
+    inducing_covariance,
+    numerically_nonzero,
+    prior_variances,
+)
 
 __all__ = [
+    "SINGULAR_VALUE_FLOOR",
     "AttentionKernelEigenFeatures",
     "KernelEigenFeatures",
     "KernelEigenFeaturesBase",
     "KernelEigenScores",
     "induced_kernel_diag",
     "inducing_covariance",
+    "numerically_nonzero",
+    "prior_variances",
 ]

@@ -13,7 +13,7 @@ from ..ksvd import SVD_METHODS, KernelSVD, kernel_svd, ksvd_objective
 from ..mlls import KSVDAddedLossTerm
 from ..validation import check_choice, check_float, check_int, check_tensor
 from .kernel_eigen_features_base import KernelEigenFeaturesBase
-from .kernel_eigen_scores import SIDES, KernelEigenScores, induced_kernel_diag
+from .kernel_eigen_scores import SIDES, KernelEigenScores, induced_kernel_diag, numerically_nonzero
 
 MODES = ("exact", "primal")
 
@@ -120,7 +120,17 @@ class KernelEigenFeatures(KernelEigenFeaturesBase):
             # the stationary point W_e = Phi_k^T H_r, W_r = Phi_q^T H_e (MATH.md identity 2)
             left_weights = kernel.key_features(self.key_landmarks).mT @ svd.right
             right_weights = kernel.query_features(self.landmarks).mT @ svd.left
-            singular_values = svd.singular_values.clamp_min(torch.finfo(svd.singular_values.dtype).tiny)
+            singular_values = svd.singular_values
+            size = max(self.landmarks.shape[-2], self.key_landmarks.shape[-2])
+            rank = int(numerically_nonzero(singular_values, size).sum(-1).min())
+        if rank < self.num_inducing:  # a learned Lambda cannot start (numerically) at zero
+            raise ValueError(
+                f"KernelEigenFeatures: the kernel on the landmarks has numerical rank {rank} < num_inducing = "
+                f"{self.num_inducing}, so primal mode would start with singular values at rounding level (prior "
+                f"variances ~0, a KL of order 1/lambda^2): duplicated landmarks, or a kernel of rank below "
+                f"num_inducing (a cosine kernel without lift has rank <= its feature dimension); use num_inducing <= "
+                f"{rank} or mode='exact', which leaves numerically zero directions out"
+            )
         self.left_weights = torch.nn.Parameter(left_weights)  # shape: (*batch, p, s)
         self.right_weights = torch.nn.Parameter(right_weights)
         self._register_singular_values(singular_values)
@@ -150,6 +160,23 @@ class KernelEigenFeatures(KernelEigenFeaturesBase):
 
     def _exact_singular_values(self) -> Tensor:
         return self.decomposition().singular_values
+
+    @property
+    def active_inducing(self) -> Tensor | None:
+        r"""Exact mode: which of the ``s`` singular values of the landmark matrix are numerically nonzero
+        (:func:`~gpattn.features.numerically_nonzero`; fewer than ``s`` when ``num_inducing`` exceeds the kernel's
+        numerical rank on the landmarks, e.g. duplicated landmarks or a smooth kernel with ``s`` close to ``M``),
+        shape ``(*batch, s)``; ``None`` in primal mode (a learned :math:`\Lambda` is positive)."""
+        if self.mode != "exact":
+            return None
+        size = max(self.landmarks.shape[-2], self.key_landmarks.shape[-2])
+        return numerically_nonzero(self.singular_values, size)
+
+    @property
+    def numerical_rank(self) -> int:
+        """The smallest number of numerically nonzero directions over the batch (``num_inducing`` in primal mode)."""
+        active = self.active_inducing
+        return self.num_inducing if active is None else int(active.sum(-1).min())
 
     def check_inputs(self, x: Tensor, where: str = "KernelEigenFeatures") -> None:
         """Check a model's inputs once per call: a floating tensor of shape ``(*batch, N, d)`` with ``N >= 1``, the
@@ -219,6 +246,7 @@ class KernelEigenFeatures(KernelEigenFeaturesBase):
             singular_values=self.singular_values,
             left_kernel_diag=parts["left_diag"],
             right_kernel_diag=parts["right_diag"],
+            active=self.active_inducing,
         )
 
     def scores(self, x: Tensor, side: str = "left") -> Tensor:

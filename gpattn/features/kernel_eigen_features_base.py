@@ -3,12 +3,18 @@
 from __future__ import annotations
 
 import torch
-from gpytorch.constraints import Positive
+from gpytorch.constraints import GreaterThan
 from gpytorch.module import Module
 from linear_operator.operators import DiagLinearOperator
 from torch import Tensor
 
 from .kernel_eigen_scores import KernelEigenScores, inducing_covariance
+
+#: The smallest learned singular value: :math:`\Lambda = 10^{-12} + \operatorname{softplus}(\text{raw})` stays
+#: positive and finite for any raw value (a plain softplus underflows to 0 for raw values below about -100, and then
+#: :math:`\Lambda^{-1}` and the KL against :math:`\mathcal N(0, \Lambda^2)` are not finite); :math:`10^{-24}` as a
+#: prior variance still has a finite inverse in float32.
+SINGULAR_VALUE_FLOOR = 1e-12
 
 
 class KernelEigenFeaturesBase(Module):
@@ -34,9 +40,11 @@ class KernelEigenFeaturesBase(Module):
     num_inducing: int
 
     def _register_singular_values(self, initial: Tensor) -> None:
-        r"""Register a learned :math:`\Lambda` as ``raw_singular_values`` under a ``Positive`` constraint."""
-        constraint = Positive()
-        self.register_parameter("raw_singular_values", torch.nn.Parameter(constraint.inverse_transform(initial)))
+        r"""Register a learned :math:`\Lambda` as ``raw_singular_values`` under a ``GreaterThan(SINGULAR_VALUE_FLOOR)``
+        constraint (softplus above the floor), starting at ``initial`` (clamped to twice the floor)."""
+        constraint = GreaterThan(SINGULAR_VALUE_FLOOR)
+        raw = constraint.inverse_transform(initial.clamp_min(2 * SINGULAR_VALUE_FLOOR))
+        self.register_parameter("raw_singular_values", torch.nn.Parameter(raw))
         self.register_constraint("raw_singular_values", constraint)
 
     @property
@@ -53,6 +61,13 @@ class KernelEigenFeaturesBase(Module):
 
     def _exact_singular_values(self) -> Tensor:
         raise NotImplementedError
+
+    @property
+    def active_inducing(self) -> Tensor | None:
+        r"""Which directions are numerically nonzero, boolean with the shape of :attr:`singular_values` ``(*batch, s)``,
+        or ``None`` when all are (always for a learned :math:`\Lambda`); see
+        :attr:`~gpattn.features.KernelEigenScores.active`."""
+        return None
 
     def Kuu(self) -> DiagLinearOperator:  # noqa: N802 (GPflow's name for the inducing covariance)
         r""":math:`K_{uu} = \Lambda^2` as a ``DiagLinearOperator`` (inverse and log-determinant in O(s))."""

@@ -29,6 +29,22 @@ def inducing_covariance(singular_values: Tensor) -> DiagLinearOperator:
     return DiagLinearOperator(singular_values.pow(2))
 
 
+def numerically_nonzero(singular_values: Tensor, size: int) -> Tensor:
+    r"""Which singular values are numerically nonzero: above :math:`\max(N, M)\, \varepsilon\, \lambda_1` (the
+    numerical-rank tolerance of ``numpy.linalg.matrix_rank``), for a matrix of ``size = max(N, M)``.
+
+    A direction at or below it is rounding noise of the SVD: :math:`e \Lambda^{-1}` would amplify that noise and the
+    prior :math:`\mathcal N(0, \lambda_i^2)` would give the KL a term of order :math:`\lambda_i^{-2}`, so the
+    kernel-eigen strategies leave such a direction out (see :attr:`KernelEigenScores.active`).
+
+    :param singular_values: :math:`\Lambda`, shape ``(*batch, s)``, sorted in decreasing order.
+    :param size: :math:`\max(N, M)` of the decomposed matrix.
+    :return: Boolean, shape ``(*batch, s)``.
+    """
+    floor = size * torch.finfo(singular_values.dtype).eps * singular_values[..., :1]
+    return singular_values.detach() > floor.detach()
+
+
 def induced_kernel_diag(features: Tensor, other_features: Tensor, other_mask: Tensor | None = None) -> Tensor:
     r"""The diagonal of an induced kernel from primal features:
     :math:`k_e(x_i, x_i) = \|\kappa(x_i, Z)\|^2 = \sum_{j \in V} \langle \phi_q(x_i), \phi_k(z_j) \rangle^2`
@@ -72,6 +88,11 @@ class KernelEigenScores:
     :ivar objective: :math:`J` (sum form), or ``None`` when not computed.
     :ivar left_kernel_diag: :math:`k_e(x, x) = \|\kappa(x, Z_\star)\|^2`, shape ``(*batch, N)``, or ``None``.
     :ivar right_kernel_diag: :math:`k_r(z, z) = \|\kappa(X_\star, z)\|^2`, shape ``(*batch, M)``, or ``None``.
+    :ivar active: Which of the ``s`` directions are numerically nonzero (boolean, the shape of ``singular_values``), or
+        ``None`` (all; learned :math:`\Lambda` always are). An inactive direction (an exact decomposition of a kernel
+        of rank below :math:`s`) is left out consistently: its interpolation column is zero, so it adds nothing to
+        :math:`q(f)`, and its prior is the unit normal, so its KL term vanishes at :math:`q = p` instead of being of
+        order :math:`\lambda_i^{-2}` (:meth:`prior_variances`).
     """
 
     left_scores: Tensor | None
@@ -80,6 +101,7 @@ class KernelEigenScores:
     objective: Tensor | None = None
     left_kernel_diag: Tensor | None = None
     right_kernel_diag: Tensor | None = None
+    active: Tensor | None = None
 
     @property
     def num_inducing(self) -> int:
@@ -109,7 +131,15 @@ class KernelEigenScores:
         r"""The interpolation term :math:`K_{fu} K_{uu}^{-1} = e \Lambda^{-1}` (:math:`e` when whitened,
         :math:`u = \Lambda v`), shape ``(*batch, N or M, s)``; O(N s)."""
         scores = self.scores(side)
-        return scores if whiten else scores / self.singular_values.unsqueeze(-2)
+        interp = scores if whiten else scores / self.singular_values.unsqueeze(-2)
+        if self.active is not None:  # numerically zero directions are left out (see ``active``)
+            interp = torch.where(self.active.unsqueeze(-2), interp, 0.0)
+        return interp
+
+    def prior_variances(self) -> Tensor:
+        r"""The variances of the (unwhitened) prior :math:`p(u) = \mathcal N(0, \Lambda^2)`, with 1 for an inactive
+        direction (see ``active``), shape ``(*batch', s)``."""
+        return prior_variances(self.singular_values, self.active)
 
     def residual_diag(self, side: str) -> Tensor:
         r"""The residual variance :math:`K_{ff} - Q_{ff}` on the diagonal: :math:`k_e(x, x) - \|e(x)\|^2` (``"left"``)
@@ -144,9 +174,12 @@ class KernelEigenScores:
             singular_values=insert(self.singular_values, 1),
             left_kernel_diag=insert(self.left_kernel_diag, 1),
             right_kernel_diag=insert(self.right_kernel_diag, 1),
+            active=insert(self.active, 1),
         )
 
 
-def stack_branches(parts: list[Tensor], event_dims: int) -> Tensor:
-    """Stack per-branch tensors on a new batch dimension right before their ``event_dims`` event dimensions."""
-    return torch.stack(parts, dim=-1 - event_dims)
+def prior_variances(singular_values: Tensor, active: Tensor | None) -> Tensor:
+    r""":math:`\lambda_i^2`, or 1 where the direction is inactive (``active`` false), shape ``(*batch, s)``: the prior
+    variances of the kernel-eigen inducing variables."""
+    variances = singular_values.pow(2)
+    return variances if active is None else torch.where(active, variances, 1.0)

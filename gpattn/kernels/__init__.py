@@ -1,7 +1,7 @@
 """Asymmetric kernels :math:`\\kappa(x, z) \\neq \\kappa(z, x)` and the symmetric kernels they induce."""
 
 from .asymmetric_kernel import AsymmetricKernel
-from .cosine_feature_kernel import CosineFeatureKernel
+from .cosine_feature_kernel import CosineFeatureKernel, inverse_norms
 from .exponential_dot_product_kernel import ExponentialDotProductKernel, safe_max_logit
 from .feature_lift import FeatureLift
 from .induced_kernel import InducedKernel
@@ -14,5 +14,6 @@ __all__ = [
     "FeatureLift",
     "InducedKernel",
     "ShiftedRBFKernel",
+    "inverse_norms",
     "safe_max_logit",
 ]

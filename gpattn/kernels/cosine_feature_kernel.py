@@ -5,8 +5,28 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from ..validation import all_finite
 from .asymmetric_kernel import AsymmetricKernel
 from .feature_lift import FeatureLift
+
+
+def inverse_norms(vectors: Tensor, dim: int) -> Tensor:
+    r""":math:`1 / \max(\|v\|, 10^{-12})` along ``dim`` (kept as a size-1 dimension), as
+    :func:`torch.nn.functional.normalize` divides, but without its overflow: the squared norm of entries beyond about
+    :math:`10^{19}` overflows float32 and ``normalize`` then returns zeros (a cosine kernel of zeros, so an attention
+    layer would return its bias alone). Such vectors are rescaled by their largest entry first; the common case costs
+    one pass and a check of the (small) vector of squared norms.
+
+    :param vectors: shape ``(..., p, ...)``, ``p`` along ``dim``.
+    :param dim: The dimension of the vector entries.
+    :return: shape ``(..., 1, ...)``.
+    """
+    squared = vectors.pow(2).sum(dim, keepdim=True)
+    if not torch.compiler.is_compiling() and all_finite(squared):
+        return squared.clamp_min(1e-24).rsqrt()
+    scale = vectors.abs().amax(dim, keepdim=True).clamp_min(torch.finfo(vectors.dtype).tiny)
+    norms = (vectors / scale).pow(2).sum(dim, keepdim=True).sqrt() * scale
+    return norms.clamp_min(1e-12).reciprocal()
 
 
 class CosineFeatureKernel(AsymmetricKernel):
@@ -61,7 +81,7 @@ class CosineFeatureKernel(AsymmetricKernel):
             projected = flat.unflatten(-1, (heads, features)).movedim(-2, -3)  # shape: (..., H, n, p)
         else:
             projected = lifted @ weight.mT  # shape: (*batch, n, p)
-        normalised = torch.nn.functional.normalize(projected, dim=-1, eps=1e-12)
+        normalised = projected * inverse_norms(projected, dim=-1)
         return normalised * self.outputscale.sqrt()[..., None, None]
 
     def feature_columns(self, tokens: Tensor, side: str = "query") -> tuple[Tensor, Tensor]:
@@ -93,8 +113,7 @@ class CosineFeatureKernel(AsymmetricKernel):
         # would be computed as (lifted @ weight^T)^T and leave a transposed view that later products copy
         projected = torch.bmm(weight.reshape(heads * features, -1).expand(lifted.shape[0], -1, -1), lifted.mT)
         projected = projected.unflatten(-2, (heads, features))  # shape: (B, H, p, n)
-        # 1 / max(||P_i||, 1e-12), as torch.nn.functional.normalize
-        inverse_norm = projected.pow(2).sum(-2, keepdim=True).clamp_min(1e-24).rsqrt()
+        inverse_norm = inverse_norms(projected, dim=-2)
         return projected, inverse_norm
 
     def query_features(self, x: Tensor) -> Tensor:

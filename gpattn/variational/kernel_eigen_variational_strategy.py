@@ -16,7 +16,7 @@ from gpytorch.variational._variational_strategy import _VariationalStrategy
 from linear_operator.operators import DiagLinearOperator, LinearOperator
 from torch import Tensor
 
-from ..features import KernelEigenFeatures, KernelEigenFeaturesBase, KernelEigenScores
+from ..features import KernelEigenFeatures, KernelEigenFeaturesBase, KernelEigenScores, prior_variances
 from ..validation import check_choice, check_float, check_int
 from .structured_covariance import (
     diagonal_prior_kl,
@@ -200,8 +200,14 @@ class KernelEigenVariationalStrategy(_VariationalStrategy):
     @property
     def prior_distribution(self) -> MultivariateNormal:
         r""":math:`p(u) = \mathcal N(0, \Lambda^2)`, a ``DiagLinearOperator`` covariance (identity when whitened),
-        with :math:`\Lambda` the features' (the last call's for per-sequence exact features); O(s), not memoised."""
-        variances = self._aligned(self.features.singular_values).pow(2)
+        with :math:`\Lambda` the features' (the last call's for per-sequence exact features) and unit variance for a
+        numerically zero direction (:attr:`~gpattn.features.KernelEigenScores.active`: its interpolation column is
+        zero, so the KL term of an unused variable vanishes at q = p); O(s), not memoised."""
+        features = self.features
+        active = features.active_inducing
+        variances = prior_variances(
+            self._aligned(features.singular_values), None if active is None else self._aligned(active)
+        )
         batch_shape = torch.broadcast_shapes(variances.shape[:-1], self._variational_distribution.batch_shape)
         variances = variances.expand(*batch_shape, variances.shape[-1])
         if self.whiten:
@@ -326,7 +332,12 @@ class KernelEigenVariationalStrategy(_VariationalStrategy):
         return reparameterised_draw(variational.mean, variational.lazy_covariance_matrix, noise)
 
     def linear_coefficients(
-        self, side: str, inducing_values: Tensor, weights: Tensor, singular_values: Tensor
+        self,
+        side: str,
+        inducing_values: Tensor,
+        weights: Tensor,
+        singular_values: Tensor,
+        active: Tensor | None = None,
     ) -> Tensor:
         r"""The coefficients of a linear map of the outputs: with :math:`F_c(x) = e(x) \Lambda^{-1} u_c` over the
         last output dimension :math:`c` and a map :math:`W` (``(*batch, d_out, C)``),
@@ -343,12 +354,17 @@ class KernelEigenVariationalStrategy(_VariationalStrategy):
         :param inducing_values: :meth:`inducing_draw` (mean or draws), ``(*sample, *batch, d_out[, branches], s)``.
         :param weights: :math:`W`, shape ``(*batch, d_out, C)``.
         :param singular_values: :math:`\Lambda` of the call, shape ``(*batch', s)``.
+        :param active: The call's numerically nonzero directions (:attr:`~gpattn.features.KernelEigenScores.active`),
+            shape ``(*batch', s)``, or ``None``: an inactive direction's coefficients are zero, as its interpolation
+            column is.
         """
         if self.num_output_dims != 1:
             raise ValueError(f"linear_coefficients maps one output dimension, this strategy has {self.num_output_dims}")
         values = self.select_branch(inducing_values, side, 1)  # (*sample, *batch, d_out, s)
         coefficients = values.mT @ weights  # sum_c u_c W_c; (*sample, *batch, s, C)
-        return coefficients if self.whiten else coefficients / singular_values.unsqueeze(-1)
+        if not self.whiten:
+            coefficients = coefficients / singular_values.unsqueeze(-1)
+        return coefficients if active is None else torch.where(active.unsqueeze(-1), coefficients, 0.0)
 
     def token_noise(self, scores: KernelEigenScores, sides: tuple[str, ...], marginal: bool) -> dict[str, Tensor]:
         r"""Noise of the outputs that is independent across the ``N`` inputs of a call: per-input draws of

@@ -10,7 +10,7 @@ import torch
 from linear_operator.operators import DiagLinearOperator
 from torch import Tensor
 
-from gpattn.features import KernelEigenFeatures
+from gpattn.features import SINGULAR_VALUE_FLOOR, KernelEigenFeatures
 from gpattn.kernels import AsymmetricKernel, CosineFeatureKernel, ExponentialDotProductKernel, ShiftedRBFKernel
 
 DTYPE = torch.float64
@@ -346,3 +346,35 @@ def test_primal_residual_is_clamped_at_zero() -> None:
     raw = (_dense(kernel, x, landmarks) ** 2).sum(-1) - (_numpy(features.scores(x, "left")) ** 2).sum(-1)
     assert raw.min() < 0 < raw.max()
     np.testing.assert_allclose(_numpy(features.residual_diag(x, "left")), np.maximum(raw, 0.0), atol=ATOL, rtol=0)
+
+
+# -- degenerate kernels (issue 14): a clear error, never a KL of 1e25 -------------------------------------------------
+def test_directions_beyond_the_numerical_rank_are_left_out_consistently() -> None:
+    """Duplicated landmarks: 8 landmarks, 4 distinct, num_inducing 8. The 4 numerically zero directions get a zero
+    interpolation column and a unit prior, so q(f) is the rank-4 model's and their KL vanishes at q = p; primal mode,
+    whose learned Lambda cannot leave a direction out, is an error naming the cause."""
+    landmarks = _tokens(4, 3, seed=60).repeat(2, 1)
+    kernel = _shifted_rbf_kernel()
+    features = KernelEigenFeatures(kernel, landmarks, 8)
+    x = _tokens(5, 3, seed=61)
+    scores = features(x, kernel_diag=True)
+    assert features.numerical_rank == 4 and scores.active.tolist() == [True] * 4 + [False] * 4
+    reference = KernelEigenFeatures(kernel, landmarks, 4)(x, kernel_diag=True)
+    for side in ("left", "right"):
+        torch.testing.assert_close(scores.interp(side)[:, :4], reference.interp(side), atol=ATOL, rtol=0)
+        assert (scores.interp(side)[:, 4:] == 0).all()
+        torch.testing.assert_close(scores.residual_diag(side), reference.residual_diag(side), atol=ATOL, rtol=0)
+    torch.testing.assert_close(scores.prior_variances()[4:], torch.ones(4, dtype=DTYPE), atol=0, rtol=0)
+    with pytest.raises(ValueError, match=r"numerical rank 3 < num_inducing = 4.*mode='exact'"):
+        # no lift: the projections W x of 3-D inputs span at most 3 of the p = 4 feature dimensions, so rank K <= 3
+        KernelEigenFeatures(CosineFeatureKernel(3, 4).double(), _tokens(6, 3, seed=62), 4, mode="primal")
+
+
+def test_learned_singular_values_stay_positive_and_finite_for_any_raw_value() -> None:
+    kernel = CosineFeatureKernel(input_dim=2, feature_dim=8, lift="rff", lift_dim=16).double()
+    features = KernelEigenFeatures(kernel, _tokens(10, 2, seed=63), 4, mode="primal").double()
+    with torch.no_grad():
+        features.raw_singular_values.fill_(-1e4)  # a plain softplus underflows to exactly 0 here
+    values = features.singular_values
+    torch.testing.assert_close(values, torch.full_like(values, SINGULAR_VALUE_FLOOR), rtol=1e-6, atol=0)
+    assert torch.isfinite(features.Kuu().inverse().to_dense()).all() and torch.isfinite(features.Kuu().logdet())

@@ -9,7 +9,13 @@ import pytest
 import torch
 from torch import Tensor
 
-from gpattn.kernels import CosineFeatureKernel, ExponentialDotProductKernel, InducedKernel, ShiftedRBFKernel
+from gpattn.kernels import (
+    CosineFeatureKernel,
+    ExponentialDotProductKernel,
+    InducedKernel,
+    ShiftedRBFKernel,
+    inverse_norms,
+)
 
 DTYPE = torch.float64
 ATOL = 1e-12
@@ -296,3 +302,28 @@ def test_bad_inputs_raise() -> None:
         InducedKernel(kernel, x, side="up")
     with pytest.raises(NotImplementedError):
         _shifted_rbf().query_features(_tokens(4, 2, seed=25))
+
+
+# -- the cosine kernel's normalisation does not overflow (issue 14) -------------------------------------------------
+@pytest.mark.parametrize("scale", [1.0, 1e19, 1e25, 1e35])
+def test_inverse_norms_match_float64_without_overflow(scale: float) -> None:
+    vectors = torch.randn(3, 5, 8, generator=torch.Generator().manual_seed(70)) * scale
+    expected = 1.0 / vectors.double().norm(dim=-1, keepdim=True)
+    torch.testing.assert_close(inverse_norms(vectors, dim=-1).double(), expected, rtol=1e-5, atol=0)
+    # the default F.normalize of such vectors is zero beyond ~1e19 in float32: a cosine kernel of zeros
+    if scale >= 1e25:
+        assert torch.nn.functional.normalize(vectors, dim=-1).abs().max() == 0
+
+
+def test_exact_attention_on_huge_float32_tokens_equals_float64() -> None:
+    from gpattn.attention import KEPSVGPAttention
+
+    torch.manual_seed(71)
+    layer = KEPSVGPAttention(16, 2, num_inducing=3, features="exact").eval()
+    reference = KEPSVGPAttention(16, 2, num_inducing=3, features="exact").double().eval()
+    reference.load_state_dict(layer.state_dict())
+    tokens = torch.randn(2, 5, 16, generator=torch.Generator().manual_seed(72))
+    for scale in (1e19, 1e30):  # the cosine kernel is scale invariant: the output must not collapse to the bias
+        output, expected = layer(tokens * scale), reference(tokens.double() * scale)
+        torch.testing.assert_close(output.double(), expected, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(output, layer(tokens), rtol=1e-4, atol=1e-4)

@@ -273,3 +273,22 @@ def test_every_parameter_is_listed_once(shared_posterior: bool) -> None:
     assert hyper | variational == {id(param) for param in model.parameters()}
     # one q(u) stacked over the branches (or shared): its mean and Cholesky factor
     assert len(variational) == 2
+
+
+def test_duplicated_landmarks_give_a_finite_elbo_and_prediction() -> None:
+    """Issue 14: duplicated landmarks with num_inducing equal to their number gave an all-NaN mean in eval and a NaN
+    first ELBO; the numerically zero directions are now left out (zero interpolation, unit prior)."""
+    torch.manual_seed(3)
+    landmarks = torch.linspace(-2, 2, 6, dtype=torch.float64).unsqueeze(-1).repeat(2, 1)  # 12 landmarks, 6 distinct
+    model = KernelEigenPairSVGP(landmarks, ShiftedRBFKernel(1).double(), num_inducing=12).double()
+    likelihood = gpytorch.likelihoods.GaussianLikelihood().double()
+    x = torch.linspace(-2, 2, 20, dtype=torch.float64).unsqueeze(-1)
+    y = torch.sin(x).squeeze(-1)
+    mll = gpytorch.mlls.VariationalELBO(likelihood, model, num_data=20)
+    model.train()
+    loss = -mll(model(x), y)
+    assert torch.isfinite(loss)
+    assert model.features.numerical_rank <= 6
+    assert 0 <= model.variational_strategy.kl_divergence().item() < 100  # not ~1/lambda^2 of the zero directions
+    model.eval()
+    assert torch.isfinite(model(x).mean).all() and torch.isfinite(model(x).variance).all()

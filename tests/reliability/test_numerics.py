@@ -7,13 +7,13 @@ import math
 
 import pytest
 import torch
-from gpytorch.constraints import Positive
+from gpytorch.constraints import GreaterThan, Positive
 from torch import Tensor
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from gpattn.attention import KEPSVGPAttention, attention_names
-from gpattn.features import AttentionKernelEigenFeatures, KernelEigenFeatures
+from gpattn.features import SINGULAR_VALUE_FLOOR, AttentionKernelEigenFeatures, KernelEigenFeatures
 from gpattn.kernels import CosineFeatureKernel, ExponentialDotProductKernel, InducedKernel
 from gpattn.kernels.exponential_dot_product_kernel import safe_max_logit
 from gpattn.ksvd import default_gradient_tolerance, kernel_svd
@@ -302,7 +302,8 @@ def test_learned_lambda_stays_positive_under_adversarial_training(make_layer, na
     layer = make_layer(name, **kwargs)
     features = layer.features
     assert isinstance(features, AttentionKernelEigenFeatures)
-    assert isinstance(features.raw_singular_values_constraint, Positive)
+    assert isinstance(features.raw_singular_values_constraint, GreaterThan)
+    assert features.raw_singular_values_constraint.lower_bound.item() == pytest.approx(SINGULAR_VALUE_FLOOR, rel=1e-6)
     _push_lambda_down(features.raw_singular_values, lambda: features.singular_values)
     singular_values = features.singular_values
     assert singular_values.max() < 1e-4  # the push worked
@@ -319,7 +320,7 @@ def test_primal_kernel_eigen_features_lambda_stays_positive():
     kernel = CosineFeatureKernel(2, feature_dim=8, lift="rff", lift_dim=16)
     landmarks = torch.randn(10, 2, generator=_generator(17))
     features = KernelEigenFeatures(kernel, landmarks, num_inducing=4, mode="primal")
-    assert isinstance(features.raw_singular_values_constraint, Positive)
+    assert isinstance(features.raw_singular_values_constraint, GreaterThan)
     _push_lambda_down(features.raw_singular_values, lambda: features.singular_values)
     assert features.singular_values.max() < 1e-4
     assert (features.singular_values > 0).all()
