@@ -11,6 +11,7 @@ from .kernel_eigen_scores import (
     numerically_nonzero,
     prior_variances,
 )
+from .ksvd_fidelity import KSVDFidelity, ksvd_fidelity
 
 __all__ = [
     "SINGULAR_VALUE_FLOOR",
@@ -18,8 +19,10 @@ __all__ = [
     "KernelEigenFeatures",
     "KernelEigenFeaturesBase",
     "KernelEigenScores",
+    "KSVDFidelity",
     "induced_kernel_diag",
     "inducing_covariance",
+    "ksvd_fidelity",
     "numerically_nonzero",
     "prior_variances",
 ]
