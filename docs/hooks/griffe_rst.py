@@ -44,15 +44,9 @@ FIELD = re.compile(
 )
 DIRECTIVE = re.compile(r"^(?P<indent>\s*)\.\. (?P<name>math|note|warning|seealso)::\s?(?P<rest>.*)$")
 EXTERNAL = ("torch", "gpytorch", "linear_operator", "pyro", "numpy", "sklearn", "matplotlib", "scipy")
-# the design notes' sections, which the docstrings cite, live on the user guide's pages under these anchors
-MATH_SECTIONS = {
-    "1": "Asymmetric kernels",
-    "2": "Kernel SVD",
-    "3": "Variational strategy and KEP-SVGP",
-    "4": "Training, losses and the comparison",
-    "5": "The baselines",
-}
-MATH_REFERENCE = re.compile(r"MATH\.md (?P<kind>section|identity) (?P<number>\d+)")
+# docstrings cite the specification as "docs/math.md section N" (or "docs/math.md section 6, identity N"); the
+# specification's sections carry the anchors spec-section-N
+MATH_REFERENCE = re.compile(r"docs/math\.md section (?P<number>\d+)(?P<identity>, identity \d+)?")
 ADMONITIONS = {"note": "note", "warning": "warning", "seealso": "info"}
 
 
@@ -287,10 +281,8 @@ def _comment_docstring(attribute: griffe.Object) -> None:
 
 
 def _math_reference(match: re.Match[str]) -> str:
-    number = match["number"]
-    if match["kind"] == "identity":
-        return f"[guide: identity {number}][math-identities]"
-    return f"[guide: {MATH_SECTIONS[number]}][math-section-{number}]" if number in MATH_SECTIONS else match[0]
+    number, identity = match["number"], match["identity"] or ""
+    return f"[docs/math.md section {number}{identity}][spec-section-{number}]"
 
 
 def convert(text: str, scope: griffe.Object, references: _References) -> str:

@@ -18,7 +18,7 @@ RESIDUALS = ("none", "diag")
 
 class KEPSVGPAttention(AttentionLayer):
     r"""Multi-head KEP-SVGP attention: two sparse variational GPs per head whose inducing variables are the
-    projections on the KSVD's left and right singular vectors (MATH.md section 3).
+    projections on the KSVD's left and right singular vectors (docs/math.md section 3).
 
     The layer is per-sequence kernel-eigen features plus the GPyTorch pair strategy plus output maps:
 

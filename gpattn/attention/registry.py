@@ -25,7 +25,7 @@ from .symmetric_svgp_attention import SymmetricSVGPAttention
 ATTENTIONS: dict[str, tuple[type[AttentionLayer], dict[str, Any]]] = {
     # KEP-SVGP (Chen et al. 2024): asymmetric cosine kernel, left/right kernel-eigen SVGP pair
     "kep_svgp": (KEPSVGPAttention, {}),
-    # the symmetric KEP ablation: W_q = W_k makes the kernel symmetric PSD (MATH.md section 5)
+    # the symmetric KEP ablation: W_q = W_k makes the kernel symmetric PSD (docs/math.md section 5)
     "kep_svgp_sym": (KEPSVGPAttention, {"tie_qk": True}),
     # SGPA (Chen & Li 2023): symmetric kernel, decoupled SVGP with amortised and global inducing keys
     "sgpa": (SGPAAttention, {}),

@@ -18,7 +18,7 @@ KERNELS = ("ard", "exponential")
 
 
 class SGPAAttention(AttentionLayer):
-    r"""Sparse Gaussian process attention (SGPA, Chen & Li, ICLR 2023), MATH.md section 5.
+    r"""Sparse Gaussian process attention (SGPA, Chen & Li, ICLR 2023), docs/math.md section 5.
 
     Per head a symmetric kernel on the shared query/key projection :math:`k = W_k x` (:math:`W_q = W_k`, so the
     kernel is a valid PSD deep kernel), either ARD or exponential:

@@ -1,4 +1,4 @@
-"""Canonical multi-head softmax attention: the deterministic baseline (MATH.md section 5)."""
+"""Canonical multi-head softmax attention: the deterministic baseline (docs/math.md section 5)."""
 
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ class SoftmaxAttention(AttentionLayer):
 
     where the bias :math:`B` is :math:`-\infty` on masked keys (padding) or above the diagonal (``"causal"``).
     The softmax numerator is the exponential dot-product kernel
-    :math:`\kappa(x, z) = \exp(\langle W_q x, W_k z\rangle / \sqrt{p})` of MATH.md section 1, row-normalised.
+    :math:`\kappa(x, z) = \exp(\langle W_q x, W_k z\rangle / \sqrt{p})` of docs/math.md section 1, row-normalised.
     The computation is :func:`torch.nn.functional.scaled_dot_product_attention`, so fused kernels are used where
     PyTorch has them; the layer equals :class:`torch.nn.MultiheadAttention` with the same weights (up to where the
     dropout is applied: here on the output, as in every gpattn layer, rather than on the attention weights).

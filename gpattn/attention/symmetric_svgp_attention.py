@@ -44,7 +44,7 @@ class _HeadwiseSVGP(ApproximateGP):
 
 class SymmetricSVGPAttention(AttentionLayer):
     r"""Symmetric SVGP attention: a per-token GP on context-augmented token features (the "symmetric SVGP" baseline
-    of MATH.md section 5).
+    of docs/math.md section 5).
 
     Per head :math:`h` the GP input of query token :math:`i` is its projected query plus the mean of the projected
     keys it may see (the context summary),

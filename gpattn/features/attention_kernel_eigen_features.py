@@ -50,7 +50,7 @@ def _unit_quadratic_form(
 
 
 class AttentionKernelEigenFeatures(KernelEigenFeaturesBase):
-    r"""Per-sequence KSVD scores of the attention kernel of every head (MATH.md section 2).
+    r"""Per-sequence KSVD scores of the attention kernel of every head (docs/math.md section 2).
 
     For queries :math:`X` (``N`` tokens) and keys :math:`Z` (``M`` tokens) of one sequence and one head:
 

@@ -34,7 +34,7 @@ class KernelEigenFeatures(KernelEigenFeaturesBase):
     GPyTorch (and inducing variables in GPflow): ``features(x)`` returns the
     :class:`~gpattn.features.KernelEigenScores` at ``x`` (see :meth:`forward`), which the strategies consume.
 
-    Modes (MATH.md section 2):
+    Modes (docs/math.md section 2):
 
     * ``"exact"``: the truncated SVD of the dense :math:`\kappa(X, Z)` (recomputed when the kernel or the
       landmarks change; memoised in eval mode). :math:`J = 0`, no penalty. O(M^2 p + M^3) per call.
@@ -117,7 +117,7 @@ class KernelEigenFeatures(KernelEigenFeaturesBase):
             )
         with torch.no_grad():
             svd = self._exact_svd()
-            # the stationary point W_e = Phi_k^T H_r, W_r = Phi_q^T H_e (MATH.md identity 2)
+            # the stationary point W_e = Phi_k^T H_r, W_r = Phi_q^T H_e (docs/math.md section 6, identity 2)
             left_weights = kernel.key_features(self.key_landmarks).mT @ svd.right
             right_weights = kernel.query_features(self.landmarks).mT @ svd.left
             singular_values = svd.singular_values

@@ -19,7 +19,7 @@ SINGULAR_VALUE_FLOOR = 1e-12
 
 class KernelEigenFeaturesBase(Module):
     r"""Kernel-eigen inducing features: the state of a kernel SVD :math:`\kappa \approx H_e \Lambda H_r^\top` whose
-    projections are the inducing variables of the kernel-eigen SVGP pair (MATH.md section 3).
+    projections are the inducing variables of the kernel-eigen SVGP pair (docs/math.md section 3).
 
     Subclasses hold the KSVD state (exact, or learned with the KSVD penalty) and are *called* on the inputs of a
     model; the call returns a :class:`~gpattn.features.KernelEigenScores`, the one object the strategies consume

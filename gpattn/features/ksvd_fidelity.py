@@ -1,10 +1,10 @@
 r"""Does a trained layer actually perform a KSVD of its attention kernel? A diagnostic against the exact SVD.
 
 KEP-SVGP and Primal-Attention read attention as a kernel SVD, but with learned (amortised or per-position) scores
-nothing forces the scores to be the singular vectors: :math:`J = 0` is necessary, not sufficient (MATH.md section 2),
-and reproduction studies of such claims ("The Kernel PCA interpretation of self-attention fails under scrutiny", 2025)
-found trained models far from them. :func:`ksvd_fidelity` measures, per sequence and head, how far the learned scores
-are from the exact top-:math:`s` KSVD of the dense kernel of the same sequence.
+nothing forces the scores to be the singular vectors: :math:`J = 0` is necessary, not sufficient
+(docs/math.md section 2), and reproduction studies of such claims ("The Kernel PCA interpretation of self-attention
+fails under scrutiny", 2025) found trained models far from them. :func:`ksvd_fidelity` measures, per sequence and
+head, how far the learned scores are from the exact top-:math:`s` KSVD of the dense kernel of the same sequence.
 """
 
 from __future__ import annotations

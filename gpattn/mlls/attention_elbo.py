@@ -1,4 +1,4 @@
-"""The training loss of classifiers with GP attention (MATH.md section 4)."""
+"""The training loss of classifiers with GP attention (docs/math.md section 4)."""
 
 from __future__ import annotations
 

@@ -9,7 +9,7 @@ from ..validation import check_float, check_int, check_tensor
 
 
 class KSVDAddedLossTerm(AddedLossTerm):
-    r"""The penalty :math:`\eta J^2` that drives learned KSVD scores to a stationary point (MATH.md section 2).
+    r"""The penalty :math:`\eta J^2` that drives learned KSVD scores to a stationary point (docs/math.md section 2).
 
     GPyTorch's marginal log likelihoods subtract every registered added loss term, so a model whose
     :class:`~gpattn.features.KernelEigenFeatures` are in ``primal`` mode is penalised by :math:`\eta J^2`

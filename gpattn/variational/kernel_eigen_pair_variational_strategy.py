@@ -20,7 +20,7 @@ MERGES = ("sum", "concat")
 
 class KernelEigenPairVariationalStrategy(KernelEigenVariationalStrategy):
     r"""The two kernel-eigen branches of KEP-SVGP over one set of features, stacked on the last batch dimension of
-    :math:`q(u)` and merged (MATH.md section 3).
+    :math:`q(u)` and merged (docs/math.md section 3).
 
     As GPyTorch's :class:`~gpytorch.variational.BatchDecoupledVariationalStrategy` stacks its two inducing sets on a
     batch dimension, this strategy is the single-branch :class:`KernelEigenVariationalStrategy` whose
