@@ -102,7 +102,7 @@ def _dense_scores(layer: KEPSVGPAttention, x: Tensor, context=None, mask=None, c
         left, right = (torch.from_numpy(a * signs * sigma[..., None, :]) for a in (u, v))
         lam = torch.from_numpy(sigma.copy())
         objective = torch.zeros(visible.shape[:2], dtype=DTYPE)
-    elif mode == "primal_tokens":
+    elif mode == "primal_features":
         tokens_e = layer.features.left_token_weights
         tokens_r = tokens_e if layer.tie_qk else layer.features.right_token_weights
         left, right, lam = kernel @ tokens_e, kernel.mT @ tokens_r, layer.features.singular_values
@@ -225,7 +225,7 @@ MEAN_CASES = [
     pytest.param({"merge": "concat"}, {"context": True, "mask": True}, id="cross-concat-padding"),
     pytest.param({"features": "exact"}, {}, id="exact"),
     pytest.param({"features": "exact", "merge": "concat"}, {"mask": True}, id="exact-padding"),
-    pytest.param({"features": "primal_tokens", "max_len": 5}, {}, id="primal_tokens"),
+    pytest.param({"features": "primal_features", "max_len": 5}, {}, id="primal_features"),
     pytest.param({"merge": "concat_tokens", "max_len": 5}, {}, id="concat_tokens"),
 ]
 
@@ -414,7 +414,7 @@ def _dense_kl(mean: Tensor, chol: Tensor, lam: Tensor) -> Tensor:
         pytest.param({"merge": "concat"}, id="concat"),
         pytest.param({"shared_posterior": True}, id="shared"),
         pytest.param({"tie_qk": True}, id="tie_qk"),
-        pytest.param({"features": "primal_tokens", "max_len": 5}, id="primal_tokens"),
+        pytest.param({"features": "primal_features", "max_len": 5}, id="primal_features"),
     ],
 )
 def test_kl_matches_torch_distributions(layer_kwargs: dict):
@@ -460,8 +460,25 @@ def test_ksvd_loss_term_after_a_training_forward(options: dict):
     x, call, dense = _call_args(options, seed=48)
     layer(x, **call)
     term = dict(layer.features.named_added_loss_terms())["ksvd_loss"]
-    # J of the whole sequence over the real tokens (a causal layer penalises the full-sequence KSVD)
-    objective = _dense_scores(layer, x, mask=dense["mask"])["objective"]  # (B, H)
+    if options.get("causal"):
+        # J on the causal scores the layer uses: e_i, r_i of the prefix j <= i, and the trace averaged over the
+        # prefix weights W_{e,i} = sum_{j<=i} phi_k(z_j) A_e(z_j)^T / i, W_{r,i} = sum_{j<=i} phi_q(x_j) A_r(x_j)^T / i
+        scores = _dense_scores(layer, x, causal=True)
+        lam = layer.features.singular_values[None, :, None, :]
+        phi_q, phi_k = _features(layer, x, "query"), _features(layer, x, "key")
+        a_e, a_r = _maps(layer, x, "left"), _maps(layer, x, "right")
+        counts = torch.arange(1, x.shape[1] + 1, dtype=DTYPE)[:, None, None]
+        w_e = torch.einsum("bhnp,bhns->bhnps", phi_k, a_e).cumsum(2) / counts
+        w_r = torch.einsum("bhnp,bhns->bhnps", phi_q, a_r).cumsum(2) / counts
+        objective = (
+            0.5 * (scores["left"].pow(2) / lam).sum((-2, -1))
+            + 0.5 * (scores["right"].pow(2) / lam).sum((-2, -1))
+            - (w_e * w_r).sum((-2, -1)).mean(-1)
+        )
+        full = _dense_scores(layer, x)["objective"]
+        assert (objective - full).abs().max() > 1e-3  # not the full-sequence J
+    else:  # J of the whole sequence over the real tokens
+        objective = _dense_scores(layer, x, mask=dense["mask"])["objective"]  # (B, H)
     torch.testing.assert_close(term.loss(), objective.pow(2).sum(-1).mean(), atol=ATOL, rtol=0)
 
 
@@ -496,12 +513,16 @@ def test_constructor_errors(kwargs: dict, match: str):
 def test_call_errors():
     x = _randn(2, 5, C, seed=51)
     mask = torch.ones(2, 5, dtype=torch.bool)
-    with pytest.raises(ValueError, match="primal_tokens"):
-        _layer(features="primal_tokens", max_len=5)(x, mask=mask)
+    with pytest.raises(ValueError, match="primal_features"):
+        _layer(features="primal_features", max_len=5)(x, mask=mask)
     with pytest.raises(ValueError, match="primal_tokens"):
         _layer(features="primal_tokens", max_len=5)(x, mask="causal")
+    with pytest.raises(ValueError, match="primal_tokens"):
+        _layer(features="primal_tokens", max_len=5)(x, context=_randn(2, 5, C, seed=53))
     with pytest.raises(ValueError, match="max_len=5"):
-        _layer(features="primal_tokens", max_len=5)(_randn(2, 4, C, seed=52))
+        _layer(features="primal_features", max_len=5)(_randn(2, 4, C, seed=52))
+    with pytest.raises(ValueError, match="at most max_len=5"):
+        _layer(features="primal_tokens", max_len=5)(_randn(2, 6, C, seed=52))
     with pytest.raises(ValueError, match="concat_tokens"):
         _layer(merge="concat_tokens", max_len=5)(x, mask=mask)
     with pytest.raises(ValueError, match="concat_tokens"):

@@ -409,7 +409,7 @@ def test_exact_errors():
     with pytest.raises(ValueError, match="exponential"):
         AttentionKernelEigenFeatures(C, H, 2, mode="amortized", kernel="exponential")
     with pytest.raises(ValueError, match="exponential"):
-        AttentionKernelEigenFeatures(C, H, 2, mode="primal_tokens", kernel="exponential", max_len=4)
+        AttentionKernelEigenFeatures(C, H, 2, mode="primal_features", kernel="exponential", max_len=4)
     with pytest.raises(RuntimeError, match="each sequence"):
         _ = module.singular_values
 
@@ -419,11 +419,11 @@ def test_exact_cosine_rank_above_the_feature_dimension_is_rejected():
         AttentionKernelEigenFeatures(C, H, C // H + 1, mode="exact")
 
 
-# -- primal_tokens ---------------------------------------------------------------------------------------------------
+# -- primal_features ---------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("tie_qk", [False, True])
-def test_primal_tokens_match_dense(tie_qk: bool):
+def test_primal_features_match_dense(tie_qk: bool):
     length, rank = 5, 3
-    module = _features(num_inducing=rank, mode="primal_tokens", max_len=length, tie_qk=tie_qk, seed=8)
+    module = _features(num_inducing=rank, mode="primal_features", max_len=length, tie_qk=tie_qk, seed=8)
     x = _randn(2, length, C, seed=30)
     scores = module(x, x)
     phi_q, phi_k = _dense_features(module, x, "query"), _dense_features(module, x, "key")
@@ -445,8 +445,8 @@ def test_primal_tokens_match_dense(tie_qk: bool):
     torch.testing.assert_close(scores.right_kernel_diag, kernel.pow(2).sum(-2), atol=ATOL, rtol=0)
 
 
-def test_primal_tokens_errors():
-    module = _features(num_inducing=3, mode="primal_tokens", max_len=5)
+def test_primal_features_errors():
+    module = _features(num_inducing=3, mode="primal_features", max_len=5)
     with pytest.raises(ValueError, match="max_len=5"):
         module(*(2 * [_randn(2, 4, C, seed=31)]))
     x = _randn(2, 5, C, seed=32)
@@ -457,9 +457,9 @@ def test_primal_tokens_errors():
     with pytest.raises(ValueError, match="self-attention only"):
         module(x, _randn(2, 5, C, seed=33))
     with pytest.raises(ValueError, match="max_len"):
-        AttentionKernelEigenFeatures(C, H, 3, mode="primal_tokens")
+        AttentionKernelEigenFeatures(C, H, 3, mode="primal_features")
     with pytest.raises(ValueError, match="max_len"):
-        AttentionKernelEigenFeatures(C, H, 3, mode="primal_tokens", max_len=2)
+        AttentionKernelEigenFeatures(C, H, 3, mode="primal_features", max_len=2)
 
 
 def test_constructor_errors():

@@ -362,8 +362,8 @@ def test_rank_larger_than_the_sequence_in_exact_mode():
     assert_unchanged(attention, before)
 
 
-def test_primal_tokens_length_is_checked():
-    attention = KEPSVGPAttention(EMBED_DIM, NUM_HEADS, num_inducing=2, features="primal_tokens", max_len=LENGTH)
+def test_primal_features_length_is_checked():
+    attention = KEPSVGPAttention(EMBED_DIM, NUM_HEADS, num_inducing=2, features="primal_features", max_len=LENGTH)
     with pytest.raises(ValueError, match=f"length max_len={LENGTH}, got 3"):
         attention(tokens(length=3))
 
