@@ -134,6 +134,8 @@ class KEPSVGPAttention(AttentionLayer):
             ksvd_weight=ksvd_weight,
             ksvd_form=ksvd_form,
         )
+        if features in ("primal_tokens", "primal_features"):  # the weights read every token of the sequence
+            self.supports_causal = self.supports_cross_attention = False
         self.num_inducing = num_inducing = kernel_features.num_inducing  # the default resolved there: min(10, p)
         if num_outputs is None:
             num_outputs = self.head_dim

@@ -62,6 +62,8 @@ class PrimalAttention(AttentionLayer):
             ksvd_weight=ksvd_weight,
             ksvd_form=ksvd_form,
         )
+        if features in ("primal_tokens", "primal_features"):  # the weights read every token of the sequence
+            self.supports_causal = self.supports_cross_attention = False
         self.num_inducing = num_inducing = self.features.num_inducing  # the default resolved there: min(10, p)
         bound = (2 * num_inducing) ** -0.5
         # per-head map [e; r] (2s) -> head width; shape (H, 2s, head_dim)

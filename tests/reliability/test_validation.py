@@ -314,6 +314,8 @@ def test_attention_forward_rejects(name, case):
         match = "does not support causal masks"  # no causal mode at all: the more precise message comes first
     before = snapshot(attention)
     x, padding, context = make()
+    if context is not None and not attention.supports_cross_attention:
+        error, match = ValueError, "does not support cross-attention"  # no context at all: this message comes first
     with pytest.raises(error, match=match):
         attention(x, mask=padding, context=context)
     assert_unchanged(attention, before)
