@@ -689,3 +689,50 @@ def test_amortised_layer_is_the_strategy_q_f_through_the_output_maps(layer_kwarg
         expected_sample = expected_sample + torch.einsum("bhcn,hcj->bnj", outputs.squeeze(-1), branch["weight"])
     if layer.residual == "none":  # (the residual adds per-token noise: covered by the dense sampling tests)
         torch.testing.assert_close(sample, expected_sample, atol=ATOL, rtol=0)
+
+
+def test_shared_posterior_set_by_the_user_is_kept():
+    """A q(u) written into the (one, shared) posterior after construction survives training and eval calls and is the
+    one the outputs use: the layer initialised it at construction, so nothing re-initialises it lazily."""
+    layer = _layer(shared_posterior=True)
+    q = layer.strategy._variational_distribution
+    mean, chol = _randn(*q.variational_mean.shape, seed=60), _randn(*q.chol_variational_covar.shape, seed=61)
+    with torch.no_grad():
+        q.variational_mean.copy_(mean)
+        q.chol_variational_covar.copy_(chol)
+    x = _randn(2, 5, C, seed=62)
+    layer.train()(x)
+    layer.kl_divergence()
+    output = layer.eval()(x)
+    assert torch.equal(q.variational_mean, mean) and torch.equal(q.chol_variational_covar, chol)
+    # the output is (e + r) Lambda^{-1} m through the output maps, with the m written above
+    scores = _dense_scores(layer, x)
+    interp = (scores["left"] + scores["right"]) / scores["lam"][None, :, None, :]  # (B, H, N, s)
+    gp = torch.einsum("bhns,hcs->bhnc", interp, mean[..., 0, :])  # (B, H, N, d_out)
+    heads = torch.einsum("bhnc,hcj->bnhj", gp, layer.output_weight).flatten(2)
+    torch.testing.assert_close(output, heads @ layer.out_proj.weight.T + layer.out_proj.bias, atol=ATOL, rtol=0)
+
+
+def test_exact_features_jump_along_a_smooth_input_path():
+    """Exact features index q(u_i) by the rank i of a singular pair signed by its largest-magnitude entry: along a
+    smooth path of inputs the output jumps (hundreds of times the median step) exactly where that entry moves to
+    another token and the sign rule flips the pair (docs/guide/papers.md)."""
+    torch.manual_seed(0)
+    layer = KEPSVGPAttention(C, H, num_inducing=2, features="exact").to(DTYPE).eval()
+    start, end = _randn(1, 5, C, seed=63), _randn(1, 5, C, seed=64)
+    path = torch.linspace(0, 1, 401, dtype=DTYPE)
+    with torch.no_grad():
+        outputs, references = [], []
+        for t in path:
+            x = (1 - t) * start + t * end
+            outputs.append(layer(x))
+            scores = layer.features(x)
+            vectors = scores.left_scores / scores.singular_values.unsqueeze(-2)  # H_e: (1, H, N, s)
+            references.append(vectors.abs().argmax(-2))  # the token that fixes each pair's sign
+    steps = (torch.stack(outputs)[1:] - torch.stack(outputs)[:-1]).flatten(1).norm(dim=-1)
+    jump = int(steps.argmax())
+    assert steps[jump] > 100 * steps.median()
+    assert not torch.equal(references[jump], references[jump + 1])  # the sign reference moved at the jump
+    # away from such switches the path is smooth: no step without a switch is larger than 10 median steps
+    smooth = [k for k in range(len(steps)) if torch.equal(references[k], references[k + 1])]
+    assert steps[smooth].max() < 10 * steps.median()

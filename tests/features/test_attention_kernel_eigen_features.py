@@ -471,3 +471,25 @@ def test_constructor_errors():
         AttentionKernelEigenFeatures(C, H, 0)
     with pytest.raises(ValueError, match="feature dimension"):
         AttentionKernelEigenFeatures(C, H, C // H + 1)
+
+
+# -- extreme input magnitudes (issue 14) -------------------------------------------------------------------------------
+@pytest.mark.parametrize("mode", ["amortized", "primal_tokens"])
+def test_float32_inputs_of_huge_magnitude_are_correct_or_a_clear_error(mode: str):
+    """In float32 the learned scores multiply weights that grow like |x| with unnormalised projections (|x|^2): up to
+    about sqrt(finfo.max) = 1.8e19 the scores equal float64's to float32 rounding, beyond it the call names the cause
+    instead of returning NaN or the bias alone."""
+    module = _features(num_inducing=3, seed=70, mode=mode, max_len=6).float()
+    reference = _features(num_inducing=3, seed=70, mode=mode, max_len=6)
+    x = _randn(2, 6, C, seed=71)
+    for scale in (1.0, 1e15, 1e19):
+        scores = module((x * scale).float(), objective=False, kernel_diag=False)
+        expected = reference(x * scale, objective=False, kernel_diag=False)
+        for got, want in ((scores.left_scores, expected.left_scores), (scores.right_scores, expected.right_scores)):
+            assert torch.isfinite(got).all()
+            assert (got.double() - want).abs().max() < 1e-5 * want.abs().max()  # float32 rounding only
+    for scale in (1e21, 1e30):
+        with pytest.raises(ValueError, match=r"input tokens reach \|x\| = .*too large for torch.float32.*\|x\|\^2"):
+            module((x * scale).float(), objective=False, kernel_diag=False)
+    # float64 has the room: the same inputs give finite scores
+    assert torch.isfinite(reference(x * 1e30, objective=False, kernel_diag=False).left_scores).all()
