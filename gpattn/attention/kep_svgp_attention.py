@@ -61,7 +61,9 @@ class KEPSVGPAttention(AttentionLayer):
     :param embed_dim: Token width :math:`C`.
     :param num_heads: :math:`H`.
     :param num_inducing: :math:`s`, the KSVD rank (default :math:`\min(10, p)`, :math:`p` the feature dimension).
-    :param features: ``"amortized"``, ``"primal_tokens"`` or ``"exact"``.
+    :param features: ``"amortized"`` (gpattn's default), ``"primal_tokens"`` (the official parametrisation
+        :math:`W_{e|X} = \tilde X_h^\top \tilde W_e`, see :class:`~gpattn.features.AttentionKernelEigenFeatures`),
+        ``"primal_features"`` (a gpattn variant) or ``"exact"``.
     :param merge: ``"sum"``, ``"concat"`` or ``"concat_tokens"``.
     :param shared_posterior: One :math:`q(u)` for both branches.
     :param sampling: ``"joint"`` or ``"marginal"``.
@@ -70,10 +72,18 @@ class KEPSVGPAttention(AttentionLayer):
     :param tie_qk: Symmetric kernel :math:`W_q = W_k`.
     :param max_len: Sequence length for ``features="primal_tokens"`` and ``merge="concat_tokens"``.
     :param dropout: Output dropout.
-    :param num_outputs: GP outputs per head ``d_out`` (default: the head width).
+    :param num_outputs: GP outputs per head ``d_out`` (default: the head width; ``"num_inducing"``: :math:`d_{out} = s`,
+        as in the official code, whose ``m_u`` is ``s x s``).
     :param feature_dim: Kernel feature dimension :math:`p` (default: the head width); the cosine kernel has rank
         :math:`\le p`, so ``num_inducing <= feature_dim``.
     :param ksvd_weight: :math:`\eta \geq 0`, the weight of the KSVD penalty :math:`\eta J^2`.
+    :param ksvd_form: ``"sum"`` (the token-sum :math:`J` per sequence and head) or ``"official"`` (the official
+        code's mean-over-tokens :math:`J_{\mathrm{off}}` with the trace of the raw weights; ``"primal_tokens"`` only);
+        see :func:`~gpattn.ksvd.ksvd_objective`.
+
+    The paper's configuration (registry row ``"kep_svgp_paper"``) is ``features="primal_tokens"``,
+    ``shared_posterior=True``, ``sampling="marginal"``, ``num_outputs="num_inducing"``, ``ksvd_form="official"``;
+    the official code's KL and its ``1/n``-less weight are *not* reproduced (docs/guide/papers.md).
 
     .. note:: Cost per head (amortised features, joint sampling): O(N C s + N p s) for the scores, O(N s d_out)
         for the output, O(s) for the prior terms of the KL, O(s^2 d_out) for its variational terms; no
@@ -96,9 +106,10 @@ class KEPSVGPAttention(AttentionLayer):
         tie_qk: bool = False,
         max_len: int | None = None,
         dropout: float = 0.0,
-        num_outputs: int | None = None,
+        num_outputs: int | str | None = None,
         feature_dim: int | None = None,
         ksvd_weight: float = 1.0,
+        ksvd_form: str = "sum",
     ):
         super().__init__(embed_dim, num_heads, dropout)
         where = type(self).__name__
@@ -111,7 +122,6 @@ class KEPSVGPAttention(AttentionLayer):
             if max_len is None:
                 raise ValueError(f"{where}: merge='concat_tokens' needs max_len (its fixed sequence length)")
             check_int("max_len (the sequence length of merge='concat_tokens')", max_len, where=where)
-        self.num_outputs = self.head_dim if num_outputs is None else check_int("num_outputs", num_outputs, where=where)
         kernel_features = AttentionKernelEigenFeatures(
             embed_dim,
             num_heads,
@@ -122,8 +132,16 @@ class KEPSVGPAttention(AttentionLayer):
             tie_qk=tie_qk,
             max_len=max_len,
             ksvd_weight=ksvd_weight,
+            ksvd_form=ksvd_form,
         )
+        if features in ("primal_tokens", "primal_features"):  # the weights read every token of the sequence
+            self.supports_causal = self.supports_cross_attention = False
         self.num_inducing = num_inducing = kernel_features.num_inducing  # the default resolved there: min(10, p)
+        if num_outputs is None:
+            num_outputs = self.head_dim
+        elif num_outputs == "num_inducing":  # the official code's d_out = s
+            num_outputs = num_inducing
+        self.num_outputs = check_int("num_outputs", num_outputs, where=where)
         self.merge, self.sampling_mode, self.residual = merge, sampling, residual
         self.shared_posterior, self.tie_qk, self.max_len = bool(shared_posterior), bool(tie_qk), max_len
         outputs = torch.Size([num_heads, self.num_outputs])

@@ -17,19 +17,22 @@ class PrimalAttention(AttentionLayer):
 
         o(x_i) = W_o \begin{bmatrix} e(x_i) \\ r(x_i) \end{bmatrix}, \qquad W_o: \mathbb R^{2s} \to \mathbb R^{C/H},
 
-    with :math:`e, r` from :class:`~gpattn.features.AttentionKernelEigenFeatures` (amortised by default, or the
-    paper's ``"primal_tokens"``) and the penalty :math:`\eta J^2` (the features' added loss term ``"ksvd_loss"``,
+    with :math:`e, r` from :class:`~gpattn.features.AttentionKernelEigenFeatures` (amortised by default, gpattn's
+    variant; ``"primal_tokens"`` is the official code's :math:`W_{e|X} = \tilde X_h^\top \tilde W_e`, registry row
+    ``"primal_paper"`` together with ``ksvd_form="official"``) and the penalty :math:`\eta J^2` (the features' added loss term ``"ksvd_loss"``,
     :math:`\eta` = ``ksvd_weight``). Deterministic: ``kl_divergence()`` is zero. In
     cross-attention :math:`r` lives on the keys, so the queries use :math:`[e(x_i); 0]`.
 
     :param embed_dim: Token width :math:`C`.
     :param num_heads: :math:`H`.
     :param num_inducing: :math:`s`, the KSVD rank (default :math:`\min(10, p)`, :math:`p` the feature dimension).
-    :param features: ``"amortized"`` or ``"primal_tokens"``.
-    :param max_len: Sequence length of ``"primal_tokens"``.
+    :param features: ``"amortized"``, ``"primal_tokens"`` or ``"primal_features"``.
+    :param max_len: Longest sequence of ``"primal_tokens"`` (sequence length of ``"primal_features"``).
     :param dropout: Output dropout.
     :param feature_dim: Kernel feature dimension :math:`p` (default: the head width); ``num_inducing <= feature_dim``.
     :param ksvd_weight: :math:`\eta \geq 0`, the weight of the KSVD penalty :math:`\eta J^2`.
+    :param ksvd_form: ``"sum"`` or ``"official"`` (the official code's number, ``"primal_tokens"`` only; see
+        :func:`~gpattn.ksvd.ksvd_objective`).
 
     .. note:: Cost per head O(N C s + N p s): no :math:`N \times N` matrix.
     """
@@ -44,9 +47,11 @@ class PrimalAttention(AttentionLayer):
         dropout: float = 0.0,
         feature_dim: int | None = None,
         ksvd_weight: float = 1.0,
+        ksvd_form: str = "sum",
     ):
         super().__init__(embed_dim, num_heads, dropout)
-        check_choice("features", features, ("amortized", "primal_tokens"), where=type(self).__name__)
+        modes = ("amortized", "primal_tokens", "primal_features")
+        check_choice("features", features, modes, where=type(self).__name__)
         self.features = AttentionKernelEigenFeatures(
             embed_dim,
             num_heads,
@@ -55,7 +60,10 @@ class PrimalAttention(AttentionLayer):
             feature_dim=feature_dim,
             max_len=max_len,
             ksvd_weight=ksvd_weight,
+            ksvd_form=ksvd_form,
         )
+        if features in ("primal_tokens", "primal_features"):  # the weights read every token of the sequence
+            self.supports_causal = self.supports_cross_attention = False
         self.num_inducing = num_inducing = self.features.num_inducing  # the default resolved there: min(10, p)
         bound = (2 * num_inducing) ** -0.5
         # per-head map [e; r] (2s) -> head width; shape (H, 2s, head_dim)

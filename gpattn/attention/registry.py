@@ -21,6 +21,19 @@ from .sgpa_attention import SGPAAttention
 from .softmax_attention import SoftmaxAttention
 from .symmetric_svgp_attention import SymmetricSVGPAttention
 
+#: KEP-SVGP as its official code runs it (the model it trains; its KL formula and its KL weight without 1/n are not
+#: reproduced, see docs/guide/papers.md)
+PAPER_KEP_SVGP: dict[str, Any] = {
+    "features": "primal_tokens",
+    "max_len": 512,
+    "shared_posterior": True,
+    "sampling": "marginal",
+    "num_outputs": "num_inducing",
+    "ksvd_form": "official",
+}
+#: Primal-Attention as its official code runs it
+PAPER_PRIMAL: dict[str, Any] = {"features": "primal_tokens", "max_len": 512, "ksvd_form": "official"}
+
 #: name -> (layer class, default keyword arguments). Every class takes ``(embed_dim, num_heads, **kwargs)``.
 ATTENTIONS: dict[str, tuple[type[AttentionLayer], dict[str, Any]]] = {
     # KEP-SVGP (Chen et al. 2024): asymmetric cosine kernel, left/right kernel-eigen SVGP pair
@@ -37,6 +50,13 @@ ATTENTIONS: dict[str, tuple[type[AttentionLayer], dict[str, Any]]] = {
     "primal": (PrimalAttention, {}),
     # CGPT (Bui et al. 2024): asymmetric kernel as the cross-covariance of two GPs correlated through a latent GP
     "cgpt": (CGPTAttention, {}),
+    # the rows above named after a paper are gpattn's versions (amortised features, joint sampling, sum-form KSVD);
+    # the two below are the papers' methods as their official code runs them (docs/guide/papers.md): the official
+    # parametrisation W_e|X = X~_h^T W~_e (features="primal_tokens"), the official KSVD number, and for KEP-SVGP one
+    # shared q(u), per-token (marginal) sampling and d_out = s. max_len is the longest sequence: a Transformer passes
+    # its own; the default 512 (the Transformer's) samples 10 s evenly spaced tokens of any sequence
+    "kep_svgp_paper": (KEPSVGPAttention, PAPER_KEP_SVGP),
+    "primal_paper": (PrimalAttention, PAPER_PRIMAL),
 }
 
 

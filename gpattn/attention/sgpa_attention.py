@@ -11,6 +11,7 @@ from linear_operator.utils.cholesky import psd_safe_cholesky
 from torch import Tensor
 
 from ..kernels import safe_max_logit
+from ..mlls import SequenceKLAddedLossTerm
 from ..validation import check_choice, check_float, check_int, check_positive
 from ._base import AttentionInputs, AttentionLayer
 
@@ -49,10 +50,21 @@ class SGPAAttention(AttentionLayer):
         \tfrac12 \big[\mathrm{Tr}\, S - M_g - \log|S| + v_b^\top K_{bb} v_b
             + v_g^\top (K_{gg} - K_{gb} K_{bb}^{-1} K_{bg}) v_g\big],
 
-    summed over value dimensions and heads. The :math:`v_g` term depends on the sequence: every ``forward`` stores it
-    (mean over the sequences of the batch, still attached to the autograd graph) and :meth:`kl_divergence` returns
-    the global part (:math:`S`, :math:`v_b`, recomputed at each call) plus the stored term of the most recent
-    ``forward``; before any ``forward`` it returns the global part alone.
+    summed over value dimensions and heads. The :math:`v_g` term belongs to each sequence (its amortised posterior),
+    the rest to the global :math:`q(u)`, and the two are weighted as SGPA's paper and official code weight them:
+    :meth:`kl_divergence` returns the global part (:math:`S`, :math:`v_b`), which :class:`~gpattn.mlls.AttentionELBO`
+    divides by the training-set size like every global KL, and every ``forward`` refreshes the added loss term
+    ``"sequence_kl"`` (:class:`~gpattn.mlls.SequenceKLAddedLossTerm`), the :math:`v_g` term of each sequence averaged
+    over the batch with weight 1 per sequence (not divided by ``num_data``; still attached to the autograd graph).
+    So the training loss is
+
+    .. math::
+
+        \operatorname{mean}_b \big(-\log p(y_b \mid F)\big)
+            + \frac{\beta}{n} \mathrm{KL}_{\text{global}} + \beta \operatorname{mean}_b \mathrm{KL}_{v_g, b}.
+
+    (The official code also adds the global part with weight 1, i.e. :math:`n` times the ELBO's; gpattn keeps the
+    ELBO's :math:`1/n` for the global :math:`q(u)`, docs/guide/papers.md.)
 
     Masks: padded keys leave the amortised set (their :math:`v_g` rows are zeroed, which removes them from
     :math:`K_{qg} v_g`, :math:`K_{bg} v_g` and the KL). Causal: query :math:`i` uses the amortised set
@@ -105,7 +117,7 @@ class SGPAAttention(AttentionLayer):
         self.register_parameter("raw_outputscale", torch.nn.Parameter(torch.zeros(heads)))
         self.register_constraint("raw_outputscale", Positive())
         self.initialize(lengthscale=lengthscale, outputscale=1.0)
-        self._data_kl: Tensor | None = None
+        self.register_added_loss_term("sequence_kl")
 
     # -- parameters --------------------------------------------------------------------------------------------------
     @property
@@ -173,7 +185,7 @@ class SGPAAttention(AttentionLayer):
 
     def _moments(self, inputs: AttentionInputs, with_kl: bool) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
         """Per-head mean and variance ``(B, H, N, p)``, the sampling jitter ``(H, 1, 1)`` and (``with_kl``) the
-        batch-mean :math:`v_g` term of the KL."""
+        :math:`v_g` term of the KL of every sequence, ``(B,)``."""
         queries = self.split_heads(self.key_proj(inputs.queries))  # shape: (B, H, N, p)
         keys = self.split_heads(self.key_proj(inputs.keys)) if inputs.is_cross else queries  # shape: (B, H, M, p)
         values = self.split_heads(self.value_proj(inputs.keys))  # v_g; shape: (B, H, M, p)
@@ -206,12 +218,13 @@ class SGPAAttention(AttentionLayer):
         if with_kl:  # 1/2 v_g^T (K_gg - K_gb K_bb^{-1} K_bg) v_g per sequence, summed over heads and value dims
             key_key_covar = self.kernel(keys, keys) if inputs.is_cross else query_key_covar
             quad = (values * (key_key_covar @ values)).sum((-3, -2, -1)) - interp_values.square().sum((-3, -2, -1))
-            data_kl = 0.5 * quad.mean()
+            data_kl = 0.5 * quad
         return mean, variance, jitter[:, None, None], data_kl
 
     # -- attention interface -----------------------------------------------------------------------------------------
     def forward(self, x: Tensor, mask: Tensor | str | None = None, context: Tensor | None = None) -> Tensor:
-        mean, variance, jitter, self._data_kl = self._moments(self._prepare(x, mask, context), with_kl=True)
+        mean, variance, jitter, data_kl = self._moments(self._prepare(x, mask, context), with_kl=True)
+        self.update_added_loss_term("sequence_kl", SequenceKLAddedLossTerm(data_kl))
         if self.sampling:
             mean = mean + (variance + jitter).sqrt() * torch.randn_like(mean)
         return self.project_out(mean)
@@ -220,7 +233,7 @@ class SGPAAttention(AttentionLayer):
         self, x: Tensor, mask: Tensor | str | None = None, context: Tensor | None = None
     ) -> tuple[Tensor, Tensor]:
         """Predictive mean and variance of every head before the output projection, each ``(B, H, N, C / H)``
-        (the variance is the same for all value dimensions of a head). Does not touch the stored KL."""
+        (the variance is the same for all value dimensions of a head). Does not touch the per-sequence KL term."""
         mean, variance, _, _ = self._moments(self._prepare(x, mask, context), with_kl=False)
         return mean, variance
 
@@ -231,14 +244,21 @@ class SGPAAttention(AttentionLayer):
         return self.project_out_moments(*self.head_moments(x, mask, context))
 
     def kl_divergence(self) -> Tensor:
-        """The global KL part (:math:`S`, :math:`v_b`) plus the :math:`v_g` part stored by the last ``forward``, a
-        scalar."""
-        kl = self._global_kl(self._inducing_cholesky()[0])
-        return kl if self._data_kl is None else kl + self._data_kl
+        """The KL of the global :math:`q(u)` (:math:`S`, :math:`v_b`), a scalar; the per-sequence :math:`v_g` part is
+        the added loss term ``"sequence_kl"`` of the last ``forward`` (:meth:`sequence_kl`)."""
+        return self._global_kl(self._inducing_cholesky()[0])
+
+    def sequence_kl(self) -> Tensor | None:
+        """The :math:`v_g` term of the KL of every sequence of the last ``forward``, shape ``(B,)`` (summed over heads
+        and value dimensions), or ``None`` before any ``forward``."""
+        term = self._added_loss_terms.get("sequence_kl")
+        return None if term is None else term.objective
 
     def __getstate__(self) -> dict:
-        # the stored KL may hang on an autograd graph, which neither deepcopy nor pickle accept
+        # the per-sequence KL term hangs on an autograd graph, which neither deepcopy nor pickle accept
         state = self.__dict__.copy()
-        if state.get("_data_kl") is not None:
-            state["_data_kl"] = state["_data_kl"].detach()
+        terms = state.get("_added_loss_terms")
+        if terms and terms.get("sequence_kl") is not None:
+            term = terms["sequence_kl"]
+            state["_added_loss_terms"] = {**terms, "sequence_kl": SequenceKLAddedLossTerm(term.objective.detach())}
         return state

@@ -313,7 +313,8 @@ def train_model(
     num_data = train_labels.shape[0]
     steps_per_epoch = math.ceil(math.ceil(num_data / strategy.world_size) / config.batch_size)
     total_steps, warmup_steps = config.schedule_steps(steps_per_epoch)
-    loss_fn = AttentionELBO(model, num_data=num_data, beta=config.beta, combine_terms=False)
+    # the loop checks the loss itself (below), to restore the last good state and report the step
+    loss_fn = AttentionELBO(model, num_data=num_data, beta=config.beta, combine_terms=False, check_finite=False)
     optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, weight_decay=config.weight_decay)
     scheduler = warmup_cosine_schedule(optimizer, total_steps, warmup_steps, config.min_lr)
     generator = torch.Generator()

@@ -10,11 +10,18 @@ from torch import Tensor
 from ..kernels import CosineFeatureKernel, ExponentialDotProductKernel
 from ..ksvd import kernel_svd, ksvd_objective
 from ..mlls import KSVDAddedLossTerm
-from ..validation import check_choice, check_float, check_int
+from ..validation import all_finite, check_choice, check_float, check_int
 from .kernel_eigen_features_base import KernelEigenFeaturesBase
 from .kernel_eigen_scores import KernelEigenScores, induced_kernel_diag
 
-MODES = ("amortized", "primal_tokens", "exact")
+MODES = ("amortized", "primal_tokens", "primal_features", "exact")
+#: the learned modes with per-position weights (a maximum sequence length)
+POSITIONAL_MODES = ("primal_tokens", "primal_features")
+#: ``form`` of the KSVD penalty: the token-sum :math:`J` (docs/math.md section 2) or the official code's number
+KSVD_FORMS = ("sum", "official")
+#: ``features="primal_tokens"`` uses at most ``PRIMAL_TOKENS_MULTIPLE * s`` evenly spaced tokens (the official code's
+#: ``rank_multi = 10``)
+PRIMAL_TOKENS_MULTIPLE = 10
 #: the attention layers' number of inducing variables (the KSVD rank s) when none is given: min(DEFAULT_NUM_INDUCING, p)
 DEFAULT_NUM_INDUCING = 10
 KERNELS = ("cosine", "exponential")
@@ -52,36 +59,75 @@ def _unit_quadratic_form(
 class AttentionKernelEigenFeatures(KernelEigenFeaturesBase):
     r"""Per-sequence KSVD scores of the attention kernel of every head (docs/math.md section 2).
 
-    For queries :math:`X` (``N`` tokens) and keys :math:`Z` (``M`` tokens) of one sequence and one head:
+    For queries :math:`X` (``N`` tokens) and keys :math:`Z` (``M`` tokens) of one sequence and one head, the scores
+    are :math:`e(x) = \phi_q(x)^\top W_{e|X}`, :math:`r(z) = \phi_k(z)^\top W_{r|X}` with data-dependent weights
+    :math:`W_{e|X}, W_{r|X} \in \mathbb R^{p \times s}` (learned modes) or the exact dual scores:
 
-    * ``"amortized"`` (default; length-agnostic, mask-friendly): learned maps :math:`A_e, A_r: \mathbb R^C \to
-      \mathbb R^s` estimate the singular vectors, :math:`W_{e|X} = \Phi_k^\top A_e(Z) / M`,
+    * ``"amortized"`` (default; length-agnostic, mask-friendly; a gpattn variant): learned maps :math:`A_e, A_r:
+      \mathbb R^C \to \mathbb R^s` estimate the singular vectors, :math:`W_{e|X} = \Phi_k^\top A_e(Z) / M`,
       :math:`W_{r|X} = \Phi_q^\top A_r(X) / N`, so :math:`e(x) = \kappa(x, Z) A_e(Z) / M` and
       :math:`r(z) = \kappa(X, z)^\top A_r(X) / N`, computed in the primal in O(N p s) without forming
       :math:`K`. Padding masks drop keys from the sums; a causal mask turns them into prefix means.
-    * ``"primal_tokens"`` (the official KEP-SVGP / Primal-Attention parametrisation): :math:`W_{e|X} =
-      \Phi_k(\tilde X)^\top \tilde W_e`, :math:`W_{r|X} = \Phi_q(\tilde X)^\top \tilde W_r` from the ``max_len``
-      tokens :math:`\tilde X` of a sequence of exactly ``max_len`` tokens, with learned per-position
-      :math:`\tilde W_e, \tilde W_r \in \mathbb R^{N \times s}`. No masks, self-attention only.
+    * ``"primal_tokens"`` (the parametrisation of the official KEP-SVGP and Primal-Attention code; the equivalence
+      tests in ``tests/attention/test_paper_equivalence.py`` check it against a transcription of that code):
+
+      .. math::
+
+          W_{e|X} = \tilde X_h^\top \tilde W_e, \qquad W_{r|X} = \tilde X_h^\top \tilde W_r,
+
+      where :math:`\tilde X_h \in \mathbb R^{N' \times C/H}` holds the head's channel block
+      ``x[:, h C/H : (h+1) C/H]`` of :math:`N'` tokens of the layer's **input** (as the official code forms it: the
+      tokens the attention receives, i.e. after the block's LayerNorm, with no projection and no normalisation; the
+      official ``gen_weights`` reshapes the input channels into heads), and :math:`\tilde W_e, \tilde W_r \in
+      \mathbb R^{N' \times s}` are learned per position (orthogonal initialisation, as there). :math:`N' =
+      \min(\text{max\_len}, 10 s)`: with ``max_len <= 10 s`` all tokens (position ``i`` uses row ``i``; a sequence
+      shorter than ``max_len`` uses the first rows, which equals padding it with masked tokens), else :math:`N' = 10
+      s` evenly spaced tokens ``linspace(0, N - 1, N')`` (truncated to integers) of the sequence. Hence the feature
+      dimension must be the head width, :math:`p = C / H`. A padding mask zeroes the padded rows of
+      :math:`\tilde X_h` (a gpattn extension: the official code has no masks); no causal mask (the weights would
+      read future tokens), self-attention only. Cost O(N' C s + N p s).
+    * ``"primal_features"`` (a gpattn variant, not the papers'): :math:`W_{e|X} = \Phi_k(\tilde X)^\top \tilde W_e`,
+      :math:`W_{r|X} = \Phi_q(\tilde X)^\top \tilde W_r`: the kernel's normalised features of all ``max_len`` tokens
+      instead of the raw input tokens, so that :math:`e(x) = \kappa(x, X) \tilde W_e` is the dual form with learned
+      per-position singular vectors. Sequences of exactly ``max_len`` tokens, no masks, self-attention only.
     * ``"exact"``: the truncated SVD of the dense :math:`\kappa(X, Z)` of every sequence (masked rows and
       columns zeroed), :math:`e(X) = H_e \Lambda`, :math:`r(Z) = H_r \Lambda`, :math:`J = 0`. O(N M p + N M
-      min(N, M)); no causal mask.
+      min(N, M)); no causal mask. The singular pairs are indexed by their rank and signed by the largest-magnitude
+      entry of :math:`H_e`, so along a smooth path of inputs the features jump where two singular values cross or
+      where that entry moves to another token (see docs/guide/papers.md).
 
-    In the learned modes :math:`\Lambda` is a learned positive vector per head, and :math:`J` (sum form, the real
-    tokens of each sequence) drives the scores towards a stationary point of the KSVD.
+    In the learned modes :math:`\Lambda` is a learned positive vector per head, and the KSVD penalty drives the scores
+    towards a stationary point of the KSVD. Two forms (``ksvd_form``), see :func:`~gpattn.ksvd.ksvd_objective`:
+
+    * ``"sum"`` (default): :math:`\eta \operatorname{mean}_b \sum_h J_{bh}^2` with the token-sum
+      :math:`J_{bh} = \tfrac12 \sum_i e_i^\top \Lambda^{-1} e_i + \tfrac12 \sum_j r_j^\top \Lambda^{-1} r_j
+      - \operatorname{Tr}(W_{e|X}^\top W_{r|X})` of every sequence and head over its real tokens (with a causal mask,
+      on the causal scores: :math:`e_i, r_i` of the prefix :math:`j \le i`, and the trace averaged over the prefixes'
+      weights);
+    * ``"official"`` (``"primal_tokens"`` only): the official code's number :math:`\eta\, J_{\mathrm{off}}^2` with one
+      :math:`J_{\mathrm{off}} = \tfrac12 \operatorname{mean}_{b,h,i} e_i^\top \Lambda^{-1} e_i + \tfrac12
+      \operatorname{mean}_{b,h,j} r_j^\top \Lambda^{-1} r_j - \operatorname{Tr}(\operatorname{mean}_h \tilde W_e^\top
+      \tilde W_r)` per layer and batch: means over tokens and the trace of the raw per-position weights (which
+      ignores :math:`\tilde X^\top \tilde X`).
+
+    :attr:`KernelEigenScores.objective` is always the sum-form :math:`J` per sequence and head.
 
     :param embed_dim: Token width :math:`C`.
     :param num_heads: :math:`H`.
     :param num_inducing: :math:`s` (default :math:`\min(10, p)`: the cosine kernel has rank at most :math:`p`).
-    :param mode: ``"amortized"``, ``"primal_tokens"`` or ``"exact"``.
+    :param mode: ``"amortized"``, ``"primal_tokens"``, ``"primal_features"`` or ``"exact"``.
     :param kernel: ``"cosine"`` (primal features :math:`\phi = W x / \|W x\|`) or ``"exponential"`` (exact mode
         only: the softmax numerator :math:`\exp(\langle W_q x, W_k z\rangle / \sqrt p)`).
-    :param feature_dim: :math:`p` (default ``embed_dim // num_heads``).
-    :param tie_qk: :math:`W_q = W_k` (symmetric kernel; the two amortised maps are tied too).
-    :param max_len: Sequence length of ``"primal_tokens"``.
-    :param ksvd_weight: :math:`\eta \geq 0` of the KSVD penalty :math:`\eta J^2`, the added loss term ``"ksvd_loss"``
-        refreshed by every training call (mean of :math:`J^2` over the sequences, summed over the heads; zero in exact
-        mode, where :math:`J = 0`).
+    :param feature_dim: :math:`p` (default ``embed_dim // num_heads``; ``"primal_tokens"`` needs that value).
+    :param tie_qk: :math:`W_q = W_k` (symmetric kernel; the two amortised maps, or per-position weights, are tied too).
+    :param max_len: The longest sequence of ``"primal_tokens"`` / the sequence length of ``"primal_features"``.
+    :param ksvd_weight: :math:`\eta \geq 0` of the KSVD penalty, the added loss term ``"ksvd_loss"`` refreshed by
+        every training call (zero in exact mode, where :math:`J = 0`).
+    :param ksvd_form: ``"sum"`` or ``"official"`` (see above).
+
+    :raises ValueError: In the learned modes, when the scores of inputs of very large magnitude (about
+        :math:`\sqrt{\text{finfo.max}}`, :math:`1.8 \cdot 10^{19}` in float32) are not finite: the weights
+        :math:`W_{e|X}` grow like :math:`|x|` and the product with the unnormalised projections like :math:`|x|^2`.
     """
 
     def __init__(
@@ -95,19 +141,31 @@ class AttentionKernelEigenFeatures(KernelEigenFeaturesBase):
         tie_qk: bool = False,
         max_len: int | None = None,
         ksvd_weight: float = 1.0,
+        ksvd_form: str = "sum",
     ):
         super().__init__()
         where = type(self).__name__
         check_choice("features", mode, MODES, where=where)
         check_choice("kernel", kernel, KERNELS, where=where)
+        check_choice("ksvd_form", ksvd_form, KSVD_FORMS, where=where)
         if kernel == "exponential" and mode != "exact":
             raise ValueError(
                 f"the exponential kernel has no finite primal features: use features='exact', not {mode!r}"
+            )
+        if ksvd_form == "official" and mode != "primal_tokens":
+            raise ValueError(
+                f"{where}: ksvd_form='official' reads the raw per-position weights of the official parametrisation: "
+                f"it needs features='primal_tokens', not {mode!r}"
             )
         check_int("embed_dim", embed_dim, where=where)
         check_int("num_heads", num_heads, where=where)
         feature_dim = embed_dim // num_heads if feature_dim is None else feature_dim
         check_int("feature_dim", feature_dim, where=where)
+        if mode == "primal_tokens" and (embed_dim % num_heads or feature_dim != embed_dim // num_heads):
+            raise ValueError(
+                f"{where}: features='primal_tokens' forms W = X_h^T W~ from the head's block of C / H input channels, "
+                f"so feature_dim must be embed_dim / num_heads = {embed_dim} / {num_heads}, got {feature_dim}"
+            )
         if num_inducing is None:  # the cosine kernel has rank <= p: the default fits every (embed_dim, num_heads)
             num_inducing = min(DEFAULT_NUM_INDUCING, feature_dim)
         check_int("num_inducing", num_inducing, where=where)
@@ -116,17 +174,17 @@ class AttentionKernelEigenFeatures(KernelEigenFeaturesBase):
                 f"num_inducing ({num_inducing}) must not exceed the feature dimension ({feature_dim}) of a cosine "
                 "kernel"
             )
-        if mode == "primal_tokens":
+        if mode in POSITIONAL_MODES:
             if max_len is None:
-                raise ValueError(f"{where}: features='primal_tokens' needs max_len (its fixed sequence length)")
-            check_int("max_len (the sequence length of features='primal_tokens')", max_len, num_inducing, where=where)
+                raise ValueError(f"{where}: features={mode!r} needs max_len (its fixed sequence length)")
+            check_int(f"max_len (the sequence length of features={mode!r})", max_len, num_inducing, where=where)
         elif mode == "exact" and max_len is not None and check_int("max_len", max_len, where=where) < num_inducing:
             # the SVD of a sequence of at most max_len tokens has at most max_len singular values
             raise ValueError(
                 f"{where}: num_inducing ({num_inducing}) exceeds the longest sequence, max_len={max_len}, of exact mode"
             )
         self.embed_dim, self.num_heads, self.num_inducing, self.mode = embed_dim, num_heads, num_inducing, mode
-        self.tie_qk, self.max_len = bool(tie_qk), max_len
+        self.tie_qk, self.max_len, self.ksvd_form = bool(tie_qk), max_len, ksvd_form
         self.ksvd_weight = check_float("ksvd_weight", ksvd_weight, 0.0, where=where)
         self.register_added_loss_term("ksvd_loss")
         heads = torch.Size([num_heads])
@@ -148,11 +206,20 @@ class AttentionKernelEigenFeatures(KernelEigenFeaturesBase):
                 )
                 self.right_bias = torch.nn.Parameter(torch.zeros(num_heads, num_inducing))
         else:
-            self.left_token_weights = torch.nn.Parameter(torch.randn(num_heads, max_len, num_inducing) * max_len**-0.5)
+            if mode == "primal_tokens":
+                # the official initialisation: torch's orthogonal_ on (H, N', s), i.e. orthonormal flattened heads
+                positions = min(max_len, PRIMAL_TOKENS_MULTIPLE * num_inducing)
+
+                def initial() -> Tensor:
+                    return torch.nn.init.orthogonal_(torch.empty(num_heads, positions, num_inducing))
+            else:
+
+                def initial() -> Tensor:
+                    return torch.randn(num_heads, max_len, num_inducing) * max_len**-0.5
+
+            self.left_token_weights = torch.nn.Parameter(initial())
             if not self.tie_qk:
-                self.right_token_weights = torch.nn.Parameter(
-                    torch.randn(num_heads, max_len, num_inducing) * max_len**-0.5
-                )
+                self.right_token_weights = torch.nn.Parameter(initial())
         # Lambda = softplus(0) = log 2 for every head at initialisation
         self._register_singular_values(torch.full((num_heads, num_inducing), math.log(2.0)))
 
@@ -168,9 +235,9 @@ class AttentionKernelEigenFeatures(KernelEigenFeaturesBase):
     def _value_columns(self, tokens: Tensor, side: str) -> Tensor:
         r"""The values :math:`a_j` of the weights :math:`W = \frac1n \sum_j \phi_j a_j^\top`, in column layout:
         :math:`A_e(Z)^\top` / :math:`A_r(X)^\top`, shape ``(B, H, s, n)`` (amortised), or the per-position
-        :math:`\tilde W^\top`, shape ``(H, s, n)`` (``primal_tokens``)."""
+        :math:`\tilde W^\top`, shape ``(H, s, n)`` (``primal_features``)."""
         left = side == "left" or self.tie_qk
-        if self.mode == "primal_tokens":
+        if self.mode == "primal_features":
             weights = self.left_token_weights if left else self.right_token_weights
             return weights.mT
         weight, bias = (self.left_map, self.left_bias) if left else (self.right_map, self.right_bias)
@@ -181,13 +248,49 @@ class AttentionKernelEigenFeatures(KernelEigenFeaturesBase):
         return values.unflatten(-2, (heads, rank)) + bias.unsqueeze(-1)
 
     def _token_weights(self, tokens: Tensor, mask: Tensor | None) -> Tensor | float:
-        # the 1/|V| of the masked means over the visible tokens V (1 for primal_tokens): a float or (B, 1, 1, n)
-        if self.mode == "primal_tokens":
+        # the 1/|V| of the masked means over the visible tokens V (1 for primal_features): a float or (B, 1, 1, n)
+        if self.mode == "primal_features":
             return 1.0
         if mask is None:
             return 1.0 / tokens.shape[-2]
         weights = mask.to(tokens.dtype)
         return (weights / weights.sum(-1, keepdim=True))[:, None, None, :]
+
+    def sampled_positions(self, length: int) -> Tensor | None:
+        r"""``"primal_tokens"``: the positions of the :math:`N'` tokens that form :math:`\tilde X` in a sequence of
+        ``length`` tokens, or ``None`` when all are used (``max_len <= 10 s``; then ``length <= max_len``).
+
+        :return: ``linspace(0, length - 1, N')`` truncated to integers (the official code's even sampling), shape
+            ``(N',)``.
+        """
+        positions = self.left_token_weights.shape[-2]
+        if positions == self.max_len:
+            return None
+        return torch.linspace(0, length - 1, positions, device=self.left_token_weights.device).to(torch.long)
+
+    def token_primal_weights(self, tokens: Tensor, mask: Tensor | None = None) -> tuple[Tensor, Tensor]:
+        r"""``"primal_tokens"``: :math:`W_{e|X} = \tilde X_h^\top \tilde W_e` and :math:`W_{r|X} = \tilde X_h^\top
+        \tilde W_r` of every sequence and head (see the class docstring), each ``(B, H, C/H, s)``.
+
+        :param tokens: The layer's input tokens ``(B, N, C)``.
+        :param mask: ``(B, N)`` bool padding mask (padded rows of :math:`\tilde X` are zeroed), or ``None``.
+
+        .. note:: Cost O(N' C s).
+        """
+        batch, length, width = tokens.shape
+        positions = self.sampled_positions(length)
+        if positions is None:  # all tokens, position i <-> row i
+            selected, rows = tokens, slice(0, length)
+        else:
+            selected, rows = tokens[:, positions], slice(None)
+            mask = None if mask is None else mask[:, positions]
+        if mask is not None:
+            selected = selected * mask.unsqueeze(-1).to(selected.dtype)
+        # X~_h^T: the head's channel block, (B, H, C/H, N')
+        head_tokens = selected.mT.unflatten(1, (self.num_heads, width // self.num_heads))
+        left = head_tokens @ self.left_token_weights[:, rows]
+        right = left if self.tie_qk else head_tokens @ self.right_token_weights[:, rows]
+        return left, right
 
     def forward(
         self,
@@ -205,7 +308,7 @@ class AttentionKernelEigenFeatures(KernelEigenFeaturesBase):
         :param queries: ``(B, N, C)``.
         :param keys: ``(B, M, C)``, or ``None`` (self-attention: the queries).
         :param key_mask: ``(B, M)`` bool, ``True`` for real tokens (in self-attention it masks the queries too).
-        :param causal: Prefix sums (self-attention, learned modes only).
+        :param causal: Prefix sums (self-attention, ``"amortized"`` only).
         :param objective: Compute :math:`J` (O(N p s); needed in training only).
         :param kernel_diag: Compute :math:`k_e(x, x)`, :math:`k_r(z, z)` (O(N p^2), or O(N p^2) memory per
             position when causal; needed for the residual only).
@@ -213,6 +316,7 @@ class AttentionKernelEigenFeatures(KernelEigenFeaturesBase):
             s)``, :math:`\Lambda` of shape ``(H, s)`` (learned) or ``(B, H, s)`` (exact), :math:`J` of shape ``(B, H)``
             and the kernel diagonals ``(B, H, N)``, ``(B, H, M)``. In the learned modes the scores are transposed views
             of contiguous ``(B, H, s, N)`` tensors (column layout, as the features are computed).
+        :raises ValueError: Scores that are not finite for inputs of very large magnitude (see the class docstring).
 
         .. note:: Learned modes, no causal mask: the features stay in the column layout of
             :meth:`~gpattn.kernels.CosineFeatureKernel.feature_columns` and their normalisation, the output scale and
@@ -226,14 +330,8 @@ class AttentionKernelEigenFeatures(KernelEigenFeaturesBase):
         query_mask = key_mask if self_attention else None
         if self.mode == "exact":
             return self._penalised(self._exact(queries, keys, key_mask, query_mask, causal, kernel_diag))
-        if self.mode == "primal_tokens":
-            if key_mask is not None or causal or not self_attention:
-                raise ValueError("features='primal_tokens' supports plain self-attention only (no mask, no context)")
-            if queries.shape[-2] != self.max_len:
-                raise ValueError(
-                    f"features='primal_tokens' needs sequences of length max_len={self.max_len}, got "
-                    f"{queries.shape[-2]}"
-                )
+        if self.mode in POSITIONAL_MODES:
+            self._check_positional_call(queries, key_mask, causal, self_attention)
         kernel = self.kernel
         query_columns, query_inverse = kernel.feature_columns(queries, "query")  # P_q (B, H, p, N), nu_q (B, H, 1, N)
         if self_attention and self.tie_qk:
@@ -241,41 +339,51 @@ class AttentionKernelEigenFeatures(KernelEigenFeaturesBase):
         else:
             key_columns, key_inverse = kernel.feature_columns(keys, "key")  # P_k (B, H, p, M), nu_k (B, H, 1, M)
         root_scale = kernel.outputscale.sqrt()[:, None, None]  # sqrt(sigma_f): (H, 1, 1)
-        left_values = self._value_columns(keys, "left")  # A_e(Z)^T: (B, H, s, M)
-        right_values = self._value_columns(queries, "right")  # A_r(X)^T: (B, H, s, N)
         singular_values = self.singular_values
-        if causal:  # the outputs use prefix means: one (p, s) matrix per position
+        objective_value = None
+        if causal:  # the outputs use prefix means: one (p, s) matrix per position (amortised mode)
+            left_values = self._value_columns(keys, "left")  # A_e(Z)^T: (B, H, s, M)
+            right_values = self._value_columns(queries, "right")  # A_r(X)^T: (B, H, s, N)
             query_features = (query_columns * query_inverse * root_scale).mT  # Phi_q: (B, H, N, p)
             key_features = (key_columns * key_inverse * root_scale).mT
-            left_prefix = _prefix_mean_outer(key_features, left_values.mT)  # (B, H, N, p, s)
+            left_prefix = _prefix_mean_outer(key_features, left_values.mT)  # W_{e|X<=i}: (B, H, N, p, s)
             right_prefix = _prefix_mean_outer(query_features, right_values.mT)
             left = (query_features.unsqueeze(-2) @ left_prefix).squeeze(-2)
             right = (key_features.unsqueeze(-2) @ right_prefix).squeeze(-2)
-        objective_value = None
-        if objective or not causal:  # the full-sequence weights and scores: the outputs, or J's inputs when causal
-            # W_{e|X}^T = A_e^T Phi_k / |V| = sqrt(sigma) A_e^T diag(nu_k / |V|) P_k^T: (B, H, s, p); W_{r|X}
-            # likewise. (Products are arranged so that the long axis N is the columns of every output and operand:
-            # batched GEMMs with an (N, s) output are several times slower on CPU, forward and backward.)
-            left_weights = (
-                root_scale * ((left_values * key_inverse * self._token_weights(keys, key_mask)) @ key_columns.mT).mT
-            )
-            right_weights = (
-                root_scale
-                * ((right_values * query_inverse * self._token_weights(queries, query_mask)) @ query_columns.mT).mT
-            )
+            if objective:  # J on the causal scores the outputs use; the trace averaged over the prefixes' weights
+                objective_value = ksvd_objective(
+                    left, right, left_prefix, right_prefix, singular_values.unsqueeze(0), weights_per_position=True
+                )
+        else:
+            if self.mode == "primal_tokens":  # W_{e|X} = X~_h^T W~_e (no sqrt(sigma): it sits in Phi_q)
+                left_weights, right_weights = self.token_primal_weights(queries, key_mask)
+            else:
+                left_values = self._value_columns(keys, "left")  # A_e(Z)^T: (B, H, s, M)
+                right_values = self._value_columns(queries, "right")  # A_r(X)^T: (B, H, s, N)
+                # W_{e|X}^T = A_e^T Phi_k / |V| = sqrt(sigma) A_e^T diag(nu_k / |V|) P_k^T: (B, H, s, p); W_{r|X}
+                # likewise. (Products are arranged so that the long axis N is the columns of every output and operand:
+                # batched GEMMs with an (N, s) output are several times slower on CPU, forward and backward.)
+                left_weights = (
+                    root_scale
+                    * ((left_values * key_inverse * self._token_weights(keys, key_mask)) @ key_columns.mT).mT
+                )
+                right_weights = (
+                    root_scale
+                    * ((right_values * query_inverse * self._token_weights(queries, query_mask)) @ query_columns.mT).mT
+                )
             # e(X) = Phi_q W_e = sqrt(sigma) diag(nu_q) P_q^T W_e, built as its transpose (B, H, s, N); r(Z) likewise
-            full_left = ((left_weights.mT @ query_columns) * (query_inverse * root_scale)).mT
-            full_right = ((right_weights.mT @ key_columns) * (key_inverse * root_scale)).mT
-            if not causal:
-                left, right = full_left, full_right
+            left = ((left_weights.mT @ query_columns) * (query_inverse * root_scale)).mT
+            right = ((right_weights.mT @ key_columns) * (key_inverse * root_scale)).mT
             if objective:
                 objective_value = ksvd_objective(
-                    self._zero_masked(full_left, query_mask),
-                    self._zero_masked(full_right, key_mask),
+                    self._zero_masked(left, query_mask),
+                    self._zero_masked(right, key_mask),
                     left_weights,
                     right_weights,
                     singular_values.unsqueeze(0),
                 )
+        if not (all_finite(left) and all_finite(right)):
+            self._check_magnitude(queries, keys)
         left_diag = right_diag = None
         if kernel_diag:
             # k_e(x_i, x_i) = sum_j kappa(x_i, z_j)^2 = sigma^2 sum_j <unit q_i, unit k_j>^2; k_r likewise
@@ -286,12 +394,66 @@ class AttentionKernelEigenFeatures(KernelEigenFeaturesBase):
             right_diag = scale * _unit_quadratic_form(
                 key_columns, key_inverse, query_columns, query_inverse, query_mask, causal
             )
-        return self._penalised(KernelEigenScores(left, right, singular_values, objective_value, left_diag, right_diag))
+        scores = KernelEigenScores(left, right, singular_values, objective_value, left_diag, right_diag)
+        official = None
+        if objective and self.ksvd_form == "official":
+            official = self.official_objective(scores, key_mask)
+        return self._penalised(scores, official)
 
-    def _penalised(self, scores: KernelEigenScores) -> KernelEigenScores:
-        # a training call refreshes the KSVD penalty eta J^2 (averaged over the sequences, summed over the heads)
+    def official_objective(self, scores: KernelEigenScores, mask: Tensor | None = None) -> Tensor:
+        r"""The official code's KSVD objective of one call (``"primal_tokens"``), a scalar:
+        :math:`J_{\mathrm{off}} = \tfrac12 \operatorname{mean}_{b,h,i} e_i^\top \Lambda^{-1} e_i + \tfrac12
+        \operatorname{mean}_{b,h,j} r_j^\top \Lambda^{-1} r_j - \operatorname{Tr}(\operatorname{mean}_h \tilde W_e^\top
+        \tilde W_r)` over the real tokens (see :func:`~gpattn.ksvd.ksvd_objective`, ``form="official"``)."""
+        if self.mode != "primal_tokens":
+            raise ValueError(f"the official KSVD objective needs features='primal_tokens', not {self.mode!r}")
+        right_raw = self.left_token_weights if self.tie_qk else self.right_token_weights
+        return ksvd_objective(
+            scores.left_scores,
+            scores.right_scores,
+            self.left_token_weights,
+            right_raw,
+            scores.singular_values,
+            form="official",
+            mask=mask,
+        )
+
+    def _check_positional_call(self, queries: Tensor, key_mask: Tensor | None, causal: bool, self_attention: bool):
+        mode, length = self.mode, queries.shape[-2]
+        if causal or not self_attention or (mode == "primal_features" and key_mask is not None):
+            allowed = "self-attention with a padding mask" if mode == "primal_tokens" else "plain self-attention"
+            raise ValueError(
+                f"features={mode!r} supports {allowed} only (no causal mask, no context): its weights read every "
+                "token of the sequence"
+            )
+        if mode == "primal_features" and length != self.max_len:
+            raise ValueError(f"features='primal_features' needs sequences of length max_len={self.max_len}, got {length}")
+        if mode == "primal_tokens" and length > self.max_len and self.sampled_positions(length) is None:
+            raise ValueError(
+                f"features='primal_tokens' has one weight row per position: sequences of at most max_len={self.max_len} "
+                f"tokens, got {length}"
+            )
+
+    def _check_magnitude(self, queries: Tensor, keys: Tensor) -> None:
+        # called when the learned scores are not finite: inputs of magnitude ~sqrt(finfo.max) overflow W^T P ~ |x|^2
+        magnitude = float(max(queries.detach().abs().amax(), keys.detach().abs().amax()))
+        limit = torch.finfo(queries.dtype).max ** 0.5
+        if magnitude > limit / 1e3:
+            raise ValueError(
+                f"{type(self).__name__} (features={self.mode!r}): the input tokens reach |x| = {magnitude:.3g}, too "
+                f"large for {queries.dtype}: the weights W_e|X grow like |x| and their product with the unnormalised "
+                f"projections like |x|^2, which overflows beyond about sqrt(finfo.max) = {limit:.3g}; rescale the "
+                "inputs (e.g. a LayerNorm before the layer) or use float64"
+            )
+
+    def _penalised(self, scores: KernelEigenScores, official: Tensor | None = None) -> KernelEigenScores:
+        # a training call refreshes the KSVD penalty: eta J^2 averaged over the sequences and summed over the heads
+        # (sum form), or eta J_off^2 (the official code's number)
         if self.training and scores.objective is not None:
-            penalty = KSVDAddedLossTerm(scores.objective, self.ksvd_weight, num_averaged_dims=1)
+            if official is not None:
+                penalty = KSVDAddedLossTerm(official, self.ksvd_weight)
+            else:
+                penalty = KSVDAddedLossTerm(scores.objective, self.ksvd_weight, num_averaged_dims=1)
             self.update_added_loss_term("ksvd_loss", penalty)
         return scores
 

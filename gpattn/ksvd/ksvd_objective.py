@@ -1,8 +1,12 @@
-"""The KSVD objective J of Suykens (2016) and Primal-Attention, in the token-sum form."""
+"""The KSVD objective J of Suykens (2016) and Primal-Attention: the token-sum form and the official code's form."""
 
 from __future__ import annotations
 
 from torch import Tensor
+
+from ..validation import check_choice
+
+FORMS = ("sum", "official")
 
 
 def ksvd_objective(
@@ -11,8 +15,13 @@ def ksvd_objective(
     left_weights: Tensor,
     right_weights: Tensor,
     singular_values: Tensor,
+    form: str = "sum",
+    mask: Tensor | None = None,
+    weights_per_position: bool = False,
 ) -> Tensor:
-    r"""The KSVD objective (token sums, not means):
+    r"""The KSVD objective :math:`J`, whose square the KSVD penalty :math:`\eta J^2` drives to zero.
+
+    ``form="sum"`` (default; docs/math.md section 2), per sequence (and head), with token *sums*:
 
     .. math::
 
@@ -20,19 +29,54 @@ def ksvd_objective(
             - \operatorname{Tr}(W_e^\top W_r).
 
     :math:`J = 0` at every stationary point (e.g. :math:`W_e = \Phi_k^\top H_r`, :math:`W_r = \Phi_q^\top H_e`);
-    training adds :math:`\eta J^2`. :math:`J = 0` is necessary, not sufficient.
+    :math:`J = 0` is necessary, not sufficient. With ``weights_per_position=True`` (causal attention, where token
+    :math:`i` sees the prefix weights :math:`W_{e,i}, W_{r,i}`) the trace term is
+    :math:`\frac1N \sum_i \operatorname{Tr}(W_{e,i}^\top W_{r,i})`.
+
+    ``form="official"``: the number the official KEP-SVGP and Primal-Attention code computes for one layer and batch
+    (its ``compute_loss`` / ``train_one_epoch``), a scalar:
+
+    .. math::
+
+        J_{\mathrm{off}} = \tfrac12 \operatorname{mean}_{b, h, i} e_{bhi}^\top \Lambda_h^{-1} e_{bhi}
+            + \tfrac12 \operatorname{mean}_{b, h, j} r_{bhj}^\top \Lambda_h^{-1} r_{bhj}
+            - \operatorname{Tr}\big(\operatorname{mean}_h \tilde W_{e,h}^\top \tilde W_{r,h}\big),
+
+    with means (not sums) over the sequences, heads and tokens, and the trace of the **raw** per-position weights
+    :math:`\tilde W_e, \tilde W_r` (``N' x s`` per head) instead of the data weights
+    :math:`W_{e|X} = \tilde X^\top \tilde W_e`, :math:`W_{r|X} = \tilde X^\top \tilde W_r` (so it ignores
+    :math:`\tilde X \tilde X^\top`). It is not zero at a KSVD stationary point in general; the penalty is
+    :math:`\eta J_{\mathrm{off}}^2` with the official :math:`\eta` (1 for the sum merge, 10 for concatenation).
 
     :param left_scores: :math:`e(X)`, shape ``(*batch, N, s)``.
     :param right_scores: :math:`r(Z)`, shape ``(*batch, M, s)``.
-    :param left_weights: :math:`W_e`, shape ``(*batch, p, s)``.
-    :param right_weights: :math:`W_r`, shape ``(*batch, p, s)``.
-    :param singular_values: :math:`\Lambda`, shape ``(*batch, s)``, positive.
-    :return: :math:`J`, shape ``(*batch)``.
+    :param left_weights: :math:`W_e`, shape ``(*batch, p, s)``; ``(*batch, N, p, s)`` with ``weights_per_position``;
+        ``form="official"``: the raw :math:`\tilde W_e`, ``(H, N', s)``.
+    :param right_weights: :math:`W_r`, likewise.
+    :param singular_values: :math:`\Lambda`, shape ``(*batch, s)`` (sum form) or ``(H, s)`` (official form, scores
+        ``(B, H, N, s)``), positive.
+    :param form: ``"sum"`` or ``"official"``.
+    :param mask: ``form="official"``: ``(B, N)`` bool, the real tokens the means run over (self-attention), or
+        ``None`` (all). The sum form expects masked scores zeroed by the caller.
+    :param weights_per_position: Sum form with one pair of weights per position (see above).
+    :return: :math:`J`, shape ``(*batch)`` (sum form), or a scalar (official form).
 
-    .. note:: Cost O((N + M + p) s).
+    .. note:: Cost O((N + M + p) s), or O(N p s) with weights per position.
     """
+    check_choice("form", form, FORMS, where="ksvd_objective")
     inverse = singular_values.reciprocal().unsqueeze(-2)  # shape: (*batch, 1, s)
-    left_term = (left_scores.pow(2) * inverse).sum(dim=(-2, -1))
-    right_term = (right_scores.pow(2) * inverse).sum(dim=(-2, -1))
+    left_quad = (left_scores.pow(2) * inverse).sum(-1)  # e_i^T Lambda^{-1} e_i: (*batch, N)
+    right_quad = (right_scores.pow(2) * inverse).sum(-1)
+    if form == "official":
+        if mask is None:
+            left_mean, right_mean = left_quad.mean(), right_quad.mean()
+        else:  # the mean over the real tokens of every sequence and head: (B, H, N) against a (B, N) mask
+            weight = mask[:, None, :].to(left_quad.dtype)
+            count = weight.sum() * left_quad.shape[1]
+            left_mean, right_mean = (left_quad * weight).sum() / count, (right_quad * weight).sum() / count
+        trace = (left_weights * right_weights).sum((-2, -1)).mean()  # Tr(mean_h W~_e^T W~_r)
+        return 0.5 * (left_mean + right_mean) - trace
     coupling = (left_weights * right_weights).sum(dim=(-2, -1))  # Tr(W_e^T W_r)
-    return 0.5 * (left_term + right_term) - coupling
+    if weights_per_position:
+        coupling = coupling.mean(-1)
+    return 0.5 * (left_quad.sum(-1) + right_quad.sum(-1)) - coupling

@@ -10,7 +10,8 @@ import torch.nn.functional as F
 from gpytorch.mlls import AddedLossTerm
 from torch import Tensor
 
-from ..validation import check_float, check_int, check_tensor
+from ..validation import all_finite, check_float, check_int, check_tensor
+from .sequence_kl_added_loss_term import SequenceKLAddedLossTerm
 
 
 def _added_loss_terms(model: torch.nn.Module) -> Iterator[AddedLossTerm]:
@@ -71,18 +72,23 @@ class AttentionELBO(torch.nn.Module):
 
         \mathcal L = \frac{1}{B} \sum_{b} \frac{1}{T} \sum_{t=1}^{T} -\log p(y_b \mid F^{(t)})
             + \frac{\beta}{n} \sum_{l, h, \text{branch}} \mathrm{KL}\big(q(u) \,\|\, p(u)\big)
-            + \sum_{\text{terms}} \text{term.loss()},
+            + \beta \sum_{\text{sequence terms}} \frac1B \sum_b \mathrm{KL}_b
+            + \sum_{\text{other terms}} \text{term.loss()},
 
     where the first term is the cross-entropy of the logits averaged over the batch and the :math:`T` Monte Carlo
-    samples (a reparameterised estimate of :math:`\mathbb E_q[-\log p(y \mid F)]`), the KL is
-    ``model.kl_divergence()`` (for a model without one, e.g. a timm or Hugging Face model converted by
+    samples (a reparameterised estimate of :math:`\mathbb E_q[-\log p(y \mid F)]`), the KL of the global
+    posteriors is ``model.kl_divergence()`` (for a model without one, e.g. a timm or Hugging Face model converted by
     :mod:`gpattn.integrations`, the sum of ``kl_divergence()`` over its outermost submodules that have one: every
-    gpattn attention layer) and the last sum runs over every added loss term registered in the model (the KSVD
-    terms :math:`\eta J^2` of the KEP-SVGP and Primal-Attention layers, :class:`~gpattn.mlls.KSVDAddedLossTerm`,
-    each weighted by its layer's ``ksvd_weight``: as in GPyTorch's MLLs, a term carries its own weight).
-    With :math:`\beta = 1` and no penalty, :math:`\mathcal L` is the negative of GPyTorch's ``VariationalELBO``
-    (the per-sequence bound, KL divided by ``num_data``). The official KEP-SVGP code adds the KL without the
-    :math:`1 / n`; pass ``beta=num_data`` to reproduce it.
+    gpattn attention layer), the per-sequence KL terms are the model's
+    :class:`~gpattn.mlls.SequenceKLAddedLossTerm` (SGPA's amortised posterior on the values: weight :math:`\beta` per
+    sequence, not divided by :math:`n`, as in the ELBO with local latent variables and in SGPA's paper and code) and
+    the last sum runs over every other added loss term registered in the model (the KSVD terms :math:`\eta J^2` of the
+    KEP-SVGP and Primal-Attention layers, :class:`~gpattn.mlls.KSVDAddedLossTerm`, each weighted by its layer's
+    ``ksvd_weight``, and CGPT's :class:`~gpattn.mlls.CGPAddedLossTerm`: as in GPyTorch's MLLs, a term carries its own
+    weight). With :math:`\beta = 1` and no penalty, :math:`\mathcal L` is the negative of GPyTorch's
+    ``VariationalELBO`` (the per-sequence bound, global KL divided by ``num_data``). The official KEP-SVGP code adds
+    the KL without the :math:`1 / n`; pass ``beta=num_data`` to reproduce it. docs/guide/papers.md states every
+    attention's objective with its weights.
 
     Call it after the forward pass that produced the logits: the KL and the KSVD terms are those of that pass.
 
@@ -91,11 +97,21 @@ class AttentionELBO(torch.nn.Module):
     :param num_data: Number of training sequences :math:`n`.
     :param beta: KL weight :math:`\beta \geq 0`.
     :param combine_terms: Return the scalar loss (``True``) or a dict of its parts.
+    :param check_finite: Refuse NaN or infinite logits with a ``ValueError`` (default). A training loop that checks the
+        loss itself, to restore its last good state and report the step (as :func:`~gpattn.experiments.train_model`
+        does), passes ``False`` and gets the non-finite parts.
 
     .. note:: Cost: O(T B C) for the cross-entropy plus the model's KL (O(s) to O(s^2 d_out) per KEP head).
     """
 
-    def __init__(self, model: torch.nn.Module, num_data: int, beta: float = 1.0, combine_terms: bool = True):
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        num_data: int,
+        beta: float = 1.0,
+        combine_terms: bool = True,
+        check_finite: bool = True,
+    ):
         super().__init__()
         if not isinstance(model, torch.nn.Module) or not _kl_modules(model):
             raise ValueError(
@@ -108,6 +124,7 @@ class AttentionELBO(torch.nn.Module):
         self.num_data = num_data
         self.beta = float(beta)
         self.combine_terms = bool(combine_terms)
+        self.check_finite = bool(check_finite)
 
     def forward(self, logits: Tensor | Mapping[str, Any], targets: Tensor) -> Tensor | dict[str, Tensor]:
         """The loss of the forward pass that produced ``logits``.
@@ -116,11 +133,13 @@ class AttentionELBO(torch.nn.Module):
             holding them under ``"logits"`` (a dict, a ``transformers`` ``ModelOutput``).
         :param targets: Class indices, shape ``(B,)``.
         :return: The loss (a scalar to minimise) or, with ``combine_terms=False``, a dict with the weighted parts
-            ``"nll"`` (cross-entropy), ``"kl"`` (:math:`\\beta / n` KL), ``"ksvd"`` (the sum of the added loss
-            terms, :math:`\\eta J^2` each) and their sum ``"loss"``.
+            ``"nll"`` (cross-entropy), ``"kl"`` (:math:`\\beta / n` global KL plus :math:`\\beta` times the per-sequence
+            KL terms), ``"ksvd"`` (the sum of the other added loss terms, :math:`\\eta J^2` each) and their sum
+            ``"loss"``.
+        :raises ValueError: NaN or infinite logits (e.g. a diverged model), naming how many entries (unless
+            ``check_finite=False``).
         """
-        # O(1) checks and one min/max over the targets; non-finite logits are left to the training loop, which
-        # reports the step (experiments.NonFiniteLossError)
+        # O(1) checks, one min/max over the targets and one over the logits
         if isinstance(logits, Mapping):
             logits = model_logits(logits, where="AttentionELBO")
         check_tensor("logits", logits, floating=True, where="AttentionELBO")
@@ -146,6 +165,12 @@ class AttentionELBO(torch.nn.Module):
                 f"AttentionELBO: expected targets in [0, {num_classes - 1}] (class indices of {num_classes} logits), "
                 f"got values in [{int(targets.min())}, {int(targets.max())}]"
             )
+        if self.check_finite and not all_finite(logits.detach()):
+            bad = int((~torch.isfinite(logits.detach())).sum())
+            raise ValueError(
+                f"AttentionELBO: the logits contain NaN or Inf values ({bad} of {logits.numel()} entries): the model's "
+                "forward pass produced them (e.g. diverged parameters or non-finite inputs)"
+            )
         num_samples = logits.shape[0] if logits.dim() == 3 else 1
         # mean over samples and batch: -1/(T B) sum_{t, b} log p(y_b | F^(t))
         nll = F.cross_entropy(logits.reshape(-1, num_classes), targets.repeat(num_samples))
@@ -155,7 +180,10 @@ class AttentionELBO(torch.nn.Module):
         kl = kl * (self.beta / self.num_data)
         ksvd = torch.zeros_like(nll)
         for term in _added_loss_terms(self.model):
-            ksvd = ksvd + term.loss().to(nll)
+            if isinstance(term, SequenceKLAddedLossTerm):  # a per-sequence KL: weight beta per sequence, no 1/n
+                kl = kl + self.beta * term.loss().to(nll)
+            else:
+                ksvd = ksvd + term.loss().to(nll)
         loss = nll + kl + ksvd
         if self.combine_terms:
             return loss

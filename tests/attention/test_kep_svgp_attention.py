@@ -102,7 +102,7 @@ def _dense_scores(layer: KEPSVGPAttention, x: Tensor, context=None, mask=None, c
         left, right = (torch.from_numpy(a * signs * sigma[..., None, :]) for a in (u, v))
         lam = torch.from_numpy(sigma.copy())
         objective = torch.zeros(visible.shape[:2], dtype=DTYPE)
-    elif mode == "primal_tokens":
+    elif mode == "primal_features":
         tokens_e = layer.features.left_token_weights
         tokens_r = tokens_e if layer.tie_qk else layer.features.right_token_weights
         left, right, lam = kernel @ tokens_e, kernel.mT @ tokens_r, layer.features.singular_values
@@ -225,7 +225,7 @@ MEAN_CASES = [
     pytest.param({"merge": "concat"}, {"context": True, "mask": True}, id="cross-concat-padding"),
     pytest.param({"features": "exact"}, {}, id="exact"),
     pytest.param({"features": "exact", "merge": "concat"}, {"mask": True}, id="exact-padding"),
-    pytest.param({"features": "primal_tokens", "max_len": 5}, {}, id="primal_tokens"),
+    pytest.param({"features": "primal_features", "max_len": 5}, {}, id="primal_features"),
     pytest.param({"merge": "concat_tokens", "max_len": 5}, {}, id="concat_tokens"),
 ]
 
@@ -414,7 +414,7 @@ def _dense_kl(mean: Tensor, chol: Tensor, lam: Tensor) -> Tensor:
         pytest.param({"merge": "concat"}, id="concat"),
         pytest.param({"shared_posterior": True}, id="shared"),
         pytest.param({"tie_qk": True}, id="tie_qk"),
-        pytest.param({"features": "primal_tokens", "max_len": 5}, id="primal_tokens"),
+        pytest.param({"features": "primal_features", "max_len": 5}, id="primal_features"),
     ],
 )
 def test_kl_matches_torch_distributions(layer_kwargs: dict):
@@ -460,8 +460,25 @@ def test_ksvd_loss_term_after_a_training_forward(options: dict):
     x, call, dense = _call_args(options, seed=48)
     layer(x, **call)
     term = dict(layer.features.named_added_loss_terms())["ksvd_loss"]
-    # J of the whole sequence over the real tokens (a causal layer penalises the full-sequence KSVD)
-    objective = _dense_scores(layer, x, mask=dense["mask"])["objective"]  # (B, H)
+    if options.get("causal"):
+        # J on the causal scores the layer uses: e_i, r_i of the prefix j <= i, and the trace averaged over the
+        # prefix weights W_{e,i} = sum_{j<=i} phi_k(z_j) A_e(z_j)^T / i, W_{r,i} = sum_{j<=i} phi_q(x_j) A_r(x_j)^T / i
+        scores = _dense_scores(layer, x, causal=True)
+        lam = layer.features.singular_values[None, :, None, :]
+        phi_q, phi_k = _features(layer, x, "query"), _features(layer, x, "key")
+        a_e, a_r = _maps(layer, x, "left"), _maps(layer, x, "right")
+        counts = torch.arange(1, x.shape[1] + 1, dtype=DTYPE)[:, None, None]
+        w_e = torch.einsum("bhnp,bhns->bhnps", phi_k, a_e).cumsum(2) / counts
+        w_r = torch.einsum("bhnp,bhns->bhnps", phi_q, a_r).cumsum(2) / counts
+        objective = (
+            0.5 * (scores["left"].pow(2) / lam).sum((-2, -1))
+            + 0.5 * (scores["right"].pow(2) / lam).sum((-2, -1))
+            - (w_e * w_r).sum((-2, -1)).mean(-1)
+        )
+        full = _dense_scores(layer, x)["objective"]
+        assert (objective - full).abs().max() > 1e-3  # not the full-sequence J
+    else:  # J of the whole sequence over the real tokens
+        objective = _dense_scores(layer, x, mask=dense["mask"])["objective"]  # (B, H)
     torch.testing.assert_close(term.loss(), objective.pow(2).sum(-1).mean(), atol=ATOL, rtol=0)
 
 
@@ -496,12 +513,16 @@ def test_constructor_errors(kwargs: dict, match: str):
 def test_call_errors():
     x = _randn(2, 5, C, seed=51)
     mask = torch.ones(2, 5, dtype=torch.bool)
-    with pytest.raises(ValueError, match="primal_tokens"):
-        _layer(features="primal_tokens", max_len=5)(x, mask=mask)
+    with pytest.raises(ValueError, match="primal_features"):
+        _layer(features="primal_features", max_len=5)(x, mask=mask)
     with pytest.raises(ValueError, match="primal_tokens"):
         _layer(features="primal_tokens", max_len=5)(x, mask="causal")
+    with pytest.raises(ValueError, match="primal_tokens"):
+        _layer(features="primal_tokens", max_len=5)(x, context=_randn(2, 5, C, seed=53))
     with pytest.raises(ValueError, match="max_len=5"):
-        _layer(features="primal_tokens", max_len=5)(_randn(2, 4, C, seed=52))
+        _layer(features="primal_features", max_len=5)(_randn(2, 4, C, seed=52))
+    with pytest.raises(ValueError, match="at most max_len=5"):
+        _layer(features="primal_tokens", max_len=5)(_randn(2, 6, C, seed=52))
     with pytest.raises(ValueError, match="concat_tokens"):
         _layer(merge="concat_tokens", max_len=5)(x, mask=mask)
     with pytest.raises(ValueError, match="concat_tokens"):
@@ -668,3 +689,50 @@ def test_amortised_layer_is_the_strategy_q_f_through_the_output_maps(layer_kwarg
         expected_sample = expected_sample + torch.einsum("bhcn,hcj->bnj", outputs.squeeze(-1), branch["weight"])
     if layer.residual == "none":  # (the residual adds per-token noise: covered by the dense sampling tests)
         torch.testing.assert_close(sample, expected_sample, atol=ATOL, rtol=0)
+
+
+def test_shared_posterior_set_by_the_user_is_kept():
+    """A q(u) written into the (one, shared) posterior after construction survives training and eval calls and is the
+    one the outputs use: the layer initialised it at construction, so nothing re-initialises it lazily."""
+    layer = _layer(shared_posterior=True)
+    q = layer.strategy._variational_distribution
+    mean, chol = _randn(*q.variational_mean.shape, seed=60), _randn(*q.chol_variational_covar.shape, seed=61)
+    with torch.no_grad():
+        q.variational_mean.copy_(mean)
+        q.chol_variational_covar.copy_(chol)
+    x = _randn(2, 5, C, seed=62)
+    layer.train()(x)
+    layer.kl_divergence()
+    output = layer.eval()(x)
+    assert torch.equal(q.variational_mean, mean) and torch.equal(q.chol_variational_covar, chol)
+    # the output is (e + r) Lambda^{-1} m through the output maps, with the m written above
+    scores = _dense_scores(layer, x)
+    interp = (scores["left"] + scores["right"]) / scores["lam"][None, :, None, :]  # (B, H, N, s)
+    gp = torch.einsum("bhns,hcs->bhnc", interp, mean[..., 0, :])  # (B, H, N, d_out)
+    heads = torch.einsum("bhnc,hcj->bnhj", gp, layer.output_weight).flatten(2)
+    torch.testing.assert_close(output, heads @ layer.out_proj.weight.T + layer.out_proj.bias, atol=ATOL, rtol=0)
+
+
+def test_exact_features_jump_along_a_smooth_input_path():
+    """Exact features index q(u_i) by the rank i of a singular pair signed by its largest-magnitude entry: along a
+    smooth path of inputs the output jumps (hundreds of times the median step) exactly where that entry moves to
+    another token and the sign rule flips the pair (docs/guide/papers.md)."""
+    torch.manual_seed(0)
+    layer = KEPSVGPAttention(C, H, num_inducing=2, features="exact").to(DTYPE).eval()
+    start, end = _randn(1, 5, C, seed=63), _randn(1, 5, C, seed=64)
+    path = torch.linspace(0, 1, 401, dtype=DTYPE)
+    with torch.no_grad():
+        outputs, references = [], []
+        for t in path:
+            x = (1 - t) * start + t * end
+            outputs.append(layer(x))
+            scores = layer.features(x)
+            vectors = scores.left_scores / scores.singular_values.unsqueeze(-2)  # H_e: (1, H, N, s)
+            references.append(vectors.abs().argmax(-2))  # the token that fixes each pair's sign
+    steps = (torch.stack(outputs)[1:] - torch.stack(outputs)[:-1]).flatten(1).norm(dim=-1)
+    jump = int(steps.argmax())
+    assert steps[jump] > 100 * steps.median()
+    assert not torch.equal(references[jump], references[jump + 1])  # the sign reference moved at the jump
+    # away from such switches the path is smooth: no step without a switch is larger than 10 median steps
+    smooth = [k for k in range(len(steps)) if torch.equal(references[k], references[k + 1])]
+    assert steps[smooth].max() < 10 * steps.median()

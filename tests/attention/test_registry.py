@@ -18,7 +18,7 @@ from gpattn.attention import (
 )
 from gpattn.models import Transformer
 
-BUILT_IN = ["kep_svgp", "kep_svgp_sym", "sgpa", "svgp", "softmax", "primal", "cgpt"]
+BUILT_IN = ["kep_svgp", "kep_svgp_sym", "sgpa", "svgp", "softmax", "primal", "cgpt", "kep_svgp_paper", "primal_paper"]
 
 
 class ScaledSoftmax(SoftmaxAttention):

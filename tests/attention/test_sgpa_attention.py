@@ -142,7 +142,7 @@ def test_matches_dense_reference(kernel, setting):
     mean, variance = layer.head_moments(x, mask, context)
     layer.eval()
     layer(x, mask=mask, context=context)
-    data_kl = torch.zeros((), dtype=DTYPE)
+    data_kl = torch.zeros(x.shape[0], dtype=DTYPE)
     for seq in range(x.shape[0]):
         real_queries = mask[seq] if isinstance(mask, torch.Tensor) and context is None else slice(None)
         for head in range(HEADS):
@@ -150,18 +150,30 @@ def test_matches_dense_reference(kernel, setting):
             torch.testing.assert_close(mean[seq, head][real_queries], dense_mean[real_queries], rtol=1e-9, atol=1e-9)
             expected_variance = dense_variance.clamp_min(0)[real_queries, None].expand(-1, layer.head_dim)
             torch.testing.assert_close(variance[seq, head][real_queries], expected_variance, rtol=1e-9, atol=1e-9)
-            data_kl = data_kl + data_term / x.shape[0]
-    expected_kl = dense_global_kl(layer) + data_kl
-    torch.testing.assert_close(layer.kl_divergence(), expected_kl, rtol=1e-9, atol=1e-9)
-    assert layer.kl_divergence() >= 0
+            data_kl[seq] = data_kl[seq] + data_term
+    # the global q(u) part, and the v_g part of every sequence (the added loss term "sequence_kl")
+    torch.testing.assert_close(layer.kl_divergence(), dense_global_kl(layer), rtol=1e-9, atol=1e-9)
+    torch.testing.assert_close(layer.sequence_kl(), data_kl, rtol=1e-9, atol=1e-9)
+    term = dict(layer.named_added_loss_terms())["sequence_kl"]
+    torch.testing.assert_close(term.loss(), data_kl.mean(), rtol=1e-9, atol=1e-9)
+    assert layer.kl_divergence() >= 0 and (layer.sequence_kl() >= 0).all()
 
 
-def test_kl_before_forward_is_the_global_part():
+def total_kl(layer: SGPAAttention) -> torch.Tensor:
+    """The global KL plus the batch mean of the per-sequence v_g terms of the last forward."""
+    per_sequence = layer.sequence_kl()
+    return layer.kl_divergence() + (0.0 if per_sequence is None else per_sequence.mean())
+
+
+def test_kl_divergence_is_the_global_part_and_the_sequence_part_is_a_term():
     layer = make_layer()
     torch.testing.assert_close(layer.kl_divergence(), dense_global_kl(layer), rtol=1e-10, atol=1e-10)
+    assert layer.sequence_kl() is None
     x, _, _ = make_inputs("none")
     layer(x)
-    assert layer.kl_divergence() > dense_global_kl(layer)
+    torch.testing.assert_close(layer.kl_divergence(), dense_global_kl(layer), rtol=1e-10, atol=1e-10)
+    assert layer.sequence_kl().shape == (x.shape[0],) and (layer.sequence_kl() > 0).all()
+    copy.deepcopy(layer)  # the term hangs on the graph; copies detach it
 
 
 @pytest.mark.parametrize("kernel", ["ard", "exponential"])
@@ -174,13 +186,13 @@ def test_kl_nonnegative_and_zero_at_prior(kernel):
             layer.chol_variational_covar.normal_(std=0.5)
             layer.inducing_values.normal_()
         layer(x, mask=mask)
-        assert layer.kl_divergence() >= 0
+        assert total_kl(layer) >= 0
     with torch.no_grad():  # q(u) = p(u): S = I, v_b = 0; the v_g term vanishes with zero values
         layer.chol_variational_covar.zero_()
         layer.inducing_values.zero_()
         layer.value_proj.weight.zero_()
     layer(x, mask=mask)
-    assert abs(layer.kl_divergence().item()) < 1e-12
+    assert abs(total_kl(layer).item()) < 1e-12
 
 
 @pytest.mark.parametrize("kernel", ["ard", "exponential"])
@@ -189,7 +201,7 @@ def test_padding_mask_invariance(kernel, setting):
     layer = make_layer(kernel).eval()
     x, mask, context = make_inputs(setting)
     output = layer(x, mask=mask, context=context)
-    kl = layer.kl_divergence()
+    kl = layer.sequence_kl()
     perturbed = (x if context is None else context).clone()
     perturbed[~mask] = 10 * torch.randn_like(perturbed[~mask])
     if context is None:
@@ -199,7 +211,7 @@ def test_padding_mask_invariance(kernel, setting):
         output_perturbed = layer(x, mask=mask, context=perturbed)
         real = torch.ones(x.shape[:2], dtype=torch.bool)
     torch.testing.assert_close(output_perturbed[real], output[real], rtol=0, atol=1e-10)
-    torch.testing.assert_close(layer.kl_divergence(), kl, rtol=0, atol=1e-10)
+    torch.testing.assert_close(layer.sequence_kl(), kl, rtol=0, atol=1e-10)
 
 
 def test_causal_invariance():
@@ -249,7 +261,7 @@ def test_sampling_moments_match_posterior(kernel):
 def test_every_parameter_gets_a_gradient(setting):
     layer = make_layer("ard").train()
     x, mask, context = make_inputs(setting)
-    (layer(x, mask=mask, context=context).sum() + layer.kl_divergence()).backward()
+    (layer(x, mask=mask, context=context).sum() + total_kl(layer)).backward()
     for name, parameter in layer.named_parameters():
         assert parameter.grad is not None, name
         assert torch.isfinite(parameter.grad).all(), name
@@ -278,3 +290,39 @@ def test_default_dtype_then_double_and_deepcopy():
     layer.double()
     assert layer(x.double()).dtype == DTYPE and layer.kl_divergence().dtype == DTYPE
     assert SGPAAttention.is_stochastic
+
+
+def test_sgpa_loss_weights_each_sequence_kl_once_and_the_global_kl_by_one_over_n():
+    """The SGPA objective (Chen & Li 2023; the official code's loss with its global part divided by n):
+    mean_b CE_b + beta / n KL_global + beta mean_b KL_vg,b, against the dense per-head transcription."""
+    from gpattn.mlls import AttentionELBO
+
+    class Classifier(torch.nn.Module):
+        def __init__(self, layer):
+            super().__init__()
+            self.layer = layer
+            self.head = torch.nn.Linear(EMBED, 3).to(DTYPE)
+
+        def forward(self, x, mask=None):
+            return self.head(self.layer(x, mask=mask).mean(1))
+
+        def kl_divergence(self):
+            return self.layer.kl_divergence()
+
+    layer = make_layer().eval()
+    model = Classifier(layer)
+    x, mask, _ = make_inputs("padding")
+    targets = torch.tensor([0, 2])
+    beta, num_data = 0.8, 500
+    parts = AttentionELBO(model, num_data, beta=beta, combine_terms=False)(model(x, mask), targets)
+    data_kl = torch.zeros(x.shape[0], dtype=DTYPE)
+    for seq in range(x.shape[0]):
+        for head in range(HEADS):
+            data_kl[seq] += dense_head(layer, head, seq, x, mask, None)[2]
+    expected_kl = beta / num_data * dense_global_kl(layer) + beta * data_kl.mean()
+    torch.testing.assert_close(parts["kl"], expected_kl, rtol=1e-10, atol=1e-10)
+    nll = torch.nn.functional.cross_entropy(model(x, mask), targets)
+    torch.testing.assert_close(parts["loss"], nll + expected_kl, rtol=1e-10, atol=1e-10)
+    assert parts["ksvd"] == 0
+    # the per-sequence part is not divided by n: it dominates the global part at initialisation-like scales
+    assert beta * data_kl.mean() > beta / num_data * dense_global_kl(layer)

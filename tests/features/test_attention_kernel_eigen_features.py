@@ -409,7 +409,7 @@ def test_exact_errors():
     with pytest.raises(ValueError, match="exponential"):
         AttentionKernelEigenFeatures(C, H, 2, mode="amortized", kernel="exponential")
     with pytest.raises(ValueError, match="exponential"):
-        AttentionKernelEigenFeatures(C, H, 2, mode="primal_tokens", kernel="exponential", max_len=4)
+        AttentionKernelEigenFeatures(C, H, 2, mode="primal_features", kernel="exponential", max_len=4)
     with pytest.raises(RuntimeError, match="each sequence"):
         _ = module.singular_values
 
@@ -419,11 +419,11 @@ def test_exact_cosine_rank_above_the_feature_dimension_is_rejected():
         AttentionKernelEigenFeatures(C, H, C // H + 1, mode="exact")
 
 
-# -- primal_tokens ---------------------------------------------------------------------------------------------------
+# -- primal_features ---------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("tie_qk", [False, True])
-def test_primal_tokens_match_dense(tie_qk: bool):
+def test_primal_features_match_dense(tie_qk: bool):
     length, rank = 5, 3
-    module = _features(num_inducing=rank, mode="primal_tokens", max_len=length, tie_qk=tie_qk, seed=8)
+    module = _features(num_inducing=rank, mode="primal_features", max_len=length, tie_qk=tie_qk, seed=8)
     x = _randn(2, length, C, seed=30)
     scores = module(x, x)
     phi_q, phi_k = _dense_features(module, x, "query"), _dense_features(module, x, "key")
@@ -445,8 +445,8 @@ def test_primal_tokens_match_dense(tie_qk: bool):
     torch.testing.assert_close(scores.right_kernel_diag, kernel.pow(2).sum(-2), atol=ATOL, rtol=0)
 
 
-def test_primal_tokens_errors():
-    module = _features(num_inducing=3, mode="primal_tokens", max_len=5)
+def test_primal_features_errors():
+    module = _features(num_inducing=3, mode="primal_features", max_len=5)
     with pytest.raises(ValueError, match="max_len=5"):
         module(*(2 * [_randn(2, 4, C, seed=31)]))
     x = _randn(2, 5, C, seed=32)
@@ -457,9 +457,9 @@ def test_primal_tokens_errors():
     with pytest.raises(ValueError, match="self-attention only"):
         module(x, _randn(2, 5, C, seed=33))
     with pytest.raises(ValueError, match="max_len"):
-        AttentionKernelEigenFeatures(C, H, 3, mode="primal_tokens")
+        AttentionKernelEigenFeatures(C, H, 3, mode="primal_features")
     with pytest.raises(ValueError, match="max_len"):
-        AttentionKernelEigenFeatures(C, H, 3, mode="primal_tokens", max_len=2)
+        AttentionKernelEigenFeatures(C, H, 3, mode="primal_features", max_len=2)
 
 
 def test_constructor_errors():
@@ -471,3 +471,25 @@ def test_constructor_errors():
         AttentionKernelEigenFeatures(C, H, 0)
     with pytest.raises(ValueError, match="feature dimension"):
         AttentionKernelEigenFeatures(C, H, C // H + 1)
+
+
+# -- extreme input magnitudes (issue 14) -------------------------------------------------------------------------------
+@pytest.mark.parametrize("mode", ["amortized", "primal_tokens"])
+def test_float32_inputs_of_huge_magnitude_are_correct_or_a_clear_error(mode: str):
+    """In float32 the learned scores multiply weights that grow like |x| with unnormalised projections (|x|^2): up to
+    about sqrt(finfo.max) = 1.8e19 the scores equal float64's to float32 rounding, beyond it the call names the cause
+    instead of returning NaN or the bias alone."""
+    module = _features(num_inducing=3, seed=70, mode=mode, max_len=6).float()
+    reference = _features(num_inducing=3, seed=70, mode=mode, max_len=6)
+    x = _randn(2, 6, C, seed=71)
+    for scale in (1.0, 1e15, 1e19):
+        scores = module((x * scale).float(), objective=False, kernel_diag=False)
+        expected = reference(x * scale, objective=False, kernel_diag=False)
+        for got, want in ((scores.left_scores, expected.left_scores), (scores.right_scores, expected.right_scores)):
+            assert torch.isfinite(got).all()
+            assert (got.double() - want).abs().max() < 1e-5 * want.abs().max()  # float32 rounding only
+    for scale in (1e21, 1e30):
+        with pytest.raises(ValueError, match=r"input tokens reach \|x\| = .*too large for torch.float32.*\|x\|\^2"):
+            module((x * scale).float(), objective=False, kernel_diag=False)
+    # float64 has the room: the same inputs give finite scores
+    assert torch.isfinite(reference(x * 1e30, objective=False, kernel_diag=False).left_scores).all()

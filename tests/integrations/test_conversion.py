@@ -127,11 +127,15 @@ EXPECTED_LINEAR = {
     "kep_svgp_sym": {"output": "out_proj"},
     "primal": {"output": "out_proj"},
     "cgpt": {"query": "query_proj", "key": "key_proj", "value": "value_proj", "output": "out_proj"},
+    "kep_svgp_paper": {"output": "out_proj"},
+    "primal_paper": {"output": "out_proj"},
 }
 EXPECTED_HEADS = {
     "kep_svgp": {"query": "features.kernel.query_weight", "key": "features.kernel.key_weight"},
     "kep_svgp_sym": {"query": "features.kernel.query_weight"},
     "primal": {"query": "features.kernel.query_weight", "key": "features.kernel.key_weight"},
+    "kep_svgp_paper": {"query": "features.kernel.query_weight", "key": "features.kernel.key_weight"},
+    "primal_paper": {"query": "features.kernel.query_weight", "key": "features.kernel.key_weight"},
 }
 
 

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from gpytorch.module import Module
 
 from gpattn.attention import AttentionLayer, build_attention, sample_attention
-from gpattn.mlls import AttentionELBO, KSVDAddedLossTerm
+from gpattn.mlls import AttentionELBO, KSVDAddedLossTerm, SequenceKLAddedLossTerm
 from gpattn.models import Transformer, predict_probabilities
 
 BATCH, CLASSES = 5, 3
@@ -283,3 +283,52 @@ def test_predict_probabilities_calls_a_model_without_a_mask_argument_and_checks_
     torch.testing.assert_close(probabilities, inputs.softmax(-1), rtol=0, atol=0)
     with pytest.raises(TypeError, match="logits as a Tensor or a mapping.*got tuple"):
         predict_probabilities(_NoMask(lambda x: (x,)), inputs)
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+def test_non_finite_logits_are_a_clear_error(bad: float):
+    model, _, _, targets = _toy()
+    logits = model().detach().clone()
+    logits[1, 2] = bad
+    with pytest.raises(ValueError, match=r"logits contain NaN or Inf values \(1 of 15 entries\)"):
+        AttentionELBO(model, 10)(logits, targets)
+    with pytest.raises(ValueError, match="NaN or Inf"):
+        AttentionELBO(model, 10, combine_terms=False)(logits.expand(2, -1, -1), targets)
+    # a loop that checks the loss itself gets the non-finite parts
+    parts = AttentionELBO(model, 10, combine_terms=False, check_finite=False)(logits, targets)
+    assert not torch.isfinite(parts["loss"])
+
+
+class _SequenceKLModel(Module):
+    """A global KL of 2 and a per-sequence KL term (SequenceKLAddedLossTerm) next to a KSVD term."""
+
+    def __init__(self, per_sequence: torch.Tensor):
+        super().__init__()
+        self.logits = torch.nn.Parameter(torch.randn(BATCH, CLASSES, dtype=torch.float64))
+        self.register_added_loss_term("sequence_kl")
+        self.update_added_loss_term("sequence_kl", SequenceKLAddedLossTerm(per_sequence))
+        self.register_added_loss_term("ksvd")
+        self.update_added_loss_term("ksvd", KSVDAddedLossTerm(torch.tensor([0.5], dtype=torch.float64), 2.0))
+
+    def forward(self) -> torch.Tensor:
+        return self.logits
+
+    def kl_divergence(self) -> torch.Tensor:
+        return torch.tensor(2.0, dtype=torch.float64)
+
+
+def test_per_sequence_kl_is_weighted_per_sequence_not_divided_by_num_data():
+    torch.manual_seed(0)
+    per_sequence = torch.tensor([1.0, 3.0, 0.5, 2.0, 4.0], dtype=torch.float64)
+    model = _SequenceKLModel(per_sequence)
+    targets = torch.tensor([0, 2, 1, 1, 0])
+    beta, num_data = 0.7, 1000
+    parts = AttentionELBO(model, num_data, beta=beta, combine_terms=False)(model(), targets)
+    torch.testing.assert_close(parts["kl"], beta * 2.0 / num_data + beta * per_sequence.mean())
+    torch.testing.assert_close(parts["ksvd"], torch.tensor(2.0 * 0.25, dtype=torch.float64))
+    nll = F.cross_entropy(model(), targets)
+    torch.testing.assert_close(parts["loss"], nll + parts["kl"] + parts["ksvd"])
+    with pytest.raises(ValueError, match="sequences"):
+        SequenceKLAddedLossTerm(torch.ones(2, 3))
+    with pytest.raises(ValueError, match="weight"):
+        SequenceKLAddedLossTerm(per_sequence, weight=-1.0)

@@ -314,6 +314,8 @@ def test_attention_forward_rejects(name, case):
         match = "does not support causal masks"  # no causal mode at all: the more precise message comes first
     before = snapshot(attention)
     x, padding, context = make()
+    if context is not None and not attention.supports_cross_attention:
+        error, match = ValueError, "does not support cross-attention"  # no context at all: this message comes first
     with pytest.raises(error, match=match):
         attention(x, mask=padding, context=context)
     assert_unchanged(attention, before)
@@ -362,8 +364,8 @@ def test_rank_larger_than_the_sequence_in_exact_mode():
     assert_unchanged(attention, before)
 
 
-def test_primal_tokens_length_is_checked():
-    attention = KEPSVGPAttention(EMBED_DIM, NUM_HEADS, num_inducing=2, features="primal_tokens", max_len=LENGTH)
+def test_primal_features_length_is_checked():
+    attention = KEPSVGPAttention(EMBED_DIM, NUM_HEADS, num_inducing=2, features="primal_features", max_len=LENGTH)
     with pytest.raises(ValueError, match=f"length max_len={LENGTH}, got 3"):
         attention(tokens(length=3))
 
