@@ -292,7 +292,9 @@ class AttentionKernelEigenFeatures(KernelEigenFeaturesBase):
         # a training call refreshes the KSVD penalty eta J^2 (averaged over the sequences, summed over the heads)
         if self.training and scores.objective is not None:
             penalty = KSVDAddedLossTerm(scores.objective, self.ksvd_weight, num_averaged_dims=1)
-            self.update_added_loss_term("ksvd_loss", penalty)
+            # registered in __init__; a plain store (gpytorch's update_added_loss_term reads the previous entry, so
+            # torch.compile would guard on it being None and recompile on the second step)
+            self._added_loss_terms["ksvd_loss"] = penalty
         return scores
 
     @staticmethod
