@@ -11,6 +11,7 @@ from ..kernels import CosineFeatureKernel, ExponentialDotProductKernel
 from ..ksvd import kernel_svd, ksvd_objective
 from ..mlls import KSVDAddedLossTerm
 from ..validation import check_choice, check_float, check_int
+from .amortized_scores import AmortizedSelfScores
 from .kernel_eigen_features_base import KernelEigenFeaturesBase
 from .kernel_eigen_scores import KernelEigenScores, induced_kernel_diag
 
@@ -234,6 +235,8 @@ class AttentionKernelEigenFeatures(KernelEigenFeaturesBase):
                     f"features='primal_tokens' needs sequences of length max_len={self.max_len}, got "
                     f"{queries.shape[-2]}"
                 )
+        if self.mode == "amortized" and self_attention and not (causal or kernel_diag or self.tie_qk):
+            return self._penalised(self._fused_self_attention(queries, query_mask, objective))
         kernel = self.kernel
         query_columns, query_inverse = kernel.feature_columns(queries, "query")  # P_q (B, H, p, N), nu_q (B, H, 1, N)
         if self_attention and self.tie_qk:
@@ -287,6 +290,39 @@ class AttentionKernelEigenFeatures(KernelEigenFeaturesBase):
                 key_columns, key_inverse, query_columns, query_inverse, query_mask, causal
             )
         return self._penalised(KernelEigenScores(left, right, singular_values, objective_value, left_diag, right_diag))
+
+    def _fused_self_attention(self, tokens: Tensor, mask: Tensor | None, objective: bool) -> KernelEigenScores:
+        r"""The amortised self-attention scores by :class:`~gpattn.features.amortized_scores.AmortizedSelfScores`:
+        one projection GEMM for :math:`[P_q; P_k]` (``(B, 2, H, p, N)``), one for the values :math:`[A_e(X)^\top;
+        A_r(X)^\top]` and the scores' products with a hand-written backward pass (no padding-masked query is treated
+        differently from the general path: the same :math:`1/|V|` weights)."""
+        kernel = self.kernel
+        lifted = kernel.lift(tokens)
+        batch, heads, rank = tokens.shape[0], self.num_heads, self.num_inducing
+        projection = torch.stack([kernel.query_weight, kernel.key_projection])  # (2, H, p, D)
+        columns = torch.bmm(projection.flatten(0, 2).expand(batch, -1, -1), lifted.mT)
+        columns = columns.view(batch, 2, heads, -1, columns.shape[-1])  # [P_q; P_k]: (B, 2, H, p, N)
+        maps = torch.stack([self.left_map, self.right_map]).mT  # (2, H, s, C)
+        values = torch.bmm(maps.flatten(0, 2).expand(batch, -1, -1), tokens.mT).view(batch, 2, heads, rank, -1)
+        values = values + torch.stack([self.left_bias, self.right_bias]).unsqueeze(-1)  # [a_e; a_r]: (B, 2, H, s, N)
+        weights = self._token_weights(tokens, mask)
+        if torch.is_tensor(weights):
+            weights = weights.unsqueeze(1)  # (B, 1, 1, 1, N)
+        else:
+            weights = torch.full((1, 1, 1, 1, 1), weights, dtype=columns.dtype, device=columns.device)
+        root_scale = kernel.outputscale.sqrt()[:, None, None]
+        left, right, left_weights, right_weights = AmortizedSelfScores.apply(columns, values, weights, root_scale)
+        singular_values = self.singular_values
+        objective_value = None
+        if objective:
+            objective_value = ksvd_objective(
+                self._zero_masked(left.mT, mask),
+                self._zero_masked(right.mT, mask),
+                left_weights.mT,
+                right_weights.mT,
+                singular_values.unsqueeze(0),
+            )
+        return KernelEigenScores(left.mT, right.mT, singular_values, objective_value)
 
     def _penalised(self, scores: KernelEigenScores) -> KernelEigenScores:
         # a training call refreshes the KSVD penalty eta J^2 (averaged over the sequences, summed over the heads)
