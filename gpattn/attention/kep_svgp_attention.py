@@ -224,7 +224,8 @@ class KEPSVGPAttention(AttentionLayer):
         draw = self.strategy.inducing_draw(torch.Size([scores.left_scores.shape[0]]) if joint else None)
         noises = {}
         if sample and (self.sampling_mode == "marginal" or self.residual == "diag"):
-            noises = self.strategy.token_noise(scores, sides, marginal=self.sampling_mode == "marginal")
+            marginal = self.sampling_mode == "marginal"  # merge="sum": one draw for the sum of the branches
+            noises = self.strategy.token_noise(scores, sides, marginal, sum_sides=marginal and self.merge == "sum")
         output = self.out_proj.bias
         for index, (side, output_map) in enumerate(zip(sides, maps, strict=True)):
             coefficients = self.strategy.linear_coefficients(side, draw, output_map, scores.singular_values)

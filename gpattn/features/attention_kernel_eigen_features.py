@@ -11,6 +11,7 @@ from ..kernels import CosineFeatureKernel, ExponentialDotProductKernel
 from ..ksvd import kernel_svd, ksvd_objective
 from ..mlls import KSVDAddedLossTerm
 from ..validation import all_finite, check_choice, check_float, check_int
+from .amortized_scores import AmortizedSelfScores
 from .kernel_eigen_features_base import KernelEigenFeaturesBase
 from .kernel_eigen_scores import KernelEigenScores, induced_kernel_diag
 
@@ -332,6 +333,8 @@ class AttentionKernelEigenFeatures(KernelEigenFeaturesBase):
             return self._penalised(self._exact(queries, keys, key_mask, query_mask, causal, kernel_diag))
         if self.mode in POSITIONAL_MODES:
             self._check_positional_call(queries, key_mask, causal, self_attention)
+        if self.mode == "amortized" and self_attention and not (causal or kernel_diag or self.tie_qk):
+            return self._penalised(self._fused_self_attention(queries, query_mask, objective))
         kernel = self.kernel
         query_columns, query_inverse = kernel.feature_columns(queries, "query")  # P_q (B, H, p, N), nu_q (B, H, 1, N)
         if self_attention and self.tie_qk:
@@ -446,6 +449,39 @@ class AttentionKernelEigenFeatures(KernelEigenFeaturesBase):
                 "inputs (e.g. a LayerNorm before the layer) or use float64"
             )
 
+    def _fused_self_attention(self, tokens: Tensor, mask: Tensor | None, objective: bool) -> KernelEigenScores:
+        r"""The amortised self-attention scores by :class:`~gpattn.features.amortized_scores.AmortizedSelfScores`:
+        one projection GEMM for :math:`[P_q; P_k]` (``(B, 2, H, p, N)``), one for the values :math:`[A_e(X)^\top;
+        A_r(X)^\top]` and the scores' products with a hand-written backward pass (no padding-masked query is treated
+        differently from the general path: the same :math:`1/|V|` weights)."""
+        kernel = self.kernel
+        lifted = kernel.lift(tokens)
+        batch, heads, rank = tokens.shape[0], self.num_heads, self.num_inducing
+        projection = torch.stack([kernel.query_weight, kernel.key_projection])  # (2, H, p, D)
+        columns = torch.bmm(projection.flatten(0, 2).expand(batch, -1, -1), lifted.mT)
+        columns = columns.view(batch, 2, heads, -1, columns.shape[-1])  # [P_q; P_k]: (B, 2, H, p, N)
+        maps = torch.stack([self.left_map, self.right_map]).mT  # (2, H, s, C)
+        values = torch.bmm(maps.flatten(0, 2).expand(batch, -1, -1), tokens.mT).view(batch, 2, heads, rank, -1)
+        values = values + torch.stack([self.left_bias, self.right_bias]).unsqueeze(-1)  # [a_e; a_r]: (B, 2, H, s, N)
+        weights = self._token_weights(tokens, mask)
+        if torch.is_tensor(weights):
+            weights = weights.unsqueeze(1)  # (B, 1, 1, 1, N)
+        else:
+            weights = torch.full((1, 1, 1, 1, 1), weights, dtype=columns.dtype, device=columns.device)
+        root_scale = kernel.outputscale.sqrt()[:, None, None]
+        left, right, left_weights, right_weights = AmortizedSelfScores.apply(columns, values, weights, root_scale)
+        singular_values = self.singular_values
+        objective_value = None
+        if objective:
+            objective_value = ksvd_objective(
+                self._zero_masked(left.mT, mask),
+                self._zero_masked(right.mT, mask),
+                left_weights.mT,
+                right_weights.mT,
+                singular_values.unsqueeze(0),
+            )
+        return KernelEigenScores(left.mT, right.mT, singular_values, objective_value)
+
     def _penalised(self, scores: KernelEigenScores, official: Tensor | None = None) -> KernelEigenScores:
         # a training call refreshes the KSVD penalty: eta J^2 averaged over the sequences and summed over the heads
         # (sum form), or eta J_off^2 (the official code's number)
@@ -454,7 +490,9 @@ class AttentionKernelEigenFeatures(KernelEigenFeaturesBase):
                 penalty = KSVDAddedLossTerm(official, self.ksvd_weight)
             else:
                 penalty = KSVDAddedLossTerm(scores.objective, self.ksvd_weight, num_averaged_dims=1)
-            self.update_added_loss_term("ksvd_loss", penalty)
+            # registered in __init__; a plain store (gpytorch's update_added_loss_term reads the previous entry, so
+            # torch.compile would guard on it being None and recompile on the second step)
+            self._added_loss_terms["ksvd_loss"] = penalty
         return scores
 
     @staticmethod
