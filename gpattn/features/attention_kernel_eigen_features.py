@@ -470,6 +470,8 @@ class AttentionKernelEigenFeatures(KernelEigenFeaturesBase):
             weights = torch.full((1, 1, 1, 1, 1), weights, dtype=columns.dtype, device=columns.device)
         root_scale = kernel.outputscale.sqrt()[:, None, None]
         left, right, left_weights, right_weights = AmortizedSelfScores.apply(columns, values, weights, root_scale)
+        if not torch.compiler.is_compiling() and not (all_finite(left) and all_finite(right)):
+            self._check_magnitude(tokens, tokens)
         singular_values = self.singular_values
         objective_value = None
         if objective:
