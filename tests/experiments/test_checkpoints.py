@@ -20,7 +20,13 @@ from gpattn.experiments import (
     load_checkpoint,
     train_model,
 )
-from gpattn.experiments.checkpoints import check_state_fits, restore_rng_state, rng_state, save_checkpoint
+from gpattn.experiments.checkpoints import (
+    check_state_fits,
+    content_checksum,
+    restore_rng_state,
+    rng_state,
+    save_checkpoint,
+)
 from gpattn.models import Transformer
 
 STEPS_PER_EPOCH = 2  # 96 training sequences, batches of 48
@@ -131,9 +137,13 @@ def test_unreadable_checkpoints_raise_a_clear_error(make_transformer, data, trai
 
 
 def _rewrite(trained, tmp_path, edit) -> object:
+    """A copy of the run whose ``last.pt`` is ``edit(checkpoint)``, with a valid content checksum when it is a dict
+    that has one (so that the structural checks are what rejects it)."""
     directory = _copy_run(trained, tmp_path / "run")
-    checkpoint = torch.load(directory / "last.pt", weights_only=True)
-    torch.save(edit(checkpoint), directory / "last.pt")
+    checkpoint = edit(torch.load(directory / "last.pt", weights_only=True))
+    if isinstance(checkpoint, dict) and "checksum" in checkpoint:
+        checkpoint["checksum"] = content_checksum(checkpoint)
+    torch.save(checkpoint, directory / "last.pt")
     return directory
 
 
@@ -238,9 +248,9 @@ def test_non_finite_gradient_keeps_the_last_good_checkpoint(make_transformer, da
     _assert_last_good_checkpoint(make_transformer, data, tmp_path, epoch=1)
 
 
-def test_non_finite_parameter_after_an_epoch_is_never_checkpointed(make_transformer, data, tmp_path):
+def test_non_finite_parameter_stops_at_its_step(make_transformer, data, tmp_path):
     # the last optimiser step of epoch 2 makes a parameter infinite without a non-finite loss or gradient: the old
-    # loop would have evaluated and written it to last.pt; the epoch-end check stops first
+    # loop would have evaluated and written it to last.pt; the per-step check stops at that step
     model = _fresh_model(make_transformer)
     steps = {"count": 0}
 
@@ -252,7 +262,7 @@ def test_non_finite_parameter_after_an_epoch_is_never_checkpointed(make_transfor
 
     handle = register_optimizer_step_post_hook(poison)
     try:
-        with pytest.raises(NonFiniteLossError, match=r"non-finite parameters \['head\.bias'\] after epoch 2"):
+        with pytest.raises(NonFiniteLossError, match=r"non-finite parameters \['head\.bias'\] after the optimiser step at epoch 2, step 2/2"):
             train_model(model, data.train, data.val, _config(tmp_path, epochs=3))
     finally:
         handle.remove()
