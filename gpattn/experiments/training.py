@@ -409,7 +409,8 @@ def train_model(
                 # a step can make a parameter non-finite with a finite loss and gradient (a NaN or Inf in the
                 # optimiser's moments, a huge learning rate): stop here, before the next forward pass sees it
                 if not parameters_finite():
-                    fail(f"non-finite parameters {broken_parameters()[:5]} after the optimiser step at {where}", step + 1)
+                    broken = broken_parameters()[:5]
+                    fail(f"non-finite parameters {broken} after the optimiser step at {where}", step + 1)
                 last_lr = scheduler.get_last_lr()[0]  # the rate this step used
                 scheduler.step()
                 size = index.shape[0]

@@ -262,7 +262,8 @@ def test_non_finite_parameter_stops_at_its_step(make_transformer, data, tmp_path
 
     handle = register_optimizer_step_post_hook(poison)
     try:
-        with pytest.raises(NonFiniteLossError, match=r"non-finite parameters \['head\.bias'\] after the optimiser step at epoch 2, step 2/2"):
+        match = r"non-finite parameters \['head\.bias'\] after the optimiser step at epoch 2, step 2/2"
+        with pytest.raises(NonFiniteLossError, match=match):
             train_model(model, data.train, data.val, _config(tmp_path, epochs=3))
     finally:
         handle.remove()

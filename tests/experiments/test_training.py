@@ -341,7 +341,8 @@ def test_a_huge_learning_rate_stops_with_the_initial_state(data, tmp_path, small
     model = small_model(attention)
     initial = {name: value.clone() for name, value in model.state_dict().items()}
     config = small_config(lr=1e6, grad_clip=None, warmup_epochs=0, checkpoint_dir=tmp_path)
-    with pytest.raises(TrainingDivergedError, match=r"^training diverged: non-finite .* at epoch 1, step 2/4") as caught:
+    match = r"^training diverged: non-finite .* at epoch 1, step 2/4"
+    with pytest.raises(TrainingDivergedError, match=match) as caught:
         train_model(model, data.train, data.val, config)
     assert caught.value.best_epoch == 0 and "no checkpoint of this run was written" in str(caught.value)
     _assert_holds(model, initial)
