@@ -128,13 +128,13 @@ class KernelEigenPairSVGP(ApproximateGP):
         self.covar_module = kernel
         self.mean_module = ZeroMean() if mean_module is None else mean_module
 
-    @property
     def get_fantasy_model(self, inputs: Tensor, targets: Tensor, **kwargs):
         """Not supported: raises ``NotImplementedError`` explaining why (:data:`FANTASY_UNSUPPORTED`): GPyTorch's
         online variational conditioning treats the inducing variables as function values at the landmarks, which the
         kernel-eigen inducing variables are not. Refit with the new points instead."""
         raise no_fantasy_model(self)
 
+    @property
     def features(self) -> KernelEigenFeatures:
         """The :class:`~gpattn.features.KernelEigenFeatures` (the KSVD state) shared by both branches."""
         return self.variational_strategy.features
