@@ -188,8 +188,14 @@ def save_run_checkpoints(
     one (the commit), then the files are renamed. A kill at any moment leaves a consistent pair: the previous one
     before the commit, the new one after it (completed by :func:`recover` on the next read)."""
     directory = Path(directory)
-    manifest = _read_manifest(directory)
-    files = dict(manifest["files"]) if manifest is not None else {}
+    try:
+        manifest = _read_manifest(directory)
+    except CheckpointError:  # a damaged manifest of an earlier run: replaced by this one
+        manifest = None
+    # the entries of this run's earlier epochs (best.pt when it is not rewritten now); never those of a later epoch
+    earlier = manifest is not None and isinstance(manifest.get("epoch"), int) and manifest["epoch"] < last["epoch"]
+    previous = manifest["files"] if earlier else {}
+    files = {name: entry for name, entry in previous.items() if best is None or name != "best.pt"}
     written = []
     for name, checkpoint in (("best.pt", best), ("last.pt", last)):
         if checkpoint is None:

@@ -465,3 +465,18 @@ def test_non_finite_parameter_stops_at_its_step(make_transformer, data, tmp_path
         handle.remove()
     assert torch.isfinite(model.head.bias).all()  # the best (epoch 1) state is back
     _assert_last_good_checkpoint(make_transformer, data, tmp_path, epoch=1)
+
+
+def test_a_new_run_replaces_a_stale_or_damaged_manifest(tmp_path):
+    # a fresh run in a folder of a longer earlier run (manifest at epoch 3) or with a damaged manifest: its own
+    # epochs are committed, and an unchanged best.pt keeps its entry from this run's earlier epoch
+    nlls = [1.0, 0.5, 0.2]
+    save_run_checkpoints(tmp_path, _synthetic(3, nlls), _synthetic(3, nlls))
+    for damage in (False, True):
+        if damage:
+            (tmp_path / MANIFEST).write_text("{not json")
+        save_run_checkpoints(tmp_path, _synthetic(1, [0.9, 1.0]), _synthetic(1, [0.9, 1.0]))
+        save_run_checkpoints(tmp_path, _synthetic(2, [0.9, 1.0]))  # not improved: best.pt stays epoch 1
+        last, best = load_checkpoint(tmp_path / "last.pt"), load_checkpoint(tmp_path / "best.pt")
+        check_pair(last, best, tmp_path / "last.pt", tmp_path / "best.pt")
+        assert (last["epoch"], best["epoch"]) == (2, 1)
