@@ -72,7 +72,8 @@ class TrainingDivergedError(RuntimeError):
     validation predictions became NaN or infinite. Raised at the step where it happens; the model then holds the best
     finite state, and the checkpoints on disk are those of the last completed (finite) epoch.
 
-    :ivar epoch: The epoch (from 1) in which training diverged.
+    :ivar epoch: The epoch (from 1) in which training diverged (the iteration, for the toy regression fits of
+        :func:`~gpattn.experiments.run_toy_regression`).
     :ivar step: The step of that epoch (from 1), or ``None`` when found after the epoch's steps (validation).
     :ivar best_epoch: The epoch whose state the model now holds (0: the initial state).
     """
