@@ -110,7 +110,12 @@ def _integer_labels(labels, path: Path, key: str) -> np.ndarray:
     except (ValueError, TypeError) as error:  # ragged or odd objects
         raise DataFileError(f"the labels {key} in {path} are not a flat list of integers ({error})") from error
     if raw.size and raw.dtype.kind not in "iu":
-        example = raw.reshape(-1)[0].item() if raw.dtype.kind != "O" else raw.reshape(-1)[0]
+        flat = raw.reshape(-1)
+        example = flat[0]
+        if raw.dtype.kind == "f":  # the first fractional value, when there is one
+            fractional = np.flatnonzero(np.isfinite(flat) & (flat != np.round(flat)))
+            example = flat[fractional[0] if fractional.size else 0]
+        example = example.item() if isinstance(example, np.generic) else example
         raise DataFileError(
             f"the labels {key} in {path} are {raw.dtype} (e.g. {example!r}), expected integers: non-integer labels "
             f"are never truncated silently"

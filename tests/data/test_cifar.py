@@ -174,7 +174,7 @@ def test_cifar10_batches_of_every_pickle_protocol_load(cifar_root, protocol):
 @pytest.mark.parametrize(
     ("labels", "match"),
     [
-        ([0, 1.5, 2, 3], r"the labels b'labels' in .*test_batch are float64 \(e\.g\. 0\.0\), expected integers"),
+        ([0, 1.5, 2, 3], r"the labels b'labels' in .*test_batch are float64 \(e\.g\. 1\.5\), expected integers"),
         ([0.0, 1.0, 2.0, 3.0], r"are float64 \(e\.g\. 0\.0\), expected integers"),  # even integral values
         (np.array([0, 1, 2, 3], dtype=np.float32), r"are float32 .*expected integers"),
         (["0", "1", "2", "3"], r"are <U1 \(e\.g\. '0'\), expected integers"),
