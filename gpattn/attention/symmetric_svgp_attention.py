@@ -75,6 +75,8 @@ class SymmetricSVGPAttention(AttentionLayer):
     .. note:: Cost: O(N C^2) for the projections, O(N p) for the context summaries, then per head and output
         dimension O(N M^2 + M^3) (the Cholesky of :math:`K_{uu}` is shared by the outputs of a head). The GP sees the
         ``B N`` tokens of a batch as one data set: only marginals are used, so the sequences stay independent.
+        Nothing is cached between calls (GPyTorch's eval-mode memo of the :math:`K_{uu}` Cholesky is cleared before
+        and after each call), so the output always follows the current parameters and every call has its own graph.
     """
 
     is_stochastic = True
@@ -112,13 +114,22 @@ class SymmetricSVGPAttention(AttentionLayer):
         flat = features.transpose(0, 1).reshape(heads, 1, batch * length, width)
         # the GP (a K_uu Cholesky, triangular solves) runs in the parameters' precision, never autocast's: GPyTorch's
         # custom backward of the predictive updates fails on the mixed dtypes that autocast would produce
-        with torch.autocast(flat.device.type, enabled=False):
-            posterior = self.gp(flat.to(self.gp.variational_strategy.inducing_points.dtype))  # batch (H, p), event B N
+        strategy = self.gp.variational_strategy
+        # no memo survives a call: GPyTorch memoises the K_uu Cholesky in eval mode, which would go stale after an
+        # in-place parameter update and hold this call's autograd graph (a second backward would fail); the
+        # recomputation is O(H M^3), small against the O(B N M^2) of the predictions
+        strategy._clear_cache()
+        try:
+            with torch.autocast(flat.device.type, enabled=False):
+                posterior = self.gp(flat.to(strategy.inducing_points.dtype))  # batch (H, p), event B N
+                mean, variance = posterior.mean, posterior.variance
+        finally:
+            strategy._clear_cache()
 
         def unflatten(tokens: Tensor) -> Tensor:  # (H, p, B N) -> (B, H, N, p)
             return tokens.reshape(heads, width, batch, length).permute(2, 0, 3, 1)
 
-        return unflatten(posterior.mean), unflatten(posterior.variance)
+        return unflatten(mean), unflatten(variance)
 
     # -- attention interface -----------------------------------------------------------------------------------------
     def forward(self, x: Tensor, mask: Tensor | str | None = None, context: Tensor | None = None) -> Tensor:

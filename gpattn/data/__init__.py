@@ -1,7 +1,7 @@
 """Data: toy regression sets drawn from an asymmetric generating process; toy directed sequence tasks; the 8x8
 digits and MNIST-1D with held-out classes, shifts and noise OOD; CIFAR-10 / CIFAR-10-C loaders for local files."""
 
-from .cifar import CIFAR10_C_CORRUPTIONS, CIFAR10_CLASSES, load_cifar10, load_cifar10_c
+from .cifar import CIFAR10_C_CORRUPTIONS, CIFAR10_CLASSES, DataFileError, load_cifar10, load_cifar10_c
 from .digits import (
     SHIFT_KINDS,
     SHIFT_PARAMETERS,
@@ -32,6 +32,7 @@ from .toy_sequences import SequenceDataset, SequenceSplits, make_pointer_task, m
 __all__ = [
     "CIFAR10_CLASSES",
     "CIFAR10_C_CORRUPTIONS",
+    "DataFileError",
     "ImageDataset",
     "ImageSplits",
     "MNIST1DSplits",

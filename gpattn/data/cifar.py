@@ -9,14 +9,19 @@
   ``uint8 (5 m, 32, 32, 3)`` = severities 1..5 stacked (``m = 10000``), and ``labels.npy`` (``5 m`` labels, the test
   labels repeated per severity). ``root`` may be that folder or its parent holding ``CIFAR-10-C``.
 
+A file that cannot be used (empty, truncated, not a pickle or ``.npy`` of the expected kind, labels that are not
+integers or out of range) raises :class:`DataFileError` (a ``ValueError``) naming the file and what is wrong.
+
 Both return :class:`~gpattn.data.ImageDataset` with ``float32 (n, 3, 32, 32)`` images in ``[0, 1]`` (the
 layout of :class:`~gpattn.models.Transformer` with ``input="patches"``, see ``VIT_CIFAR_PRESET``) and int64 labels.
 
-The batches are Python pickles: only load files from a source you trust.
+The batches are Python pickles, read by an unpickler that only builds dicts, lists, bytes, numbers and NumPy arrays
+(any other class in the file is an error); still, only load files from a source you trust.
 """
 
 from __future__ import annotations
 
+import io
 import pickle
 from pathlib import Path
 
@@ -25,7 +30,7 @@ import torch
 
 from .image_dataset import ImageDataset
 
-__all__ = ["CIFAR10_CLASSES", "CIFAR10_C_CORRUPTIONS", "load_cifar10", "load_cifar10_c"]
+__all__ = ["CIFAR10_CLASSES", "CIFAR10_C_CORRUPTIONS", "DataFileError", "load_cifar10", "load_cifar10_c"]
 
 #: The ten CIFAR-10 class names, in label order.
 CIFAR10_CLASSES: tuple[str, ...] = (
@@ -69,6 +74,55 @@ _TEST_FILES = ("test_batch",)
 _META_FILE = "batches.meta"
 
 
+class DataFileError(ValueError):
+    """A data file cannot be used: empty, truncated, not of the expected format, or holding values of the wrong kind
+    (e.g. non-integer labels). The message names the file and what is wrong."""
+
+
+#: The globals a CIFAR-10 python batch may refer to (NumPy arrays and scalars, Python 2 byte strings).
+_PICKLE_GLOBALS = {
+    ("_codecs", "encode"),
+    ("numpy", "ndarray"),
+    ("numpy", "dtype"),
+    *((f"numpy.{core}.multiarray", name) for core in ("core", "_core") for name in ("_reconstruct", "scalar")),
+    *((f"numpy.{core}.numeric", "_frombuffer") for core in ("core", "_core")),
+}
+
+
+class _BatchUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str):
+        if (module, name) not in _PICKLE_GLOBALS:
+            raise pickle.UnpicklingError(f"it refers to {module}.{name}, which no CIFAR-10 batch holds")
+        return super().find_class(module, name)
+
+
+def _describe(path: Path) -> str:
+    try:
+        return f"{path} ({path.stat().st_size} bytes)"
+    except OSError:
+        return str(path)
+
+
+def _integer_labels(labels, path: Path, key: str) -> np.ndarray:
+    """``labels`` as int64, or a :class:`DataFileError` when they are not integers (never truncated)."""
+    try:
+        raw = np.asarray(labels)
+    except (ValueError, TypeError) as error:  # ragged or odd objects
+        raise DataFileError(f"the labels {key} in {path} are not a flat list of integers ({error})") from error
+    if raw.size and raw.dtype.kind not in "iu":
+        flat = raw.reshape(-1)
+        example = flat[0]
+        if raw.dtype.kind == "f":  # the first fractional value, when there is one
+            fractional = np.flatnonzero(np.isfinite(flat) & (flat != np.round(flat)))
+            example = flat[fractional[0] if fractional.size else 0]
+        example = example.item() if isinstance(example, np.generic) else example
+        raise DataFileError(
+            f"the labels {key} in {path} are {raw.dtype} (e.g. {example!r}), expected integers: non-integer labels "
+            f"are never truncated silently"
+        )
+    return raw.astype(np.int64)
+
+
 def _resolve(root: str | Path, subfolder: str, expected: list[str], what: str) -> Path:
     """``root`` or ``root / subfolder``, whichever holds all ``expected`` files; else a FileNotFoundError."""
     root = Path(root)
@@ -83,18 +137,40 @@ def _resolve(root: str | Path, subfolder: str, expected: list[str], what: str) -
 
 
 def _unpickle(path: Path) -> dict:
-    with path.open("rb") as handle:
-        content = pickle.load(handle, encoding="bytes")
+    """The pickled dict in ``path`` (a CIFAR-10 batch or meta file), or a :class:`DataFileError` saying why not."""
+    data = path.read_bytes()
+    if not data:
+        raise DataFileError(f"{path} is empty (0 bytes): expected a pickled CIFAR-10 batch; re-extract the archive")
+    try:
+        content = _BatchUnpickler(io.BytesIO(data), encoding="bytes").load()
+    except Exception as error:  # EOFError (truncated), UnpicklingError (garbage), ValueError, ... of a damaged file
+        detail = f"{type(error).__name__}: {error}".splitlines()[0] if str(error) else type(error).__name__
+        raise DataFileError(
+            f"could not unpickle {path} ({len(data)} bytes; {detail}): it is truncated, damaged or not a CIFAR-10 "
+            f"python batch; re-extract cifar-10-python.tar.gz"
+        ) from error
     if not isinstance(content, dict):
-        raise ValueError(f"expected {path} to hold a pickled dict, got {type(content).__name__}")
+        raise DataFileError(f"expected {path} to hold a pickled dict, got {type(content).__name__}")
     return content
+
+
+def _load_npy(path: Path) -> np.ndarray:
+    """The array in the ``.npy`` file ``path``, memory-mapped, or a :class:`DataFileError` saying why not."""
+    try:
+        return np.load(path, mmap_mode="r", allow_pickle=False)
+    except Exception as error:  # ValueError (empty, truncated, pickled objects), OSError, EOFError, ...
+        detail = f"{type(error).__name__}: {error}".splitlines()[0] if str(error) else type(error).__name__
+        raise DataFileError(
+            f"could not read {_describe(path)} as a .npy array ({detail}): it is empty, truncated, damaged or not "
+            f"a NumPy .npy file; re-extract CIFAR-10-C.tar"
+        ) from error
 
 
 def _get(content: dict, key: str, path: Path):
     for candidate in (key.encode(), key):
         if candidate in content:
             return content[candidate]
-    raise ValueError(f"expected {path} to hold the key b{key!r}, found {sorted(map(repr, content))}")
+    raise DataFileError(f"expected {path} to hold the key b{key!r}, found {sorted(map(repr, content))}")
 
 
 def _to_float_images(array: np.ndarray) -> torch.Tensor:
@@ -109,7 +185,9 @@ def load_cifar10(root: str | Path, split: str = "train") -> ImageDataset:
     :param split: ``"train"`` (the five data batches, in order) or ``"test"`` (``test_batch``).
     :return: ``float32 (n, 3, 32, 32)`` images in ``[0, 1]`` and int64 labels; class names from ``batches.meta``.
     :raises FileNotFoundError: When a required file is missing (the message lists the expected files).
-    :raises ValueError: For an unknown split or a batch of the wrong format.
+    :raises ValueError: For an unknown split.
+    :raises DataFileError: For a file that is empty, truncated, not a pickled batch, of the wrong format, or with
+        labels that are not integers in ``0..9`` (the message names the file).
     """
     if split not in ("train", "test"):
         raise ValueError(f'expected split "train" or "test", got {split!r}')
@@ -125,13 +203,13 @@ def load_cifar10(root: str | Path, split: str = "train") -> ImageDataset:
         path = folder / name
         content = _unpickle(path)
         data = np.asarray(_get(content, "data", path))
-        batch_labels = np.asarray(_get(content, "labels", path), dtype=np.int64)
+        batch_labels = _integer_labels(_get(content, "labels", path), path, "b'labels'")
         if data.dtype != np.uint8 or data.ndim != 2 or data.shape[1] != 3 * 32 * 32:
-            raise ValueError(f"expected b'data' in {path} to be uint8 (n, 3072), got {data.dtype} {data.shape}")
+            raise DataFileError(f"expected b'data' in {path} to be uint8 (n, 3072), got {data.dtype} {data.shape}")
         if batch_labels.shape != (data.shape[0],):
-            raise ValueError(f"expected {data.shape[0]} labels in {path}, got shape {batch_labels.shape}")
+            raise DataFileError(f"expected {data.shape[0]} labels in {path}, got shape {batch_labels.shape}")
         if batch_labels.size and (batch_labels.min() < 0 or batch_labels.max() >= len(class_names)):
-            raise ValueError(f"labels in {path} outside 0..{len(class_names) - 1}")
+            raise DataFileError(f"labels in {path} outside 0..{len(class_names) - 1}")
         images.append(data.reshape(-1, 3, 32, 32))
         labels.append(batch_labels)
     return ImageDataset(
@@ -153,7 +231,9 @@ def load_cifar10_c(root: str | Path, corruption: str, severity: int) -> ImageDat
     :param severity: ``1 .. 5``; block ``severity - 1`` of the 5 stacked blocks (10000 images each in the real set).
     :return: ``float32 (m, 3, 32, 32)`` images in ``[0, 1]`` and int64 labels, CIFAR-10 class names.
     :raises FileNotFoundError: When a file is missing (the message lists the expected files).
-    :raises ValueError: For an unknown corruption, a bad severity, or arrays of the wrong shape or type.
+    :raises ValueError: For an unknown corruption or a bad severity.
+    :raises DataFileError: For a file that is empty, truncated or not a ``.npy`` array, arrays of the wrong shape or
+        type, or labels that are not integers in ``0..9`` (the message names the file).
     """
     if corruption not in CIFAR10_C_CORRUPTIONS:
         raise ValueError(f"unknown CIFAR-10-C corruption {corruption!r}; expected one of {CIFAR10_C_CORRUPTIONS}")
@@ -163,19 +243,19 @@ def load_cifar10_c(root: str | Path, corruption: str, severity: int) -> ImageDat
     folder = _resolve(root, "CIFAR-10-C", [f"{corruption}.npy", "labels.npy"], f"CIFAR-10-C ({corruption})")
 
     data_path, labels_path = folder / f"{corruption}.npy", folder / "labels.npy"
-    data = np.load(data_path, mmap_mode="r")
-    all_labels = np.load(labels_path, mmap_mode="r")
+    data = _load_npy(data_path)
+    all_labels = _load_npy(labels_path)
     if data.dtype != np.uint8 or data.ndim != 4 or data.shape[1:] != (32, 32, 3) or data.shape[0] % 5:
-        raise ValueError(
+        raise DataFileError(
             f"expected {data_path} to be uint8 (5 m, 32, 32, 3) (5 severities stacked), got {data.dtype} {data.shape}"
         )
     if all_labels.shape != (data.shape[0],):
-        raise ValueError(f"expected {labels_path} to hold {data.shape[0]} labels, got shape {all_labels.shape}")
+        raise DataFileError(f"expected {labels_path} to hold {data.shape[0]} labels, got shape {all_labels.shape}")
     block = data.shape[0] // 5
     rows = slice((severity - 1) * block, severity * block)
-    labels = np.asarray(all_labels[rows], dtype=np.int64)
+    labels = _integer_labels(all_labels[rows], labels_path, "array")
     if labels.size and (labels.min() < 0 or labels.max() >= len(CIFAR10_CLASSES)):
-        raise ValueError(f"labels in {labels_path} outside 0..{len(CIFAR10_CLASSES) - 1}")
+        raise DataFileError(f"labels in {labels_path} outside 0..{len(CIFAR10_CLASSES) - 1}")
     images = np.asarray(data[rows]).transpose(0, 3, 1, 2)  # (m, 32, 32, 3) -> (m, 3, 32, 32)
     return ImageDataset(
         _to_float_images(images),

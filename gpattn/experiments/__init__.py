@@ -35,7 +35,14 @@ from .toy_regression import (
     format_result,
     run_toy_regression,
 )
-from .training import NonFiniteLossError, TrainConfig, TrainingStrategy, TrainResult, train_model
+from .training import (
+    NonFiniteLossError,
+    TrainConfig,
+    TrainingDivergedError,
+    TrainingStrategy,
+    TrainResult,
+    train_model,
+)
 
 __all__ = [
     "CompareConfig",
@@ -65,6 +72,7 @@ __all__ = [
     "NonFiniteLossError",
     "TrainConfig",
     "TrainResult",
+    "TrainingDivergedError",
     "TrainingStrategy",
     "ensemble_probabilities",
     "evaluate",

@@ -17,7 +17,8 @@ from tqdm import trange
 from ..data import RegressionData, make_asymmetric_regression_1d
 from ..kernels import InducedKernel, ShiftedRBFKernel
 from ..models import KernelEigenPairSVGP
-from ..validation import check_float, check_int
+from ..validation import all_finite, check_float, check_int
+from .training import TrainingDivergedError
 
 
 @dataclass
@@ -127,6 +128,33 @@ def _progress(iterations: int, description: str, progress: bool):
     return trange(iterations, desc=description, disable=None if progress else True, leave=False)
 
 
+def _guarded_step(fit: str, iteration: int, total: int, lr: float, step, modules, option: str = "lr") -> float:
+    """Run one optimisation ``step()`` (returning the loss) of the fit ``fit`` and raise
+    :class:`~gpattn.experiments.TrainingDivergedError` when the fit diverges at it: the loss or a parameter afterwards
+    is NaN or infinite, or (after the first iteration, from finite parameters) the step fails on a non-finite or
+    non-positive-definite matrix. A failure of the first iteration is not divergence and propagates unchanged.
+    Cost: one pass over the (few) parameters per iteration."""
+    where = f"{fit}: the fit diverged at iteration {iteration + 1}/{total} (learning rate {lr:g})"
+    advice = f"lower the learning rate (ToyRegressionConfig.{option}{', --lr' if option == 'lr' else ''})"
+    try:
+        loss = float(step())
+    except (ValueError, RuntimeError) as error:  # NotPSDError is a RuntimeError
+        if iteration == 0:
+            raise
+        detail = f"{type(error).__name__}: {error}".splitlines()[0]
+        raise TrainingDivergedError(f"{where}: the step failed ({detail}); {advice}", iteration + 1) from error
+    broken = [
+        name
+        for module in modules
+        for name, parameter in module.named_parameters()
+        if not all_finite(parameter.detach())
+    ]
+    if not math.isfinite(loss) or broken:
+        what = f"loss {loss}" if not math.isfinite(loss) else f"non-finite parameters {broken[:5]}"
+        raise TrainingDivergedError(f"{where}: {what}; {advice}", iteration + 1)
+    return loss
+
+
 def _rmse(prediction: Tensor, target: Tensor) -> float:
     return (prediction - target).pow(2).mean().sqrt().item()
 
@@ -150,12 +178,17 @@ def fit_exact_gp(data: RegressionData, config: ToyRegressionConfig, progress: bo
     mll = gpytorch.mlls.ExactMarginalLogLikelihood(likelihood, model)
     optimizer = torch.optim.Adam(model.parameters(), lr=config.lr)
     model.train()
-    for _ in (bar := _progress(config.iterations, "exact GP", progress)):
+
+    def step() -> float:
         optimizer.zero_grad()
         loss = -mll(model(data.train_x), data.train_y)
         loss.backward()
         optimizer.step()
-        bar.set_postfix(loss=f"{loss.item():.3f}")
+        return loss.item()
+
+    for iteration in (bar := _progress(config.iterations, "exact GP", progress)):
+        loss = _guarded_step("exact GP", iteration, config.iterations, config.lr, step, [model])
+        bar.set_postfix(loss=f"{loss:.3f}")
     model.eval()
     likelihood.eval()
     return model, likelihood
@@ -187,14 +220,19 @@ def fit_pair_svgp(data: RegressionData, config: ToyRegressionConfig, progress: b
     optimizer = torch.optim.Adam(hyper + list(likelihood.parameters()), lr=config.lr)
     model.train()
     likelihood.train()
-    for _ in (bar := _progress(config.iterations, "KEP-SVGP (ELBO)", progress)):
+
+    def step() -> float:
         natural_optimizer.zero_grad()
         optimizer.zero_grad()
         loss = -mll(model(data.train_x), data.train_y)
         loss.backward()
         natural_optimizer.step()
         optimizer.step()
-        bar.set_postfix(loss=f"{loss.item():.3f}")
+        return loss.item()
+
+    for iteration in (bar := _progress(config.iterations, "KEP-SVGP (ELBO)", progress)):
+        loss = _guarded_step("KEP-SVGP (ELBO)", iteration, config.iterations, config.lr, step, [model, likelihood])
+        bar.set_postfix(loss=f"{loss:.3f}")
     model.eval()
     likelihood.eval()
     return model, likelihood
@@ -241,8 +279,16 @@ def fit_pair_svgp_pyro(data: RegressionData, config: ToyRegressionConfig, progre
     model.train()
     likelihood.train()
     with pyro.validation_enabled(False):
-        for _ in (bar := _progress(config.pyro_iterations, "KEP-SVGP (Pyro SVI)", progress)):
-            loss = svi.step(data.train_x, data.train_y)
+        for iteration in (bar := _progress(config.pyro_iterations, "KEP-SVGP (Pyro SVI)", progress)):
+            loss = _guarded_step(
+                "KEP-SVGP (Pyro SVI)",
+                iteration,
+                config.pyro_iterations,
+                config.pyro_lr,
+                lambda: svi.step(data.train_x, data.train_y),
+                [model, likelihood],
+                option="pyro_lr",
+            )
             bar.set_postfix(loss=f"{loss / num_data:.3f}")
     model.eval()
     likelihood.eval()
@@ -260,6 +306,9 @@ def run_toy_regression(
     :param config: Settings (default :class:`ToyRegressionConfig`).
     :param out: Output folder.
     :param progress: Show ``tqdm`` progress bars (on a terminal only).
+    :raises TrainingDivergedError: A fit diverged (a NaN or infinite loss or parameter, or a step failing on a
+        non-finite or indefinite matrix after the first iteration); the message names the fit, the iteration and the
+        learning rate.
     """
     config = ToyRegressionConfig() if config is None else config
     data = make_asymmetric_regression_1d(seed=config.seed)

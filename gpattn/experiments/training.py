@@ -37,29 +37,54 @@ from tqdm import tqdm
 from ..mlls import AttentionELBO
 from ..validation import all_finite, check_device, check_float, check_int
 from .checkpoints import (
+    RESUMABLE_CHANGES,
     CheckpointError,
+    check_pair,
+    check_resumable,
     check_state_fits,
     load_checkpoint,
+    recover,
     restore_rng_state,
     rng_state,
-    save_checkpoint,
+    save_run_checkpoints,
 )
 from .evaluation import batch_to_device, dataset_inputs, dataset_labels, evaluate, validation_metrics
 from .schedule import warmup_cosine_schedule
 
-__all__ = ["NonFiniteLossError", "TrainConfig", "TrainResult", "TrainingStrategy", "train_model"]
+__all__ = [
+    "RESUMABLE_CHANGES",
+    "NonFiniteLossError",
+    "TrainConfig",
+    "TrainResult",
+    "TrainingDivergedError",
+    "TrainingStrategy",
+    "train_model",
+]
 
 #: The device types the loop runs on.
 DEVICE_TYPES = ("cpu", "cuda")
-#: Config fields that may change between an interrupted run and its resumption without a warning.
-RESUMABLE_CHANGES = ("epochs", "schedule_epochs", "progress", "checkpoint_dir", "eval_batch_size")
 #: The per-epoch training averages of :attr:`TrainResult.history`.
 LOSS_PARTS = ("loss", "nll", "kl", "ksvd", "grad_norm")
 
 
-class NonFiniteLossError(RuntimeError):
-    """The training loss, the gradient norm, a parameter or the validation predictions became NaN or infinite; the
-    model holds the best finite state and the checkpoints on disk are those of the last completed (finite) epoch."""
+class TrainingDivergedError(RuntimeError):
+    """Training diverged: the loss, the gradient norm, a parameter after an optimiser step, the forward pass or the
+    validation predictions became NaN or infinite. Raised at the step where it happens; the model then holds the best
+    finite state, and the checkpoints on disk are those of the last completed (finite) epoch.
+
+    :ivar epoch: The epoch (from 1) in which training diverged (the iteration, for the toy regression fits of
+        :func:`~gpattn.experiments.run_toy_regression`).
+    :ivar step: The step of that epoch (from 1), or ``None`` when found after the epoch's steps (validation).
+    :ivar best_epoch: The epoch whose state the model now holds (0: the initial state).
+    """
+
+    def __init__(self, message: str, epoch: int = 0, step: int | None = None, best_epoch: int = 0) -> None:
+        super().__init__(message)
+        self.epoch, self.step, self.best_epoch = epoch, step, best_epoch
+
+
+#: The former name of :class:`TrainingDivergedError` (the same class).
+NonFiniteLossError = TrainingDivergedError
 
 
 @dataclass
@@ -213,33 +238,25 @@ def _describe(parts: dict[str, Tensor]) -> str:
     return ", ".join(f"{name}={value.item():.6g}" for name, value in parts.items())
 
 
-def _warn_on_changes(saved: dict[str, Any], config: TrainConfig, path: Path) -> None:
-    current = config.to_dict()
-    changed = [
-        name for name in current if name not in RESUMABLE_CHANGES and name in saved and saved[name] != current[name]
-    ]
-    saved_horizon = saved.get("schedule_epochs") or saved.get("epochs")
-    if saved_horizon != config.horizon_epochs:
-        changed.append(f"schedule horizon ({saved_horizon} -> {config.horizon_epochs} epochs)")
-    if changed:
-        warnings.warn(
-            f"resuming from {path} with changed settings {changed}: the run will not match an uninterrupted one "
-            f"(set schedule_epochs to the planned total when training in stages)",
-            stacklevel=4,
-        )
-
-
 def _resume(directory: Path, model, optimizer, scheduler, generator, config, device):
-    """Load ``last.pt`` into the model, optimiser, schedule and RNGs (every file is checked before anything is
-    loaded) and return ``(epoch, result so far, best state)``."""
+    """Load ``last.pt`` into the model, optimiser, schedule and RNGs (every file, the pair and the settings are
+    checked before anything is loaded) and return ``(epoch, result so far, best state)``."""
     path, best_path = directory / "last.pt", directory / "best.pt"
+    recover(directory)  # complete a committed write that a kill interrupted
     checkpoint = load_checkpoint(path)
     check_state_fits(checkpoint["model"], model, path)
     best_state = None
     if checkpoint["best_epoch"]:
-        best_state = load_checkpoint(best_path)["model"]
+        best = load_checkpoint(best_path)
+        check_pair(checkpoint, best, path, best_path)
+        best_state = best["model"]
         check_state_fits(best_state, model, best_path)
-    _warn_on_changes(checkpoint["config"], config, path)
+    changes = check_resumable(checkpoint["config"], config.to_dict(), checkpoint["epoch"], path)
+    if changes:
+        warnings.warn(
+            f"resuming from {path} with changed settings {changes}: the run will not match an uninterrupted one",
+            stacklevel=3,
+        )
     try:  # the optimiser validates its groups before changing anything; the model fits (checked above)
         optimizer.load_state_dict(checkpoint["optimizer"])
         model.load_state_dict(checkpoint["model"])
@@ -278,13 +295,17 @@ def train_model(
         bit for bit, provided the settings (and the schedule horizon) are unchanged.
     :param strategy: How the processes of the run cooperate (default: one process, :class:`TrainingStrategy`).
     :return: The :class:`TrainResult` (on processes other than the main one: an empty history).
-    :raises NonFiniteLossError: When a loss or gradient norm, a parameter after an epoch or the validation predictions
-        are NaN or infinite; the model then holds the best state so far (the initial one before the first evaluation)
-        and the checkpoints on disk stay those of the last completed epoch.
+    :raises TrainingDivergedError: At the step where the loss, the gradient norm, a parameter after the optimiser step
+        or the forward pass (a ``NaN or Inf`` error of a layer on finite inputs) becomes NaN or infinite, or when the
+        validation predictions do; the message names the epoch and step. The model then holds the best state so far
+        (the initial one before the first evaluation) and the checkpoints on disk stay those of the last completed
+        epoch.
     :raises FileNotFoundError: ``resume=True`` without ``last.pt``.
-    :raises CheckpointError: ``resume=True`` with a checkpoint that cannot be read, is incomplete or was written for
-        another model (see :func:`~gpattn.experiments.load_checkpoint`; the message names the file). The model is then
-        left untouched.
+    :raises CheckpointError: ``resume=True`` with a checkpoint that cannot be read, is damaged or inconsistent, does
+        not pair with ``best.pt``, was written for another model or by a run with other settings (seed, learning rate,
+        ..., a schedule horizon, or ``epochs`` below the epoch already trained; see
+        :func:`~gpattn.experiments.checkpoints.check_resumable`) (the message names the file and what differs). The
+        model is then left untouched.
 
     Example:
         >>> data = make_pointer_task(256, 64, 64, length=8, seed=0, vocab_size=8)  # gpattn.data
@@ -293,7 +314,9 @@ def train_model(
         >>> result.best_epoch, result.best_val_nll  # the selected epoch and its validation NLL
 
     .. note:: Per epoch one forward and backward pass over the training set and ``eval_samples`` forward passes over
-        the validation set; the checkpoints add two state copies (model, AdamW moments) written to disk.
+        the validation set; the checkpoints add two state copies (model, AdamW moments) written to disk with a
+        SHA-256 each. The divergence guard adds one fused max-norm pass over the parameters per step
+        (``torch._foreach_norm``) and one host synchronisation.
     """
     if not isinstance(config, TrainConfig):
         raise TypeError(f"expected a TrainConfig, got {type(config).__name__}")
@@ -325,7 +348,7 @@ def train_model(
         generator.manual_seed(config.seed)  # the same batch order on every process
         start_epoch, result, best_state = 0, TrainResult(), _state_copy(model)  # the fallback before any evaluation
 
-    def fail(message: str) -> None:
+    def fail(message: str, step: int | None = None, cause: BaseException | None = None) -> None:
         model.load_state_dict(best_state)
         model.eval()
         if directory is None:
@@ -334,7 +357,23 @@ def train_model(
             kept = f"; {directory / 'last.pt'} still holds epoch {epoch - 1}, the last good one"
         else:
             kept = f"; no checkpoint of this run was written to {directory}"
-        raise NonFiniteLossError(f"{message}; the model now holds the state of epoch {result.best_epoch}{kept}")
+        raise TrainingDivergedError(
+            f"training diverged: {message}; the model now holds the state of epoch {result.best_epoch}{kept} "
+            f"(lower the learning rate or clip the gradients)",
+            epoch,
+            step,
+            result.best_epoch,
+        ) from cause
+
+    parameters = [parameter for parameter in model.parameters() if parameter.is_floating_point()]
+
+    def parameters_finite() -> bool:
+        # one fused max-norm pass (NaN propagates) and one synchronisation, not one per parameter
+        norms = torch._foreach_norm(parameters, math.inf) if parameters else []
+        return not norms or bool(torch.isfinite(torch.stack([norm.float() for norm in norms])).all())
+
+    def broken_parameters() -> list[str]:
+        return [name for name, parameter in model.named_parameters() if not all_finite(parameter)]
 
     max_norm = math.inf if config.grad_clip is None else config.grad_clip
     for epoch in range(start_epoch + 1, config.epochs + 1):
@@ -351,17 +390,29 @@ def train_model(
                 index = order[step * config.batch_size : (step + 1) * config.batch_size]
                 inputs, mask = batch_to_device(train_inputs, train_mask, index, device)
                 labels = train_labels[index].to(device)
-                parts = loss_fn(forward(inputs, mask=mask), labels)
                 where = f"epoch {epoch}, step {step + 1}/{steps_per_epoch} (global step {scheduler.last_epoch + 1})"
+                try:
+                    parts = loss_fn(forward(inputs, mask=mask), labels)
+                except ValueError as error:
+                    # the parameters are finite (checked after every step): a layer that finds NaN or Inf in its
+                    # input when the batch is finite means the activations overflowed, i.e. training diverged
+                    if "NaN or Inf" not in str(error) or not all_finite(inputs):
+                        raise
+                    fail(f"non-finite values in the forward pass at {where} ({error})", step + 1, error)
                 # a non-finite loss on any process stops every process (one stopping alone would hang the others)
                 if strategy.any(not torch.isfinite(parts["loss"])):
-                    fail(f"non-finite training loss at {where}: {_describe(parts)}")
+                    fail(f"non-finite training loss at {where}: {_describe(parts)}", step + 1)
                 optimizer.zero_grad(set_to_none=True)
                 parts["loss"].backward()  # a data-parallel wrapper all-reduces the gradients here
                 grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
                 if not torch.isfinite(grad_norm):
-                    fail(f"non-finite gradient norm {grad_norm.item()} at {where}: {_describe(parts)}")
+                    fail(f"non-finite gradient norm {grad_norm.item()} at {where}: {_describe(parts)}", step + 1)
                 optimizer.step()
+                # a step can make a parameter non-finite with a finite loss and gradient (a NaN or Inf in the
+                # optimiser's moments, a huge learning rate): stop here, before the next forward pass sees it
+                if not parameters_finite():
+                    broken = broken_parameters()[:5]
+                    fail(f"non-finite parameters {broken} after the optimiser step at {where}", step + 1)
                 last_lr = scheduler.get_last_lr()[0]  # the rate this step used
                 scheduler.step()
                 size = index.shape[0]
@@ -376,15 +427,10 @@ def train_model(
         finally:
             bar.close()
 
-        # an optimiser step can make a parameter non-finite without a non-finite loss or gradient (the last step of an
-        # epoch in particular): never evaluate or checkpoint such a state
-        broken = [name for name, parameter in model.named_parameters() if not all_finite(parameter)]
-        if broken:
-            fail(f"non-finite parameters {broken[:5]} after epoch {epoch}")
         totals = strategy.sum(totals)
         probabilities = evaluate(model, val, config.eval_samples, config.eval_batch_size) if strategy.is_main else None
         if strategy.any(probabilities is not None and not all_finite(probabilities)):
-            fail(f"non-finite validation predictions after epoch {epoch}")
+            fail(f"non-finite validation predictions after epoch {epoch}")  # e.g. from the Monte Carlo samples
         if not strategy.is_main:
             continue
         val_accuracy, val_nll = validation_metrics(probabilities, val_labels)
@@ -395,7 +441,7 @@ def train_model(
         if improved:
             result.best_epoch, result.best_val_nll = epoch, val_nll
             best_state = _state_copy(model)
-        if directory is not None:
+        if directory is not None:  # last.pt (and best.pt) committed together by the manifest
             checkpoint = {
                 "model": model.state_dict(),
                 "optimizer": optimizer.state_dict(),
@@ -407,9 +453,7 @@ def train_model(
                 "best_val_nll": result.best_val_nll,
                 "config": config.to_dict(),
             }
-            if improved:
-                save_checkpoint(checkpoint, directory / "best.pt")
-            save_checkpoint(checkpoint, directory / "last.pt")
+            save_run_checkpoints(directory, checkpoint, checkpoint if improved else None)
 
     strategy.finish(model, best_state)
     model.load_state_dict(best_state)

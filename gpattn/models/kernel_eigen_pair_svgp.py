@@ -28,6 +28,21 @@ VARIATIONAL_DISTRIBUTIONS = {
 }
 
 
+#: Why kernel-eigen models have no ``get_fantasy_model`` (the message of its ``NotImplementedError``).
+FANTASY_UNSUPPORTED = (
+    "online variational conditioning (get_fantasy_model, Maddox et al. 2021) is not supported by kernel-eigen "
+    "models: GPyTorch builds it from pseudo-observations of f at the inducing points Z with covariance K(Z, Z), but "
+    "the kernel-eigen inducing variables are projections u = H^T f (K_uu = Lambda^2), not values f(Z), so that "
+    "construction would condition on the wrong quantities; train (or keep training) the model on the data with the "
+    "new points instead"
+)
+
+
+def no_fantasy_model(owner: object) -> NotImplementedError:
+    """The ``NotImplementedError`` that ``owner.get_fantasy_model`` raises (see :data:`FANTASY_UNSUPPORTED`)."""
+    return NotImplementedError(f"{type(owner).__name__}: {FANTASY_UNSUPPORTED}")
+
+
 class KernelEigenPairSVGP(ApproximateGP):
     r"""The kernel-eigen pair SVGP (KEP-SVGP, Chen et al. 2024) for regression and classification on toy data.
 
@@ -112,6 +127,12 @@ class KernelEigenPairSVGP(ApproximateGP):
         super().__init__(strategy)
         self.covar_module = kernel
         self.mean_module = ZeroMean() if mean_module is None else mean_module
+
+    def get_fantasy_model(self, inputs: Tensor, targets: Tensor, **kwargs):
+        """Not supported: raises ``NotImplementedError`` explaining why (:data:`FANTASY_UNSUPPORTED`): GPyTorch's
+        online variational conditioning treats the inducing variables as function values at the landmarks, which the
+        kernel-eigen inducing variables are not. Refit with the new points instead."""
+        raise no_fantasy_model(self)
 
     @property
     def features(self) -> KernelEigenFeatures:

@@ -12,8 +12,13 @@ inputs has full rank 16), and the O(s) claim is checked on every iteration: no C
   :math:`(m, S)` by Cholesky factorisations of s x s matrices built from the *variational* parameters. Those calls are
   legitimate (they are :math:`q(u)`'s, not :math:`K_{uu}`'s); the natural cases therefore assert that every Cholesky
   call originates in ``gpytorch/variational/natural_variational_distribution.py`` and nowhere else.
-* The strategies have no online-conditioning (fantasy) support: ``get_fantasy_model`` raises GPyTorch's
-  ``NotImplementedError`` ("No fantasy model support"), which :meth:`test_fantasy_call` documents.
+* Kernel-eigen models have no online-conditioning (fantasy) support: GPyTorch's ``test_fantasy_call*`` tests are
+  replaced by :meth:`~KernelEigenVariationalTestCase.test_fantasy_call`, which asserts that ``get_fantasy_model``
+  raises ``NotImplementedError`` with the explanation
+  :data:`~gpattn.models.kernel_eigen_pair_svgp.FANTASY_UNSUPPORTED` (GPyTorch's conditioning treats the inducing
+  variables as values :math:`f(Z)`; kernel-eigen inducing variables are projections with :math:`K_{uu} = \Lambda^2`),
+  and that the strategy itself reports no fantasy strategy. The harness's model raises it as
+  :class:`~gpattn.models.KernelEigenPairSVGP` does.
 
 A pair strategy (``branches = 2``) gets a variational distribution with a trailing branch dimension, as
 :class:`~gpattn.variational.KernelEigenPairVariationalStrategy` expects.
@@ -35,6 +40,7 @@ from gpytorch.test.variational_test_case import VariationalTestCase
 from linear_operator.operators import LowRankRootLinearOperator
 
 from ..kernels import CosineFeatureKernel
+from ..models.kernel_eigen_pair_svgp import FANTASY_UNSUPPORTED, no_fantasy_model
 from ..variational import KernelEigenVariationalStrategy
 
 NATURAL_FILE = "natural_variational_distribution.py"
@@ -54,6 +60,10 @@ class _KernelEigenSVGP(gpytorch.models.ApproximateGP):
         else:
             self.mean_module = gpytorch.means.ZeroMean()
         self.covar_module = CosineFeatureKernel(input_dim=2, feature_dim=32, tie=tie, lift="rff", lift_dim=64)
+
+    def get_fantasy_model(self, inputs, targets, **kwargs):
+        """Not supported, as for :class:`~gpattn.models.KernelEigenPairSVGP` (see :data:`FANTASY_UNSUPPORTED`)."""
+        raise no_fantasy_model(self)
 
     def forward(self, x):
         # The exact (untruncated) prior of the left branch: f(x) = kappa(x, Z) w, w ~ N(0, I). Used by the harness only
@@ -153,8 +163,11 @@ class KernelEigenVariationalTestCase(VariationalTestCase):
         expected_batch_shape=None,
         constant_mean=True,
     ):
-        """Online conditioning is not supported: ``get_fantasy_model`` raises GPyTorch's ``NotImplementedError``
-        ("No fantasy model support"), with and without replacement mean and covariance modules."""
+        """Online conditioning is not supported: after a training iteration, ``get_fantasy_model`` raises
+        ``NotImplementedError`` with :data:`~gpattn.models.kernel_eigen_pair_svgp.FANTASY_UNSUPPORTED` (with and
+        without replacement mean and covariance modules), and the strategy reports no fantasy strategy (calling its
+        ``get_fantasy_model`` directly gives GPyTorch's own ``NotImplementedError``). GPyTorch's
+        ``test_fantasy_call_batch_*`` variants call this method with their batch shapes."""
         model_batch_shape = model_batch_shape if model_batch_shape is not None else self.batch_shape
         data_batch_shape = data_batch_shape if data_batch_shape is not None else self.batch_shape
         inducing_batch_shape = inducing_batch_shape if inducing_batch_shape is not None else self.batch_shape
@@ -171,8 +184,11 @@ class KernelEigenVariationalTestCase(VariationalTestCase):
             {"covar_module": None, "mean_module": None},
             {"covar_module": gpytorch.kernels.MaternKernel(), "mean_module": gpytorch.means.ZeroMean()},
         ):
-            with self.assertRaisesRegex(NotImplementedError, "No fantasy model support"):
+            with self.assertRaises(NotImplementedError) as caught:
                 self._fantasy_iter(model, likelihood, data_batch_shape, num_fant=10, **cm_dict)
+            self.assertEqual(str(caught.exception), f"_KernelEigenSVGP: {FANTASY_UNSUPPORTED}")
+        with self.assertRaisesRegex(NotImplementedError, "No fantasy model support"):
+            model.variational_strategy.get_fantasy_model(torch.randn(3, 2), torch.randn(3))
 
     def test_prior_call_is_model_forward(self):
         """``model(x, prior=True)`` is the model's exact prior: a low-rank root :math:`\\kappa(x, Z)` of shape

@@ -222,3 +222,35 @@ def test_default_dtype_then_double_and_deepcopy():
     fresh = copy.deepcopy(layer)  # deep copies start without caches
     torch.testing.assert_close(output_double, fresh(x.double()), rtol=1e-12, atol=1e-12)
     assert SymmetricSVGPAttention.is_stochastic
+
+
+# -- no cache survives a call (issue 14) -----------------------------------------------------------------------------
+def test_eval_mode_backward_twice_through_fresh_calls():
+    # GPyTorch memoises the K_uu Cholesky in eval mode; a memo holding the first call's graph made the second call's
+    # backward fail with "Trying to backward through the graph a second time"
+    layer = make_layer().eval()
+    x, mask, context = make_inputs("padding")
+    gradients = []
+    for _ in range(2):
+        layer.zero_grad()
+        layer(x, mask=mask, context=context).sum().backward()
+        gradients.append(layer.gp.covar_module.base_kernel.raw_lengthscale.grad.clone())
+    torch.testing.assert_close(gradients[0], gradients[1], rtol=0, atol=0)
+    assert gradients[0].abs().sum() > 0
+
+
+@pytest.mark.parametrize("grad", [True, False], ids=["grad", "no_grad"])
+def test_eval_mode_output_follows_an_in_place_parameter_update(grad):
+    # after an in-place update of the kernel or the inducing points the output must be that of the new parameters
+    # (compared with the dense float64 reference), never the memoised Cholesky of the old ones
+    layer = make_layer().eval()
+    x, mask, context = make_inputs("none")
+    with torch.set_grad_enabled(grad):
+        layer.head_moments(x, mask, context)  # fills any memo
+        with torch.no_grad():
+            layer.gp.covar_module.base_kernel.raw_lengthscale.add_(0.7)
+            layer.gp.variational_strategy.inducing_points.mul_(1.3)
+        mean, variance = layer.head_moments(x, mask, context)
+    dense_mean, dense_variance = dense_moments(layer, x, mask, context)
+    torch.testing.assert_close(mean.detach(), dense_mean, rtol=1e-7, atol=1e-7)
+    torch.testing.assert_close(variance.detach(), dense_variance, rtol=1e-7, atol=1e-7)

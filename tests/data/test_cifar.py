@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from gpattn.data import CIFAR10_CLASSES, load_cifar10, load_cifar10_c
+from gpattn.data import CIFAR10_CLASSES, DataFileError, load_cifar10, load_cifar10_c
 
 PER_BATCH = 10
 
@@ -124,4 +124,103 @@ def test_cifar10_c_errors(cifar_c_root):
         load_cifar10_c(root, "snow", 1)
     np.save(root / "labels.npy", np.zeros(3, dtype=np.int64))
     with pytest.raises(ValueError, match="labels"):
+        load_cifar10_c(root, "gaussian_noise", 1)
+
+
+# -- damaged files (issue 14): every failure names the file and what is wrong ----------------------------------------
+def _pickled_batch(labels=(0, 1, 2, 3), protocol: int = 2) -> bytes:
+    data = np.arange(4 * 3072, dtype=np.int64).astype(np.uint8).reshape(4, 3072)
+    return pickle.dumps({b"batch_label": b"test", b"labels": list(labels), b"data": data}, protocol=protocol)
+
+
+class _Exploit:
+    def __reduce__(self):
+        return (print, ("this must never run",))
+
+
+@pytest.mark.parametrize(
+    ("content", "match"),
+    [
+        (b"", r"test_batch is empty \(0 bytes\)"),
+        (_pickled_batch()[:200], r"could not unpickle .*test_batch \(200 bytes; .*\): it is truncated"),
+        (_pickled_batch()[:-1], r"could not unpickle .*test_batch \(\d+ bytes; .*\): it is truncated"),
+        (b"\x80\x02garbage, not a pickle\xff" * 20, r"could not unpickle .*test_batch \(\d+ bytes; "),
+        (b"PK\x03\x04 a zip, not a pickle", r"could not unpickle .*test_batch \(\d+ bytes; UnpicklingError"),
+        (pickle.dumps([1, 2, 3]), r"expected .*test_batch to hold a pickled dict, got list"),
+        (pickle.dumps({b"data": _Exploit()}), r"test_batch .*refers to builtins\.print, which no CIFAR-10 batch holds"),
+    ],
+    ids=["empty", "truncated", "last_byte_missing", "garbage", "zip", "list", "foreign_class"],
+)
+def test_cifar10_damaged_batches_name_the_file(cifar_root, content, match, capsys):
+    root, _ = cifar_root
+    (root / "test_batch").write_bytes(content)
+    with pytest.raises(DataFileError, match=match) as caught:
+        load_cifar10(root, "test")
+    assert isinstance(caught.value, ValueError) and str(root / "test_batch") in str(caught.value)
+    assert "must never run" not in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("protocol", [2, 4, 5])
+def test_cifar10_batches_of_every_pickle_protocol_load(cifar_root, protocol):
+    # the published files are protocol-2 pickles; newer protocols build NumPy arrays through other functions
+    root, _ = cifar_root
+    (root / "test_batch").write_bytes(_pickled_batch(protocol=protocol))
+    test = load_cifar10(root, "test")
+    assert torch.equal(test.labels, torch.arange(4))
+    expected = torch.arange(4 * 3072).remainder(256).to(torch.float32).div(255).reshape(4, 3, 32, 32)
+    torch.testing.assert_close(test.images, expected, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize(
+    ("labels", "match"),
+    [
+        ([0, 1.5, 2, 3], r"the labels b'labels' in .*test_batch are float64 \(e\.g\. 1\.5\), expected integers"),
+        ([0.0, 1.0, 2.0, 3.0], r"are float64 \(e\.g\. 0\.0\), expected integers"),  # even integral values
+        (np.array([0, 1, 2, 3], dtype=np.float32), r"are float32 .*expected integers"),
+        (["0", "1", "2", "3"], r"are <U1 \(e\.g\. '0'\), expected integers"),
+        ([0, 1, 2, 10], r"labels in .*test_batch outside 0\.\.9"),
+    ],
+    ids=["fractional", "integral_floats", "float32_array", "strings", "out_of_range"],
+)
+def test_cifar10_non_integer_labels_are_an_error(cifar_root, labels, match):
+    root, _ = cifar_root
+    data = np.zeros((4, 3072), dtype=np.uint8)
+    with (root / "test_batch").open("wb") as handle:
+        pickle.dump({b"labels": labels, b"data": data}, handle)
+    with pytest.raises(DataFileError, match=match):
+        load_cifar10(root, "test")
+
+
+def test_cifar10_damaged_meta_file_is_named(cifar_root):
+    root, _ = cifar_root
+    (root / "batches.meta").write_bytes(b"")
+    with pytest.raises(DataFileError, match=r"batches\.meta is empty"):
+        load_cifar10(root, "test")
+
+
+@pytest.mark.parametrize("name", ["gaussian_noise.npy", "labels.npy"])
+@pytest.mark.parametrize(
+    ("damage", "match"),
+    [
+        (lambda b: b"", r"could not read .*\.npy \(0 bytes\) as a \.npy array \(.*\): it is empty, truncated"),
+        (lambda b: b[:64], r"could not read .*\.npy \(64 bytes\) as a \.npy array"),
+        (lambda b: b[: len(b) - 7], r"could not read .*\.npy \(\d+ bytes\) as a \.npy array"),
+        (lambda b: b"\x93NUMPY garbage" + bytes(range(256)), r"could not read .*\.npy \(\d+ bytes\) as a \.npy"),
+        (lambda b: pickle.dumps(np.zeros(3)), r"could not read .*\.npy .*as a \.npy array"),
+    ],
+    ids=["empty", "header_only", "truncated", "garbage", "pickle"],
+)
+def test_cifar10_c_damaged_npy_files_name_the_file(cifar_c_root, name, damage, match):
+    root, _, _ = cifar_c_root
+    path = root / name
+    path.write_bytes(damage(path.read_bytes()))
+    with pytest.raises(DataFileError, match=match) as caught:
+        load_cifar10_c(root, "gaussian_noise", 2)
+    assert str(path) in str(caught.value)
+
+
+def test_cifar10_c_float_labels_are_an_error(cifar_c_root):
+    root, _, labels = cifar_c_root
+    np.save(root / "labels.npy", labels.astype(np.float64) + 0.25)
+    with pytest.raises(DataFileError, match=r"labels array in .*labels\.npy are float64 \(e\.g\. \d\.25\), expected"):
         load_cifar10_c(root, "gaussian_noise", 1)

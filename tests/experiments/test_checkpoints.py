@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import math
 import pickle
+import random
+import shutil
 
 import pytest
 import torch
@@ -17,10 +19,21 @@ from gpattn.experiments import (
     CheckpointError,
     NonFiniteLossError,
     TrainConfig,
+    checkpoints,
     load_checkpoint,
     train_model,
 )
-from gpattn.experiments.checkpoints import check_state_fits, restore_rng_state, rng_state, save_checkpoint
+from gpattn.experiments.checkpoints import (
+    MANIFEST,
+    check_pair,
+    check_state_fits,
+    content_checksum,
+    recover,
+    restore_rng_state,
+    rng_state,
+    save_checkpoint,
+    save_run_checkpoints,
+)
 from gpattn.models import Transformer
 
 STEPS_PER_EPOCH = 2  # 96 training sequences, batches of 48
@@ -52,11 +65,15 @@ def _fresh_model(make_transformer, **kwargs):
     return make_transformer("kep_svgp", depth=1, **kwargs)
 
 
-def _copy_run(trained, destination, last_bytes: bytes | None = None):
+def _copy_run(trained, destination, last_bytes: bytes | None = None, manifest: bool = False):
+    """A copy of the trained run's ``best.pt`` and ``last.pt`` (replaced by ``last_bytes``), with or without the
+    manifest ``checkpoints.json`` (without it, only the files' own checks apply)."""
     directory, original = trained
     destination.mkdir(exist_ok=True)
     (destination / "best.pt").write_bytes((directory / "best.pt").read_bytes())
     (destination / "last.pt").write_bytes(original if last_bytes is None else last_bytes)
+    if manifest:
+        shutil.copy(directory / MANIFEST, destination / MANIFEST)
     return destination
 
 
@@ -131,10 +148,44 @@ def test_unreadable_checkpoints_raise_a_clear_error(make_transformer, data, trai
 
 
 def _rewrite(trained, tmp_path, edit) -> object:
+    """A copy of the run whose ``last.pt`` is ``edit(checkpoint)``, with a valid content checksum when it is a dict
+    that has one (so that the structural checks are what rejects it)."""
     directory = _copy_run(trained, tmp_path / "run")
-    checkpoint = torch.load(directory / "last.pt", weights_only=True)
-    torch.save(edit(checkpoint), directory / "last.pt")
+    checkpoint = edit(torch.load(directory / "last.pt", weights_only=True))
+    if isinstance(checkpoint, dict) and "checksum" in checkpoint:
+        checkpoint["checksum"] = content_checksum(checkpoint)
+    torch.save(checkpoint, directory / "last.pt")
     return directory
+
+
+def _moments_with_nan(checkpoint):
+    state = checkpoint["optimizer"]["state"]
+    state[0]["exp_avg"].view(-1)[0] = math.nan
+    return checkpoint
+
+
+@pytest.mark.parametrize(
+    ("edit", "match"),
+    [
+        (lambda c: {**c, "epoch": 9}, r"last\.pt is inconsistent: it claims epoch 9 but its history has 2 entries"),
+        (
+            lambda c: {**c, "history": [{**c["history"][0], "epoch": 2}, c["history"][1]]},
+            r"last\.pt is inconsistent: its history's epochs are \[2, 2\], expected 1, 2, \.\.\., 2",
+        ),
+        (
+            lambda c: {**c, "best_epoch": 1},
+            r"last\.pt is inconsistent: its best_epoch 1 .* is not the epoch of the lowest validation NLL .*epoch 2",
+        ),
+        (_moments_with_nan, r"last\.pt is inconsistent: its optimiser state \['0/exp_avg'\] holds NaN or Inf"),
+    ],
+    ids=["epoch_beyond_history", "history_epochs", "best_epoch", "nan_moments"],
+)
+def test_inconsistent_checkpoints_raise(make_transformer, data, trained, tmp_path, edit, match):
+    # a valid checksum, but the file contradicts itself: the old loop accepted "epoch 9" and trained nothing
+    directory = _rewrite(trained, tmp_path, edit)
+    _resume_fails(make_transformer, data, directory, match)
+    with pytest.raises(CheckpointError, match=match):
+        load_checkpoint(directory / "last.pt")
 
 
 @pytest.mark.parametrize(
@@ -183,6 +234,161 @@ def test_damaged_best_checkpoint_is_named(make_transformer, data, trained, tmp_p
     directory = _copy_run(trained, tmp_path / "run")
     (directory / "best.pt").write_bytes(b"\x00" * 64)
     _resume_fails(make_transformer, data, directory, r"could not read the checkpoint .*best\.pt")
+
+
+def _best_of_epoch_one(trained) -> dict:
+    """A self-consistent checkpoint of epoch 1 made from the run's last.pt (which names epoch 2 as the best)."""
+    checkpoint = torch.load(trained[0] / "last.pt", weights_only=True)
+    assert checkpoint["best_epoch"] == 2  # the fixture's run improves in epoch 2
+    history = checkpoint["history"][:1]
+    return {**checkpoint, "epoch": 1, "history": history, "best_epoch": 1, "best_val_nll": history[0]["val_nll"]}
+
+
+def test_a_best_checkpoint_of_another_epoch_does_not_pair(make_transformer, data, trained, tmp_path):
+    directory = _copy_run(trained, tmp_path / "run")
+    save_checkpoint(_best_of_epoch_one(trained), directory / "best.pt")  # valid on its own
+    load_checkpoint(directory / "best.pt")
+    _resume_fails(
+        make_transformer,
+        data,
+        directory,
+        r"the checkpoints do not pair: .*last\.pt \(epoch 2\) names epoch 2 as the "
+        r"best, but .*best\.pt holds epoch 1",
+    )
+
+
+def test_a_file_that_does_not_match_the_manifest_is_rejected(make_transformer, data, trained, tmp_path):
+    directory = _copy_run(trained, tmp_path / "run", manifest=True)
+    save_checkpoint(_best_of_epoch_one(trained), directory / "best.pt")  # valid on its own, not the committed one
+    match = r"the checkpoint .*best\.pt does not match .*checkpoints\.json \(SHA-256 of its \d+ bytes differs"
+    with pytest.raises(CheckpointError, match=match):
+        load_checkpoint(directory / "best.pt")
+    _resume_fails(make_transformer, data, directory, match)
+
+
+def test_a_changed_tensor_fails_the_content_checksum(make_transformer, data, trained, tmp_path):
+    # the issue's case: a few low bytes of one weight changed, the file otherwise intact (the old loop resumed from it)
+    directory = _copy_run(trained, tmp_path / "run")
+    checkpoint = torch.load(directory / "last.pt", weights_only=True)
+    weight = checkpoint["model"]["head.weight"]
+    weight.view(torch.int32).view(-1)[0] ^= 0x3  # the two lowest mantissa bits
+    torch.save(checkpoint, directory / "last.pt")
+    match = r"the checkpoint .*last\.pt is damaged: the SHA-256 of its content is [0-9a-f]{16}\.\.\., the file records"
+    _resume_fails(make_transformer, data, directory, match)
+
+
+def _equal_nested(first, second) -> bool:
+    if isinstance(first, torch.Tensor):
+        return isinstance(second, torch.Tensor) and first.dtype == second.dtype and torch.equal(first, second)
+    if isinstance(first, dict):
+        return (
+            isinstance(second, dict)
+            and list(first) == list(second)
+            and all(_equal_nested(first[key], second[key]) for key in first)
+        )
+    if isinstance(first, (list, tuple)):
+        return type(first) is type(second) and len(first) == len(second) and all(map(_equal_nested, first, second))
+    return type(first) is type(second) and (first == second or (first != first and second != second))
+
+
+def test_fault_injection_every_damaged_checkpoint_is_rejected_or_identical(trained, tmp_path, capsys):
+    """Flip one byte (XOR with a random non-zero value) at each of 50 seeded random positions of a real last.pt, one
+    damaged copy per position: every copy is rejected with a CheckpointError naming the file, or loads exactly the
+    original content. Without the manifest (the file's own checks) and with it (also its SHA-256)."""
+    directory, original = trained
+    reference = load_checkpoint(directory / "last.pt")
+    generator = random.Random(14)
+    positions = generator.sample(range(len(original)), 50)
+    tally = {"tried": 0, "rejected": 0, "identical": 0, "silently different": 0}
+    for index, position in enumerate(positions):
+        damaged = bytearray(original)
+        damaged[position] ^= generator.randrange(1, 256)
+        copy = _copy_run(trained, tmp_path / f"copy_{index}", bytes(damaged))
+        tally["tried"] += 1
+        try:
+            loaded = load_checkpoint(copy / "last.pt")
+        except CheckpointError as error:
+            assert str(copy / "last.pt") in str(error)
+            tally["rejected"] += 1
+            continue
+        tally["identical" if _equal_nested(loaded, reference) else "silently different"] += 1
+        with_manifest = _copy_run(trained, tmp_path / f"manifest_{index}", bytes(damaged), manifest=True)
+        with pytest.raises(CheckpointError, match=r"does not match .*checkpoints\.json"):
+            load_checkpoint(with_manifest / "last.pt")  # harmless to the content, but not the committed file
+    with capsys.disabled():
+        print(f"\nfault injection on {directory / 'last.pt'} ({len(original)} bytes): {tally}")
+    assert tally["tried"] == 50 and tally["silently different"] == 0
+    assert tally["rejected"] + tally["identical"] == 50 and tally["rejected"] > 0
+
+
+# -- atomic pairs ----------------------------------------------------------------------------------------------------
+def _synthetic(epoch: int, nlls: list[float]) -> dict:
+    """A small self-consistent checkpoint of ``epoch`` with validation NLLs ``nlls[:epoch]``."""
+    history = [{"epoch": index + 1, "val_nll": nll} for index, nll in enumerate(nlls[:epoch])]
+    best = min(range(epoch), key=lambda index: (nlls[index], index)) + 1
+    states = {"torch": torch.zeros(4, dtype=torch.uint8), "batch_generator": torch.ones(4, dtype=torch.uint8)}
+    return {
+        "model": {"w": torch.full((3,), float(epoch))},
+        "optimizer": {"state": {}, "param_groups": []},
+        "scheduler": {},
+        "epoch": epoch,
+        "rng": {**states, "cuda": None},
+        "history": history,
+        "best_epoch": best,
+        "best_val_nll": nlls[best - 1],
+        "config": {},
+    }
+
+
+class _Killed(BaseException):
+    pass
+
+
+@pytest.mark.parametrize("nlls", [[1.0, 0.5], [0.5, 1.0]], ids=["improved", "not_improved"])
+def test_a_kill_at_any_moment_leaves_a_consistent_pair(tmp_path, monkeypatch, nlls):
+    # every file operation of the epoch-2 write (writing a .tmp file, or a rename) is the moment of the kill in turn,
+    # a write also half done: afterwards best.pt and last.pt always pair, of epoch 1 before the manifest's commit and
+    # of epoch 2 after it
+    write, replace = checkpoints._write_synced, checkpoints.os.replace
+    moment = 0
+    while True:
+        moment += 1
+        directory = tmp_path / f"kill_{moment}"
+        directory.mkdir()
+        save_run_checkpoints(directory, _synthetic(1, nlls), _synthetic(1, nlls))
+        operations = []
+
+        def killing_write(path, data, operations=operations, moment=moment):
+            operations.append(f"write {path.name}")
+            if len(operations) == moment:
+                write(path, data[: len(data) // 2])
+                raise _Killed
+            write(path, data)
+
+        def killing_replace(source, target, operations=operations, moment=moment):
+            operations.append(f"replace {source.name}")
+            if len(operations) == moment:
+                raise _Killed
+            replace(source, target)
+
+        monkeypatch.setattr(checkpoints, "_write_synced", killing_write)
+        monkeypatch.setattr(checkpoints.os, "replace", killing_replace)
+        killed = False
+        try:
+            last = _synthetic(2, nlls)
+            save_run_checkpoints(directory, last, last if last["best_epoch"] == 2 else None)
+        except _Killed:
+            killed = True
+        finally:
+            monkeypatch.undo()
+        committed = f"replace {MANIFEST}.tmp" in operations[: moment - 1]
+        recover(directory)
+        last, best = load_checkpoint(directory / "last.pt"), load_checkpoint(directory / "best.pt")
+        check_pair(last, best, directory / "last.pt", directory / "best.pt")
+        assert last["epoch"] == (2 if committed or not killed else 1), operations
+        if not killed:
+            break
+    assert moment == len(operations) + 1 >= 5  # every operation was a kill point once
 
 
 def test_load_checkpoint_reads_and_loads_a_good_file(make_transformer, trained):
@@ -238,9 +444,9 @@ def test_non_finite_gradient_keeps_the_last_good_checkpoint(make_transformer, da
     _assert_last_good_checkpoint(make_transformer, data, tmp_path, epoch=1)
 
 
-def test_non_finite_parameter_after_an_epoch_is_never_checkpointed(make_transformer, data, tmp_path):
+def test_non_finite_parameter_stops_at_its_step(make_transformer, data, tmp_path):
     # the last optimiser step of epoch 2 makes a parameter infinite without a non-finite loss or gradient: the old
-    # loop would have evaluated and written it to last.pt; the epoch-end check stops first
+    # loop would have evaluated and written it to last.pt; the per-step check stops at that step
     model = _fresh_model(make_transformer)
     steps = {"count": 0}
 
@@ -252,9 +458,25 @@ def test_non_finite_parameter_after_an_epoch_is_never_checkpointed(make_transfor
 
     handle = register_optimizer_step_post_hook(poison)
     try:
-        with pytest.raises(NonFiniteLossError, match=r"non-finite parameters \['head\.bias'\] after epoch 2"):
+        match = r"non-finite parameters \['head\.bias'\] after the optimiser step at epoch 2, step 2/2"
+        with pytest.raises(NonFiniteLossError, match=match):
             train_model(model, data.train, data.val, _config(tmp_path, epochs=3))
     finally:
         handle.remove()
     assert torch.isfinite(model.head.bias).all()  # the best (epoch 1) state is back
     _assert_last_good_checkpoint(make_transformer, data, tmp_path, epoch=1)
+
+
+def test_a_new_run_replaces_a_stale_or_damaged_manifest(tmp_path):
+    # a fresh run in a folder of a longer earlier run (manifest at epoch 3) or with a damaged manifest: its own
+    # epochs are committed, and an unchanged best.pt keeps its entry from this run's earlier epoch
+    nlls = [1.0, 0.5, 0.2]
+    save_run_checkpoints(tmp_path, _synthetic(3, nlls), _synthetic(3, nlls))
+    for damage in (False, True):
+        if damage:
+            (tmp_path / MANIFEST).write_text("{not json")
+        save_run_checkpoints(tmp_path, _synthetic(1, [0.9, 1.0]), _synthetic(1, [0.9, 1.0]))
+        save_run_checkpoints(tmp_path, _synthetic(2, [0.9, 1.0]))  # not improved: best.pt stays epoch 1
+        last, best = load_checkpoint(tmp_path / "last.pt"), load_checkpoint(tmp_path / "best.pt")
+        check_pair(last, best, tmp_path / "last.pt", tmp_path / "best.pt")
+        assert (last["epoch"], best["epoch"]) == (2, 1)

@@ -62,7 +62,7 @@ def test_members_write_their_own_checkpoints(data, tmp_path, small_model, small_
     train_ensemble(
         lambda k: small_model("softmax"), data.train, data.val, small_config(checkpoint_dir=tmp_path / "one"), 1
     )
-    assert sorted(path.name for path in (tmp_path / "one").iterdir()) == ["best.pt", "last.pt"]  # a single model
+    assert sorted(path.name for path in (tmp_path / "one").iterdir()) == ["best.pt", "checkpoints.json", "last.pt"]
 
 
 # -- predictions -----------------------------------------------------------------------------------------------------

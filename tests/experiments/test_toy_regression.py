@@ -8,7 +8,8 @@ from dataclasses import replace
 import pytest
 import torch
 
-from gpattn.experiments import ToyRegressionConfig, format_result, run_toy_regression
+from gpattn.experiments import ToyRegressionConfig, TrainingDivergedError, format_result, run_toy_regression
+from gpattn.experiments.toy_regression import _guarded_step
 from gpattn.models import KernelEigenPairSVGP
 
 SMOKE = ToyRegressionConfig(iterations=5, pyro_iterations=5, num_landmarks=10, num_inducing=6)
@@ -49,3 +50,36 @@ def test_kep_svgp_matches_exact_gp_on_the_1d_toy() -> None:
 
 def test_config_is_a_plain_dataclass() -> None:
     assert replace(SMOKE, seed=3).seed == 3
+
+
+# -- divergence ------------------------------------------------------------------------------------------------------
+def test_a_diverging_fit_says_so(tmp_path) -> None:
+    # a learning rate of 1000 sends the kernel hyperparameters to NaN at the second step of the ELBO fit; the old
+    # loop failed later inside the kernel SVD with "kernel matrix contains NaN or Inf", naming no fit
+    config = ToyRegressionConfig(iterations=5, pyro_iterations=2, lr=1000.0)
+    match = r"^KEP-SVGP \(ELBO\): the fit diverged at iteration 2/5 \(learning rate 1000\): non-finite parameters"
+    with pytest.raises(TrainingDivergedError, match=match) as caught:
+        run_toy_regression(config, out=tmp_path, progress=False)
+    assert "lower the learning rate (ToyRegressionConfig.lr, --lr)" in str(caught.value)
+    assert caught.value.epoch == 2 and not (tmp_path / "results.json").exists()
+
+
+def test_a_step_failing_after_the_first_iteration_is_divergence() -> None:
+    module = torch.nn.Linear(1, 1)
+    error = RuntimeError("Matrix not positive definite")
+
+    def failing():
+        raise error
+
+    with pytest.raises(
+        TrainingDivergedError,
+        match=r"^fit: the fit diverged at iteration 4/9 \(learning rate 0\.5\): "
+        r"the step failed \(RuntimeError: Matrix not positive definite\)",
+    ) as caught:
+        _guarded_step("fit", 3, 9, 0.5, failing, [module])
+    assert caught.value.__cause__ is error
+    with pytest.raises(RuntimeError, match="^Matrix not positive definite$"):  # the first step: not divergence
+        _guarded_step("fit", 0, 9, 0.5, failing, [module])
+    with pytest.raises(TrainingDivergedError, match=r"at iteration 1/9 .*: loss nan"):
+        _guarded_step("fit", 0, 9, 0.5, lambda: float("nan"), [module])
+    assert _guarded_step("fit", 0, 9, 0.5, lambda: torch.tensor(2.5), [module]) == 2.5

@@ -16,8 +16,10 @@ from gpattn.attention import attention_names
 from gpattn.data import make_pointer_task
 from gpattn.experiments import (
     CHECKPOINT_KEYS,
+    CheckpointError,
     NonFiniteLossError,
     TrainConfig,
+    TrainingDivergedError,
     TrainingStrategy,
     evaluate,
     load_checkpoint,
@@ -198,12 +200,30 @@ def test_interrupted_run_resumes_bit_identically(make_transformer, masked_data, 
         _assert_equal_nested(last[0][key], last[1][key], key)
 
 
-def test_resuming_with_another_schedule_warns(data, tmp_path, small_model, small_config):
+@pytest.mark.parametrize(
+    ("changes", "match"),
+    [
+        ({"seed": 1}, r"seed \(0 in the checkpoint, 1 now\)"),
+        ({"lr": 1e-3}, r"lr \(0\.01 in the checkpoint, 0\.001 now\)"),
+        ({"batch_size": 32}, r"batch_size \(64 in the checkpoint, 32 now\)"),
+        ({"epochs": 3}, r"the schedule horizon \(2 epochs in the checkpoint, 3 now; set schedule_epochs=2"),
+        ({"epochs": 1, "schedule_epochs": 2}, r"epochs \(1 now, but the checkpoint already holds epoch 2\)"),
+    ],
+    ids=["seed", "lr", "batch_size", "horizon", "fewer_epochs"],
+)
+def test_resuming_with_other_settings_is_an_error(data, tmp_path, small_model, small_config, changes, match):
+    # the record of a resumed run would claim settings that did not train the model: refuse, naming what differs
     model = small_model()
-    train_model(model, data.train, data.val, small_config(epochs=1, checkpoint_dir=tmp_path))
-    with pytest.warns(UserWarning, match="schedule horizon"):
-        result = train_model(model, data.train, data.val, small_config(epochs=2, checkpoint_dir=tmp_path), resume=True)
-    assert [record["epoch"] for record in result.history] == [1, 2]
+    train_model(model, data.train, data.val, small_config(epochs=2, checkpoint_dir=tmp_path))
+    before = {name: value.clone() for name, value in model.state_dict().items()}
+    config = small_config(**{"epochs": 2, "checkpoint_dir": tmp_path, **changes})
+    with pytest.raises(CheckpointError, match=r"cannot resume from .*last\.pt with other settings.*" + match):
+        train_model(model, data.train, data.val, config, resume=True)
+    assert all(torch.equal(value, before[name]) for name, value in model.state_dict().items())
+    # what may change: the total (with the same horizon), the progress bar, the evaluation batch size
+    same = small_config(epochs=3, schedule_epochs=2, progress=False, eval_batch_size=7, checkpoint_dir=tmp_path)
+    result = train_model(model, data.train, data.val, same, resume=True)
+    assert [record["epoch"] for record in result.history] == [1, 2, 3]
 
 
 def test_resume_errors_name_the_problem(data, tmp_path, small_model, small_config):
@@ -276,6 +296,90 @@ def test_non_finite_loss_stops_with_the_best_state(data, tmp_path, faulty_elbo, 
     assert all(torch.isfinite(parameter).all() for parameter in model.parameters())
     for name, value in model.state_dict().items():
         assert torch.equal(value, best["model"][name]), name
+
+
+def _assert_holds(model: torch.nn.Module, state: dict[str, Tensor]) -> None:
+    assert model.state_dict().keys() == state.keys()
+    assert all(torch.equal(value, state[name]) for name, value in model.state_dict().items())
+
+
+def test_a_nan_in_restored_optimiser_moments_stops_at_that_step(data, tmp_path, small_model, small_config):
+    # the first step after resuming meets a NaN in AdamW's first moment (as if restored from a bad state): the loss
+    # and gradient are finite, the step makes one weight NaN; the old loop only noticed at the next forward pass
+    # ("SoftmaxAttention: x contains NaN or Inf values") or at the end of the epoch
+    model = small_model(depth=2)
+    train_model(model, data.train, data.val, small_config(epochs=1, schedule_epochs=3, checkpoint_dir=tmp_path))
+    last_bytes = (tmp_path / "last.pt").read_bytes()
+    best = load_checkpoint(tmp_path / "best.pt")["model"]
+    poisoned = []
+
+    def poison(optimizer, args, kwargs):
+        if not poisoned:
+            next(iter(optimizer.state.values()))["exp_avg"].view(-1)[0] = math.nan
+            poisoned.append(True)
+
+    handle = register_optimizer_step_pre_hook(poison)
+    try:
+        with pytest.raises(TrainingDivergedError) as caught:
+            train_model(model, data.train, data.val, small_config(epochs=3, checkpoint_dir=tmp_path), resume=True)
+    finally:
+        handle.remove()
+    message = str(caught.value)
+    assert message.startswith("training diverged: non-finite parameters [")
+    assert "after the optimiser step at epoch 2, step 1/4 (global step 5)" in message
+    assert f"{tmp_path / 'last.pt'} still holds epoch 1, the last good one" in message
+    assert (caught.value.epoch, caught.value.step, caught.value.best_epoch) == (2, 1, 1)
+    assert isinstance(caught.value, RuntimeError) and NonFiniteLossError is TrainingDivergedError
+    _assert_holds(model, best)  # the last good (and best) state, not the NaN one
+    assert (tmp_path / "last.pt").read_bytes() == last_bytes  # the last good checkpoint is untouched
+    resumed = train_model(model, data.train, data.val, small_config(epochs=3, checkpoint_dir=tmp_path), resume=True)
+    assert [record["epoch"] for record in resumed.history] == [1, 2, 3]  # and the run can go on from it
+
+
+@pytest.mark.parametrize("attention", ["kep_svgp", "softmax"])
+def test_a_huge_learning_rate_stops_with_the_initial_state(data, tmp_path, small_model, small_config, attention):
+    model = small_model(attention)
+    initial = {name: value.clone() for name, value in model.state_dict().items()}
+    config = small_config(lr=1e6, grad_clip=None, warmup_epochs=0, checkpoint_dir=tmp_path)
+    match = r"^training diverged: non-finite .* at epoch 1, step 2/4"
+    with pytest.raises(TrainingDivergedError, match=match) as caught:
+        train_model(model, data.train, data.val, config)
+    assert caught.value.best_epoch == 0 and "no checkpoint of this run was written" in str(caught.value)
+    _assert_holds(model, initial)
+    assert not (tmp_path / "last.pt").exists()
+
+
+def test_an_overflowing_forward_pass_is_divergence_but_bad_data_is_not(data, small_model, small_config):
+    # finite parameters whose activations overflow: a layer's "NaN or Inf" input check fires inside the forward pass
+    model = small_model()
+    calls = []
+
+    def overflow(module, args):
+        calls.append(None)
+        return (args[0] * math.inf, *args[1:]) if len(calls) == 3 and module.training else None
+
+    handle = model.blocks[0].register_forward_pre_hook(overflow)
+    try:
+        with pytest.raises(TrainingDivergedError, match=r"non-finite values in the forward pass at epoch 1, step 3/4 "):
+            train_model(model, data.train, data.val, small_config())
+    finally:
+        handle.remove()
+
+    @dataclass
+    class Images:
+        images: torch.Tensor
+        labels: torch.Tensor
+
+    images = torch.randn(8, 1, 4, 4)
+    images[5, 0, 1, 1] = math.nan  # a NaN in the data is the data's fault: the layer's ValueError stays
+    images = Images(images, torch.zeros(8, dtype=torch.long))
+    torch.manual_seed(0)
+    patches = Transformer(
+        2, embed_dim=16, depth=1, num_heads=2, input="patches", image_size=4, patch_size=2, in_channels=1
+    )
+    with pytest.raises(ValueError, match="NaN or Inf") as caught:
+        train_model(patches, images, images, small_config(epochs=1, batch_size=8))
+    assert not isinstance(caught.value, TrainingDivergedError)
 
 
 # -- output ----------------------------------------------------------------------------------------------------------

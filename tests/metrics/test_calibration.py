@@ -21,6 +21,7 @@ from gpattn.metrics import (
     negative_log_likelihood,
     reliability_diagram_data,
 )
+from gpattn.metrics.calibration import row_sum_tolerance
 
 # Four binary samples; confidence = max prob, prediction = argmax.
 #   [0.90, 0.10], y=0: conf 0.90, correct -> bin (0.8, 1.0]
@@ -267,3 +268,44 @@ def test_bad_kind_raises(kind) -> None:
     for metric in (expected_calibration_error, maximum_calibration_error):
         with pytest.raises(ValueError, match="kind"):
             metric(PROBS, LABELS, kind=kind)
+
+
+# -- low-precision probabilities (issue 14) --------------------------------------------------------------------------
+def test_row_sum_tolerance_follows_the_dtype() -> None:
+    assert row_sum_tolerance(torch.bfloat16) == 4 * 2.0**-7
+    assert row_sum_tolerance(torch.float16) == row_sum_tolerance(np.float16) == 4 * 2.0**-10
+    for dtype in (torch.float32, torch.float64, np.float32, np.float64, torch.int64, np.int32):
+        assert row_sum_tolerance(dtype) == 1e-4
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bfloat16", "float16"])
+@pytest.mark.parametrize("num_classes", [2, 10, 1000])
+def test_low_precision_probabilities_are_accepted_and_exact(dtype, num_classes) -> None:
+    # a softmax computed in bfloat16 has rows off by ~2e-3 (the old fixed 1e-4 rejected them); the metrics now take
+    # them, computed in float64 on exactly the stored values, and close to the float64 softmax's metrics
+    generator = torch.Generator().manual_seed(num_classes)
+    logits = 3 * torch.randn(400, num_classes, generator=generator, dtype=torch.float64)
+    labels = torch.randint(0, num_classes, (400,), generator=generator)
+    low = torch.softmax(logits.to(dtype), dim=-1)
+    exact = torch.softmax(logits, dim=-1)
+    worst = (low.double().sum(-1) - 1).abs().max().item()
+    assert worst <= row_sum_tolerance(dtype) and (dtype == torch.float16 or worst > 1e-4 or num_classes == 2)
+    stored = low.double()  # the float64 reference on the very values passed
+    picked = stored[torch.arange(400), labels]
+    assert negative_log_likelihood(low, labels) == pytest.approx(-picked.clamp_min(1e-12).log().mean().item(), 1e-12)
+    assert accuracy(low, labels) == (stored.argmax(-1) == labels).double().mean().item()
+    one_hot = torch.nn.functional.one_hot(labels, num_classes).double()
+    assert brier_score(low, labels) == pytest.approx((stored - one_hot).pow(2).sum(-1).mean().item(), rel=1e-12)
+    # against the float64 softmax: bfloat16 keeps 8 bits of every probability, float16 loses the tiny ones (below
+    # its smallest subnormal, 6e-8) among 1000 classes
+    assert negative_log_likelihood(low, labels) == pytest.approx(negative_log_likelihood(exact, labels), rel=5e-2)
+    assert expected_calibration_error(low, labels) == pytest.approx(expected_calibration_error(exact, labels), abs=2e-2)
+
+
+def test_low_precision_rows_that_do_not_sum_to_one_are_still_rejected() -> None:
+    bad = torch.tensor([[0.6, 0.3], [0.5, 0.5]], dtype=torch.bfloat16)  # off by 0.1
+    with pytest.raises(ValueError, match=r"sum to 1 within 0\.03125 \(for torch\.bfloat16 inputs\), got a row off"):
+        negative_log_likelihood(bad, torch.tensor([0, 1]))
+    off = torch.tensor([[0.5005, 0.5]], dtype=torch.float32)  # float32: the 1e-4 tolerance stays
+    with pytest.raises(ValueError, match=r"sum to 1 within 0\.0001 \(for torch\.float32 inputs\)"):
+        accuracy(off, torch.tensor([0]))

@@ -17,6 +17,7 @@ import gpattn.features.kernel_eigen_features as kernel_eigen_features
 from gpattn.data import make_asymmetric_regression_1d
 from gpattn.kernels import CosineFeatureKernel, ShiftedRBFKernel
 from gpattn.models import KernelEigenPairSVGP
+from gpattn.models.kernel_eigen_pair_svgp import FANTASY_UNSUPPORTED
 
 NUM_LANDMARKS = 12
 RANK = 8
@@ -292,3 +293,13 @@ def test_duplicated_landmarks_give_a_finite_elbo_and_prediction() -> None:
     assert 0 <= model.variational_strategy.kl_divergence().item() < 100  # not ~1/lambda^2 of the zero directions
     model.eval()
     assert torch.isfinite(model(x).mean).all() and torch.isfinite(model(x).variance).all()
+
+
+def test_get_fantasy_model_explains_why_it_is_not_supported(data):
+    # GPyTorch's online conditioning would treat the kernel-eigen inducing variables as values f(Z): refuse, and say so
+    x, y, landmarks = data
+    gp = _model(landmarks)
+    with pytest.raises(NotImplementedError) as caught:
+        gp.get_fantasy_model(x[:3], y[:3])
+    assert str(caught.value) == f"KernelEigenPairSVGP: {FANTASY_UNSUPPORTED}"
+    assert "projections u = H^T f (K_uu = Lambda^2), not values f(Z)" in FANTASY_UNSUPPORTED
