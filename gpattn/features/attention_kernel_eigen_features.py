@@ -364,8 +364,7 @@ class AttentionKernelEigenFeatures(KernelEigenFeaturesBase):
                 # likewise. (Products are arranged so that the long axis N is the columns of every output and operand:
                 # batched GEMMs with an (N, s) output are several times slower on CPU, forward and backward.)
                 left_weights = (
-                    root_scale
-                    * ((left_values * key_inverse * self._token_weights(keys, key_mask)) @ key_columns.mT).mT
+                    root_scale * ((left_values * key_inverse * self._token_weights(keys, key_mask)) @ key_columns.mT).mT
                 )
                 right_weights = (
                     root_scale
@@ -427,11 +426,13 @@ class AttentionKernelEigenFeatures(KernelEigenFeaturesBase):
                 "token of the sequence"
             )
         if mode == "primal_features" and length != self.max_len:
-            raise ValueError(f"features='primal_features' needs sequences of length max_len={self.max_len}, got {length}")
+            raise ValueError(
+                f"features='primal_features' needs sequences of length max_len={self.max_len}, got {length}"
+            )
         if mode == "primal_tokens" and length > self.max_len and self.sampled_positions(length) is None:
             raise ValueError(
-                f"features='primal_tokens' has one weight row per position: sequences of at most max_len={self.max_len} "
-                f"tokens, got {length}"
+                "features='primal_tokens' has one weight row per position: sequences of at most "
+                f"max_len={self.max_len} tokens, got {length}"
             )
 
     def _check_magnitude(self, queries: Tensor, keys: Tensor) -> None:
