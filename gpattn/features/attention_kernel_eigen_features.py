@@ -177,7 +177,12 @@ class AttentionKernelEigenFeatures(KernelEigenFeaturesBase):
         if mode in POSITIONAL_MODES:
             if max_len is None:
                 raise ValueError(f"{where}: features={mode!r} needs max_len (its fixed sequence length)")
-            check_int(f"max_len (the sequence length of features={mode!r})", max_len, num_inducing, where=where)
+            if mode == "primal_features":  # W~ (max_len x s) of rank s
+                check_int(
+                    "max_len (the sequence length of features='primal_features')", max_len, num_inducing, where=where
+                )
+            else:  # W_e|X = X~^T W~ has rank <= min(N', C/H) whatever s is, as in the official code
+                check_int("max_len (the longest sequence of features='primal_tokens')", max_len, where=where)
         elif mode == "exact" and max_len is not None and check_int("max_len", max_len, where=where) < num_inducing:
             # the SVD of a sequence of at most max_len tokens has at most max_len singular values
             raise ValueError(

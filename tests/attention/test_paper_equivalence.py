@@ -189,8 +189,8 @@ def _ksvd_loss(layer) -> Tensor:
 # -- scores ------------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize(
     "rank,length",
-    [(3, N), (1, 13)],
-    ids=["all tokens (N' = N)", "evenly sampled (N' = 10 s < N)"],
+    [(3, N), (1, 13), (5, 4)],
+    ids=["all tokens (N' = N)", "evenly sampled (N' = 10 s < N)", "fewer tokens than s (N' = N = 4 < s = 5)"],
 )
 def test_primal_tokens_scores_are_the_official_ones(rank: int, length: int):
     params = official_parameters(rank, length, seed=1)
