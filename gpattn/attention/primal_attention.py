@@ -19,8 +19,8 @@ class PrimalAttention(AttentionLayer):
 
     with :math:`e, r` from :class:`~gpattn.features.AttentionKernelEigenFeatures` (amortised by default, gpattn's
     variant; ``"primal_tokens"`` is the official code's :math:`W_{e|X} = \tilde X_h^\top \tilde W_e`, registry row
-    ``"primal_paper"`` together with ``ksvd_form="official"``) and the penalty :math:`\eta J^2` (the features' added loss term ``"ksvd_loss"``,
-    :math:`\eta` = ``ksvd_weight``). Deterministic: ``kl_divergence()`` is zero. In
+    ``"primal_paper"`` together with ``ksvd_form="official"``) and the penalty :math:`\eta J^2` (the features' added
+    loss term ``"ksvd_loss"``, :math:`\eta` = ``ksvd_weight``). Deterministic: ``kl_divergence()`` is zero. In
     cross-attention :math:`r` lives on the keys, so the queries use :math:`[e(x_i); 0]`.
 
     :param embed_dim: Token width :math:`C`.

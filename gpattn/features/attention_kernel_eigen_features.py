@@ -178,7 +178,12 @@ class AttentionKernelEigenFeatures(KernelEigenFeaturesBase):
         if mode in POSITIONAL_MODES:
             if max_len is None:
                 raise ValueError(f"{where}: features={mode!r} needs max_len (its fixed sequence length)")
-            check_int(f"max_len (the sequence length of features={mode!r})", max_len, num_inducing, where=where)
+            if mode == "primal_features":  # W~ (max_len x s) of rank s
+                check_int(
+                    "max_len (the sequence length of features='primal_features')", max_len, num_inducing, where=where
+                )
+            else:  # W_e|X = X~^T W~ has rank <= min(N', C/H) whatever s is, as in the official code
+                check_int("max_len (the longest sequence of features='primal_tokens')", max_len, where=where)
         elif mode == "exact" and max_len is not None and check_int("max_len", max_len, where=where) < num_inducing:
             # the SVD of a sequence of at most max_len tokens has at most max_len singular values
             raise ValueError(
@@ -367,8 +372,7 @@ class AttentionKernelEigenFeatures(KernelEigenFeaturesBase):
                 # likewise. (Products are arranged so that the long axis N is the columns of every output and operand:
                 # batched GEMMs with an (N, s) output are several times slower on CPU, forward and backward.)
                 left_weights = (
-                    root_scale
-                    * ((left_values * key_inverse * self._token_weights(keys, key_mask)) @ key_columns.mT).mT
+                    root_scale * ((left_values * key_inverse * self._token_weights(keys, key_mask)) @ key_columns.mT).mT
                 )
                 right_weights = (
                     root_scale
@@ -430,11 +434,13 @@ class AttentionKernelEigenFeatures(KernelEigenFeaturesBase):
                 "token of the sequence"
             )
         if mode == "primal_features" and length != self.max_len:
-            raise ValueError(f"features='primal_features' needs sequences of length max_len={self.max_len}, got {length}")
+            raise ValueError(
+                f"features='primal_features' needs sequences of length max_len={self.max_len}, got {length}"
+            )
         if mode == "primal_tokens" and length > self.max_len and self.sampled_positions(length) is None:
             raise ValueError(
-                f"features='primal_tokens' has one weight row per position: sequences of at most max_len={self.max_len} "
-                f"tokens, got {length}"
+                "features='primal_tokens' has one weight row per position: sequences of at most "
+                f"max_len={self.max_len} tokens, got {length}"
             )
 
     def _check_magnitude(self, queries: Tensor, keys: Tensor) -> None:

@@ -65,9 +65,10 @@ def ksvd_objective(
     """
     check_choice("form", form, FORMS, where="ksvd_objective")
     inverse = singular_values.reciprocal().unsqueeze(-2)  # shape: (*batch, 1, s)
-    left_quad = (left_scores.pow(2) * inverse).sum(-1)  # e_i^T Lambda^{-1} e_i: (*batch, N)
-    right_quad = (right_scores.pow(2) * inverse).sum(-1)
+    left_weighted = left_scores.pow(2) * inverse  # e_ik^2 / lambda_k: (*batch, N, s)
+    right_weighted = right_scores.pow(2) * inverse
     if form == "official":
+        left_quad, right_quad = left_weighted.sum(-1), right_weighted.sum(-1)  # e_i^T Lambda^{-1} e_i: (*batch, N)
         if mask is None:
             left_mean, right_mean = left_quad.mean(), right_quad.mean()
         else:  # the mean over the real tokens of every sequence and head: (B, H, N) against a (B, N) mask
@@ -79,4 +80,4 @@ def ksvd_objective(
     coupling = (left_weights * right_weights).sum(dim=(-2, -1))  # Tr(W_e^T W_r)
     if weights_per_position:
         coupling = coupling.mean(-1)
-    return 0.5 * (left_quad.sum(-1) + right_quad.sum(-1)) - coupling
+    return 0.5 * (left_weighted.sum(dim=(-2, -1)) + right_weighted.sum(dim=(-2, -1))) - coupling

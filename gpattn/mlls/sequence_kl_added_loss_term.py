@@ -1,4 +1,4 @@
-"""A KL divergence that belongs to each sequence (an amortised, per-sequence posterior) as a GPyTorch added loss term."""
+"""A KL divergence that belongs to each sequence (an amortised posterior) as a GPyTorch added loss term."""
 
 from __future__ import annotations
 

@@ -515,10 +515,12 @@ def test_call_errors():
     mask = torch.ones(2, 5, dtype=torch.bool)
     with pytest.raises(ValueError, match="primal_features"):
         _layer(features="primal_features", max_len=5)(x, mask=mask)
-    with pytest.raises(ValueError, match="primal_tokens"):
+    with pytest.raises(ValueError, match="does not support causal masks"):
         _layer(features="primal_tokens", max_len=5)(x, mask="causal")
-    with pytest.raises(ValueError, match="primal_tokens"):
+    with pytest.raises(ValueError, match="does not support cross-attention"):
         _layer(features="primal_tokens", max_len=5)(x, context=_randn(2, 5, C, seed=53))
+    with pytest.raises(ValueError, match="primal_tokens"):  # the features alone name the mode
+        _layer(features="primal_tokens", max_len=5).features(x, causal=True)
     with pytest.raises(ValueError, match="max_len=5"):
         _layer(features="primal_features", max_len=5)(_randn(2, 4, C, seed=52))
     with pytest.raises(ValueError, match="at most max_len=5"):

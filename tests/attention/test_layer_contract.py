@@ -56,7 +56,17 @@ def set_mode(layer: AttentionLayer, mode: str) -> AttentionLayer:
 
 
 def test_registry_names():
-    assert NAMES == ["kep_svgp", "kep_svgp_sym", "sgpa", "svgp", "softmax", "primal", "cgpt", "kep_svgp_paper", "primal_paper"]
+    assert NAMES == [
+        "kep_svgp",
+        "kep_svgp_sym",
+        "sgpa",
+        "svgp",
+        "softmax",
+        "primal",
+        "cgpt",
+        "kep_svgp_paper",
+        "primal_paper",
+    ]
     assert ATTENTIONS["kep_svgp_sym"][1] == {"tie_qk": True}
     with pytest.raises(ValueError, match="kep_svgp"):
         build_attention("not_an_attention", EMBED_DIM, NUM_HEADS)
@@ -253,6 +263,9 @@ def test_learned_spectrum_is_the_ksvd_singular_values_or_none(name):
         assert spectrum.shape == (NUM_HEADS, 4) and not spectrum.requires_grad
         assert torch.equal(spectrum, layer.features.singular_values)
         if name.startswith("kep_svgp"):  # exact features are recomputed per sequence: nothing learned
-            assert build_attention(name, EMBED_DIM, NUM_HEADS, features="exact", ksvd_form="sum").learned_spectrum() is None
+            assert (
+                build_attention(name, EMBED_DIM, NUM_HEADS, features="exact", ksvd_form="sum").learned_spectrum()
+                is None
+            )
     else:
         assert spectrum is None

@@ -96,3 +96,22 @@ def test_bad_registrations_are_refused(name, layer_cls, defaults, error, match) 
 
 def test_layers_without_a_spectrum_say_none() -> None:
     assert AttentionLayer.learned_spectrum(SoftmaxAttention(8, 2)) is None
+
+
+@pytest.mark.parametrize("name", ["kep_svgp_paper", "primal_paper"])
+def test_paper_rows_run_the_official_configuration(name: str):
+    layer = build_attention(name, 32, 2, **select_arguments(name, num_inducing=None, ksvd_weight=1.0))
+    features = layer.features
+    assert features.mode == "primal_tokens" and features.ksvd_form == "official"
+    assert features.left_token_weights.shape == (2, 100, 10)  # N' = 10 s evenly spaced tokens under max_len 512
+    if name == "kep_svgp_paper":
+        assert layer.shared_posterior and layer.sampling_mode == "marginal" and layer.num_outputs == 10
+    # in a Transformer the row gets the model's length: 16 patches of an 8x8 image, every token a weight row
+    model = Transformer(
+        3, embed_dim=32, num_heads=2, attention=name, input="patches", image_size=8, patch_size=2, in_channels=1
+    )
+    assert model.blocks[-1].attention.features.left_token_weights.shape == (2, 16, 10)
+    assert model(torch.randn(4, 1, 8, 8)).shape == (4, 3)
+    # the variants keep gpattn's amortised features and the sum form
+    variant = build_attention(name.removesuffix("_paper"), 32, 2)
+    assert variant.features.mode == "amortized" and variant.features.ksvd_form == "sum"

@@ -175,9 +175,9 @@ def test_input_type_error_is_both():
         (KEPSVGPAttention, {"features": "primal_tokens"}, ValueError, "primal_tokens' needs max_len"),
         (
             KEPSVGPAttention,
-            {"features": "primal_tokens", "max_len": 1},
+            {"features": "primal_features", "max_len": 1},
             ValueError,
-            r"max_len \(the sequence length of features='primal_tokens'\) to be an integer >= 2, got 1",
+            r"max_len \(the sequence length of features='primal_features'\) to be an integer >= 2, got 1",
         ),
         (KEPSVGPAttention, {"features": "exact", "max_len": 1}, ValueError, r"num_inducing \(2\).*max_len=1"),
         (KEPSVGPAttention, {"merge": "concat_tokens"}, ValueError, "max_len"),
