@@ -293,8 +293,8 @@ class AttentionKernelEigenFeatures(KernelEigenFeaturesBase):
 
     def _fused_self_attention(self, tokens: Tensor, mask: Tensor | None, objective: bool) -> KernelEigenScores:
         r"""The amortised self-attention scores by :class:`~gpattn.features.amortized_scores.AmortizedSelfScores`:
-        one projection GEMM for :math:`[P_q; P_k]` (``(B, 2, H, p, N)``), one for the values :math:`[A_e(X)^\top;
-        A_r(X)^\top]` and the scores' products with a hand-written backward pass (no padding-masked query is treated
+        one projection GEMM for :math:`[P_q; P_k]` (``(B, 2, H, p, N)``), one for the values :math:`[A_r(X)^\top;
+        A_e(X)^\top]` and the scores' products with a hand-written backward pass (no padding-masked query is treated
         differently from the general path: the same :math:`1/|V|` weights)."""
         kernel = self.kernel
         lifted = kernel.lift(tokens)
@@ -302,16 +302,17 @@ class AttentionKernelEigenFeatures(KernelEigenFeaturesBase):
         projection = torch.stack([kernel.query_weight, kernel.key_projection])  # (2, H, p, D)
         columns = torch.bmm(projection.flatten(0, 2).expand(batch, -1, -1), lifted.mT)
         columns = columns.view(batch, 2, heads, -1, columns.shape[-1])  # [P_q; P_k]: (B, 2, H, p, N)
-        maps = torch.stack([self.left_map, self.right_map]).mT  # (2, H, s, C)
+        maps = torch.stack([self.right_map, self.left_map]).mT  # (2, H, s, C)
         values = torch.bmm(maps.flatten(0, 2).expand(batch, -1, -1), tokens.mT).view(batch, 2, heads, rank, -1)
-        values = values + torch.stack([self.left_bias, self.right_bias]).unsqueeze(-1)  # [a_e; a_r]: (B, 2, H, s, N)
+        values = values + torch.stack([self.right_bias, self.left_bias]).unsqueeze(-1)  # [a_r; a_e]: (B, 2, H, s, N)
         weights = self._token_weights(tokens, mask)
         if torch.is_tensor(weights):
             weights = weights.unsqueeze(1)  # (B, 1, 1, 1, N)
         else:
             weights = torch.full((1, 1, 1, 1, 1), weights, dtype=columns.dtype, device=columns.device)
         root_scale = kernel.outputscale.sqrt()[:, None, None]
-        left, right, left_weights, right_weights = AmortizedSelfScores.apply(columns, values, weights, root_scale)
+        scores, score_weights = AmortizedSelfScores.apply(columns, values, weights, root_scale)
+        (left, right), (left_weights, right_weights) = scores.unbind(1), score_weights.unbind(1)
         singular_values = self.singular_values
         objective_value = None
         if objective:
