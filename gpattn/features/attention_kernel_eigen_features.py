@@ -235,7 +235,9 @@ class AttentionKernelEigenFeatures(KernelEigenFeaturesBase):
                     f"features='primal_tokens' needs sequences of length max_len={self.max_len}, got "
                     f"{queries.shape[-2]}"
                 )
-        if self.mode == "amortized" and self_attention and not (causal or kernel_diag or self.tie_qk):
+        # the fused path (a hand-written backward pass) runs in the tokens' dtype: autocast takes the general one
+        fused = self.mode == "amortized" and self_attention and not (causal or kernel_diag or self.tie_qk)
+        if fused and not torch.is_autocast_enabled(queries.device.type):
             return self._penalised(self._fused_self_attention(queries, query_mask, objective))
         kernel = self.kernel
         query_columns, query_inverse = kernel.feature_columns(queries, "query")  # P_q (B, H, p, N), nu_q (B, H, 1, N)
