@@ -42,14 +42,14 @@ from pathlib import Path
 os.environ.setdefault("KINETO_LOG_LEVEL", "5")  # keep the profiler's start/stop lines out of the output
 import torch  # noqa: E402
 
-from gpattn.attention import build_attention  # noqa: E402
+from gpattn.attention import attention_names, build_attention  # noqa: E402
 
 VARIANTS = {
     "softmax": ("softmax", {}),
     "floor": ("floor", {}),
     "kep_svgp": ("kep_svgp", {}),
     "kep_svgp_marginal": ("kep_svgp", {"sampling": "marginal"}),
-    # the official code's configuration (max_len = N and d_out = s are set per length in _build)
+    # the official code's configuration (the registry's kep_svgp_paper where it exists; max_len = N, d_out = s)
     "kep_svgp_official_style": (
         "kep_svgp",
         {"features": "primal_tokens", "sampling": "marginal", "shared_posterior": True},
@@ -179,6 +179,8 @@ def _build(
         if feature_dim is not None:
             kwargs["feature_dim"] = feature_dim
     if variant == "kep_svgp_official_style":
+        if "kep_svgp_paper" in attention_names():  # the registry's row of the papers' configuration
+            name, kwargs = "kep_svgp_paper", {"num_inducing": rank}
         kwargs = {**kwargs, "max_len": length, "num_outputs": rank}
     layer = build_attention(name, embed_dim, num_heads, **kwargs).to(device).train()
     return compiled_or_eager(layer) if compile_layers and name != "softmax" else layer

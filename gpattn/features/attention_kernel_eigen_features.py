@@ -338,7 +338,9 @@ class AttentionKernelEigenFeatures(KernelEigenFeaturesBase):
             return self._penalised(self._exact(queries, keys, key_mask, query_mask, causal, kernel_diag))
         if self.mode in POSITIONAL_MODES:
             self._check_positional_call(queries, key_mask, causal, self_attention)
-        if self.mode == "amortized" and self_attention and not (causal or kernel_diag or self.tie_qk):
+        # the fused path (a hand-written backward pass) runs in the tokens' dtype: autocast takes the general one
+        fused = self.mode == "amortized" and self_attention and not (causal or kernel_diag or self.tie_qk)
+        if fused and not torch.is_autocast_enabled(queries.device.type):
             return self._penalised(self._fused_self_attention(queries, query_mask, objective))
         kernel = self.kernel
         query_columns, query_inverse = kernel.feature_columns(queries, "query")  # P_q (B, H, p, N), nu_q (B, H, 1, N)
@@ -457,8 +459,8 @@ class AttentionKernelEigenFeatures(KernelEigenFeaturesBase):
 
     def _fused_self_attention(self, tokens: Tensor, mask: Tensor | None, objective: bool) -> KernelEigenScores:
         r"""The amortised self-attention scores by :class:`~gpattn.features.amortized_scores.AmortizedSelfScores`:
-        one projection GEMM for :math:`[P_q; P_k]` (``(B, 2, H, p, N)``), one for the values :math:`[A_e(X)^\top;
-        A_r(X)^\top]` and the scores' products with a hand-written backward pass (no padding-masked query is treated
+        one projection GEMM for :math:`[P_q; P_k]` (``(B, 2, H, p, N)``), one for the values :math:`[A_r(X)^\top;
+        A_e(X)^\top]` and the scores' products with a hand-written backward pass (no padding-masked query is treated
         differently from the general path: the same :math:`1/|V|` weights)."""
         kernel = self.kernel
         lifted = kernel.lift(tokens)
@@ -466,16 +468,17 @@ class AttentionKernelEigenFeatures(KernelEigenFeaturesBase):
         projection = torch.stack([kernel.query_weight, kernel.key_projection])  # (2, H, p, D)
         columns = torch.bmm(projection.flatten(0, 2).expand(batch, -1, -1), lifted.mT)
         columns = columns.view(batch, 2, heads, -1, columns.shape[-1])  # [P_q; P_k]: (B, 2, H, p, N)
-        maps = torch.stack([self.left_map, self.right_map]).mT  # (2, H, s, C)
+        maps = torch.stack([self.right_map, self.left_map]).mT  # (2, H, s, C)
         values = torch.bmm(maps.flatten(0, 2).expand(batch, -1, -1), tokens.mT).view(batch, 2, heads, rank, -1)
-        values = values + torch.stack([self.left_bias, self.right_bias]).unsqueeze(-1)  # [a_e; a_r]: (B, 2, H, s, N)
+        values = values + torch.stack([self.right_bias, self.left_bias]).unsqueeze(-1)  # [a_r; a_e]: (B, 2, H, s, N)
         weights = self._token_weights(tokens, mask)
         if torch.is_tensor(weights):
             weights = weights.unsqueeze(1)  # (B, 1, 1, 1, N)
         else:
             weights = torch.full((1, 1, 1, 1, 1), weights, dtype=columns.dtype, device=columns.device)
         root_scale = kernel.outputscale.sqrt()[:, None, None]
-        left, right, left_weights, right_weights = AmortizedSelfScores.apply(columns, values, weights, root_scale)
+        scores, score_weights = AmortizedSelfScores.apply(columns, values, weights, root_scale)
+        (left, right), (left_weights, right_weights) = scores.unbind(1), score_weights.unbind(1)
         if not torch.compiler.is_compiling() and not (all_finite(left) and all_finite(right)):
             self._check_magnitude(tokens, tokens)
         singular_values = self.singular_values
