@@ -228,7 +228,9 @@ class KEPSVGPAttention(AttentionLayer):
             noises = self.strategy.token_noise(scores, sides, marginal, sum_sides=marginal and self.merge == "sum")
         output = self.out_proj.bias
         for index, (side, output_map) in enumerate(zip(sides, maps, strict=True)):
-            coefficients = self.strategy.linear_coefficients(side, draw, output_map, scores.singular_values)
+            coefficients = self.strategy.linear_coefficients(
+                side, draw, output_map, scores.singular_values, active=scores.active
+            )
             output = self.accumulate_heads(output, self._mix_tokens(scores.scores(side), index), coefficients)
             if side in noises:  # per-token noise of the GP outputs: (B, H, d_out, N)
                 noise = self._mix_tokens(noises[side].mT, index)  # (B, H, N, d_out)

@@ -13,7 +13,7 @@ from ..mlls import KSVDAddedLossTerm
 from ..validation import all_finite, check_choice, check_float, check_int
 from .amortized_scores import AmortizedSelfScores
 from .kernel_eigen_features_base import KernelEigenFeaturesBase
-from .kernel_eigen_scores import KernelEigenScores, induced_kernel_diag
+from .kernel_eigen_scores import KernelEigenScores, induced_kernel_diag, numerically_nonzero
 
 MODES = ("amortized", "primal_tokens", "primal_features", "exact")
 #: the learned modes with per-position weights (a maximum sequence length)
@@ -199,6 +199,7 @@ class AttentionKernelEigenFeatures(KernelEigenFeaturesBase):
         else:
             self.kernel = ExponentialDotProductKernel(embed_dim, feature_dim, tie=tie_qk, batch_shape=heads)
         self._sequence_singular_values: Tensor | None = None
+        self._sequence_active: Tensor | None = None
         if mode == "exact":
             return
         bound = embed_dim**-0.5
@@ -237,6 +238,12 @@ class AttentionKernelEigenFeatures(KernelEigenFeaturesBase):
                 "layer) on a batch first"
             )
         return self._sequence_singular_values
+
+    @property
+    def active_inducing(self) -> Tensor | None:
+        r"""With ``features="exact"``: which of the last call's directions are numerically nonzero, ``(B, H, s)``
+        (see :func:`~gpattn.features.numerically_nonzero`); ``None`` for a learned :math:`\Lambda`."""
+        return self._sequence_active if self.mode == "exact" else None
 
     def _value_columns(self, tokens: Tensor, side: str) -> Tensor:
         r"""The values :math:`a_j` of the weights :math:`W = \frac1n \sum_j \phi_j a_j^\top`, in column layout:
@@ -537,14 +544,14 @@ class AttentionKernelEigenFeatures(KernelEigenFeaturesBase):
         svd = kernel_svd(matrix, self.num_inducing)
         left = svd.left * svd.singular_values.unsqueeze(-2)  # e(X) = K H_r = H_e Lambda
         right = svd.right * svd.singular_values.unsqueeze(-2)  # r(Z) = K^T H_e = H_r Lambda
-        # a sequence whose kernel has rank < s has lambda_k = 0: Lambda is floored at sqrt(eps) lambda_1 so that
-        # e Lambda^{-1} (= H_e Lambda / Lambda) and the prior N(0, Lambda^2) stay finite; the floored directions carry
-        # scores ~ 0 and contribute nothing to the output
+        # a sequence whose kernel has rank < s has lambda_k = 0 (to rounding): such a direction is left out of both the
+        # output and the KL (KernelEigenScores.active: zero interpolation column, unit prior) and its Lambda is set
+        # to 1 so that nothing divides by it; the others are the exact decomposition's
         values = svd.singular_values
-        info = torch.finfo(values.dtype)
-        floor = (values[..., :1] * info.eps**0.5).clamp_min(info.tiny)
-        singular_values = torch.maximum(values, floor)  # shape: (B, H, s)
+        active = numerically_nonzero(values, max(matrix.shape[-2:]))
+        singular_values = torch.where(active, values, torch.ones_like(values))  # shape: (B, H, s)
+        self._sequence_active = active
         self._sequence_singular_values = singular_values
         objective = torch.zeros(matrix.shape[:2], dtype=matrix.dtype, device=matrix.device)
         left_diag, right_diag = (matrix.pow(2).sum(-1), matrix.pow(2).sum(-2)) if kernel_diag else (None, None)
-        return KernelEigenScores(left, right, singular_values, objective, left_diag, right_diag)
+        return KernelEigenScores(left, right, singular_values, objective, left_diag, right_diag, active)

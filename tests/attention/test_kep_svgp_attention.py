@@ -738,3 +738,43 @@ def test_exact_features_jump_along_a_smooth_input_path():
     # away from such switches the path is smooth: no step without a switch is larger than 10 median steps
     smooth = [k for k in range(len(steps)) if torch.equal(references[k], references[k + 1])]
     assert steps[smooth].max() < 10 * steps.median()
+
+
+# -- exact features on a sequence whose kernel has rank < s (issue 14) -------------------------------------------------
+def test_exact_features_leave_numerically_zero_directions_out_of_the_output_and_the_kl():
+    """One token repeated: the kernel of the sequence has rank 1 < s = 3. The two zero directions must leave the
+    output and the KL consistently (zero interpolation column, unit prior), not be floored at sqrt(eps) lambda_1 (a
+    prior variance ~1e-18 and a KL ~1e18): the output does not depend on their q(u), and the KL equals the dense
+    KL of q(u) against N(0, diag(lambda_1^2, 1, 1)) from torch.distributions."""
+    layer = _layer(seed=80, features="exact").train(False)
+    token = _randn(1, 1, C, seed=81)
+    x = torch.cat([token.expand(1, 5, C), _randn(1, 5, C, seed=82)])  # sequence 0 repeats one token, sequence 1 not
+    output = layer(x)
+    assert torch.isfinite(output).all()
+    active = layer.features.active_inducing
+    assert active[0].tolist() == [[True, False, False]] * H and bool(active[1].all())
+    singular_values = layer.features.singular_values
+    kl = layer.kl_divergence()
+    assert torch.isfinite(kl) and kl < 1e3
+    # the dense KL per sequence, head, output and branch against the masked prior, averaged over the sequences
+    q = layer.strategy.variational_distribution  # batch (H, d_out, 2|1)
+    mean, covariance = q.mean.detach(), q.covariance_matrix.detach()
+    expected = torch.zeros((), dtype=DTYPE)
+    for b in range(2):
+        variances = torch.where(active[b], singular_values[b].detach() ** 2, 1.0)  # (H, s)
+        prior = torch.distributions.MultivariateNormal(
+            torch.zeros_like(mean), torch.diag_embed(variances[:, None, None, :].expand_as(mean))
+        )
+        expected = (
+            expected
+            + torch.distributions.kl_divergence(torch.distributions.MultivariateNormal(mean, covariance), prior).sum()
+            / 2
+        )
+    torch.testing.assert_close(kl.detach(), expected, rtol=1e-10, atol=1e-10)
+    # the inactive directions' q(u) does not reach the output of sequence 0
+    with torch.no_grad():
+        variational = layer.strategy._variational_distribution
+        variational.variational_mean[..., 1:] += 5.0
+        changed = layer(x)
+    torch.testing.assert_close(changed[0], output[0], rtol=1e-12, atol=1e-12)
+    assert (changed[1] - output[1]).abs().max() > 1e-3
