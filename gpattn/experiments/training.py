@@ -101,6 +101,10 @@ class TrainConfig:
     :ivar min_lr: Learning rate at the end of the cosine decay (``0 <= min_lr <= lr``).
     :ivar grad_clip: Maximum global gradient norm, or ``None`` for no clipping.
     :ivar beta: KL weight :math:`\\beta` of :class:`~gpattn.mlls.AttentionELBO`.
+    :ivar kl_anneal_epochs: KL annealing: the weight rises linearly from :math:`\\beta / A` to :math:`\\beta` over the
+        first :math:`A` optimiser steps (``kl_anneal_epochs`` epochs, may be fractional), :math:`\\beta_t = \\beta
+        \\min(1, (t + 1) / A)` at global step :math:`t`; ``0`` (default) for none. SGPA's official recipe anneals its
+        KL from 0 to 1 (docs/guide/papers.md); the validation NLL that selects the model does not depend on it.
     :ivar eval_samples: Monte Carlo samples :math:`T` of the validation predictions.
     :ivar eval_batch_size: Batch size of the validation predictions.
     :ivar seed: Seed of the global torch RNG and of the batch order.
@@ -121,6 +125,7 @@ class TrainConfig:
     min_lr: float = 0.0
     grad_clip: float | None = 1.0
     beta: float = 1.0
+    kl_anneal_epochs: float = 0.0
     eval_samples: int = 10
     eval_batch_size: int = 256
     seed: int = 0
@@ -139,7 +144,7 @@ class TrainConfig:
         check_int("seed", self.seed, minimum=None, where=where)
         check_float("lr", self.lr, 0.0, strict_minimum=True, where=where)
         check_float("min_lr", self.min_lr, 0.0, self.lr, where=where)
-        for name in ("weight_decay", "warmup_epochs", "beta"):
+        for name in ("weight_decay", "warmup_epochs", "beta", "kl_anneal_epochs"):
             check_float(name, getattr(self, name), 0.0, where=where)
         if self.grad_clip is not None:
             check_float("grad_clip", self.grad_clip, 0.0, strict_minimum=True, where=where)
@@ -336,6 +341,7 @@ def train_model(
     num_data = train_labels.shape[0]
     steps_per_epoch = math.ceil(math.ceil(num_data / strategy.world_size) / config.batch_size)
     total_steps, warmup_steps = config.schedule_steps(steps_per_epoch)
+    anneal_steps = math.ceil(config.kl_anneal_epochs * steps_per_epoch)
     # the loop checks the loss itself (below), to restore the last good state and report the step
     loss_fn = AttentionELBO(model, num_data=num_data, beta=config.beta, combine_terms=False, check_finite=False)
     optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, weight_decay=config.weight_decay)
@@ -391,6 +397,8 @@ def train_model(
                 inputs, mask = batch_to_device(train_inputs, train_mask, index, device)
                 labels = train_labels[index].to(device)
                 where = f"epoch {epoch}, step {step + 1}/{steps_per_epoch} (global step {scheduler.last_epoch + 1})"
+                if anneal_steps:  # beta_t = beta min(1, (t + 1) / A), t the global step (restored on resume)
+                    loss_fn.beta = config.beta * min(1.0, (scheduler.last_epoch + 1) / anneal_steps)
                 try:
                     parts = loss_fn(forward(inputs, mask=mask), labels)
                 except ValueError as error:

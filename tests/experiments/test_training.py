@@ -252,6 +252,26 @@ def test_history_records_the_scheduled_rates(data, small_model, small_config):
         assert record["lr"] == pytest.approx(_closed_form(last_step, 12, 3, config.lr, config.min_lr), rel=1e-12)
 
 
+def test_kl_annealing_raises_the_weight_linearly_then_holds_it(data, small_model, small_config, monkeypatch):
+    """kl_anneal_epochs=1.5 with 4 steps an epoch: beta_t = beta min(1, (t + 1) / 6) at global step t; none when 0."""
+    from gpattn.mlls import AttentionELBO
+
+    seen = []
+    original = AttentionELBO.forward
+
+    def recording(self, *args, **kwargs):
+        if self.training:
+            seen.append(self.beta)
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(AttentionELBO, "forward", recording)
+    train_model(small_model(), data.train, data.val, small_config(epochs=3, beta=0.5, kl_anneal_epochs=1.5))
+    assert seen == pytest.approx([0.5 * min(1.0, (step + 1) / 6) for step in range(12)], rel=1e-15)
+    seen.clear()
+    train_model(small_model(), data.train, data.val, small_config(epochs=1, beta=0.5))
+    assert seen == [0.5] * 4
+
+
 def test_gradients_are_clipped(data, small_model, small_config):
     norms = []
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gpattn.attention import attention_arguments, attention_names
+from gpattn.attention import attention_arguments, attention_names, kl_anneal_fraction
 from gpattn.data import make_pointer_task
 from gpattn.mlls import AttentionELBO
 from gpattn.models import Transformer, predict_probabilities
@@ -29,8 +29,11 @@ def _train_and_test(name: str, data) -> float:
     loss_fn = AttentionELBO(model, num_data=len(data.train))
     optimizer = torch.optim.Adam(model.parameters(), lr=LEARNING_RATE)
     batches = torch.Generator().manual_seed(0)
+    anneal_steps = kl_anneal_fraction(name) * STEPS  # each layer's own recipe (SGPA anneals its KL)
     model.train()
-    for _ in range(STEPS):
+    for step in range(STEPS):
+        if anneal_steps:
+            loss_fn.beta = min(1.0, (step + 1) / anneal_steps)
         index = torch.randint(0, len(data.train), (BATCH,), generator=batches)
         logits = model(data.train.tokens[index], mask=data.train.mask[index])
         loss = loss_fn(logits, data.train.labels[index])
