@@ -85,7 +85,8 @@ class AmortizedSelfScores(torch.autograd.Function):
         grad_inverse = scaled.sum(-2, keepdim=True) / inverse  # nu > 0: the norms are finite
         total_weights = grad_weights + grad_beta @ columns.mT  # the total gradient of [W_e^T; W_r^T]
         total_paired = total_weights.flip(1)  # ... of [W_r^T; W_e^T] = c alpha columns^T
-        grad_alpha = root_scale * (total_paired @ columns)  # [d alpha_r; d alpha_e]
+        scaled_paired = root_scale * total_paired  # c folded into the small (s, p) factor
+        grad_alpha = scaled_paired @ columns  # [d alpha_r; d alpha_e]
         factor = inverse * token_weights
         grad_values = grad_alpha * factor
         grad_inverse = grad_inverse + (grad_alpha * values).sum(-2, keepdim=True) * token_weights
@@ -95,7 +96,7 @@ class AmortizedSelfScores(torch.autograd.Function):
             grad_root_scale = (total / root_scale.flatten()).reshape(root_scale.shape)
         # the feature columns: P_q gets W_e d beta_e + c dW_r^T alpha_r, P_k gets W_r d beta_r + c dW_e^T alpha_e,
         # one batched GEMM of inner dimension 2s over every block, plus the inverse norms' term -P nu^3 d nu
-        left_operand = torch.cat([weights.mT, root_scale * total_paired.mT], dim=-1)  # (B, 2, H, p, 2s)
+        left_operand = torch.cat([weights.mT, scaled_paired.mT], dim=-1)  # (B, 2, H, p, 2s)
         right_operand = torch.cat([grad_beta, alpha], dim=-2)  # (B, 2, H, 2s, N)
         norm_term = -inverse.pow(3) * grad_inverse * active.to(inverse.dtype)
         blocks = columns.shape[0] * columns.shape[1] * columns.shape[2]
