@@ -5,7 +5,7 @@ differences with intervals); the toy regression fit (exact GP vs KEP-SVGP via Va
 from .checkpoints import CHECKPOINT_KEYS, CheckpointError, load_checkpoint
 from .compare import CompareConfig, markdown_table, run_comparison, train_and_evaluate, write_outputs
 from .ensembles import member_seed, train_ensemble
-from .evaluation import ensemble_probabilities, evaluate
+from .evaluation import Evaluation, ensemble_logits, ensemble_probabilities, evaluate, evaluate_models, model_fidelity
 from .records import (
     ClassificationMetrics,
     OODMetrics,
@@ -13,6 +13,7 @@ from .records import (
     RunMetrics,
     RunRecord,
     ShiftMetrics,
+    TemperatureScaled,
     TrainingSummary,
     read_records,
 )
@@ -25,7 +26,7 @@ from .statistics import (
     paired_difference,
     summarize_seeds,
 )
-from .tasks import TASKS, TaskData, load_task
+from .tasks import DEFAULT_TASKS, PUBLISHED_ACCURACIES, TASKS, TaskData, load_task
 from .toy_regression import (
     ToyRegressionConfig,
     ToyRegressionResult,
@@ -43,6 +44,8 @@ __all__ = [
     "run_comparison",
     "train_and_evaluate",
     "write_outputs",
+    "DEFAULT_TASKS",
+    "PUBLISHED_ACCURACIES",
     "TASKS",
     "TaskData",
     "load_task",
@@ -52,6 +55,7 @@ __all__ = [
     "RunMetrics",
     "RunRecord",
     "ShiftMetrics",
+    "TemperatureScaled",
     "TrainingSummary",
     "read_records",
     "INTERVAL_METHODS",
@@ -66,8 +70,12 @@ __all__ = [
     "TrainConfig",
     "TrainResult",
     "TrainingStrategy",
+    "Evaluation",
+    "ensemble_logits",
     "ensemble_probabilities",
     "evaluate",
+    "evaluate_models",
+    "model_fidelity",
     "load_checkpoint",
     "member_seed",
     "train_ensemble",
