@@ -358,7 +358,8 @@ def model_fidelity(model: torch.nn.Module, dataset: Any, max_sequences: int = 25
     :param dataset: Has ``.tokens`` (and ``.mask``), ``.images`` or ``.inputs``.
     :param max_sequences: Sequences to measure on.
     :return: ``"layer_<l>"`` (from 1) -> field of :class:`~gpattn.features.KSVDFidelity` -> one value per head;
-        ``{}`` for a model without KSVD layers.
+        ``{}`` for a model without KSVD layers. A layer whose rank :math:`s` exceeds the sequence length is left
+        out (the exact KSVD has fewer than :math:`s` singular vectors).
 
     .. note:: Cost: one forward pass over the sequences plus, per KSVD layer, the dense kernel and its SVD per
         sequence and head (:func:`~gpattn.features.ksvd_fidelity`).
@@ -392,6 +393,8 @@ def model_fidelity(model: torch.nn.Module, dataset: Any, max_sequences: int = 25
     result = {}
     for number, layer in layers:
         queries, layer_mask = captured[number]
+        if layer.features.num_inducing > queries.shape[-2]:
+            continue  # a rank above the sequence length: no top-s subspace to compare with (e.g. s = 10, 8 tokens)
         fidelity = ksvd_fidelity(layer, queries, key_mask=layer_mask)
         result[f"layer_{number}"] = {
             name: getattr(fidelity, name).double().mean(dim=0).tolist() for name in fidelity.summary()
