@@ -343,9 +343,7 @@ def test_table_has_published_numbers_and_paired_differences() -> None:
 
 
 def test_mc_dropout_row_trains_softmax_with_dropout_and_samples_it() -> None:
-    config = CompareConfig(
-        attentions=("softmax_mc_dropout",), tasks=("digits",), mc_dropout=0.2, **TINY
-    )
+    config = CompareConfig(attentions=("softmax_mc_dropout",), tasks=("digits",), mc_dropout=0.2, **TINY)
     data = load_task("digits")
     model = build_model(config, "softmax_mc_dropout", data.num_classes, data.model_kwargs)
     rates = {module.p for module in model.modules() if isinstance(module, torch.nn.Dropout)}
