@@ -3,8 +3,11 @@ they need."""
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
+
+from torch import Tensor
 
 from ..data import load_digits_splits, make_noise_ood, make_pointer_task, make_shifted_test_sets
 from ..data.mnist1d import (
@@ -13,7 +16,7 @@ from ..data.mnist1d import (
     make_mnist1d_shifted_test_sets,
     make_mnist1d_shuffled_test_set,
 )
-from ..validation import check_choice
+from ..validation import check_choice, check_int
 
 __all__ = ["DEFAULT_TASKS", "MNIST1D_PATCH_SIZE", "PUBLISHED_ACCURACIES", "TASKS", "TaskData", "load_task"]
 
@@ -68,7 +71,7 @@ class TaskData:
         return self.train.num_classes
 
 
-def load_task(task: str) -> TaskData:
+def load_task(task: str, test_size: int | None = None) -> TaskData:
     r"""The data of a comparison task (deterministic: the splits, shifts and noise images have fixed seeds).
 
     * ``"pointer"``: 2048/256/512 directed pointer sequences of length 8 (4 to 8 real tokens, vocabulary 8).
@@ -87,9 +90,23 @@ def load_task(task: str) -> TaskData:
       subspaces are trivially exact.
 
     :param task: One of :data:`TASKS`.
+    :param test_size: Keep only the first ``test_size`` test sequences, and as many of every shifted and OOD set
+        (MNIST-1D: the shifts are then generated for those only, which makes loading that much faster); ``None``
+        (default): all. For quick looks and smoke tests; the comparison uses all.
     :return: The :class:`TaskData`.
     """
     check_choice("task", task, TASKS)
+    if test_size is not None:
+        check_int("test_size", test_size, where="load_task")
+        if task == "mnist1d":
+            return _load_mnist1d(test_size)
+        full = load_task(task)
+        return dataclasses.replace(
+            full,
+            test=_head(full.test, test_size),
+            shifted={key: _head(dataset, test_size) for key, dataset in full.shifted.items()},
+            ood={name: _head(dataset, test_size) for name, dataset in full.ood.items()},
+        )
     if task == "pointer":
         splits = make_pointer_task(2048, 256, 512, length=8, seed=0, vocab_size=8, min_length=4)
         model_kwargs = {"input": "tokens", "vocab_size": splits.train.vocab_size, "max_len": 8}
@@ -109,12 +126,27 @@ def load_task(task: str) -> TaskData:
     )
 
 
-def _load_mnist1d() -> TaskData:
+def _head(dataset: Any, size: int) -> Any:
+    """The first ``size`` items of a data set dataclass (every tensor field with one row per item is cut)."""
+    count = len(dataset)
+    changes = {
+        entry.name: value[:size]
+        for entry in dataclasses.fields(dataset)
+        if isinstance(value := getattr(dataset, entry.name), Tensor) and value.dim() > 0 and value.shape[0] == count
+    }
+    return dataclasses.replace(dataset, **changes)
+
+
+def _load_mnist1d(test_size: int | None = None) -> TaskData:
     splits = load_mnist1d(seed=0, val_fraction=0.1, patch_size=MNIST1D_PATCH_SIZE)
+    shuffled = make_mnist1d_shuffled_test_set(splits)
+    if test_size is not None:
+        splits = dataclasses.replace(splits, test=_head(splits.test, test_size))
+        shuffled = _head(shuffled, test_size)
     tokens = splits.train.tokens
     model_kwargs = {"input": "vectors", "input_dim": tokens.shape[-1], "max_len": tokens.shape[-2]}
     shifted = dict(make_mnist1d_shifted_test_sets(splits, seed=0))
-    shifted[("shuffled", 1)] = make_mnist1d_shuffled_test_set(splits)
+    shifted[("shuffled", 1)] = shuffled
     noise = make_mnist1d_noise_ood(len(splits.test), seed=1, patch_size=MNIST1D_PATCH_SIZE, dtype=tokens.dtype)
     ood = {"noise": noise}
     return TaskData(
