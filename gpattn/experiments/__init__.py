@@ -3,7 +3,17 @@ evaluation; the comparison of every attention (``gpattn compare``) and its typed
 differences with intervals); the toy regression fit (exact GP vs KEP-SVGP via VariationalELBO and Pyro SVI)."""
 
 from .checkpoints import CHECKPOINT_KEYS, CheckpointError, load_checkpoint
-from .compare import CompareConfig, markdown_table, run_comparison, train_and_evaluate, write_outputs
+from .compare import (
+    COMPARE_VARIANTS,
+    DEFAULT_ATTENTIONS,
+    CompareConfig,
+    compare_rows,
+    markdown_table,
+    run_comparison,
+    train_and_evaluate,
+    with_temperature_scaled,
+    write_outputs,
+)
 from .ensembles import member_seed, train_ensemble
 from .evaluation import Evaluation, ensemble_logits, ensemble_probabilities, evaluate, evaluate_models, model_fidelity
 from .records import (
@@ -39,7 +49,11 @@ from .toy_regression import (
 from .training import NonFiniteLossError, TrainConfig, TrainingStrategy, TrainResult, train_model
 
 __all__ = [
+    "COMPARE_VARIANTS",
+    "DEFAULT_ATTENTIONS",
     "CompareConfig",
+    "compare_rows",
+    "with_temperature_scaled",
     "markdown_table",
     "run_comparison",
     "train_and_evaluate",
