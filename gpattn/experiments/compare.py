@@ -78,6 +78,7 @@ PAIRED_COLUMNS = (
     ("test_brier", "brier", True),
     ("shift_accuracy", "shift_accuracy", True),
     ("shift_ece", "shift_ece", True),
+    ("ood_held_out_auroc", "ood_held_out_auroc", True),
     ("ood_noise_auroc", "ood_noise_auroc", True),
 )
 #: Fewest seeds from which the table forms a paired interval.
