@@ -156,7 +156,8 @@ for record in records:
 # ## 6. What this run shows
 #
 # Written from the full-size execution of this notebook: **one seed**, so every difference below is a single
-# draw, with no interval (the table says `n = 1 < 5, no interval`); `docs/guide/results.md` has the 5-seed run.
+# draw, with no interval (the table says `n = 1 < 5, no interval`); the results page of the user guide has the
+# 5-seed run.
 #
 # * **Accuracy.** Softmax 84.3 %, KEP-SVGP 83.1 %, SGPA 81.6 %: all between the published MLP (68 %) and CNN
 #   (94 %) and below the GRU (91 %), published numbers of other models on the same split.
@@ -167,7 +168,7 @@ for record in records:
 #   transfer exactly. NLL 0.48 / 0.44 / 0.53 barely moves with scaling.
 # * **Shift.** All three lose about 20 points of accuracy on average over the five shifts (62.7 %, 62.7 %,
 #   59.5 %), and fall to 24-26 % on the shuffled split (the spatial order is what they learned). The ECE grows with
-#   severity for every model; temperature scaling *raises* the shift ECE (KEP-SVGP 14.9 -> 16.8 %, softmax
+#   severity under the noises, shear and scale for every model; temperature scaling *raises* the shift ECE (KEP-SVGP 14.9 -> 16.8 %, softmax
 #   15.4 -> 17.6 %): a temperature below 1 sharpens predictions that are already over-confident under shift.
 # * **OOD** (noise sequences, maximum-probability AUROC): 72-73 % for KEP-SVGP and softmax, 68 % for SGPA; weak
 #   for all.
@@ -176,5 +177,5 @@ for record in records:
 #   from the exact top-5 singular subspaces (mean cosines about 0.95), and the learned singular values are far
 #   from the exact ones (relative error about 0.98). The kernel itself is nearly of rank 5 on 10 tokens (top-5
 #   energy 0.9996), so a rank-5 KSVD would represent it well; training with the KSVD penalty at weight 1 does not
-#   get there in 20 epochs. This matches the reproduction study that found the kernel-PCA reading of trained
-#   attention to fail.
+#   get there in 20 epochs. This is in line with the 2025 reproduction study that found the kernel-PCA reading of
+#   trained attention to fail under scrutiny.
