@@ -32,6 +32,7 @@ NOTEBOOKS = (
     "03_attention_posteriors.ipynb",
     "04_calibration_comparison.ipynb",
     "05_timm_conversion.ipynb",
+    "06_mnist1d.ipynb",
 )
 ENVIRONMENT_VARIABLE = "GPATTN_DOCS_NOTEBOOKS"
 PLACEHOLDER_TEXT = "This notebook has not been written yet"

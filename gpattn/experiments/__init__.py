@@ -3,9 +3,19 @@ evaluation; the comparison of every attention (``gpattn compare``) and its typed
 differences with intervals); the toy regression fit (exact GP vs KEP-SVGP via VariationalELBO and Pyro SVI)."""
 
 from .checkpoints import CHECKPOINT_KEYS, CheckpointError, load_checkpoint
-from .compare import CompareConfig, markdown_table, run_comparison, train_and_evaluate, write_outputs
+from .compare import (
+    COMPARE_VARIANTS,
+    DEFAULT_ATTENTIONS,
+    CompareConfig,
+    compare_rows,
+    markdown_table,
+    run_comparison,
+    train_and_evaluate,
+    with_temperature_scaled,
+    write_outputs,
+)
 from .ensembles import member_seed, train_ensemble
-from .evaluation import ensemble_probabilities, evaluate
+from .evaluation import Evaluation, ensemble_logits, ensemble_probabilities, evaluate, evaluate_models, model_fidelity
 from .records import (
     ClassificationMetrics,
     OODMetrics,
@@ -13,6 +23,7 @@ from .records import (
     RunMetrics,
     RunRecord,
     ShiftMetrics,
+    TemperatureScaled,
     TrainingSummary,
     read_records,
 )
@@ -25,7 +36,7 @@ from .statistics import (
     paired_difference,
     summarize_seeds,
 )
-from .tasks import TASKS, TaskData, load_task
+from .tasks import DEFAULT_TASKS, PUBLISHED_ACCURACIES, TASKS, TaskData, load_task
 from .toy_regression import (
     ToyRegressionConfig,
     ToyRegressionResult,
@@ -45,11 +56,17 @@ from .training import (
 )
 
 __all__ = [
+    "COMPARE_VARIANTS",
+    "DEFAULT_ATTENTIONS",
     "CompareConfig",
+    "compare_rows",
+    "with_temperature_scaled",
     "markdown_table",
     "run_comparison",
     "train_and_evaluate",
     "write_outputs",
+    "DEFAULT_TASKS",
+    "PUBLISHED_ACCURACIES",
     "TASKS",
     "TaskData",
     "load_task",
@@ -59,6 +76,7 @@ __all__ = [
     "RunMetrics",
     "RunRecord",
     "ShiftMetrics",
+    "TemperatureScaled",
     "TrainingSummary",
     "read_records",
     "INTERVAL_METHODS",
@@ -74,8 +92,12 @@ __all__ = [
     "TrainResult",
     "TrainingDivergedError",
     "TrainingStrategy",
+    "Evaluation",
+    "ensemble_logits",
     "ensemble_probabilities",
     "evaluate",
+    "evaluate_models",
+    "model_fidelity",
     "load_checkpoint",
     "member_seed",
     "train_ensemble",

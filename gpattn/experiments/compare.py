@@ -15,10 +15,11 @@ so a newly registered attention is compared like the built-in ones.
 from __future__ import annotations
 
 import csv
+import dataclasses
 import json
 import statistics
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -29,13 +30,21 @@ from ..attention import attention_names, build_attention, select_arguments
 from ..models import Transformer
 from ..validation import check_choice, check_device, check_float, check_int
 from .ensembles import train_ensemble
-from .evaluation import evaluate_run
+from .evaluation import DEFAULT_ECE_BINS, evaluate_models, model_fidelity
 from .records import RunRecord, TrainingSummary
-from .tasks import TASKS, TaskData, load_task
+from .statistics import paired_difference
+from .tasks import DEFAULT_TASKS, PUBLISHED_ACCURACIES, TASKS, TaskData, load_task
 from .training import DEVICE_TYPES, TrainConfig
 
 __all__ = [
+    "COMPARE_VARIANTS",
+    "DEFAULT_ATTENTIONS",
     "CompareConfig",
+    "compare_rows",
+    "format_difference",
+    "paired_table",
+    "published_table",
+    "with_temperature_scaled",
     "build_model",
     "flat_rows",
     "learned_spectra",
@@ -48,18 +57,53 @@ __all__ = [
 
 #: the in-distribution columns of the table; "confidence" (mean top-label probability) next to the accuracy shows the
 #: sign of the miscalibration: over-confident when above it, under-confident when below
-TABLE_METRICS = ("accuracy", "confidence", "nll", "ece", "brier", "aurc", "auroc", "fpr95")
+TABLE_METRICS = ("accuracy", "confidence", "nll", "ece", "classwise_ece", "brier", "aurc", "auroc", "fpr95")
+#: Rows of the comparison that are not registered attentions: name -> (the attention, what differs). The MC-dropout
+#: row is the softmax Transformer trained with dropout ``CompareConfig.mc_dropout`` on the embeddings, every attention
+#: output and the MLPs, and evaluated with dropout on, averaging ``eval_samples`` passes (Gal & Ghahramani 2016).
+COMPARE_VARIANTS: dict[str, str] = {"softmax_mc_dropout": "softmax"}
+#: The KSVD-fidelity summaries in the table (fields of :class:`~gpattn.features.KSVDFidelity`).
+FIDELITY_COLUMNS = ("relative_objective", "left_cosine", "right_cosine", "energy")
+#: The rows of the main job (``gpattn compare`` without ``--attentions``), each also with its ``+ts`` row: KEP-SVGP,
+#: the GP baseline SGPA, softmax, MC dropout and Primal-Attention (the other KSVD layer, for the fidelity). The
+#: symmetric SVGP, CGPT and the symmetric KEP ablation cost 2-3 times as much to evaluate and run on request.
+DEFAULT_ATTENTIONS = ("kep_svgp", "sgpa", "softmax", "softmax_mc_dropout", "primal")
+#: The reference row of the paired differences in the table.
+REFERENCE_ROW = "kep_svgp"
+#: The columns of the paired differences: (flat_rows column, header, percent).
+PAIRED_COLUMNS = (
+    ("test_accuracy", "accuracy", True),
+    ("test_nll", "nll", False),
+    ("test_ece", "ece", True),
+    ("test_brier", "brier", True),
+    ("shift_accuracy", "shift_accuracy", True),
+    ("shift_ece", "shift_ece", True),
+    ("ood_held_out_auroc", "ood_held_out_auroc", True),
+    ("ood_noise_auroc", "ood_noise_auroc", True),
+)
+#: Fewest seeds from which the table forms a paired interval.
+MIN_SEEDS_FOR_INTERVALS = 5
+
+
+def compare_rows() -> list[str]:
+    """Every name ``CompareConfig.attentions`` accepts: the registered attentions (registry order), then
+    :data:`COMPARE_VARIANTS`."""
+    return attention_names() + [name for name in COMPARE_VARIANTS if name not in attention_names()]
 
 
 @dataclass
 class CompareConfig:
     """Settings of :func:`run_comparison` (the defaults are the CPU-sized embedded comparison).
 
-    :ivar attentions: Registry names to compare (default: every registered attention, in registry order).
-    :ivar tasks: ``"pointer"`` (directed toy sequences) and/or ``"digits"`` (8x8 images as 2x2 patches).
-    :ivar seeds: Model seeds (the data splits are fixed).
+    :ivar attentions: Rows to compare: registry names and :data:`COMPARE_VARIANTS` (:func:`compare_rows`); default
+        :data:`DEFAULT_ATTENTIONS`.
+    :ivar tasks: ``"mnist1d"`` (MNIST-1D as 10 tokens of 4 values), ``"digits"`` (8x8 images as 2x2 patches) and/or
+        ``"pointer"`` (directed toy sequences, solved by every attention: only in ``--quick`` and the tests);
+        default :data:`~gpattn.experiments.tasks.DEFAULT_TASKS`.
+    :ivar seeds: Model seeds (the data splits are fixed); paired intervals need at least 5.
     :ivar pointer_epochs: Training epochs per run on the pointer task (2048 sequences: 32 steps an epoch).
     :ivar digits_epochs: Training epochs per run on digits (866 images: 14 steps an epoch).
+    :ivar mnist1d_epochs: Training epochs per run on MNIST-1D (3600 sequences: 57 steps an epoch).
     :ivar batch_size: Minibatch size.
     :ivar lr: Peak AdamW learning rate.
     :ivar embed_dim: Transformer width.
@@ -76,13 +120,19 @@ class CompareConfig:
     :ivar ksvd_weight: :math:`\\eta` of the KSVD penalty :math:`\\eta J^2` of the KSVD attentions (a layer argument).
     :ivar device: ``"cpu"`` or ``"cuda"``.
     :ivar progress: Progress bars.
+    :ivar ece_bins: Equal-width bins of the ECE/MCE (top-label and classwise) and reliability diagrams.
+    :ivar temperature_scaling: Add the post-hoc ``+ts`` variant of every run (temperature fitted by NLL on the
+        validation split; no retraining).
+    :ivar mc_dropout: Dropout rate of the ``softmax_mc_dropout`` row (training and test time).
+    :ivar fidelity_sequences: Test sequences on which the KSVD fidelity of every KEP/Primal layer is measured (0: none).
     """
 
-    attentions: tuple[str, ...] = field(default_factory=lambda: tuple(attention_names()))
-    tasks: tuple[str, ...] = TASKS
-    seeds: tuple[int, ...] = (0, 1, 2)
+    attentions: tuple[str, ...] = DEFAULT_ATTENTIONS
+    tasks: tuple[str, ...] = DEFAULT_TASKS
+    seeds: tuple[int, ...] = (0, 1, 2, 3, 4)
     pointer_epochs: int = 8
     digits_epochs: int = 40
+    mnist1d_epochs: int = 20
     batch_size: int = 64
     lr: float = 3e-3
     embed_dim: int = 32
@@ -96,14 +146,18 @@ class CompareConfig:
     ksvd_weight: float = 1.0
     device: str = "cpu"
     progress: bool = True
+    ece_bins: int = DEFAULT_ECE_BINS
+    temperature_scaling: bool = True
+    mc_dropout: float = 0.1
+    fidelity_sequences: int = 256
 
     def __post_init__(self) -> None:
         where = "CompareConfig"
         self.attentions, self.tasks, self.seeds = tuple(self.attentions), tuple(self.tasks), tuple(self.seeds)
         if not self.attentions:
-            raise ValueError(f"{where}: expected attentions among {attention_names()}, got none")
+            raise ValueError(f"{where}: expected attentions among {compare_rows()}, got none")
         for name in self.attentions:
-            check_choice("attentions", name, attention_names(), where=where)
+            check_choice("attentions", name, compare_rows(), where=where)
         if not self.tasks:
             raise ValueError(f"{where}: expected tasks among {TASKS}, got none")
         for task in self.tasks:
@@ -113,8 +167,12 @@ class CompareConfig:
         for seed in self.seeds:
             check_int("seeds", seed, minimum=0, where=where)
         check_int("ensemble size", self.ensemble, where=where)
-        for name in ("pointer_epochs", "digits_epochs", "batch_size", "embed_dim", "depth", "num_heads"):
+        for name in ("pointer_epochs", "digits_epochs", "mnist1d_epochs", "batch_size", "embed_dim", "depth"):
             check_int(name, getattr(self, name), where=where)
+        check_int("num_heads", self.num_heads, where=where)
+        check_int("ece_bins", self.ece_bins, where=where)
+        check_int("fidelity_sequences", self.fidelity_sequences, minimum=0, where=where)
+        check_float("mc_dropout", self.mc_dropout, 0.0, 1.0, strict_minimum=True, strict_maximum=True, where=where)
         check_int("eval_samples", self.eval_samples, where=where)
         if self.num_inducing is not None:
             check_int("num_inducing", self.num_inducing, where=where)
@@ -132,7 +190,7 @@ class CompareConfig:
         # every layer validates its own arguments (e.g. a KSVD rank above the head width, the rank of a cosine kernel):
         # build one of each before anything runs, without touching the caller's RNG
         head_width = self.embed_dim // self.num_heads
-        for name in self.attentions:
+        for name in dict.fromkeys(COMPARE_VARIANTS.get(row, row) for row in self.attentions):
             with torch.random.fork_rng(devices=[]):
                 try:
                     build_attention(name, self.embed_dim, self.num_heads, **self.attention_arguments(name))
@@ -145,25 +203,31 @@ class CompareConfig:
     def attention_arguments(self, attention: str) -> dict[str, Any]:
         """The keyword arguments of the attention layer ``attention``: ``num_inducing`` and ``ksvd_weight`` where the
         layer takes them (:func:`~gpattn.attention.select_arguments`; ``num_inducing=None`` is the layer's default)."""
+        attention = COMPARE_VARIANTS.get(attention, attention)
         return select_arguments(attention, num_inducing=self.num_inducing, ksvd_weight=self.ksvd_weight)
 
     @classmethod
     def quick(cls, **overrides: Any) -> CompareConfig:
-        """The under-two-minutes first look: one seed, few epochs, fewer Monte Carlo samples."""
-        return cls(**{"seeds": (0,), "pointer_epochs": 2, "digits_epochs": 10, "eval_samples": 4, **overrides})
+        """The under-two-minutes first look: the pointer task and digits, one seed, few epochs, fewer Monte Carlo
+        samples."""
+        settings = {"tasks": ("pointer", "digits"), "seeds": (0,), "pointer_epochs": 2, "digits_epochs": 10}
+        return cls(**{**settings, "mnist1d_epochs": 4, "eval_samples": 4, **overrides})
 
 
 def build_model(config: CompareConfig, attention: str, num_classes: int, model_kwargs: dict[str, Any]) -> Transformer:
     """The Transformer of one run; the attention's arguments come from ``config``
-    (:meth:`CompareConfig.attention_arguments`)."""
+    (:meth:`CompareConfig.attention_arguments`). A row of :data:`COMPARE_VARIANTS` builds its attention
+    (``softmax_mc_dropout``: softmax with dropout ``config.mc_dropout``)."""
+    dropout = {"dropout": config.mc_dropout} if attention == "softmax_mc_dropout" else {}
     return Transformer(
         num_classes,
         embed_dim=config.embed_dim,
         depth=config.depth,
         num_heads=config.num_heads,
-        attention=attention,
+        attention=COMPARE_VARIANTS.get(attention, attention),
         gp_layers=config.gp_layers,
         **model_kwargs,
+        **dropout,
         **config.attention_arguments(attention),
     )
 
@@ -185,7 +249,7 @@ def make_train_config(
 ) -> TrainConfig:
     """The :class:`~gpattn.experiments.TrainConfig` of one run of the comparison."""
     return TrainConfig(
-        epochs=config.pointer_epochs if task == "pointer" else config.digits_epochs,
+        epochs=getattr(config, f"{task}_epochs"),
         batch_size=config.batch_size,
         lr=config.lr,
         beta=config.beta,
@@ -210,12 +274,21 @@ def train_and_evaluate(
     Ensembles with softmax, KEP-SVGP ensembles with ``"kep_svgp"``, recorded as ``"<attention>_ens<K>"``), and return
     its record. The result depends on the arguments only (every random stream is seeded from ``seed``).
 
+    The record holds the metrics of the model as trained, of its temperature-scaled variant (``+ts``:
+    :func:`~gpattn.experiments.evaluate_models`, temperature fitted on the validation split, when
+    ``config.temperature_scaling``) and the KSVD fidelity of its KSVD layers on ``config.fidelity_sequences`` test
+    sequences (:func:`~gpattn.experiments.model_fidelity`; of the first member of an ensemble). ``attention`` may
+    be a row of :data:`COMPARE_VARIANTS` (``softmax_mc_dropout``: evaluated with dropout on, ``eval_samples``
+    passes).
+
     :param data: The task's data (:func:`~gpattn.experiments.tasks.load_task`), to share it between runs.
     :param checkpoint_dir: Where the run writes ``best.pt``/``last.pt`` (``member_<k>/`` for ensembles).
     :param resume: Continue an interrupted run from ``last.pt`` (bit-identical on CPU).
     :return: The :class:`~gpattn.experiments.RunRecord`.
     """
     data = load_task(task) if data is None else data
+    if config.num_inducing is None and data.num_inducing is not None:  # the task's size (mnist1d: s = 5 < N = 10)
+        config = dataclasses.replace(config, num_inducing=data.num_inducing)
     train_config = make_train_config(config, task, seed, checkpoint_dir)
 
     def make_model(member: int) -> Transformer:
@@ -226,14 +299,22 @@ def train_and_evaluate(
     seconds = time.perf_counter() - start
     models = [model for model, _ in members]
     torch.manual_seed(seed)  # Monte Carlo evaluation noise
-    metrics, reliability, ood_scores = evaluate_run(models, data, config.eval_samples)
+    evaluation = evaluate_models(
+        models,
+        data,
+        config.eval_samples,
+        num_bins=config.ece_bins,
+        mc_dropout=attention == "softmax_mc_dropout",
+        temperature_scaling=config.temperature_scaling,
+    )
+    fidelity = model_fidelity(models[0], data.test, config.fidelity_sequences) if config.fidelity_sequences else {}
     return RunRecord(
         task=task,
         attention=attention if config.ensemble == 1 else f"{attention}_ens{config.ensemble}",
         seed=seed,
-        metrics=metrics,
-        reliability=reliability,
-        ood_scores=ood_scores,
+        metrics=evaluation.metrics,
+        reliability=evaluation.reliability,
+        ood_scores=evaluation.ood_scores,
         spectra=learned_spectra(models[0]),
         train=TrainingSummary(
             seconds=seconds,
@@ -242,6 +323,8 @@ def train_and_evaluate(
             num_parameters=sum(parameter.numel() for model in models for parameter in model.parameters()),
             ensemble=config.ensemble,
         ),
+        temperature_scaled=evaluation.temperature_scaled,
+        fidelity=fidelity,
     )
 
 
@@ -260,25 +343,78 @@ def run_comparison(config: CompareConfig) -> list[RunRecord]:
     return records
 
 
-def _mean_shift(record: RunRecord, key: str) -> float | None:
-    values = [getattr(entry, key) for kind in record.metrics.shift.values() for entry in kind.values()]
+def with_temperature_scaled(records: list[RunRecord]) -> list[RunRecord]:
+    """The records with, after each one that has a temperature-scaled variant, that variant as a record of its own
+    (attention ``"<attention>+ts"``, the same seed and training; no spectra or fidelity): the rows of the table, and
+    what the figures take to draw the ``+ts`` rows."""
+    expanded = []
+    for record in records:
+        expanded.append(record)
+        scaled = record.temperature_scaled
+        if scaled is not None:
+            expanded.append(
+                RunRecord(
+                    task=record.task,
+                    attention=f"{record.attention}+ts",
+                    seed=record.seed,
+                    metrics=scaled.metrics,
+                    reliability=scaled.reliability,
+                    train=record.train,
+                )
+            )
+    return expanded
+
+
+def _mean_shift(record: RunRecord, key: str, shuffled: bool = False) -> float | None:
+    values = [
+        getattr(entry, key)
+        for kind, levels in record.metrics.shift.items()
+        if (kind == "shuffled") == shuffled
+        for entry in levels.values()
+    ]
     return statistics.fmean(values) if values else None
 
 
+def _fidelity_means(record: RunRecord) -> dict[str, float]:
+    # mean over layers and heads of every fidelity field
+    values: dict[str, list[float]] = {}
+    for fields_ in record.fidelity.values():
+        for name, heads in fields_.items():
+            values.setdefault(name, []).extend(heads)
+    return {name: statistics.fmean(entries) for name, entries in values.items() if entries}
+
+
 def flat_rows(records: list[RunRecord]) -> list[dict[str, Any]]:
-    """One flat row per run: test metrics, shift means over kinds and severities, OOD AUROCs (for CSV)."""
+    """One flat row per run and per temperature-scaled variant (:func:`with_temperature_scaled`): test metrics, shift
+    means over kinds and severities (the shuffled MNIST-1D apart), OOD AUROC/AUPR-In/AUPR-Out/FPR95, the fitted
+    temperature, the KSVD fidelity means over layers and heads (for CSV)."""
     rows = []
     for record in records:
-        row = {"task": record.task, "attention": record.attention, "seed": record.seed}
-        row.update({f"test_{key}": value for key, value in asdict(record.metrics.test).items()})
-        for key in ("accuracy", "nll", "ece", "brier"):
-            row[f"shift_{key}"] = _mean_shift(record, key)
-        for name, values in record.metrics.ood.items():
-            row[f"ood_{name}_auroc"] = values.auroc_max_prob
-            row[f"ood_{name}_fpr95"] = values.fpr95_max_prob
-        row["train_seconds"] = None if record.train is None else record.train.seconds
-        rows.append(row)
+        variants = [(record, None)]
+        if record.temperature_scaled is not None:
+            variants.append((with_temperature_scaled([record])[1], record.temperature_scaled.temperature))
+        for variant, temperature in variants:
+            row = {"task": variant.task, "attention": variant.attention, "seed": variant.seed}
+            row.update({f"test_{key}": value for key, value in asdict(variant.metrics.test).items()})
+            for key in ("accuracy", "nll", "ece", "brier"):
+                row[f"shift_{key}"] = _mean_shift(variant, key)
+            if "shuffled" in variant.metrics.shift:
+                row["shuffled_accuracy"] = _mean_shift(variant, "accuracy", shuffled=True)
+                row["shuffled_ece"] = _mean_shift(variant, "ece", shuffled=True)
+            for name, values in variant.metrics.ood.items():
+                row[f"ood_{name}_auroc"] = values.auroc_max_prob
+                row[f"ood_{name}_aupr_in"] = values.aupr_max_prob
+                row[f"ood_{name}_aupr_out"] = values.aupr_out_max_prob
+                row[f"ood_{name}_fpr95"] = values.fpr95_max_prob
+            row["temperature"] = temperature
+            row.update({f"fidelity_{name}": value for name, value in _fidelity_means(variant).items()})
+            row["train_seconds"] = None if variant.train is None else variant.train.seconds
+            rows.append(row)
     return rows
+
+
+def _finite(values: list[Any]) -> list[float]:
+    return [float(value) for value in values if value is not None and value == value]
 
 
 def _mean_std(values: list[float], percent: bool) -> str:
@@ -288,30 +424,134 @@ def _mean_std(values: list[float], percent: bool) -> str:
     return f"{mean:.2f} ± {spread:.2f}"
 
 
-def markdown_table(records: list[RunRecord]) -> str:
-    """Mean ± std over seeds per task and attention. Percent for the rates, plain numbers for NLL."""
-    rows = flat_rows(records)
-    columns = [f"test_{key}" for key in TABLE_METRICS] + ["shift_accuracy", "shift_ece", "shift_nll"]
-    ood_columns = sorted({key for row in rows for key in row if key.startswith("ood_") and key.endswith("_auroc")})
-    columns += ood_columns + ["train_seconds"]
-    header = ["task", "attention"] + [column.replace("test_", "") for column in columns]
-    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+def format_difference(reference: dict[int, float], other: dict[int, float], percent: bool) -> str:
+    """``"+d [low, high] *"``: the paired difference ``reference - other`` over the seeds both have, with its 95 %
+    paired-t interval (:func:`~gpattn.experiments.paired_difference`); ``*`` when the interval excludes 0.
+    Fewer than :data:`MIN_SEEDS_FOR_INTERVALS` paired seeds: the mean difference and ``(n = k < 5, no interval)``."""
+    scale = 100.0 if percent else 1.0
+    paired = [seed for seed in reference if seed in other]
+    if not paired:
+        return "-"
+    if len(paired) < MIN_SEEDS_FOR_INTERVALS:
+        mean = statistics.fmean(reference[seed] - other[seed] for seed in paired) * scale
+        return f"{mean:+.2f} (n = {len(paired)} < {MIN_SEEDS_FOR_INTERVALS}, no interval)"
+    difference = paired_difference(reference, other, min_pairs=MIN_SEEDS_FOR_INTERVALS)
+    mark = " *" if difference.significant else ""
+    return f"{difference.mean * scale:+.2f} [{difference.low * scale:+.2f}, {difference.high * scale:+.2f}]{mark}"
+
+
+def _is_percent(column: str) -> bool:
+    return not (column.endswith("nll") or column in ("train_seconds", "temperature") or column.startswith("fidelity"))
+
+
+def _groups(rows: list[dict[str, Any]]) -> dict[tuple[str, str], list[dict[str, Any]]]:
     groups: dict[tuple[str, str], list[dict[str, Any]]] = {}
     for row in rows:
         groups.setdefault((row["task"], row["attention"]), []).append(row)
-    for (task, attention), group in groups.items():
-        cells = [task, attention]
-        for column in columns:
-            values = [row[column] for row in group if row.get(column) is not None and row[column] == row[column]]
-            percent = not (column.endswith("nll") or column == "train_seconds")
-            cells.append(_mean_std(values, percent) if values else "-")
-        lines.append("| " + " | ".join(cells) + " |")
-    legend = (
-        "\nRates (accuracy, ECE, Brier, AURC, AUROC, FPR95) in percent (Brier: sum over classes x 100), NLL in nats,"
-        " train_seconds in seconds; mean ± std over seeds. shift_*: mean over noise, rotation and blur at severities"
-        " 1-5 (digits). ood_*_auroc: max-probability AUROC against held-out digits / structured noise."
+    return groups
+
+
+def paired_table(records: list[RunRecord], reference: str = REFERENCE_ROW) -> str:
+    """The paired differences ``reference - row`` over seeds of every other row of each task (``+ts`` rows
+    included), one column per :data:`PAIRED_COLUMNS` entry (:func:`format_difference`); ``""`` when no task has the
+    reference row."""
+    groups = _groups(flat_rows(records))
+    lines = []
+    for task in dict.fromkeys(task for task, _ in groups):
+        if (task, reference) not in groups:
+            continue
+        columns = [c for c in PAIRED_COLUMNS if any(row.get(c[0]) is not None for row in groups[(task, reference)])]
+        base = {row["seed"]: row for row in groups[(task, reference)]}
+        header = ["task", f"{reference} − row", "n"] + [name for _, name, _ in columns]
+        lines += ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+        for (row_task, attention), group in groups.items():
+            if row_task != task or attention == reference:
+                continue
+            other = {row["seed"]: row for row in group}
+            cells = [task, attention, str(len([seed for seed in base if seed in other]))]
+            for column, _, percent in columns:
+                left = {seed: row[column] for seed, row in base.items() if _finite([row.get(column)])}
+                right = {seed: row[column] for seed, row in other.items() if _finite([row.get(column)])}
+                cells.append(format_difference(left, right, percent))
+            lines.append("| " + " | ".join(cells) + " |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def published_table(tasks: list[str]) -> str:
+    """The published reference accuracies (:data:`~gpattn.experiments.tasks.PUBLISHED_ACCURACIES`) of the tasks that
+    have them, as a markdown table; ``""`` for none."""
+    lines = []
+    for task in tasks:
+        if task in PUBLISHED_ACCURACIES:
+            if not lines:
+                lines = ["| task | model (published, not run here) | test accuracy |", "|---|---|---|"]
+            published = PUBLISHED_ACCURACIES[task].items()
+            lines += [f"| {task} | {model} | {100 * value:.0f} |" for model, value in published]
+    return "\n".join(lines)
+
+
+def markdown_table(records: list[RunRecord]) -> str:
+    """The comparison's report: mean ± std over seeds (n shown) per task and row (the ``+ts`` rows after their
+    model), percent for the rates, plain numbers for NLL, temperature and fidelity; then the published reference
+    accuracies, the paired differences of KEP-SVGP against every other row with 95 % paired-t intervals
+    (:func:`paired_table`) and a legend."""
+    rows = flat_rows(records)
+    present = {key for row in rows for key in row if row[key] is not None}
+    columns = [f"test_{key}" for key in TABLE_METRICS] + ["shift_accuracy", "shift_ece", "shift_nll"]
+    columns += [c for c in ("shuffled_accuracy", "shuffled_ece") if c in present]
+    columns += sorted(
+        key for key in present if key.startswith("ood_") and key.endswith(("_auroc", "_aupr_in", "_aupr_out"))
     )
-    return "\n".join(lines) + "\n" + legend + "\n"
+    columns += [c for c in ("temperature",) if c in present]
+    columns += [f"fidelity_{name}" for name in FIDELITY_COLUMNS if f"fidelity_{name}" in present]
+    columns += ["train_seconds"]
+    header = ["task", "attention", "n"] + [column.replace("test_", "") for column in columns]
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for (task, attention), group in _groups(rows).items():
+        cells = [task, attention, str(len(group))]
+        for column in columns:
+            values = _finite([row.get(column) for row in group])
+            cells.append(_mean_std(values, _is_percent(column)) if values else "-")
+        lines.append("| " + " | ".join(cells) + " |")
+    tasks = list(dict.fromkeys(row["task"] for row in rows))
+    legend = " ".join(
+        [
+            "\nRates (accuracy, confidence, ECE, classwise ECE, Brier, AURC, AUROC, AUPR, FPR95) in percent",
+            "(Brier: sum over classes x 100), NLL in nats, train_seconds in seconds; mean ± std over the n seeds.",
+            f"ECE: {_bins(records)} equal-width bins, top-label; classwise_ece: Kull et al. 2019.",
+            "shift_*: mean over the shift kinds at severities 1-5 (digits: noise, rotation, blur; mnist1d: i.i.d.",
+            "noise, correlated noise, shear, translation, scale); shuffled_*: the spatially shuffled MNIST-1D test",
+            "split. ood_*: maximum-probability AUROC, AUPR-In (in-distribution positive) and AUPR-Out against",
+            "held-out classes / noise. `+ts` rows: the same trained models, temperature-scaled (temperature fitted",
+            "by NLL on the validation split; column temperature). softmax_mc_dropout: softmax trained with dropout,",
+            "dropout on at test time. fidelity_*: KSVD fidelity of the KEP/Primal layers on test sequences (mean",
+            "over sequences, layers and heads): relative_objective |J| over its terms (0 at a stationary point),",
+            "left/right_cosine of the principal angles to the exact top-s singular subspaces (1: the same),",
+            "energy the share of ||K||_F^2 in the top s exact singular values.",
+        ]
+    )
+    text = "\n".join(lines) + "\n" + legend + "\n"
+    published = published_table(tasks)
+    if published:
+        text += (
+            "\nPublished reference numbers (MNIST-1D README, github.com/greydanus/mnist1d; other models, the same"
+            " standard split of all ten classes; not measured here):\n\n" + published + "\n"
+        )
+    paired = paired_table(records)
+    if paired:
+        text += (
+            f"\nPaired differences {REFERENCE_ROW} − row over seeds (same units as above; for accuracy and AUROC a"
+            " positive difference favours kep_svgp, for NLL, ECE and Brier a negative one), mean [95 % paired-t"
+            " interval]; * = the interval excludes 0. Intervals only from n >= "
+            f"{MIN_SEEDS_FOR_INTERVALS} paired seeds.\n\n" + paired
+        )
+    return text
+
+
+def _bins(records: list[RunRecord]) -> int:
+    counts = {len(record.reliability.count) for record in records if record.reliability is not None}
+    return counts.pop() if len(counts) == 1 else DEFAULT_ECE_BINS
 
 
 def write_outputs(records: list[RunRecord], config: CompareConfig, out: str | Path) -> list[Path]:

@@ -11,12 +11,15 @@ JSON: the layout below) and read back with :meth:`RunRecord.from_dict` or :func:
      "reliability": {"confidence": [...], "accuracy": [...], "count": [...]},  # per bin, test set
      "ood_scores": {"in": [...], "held_out": [...], "noise": [...]},          # max probabilities
      "spectra": {"layer_2": [[sigma_1, sigma_2, ...], ...]},                  # one list per head
-     "train": {"seconds": ..., "epochs": ..., "best_epoch": ..., "num_parameters": ..., "ensemble": ...}}
+     "train": {"seconds": ..., "epochs": ..., "best_epoch": ..., "num_parameters": ..., "ensemble": ...},
+     "temperature_scaled": {"temperature": ..., "metrics": {...}, "reliability": {...}},  # the "+ts" row
+     "fidelity": {"layer_2": {"relative_objective": [...], "left_cosine": [...], ...}}}  # one value per head
 
-``task``, ``attention``, ``seed`` and ``metrics.test`` are required; ``shift``, ``ood``, ``ood_scores`` and
-``spectra`` may be empty (a task without shifted or OOD sets, an attention without a learned spectrum) and
-``reliability`` and ``train`` may be ``null``. Every number is a fraction, not a percent; NaN is written as JSON's
-``NaN`` and read back as NaN (``null`` too, in the reliability bins that are empty).
+``task``, ``attention``, ``seed`` and ``metrics.test`` are required; ``shift``, ``ood``, ``ood_scores``,
+``spectra`` and ``fidelity`` may be empty (a task without shifted or OOD sets, an attention without a learned spectrum
+or KSVD layer) and ``reliability``, ``train`` and ``temperature_scaled`` may be ``null`` (or missing, as in records
+written before they existed). Every number is a fraction, not a percent; NaN is written as JSON's ``NaN`` and read
+back as NaN (``null`` too, in the reliability bins that are empty).
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ __all__ = [
     "RunMetrics",
     "RunRecord",
     "ShiftMetrics",
+    "TemperatureScaled",
     "TrainingSummary",
     "read_records",
 ]
@@ -59,6 +63,7 @@ class ClassificationMetrics:
     :ivar eaurc: Excess AURC.
     :ivar auroc: Misclassification AUROC of the top-label probability.
     :ivar fpr95: Misclassification FPR at 95% TPR.
+    :ivar classwise_ece: Classwise ECE (Kull et al. 2019; the same bins; NaN in records written before it existed).
     """
 
     accuracy: float
@@ -71,6 +76,7 @@ class ClassificationMetrics:
     eaurc: float
     auroc: float
     fpr95: float
+    classwise_ece: float = math.nan
 
 
 @dataclass(frozen=True)
@@ -85,12 +91,21 @@ class ShiftMetrics:
 
 @dataclass(frozen=True)
 class OODMetrics:
-    """Separation of the in-distribution test set (positive) from one OOD set."""
+    """Separation of the in-distribution test set (positive) from one OOD set.
+
+    :ivar auroc_max_prob: AUROC of the maximum probability.
+    :ivar auroc_entropy: AUROC of the negative entropy.
+    :ivar aupr_max_prob: AUPR-In of the maximum probability (in-distribution positive).
+    :ivar fpr95_max_prob: FPR of the OOD set at 95 % TPR of the test set.
+    :ivar aupr_out_max_prob: AUPR-Out (OOD positive, ranked by minus the maximum probability; NaN in records written
+        before it existed).
+    """
 
     auroc_max_prob: float
     auroc_entropy: float
     aupr_max_prob: float
     fpr95_max_prob: float
+    aupr_out_max_prob: float = math.nan
 
 
 @dataclass(frozen=True)
@@ -147,6 +162,21 @@ class TrainingSummary:
 
 
 @dataclass(frozen=True)
+class TemperatureScaled:
+    """The ``+ts`` variant of a run: the same trained model with its logits divided by a temperature fitted by NLL on
+    the validation split (:func:`~gpattn.experiments.evaluate_models`).
+
+    :ivar temperature: The fitted :math:`\\hat\\tau`.
+    :ivar metrics: Test, shift and OOD metrics of the scaled predictions.
+    :ivar reliability: The test set's reliability bins of the scaled predictions.
+    """
+
+    temperature: float
+    metrics: RunMetrics
+    reliability: ReliabilityBins | None = None
+
+
+@dataclass(frozen=True)
 class RunRecord:
     """The result of one ``(task, attention, seed)`` run of the comparison (see the module docstring for its JSON).
 
@@ -159,6 +189,10 @@ class RunRecord:
     :ivar spectra: ``"layer_<l>"`` -> learned KSVD singular values, one descending list per head, for every layer
         with a learned spectrum (:meth:`~gpattn.attention.AttentionLayer.learned_spectrum`); ``{}`` for none.
     :ivar train: How the run was trained, or ``None``.
+    :ivar temperature_scaled: The post-hoc temperature-scaled variant (table rows ``<attention>+ts``), or ``None``.
+    :ivar fidelity: KSVD fidelity (:func:`~gpattn.features.ksvd_fidelity`) of every KSVD layer (KEP-SVGP,
+        Primal-Attention) on test sequences: ``"layer_<l>"`` -> field of :class:`~gpattn.features.KSVDFidelity` ->
+        one value per head (the mean over the sequences); ``{}`` for other attentions.
 
     Example:
         >>> records = read_records("runs/main/results.json")  # the run folder of ``gpattn compare``
@@ -173,6 +207,8 @@ class RunRecord:
     ood_scores: dict[str, list[float]] = field(default_factory=dict)
     spectra: dict[str, list[list[float]]] = field(default_factory=dict)
     train: TrainingSummary | None = None
+    temperature_scaled: TemperatureScaled | None = None
+    fidelity: dict[str, dict[str, list[float]]] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         """The record as plain JSON-able data (nested dicts and lists), the layout of ``results.json``."""
@@ -193,28 +229,22 @@ class RunRecord:
         for key in ("task", "attention"):
             if not isinstance(data[key], str):
                 raise ValueError(f"{where}: expected {key!r} to be a string, got {data[key]!r}")
-        metrics = _mapping(data["metrics"], "record.metrics")
-        if "test" not in metrics:
-            raise ValueError("record.metrics: missing the entry 'test'")
-        shift = _mapping(metrics.get("shift", {}), "record.metrics.shift")
-        ood = _mapping(metrics.get("ood", {}), "record.metrics.ood")
         reliability = data.get("reliability")
         train = data.get("train")
+        scaled = data.get("temperature_scaled")
+        if scaled is not None:
+            scaled = _mapping(scaled, "record.temperature_scaled")
+            scaled_bins = scaled.get("reliability")
+            scaled = TemperatureScaled(
+                temperature=_number(scaled.get("temperature"), "record.temperature_scaled.temperature"),
+                metrics=_run_metrics(scaled.get("metrics"), "record.temperature_scaled.metrics"),
+                reliability=None if scaled_bins is None else _reliability(scaled_bins),
+            )
         return cls(
             task=data["task"],
             attention=data["attention"],
             seed=_integer(data["seed"], "record.seed"),
-            metrics=RunMetrics(
-                test=_fields(ClassificationMetrics, metrics["test"], "record.metrics.test"),
-                shift={
-                    kind: {
-                        str(severity): _fields(ShiftMetrics, values, f"record.metrics.shift.{kind}.{severity}")
-                        for severity, values in _mapping(levels, f"record.metrics.shift.{kind}").items()
-                    }
-                    for kind, levels in shift.items()
-                },
-                ood={name: _fields(OODMetrics, values, f"record.metrics.ood.{name}") for name, values in ood.items()},
-            ),
+            metrics=_run_metrics(data["metrics"], "record.metrics"),
             reliability=None if reliability is None else _reliability(reliability),
             ood_scores={
                 name: _numbers(scores, f"record.ood_scores.{name}")
@@ -225,6 +255,14 @@ class RunRecord:
                 for layer, heads in _mapping(data.get("spectra", {}), "record.spectra").items()
             },
             train=None if train is None else _fields(TrainingSummary, train, "record.train"),
+            temperature_scaled=scaled,
+            fidelity={
+                layer: {
+                    name: _numbers(values, f"record.fidelity.{layer}.{name}")
+                    for name, values in _mapping(fields_, f"record.fidelity.{layer}").items()
+                }
+                for layer, fields_ in _mapping(data.get("fidelity", {}), "record.fidelity").items()
+            },
         )
 
 
@@ -239,6 +277,25 @@ def read_records(path: str | os.PathLike) -> list[RunRecord]:
     if not isinstance(content, dict) or not isinstance(content.get("records"), list):
         raise ValueError(f"{path}: expected a results.json with a list of 'records'")
     return [RunRecord.from_dict(record) for record in content["records"]]
+
+
+def _run_metrics(value: Any, where: str) -> RunMetrics:
+    metrics = _mapping(value, where)
+    if "test" not in metrics:
+        raise ValueError(f"{where}: missing the entry 'test'")
+    shift = _mapping(metrics.get("shift", {}), f"{where}.shift")
+    ood = _mapping(metrics.get("ood", {}), f"{where}.ood")
+    return RunMetrics(
+        test=_fields(ClassificationMetrics, metrics["test"], f"{where}.test"),
+        shift={
+            kind: {
+                str(severity): _fields(ShiftMetrics, values, f"{where}.shift.{kind}.{severity}")
+                for severity, values in _mapping(levels, f"{where}.shift.{kind}").items()
+            }
+            for kind, levels in shift.items()
+        },
+        ood={name: _fields(OODMetrics, values, f"{where}.ood.{name}") for name, values in ood.items()},
+    )
 
 
 # -- reading JSON values ---------------------------------------------------------------------------------------------
@@ -277,12 +334,16 @@ def _fields(cls: type[Fields], values: Any, where: str) -> Fields:
     """A flat dataclass of numbers (int fields stay integers) from a dict with exactly its fields."""
     values = _mapping(values, where)
     names = [entry.name for entry in dataclasses.fields(cls)]
-    missing = [name for name in names if name not in values]
+    # a field with a default (added after the first release) may be missing: records written before it read back
+    optional = {entry.name for entry in dataclasses.fields(cls) if entry.default is not dataclasses.MISSING}
+    missing = [name for name in names if name not in values and name not in optional]
     unknown = sorted(set(values) - set(names))
     if missing or unknown:
         raise ValueError(f"{where}: missing entries {missing}, unexpected entries {unknown}")
     converted = {}
     for entry in dataclasses.fields(cls):
+        if entry.name not in values:
+            continue
         value = values[entry.name]
         convert = _integer if entry.type == "int" else _number
         converted[entry.name] = convert(value, f"{where}.{entry.name}")

@@ -23,6 +23,7 @@ from matplotlib.figure import Figure
 from ..attention import attention_names
 from ..experiments.records import RunRecord, ShiftMetrics
 from ..validation import InputTypeError, check_choice
+from .fidelity import write_fidelity_figure
 
 #: The metrics a shift curve can show (those of :class:`~gpattn.experiments.ShiftMetrics`).
 SHIFT_METRICS = tuple(entry.name for entry in dataclasses.fields(ShiftMetrics))
@@ -371,8 +372,9 @@ def plot_spectra(records: list[RunRecord]) -> Figure:
 def write_comparison_figures(records: list[RunRecord], out_dir: str | Path) -> list[Path]:
     """Write every comparison figure for which the records have data, as PNG at 110 dpi.
 
-    Files: ``reliability_<task>.png`` per task with reliability data, ``shift.png``, ``ood_histograms.png`` and
-    ``spectra.png``. Figures are closed after writing.
+    Files: ``reliability_<task>.png`` per task with reliability data, ``shift.png``, ``ood_histograms.png``,
+    ``spectra.png`` and ``fidelity.png`` (:func:`~gpattn.plotting.fidelity.write_fidelity_figure`). Figures are
+    closed after writing.
 
     :param records: The comparison records.
     :param out_dir: Output directory (created if missing).
@@ -400,4 +402,4 @@ def write_comparison_figures(records: list[RunRecord], out_dir: str | Path) -> l
             written.append(path)
         finally:
             plt.close(figure)
-    return written
+    return written + write_fidelity_figure(records, out_dir)  # fidelity.png (gpattn.plotting.fidelity)

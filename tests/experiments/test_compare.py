@@ -4,6 +4,7 @@ registered from outside the package."""
 from __future__ import annotations
 
 import csv
+import dataclasses
 import json
 from dataclasses import asdict
 
@@ -11,12 +12,13 @@ import pytest
 import torch
 from torch import Tensor
 
-from gpattn.attention import AttentionLayer, register_attention, unregister_attention
+from gpattn.attention import AttentionLayer, SoftmaxAttention, attention_names, register_attention, unregister_attention
 from gpattn.cli import main
 from gpattn.experiments import RunRecord, load_task, read_records
 from gpattn.experiments.compare import (
     CompareConfig,
     build_model,
+    compare_rows,
     flat_rows,
     learned_spectra,
     markdown_table,
@@ -26,11 +28,12 @@ from gpattn.experiments.compare import (
 from gpattn.experiments.evaluation import evaluate_run
 
 TINY = dict(pointer_epochs=1, digits_epochs=1, eval_samples=2, seeds=(0,), progress=False)
+BOTH = ("pointer", "digits")
 
 
 @pytest.fixture(scope="module")
 def records() -> list[RunRecord]:
-    return run_comparison(CompareConfig(attentions=("kep_svgp", "softmax"), **TINY))
+    return run_comparison(CompareConfig(attentions=("kep_svgp", "softmax"), tasks=BOTH, **TINY))
 
 
 def test_one_record_per_task_attention_seed(records) -> None:
@@ -43,6 +46,7 @@ def test_one_record_per_task_attention_seed(records) -> None:
     for record in records:
         test = asdict(record.metrics.test)
         expected = {"accuracy", "confidence", "nll", "ece", "mce", "brier", "aurc", "eaurc", "auroc", "fpr95"}
+        expected.add("classwise_ece")
         assert set(test) == expected
         assert 0.0 <= test["accuracy"] <= 1.0 and test["nll"] > 0
         reliability = record.reliability
@@ -71,20 +75,25 @@ def test_digits_records_hold_shift_ood_and_spectra(records) -> None:
 
 
 def test_same_config_same_numbers(records) -> None:
-    again = run_comparison(CompareConfig(attentions=("kep_svgp", "softmax"), **TINY))
+    again = run_comparison(CompareConfig(attentions=("kep_svgp", "softmax"), tasks=BOTH, **TINY))
     assert [r.metrics for r in again] == [r.metrics for r in records]
 
 
 def test_table_and_rows(records) -> None:
     rows = flat_rows(records)
     assert rows[0]["test_accuracy"] == records[0].metrics.test.accuracy
-    assert rows[2]["shift_accuracy"] == pytest.approx(
+    assert rows[4]["shift_accuracy"] == pytest.approx(  # rows: every run followed by its +ts row
         sum(v.accuracy for kind in records[2].metrics.shift.values() for v in kind.values()) / 15
     )
     table = markdown_table(records)
-    assert table.count("\n| digits |") == 2 and "ood_held_out_auroc" in table
+    main_table = table.split("Paired differences")[0]
+    assert main_table.count("\n| digits |") == 4 and "ood_held_out_auroc" in table  # two rows and their +ts rows
+    assert table.split("Paired differences")[1].count("\n| digits |") == 3  # kep_svgp against the three others
     percent = f"{100 * records[0].metrics.test.accuracy:.2f} ± 0.00"
     assert percent in table
+    # the +ts row of each run follows it, with the fitted temperature
+    assert rows[1]["attention"] == "kep_svgp+ts" and rows[1]["temperature"] == records[0].temperature_scaled.temperature
+    assert rows[1]["test_nll"] == records[0].temperature_scaled.metrics.test.nll
 
 
 def test_ece_agrees_with_the_stored_reliability_bins(records) -> None:
@@ -107,6 +116,10 @@ def test_bad_config_is_refused() -> None:
         CompareConfig(tasks=("cifar",))
     with pytest.raises(ValueError, match="distinct seeds"):
         CompareConfig(seeds=(1, 1))
+    with pytest.raises(ValueError, match="mc_dropout"):
+        CompareConfig(mc_dropout=0.0)
+    with pytest.raises(ValueError, match="ece_bins"):
+        CompareConfig(ece_bins=0)
 
 
 def test_cli_compare_writes_the_run_folder(tmp_path, capsys) -> None:
@@ -119,6 +132,9 @@ def test_cli_compare_writes_the_run_folder(tmp_path, capsys) -> None:
             "--attentions",
             "softmax",
             "primal",
+            "--tasks",
+            "pointer",
+            "digits",
             "--seeds",
             "0",
             "--pointer-epochs",
@@ -144,7 +160,7 @@ def test_cli_compare_writes_the_run_folder(tmp_path, capsys) -> None:
     saved = json.loads((out / "results.json").read_text())
     assert saved["config"]["attentions"] == ["softmax", "primal"] and len(saved["records"]) == 4
     with (out / "results.csv").open() as handle:
-        assert len(list(csv.DictReader(handle))) == 4
+        assert len(list(csv.DictReader(handle))) == 8  # each run and its +ts row
     assert "| pointer | primal |" in capsys.readouterr().out
 
 
@@ -285,3 +301,74 @@ def test_a_registered_attention_runs_through_gpattn_compare(uniform_attention, t
     assert record.spectra["layer_2"][0] != [2.0, 1.75, 1.5, 1.25, 1.0]
     for name in ("reliability_pointer.png", "spectra.png"):
         assert (out / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and (out / name).stat().st_size > 10_000
+
+
+# -- the table's statistics, the baselines' rows ----------------------------------------------------------------------
+def test_format_difference_is_the_paired_t_interval() -> None:
+    from scipy import stats
+
+    from gpattn.experiments.compare import format_difference
+
+    reference = {0: 0.90, 1: 0.85, 2: 0.88, 3: 0.91, 4: 0.87}
+    other = {0: 0.80, 1: 0.82, 2: 0.79, 3: 0.85, 4: 0.81}
+    differences = [reference[s] - other[s] for s in reference]
+    interval = stats.ttest_rel(list(reference.values()), list(other.values())).confidence_interval(0.95)
+    mean = sum(differences) / 5
+    assert format_difference(reference, other, True) == (
+        f"{100 * mean:+.2f} [{100 * interval.low:+.2f}, {100 * interval.high:+.2f}] *"
+    )
+    noisy = {0: 0.95, 1: 0.70, 2: 0.90, 3: 0.80, 4: 0.90}  # differences of both signs: not significant
+    assert not format_difference(reference, noisy, True).endswith("*")
+    four = {seed: value for seed, value in reference.items() if seed < 4}
+    assert format_difference(four, other, False).endswith("(n = 4 < 5, no interval)")
+    assert format_difference({7: 1.0}, other, False) == "-"
+
+
+def test_table_has_published_numbers_and_paired_differences() -> None:
+    def record(attention: str, seed: int, accuracy: float) -> RunRecord:
+        test = dict(accuracy=accuracy, confidence=0.8, nll=0.5, ece=0.1, mce=0.2, brier=0.3, aurc=0.1, eaurc=0.05,
+                    auroc=0.7, fpr95=0.5, classwise_ece=0.02)  # fmt: skip
+        return RunRecord.from_dict({"task": "mnist1d", "attention": attention, "seed": seed, "metrics": {"test": test}})
+
+    records = [record(name, seed, 0.8 + 0.01 * seed + (0.05 if name == "kep_svgp" else 0.0))
+               for name in ("kep_svgp", "softmax") for seed in range(5)]  # fmt: skip
+    table = markdown_table(records)
+    assert "| mnist1d | CNN | 94 |" in table and "| mnist1d | human | 96 |" in table
+    assert "Published reference numbers" in table and "not measured here" in table
+    # kep_svgp is 5 points better on every seed: the difference +5.00 with a zero-width interval, significant
+    assert "| mnist1d | softmax | 5 | +5.00 [+5.00, +5.00] * |" in table
+    assert "| mnist1d | kep_svgp | 5 | 87.00 ± 1.58 |" in table
+    short = markdown_table(records[:3] + records[5:8])
+    assert "(n = 3 < 5, no interval)" in short and "[+" not in short
+
+
+def test_mc_dropout_row_trains_softmax_with_dropout_and_samples_it() -> None:
+    config = CompareConfig(attentions=("softmax_mc_dropout",), tasks=("digits",), mc_dropout=0.2, **TINY)
+    data = load_task("digits")
+    model = build_model(config, "softmax_mc_dropout", data.num_classes, data.model_kwargs)
+    rates = {module.p for module in model.modules() if isinstance(module, torch.nn.Dropout)}
+    assert rates == {0.2} and all(isinstance(layer, SoftmaxAttention) for layer in model.attention_layers())
+    record = train_and_evaluate(config, "digits", "softmax_mc_dropout", 0, data=data)
+    assert record.attention == "softmax_mc_dropout" and record.temperature_scaled is not None
+    # evaluated with dropout on: another Monte Carlo seed gives other probabilities
+    again = train_and_evaluate(
+        dataclasses.replace(config, eval_samples=3), "digits", "softmax_mc_dropout", 0, data=data
+    )
+    assert again.metrics.test.nll != record.metrics.test.nll
+    assert "softmax_mc_dropout" in compare_rows() and "softmax_mc_dropout" not in attention_names()
+
+
+def test_ksvd_rows_record_their_fidelity_and_mnist1d_uses_rank_5() -> None:
+    from gpattn.experiments.tasks import TaskData
+
+    digits = load_task("digits")
+    small = TaskData("mnist1d", digits.train, digits.val, digits.test, digits.model_kwargs, num_inducing=5)
+    config = CompareConfig(attentions=("kep_svgp",), fidelity_sequences=16, tasks=("digits",), **TINY)
+    record = train_and_evaluate(config, "digits", "kep_svgp", 0, data=small)
+    assert [len(head) for head in record.spectra["layer_2"]] == [5, 5]  # the task's rank reached the layer
+    fidelity = record.fidelity["layer_2"]
+    assert set(fidelity) == {"relative_objective", "left_cosine", "right_cosine", "max_angle",
+                             "singular_value_error", "energy"}  # fmt: skip
+    assert all(len(heads) == 2 for heads in fidelity.values())
+    assert all(0.0 < value <= 1.0 + 1e-9 for value in fidelity["energy"])
+    assert train_and_evaluate(config, "digits", "softmax", 0, data=small).fidelity == {}

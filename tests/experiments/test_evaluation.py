@@ -3,23 +3,28 @@ reporting."""
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import numpy as np
 import pytest
 import torch
-from sklearn.metrics import roc_auc_score
+from sklearn.metrics import average_precision_score, roc_auc_score
 
 from gpattn import metrics
 from gpattn.data import make_pointer_task
-from gpattn.experiments import TaskData, ensemble_probabilities, evaluate, load_task
+from gpattn.experiments import TaskData, TrainConfig, ensemble_probabilities, evaluate, load_task, train_model
 from gpattn.experiments.evaluation import (
     classification_metrics,
     dataset_inputs,
     dataset_labels,
+    ensemble_logits,
+    evaluate_models,
     evaluate_run,
+    model_fidelity,
     validation_metrics,
 )
+from gpattn.features import ksvd_fidelity
 from gpattn.models import Transformer, predict_probabilities
 
 
@@ -123,3 +128,130 @@ def test_evaluate_run_on_digits(digits):
     scores = torch.cat([torch.tensor(ood_scores["in"]).double(), noise]).numpy()
     is_in = np.r_[np.ones(len(ood_scores["in"])), np.zeros(len(noise))]
     assert metrics_.ood["noise"].auroc_max_prob == pytest.approx(roc_auc_score(is_in, scores), abs=1e-12)
+
+
+# -- temperature scaling, MC dropout, classwise ECE, AUPR-Out, KSVD fidelity ------------------------------------------
+def _with_labels(task: TaskData, split: str, labels: torch.Tensor) -> TaskData:
+    """``task`` with the labels of ``split`` replaced (a copy; the inputs are shared)."""
+    dataset = getattr(task, split)
+    replaced = type(dataset)(**{**vars(dataset), "labels": labels})
+    return dataclasses.replace(task, **{split: replaced})
+
+
+@pytest.fixture(scope="module")
+def trained(digits) -> Transformer:
+    """A softmax digits model trained for 4 epochs (informative logits, so that the temperature is interior)."""
+    model = _digits_model(0).train()
+    config = TrainConfig(epochs=4, batch_size=64, lr=1e-2, warmup_epochs=1, eval_samples=1, progress=False)
+    train_model(model, digits.train, digits.val, config)  # leaves the best epoch's state in the model
+    return model.eval()
+
+
+def test_temperature_is_fitted_on_the_validation_split_only(digits, trained):
+    model = trained
+    scaled = evaluate_models(model, digits, num_samples=1).temperature_scaled
+    # poisoned test labels (a permutation, so that every metric would move): the temperature is unchanged ...
+    poisoned = torch.roll(digits.test.labels, 1)
+    assert not torch.equal(poisoned, digits.test.labels)
+    again = evaluate_models(model, _with_labels(digits, "test", poisoned), num_samples=1).temperature_scaled
+    assert again.temperature == scaled.temperature
+    assert again.metrics.test.accuracy != scaled.metrics.test.accuracy  # ... while the test metrics did read them
+    # ... and poisoned validation labels move it: the check above could fail
+    moved = evaluate_models(model, _with_labels(digits, "val", torch.roll(digits.val.labels, 1)), num_samples=1)
+    assert abs(moved.temperature_scaled.temperature - scaled.temperature) > 1e-3
+
+
+def test_temperature_scaling_lowers_the_validation_nll_and_scales_the_test_logits(digits, trained):
+    model = trained
+    evaluation = evaluate_models(model, digits, num_samples=1)
+    temperature = evaluation.temperature_scaled.temperature
+    with torch.no_grad():
+        val_logits, test_logits = model(digits.val.images).double(), model(digits.test.images).double()
+    before = metrics.negative_log_likelihood(val_logits.softmax(-1), digits.val.labels)
+    after = metrics.negative_log_likelihood((val_logits / temperature).softmax(-1), digits.val.labels)
+    assert after < before - 1e-4
+    # the fitted temperature is the minimiser: a brute-force grid around it finds nothing lower
+    grid = temperature * torch.linspace(0.9, 1.1, 41, dtype=torch.float64)
+    nlls = [metrics.negative_log_likelihood((val_logits / t).softmax(-1), digits.val.labels) for t in grid]
+    assert after <= min(nlls) + 1e-9
+    # the +ts test metrics are those of softmax(f(x) / tau), the accuracy unchanged
+    expected = classification_metrics((test_logits / temperature).softmax(-1), digits.test.labels)
+    scaled = evaluation.temperature_scaled.metrics.test
+    assert scaled.nll == pytest.approx(expected.nll, rel=1e-9) and scaled.ece == pytest.approx(expected.ece, abs=1e-9)
+    assert scaled.accuracy == evaluation.metrics.test.accuracy
+    shifted = digits.shifted[("rotation", 2)]
+    with torch.no_grad():
+        rotated = (model(shifted.images).double() / temperature).softmax(-1)
+    assert evaluation.temperature_scaled.metrics.shift["rotation"]["2"].nll == pytest.approx(
+        metrics.negative_log_likelihood(rotated, shifted.labels), rel=1e-9
+    )
+
+
+def test_mc_dropout_averages_dropout_passes(digits):
+    torch.manual_seed(0)
+    model = Transformer(8, embed_dim=16, depth=1, num_heads=2, attention="softmax", input="patches", image_size=8,
+                        patch_size=2, in_channels=1, dropout=0.3).eval()  # fmt: skip
+    torch.manual_seed(5)
+    evaluation = evaluate_models(model, digits, num_samples=3, mc_dropout=True, temperature_scaling=False)
+    torch.manual_seed(5)  # the same masks: test inputs first, three passes over one batch of 256 ...
+    model.train()  # every dropout module on (the model has nothing else that depends on the mode)
+    with torch.no_grad():
+        parts = [torch.stack([model(chunk).softmax(-1) for _ in range(3)]).mean(0) for chunk in
+                 digits.test.images.split(256)]  # fmt: skip
+    expected = classification_metrics(torch.cat(parts).double(), digits.test.labels)
+    assert evaluation.metrics.test.nll == pytest.approx(expected.nll, rel=1e-6)
+    deterministic = evaluate_models(model.eval(), digits, num_samples=3, temperature_scaling=False)
+    assert deterministic.metrics.test.nll != evaluation.metrics.test.nll
+    with pytest.raises(ValueError, match="no dropout"):
+        evaluate_models(_digits_model(0), digits, num_samples=2, mc_dropout=True)
+
+
+def test_classwise_ece_aupr_out_and_bins(digits):
+    model = _digits_model(0)
+    evaluation = evaluate_models(model, digits, num_samples=1, num_bins=10, temperature_scaling=False)
+    with torch.no_grad():
+        # float64 softmax of the float32 logits, as the evaluation
+        test = model(digits.test.images).double().softmax(-1)
+        noise = model(digits.ood["noise"].images).double().softmax(-1)
+    labels = digits.test.labels
+    assert evaluation.metrics.test.classwise_ece == pytest.approx(
+        metrics.expected_calibration_error(test, labels, 10, kind="classwise"), abs=1e-9
+    )
+    assert evaluation.metrics.test.ece == pytest.approx(metrics.expected_calibration_error(test, labels, 10), abs=1e-9)
+    assert len(evaluation.reliability.count) == 10
+    ood = evaluation.metrics.ood["noise"]
+    # AUPR-Out: OOD positive, ranked by minus the max probability (scikit-learn)
+    scores = -torch.cat([test, noise]).max(-1).values.numpy()
+    is_out = np.r_[np.zeros(len(test)), np.ones(len(noise))]
+    assert ood.aupr_out_max_prob == pytest.approx(average_precision_score(is_out, scores), abs=1e-9)
+    assert ood.aupr_max_prob == pytest.approx(average_precision_score(1 - is_out, -scores), abs=1e-9)
+
+
+def test_ensemble_logits_give_the_ensemble_probabilities(digits):
+    members = [_digits_model(0), _digits_model(1)]
+    logits = ensemble_logits(members, digits.test, num_samples=4)
+    assert logits.shape == (2, 1, len(digits.test), 8)  # deterministic members: one pass each
+    torch.testing.assert_close(
+        logits.softmax(-1).mean((0, 1)), ensemble_probabilities(members, digits.test, 4).double(), rtol=0, atol=1e-6
+    )
+
+
+def test_model_fidelity_is_ksvd_fidelity_on_the_tokens_the_layer_receives():
+    torch.manual_seed(0)
+    model = Transformer(3, embed_dim=16, depth=2, num_heads=2, attention="kep_svgp", input="vectors", input_dim=4,
+                        max_len=10, num_inducing=4).double().eval()  # fmt: skip
+    data = type("Inputs", (), {})()
+    data.inputs = torch.randn(7, 10, 4, dtype=torch.float64)
+    data.labels = torch.zeros(7, dtype=torch.long)
+    fidelity = model_fidelity(model, data, max_sequences=5)
+    assert list(fidelity) == ["layer_2"]  # the first block is softmax attention
+    with torch.no_grad():  # the second block's attention input, by hand: LN(block_1(embed(x)))
+        tokens = model.blocks[0](model.embed(data.inputs[:5]), None)
+        expected = ksvd_fidelity(model.blocks[1].attention, model.blocks[1].attention_norm(tokens))
+    for name, per_head in fidelity["layer_2"].items():
+        assert len(per_head) == 2
+        np.testing.assert_allclose(per_head, getattr(expected, name).mean(0).numpy(), rtol=1e-10, atol=1e-12)
+    assert fidelity["layer_2"]["relative_objective"][0] > 1e-3  # random weights: not a KSVD
+    softmax = Transformer(3, embed_dim=16, depth=1, num_heads=2, attention="softmax", input="vectors", input_dim=4,
+                          max_len=10)  # fmt: skip
+    assert model_fidelity(softmax.double(), data) == {}

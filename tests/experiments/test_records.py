@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import math
 
@@ -15,6 +16,7 @@ from gpattn.experiments import (
     RunMetrics,
     RunRecord,
     ShiftMetrics,
+    TemperatureScaled,
     TrainingSummary,
     read_records,
 )
@@ -47,9 +49,12 @@ def _same(first: RunRecord, second: RunRecord) -> bool:
 
 def test_to_dict_is_the_documented_layout():
     data = _record().to_dict()
-    assert list(data) == ["task", "attention", "seed", "metrics", "reliability", "ood_scores", "spectra", "train"]
+    assert list(data) == [
+        "task", "attention", "seed", "metrics", "reliability", "ood_scores", "spectra", "train", "temperature_scaled",
+        "fidelity",
+    ]  # fmt: skip
     assert list(data["metrics"]) == ["test", "shift", "ood"]
-    assert data["metrics"]["test"] == TEST
+    assert {k: v for k, v in data["metrics"]["test"].items() if k != "classwise_ece"} == TEST
     assert data["metrics"]["shift"]["blur"]["1"] == {"accuracy": 0.8, "nll": 0.5, "ece": 0.1, "brier": 0.3}
     assert data["metrics"]["ood"]["noise"]["aupr_max_prob"] == 0.95
     assert data["reliability"] == {"confidence": [None, 0.55, 0.95], "accuracy": [None, 0.5, 1.0], "count": [0, 4, 6]}
@@ -75,6 +80,38 @@ def test_optional_parts_may_be_absent():
     assert RunRecord.from_dict({**minimal, "reliability": None, "train": None}) == record
     nan_metric = RunRecord.from_dict({**minimal, "metrics": {"test": {**TEST, "auroc": None}}})  # JSON null is NaN
     assert math.isnan(nan_metric.metrics.test.auroc)
+
+
+def test_temperature_scaled_and_fidelity_round_trip_and_old_records_read_back():
+    record = _record()
+    metrics = RunMetrics(
+        test=ClassificationMetrics(**TEST, classwise_ece=0.03), ood={"noise": OODMetrics(0.9, 0.85, 0.95, 0.4, 0.7)}
+    )
+    bins = ReliabilityBins(confidence=[0.5], accuracy=[0.6], count=[3])
+    full = dataclasses.replace(
+        record,
+        temperature_scaled=TemperatureScaled(temperature=1.7, metrics=metrics, reliability=bins),
+        fidelity={"layer_2": {"relative_objective": [0.1, 0.2], "energy": [0.9, 0.95]}},
+    )
+    data = json.loads(json.dumps(full.to_dict()))
+    assert data["temperature_scaled"]["temperature"] == 1.7
+    assert data["temperature_scaled"]["metrics"]["ood"]["noise"]["aupr_out_max_prob"] == 0.7
+    assert data["fidelity"]["layer_2"]["energy"] == [0.9, 0.95]
+    again = RunRecord.from_dict(data)
+    assert _same(again, full) and again.temperature_scaled == full.temperature_scaled
+    # a record written before classwise_ece, aupr_out_max_prob, temperature_scaled and fidelity existed
+    old = _record().to_dict()
+    for key in ("temperature_scaled", "fidelity"):
+        old.pop(key)
+    old["metrics"]["test"].pop("classwise_ece")
+    old["metrics"]["ood"]["noise"].pop("aupr_out_max_prob")
+    read = RunRecord.from_dict(old)
+    assert math.isnan(read.metrics.test.classwise_ece) and math.isnan(read.metrics.ood["noise"].aupr_out_max_prob)
+    assert read.temperature_scaled is None and read.fidelity == {}
+    with pytest.raises(ValueError, match=r"record.temperature_scaled.metrics: missing the entry 'test'"):
+        RunRecord.from_dict({**data, "temperature_scaled": {"temperature": 1.0, "metrics": {}}})
+    with pytest.raises(ValueError, match=r"record.fidelity.layer_2.energy: expected a list"):
+        RunRecord.from_dict({**data, "fidelity": {"layer_2": {"energy": 0.9}}})
 
 
 def _broken(edit) -> dict:
