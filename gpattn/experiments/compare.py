@@ -26,7 +26,7 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from ..attention import attention_names, build_attention, select_arguments
+from ..attention import attention_names, build_attention, kl_anneal_fraction, select_arguments
 from ..models import Transformer
 from ..validation import check_choice, check_device, check_float, check_int
 from .ensembles import train_ensemble
@@ -245,14 +245,22 @@ def learned_spectra(model: Transformer) -> dict[str, list[list[float]]]:
 
 
 def make_train_config(
-    config: CompareConfig, task: str, seed: int, checkpoint_dir: str | Path | None = None
+    config: CompareConfig,
+    task: str,
+    seed: int,
+    checkpoint_dir: str | Path | None = None,
+    attention: str | None = None,
 ) -> TrainConfig:
-    """The :class:`~gpattn.experiments.TrainConfig` of one run of the comparison."""
+    """The :class:`~gpattn.experiments.TrainConfig` of one run of the comparison; with ``attention``, its layer's KL
+    annealing recipe (:func:`~gpattn.attention.kl_anneal_fraction` of the run's epochs: SGPA anneals)."""
+    epochs = getattr(config, f"{task}_epochs")
+    anneal = 0.0 if attention is None else kl_anneal_fraction(COMPARE_VARIANTS.get(attention, attention))
     return TrainConfig(
-        epochs=getattr(config, f"{task}_epochs"),
+        epochs=epochs,
         batch_size=config.batch_size,
         lr=config.lr,
         beta=config.beta,
+        kl_anneal_epochs=anneal * epochs,
         eval_samples=config.eval_samples,
         seed=seed,
         device=config.device,
@@ -289,7 +297,7 @@ def train_and_evaluate(
     data = load_task(task) if data is None else data
     if config.num_inducing is None and data.num_inducing is not None:  # the task's size (mnist1d: s = 5 < N = 10)
         config = dataclasses.replace(config, num_inducing=data.num_inducing)
-    train_config = make_train_config(config, task, seed, checkpoint_dir)
+    train_config = make_train_config(config, task, seed, checkpoint_dir, attention)
 
     def make_model(member: int) -> Transformer:
         return build_model(config, attention, data.num_classes, data.model_kwargs).to(config.device)

@@ -372,3 +372,13 @@ def test_ksvd_rows_record_their_fidelity_and_mnist1d_uses_rank_5() -> None:
     assert all(len(heads) == 2 for heads in fidelity.values())
     assert all(0.0 < value <= 1.0 + 1e-9 for value in fidelity["energy"])
     assert train_and_evaluate(config, "digits", "softmax", 0, data=small).fidelity == {}
+
+
+def test_each_run_trains_with_its_layers_kl_recipe():
+    """SGPA anneals its KL over the first half of the run (its official recipe); the other rows do not."""
+    from gpattn.experiments.compare import make_train_config
+
+    config = CompareConfig(tasks=("digits",), attentions=("sgpa", "kep_svgp", "softmax_mc_dropout"), seeds=(0,))
+    assert make_train_config(config, "digits", 0, attention="sgpa").kl_anneal_epochs == 0.5 * config.digits_epochs
+    for row in ("kep_svgp", "softmax_mc_dropout", None):
+        assert make_train_config(config, "digits", 0, attention=row).kl_anneal_epochs == 0.0
