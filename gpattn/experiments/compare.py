@@ -15,7 +15,6 @@ so a newly registered attention is compared like the built-in ones.
 from __future__ import annotations
 
 import csv
-import json
 import statistics
 import time
 from dataclasses import asdict, dataclass, field
@@ -23,7 +22,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from tqdm import tqdm
 
 from ..attention import attention_names, build_attention, select_arguments
 from ..models import Transformer
@@ -42,6 +40,7 @@ __all__ = [
     "make_train_config",
     "markdown_table",
     "run_comparison",
+    "table_text",
     "train_and_evaluate",
     "write_outputs",
 ]
@@ -75,7 +74,13 @@ class CompareConfig:
     :ivar beta: KL weight.
     :ivar ksvd_weight: :math:`\\eta` of the KSVD penalty :math:`\\eta J^2` of the KSVD attentions (a layer argument).
     :ivar device: ``"cpu"`` or ``"cuda"``.
-    :ivar progress: Progress bars.
+    :ivar progress: Progress: one line per finished run on standard error, and a live bar on a terminal.
+    :ivar threads: Torch threads per run (``torch.set_num_threads``). The default, 1, is the fastest for these small
+        models when runs go in parallel (and on a machine with other work), and fixes the numbers: a run's results
+        depend on the thread count, so they are reproducible at a given ``threads`` only.
+    :ivar jobs: Runs trained at the same time, in worker processes (:mod:`gpattn.experiments.runner`); the records
+        are identical for a given ``threads`` whatever ``jobs`` is. Use about (cores / threads).
+    :ivar smoke_test: Set by :meth:`quick`: a smoke test, labelled as such in ``table.md``.
     """
 
     attentions: tuple[str, ...] = field(default_factory=lambda: tuple(attention_names()))
@@ -96,6 +101,9 @@ class CompareConfig:
     ksvd_weight: float = 1.0
     device: str = "cpu"
     progress: bool = True
+    threads: int = 1
+    jobs: int = 1
+    smoke_test: bool = False
 
     def __post_init__(self) -> None:
         where = "CompareConfig"
@@ -125,6 +133,8 @@ class CompareConfig:
         check_float("beta", self.beta, 0.0, where=where)
         check_float("ksvd_weight", self.ksvd_weight, 0.0, where=where)
         check_device("device", self.device, where=where, types=DEVICE_TYPES)
+        check_int("threads", self.threads, where=where)
+        check_int("jobs", self.jobs, where=where)
         if self.num_inducing is not None:
             self._check_layers_accept_the_size()
 
@@ -149,8 +159,11 @@ class CompareConfig:
 
     @classmethod
     def quick(cls, **overrides: Any) -> CompareConfig:
-        """The under-two-minutes first look: one seed, few epochs, fewer Monte Carlo samples."""
-        return cls(**{"seeds": (0,), "pointer_epochs": 2, "digits_epochs": 10, "eval_samples": 4, **overrides})
+        """A smoke test (``smoke_test=True``, labelled so in ``table.md``): one seed, few epochs, fewer Monte Carlo
+        samples. It checks that everything runs; the pointer task is not learned in 2 epochs (every attention stays
+        near chance there), so its numbers compare nothing."""
+        settings = {"seeds": (0,), "pointer_epochs": 2, "digits_epochs": 10, "eval_samples": 4, "smoke_test": True}
+        return cls(**{**settings, **overrides})
 
 
 def build_model(config: CompareConfig, attention: str, num_classes: int, model_kwargs: dict[str, Any]) -> Transformer:
@@ -245,19 +258,21 @@ def train_and_evaluate(
     )
 
 
-def run_comparison(config: CompareConfig) -> list[RunRecord]:
-    """Train and evaluate every (task, attention, seed), in that nesting order; return one
-    :class:`~gpattn.experiments.RunRecord` per run (all numbers are fractions, not percent)."""
-    records = []
+def run_comparison(config: CompareConfig, out: str | Path | None = None, resume: bool = False) -> list[RunRecord]:
+    """Train and evaluate every (task, attention, seed) and return one :class:`~gpattn.experiments.RunRecord` per
+    run, in that nesting order (all numbers are fractions, not percent). ``config.jobs`` runs go at once in worker
+    processes with ``config.threads`` torch threads each (:func:`~gpattn.experiments.runner.execute_runs`).
+
+    :param out: Run folder: each finished run's record is written at once to
+        ``out/runs/<task>-<attention>-<seed>.json``.
+    :param resume: Read the runs already finished in ``out/runs`` (made with the same settings) instead of training
+        them again.
+    :raises ~gpattn.experiments.runner.RunsInterrupted: On Ctrl-C (the finished runs are kept in ``out/runs``).
+    """
+    from .runner import execute_runs
+
     runs = [(task, name, seed) for task in config.tasks for name in config.attentions for seed in config.seeds]
-    cache: dict[str, TaskData] = {}
-    bar = tqdm(runs, desc="compare", disable=None if config.progress else True)
-    for task, name, seed in bar:
-        bar.set_postfix(task=task, attention=name, seed=seed)
-        if task not in cache:
-            cache[task] = load_task(task)
-        records.append(train_and_evaluate(config, task, name, seed, data=cache[task]))
-    return records
+    return execute_runs(config, runs, out=out, resume=resume)
 
 
 def _mean_shift(record: RunRecord, key: str) -> float | None:
@@ -282,10 +297,12 @@ def flat_rows(records: list[RunRecord]) -> list[dict[str, Any]]:
 
 
 def _mean_std(values: list[float], percent: bool) -> str:
+    # n with every cell: a metric may be defined on fewer seeds than the group has; one value has no spread
     scale = 100.0 if percent else 1.0
     mean = statistics.fmean(values) * scale
-    spread = statistics.stdev(values) * scale if len(values) > 1 else 0.0
-    return f"{mean:.2f} ± {spread:.2f}"
+    if len(values) == 1:
+        return f"{mean:.2f} (n=1)"
+    return f"{mean:.2f} ± {statistics.stdev(values) * scale:.2f} (n={len(values)})"
 
 
 def markdown_table(records: list[RunRecord]) -> str:
@@ -314,23 +331,47 @@ def markdown_table(records: list[RunRecord]) -> str:
     return "\n".join(lines) + "\n" + legend + "\n"
 
 
+def table_text(records: list[RunRecord], config: CompareConfig) -> str:
+    """``table.md``: a title that says what was run (a smoke test for ``--quick``), then :func:`markdown_table`."""
+    seeds = len(config.seeds)
+    title = f"# gpattn compare: {len(records)} runs, {seeds} seed{'s' if seeds > 1 else ''}"
+    if config.smoke_test:
+        title += (
+            "\n\n**Smoke test (`--quick`)**: one seed and a few epochs, to check that everything runs. The pointer task"
+            " is not learned in this budget; these numbers compare nothing."
+        )
+    settings = f"threads {config.threads} per run, jobs {config.jobs}, device {config.device}"
+    return f"{title}\n\n{settings}\n\n{markdown_table(records)}"
+
+
 def write_outputs(records: list[RunRecord], config: CompareConfig, out: str | Path) -> list[Path]:
-    """Write ``results.json`` (config + records, :meth:`~gpattn.experiments.RunRecord.to_dict`), ``results.csv``
-    (:func:`flat_rows`) and ``table.md`` (:func:`markdown_table`) into ``out`` (created if missing). The figures are
-    :func:`gpattn.plotting.write_comparison_figures`'s (``gpattn compare`` writes both).
+    """Write ``results.json`` (config + records, :meth:`~gpattn.experiments.RunRecord.to_dict`; strict JSON: an
+    undefined metric is ``null`` with its reason), ``results.csv`` (:func:`flat_rows`) and ``table.md``
+    (:func:`table_text`) into ``out`` (created if missing), each through a temporary file and an atomic rename. The
+    figures are :func:`gpattn.plotting.write_comparison_figures`'s (``gpattn compare`` writes both).
 
     :return: The three paths.
     """
+    import io
+    import math
+
+    from .runner import write_json_atomically, write_text_atomically
+
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     written = [out / "results.json", out / "results.csv", out / "table.md"]
     content = {"config": asdict(config), "records": [record.to_dict() for record in records]}
-    written[0].write_text(json.dumps(content, indent=1))
+    write_json_atomically(written[0], content)
     rows = flat_rows(records)
     fieldnames = list(dict.fromkeys(key for row in rows for key in row))
-    with written[1].open("w", newline="") as handle:
-        writer = csv.DictWriter(handle, fieldnames=fieldnames)
-        writer.writeheader()
-        writer.writerows(rows)
-    written[2].write_text(markdown_table(records))
+    handle = io.StringIO()
+    writer = csv.DictWriter(handle, fieldnames=fieldnames)
+    writer.writeheader()
+    # an undefined value is an empty cell, as a missing one
+    writer.writerows(
+        {key: None if isinstance(value, float) and not math.isfinite(value) else value for key, value in row.items()}
+        for row in rows
+    )
+    write_text_atomically(written[1], handle.getvalue())
+    write_text_atomically(written[2], table_text(records, config))
     return written
