@@ -325,8 +325,9 @@ def markdown_table(records: list[RunRecord]) -> str:
         lines.append("| " + " | ".join(cells) + " |")
     legend = (
         "\nRates (accuracy, ECE, Brier, AURC, AUROC, FPR95) in percent (Brier: sum over classes x 100), NLL in nats,"
-        " train_seconds in seconds; mean ± std over seeds. shift_*: mean over noise, rotation and blur at severities"
-        " 1-5 (digits). ood_*_auroc: max-probability AUROC against held-out digits / structured noise."
+        " train_seconds in seconds; mean ± std over the n seeds where the metric is defined (n=1: the value alone)."
+        " shift_*: mean over noise, rotation and blur at severities 1-5 (digits). ood_*_auroc: max-probability AUROC"
+        " against held-out digits / structured noise."
     )
     return "\n".join(lines) + "\n" + legend + "\n"
 

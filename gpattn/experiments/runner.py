@@ -56,6 +56,9 @@ __all__ = [
 RESULT_INDEPENDENT_FIELDS = ("attentions", "tasks", "seeds", "progress", "jobs", "smoke_test")
 
 
+QUIET_TRACKER = "ignore:resource_tracker:UserWarning"
+
+
 class RunsInterrupted(KeyboardInterrupt):
     """Ctrl-C during :func:`execute_runs`: ``finished`` of ``total`` runs are done (on disk when an ``out`` folder
     was given); the same call with ``resume=True`` continues."""
@@ -228,6 +231,10 @@ def execute_runs(
 
 def _run_in_parallel(config: CompareConfig, pending: list[tuple[str, str, int]], finish) -> None:
     context = multiprocessing.get_context("spawn")
+    # multiprocessing's resource tracker starts with this interpreter's -W options: after Ctrl-C it would warn about
+    # the pool's locks of the stopped workers (which it then unlinks itself), a traceback-like message for nothing
+    if QUIET_TRACKER not in sys.warnoptions:
+        sys.warnoptions.append(QUIET_TRACKER)
     executor = concurrent.futures.ProcessPoolExecutor(
         max_workers=min(config.jobs, len(pending)),
         mp_context=context,
@@ -255,3 +262,4 @@ def _run_in_parallel(config: CompareConfig, pending: list[tuple[str, str, int]],
                 process.terminate()
             for process in processes:
                 process.join(timeout=10)
+            executor.shutdown(wait=True)  # the pool, broken now, releases its queues (no leaked semaphore)

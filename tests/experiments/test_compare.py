@@ -83,8 +83,22 @@ def test_table_and_rows(records) -> None:
     )
     table = markdown_table(records)
     assert table.count("\n| digits |") == 2 and "ood_held_out_auroc" in table
-    percent = f"{100 * records[0].metrics.test.accuracy:.2f} ± 0.00"
-    assert percent in table
+    percent = f"| {100 * records[0].metrics.test.accuracy:.2f} (n=1) |"  # one seed: the value and n, no "± 0.00"
+    assert percent in table and "±" not in table.split("\n\n")[0]
+
+
+def test_table_shows_n_for_every_mean_and_std(records) -> None:
+    import dataclasses
+
+    first = records[0]
+    second = dataclasses.replace(first, seed=1)
+    undefined = dataclasses.replace(first.metrics.test, auroc=float("nan"))
+    third = dataclasses.replace(first, seed=2, metrics=dataclasses.replace(first.metrics, test=undefined))
+    row = next(line for line in markdown_table([first, second, third]).splitlines() if line.startswith("| pointer"))
+    cells = [cell.strip() for cell in row.strip("|").split("|")]
+    accuracy = 100 * first.metrics.test.accuracy
+    assert cells[2] == f"{accuracy:.2f} ± 0.00 (n=3)"  # three equal values: a real zero spread, with its n
+    assert cells[8] == f"{100 * first.metrics.test.auroc:.2f} ± 0.00 (n=2)"  # AUROC undefined on one of three seeds
 
 
 def test_ece_agrees_with_the_stored_reliability_bins(records) -> None:
@@ -141,11 +155,15 @@ def test_cli_compare_writes_the_run_folder(tmp_path, capsys) -> None:
         "ood_histograms.png",
     } <= names
     assert "spectra.png" in names  # primal has learned singular values
-    saved = json.loads((out / "results.json").read_text())
+    saved = json.loads((out / "results.json").read_text(), parse_constant=_refuse)  # strict JSON: no NaN token
     assert saved["config"]["attentions"] == ["softmax", "primal"] and len(saved["records"]) == 4
     with (out / "results.csv").open() as handle:
         assert len(list(csv.DictReader(handle))) == 4
     assert "| pointer | primal |" in capsys.readouterr().out
+
+
+def _refuse(token: str) -> float:
+    raise ValueError(f"results.json is not strict JSON: {token}")
 
 
 def test_cli_compare_rejects_bad_values(capsys) -> None:
@@ -159,8 +177,8 @@ def test_cli_train_resume_after_an_interruption_gives_the_same_numbers(tmp_path,
     full = json.loads((tmp_path / "full" / "record.json").read_text())
 
     faulty_elbo.interrupt_at = 30  # digits: 866 images / 64 = 14 steps per epoch, so this is inside epoch 3
-    with pytest.raises(KeyboardInterrupt):
-        main([*arguments, "--out", str(tmp_path / "cut")])
+    assert main([*arguments, "--out", str(tmp_path / "cut")]) == 130  # Ctrl-C: one line, exit status 130
+    assert capsys.readouterr().err.endswith("gpattn train: interrupted\n")
     faulty_elbo.interrupt_at = None
     assert not (tmp_path / "cut" / "record.json").exists()
     assert main([*arguments, "--out", str(tmp_path / "cut"), "--resume"]) == 0
@@ -274,7 +292,7 @@ def test_a_registered_attention_runs_through_gpattn_compare(uniform_attention, t
     assert main([*argv, "--out", str(out), "--no-progress"]) == 0
     printed = capsys.readouterr().out
     assert "| pointer | uniform |" in printed and (out / "table.md").read_text() in printed
-    saved = json.loads((out / "results.json").read_text())
+    saved = json.loads((out / "results.json").read_text(), parse_constant=_refuse)  # strict JSON: no NaN token
     assert saved["config"]["attentions"] == ["uniform"] and saved["config"]["num_inducing"] == 5
     (record,) = read_records(out / "results.json")
     assert (record.task, record.attention, record.seed) == ("pointer", "uniform", 0)
