@@ -338,7 +338,7 @@ def plot_ood_histograms(records: list[RunRecord]) -> Figure:
             else:
                 aurocs.append(f"AUROC ({short}) {auroc:.3f}" if seeds else f"AUROC ({short}) n/a")
         seeds_text = f" (n={len(group)})"
-        axis.set_title(f"{_panel_name(task, attention, tasks)}{seeds_text}\n" + ", ".join(aurocs), fontsize=9)
+        axis.set_title(f"{_panel_name(task, attention, tasks)}{seeds_text}\n" + "\n".join(aurocs), fontsize=9)
         axis.set_xlim(0, 1)
         axis.set_yscale("log")  # most scores sit near 1: a linear axis hides everything below 0.95
         axis.set_xlabel("max probability")
@@ -393,7 +393,7 @@ def plot_spectra(records: list[RunRecord]) -> Figure:
         axis.set_ylabel(r"singular value $\lambda_i$")
         axis.grid(alpha=0.3, which="both")
         if lines > 1:
-            axis.legend(fontsize=7, loc="upper right", framealpha=0.8)
+            axis.legend(fontsize=7, loc="lower left", framealpha=0.8)
     for axis in axes:  # one scale for every panel, from 0
         axis.set_ylim(0.0, 1.05 * top if top > 0 else 1.0)
     figure.suptitle(f"Learned KSVD singular values on {', '.join(tasks)} (mean over the n seeds; one scale, from 0)")
