@@ -289,8 +289,9 @@ def _add_compare(commands) -> None:
         help="train and evaluate every attention on the pointer toy task and digits (shift, OOD)",
         description="Train a small Transformer per task, attention and seed under one training loop and evaluate "
         "accuracy, NLL, ECE, Brier, AURC, misclassification AUROC/FPR95, digits under shift (noise, rotation, blur, "
-        "severities 1-5) and OOD (held-out digits, structured noise). Writes results.json, results.csv, table.md and "
-        "figures into the run folder.",
+        "severities 1-5) and OOD (held-out digits, structured noise). Prints one line per finished run on standard "
+        "error and writes its record at once to OUT/runs/ (Ctrl-C keeps the finished runs, --resume trains the "
+        "others); at the end writes results.json, results.csv, table.md and figures into OUT.",
     )
     compare.add_argument("--out", type=_out_dir, default=None, help="run folder (default: runs/compare-<date>-<time>)")
     compare.add_argument(
