@@ -1,16 +1,27 @@
 """Command line interface: ``gpattn compare`` (every attention on the toy task and digits), ``gpattn train`` (one
 model, with checkpoints and ``--resume``) and ``gpattn regression`` (KEP-SVGP against the exact GP on the 1-D toy
-data)."""
+data).
+
+Exit status: 0 on success; 2 for a bad option (the message names it) before anything runs; 1 for a failure while
+running (a diverged training, a damaged checkpoint, a folder that cannot be written, ...), printed as one line
+``gpattn <command>: error: ...`` without a traceback; 130 after Ctrl-C (one line saying what was kept).
+"""
 
 from __future__ import annotations
 
 import argparse
+import os
+import shutil
 import sys
+import tempfile
+import threading
 from collections.abc import Callable, Sequence
+from contextlib import nullcontext
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+from . import __version__
 from .validation import check_device, check_float, check_int
 
 # Option types: a bad value exits with status 2 and "gpattn <command>: error: argument --x: <what was expected, what
@@ -57,8 +68,63 @@ def _out_dir(text: str) -> str:
     return text
 
 
+class CommandError(Exception):
+    """An expected failure of a command: printed as one line ``gpattn <command>: error: <message>``, exit status 1."""
+
+
+THREADS_HELP = (
+    "torch threads per run (default: %(default)s; these models are small, so one thread per run is the fastest as "
+    "soon as runs go in parallel or the machine has other work; the numbers depend on the thread count, so "
+    "results are reproducible at a given --threads)"
+)
+
+
+def _add_common(parser: argparse.ArgumentParser, resume: str | None) -> None:
+    parser.add_argument("--threads", type=_positive_int, default=1, help=THREADS_HELP)
+    parser.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace the results of an earlier run in OUT (without it, an OUT that holds files is refused"
+        + (f"; --resume {resume})" if resume else ")"),
+    )
+
+
+def prepare_out(out: str | os.PathLike, *, overwrite: bool, resume: bool, replaced: tuple[str, ...]) -> Path:
+    """Check the run folder ``out`` before anything runs: it is created if missing and must be writable; a folder
+    that already holds files is refused unless ``resume`` (continue it) or ``overwrite`` (the entries ``replaced``,
+    e.g. ``"results.json"``, ``"runs"``, are deleted first, so no stale result is mixed with new ones).
+
+    :raises CommandError: The folder cannot be created or written, or holds an earlier run.
+    """
+    out = Path(out)
+    if out.is_dir() and any(out.iterdir()) and not resume:
+        if not overwrite:
+            held = sorted(path.name for path in out.iterdir())
+            shown = ", ".join(held[:4]) + (", ..." if len(held) > 4 else "")
+            raise CommandError(
+                f"--out {out} already holds files ({shown}): pass --overwrite to replace that run"
+                + (", --resume to continue it" if "runs" in replaced or "checkpoints" in replaced else "")
+                + ", or choose another --out"
+            )
+        for name in replaced:
+            path = out / name
+            if path.is_dir() and not path.is_symlink():
+                shutil.rmtree(path)
+            elif path.exists() or path.is_symlink():
+                path.unlink()
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=out):
+            pass
+    except OSError as error:
+        reason = error.strerror or str(error)
+        raise CommandError(f"--out {out}: cannot create or write the folder ({reason})") from None
+    return out
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="gpattn", description="Gaussian-process self-attention for GPyTorch.")
+    parser.add_argument("--version", action="version", version=f"gpattn {__version__}")
     commands = parser.add_subparsers(dest="command", required=True)
     regression = commands.add_parser(
         "regression",
@@ -86,6 +152,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--lr", type=_positive_float, default=0.05, help="Adam learning rate (default: %(default)s)"
     )
     regression.add_argument("--no-progress", action="store_true", help="hide the progress bars")
+    _add_common(regression, resume=None)
     _add_compare(commands)
     _add_train(commands)
     return parser
@@ -102,7 +169,7 @@ def _add_train(commands) -> None:
         description="Train one Transformer with the chosen attention on a task of the comparison, with best.pt / "
         "last.pt checkpoints in OUT/checkpoints, and write OUT/record.json (the same metrics as gpattn compare). "
         "After an interruption, the same command with --resume continues from last.pt and ends with the same "
-        "numbers as an uninterrupted run (CPU).",
+        "numbers as an uninterrupted run (CPU). Prints one line per epoch on standard error.",
     )
     train.add_argument("--attention", choices=attention_names(), default="kep_svgp", help="default: %(default)s")
     train.add_argument("--task", choices=TASKS, default="digits", help="default: %(default)s")
@@ -117,12 +184,66 @@ def _add_train(commands) -> None:
     )
     train.add_argument("--resume", action="store_true", help="continue from OUT/checkpoints/last.pt")
     train.add_argument("--device", type=_device, default="cpu", help="cpu or cuda (default: %(default)s)")
+    train.add_argument("--no-progress", action="store_true", help="print no line per epoch")
+    _add_common(train, resume="continues it")
+
+
+class _EpochLines:
+    """Print one line per finished epoch of ``gpattn train`` (on any stream), read from the ``last.pt`` that the
+    training loop writes at the end of every epoch, polled by a background thread."""
+
+    def __init__(self, path: Path, epochs: int) -> None:
+        self.path, self.epochs = path, epochs
+        self.stop = threading.Event()
+        self.shown = 0
+        self.thread = threading.Thread(target=self._watch, daemon=True)
+
+    def __enter__(self) -> _EpochLines:
+        self.seen = self._stamp()
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc_info: Any) -> None:
+        self.stop.set()
+        self.thread.join()
+        if exc_info[0] is None:
+            self._show()  # the last epoch, in case the thread has not seen it yet
+
+    def _stamp(self) -> int | None:
+        try:
+            return self.path.stat().st_mtime_ns
+        except OSError:
+            return None
+
+    def _watch(self) -> None:
+        while not self.stop.wait(0.25):
+            stamp = self._stamp()
+            if stamp is not None and stamp != self.seen:
+                self.seen = stamp
+                self._show()
+
+    def _show(self) -> None:
+        from .experiments.checkpoints import load_checkpoint
+
+        try:
+            history = load_checkpoint(self.path).get("history", [])
+        except Exception:  # a progress line is not worth a failure (the file may be between writes)
+            return
+        for entry in history[self.shown :]:
+            try:
+                line = (
+                    f"epoch {entry['epoch']}/{self.epochs}: loss {entry['loss']:.4f}, val accuracy "
+                    f"{entry['val_accuracy']:.4f}, val nll {entry['val_nll']:.4f} ({entry['seconds']:.1f} s)"
+                )
+            except (KeyError, TypeError, ValueError):
+                line = f"epoch {len(history)}/{self.epochs} done"
+            print(line, file=sys.stderr, flush=True)
+        self.shown = max(self.shown, len(history))
 
 
 def _run_train(args: argparse.Namespace) -> int:
-    import json
-
-    from .experiments.compare import CompareConfig, train_and_evaluate
+    from .experiments.compare import CompareConfig, make_train_config, train_and_evaluate
+    from .experiments.runner import torch_threads, write_json_atomically
 
     out = Path(args.out or f"runs/train-{args.task}-{args.attention}-{args.seed}")
     epochs = {} if args.epochs is None else {f"{args.task}_epochs": args.epochs}
@@ -135,6 +256,7 @@ def _run_train(args: argparse.Namespace) -> int:
             num_inducing=args.num_inducing,
             device=args.device,
             progress=False,
+            threads=args.threads,
             **epochs,
         )
     except ValueError as error:  # a combination of options (e.g. a rank above the head width)
@@ -143,17 +265,14 @@ def _run_train(args: argparse.Namespace) -> int:
     if args.resume and not (out / "checkpoints" / "last.pt").exists():
         print(f"gpattn train: error: --resume needs {out / 'checkpoints' / 'last.pt'}", file=sys.stderr)
         return 2
-    from .experiments import CheckpointError, NonFiniteLossError
-
-    try:
+    prepare_out(out, overwrite=args.overwrite, resume=args.resume, replaced=("record.json", "checkpoints"))
+    total = make_train_config(config, args.task, args.seed).epochs
+    lines = nullcontext() if args.no_progress else _EpochLines(out / "checkpoints" / "last.pt", total)
+    with torch_threads(args.threads), lines:
         record = train_and_evaluate(
             config, args.task, args.attention, args.seed, checkpoint_dir=out / "checkpoints", resume=args.resume
         )
-    except (CheckpointError, NonFiniteLossError) as error:  # a clear message, not a traceback
-        print(f"gpattn train: error: {error}", file=sys.stderr)
-        return 1
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "record.json").write_text(json.dumps(record.to_dict(), indent=1))
+    write_json_atomically(out / "record.json", record.to_dict())
     test = asdict(record.metrics.test)
     print(", ".join(f"{key} {value:.4f}" for key, value in test.items()))
     print(f"wrote {out / 'record.json'}")
@@ -170,11 +289,17 @@ def _add_compare(commands) -> None:
         help="train and evaluate every attention on the pointer toy task and digits (shift, OOD)",
         description="Train a small Transformer per task, attention and seed under one training loop and evaluate "
         "accuracy, NLL, ECE, Brier, AURC, misclassification AUROC/FPR95, digits under shift (noise, rotation, blur, "
-        "severities 1-5) and OOD (held-out digits, structured noise). Writes results.json, results.csv, table.md and "
-        "figures into the run folder.",
+        "severities 1-5) and OOD (held-out digits, structured noise). Prints one line per finished run on standard "
+        "error and writes its record at once to OUT/runs/ (Ctrl-C keeps the finished runs, --resume trains the "
+        "others); at the end writes results.json, results.csv, table.md and figures into OUT.",
     )
     compare.add_argument("--out", type=_out_dir, default=None, help="run folder (default: runs/compare-<date>-<time>)")
-    compare.add_argument("--quick", action="store_true", help="one seed, few epochs: a first look in under 2 minutes")
+    compare.add_argument(
+        "--quick",
+        action="store_true",
+        help="a smoke test (labelled so in table.md): one seed, few epochs, to check that everything runs; the "
+        "pointer task is not learned in this budget",
+    )
     compare.add_argument(
         "--attentions", nargs="+", choices=attention_names(), default=None, help="default: every registered attention"
     )
@@ -195,13 +320,27 @@ def _add_compare(commands) -> None:
         flag = "--" + name.replace("_", "-")
         compare.add_argument(flag, type=kind, default=None, help=f"{text} (default: {getattr(defaults, name)})")
     compare.add_argument("--device", type=_device, default="cpu", help="cpu or cuda (default: %(default)s)")
-    compare.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+    compare.add_argument(
+        "--jobs",
+        type=_positive_int,
+        default=1,
+        help="runs trained at the same time in worker processes (default: %(default)s; about cores / threads: 2 on a "
+        "2-core machine). The results are identical whatever --jobs is, for a given --threads",
+    )
+    compare.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue an interrupted comparison in OUT: the runs whose records are in OUT/runs are read back (they "
+        "must have been made with the same settings), the others trained",
+    )
+    compare.add_argument("--no-progress", action="store_true", help="print no line per finished run and no live bar")
+    _add_common(compare, resume="continues it")
 
 
 def _run_compare(args: argparse.Namespace) -> int:
     import time
 
-    from .experiments.compare import CompareConfig, markdown_table, run_comparison, write_outputs
+    from .experiments.compare import CompareConfig, run_comparison, table_text, write_outputs
     from .plotting import write_comparison_figures
 
     names = (
@@ -217,53 +356,109 @@ def _run_compare(args: argparse.Namespace) -> int:
         "ksvd_weight",
     )
     overrides = {name: getattr(args, name) for name in names if getattr(args, name) is not None}
-    overrides.update(device=args.device, progress=not args.no_progress)
+    overrides.update(device=args.device, progress=not args.no_progress, threads=args.threads, jobs=args.jobs)
     try:
         config = CompareConfig.quick(**overrides) if args.quick else CompareConfig(**overrides)
     except ValueError as error:
         print(f"gpattn compare: error: {error}", file=sys.stderr)
         return 2
-    out = args.out or f"runs/compare-{time.strftime('%Y%m%d-%H%M%S')}"
-    records = run_comparison(config)
+    out = prepare_out(
+        args.out or f"runs/compare-{time.strftime('%Y%m%d-%H%M%S')}",
+        overwrite=args.overwrite,
+        resume=args.resume,
+        replaced=("runs", "results.json", "results.csv", "table.md", *FIGURES),
+    )
+    start = time.perf_counter()
+    try:
+        records = run_comparison(config, out=out, resume=args.resume)
+    except KeyboardInterrupt as interrupt:
+        finished = getattr(interrupt, "finished", None)
+        done = "" if finished is None else f"{finished} of {interrupt.total} runs finished, "
+        raise CommandInterrupted(
+            f"interrupted; {done}kept in {out / 'runs'}; the same command with --resume continues"
+        ) from None
     written = write_outputs(records, config, out) + write_comparison_figures(records, out)
-    print(markdown_table(records))
+    print(table_text(records, config))
+    print(f"{len(records)} runs in {time.perf_counter() - start:.0f} s (jobs {config.jobs}, threads {config.threads})")
     print("wrote " + ", ".join(str(path) for path in written))
     return 0
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    if args.command == "compare":
-        return _run_compare(args)
-    if args.command == "train":
-        return _run_train(args)
-    if args.command == "regression":
-        from .experiments import ToyRegressionConfig, format_result, run_toy_regression
+class CommandInterrupted(KeyboardInterrupt):
+    """Ctrl-C, with the line that says what was kept."""
 
-        if args.num_inducing > args.landmarks:
-            message = f"--num-inducing ({args.num_inducing}) must not exceed --landmarks ({args.landmarks})"
-            print(f"gpattn regression: error: {message}", file=sys.stderr)
-            return 2
-        config = ToyRegressionConfig(
-            seed=args.seed,
-            num_landmarks=args.landmarks,
-            num_inducing=args.num_inducing,
-            iterations=args.iterations,
-            pyro_iterations=args.pyro_iterations,
-            lr=args.lr,
-        )
-        import matplotlib.pyplot as plt
 
-        from .plotting import plot_pair_posterior
+#: the figures gpattn compare writes (replaced with --overwrite)
+FIGURES = (
+    "reliability_pointer.png",
+    "reliability_digits.png",
+    "shift.png",
+    "ood_histograms.png",
+    "spectra.png",
+)
 
-        result = run_toy_regression(config, out=args.out, progress=not args.no_progress)
-        models = result.models
-        figure = plot_pair_posterior(models["kep_svgp_elbo"], result.data, exact_gp=models["exact_gp"])
-        figure.savefig(Path(args.out) / "posterior.png", dpi=120, bbox_inches="tight")
-        plt.close(figure)
-        print(format_result(result))
-        print(f"wrote {args.out}/results.json and {args.out}/posterior.png")
+
+def _run_regression(args: argparse.Namespace) -> int:
+    from .experiments import ToyRegressionConfig, format_result, run_toy_regression
+    from .experiments.runner import torch_threads, write_text_atomically
+
+    if args.num_inducing > args.landmarks:
+        message = f"--num-inducing ({args.num_inducing}) must not exceed --landmarks ({args.landmarks})"
+        print(f"gpattn regression: error: {message}", file=sys.stderr)
+        return 2
+    config = ToyRegressionConfig(
+        seed=args.seed,
+        num_landmarks=args.landmarks,
+        num_inducing=args.num_inducing,
+        iterations=args.iterations,
+        pyro_iterations=args.pyro_iterations,
+        lr=args.lr,
+    )
+    out = prepare_out(args.out, overwrite=args.overwrite, resume=False, replaced=("results.json", "posterior.png"))
+    import matplotlib.pyplot as plt
+
+    from .plotting import plot_pair_posterior
+
+    with torch_threads(args.threads):
+        result = run_toy_regression(config, progress=not args.no_progress)
+    write_text_atomically(out / "results.json", result.to_json())
+    models = result.models
+    figure = plot_pair_posterior(
+        models["kep_svgp_elbo"], result.data, exact_gp=models["exact_gp"], pyro_model=models.get("kep_svgp_pyro")
+    )
+    temporary = out / ".posterior.png.tmp"
+    figure.savefig(temporary, dpi=120, bbox_inches="tight", format="png")
+    plt.close(figure)
+    os.replace(temporary, out / "posterior.png")
+    print(format_result(result))
+    print(f"wrote {out / 'results.json'} and {out / 'posterior.png'}")
     return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run ``gpattn`` with ``argv`` (default: the process's arguments) and return the exit status."""
+    args = build_parser().parse_args(argv)
+    run = {"compare": _run_compare, "train": _run_train, "regression": _run_regression}[args.command]
+    prefix = f"gpattn {args.command}"
+    try:
+        return run(args)
+    except KeyboardInterrupt as interrupt:
+        message = str(interrupt) if isinstance(interrupt, CommandInterrupted) else "interrupted"
+        print(f"{prefix}: {message}", file=sys.stderr)
+        return 130
+    except CommandError as error:
+        print(f"{prefix}: error: {error}", file=sys.stderr)
+        return 1
+    except (ValueError, RuntimeError, OSError) as error:  # CheckpointError, TrainingDivergedError, ... too
+        print(f"{prefix}: error: {_one_line(error)}", file=sys.stderr)
+        return 1
+
+
+def _one_line(error: BaseException) -> str:
+    text = " ".join(str(error).split()) or type(error).__name__
+    if isinstance(error, OSError) and error.filename is not None and str(error.filename) not in text:
+        text += f": {error.filename}"
+    return text
 
 
 if __name__ == "__main__":

@@ -66,3 +66,157 @@ def test_train_resume_from_a_corrupted_checkpoint_is_a_clear_error(tmp_path, cap
     assert main([*argv, "--resume"]) == 1
     error = capsys.readouterr().err
     assert error.startswith("gpattn train: error:") and "last.pt" in error and "Traceback" not in error
+
+
+# -- output folders, one-line errors, Ctrl-C, --version (issues 14 and 17) ---------------------------------------------
+TINY_COMPARE = [
+    "compare",
+    "--attentions",
+    "softmax",
+    "--tasks",
+    "pointer",
+    "--seeds",
+    "0",
+    "--pointer-epochs",
+    "1",
+    "--eval-samples",
+    "2",
+    "--no-progress",
+]
+
+
+def _refuse(token: str) -> float:
+    raise ValueError(f"not strict JSON: {token}")
+
+
+@pytest.fixture
+def no_runs(monkeypatch):
+    """Make every training fail loudly: what the test checks must happen before any run."""
+    import gpattn.experiments as experiments
+    import gpattn.experiments.compare as compare
+
+    def must_not_run(*args, **kwargs):
+        raise AssertionError("a run started")
+
+    monkeypatch.setattr(compare, "train_and_evaluate", must_not_run)
+    monkeypatch.setattr(experiments, "run_toy_regression", must_not_run)
+
+
+@pytest.mark.parametrize("command", [["compare"], ["train"], ["regression"]])
+def test_an_out_that_cannot_be_created_is_one_line_before_any_run(command, tmp_path, capsys, no_runs) -> None:
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    assert main([*command, "--out", str(blocker / "sub")]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith(f"gpattn {command[0]}: error: --out {blocker / 'sub'}: cannot create or write the folder")
+    assert err.count("\n") == 1 and "Traceback" not in err
+
+
+@pytest.mark.parametrize("command", [["compare"], ["train"], ["regression"]])
+def test_an_existing_run_folder_is_refused_without_overwrite(command, tmp_path, capsys, no_runs) -> None:
+    (tmp_path / "results.json").write_text("{}")
+    assert main([*command, "--out", str(tmp_path)]) == 1
+    err = capsys.readouterr().err
+    assert f"--out {tmp_path} already holds files (results.json): pass --overwrite" in err
+    assert err.count("\n") == 1
+    assert (tmp_path / "results.json").read_text() == "{}"
+
+
+def test_overwrite_replaces_the_earlier_results_and_output_is_strict_json(tmp_path, capsys) -> None:
+    (tmp_path / "runs").mkdir()
+    (tmp_path / "runs" / "digits-softmax-5.json").write_text("stale")
+    (tmp_path / "results.json").write_text("stale")
+    (tmp_path / "notes.txt").write_text("the user's")
+    assert main([*TINY_COMPARE, "--out", str(tmp_path), "--overwrite"]) == 0
+    assert not (tmp_path / "runs" / "digits-softmax-5.json").exists()  # no stale run mixed in
+    assert (tmp_path / "notes.txt").read_text() == "the user's"  # only gpattn's own outputs are replaced
+    results = json.loads((tmp_path / "results.json").read_text(), parse_constant=_refuse)
+    assert results["config"]["threads"] == 1 and results["config"]["jobs"] == 1
+    assert len(results["records"]) == 1
+    table = (tmp_path / "table.md").read_text()
+    assert "(n=1)" in table and "± 0.00" not in table  # one seed: the value and n, no made-up spread
+    assert "Smoke test" not in table
+
+
+def test_quick_is_labelled_a_smoke_test(tmp_path, capsys) -> None:
+    argv = ["compare", "--quick", "--attentions", "softmax", "--tasks", "pointer", "--pointer-epochs", "1"]
+    assert main([*argv, "--eval-samples", "2", "--no-progress", "--out", str(tmp_path)]) == 0
+    assert "**Smoke test (`--quick`)**" in (tmp_path / "table.md").read_text()
+    assert json.loads((tmp_path / "results.json").read_text())["config"]["smoke_test"] is True
+
+
+@pytest.mark.parametrize(
+    ("error", "status", "line"),
+    [
+        (KeyboardInterrupt(), 130, "gpattn train: interrupted\n"),
+        (RuntimeError("training diverged\nat step 3"), 1, "gpattn train: error: training diverged at step 3\n"),
+        (ValueError("bad checkpoint"), 1, "gpattn train: error: bad checkpoint\n"),
+        (PermissionError(13, "Permission denied", "/x/record.json"), 1, "gpattn train: error: [Errno 13]"),
+    ],
+)
+def test_expected_failures_are_one_line(error, status, line, tmp_path, capsys, monkeypatch) -> None:
+    import gpattn.experiments.compare as compare
+
+    def fail(*args, **kwargs):
+        raise error
+
+    monkeypatch.setattr(compare, "train_and_evaluate", fail)
+    assert main(["train", "--task", "pointer", "--epochs", "1", "--out", str(tmp_path / "t")]) == status
+    err = capsys.readouterr().err
+    assert err.startswith(line) and err.count("\n") == 1 and "Traceback" not in err
+
+
+def test_compare_interrupted_says_what_was_kept(tmp_path, capsys, monkeypatch) -> None:
+    import gpattn.experiments.compare as compare
+
+    def interrupt(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(compare, "train_and_evaluate", interrupt)
+    assert main([*TINY_COMPARE, "--out", str(tmp_path / "c")]) == 130
+    err = capsys.readouterr().err
+    assert err == (
+        f"gpattn compare: interrupted; 0 of 1 runs finished, kept in {tmp_path / 'c' / 'runs'}; the same command with "
+        "--resume continues\n"
+    )
+
+
+def test_version() -> None:
+    from gpattn import __version__
+
+    completed = subprocess.run([sys.executable, "-m", "gpattn.cli", "--version"], capture_output=True, text=True)
+    assert completed.returncode == 0 and completed.stdout == f"gpattn {__version__}\n"
+
+
+def test_train_prints_one_line_per_epoch(tmp_path, capsys) -> None:
+    argv = ["train", "--task", "pointer", "--attention", "softmax", "--epochs", "2", "--eval-samples", "2"]
+    assert main([*argv, "--out", str(tmp_path / "t")]) == 0
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("epoch ")]
+    assert [line.split(":")[0] for line in lines] == ["epoch 1/2", "epoch 2/2"]
+    assert all("val accuracy 0." in line for line in lines)
+
+
+def test_sigint_keeps_the_finished_runs_and_resume_finishes_the_rest(tmp_path) -> None:
+    """A real Ctrl-C (SIGINT to the process group) during ``gpattn compare --jobs 2``, then ``--resume``."""
+    import os
+    import signal
+
+    out = tmp_path / "c"
+    argv = [sys.executable, "-m", "gpattn.cli", "compare", "--attentions", "softmax", "--tasks", "pointer"]
+    argv += ["--seeds", "0", "1", "2", "3", "--pointer-epochs", "1", "--eval-samples", "2", "--jobs", "2"]
+    argv += ["--out", str(out)]  # progress on: one line per finished run on stderr (no bar: not a terminal)
+    process = subprocess.Popen(argv, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    first = process.stderr.readline()
+    assert first.startswith("[1/4] pointer-softmax-"), first
+    os.killpg(process.pid, signal.SIGINT)
+    rest = process.stderr.read()
+    assert process.wait(timeout=60) == 130
+    assert "Traceback" not in rest and rest.splitlines()[-1].startswith("gpattn compare: interrupted; ")
+    finished = sorted(path.stem for path in (out / "runs").glob("*.json"))
+    assert 1 <= len(finished) < 4
+    resumed = subprocess.run([*argv, "--resume"], capture_output=True, text=True, timeout=300)
+    assert resumed.returncode == 0, resumed.stderr
+    assert f"resuming: {len(finished)} of 4 runs already finished" in resumed.stderr
+    trained = [line.split()[1].rstrip(":") for line in resumed.stderr.splitlines() if line.startswith("[")]
+    assert sorted(trained) == sorted({f"pointer-softmax-{seed}" for seed in range(4)} - set(finished))
+    assert len(json.loads((out / "results.json").read_text())["records"]) == 4

@@ -22,6 +22,7 @@ def test_readme_python_blocks_run() -> None:
     rmse = (gp["posterior"].mean - gp["torch"].sin(2 * gp["x"]).squeeze(-1)).pow(2).mean().sqrt()
     assert float(rmse.detach()) < 0.1
     assert namespaces[1]["probabilities"].shape == (128, 2)
+    assert float(namespaces[1]["accuracy"]) > 0.9  # the Transformer example learns the pointer task (chance 0.5)
     assert namespaces[1]["variance"].shape == (1, 8, 32) and bool((namespaces[1]["variance"] >= 0).all())
     timm_model = namespaces[2]["model"]
     assert type(timm_model.blocks[-1].attn.layer).__name__ == "KEPSVGPAttention"

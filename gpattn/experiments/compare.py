@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import csv
 import dataclasses
-import json
 import statistics
 import time
 from dataclasses import asdict, dataclass
@@ -24,7 +23,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from tqdm import tqdm
 
 from ..attention import attention_names, build_attention, kl_anneal_fraction, select_arguments
 from ..models import Transformer
@@ -51,6 +49,7 @@ __all__ = [
     "make_train_config",
     "markdown_table",
     "run_comparison",
+    "table_text",
     "train_and_evaluate",
     "write_outputs",
 ]
@@ -119,12 +118,18 @@ class CompareConfig:
     :ivar beta: KL weight.
     :ivar ksvd_weight: :math:`\\eta` of the KSVD penalty :math:`\\eta J^2` of the KSVD attentions (a layer argument).
     :ivar device: ``"cpu"`` or ``"cuda"``.
-    :ivar progress: Progress bars.
+    :ivar progress: Progress: one line per finished run on standard error, and a live bar on a terminal.
     :ivar ece_bins: Equal-width bins of the ECE/MCE (top-label and classwise) and reliability diagrams.
     :ivar temperature_scaling: Add the post-hoc ``+ts`` variant of every run (temperature fitted by NLL on the
         validation split; no retraining).
     :ivar mc_dropout: Dropout rate of the ``softmax_mc_dropout`` row (training and test time).
     :ivar fidelity_sequences: Test sequences on which the KSVD fidelity of every KEP/Primal layer is measured (0: none).
+    :ivar threads: Torch threads per run (``torch.set_num_threads``). The default, 1, is the fastest for these small
+        models when runs go in parallel (and on a machine with other work), and fixes the numbers: a run's results
+        depend on the thread count, so they are reproducible at a given ``threads`` only.
+    :ivar jobs: Runs trained at the same time, in worker processes (:mod:`gpattn.experiments.runner`); the records
+        are identical for a given ``threads`` whatever ``jobs`` is. Use about (cores / threads).
+    :ivar smoke_test: Set by :meth:`quick`: a smoke test, labelled as such in ``table.md``.
     """
 
     attentions: tuple[str, ...] = DEFAULT_ATTENTIONS
@@ -150,6 +155,9 @@ class CompareConfig:
     temperature_scaling: bool = True
     mc_dropout: float = 0.1
     fidelity_sequences: int = 256
+    threads: int = 1
+    jobs: int = 1
+    smoke_test: bool = False
 
     def __post_init__(self) -> None:
         where = "CompareConfig"
@@ -183,6 +191,8 @@ class CompareConfig:
         check_float("beta", self.beta, 0.0, where=where)
         check_float("ksvd_weight", self.ksvd_weight, 0.0, where=where)
         check_device("device", self.device, where=where, types=DEVICE_TYPES)
+        check_int("threads", self.threads, where=where)
+        check_int("jobs", self.jobs, where=where)
         if self.num_inducing is not None:
             self._check_layers_accept_the_size()
 
@@ -208,10 +218,12 @@ class CompareConfig:
 
     @classmethod
     def quick(cls, **overrides: Any) -> CompareConfig:
-        """The under-two-minutes first look: the pointer task and digits, one seed, few epochs, fewer Monte Carlo
-        samples."""
+        """A smoke test (``smoke_test=True``, labelled so in ``table.md``): the pointer task and digits, one seed, few
+        epochs, fewer Monte Carlo samples. It checks that everything runs; the pointer task is not learned in 2 epochs
+        (every attention stays near chance there), so its numbers compare nothing."""
         settings = {"tasks": ("pointer", "digits"), "seeds": (0,), "pointer_epochs": 2, "digits_epochs": 10}
-        return cls(**{**settings, "mnist1d_epochs": 4, "eval_samples": 4, **overrides})
+        settings.update(mnist1d_epochs=4, eval_samples=4, smoke_test=True)
+        return cls(**{**settings, **overrides})
 
 
 def build_model(config: CompareConfig, attention: str, num_classes: int, model_kwargs: dict[str, Any]) -> Transformer:
@@ -336,19 +348,21 @@ def train_and_evaluate(
     )
 
 
-def run_comparison(config: CompareConfig) -> list[RunRecord]:
-    """Train and evaluate every (task, attention, seed), in that nesting order; return one
-    :class:`~gpattn.experiments.RunRecord` per run (all numbers are fractions, not percent)."""
-    records = []
+def run_comparison(config: CompareConfig, out: str | Path | None = None, resume: bool = False) -> list[RunRecord]:
+    """Train and evaluate every (task, attention, seed) and return one :class:`~gpattn.experiments.RunRecord` per
+    run, in that nesting order (all numbers are fractions, not percent). ``config.jobs`` runs go at once in worker
+    processes with ``config.threads`` torch threads each (:func:`~gpattn.experiments.runner.execute_runs`).
+
+    :param out: Run folder: each finished run's record is written at once to
+        ``out/runs/<task>-<attention>-<seed>.json``.
+    :param resume: Read the runs already finished in ``out/runs`` (made with the same settings) instead of training
+        them again.
+    :raises ~gpattn.experiments.runner.RunsInterrupted: On Ctrl-C (the finished runs are kept in ``out/runs``).
+    """
+    from .runner import execute_runs
+
     runs = [(task, name, seed) for task in config.tasks for name in config.attentions for seed in config.seeds]
-    cache: dict[str, TaskData] = {}
-    bar = tqdm(runs, desc="compare", disable=None if config.progress else True)
-    for task, name, seed in bar:
-        bar.set_postfix(task=task, attention=name, seed=seed)
-        if task not in cache:
-            cache[task] = load_task(task)
-        records.append(train_and_evaluate(config, task, name, seed, data=cache[task]))
-    return records
+    return execute_runs(config, runs, out=out, resume=resume)
 
 
 def with_temperature_scaled(records: list[RunRecord]) -> list[RunRecord]:
@@ -426,10 +440,12 @@ def _finite(values: list[Any]) -> list[float]:
 
 
 def _mean_std(values: list[float], percent: bool) -> str:
+    # n with every cell: a metric may be defined on fewer seeds than the group has; one value has no spread
     scale = 100.0 if percent else 1.0
     mean = statistics.fmean(values) * scale
-    spread = statistics.stdev(values) * scale if len(values) > 1 else 0.0
-    return f"{mean:.2f} ± {spread:.2f}"
+    if len(values) == 1:
+        return f"{mean:.2f} (n=1)"
+    return f"{mean:.2f} ± {statistics.stdev(values) * scale:.2f} (n={len(values)})"
 
 
 def format_difference(reference: dict[int, float], other: dict[int, float], percent: bool) -> str:
@@ -526,7 +542,8 @@ def markdown_table(records: list[RunRecord]) -> str:
     legend = " ".join(
         [
             "\nRates (accuracy, confidence, ECE, classwise ECE, Brier, AURC, AUROC, AUPR, FPR95) in percent",
-            "(Brier: sum over classes x 100), NLL in nats, train_seconds in seconds; mean ± std over the n seeds.",
+            "(Brier: sum over classes x 100), NLL in nats, train_seconds in seconds; mean ± std over the n seeds where",
+            "the metric is defined (n=1: the value alone).",
             f"ECE: {_bins(records)} equal-width bins, top-label; classwise_ece: Kull et al. 2019.",
             "shift_*: mean over the shift kinds at severities 1-5 (digits: noise, rotation, blur; mnist1d: i.i.d.",
             "noise, correlated noise, shear, translation, scale); shuffled_*: the spatially shuffled MNIST-1D test",
@@ -562,23 +579,47 @@ def _bins(records: list[RunRecord]) -> int:
     return counts.pop() if len(counts) == 1 else DEFAULT_ECE_BINS
 
 
+def table_text(records: list[RunRecord], config: CompareConfig) -> str:
+    """``table.md``: a title that says what was run (a smoke test for ``--quick``), then :func:`markdown_table`."""
+    seeds = len(config.seeds)
+    title = f"# gpattn compare: {len(records)} runs, {seeds} seed{'s' if seeds > 1 else ''}"
+    if config.smoke_test:
+        title += (
+            "\n\n**Smoke test (`--quick`)**: one seed and a few epochs, to check that everything runs. The pointer task"
+            " is not learned in this budget; these numbers compare nothing."
+        )
+    settings = f"threads {config.threads} per run, jobs {config.jobs}, device {config.device}"
+    return f"{title}\n\n{settings}\n\n{markdown_table(records)}"
+
+
 def write_outputs(records: list[RunRecord], config: CompareConfig, out: str | Path) -> list[Path]:
-    """Write ``results.json`` (config + records, :meth:`~gpattn.experiments.RunRecord.to_dict`), ``results.csv``
-    (:func:`flat_rows`) and ``table.md`` (:func:`markdown_table`) into ``out`` (created if missing). The figures are
-    :func:`gpattn.plotting.write_comparison_figures`'s (``gpattn compare`` writes both).
+    """Write ``results.json`` (config + records, :meth:`~gpattn.experiments.RunRecord.to_dict`; strict JSON: an
+    undefined metric is ``null`` with its reason), ``results.csv`` (:func:`flat_rows`) and ``table.md``
+    (:func:`table_text`) into ``out`` (created if missing), each through a temporary file and an atomic rename. The
+    figures are :func:`gpattn.plotting.write_comparison_figures`'s (``gpattn compare`` writes both).
 
     :return: The three paths.
     """
+    import io
+    import math
+
+    from .runner import write_json_atomically, write_text_atomically
+
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     written = [out / "results.json", out / "results.csv", out / "table.md"]
     content = {"config": asdict(config), "records": [record.to_dict() for record in records]}
-    written[0].write_text(json.dumps(content, indent=1))
+    write_json_atomically(written[0], content)
     rows = flat_rows(records)
     fieldnames = list(dict.fromkeys(key for row in rows for key in row))
-    with written[1].open("w", newline="") as handle:
-        writer = csv.DictWriter(handle, fieldnames=fieldnames)
-        writer.writeheader()
-        writer.writerows(rows)
-    written[2].write_text(markdown_table(records))
+    handle = io.StringIO()
+    writer = csv.DictWriter(handle, fieldnames=fieldnames)
+    writer.writeheader()
+    # an undefined value is an empty cell, as a missing one
+    writer.writerows(
+        {key: None if isinstance(value, float) and not math.isfinite(value) else value for key, value in row.items()}
+        for row in rows
+    )
+    write_text_atomically(written[1], handle.getvalue())
+    write_text_atomically(written[2], table_text(records, config))
     return written

@@ -185,19 +185,44 @@ def train_distributed(model: torch.nn.Module, train: Any, val: Any, config: Trai
 
 
 # -- command line ----------------------------------------------------------------------------------------------------
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return value
+
+
 def main(argv: list[str] | None = None) -> None:
     """``python -m gpattn.experiments.distributed --attention kep_svgp --epochs 2 --out DIR`` (under ``torchrun``):
     trains a tiny Transformer on a pointer task; rank 0 writes ``DIR/result.json`` and every rank its checksum
     ``DIR/rank<r>.json``."""
-    parser = argparse.ArgumentParser(description=main.__doc__)
-    parser.add_argument("--attention", default="kep_svgp")
-    parser.add_argument("--epochs", type=int, default=2)
-    parser.add_argument("--batch-size", type=int, default=32, help="per rank")
-    parser.add_argument("--lr", type=float, default=1e-2)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--eval-samples", type=int, default=2)
-    parser.add_argument("--out", type=Path, required=True)
+    from ..attention import attention_names
+
+    parser = argparse.ArgumentParser(
+        prog="python -m gpattn.experiments.distributed",
+        description="Data-parallel training (DistributedDataParallel over gloo) of a tiny Transformer on a pointer "
+        "task. Start it under torchrun, e.g. torchrun --standalone --nproc_per_node 2 -m "
+        "gpattn.experiments.distributed --out DIR. Rank 0 writes DIR/result.json (history, best epoch, final "
+        "validation accuracy) and every rank its parameter checksum DIR/rank<r>.json.",
+    )
+    positive = _positive_int
+    parser.add_argument("--attention", choices=attention_names(), default="kep_svgp", help="default: %(default)s")
+    parser.add_argument("--epochs", type=positive, default=2, help="default: %(default)s")
+    parser.add_argument(
+        "--batch-size", type=positive, default=32, help="sequences per rank and step (default: %(default)s)"
+    )
+    parser.add_argument("--lr", type=float, default=1e-2, help="peak AdamW learning rate (default: %(default)s)")
+    parser.add_argument("--seed", type=int, default=0, help="default: %(default)s")
+    parser.add_argument(
+        "--eval-samples", type=positive, default=2, help="Monte Carlo samples at validation (default: %(default)s)"
+    )
+    parser.add_argument("--threads", type=positive, default=1, help="torch threads per rank (default: %(default)s)")
+    parser.add_argument("--out", type=Path, required=True, help="output folder (created if missing)")
     args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
 
     length, vocab = 6, 6
     data = make_pointer_task(512, 128, 128, length=length, seed=0, vocab_size=vocab)

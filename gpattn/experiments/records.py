@@ -18,8 +18,14 @@ JSON: the layout below) and read back with :meth:`RunRecord.from_dict` or :func:
 ``task``, ``attention``, ``seed`` and ``metrics.test`` are required; ``shift``, ``ood``, ``ood_scores``,
 ``spectra`` and ``fidelity`` may be empty (a task without shifted or OOD sets, an attention without a learned spectrum
 or KSVD layer) and ``reliability``, ``train`` and ``temperature_scaled`` may be ``null`` (or missing, as in records
-written before they existed). Every number is a fraction, not a percent; NaN is written as JSON's ``NaN`` and read
-back as NaN (``null`` too, in the reliability bins that are empty).
+written before they existed). Every number is a fraction, not a percent. The layout is strict
+JSON: a metric that is undefined for a run (NaN, e.g. the misclassification AUROC when every test prediction is
+correct) is written as ``null`` and its reason goes into an ``"undefined"`` entry, dotted path -> reason::
+
+     "undefined": {"metrics.test.auroc": "NaN: needs both correct and wrong test predictions (all were correct or all
+                   wrong)"}
+
+``null`` is read back as NaN (and as ``None`` in the reliability bins that are empty).
 """
 
 from __future__ import annotations
@@ -211,8 +217,13 @@ class RunRecord:
     fidelity: dict[str, dict[str, list[float]]] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
-        """The record as plain JSON-able data (nested dicts and lists), the layout of ``results.json``."""
-        return dataclasses.asdict(self)
+        """The record as plain, strict JSON data (nested dicts and lists), the layout of ``results.json``: every field
+        of the dataclasses, a non-finite number as ``None`` with its reason under ``"undefined"``."""
+        undefined: dict[str, str] = {}
+        data = _strict(dataclasses.asdict(self), "", undefined)
+        if undefined:
+            data["undefined"] = undefined
+        return data
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> RunRecord:
@@ -223,7 +234,7 @@ class RunRecord:
         where = "record"
         data = _mapping(data, where)
         missing = [key for key in ("task", "attention", "seed", "metrics") if key not in data]
-        unknown = sorted(set(data) - {entry.name for entry in dataclasses.fields(cls)})
+        unknown = sorted(set(data) - {entry.name for entry in dataclasses.fields(cls)} - {"undefined"})
         if missing or unknown:
             raise ValueError(f"{where}: missing entries {missing}, unexpected entries {unknown}")
         for key in ("task", "attention"):
@@ -296,6 +307,34 @@ def _run_metrics(value: Any, where: str) -> RunMetrics:
         },
         ood={name: _fields(OODMetrics, values, f"{where}.ood.{name}") for name, values in ood.items()},
     )
+
+
+# -- writing strict JSON ---------------------------------------------------------------------------------------------
+#: why a metric can be undefined (NaN), by field name; any other non-finite number is reported as such
+UNDEFINED_REASONS = {
+    "auroc": "needs both correct and wrong test predictions (all were correct or all wrong)",
+    "fpr95": "needs both correct and wrong test predictions (all were correct or all wrong)",
+    "eaurc": "needs both correct and wrong test predictions (all were correct or all wrong)",
+    "auroc_max_prob": "needs both in-distribution and OOD inputs",
+    "auroc_entropy": "needs both in-distribution and OOD inputs",
+    "aupr_max_prob": "needs both in-distribution and OOD inputs",
+    "aupr_out_max_prob": "needs both in-distribution and OOD inputs",
+    "fpr95_max_prob": "needs both in-distribution and OOD inputs",
+}
+
+
+def _strict(value: Any, where: str, undefined: dict[str, str]) -> Any:
+    """``value`` with every non-finite float replaced by ``None``, its dotted path and reason added to
+    ``undefined``."""
+    if isinstance(value, dict):
+        return {key: _strict(item, f"{where}.{key}" if where else str(key), undefined) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_strict(item, f"{where}.{index}", undefined) for index, item in enumerate(value)]
+    if isinstance(value, float) and not math.isfinite(value):
+        name = where.rsplit(".", 1)[-1]
+        undefined[where] = f"{value}: {UNDEFINED_REASONS.get(name, 'not a finite number')}"
+        return None
+    return value
 
 
 # -- reading JSON values ---------------------------------------------------------------------------------------------

@@ -1,4 +1,5 @@
-"""Figures of the attention comparison: reliability diagrams, shift curves, OOD histograms and KSVD spectra.
+"""Figures of the attention comparison: reliability diagrams (with counts per bin), shift curves, OOD histograms
+and KSVD spectra.
 
 Every function takes the runner's list of :class:`~gpattn.experiments.RunRecord` s, one per ``(task, attention,
 seed)`` (:func:`~gpattn.experiments.run_comparison`, or :func:`~gpattn.experiments.read_records` of a
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import re
 from collections.abc import Iterable, Sequence
 from pathlib import Path
@@ -145,24 +147,33 @@ def pool_reliability(records: Sequence[RunRecord]) -> tuple[np.ndarray, np.ndarr
 
 
 def plot_reliability_diagrams(records: list[RunRecord], task: str) -> Figure:
-    """Reliability diagram of every attention on ``task``'s test set, seeds pooled.
+    """Reliability diagram of every attention on ``task``'s test set, seeds pooled, with the number of test points
+    in each bin below it.
 
-    Bars (in the attention's colour): accuracy of each non-empty confidence bin, pooled over seeds (counts summed,
-    count-weighted mean confidence and accuracy); red hatched bars: the gap to the bin's mean confidence; dashed: the
-    diagonal of perfect calibration; one legend for the figure. Panel titles give the ECE (mean ± std over seeds of
-    ``metrics.test.ece``, in percent).
+    Upper panel (label ``"reliability"``): bars in the attention's colour give the accuracy of each non-empty
+    confidence bin, pooled over seeds (counts summed, count-weighted mean confidence and accuracy); red hatched bars
+    give the gap to the bin's mean confidence (above the bar: over-confident, below: under-confident); dashed: the
+    diagonal of perfect calibration. Lower panel (label ``"count"``): the number of test predictions in each bin
+    (seeds summed), so that a bin of 2 predictions is not read like one holding most of them. One legend for the
+    figure. Panel titles give the ECE (mean ± std over the n seeds, in percent).
 
     :param records: The comparison records.
     :param task: The task whose records are drawn.
-    :return: The figure, one panel per attention.
+    :return: The figure, two panels per attention (``figure.axes`` alternates reliability and count panels).
     """
     records = _validate(records)
     selected = _reliability_records(records, task)
     if not selected:
         raise ValueError(f"no reliability data for task {task!r}")
     attentions = _attention_order(r.attention for r in selected)
-    figure, axes = _grid(len(attentions), 3.6, 3.6)
-    for axis, attention in zip(axes, attentions, strict=True):
+    columns = min(len(attentions), 3)
+    rows = math.ceil(len(attentions) / columns)
+    figure = plt.figure(figsize=(3.6 * columns, 4.6 * rows), layout="constrained")
+    grid = figure.add_gridspec(2 * rows, columns, height_ratios=[3, 1] * rows)
+    for position, attention in enumerate(attentions):
+        row, column = divmod(position, columns)
+        axis = figure.add_subplot(grid[2 * row, column], label="reliability")
+        counts_axis = figure.add_subplot(grid[2 * row + 1, column], sharex=axis, label="count")
         group = [r for r in selected if r.attention == attention]
         confidence, accuracy, count = pool_reliability(group)
         size = len(count)
@@ -171,22 +182,34 @@ def plot_reliability_diagrams(records: list[RunRecord], task: str) -> Figure:
         left, width = edges[:-1][filled], np.diff(edges)[filled]
         axis.bar(
             left, accuracy[filled], width=width, align="edge", color=_colour(attention), edgecolor="k",
-            linewidth=0.6, alpha=0.85, label="accuracy", gid="accuracy",
+            linewidth=0.6, alpha=0.85, label="accuracy (bar colour: the attention)", gid="accuracy",
         )  # fmt: skip
         axis.bar(
             left, (confidence - accuracy)[filled], bottom=accuracy[filled], width=width, align="edge",
-            color="C3", alpha=0.3, hatch="//", edgecolor="C3", linewidth=0.6, label="gap to confidence", gid="gap",
+            color="C3", alpha=0.3, hatch="//", edgecolor="C3", linewidth=0.6,
+            label="gap to the mean confidence (red hatched)", gid="gap",
         )  # fmt: skip
         axis.plot([0, 1], [0, 1], ls="--", color="k", lw=1, label="perfect calibration")
         axis.set_xlim(0, 1)
         axis.set_ylim(0, 1)
-        axis.set_aspect("equal")
-        axis.set_xlabel("confidence")
         axis.set_ylabel("accuracy")
+        axis.tick_params(labelbottom=False)
         ece, ece_std, seeds = _mean_std(r.metrics.test.ece for r in group)
-        ece_text = f"ECE {100 * ece:.2f} ± {100 * ece_std:.2f}%" if seeds else "ECE n/a"
-        axis.set_title(f"{attention}\n{ece_text} ({len(group)} seed{'s' if len(group) != 1 else ''})", fontsize=10)
-    handles, labels = axes[0].get_legend_handles_labels()
+        if seeds > 1:
+            ece_text = f"ECE {100 * ece:.2f} ± {100 * ece_std:.2f}% (n={seeds})"
+        else:
+            ece_text = f"ECE {100 * ece:.2f}% (n=1)" if seeds else "ECE n/a"
+        axis.set_title(f"{attention}\n{ece_text}", fontsize=10)
+        counts_axis.bar(
+            edges[:-1], count, width=np.diff(edges), align="edge", color="0.55", edgecolor="k", linewidth=0.4,
+            gid="count",
+        )  # fmt: skip
+        total = int(count.sum())
+        counts_axis.set_ylabel("predictions")
+        counts_axis.set_xlabel("confidence")
+        counts_axis.set_title(f"predictions per bin ({total} in all)", fontsize=8)
+        counts_axis.set_ylim(0, max(1, int(count.max())) * 1.1)
+    handles, labels = figure.axes[0].get_legend_handles_labels()
     figure.legend(handles, labels, loc="outside lower center", ncols=len(labels), fontsize=8)
     figure.suptitle(f"Reliability diagrams on {task} (test set, {size} bins, seeds pooled)")
     return figure
@@ -282,8 +305,10 @@ def _task_attention_panels(records, select, what: str):
 def plot_ood_histograms(records: list[RunRecord]) -> Figure:
     """Densities of the maximum predicted probability on in-distribution, held-out-class and noise inputs.
 
-    Scores are pooled over seeds; the panel title gives the held-out AUROC of the maximum probability (mean ± std over
-    seeds of ``metrics.ood.held_out.auroc_max_prob``). Records without OOD scores are skipped.
+    Scores are pooled over seeds; the density axis is logarithmic (most scores sit near 1, where a linear axis hides
+    the rest). The panel title gives the AUROC of the maximum probability against every OOD set (held-out classes and
+    noise: mean ± std over the n seeds of ``metrics.ood.<set>.auroc_max_prob``). Records without OOD scores are
+    skipped.
 
     :param records: The comparison records.
     :return: The figure, one panel per attention (per task and attention when several tasks have OOD scores).
@@ -304,13 +329,21 @@ def plot_ood_histograms(records: list[RunRecord]) -> Figure:
             label = f"{OOD_SETS.get(name, name)} (n={scores.size})"
             axis.hist(scores, bins=bins, density=True, color=colour, alpha=0.3, label=label)
             axis.hist(scores, bins=bins, density=True, color=colour, histtype="step", lw=1.2)
-        held_out = [r.metrics.ood["held_out"].auroc_max_prob for r in group if "held_out" in r.metrics.ood]
-        auroc, auroc_std, seeds = _mean_std(held_out)
-        auroc_text = f"AUROC (held-out) {auroc:.3f} ± {auroc_std:.3f}" if seeds else "AUROC (held-out) n/a"
-        axis.set_title(f"{_panel_name(task, attention, tasks)}\n{auroc_text}", fontsize=10)
+        aurocs = []
+        for name in [n for n in names if n != "in"]:
+            values = [r.metrics.ood[name].auroc_max_prob for r in group if name in r.metrics.ood]
+            auroc, auroc_std, seeds = _mean_std(values)
+            short = {"held_out": "held-out"}.get(name, name)
+            if seeds > 1:
+                aurocs.append(f"AUROC ({short}) {auroc:.3f} ± {auroc_std:.3f}")
+            else:
+                aurocs.append(f"AUROC ({short}) {auroc:.3f}" if seeds else f"AUROC ({short}) n/a")
+        seeds_text = f" (n={len(group)})"
+        axis.set_title(f"{_panel_name(task, attention, tasks)}{seeds_text}\n" + "\n".join(aurocs), fontsize=9)
         axis.set_xlim(0, 1)
+        axis.set_yscale("log")  # most scores sit near 1: a linear axis hides everything below 0.95
         axis.set_xlabel("max probability")
-        axis.set_ylabel("density")
+        axis.set_ylabel("density (log)")
         axis.legend(fontsize=7, loc="upper left")
     figure.suptitle(f"Maximum-probability OOD scores on {', '.join(tasks)} (seeds pooled)")
     return figure
@@ -322,8 +355,8 @@ def _spectra_records(records: list[RunRecord]) -> list[RunRecord]:
 
 
 def plot_spectra(records: list[RunRecord]) -> Figure:
-    """Singular values of the KSVD of every attention layer and head (mean over seeds; log scale when they span a
-    decade or more).
+    """Learned KSVD singular values :math:`\\lambda_i` of every attention layer and head (mean over seeds), on one
+    linear y-scale shared by all panels and starting at 0, so that panels compare by eye.
 
     Records without spectra are skipped; seeds with spectra of different lengths are truncated to the shortest.
 
@@ -331,10 +364,11 @@ def plot_spectra(records: list[RunRecord]) -> Figure:
     :return: The figure, one panel per attention (per task and attention when several tasks have spectra).
     """
     selected, tasks, groups, figure, axes = _task_attention_panels(records, _spectra_records, "spectra")
+    top = 0.0
     for axis, (task, attention) in zip(axes, groups, strict=True):
         group = [r for r in selected if r.task == task and r.attention == attention]
         layers = sorted(_unique(layer for r in group for layer in r.spectra), key=_natural_key)
-        lines, spread = 0, []
+        lines = 0
         for layer_index, layer in enumerate(layers):
             num_heads = max(len(r.spectra.get(layer, [])) for r in group)
             for head in range(num_heads):
@@ -353,18 +387,17 @@ def plot_spectra(records: list[RunRecord]) -> Figure:
                     label=f"{layer.replace('_', ' ')}, head {head + 1}",
                 )  # fmt: skip
                 lines += 1
-                spread.extend(float(v) for v in mean if v == v and v > 0)
-        if spread and max(spread) > 10 * min(spread):  # log scale only where the spectra span a decade or more
-            axis.set_yscale("log")
-        axis.set_title(
-            f"{_panel_name(task, attention, tasks)} ({len(group)} seed{'s' if len(group) != 1 else ''})", fontsize=10
-        )
+                finite = mean[np.isfinite(mean)]
+                top = max(top, float(finite.max()) if finite.size else 0.0)
+        axis.set_title(f"{_panel_name(task, attention, tasks)} (n={len(group)})", fontsize=10)
         axis.set_xlabel("index i")
-        axis.set_ylabel(r"singular value $\sigma_i$")
+        axis.set_ylabel(r"singular value $\lambda_i$")
         axis.grid(alpha=0.3, which="both")
         if lines > 1:
             axis.legend(fontsize=7, loc="lower left", framealpha=0.8)
-    figure.suptitle(f"KSVD spectra on {', '.join(tasks)} (mean over seeds)")
+    for axis in axes:  # one scale for every panel, from 0
+        axis.set_ylim(0.0, 1.05 * top if top > 0 else 1.0)
+    figure.suptitle(f"Learned KSVD singular values on {', '.join(tasks)} (mean over the n seeds; one scale, from 0)")
     return figure
 
 
@@ -398,7 +431,9 @@ def write_comparison_figures(records: list[RunRecord], out_dir: str | Path) -> l
         figure = make()
         try:
             path = out_dir / name
-            figure.savefig(path, dpi=DPI)
+            temporary = out_dir / f".{name}.tmp"  # written whole, then renamed: never a half-written figure
+            figure.savefig(temporary, dpi=DPI, format="png")
+            os.replace(temporary, path)
             written.append(path)
         finally:
             plt.close(figure)

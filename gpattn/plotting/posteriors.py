@@ -17,21 +17,30 @@ def _band(axis, x, mean, variance, color: str, label: str) -> None:
     axis.fill_between(x, mean - 2 * std, mean + 2 * std, color=color, alpha=0.25, label=f"{label} ±2σ")
 
 
-def plot_pair_posterior(model: KernelEigenPairSVGP, data: RegressionData, exact_gp=None) -> Figure:
+def plot_pair_posterior(
+    model: KernelEigenPairSVGP, data: RegressionData, exact_gp=None, pyro_model: KernelEigenPairSVGP | None = None
+) -> Figure:
     r"""Three panels over the 1-D grid: the left branch :math:`q(f_e)`, the right branch :math:`q(f_r)` and the
     merged :math:`q(F)`, each mean with a :math:`\pm 2\sigma` band of the latent function, against the generating
-    components, the training data and (merged panel) the exact GP's posterior mean.
+    components, the training data and (merged panel) the exact GP's posterior mean and :math:`\pm 2\sigma` band (its
+    latent function) and the merged mean of the Pyro SVI fit.
 
     The branches are identified up to swapping: a learned shift of the opposite sign to the generating one
     explains the left component with the right branch and vice versa.
 
     :param model: A trained :class:`~gpattn.models.KernelEigenPairSVGP` with ``merge="sum"`` on 1-D inputs.
     :param data: The 1-D :class:`~gpattn.data.RegressionData`.
-    :param exact_gp: Optional trained exact GP (its posterior mean is drawn dashed).
+    :param exact_gp: Optional trained exact GP (its posterior mean dashed, its :math:`\pm 2\sigma` band hatched).
+    :param pyro_model: Optional second :class:`~gpattn.models.KernelEigenPairSVGP`, trained by Pyro SVI (its merged
+        posterior mean is drawn dash-dotted in the merged panel).
     :return: The figure.
     """
     if not isinstance(model, KernelEigenPairSVGP):
         raise TypeError(f"plot_pair_posterior: expected model to be a KernelEigenPairSVGP, got {type(model).__name__}")
+    if pyro_model is not None and not isinstance(pyro_model, KernelEigenPairSVGP):
+        raise TypeError(
+            f"plot_pair_posterior: expected pyro_model to be a KernelEigenPairSVGP, got {type(pyro_model).__name__}"
+        )
     if not isinstance(data, RegressionData):
         raise TypeError(f"plot_pair_posterior: expected data to be a RegressionData, got {type(data).__name__}")
     if model.variational_strategy.merge != "sum":
@@ -45,7 +54,10 @@ def plot_pair_posterior(model: KernelEigenPairSVGP, data: RegressionData, exact_
     x = grid.squeeze(-1).numpy()
     with torch.no_grad():
         left, right, merged = model.branch(grid, "left"), model.branch(grid, "right"), model(grid)
-        exact_mean = exact_gp(grid).mean if exact_gp is not None else None
+        exact = exact_gp(grid) if exact_gp is not None else None
+        if pyro_model is not None:
+            pyro_model.eval()
+        pyro_mean = pyro_model(grid).mean if pyro_model is not None else None
     figure, axes = plt.subplots(1, 3, figsize=(16, 4.2), sharex=True)
     panels = (
         (axes[0], left, data.grid_f_left, "C0", "left branch $q(f_e)$", "generating $f_{left}$"),
@@ -58,8 +70,22 @@ def plot_pair_posterior(model: KernelEigenPairSVGP, data: RegressionData, exact_
         axis.set_title(title)
         axis.set_xlabel("x")
     axes[2].scatter(data.train_x.squeeze(-1), data.train_y, s=6, color="k", alpha=0.5, label="training data")
-    if exact_mean is not None:
-        axes[2].plot(x, exact_mean.numpy(), color="C3", ls="--", lw=1.5, label="exact GP mean ($k_e + k_r$)")
+    if exact is not None:
+        exact_std = exact.variance.clamp_min(0).sqrt().numpy()
+        exact_mean = exact.mean.numpy()
+        axes[2].plot(x, exact_mean, color="C3", ls="--", lw=1.5, label="exact GP mean ($k_e + k_r$)")
+        axes[2].fill_between(
+            x,
+            exact_mean - 2 * exact_std,
+            exact_mean + 2 * exact_std,
+            facecolor="none",
+            edgecolor="C3",
+            hatch="///",
+            lw=0.8,
+            label="exact GP ±2σ",
+        )
+    if pyro_mean is not None:
+        axes[2].plot(x, pyro_mean.numpy(), color="C4", ls="-.", lw=1.5, label="KEP-SVGP by Pyro SVI: mean")
     gap = (0.8, 1.6)
     for axis in axes:
         axis.axvspan(*gap, color="grey", alpha=0.12, lw=0)

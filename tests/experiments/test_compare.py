@@ -89,11 +89,27 @@ def test_table_and_rows(records) -> None:
     main_table = table.split("Paired differences")[0]
     assert main_table.count("\n| digits |") == 4 and "ood_held_out_auroc" in table  # two rows and their +ts rows
     assert table.split("Paired differences")[1].count("\n| digits |") == 3  # kep_svgp against the three others
-    percent = f"{100 * records[0].metrics.test.accuracy:.2f} ± 0.00"
-    assert percent in table
+    percent = f"| {100 * records[0].metrics.test.accuracy:.2f} (n=1) |"  # one seed: the value and n, no "± 0.00"
+    assert percent in table and "±" not in main_table.split("\n\n")[0]
     # the +ts row of each run follows it, with the fitted temperature
     assert rows[1]["attention"] == "kep_svgp+ts" and rows[1]["temperature"] == records[0].temperature_scaled.temperature
     assert rows[1]["test_nll"] == records[0].temperature_scaled.metrics.test.nll
+
+
+def test_table_shows_n_for_every_mean_and_std(records) -> None:
+    import dataclasses
+
+    first = records[0]
+    second = dataclasses.replace(first, seed=1)
+    undefined = dataclasses.replace(first.metrics.test, auroc=float("nan"))
+    third = dataclasses.replace(first, seed=2, metrics=dataclasses.replace(first.metrics, test=undefined))
+    lines = markdown_table([first, second, third]).splitlines()
+    header = [cell.strip() for cell in lines[0].strip("|").split("|")]
+    row = next(line for line in lines if line.startswith(f"| {first.task} | {first.attention} |"))
+    cells = dict(zip(header, (cell.strip() for cell in row.strip("|").split("|")), strict=True))
+    accuracy = 100 * first.metrics.test.accuracy
+    assert cells["accuracy"] == f"{accuracy:.2f} ± 0.00 (n=3)"  # three equal values: a real zero spread, with its n
+    assert cells["auroc"] == f"{100 * first.metrics.test.auroc:.2f} ± 0.00 (n=2)"  # undefined on one of three seeds
 
 
 def test_ece_agrees_with_the_stored_reliability_bins(records) -> None:
@@ -157,11 +173,15 @@ def test_cli_compare_writes_the_run_folder(tmp_path, capsys) -> None:
         "ood_histograms.png",
     } <= names
     assert "spectra.png" in names  # primal has learned singular values
-    saved = json.loads((out / "results.json").read_text())
+    saved = json.loads((out / "results.json").read_text(), parse_constant=_refuse)  # strict JSON: no NaN token
     assert saved["config"]["attentions"] == ["softmax", "primal"] and len(saved["records"]) == 4
     with (out / "results.csv").open() as handle:
         assert len(list(csv.DictReader(handle))) == 8  # each run and its +ts row
     assert "| pointer | primal |" in capsys.readouterr().out
+
+
+def _refuse(token: str) -> float:
+    raise ValueError(f"results.json is not strict JSON: {token}")
 
 
 def test_cli_compare_rejects_bad_values(capsys) -> None:
@@ -175,8 +195,8 @@ def test_cli_train_resume_after_an_interruption_gives_the_same_numbers(tmp_path,
     full = json.loads((tmp_path / "full" / "record.json").read_text())
 
     faulty_elbo.interrupt_at = 30  # digits: 866 images / 64 = 14 steps per epoch, so this is inside epoch 3
-    with pytest.raises(KeyboardInterrupt):
-        main([*arguments, "--out", str(tmp_path / "cut")])
+    assert main([*arguments, "--out", str(tmp_path / "cut")]) == 130  # Ctrl-C: one line, exit status 130
+    assert capsys.readouterr().err.endswith("gpattn train: interrupted\n")
     faulty_elbo.interrupt_at = None
     assert not (tmp_path / "cut" / "record.json").exists()
     assert main([*arguments, "--out", str(tmp_path / "cut"), "--resume"]) == 0
@@ -290,7 +310,7 @@ def test_a_registered_attention_runs_through_gpattn_compare(uniform_attention, t
     assert main([*argv, "--out", str(out), "--no-progress"]) == 0
     printed = capsys.readouterr().out
     assert "| pointer | uniform |" in printed and (out / "table.md").read_text() in printed
-    saved = json.loads((out / "results.json").read_text())
+    saved = json.loads((out / "results.json").read_text(), parse_constant=_refuse)  # strict JSON: no NaN token
     assert saved["config"]["attentions"] == ["uniform"] and saved["config"]["num_inducing"] == 5
     (record,) = read_records(out / "results.json")
     assert (record.task, record.attention, record.seed) == ("pointer", "uniform", 0)

@@ -49,16 +49,29 @@ def _same(first: RunRecord, second: RunRecord) -> bool:
 
 def test_to_dict_is_the_documented_layout():
     data = _record().to_dict()
-    assert list(data) == [
-        "task", "attention", "seed", "metrics", "reliability", "ood_scores", "spectra", "train", "temperature_scaled",
-        "fidelity",
-    ]  # fmt: skip
+    fields = ["task", "attention", "seed", "metrics", "reliability", "ood_scores", "spectra", "train"]
+    assert list(data) == [*fields, "temperature_scaled", "fidelity", "undefined"]  # the record has one NaN
     assert list(data["metrics"]) == ["test", "shift", "ood"]
     assert {k: v for k, v in data["metrics"]["test"].items() if k != "classwise_ece"} == TEST
     assert data["metrics"]["shift"]["blur"]["1"] == {"accuracy": 0.8, "nll": 0.5, "ece": 0.1, "brier": 0.3}
     assert data["metrics"]["ood"]["noise"]["aupr_max_prob"] == 0.95
     assert data["reliability"] == {"confidence": [None, 0.55, 0.95], "accuracy": [None, 0.5, 1.0], "count": [0, 4, 6]}
     assert data["train"] == {"seconds": 1.5, "epochs": 3, "best_epoch": 2, "num_parameters": 1234, "ensemble": 1}
+
+
+def _refuse(token: str) -> float:
+    raise ValueError(f"not strict JSON: {token}")
+
+
+def test_to_dict_is_strict_json_with_a_reason_for_each_undefined_metric():
+    data = _record().to_dict()
+    text = json.dumps(data, allow_nan=False)  # raises on NaN or Inf
+    assert json.loads(text, parse_constant=_refuse) == data
+    assert data["metrics"]["shift"]["blur"]["2"]["nll"] is None
+    assert data["undefined"] == {"metrics.shift.blur.2.nll": "nan: not a finite number"}
+    assert RunRecord.from_dict(data).to_dict() == data  # read back (null -> NaN) and written again: the same
+    no_misclassification = RunRecord.from_dict({**data, "metrics": {"test": {**TEST, "auroc": math.nan}}}).to_dict()
+    assert no_misclassification["undefined"]["metrics.test.auroc"].startswith("nan: needs both correct and wrong")
 
 
 def test_json_round_trip_gives_the_same_record(tmp_path):

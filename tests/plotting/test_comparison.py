@@ -86,23 +86,31 @@ def _close_figures():
     plt.close("all")
 
 
-def _labelled(figure) -> None:
+def _labelled(figure, xlabel_on=None) -> None:
     for axis in figure.axes:
         assert axis.get_title(), "every panel has a title"
-        assert axis.get_xlabel() and axis.get_ylabel(), "every panel has axis labels"
+        assert axis.get_ylabel(), "every panel has a y label"
+        if xlabel_on is None or axis in xlabel_on:
+            assert axis.get_xlabel(), "every (bottom) panel has an x label"
 
 
 def _bars(axis, gid: str) -> list:
     return [patch for patch in axis.patches if patch.get_gid() == gid]
 
 
+def _panels(figure, label: str) -> list:
+    return [axis for axis in figure.axes if axis.get_label() == label]
+
+
 def test_reliability_panels_pool_seeds(records) -> None:
     figure = plot_reliability_diagrams(records, "pointer")
-    assert len(figure.axes) == len(ATTENTIONS)
-    _labelled(figure)
-    assert [axis.get_xlabel() for axis in figure.axes] == ["confidence"] * 2
-    assert [axis.get_ylabel() for axis in figure.axes] == ["accuracy"] * 2
-    for axis, attention in zip(figure.axes, ATTENTIONS, strict=True):
+    assert [axis.get_label() for axis in figure.axes] == ["reliability", "count"] * len(ATTENTIONS)
+    _labelled(figure, xlabel_on=_panels(figure, "count"))
+    assert [axis.get_xlabel() for axis in _panels(figure, "count")] == ["confidence"] * 2
+    assert [axis.get_ylabel() for axis in _panels(figure, "reliability")] == ["accuracy"] * 2
+    for axis, counts, attention in zip(
+        _panels(figure, "reliability"), _panels(figure, "count"), ATTENTIONS, strict=True
+    ):
         group = [r for r in records if r.task == "pointer" and r.attention == attention]
         # hand computation of the pooled bins
         count = np.zeros(NUM_BINS)
@@ -125,7 +133,19 @@ def test_reliability_panels_pool_seeds(records) -> None:
         np.testing.assert_allclose([p.get_y() + p.get_height() for p in gaps], expected_confidence)
         ece = np.mean([r.metrics.test.ece for r in group])
         assert attention in axis.get_title() and f"ECE {100 * ece:.2f}" in axis.get_title()
-    assert len(figure.legends) == 1 and len(figure.legends[0].get_texts()) == 3
+        assert "(n=2)" in axis.get_title()
+        # the count panel: one bar per bin with the pooled number of predictions (empty bins: height 0)
+        count_bars = sorted(_bars(counts, "count"), key=lambda p: p.get_x())
+        np.testing.assert_allclose([p.get_height() for p in count_bars], count)
+        assert counts.get_shared_x_axes().joined(axis, counts)
+        assert f"({int(count.sum())} in all)" in counts.get_title()
+    assert len(figure.legends) == 1
+    legend = [text.get_text() for text in figure.legends[0].get_texts()]
+    assert sorted(legend) == [
+        "accuracy (bar colour: the attention)",
+        "gap to the mean confidence (red hatched)",
+        "perfect calibration",
+    ]
     assert "pointer" in figure.get_suptitle()
 
 
@@ -170,19 +190,26 @@ def test_ood_histograms(records) -> None:
     _labelled(figure)
     for axis, attention in zip(figure.axes, ATTENTIONS, strict=True):
         group = [r for r in records if r.task == "digits" and r.attention == attention]
-        auroc = np.mean([r.metrics.ood["held_out"].auroc_max_prob for r in group])
-        assert attention in axis.get_title() and f"AUROC (held-out) {auroc:.3f}" in axis.get_title()
+        for name, short in (("held_out", "held-out"), ("noise", "noise")):  # both AUROCs, mean ± std and n
+            values = [r.metrics.ood[name].auroc_max_prob for r in group]
+            expected = f"AUROC ({short}) {np.mean(values):.3f} ± {np.std(values, ddof=1):.3f}"
+            assert expected in axis.get_title()
+        assert attention in axis.get_title() and "(n=2)" in axis.get_title()
         texts = [text.get_text() for text in axis.get_legend().get_texts()]
         assert len(texts) == 3 and texts[0].startswith("in-distribution") and "(n=120)" in texts[0]
-        assert axis.get_xlabel() == "max probability" and axis.get_ylabel() == "density"
+        assert axis.get_xlabel() == "max probability" and axis.get_ylabel() == "density (log)"
+        assert axis.get_yscale() == "log"
 
 
-def test_spectra_log_scale(records) -> None:
+def test_spectra_share_one_linear_scale_from_zero(records) -> None:
     figure = plot_spectra(records)
     assert len(figure.axes) == 2  # kep_svgp on digits and on pointer; softmax has no spectra
     _labelled(figure)
+    top = max(float(line.get_ydata().max()) for axis in figure.axes for line in axis.get_lines())
     for axis, task in zip(figure.axes, ("digits", "pointer"), strict=True):
-        assert axis.get_yscale() == "log"
+        assert axis.get_yscale() == "linear"
+        assert axis.get_ylim() == pytest.approx((0.0, 1.05 * top))  # the same scale in every panel, from 0
+        assert "lambda_i" in axis.get_ylabel()
         assert task in axis.get_title() and "kep_svgp" in axis.get_title()
         lines = axis.get_lines()
         assert len(lines) == 4  # 2 layers x 2 heads
@@ -250,9 +277,10 @@ def test_attentions_come_in_registry_order(records) -> None:
     # records in the reverse order, and an attention the registry does not know (an ensemble): registry order first
     ensemble = [dataclasses.replace(r, attention="kep_svgp_ens2") for r in records if r.attention == "kep_svgp"]
     figure = plot_reliability_diagrams([*ensemble, *reversed(records)], "pointer")
-    titles = [axis.get_title().split("\n")[0] for axis in figure.axes]
+    panels = _panels(figure, "reliability")
+    titles = [axis.get_title().split("\n")[0] for axis in panels]
     assert titles == ["kep_svgp", "softmax", "kep_svgp_ens2"]
-    colours = [_bars(axis, "accuracy")[0].get_facecolor()[:3] for axis in figure.axes[:2]]
+    colours = [_bars(axis, "accuracy")[0].get_facecolor()[:3] for axis in panels[:2]]
     assert colours == [matplotlib.colors.to_rgb("C0"), matplotlib.colors.to_rgb("C4")]  # registry positions 0 and 4
 
 

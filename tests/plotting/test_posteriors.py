@@ -30,3 +30,31 @@ def test_three_labelled_panels() -> None:
 def test_two_dimensional_data_is_refused() -> None:
     with pytest.raises(ValueError, match="expected 1-D inputs"):
         plot_pair_posterior(_model(), make_asymmetric_regression_2d(n_train=10, n_test=10))
+
+
+def test_exact_gp_band_and_pyro_fit_are_drawn() -> None:
+    import gpytorch
+    import numpy as np
+    from linear_operator.operators import DiagLinearOperator
+
+    data = make_asymmetric_regression_1d(n_train=30, n_test=10)
+    grid = data.grid_x.squeeze(-1).double()
+    mean, variance = torch.sin(grid), 0.1 + grid.abs()
+
+    def exact_gp(x):  # a stand-in for a trained ExactGP: a known posterior on the grid
+        return gpytorch.distributions.MultivariateNormal(mean, DiagLinearOperator(variance))
+
+    torch.manual_seed(1)
+    pyro_model = _model()
+    figure = plot_pair_posterior(_model(), data, exact_gp=exact_gp, pyro_model=pyro_model)
+    merged = figure.axes[2]
+    labels = [text.get_text() for text in merged.get_legend().get_texts()]
+    assert "exact GP ±2σ" in labels and "KEP-SVGP by Pyro SVI: mean" in labels
+    band = next(c for c in merged.collections if c.get_label() == "exact GP ±2σ")
+    vertices = band.get_paths()[0].vertices
+    upper = (mean + 2 * variance.sqrt()).numpy()
+    lower = (mean - 2 * variance.sqrt()).numpy()
+    assert np.isclose(vertices[:, 1].max(), upper.max()) and np.isclose(vertices[:, 1].min(), lower.min())
+    pyro_line = next(line for line in merged.get_lines() if line.get_label() == "KEP-SVGP by Pyro SVI: mean")
+    with torch.no_grad():
+        np.testing.assert_allclose(pyro_line.get_ydata(), pyro_model(data.grid_x.double()).mean.numpy())
