@@ -220,3 +220,12 @@ def test_sigint_keeps_the_finished_runs_and_resume_finishes_the_rest(tmp_path) -
     trained = [line.split()[1].rstrip(":") for line in resumed.stderr.splitlines() if line.startswith("[")]
     assert sorted(trained) == sorted({f"pointer-softmax-{seed}" for seed in range(4)} - set(finished))
     assert len(json.loads((out / "results.json").read_text())["records"]) == 4
+
+
+def test_resume_with_other_settings_is_one_line(tmp_path, capsys) -> None:
+    assert main([*TINY_COMPARE, "--out", str(tmp_path)]) == 0
+    capsys.readouterr()
+    assert main([*TINY_COMPARE, "--out", str(tmp_path), "--resume", "--eval-samples", "3"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("gpattn compare: error: ") and "pointer-softmax-0.json was made with other settings" in err
+    assert "eval_samples: stored 2, now 3" in err and err.count("\n") == 1
