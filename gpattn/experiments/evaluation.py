@@ -9,6 +9,7 @@ true class.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -297,7 +298,9 @@ def evaluate_models(
     :return: The :class:`Evaluation`.
 
     .. note:: Cost: :math:`K T` forward passes over every set (and the validation split for the temperature);
-        the scaled variant's metrics reuse the same logits.
+        the scaled variant's metrics reuse the same logits. A temperature on the boundary of
+        :func:`~gpattn.models.fit_temperature`'s bounds (the validation NLL still falling, e.g. a validation split
+        classified perfectly) is kept without its warning: the comparison's ``temperature`` column shows it.
     """
     members = [models] if isinstance(models, torch.nn.Module) else list(models)
     check_int("num_bins", num_bins, where="evaluate_models")
@@ -309,7 +312,9 @@ def evaluate_models(
     scaled = None
     if temperature_scaling:
         val_logits = ensemble_logits(members, data.val, num_samples, mc_dropout)
-        temperature = fit_temperature(val_logits.flatten(0, 1), dataset_labels(data.val))
+        with warnings.catch_warnings():  # a boundary temperature is kept and shown in the table's temperature column
+            warnings.filterwarnings("ignore", message="fit_temperature: the optimum lies on the boundary")
+            temperature = fit_temperature(val_logits.flatten(0, 1), dataset_labels(data.val))
         scaled_metrics, scaled_bins, _ = _metrics_from_logits(logits, data, temperature, num_bins)
         scaled = TemperatureScaled(temperature=temperature, metrics=scaled_metrics, reliability=scaled_bins)
     return Evaluation(run_metrics, reliability, ood_scores, scaled)

@@ -131,7 +131,12 @@ class KernelEigenPairSVGP(ApproximateGP):
     def get_fantasy_model(self, inputs: Tensor, targets: Tensor, **kwargs):
         """Not supported: raises ``NotImplementedError`` explaining why (:data:`FANTASY_UNSUPPORTED`): GPyTorch's
         online variational conditioning treats the inducing variables as function values at the landmarks, which the
-        kernel-eigen inducing variables are not. Refit with the new points instead."""
+        kernel-eigen inducing variables are not. Refit with the new points instead.
+
+        :param inputs: New points, shape ``(*batch, N', d)`` (unused).
+        :param targets: Their targets, shape ``(*batch, N')`` (unused).
+        :raises NotImplementedError: Always.
+        """
         raise no_fantasy_model(self)
 
     @property

@@ -39,6 +39,7 @@ NOTEBOOKS = (
     "03_attention_posteriors.ipynb",
     "04_calibration_comparison.ipynb",
     "05_timm_conversion.ipynb",
+    "06_mnist1d.ipynb",
 )
 # reST that the Griffe extension (docs/hooks/griffe_rst.py) must have turned into Markdown before rendering
 REST_LEFTOVERS = (

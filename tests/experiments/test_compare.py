@@ -357,7 +357,7 @@ def test_table_has_published_numbers_and_paired_differences() -> None:
     assert "Published reference numbers" in table and "not measured here" in table
     # kep_svgp is 5 points better on every seed: the difference +5.00 with a zero-width interval, significant
     assert "| mnist1d | softmax | 5 | +5.00 [+5.00, +5.00] * |" in table
-    assert "| mnist1d | kep_svgp | 5 | 87.00 ± 1.58 |" in table
+    assert "| mnist1d | kep_svgp | 5 | 87.00 ± 1.58 (n=5) |" in table
     short = markdown_table(records[:3] + records[5:8])
     assert "(n = 3 < 5, no interval)" in short and "[+" not in short
 
