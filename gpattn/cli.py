@@ -243,7 +243,8 @@ class _EpochLines:
 
 def _run_train(args: argparse.Namespace) -> int:
     from .experiments.compare import CompareConfig, make_train_config, train_and_evaluate
-    from .experiments.runner import torch_threads, write_json_atomically
+    from .experiments.records import write_json_atomically
+    from .experiments.runner import torch_threads
 
     out = Path(args.out or f"runs/train-{args.task}-{args.attention}-{args.seed}")
     epochs = {} if args.epochs is None else {f"{args.task}_epochs": args.epochs}
@@ -340,7 +341,9 @@ def _add_compare(commands) -> None:
 def _run_compare(args: argparse.Namespace) -> int:
     import time
 
-    from .experiments.compare import CompareConfig, run_comparison, table_text, write_outputs
+    from .experiments.compare import CompareConfig
+    from .experiments.report import table_text, write_outputs
+    from .experiments.runner import run_comparison
     from .plotting import write_comparison_figures
 
     names = (
@@ -400,7 +403,8 @@ FIGURES = (
 
 def _run_regression(args: argparse.Namespace) -> int:
     from .experiments import ToyRegressionConfig, format_result, run_toy_regression
-    from .experiments.runner import torch_threads, write_text_atomically
+    from .experiments.records import write_text_atomically
+    from .experiments.runner import torch_threads
 
     if args.num_inducing > args.landmarks:
         message = f"--num-inducing ({args.num_inducing}) must not exceed --landmarks ({args.landmarks})"

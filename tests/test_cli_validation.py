@@ -21,8 +21,9 @@ def _must_not_run(*args, **kwargs):
 def _no_runs(monkeypatch):
     import gpattn.experiments as experiments
     import gpattn.experiments.compare as compare
+    import gpattn.experiments.runner as runner
 
-    monkeypatch.setattr(compare, "run_comparison", _must_not_run)
+    monkeypatch.setattr(runner, "run_comparison", _must_not_run)
     monkeypatch.setattr(compare, "train_and_evaluate", _must_not_run)
     monkeypatch.setattr(experiments, "run_toy_regression", _must_not_run)
 

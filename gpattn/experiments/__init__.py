@@ -3,17 +3,7 @@ evaluation; the comparison of every attention (``gpattn compare``) and its typed
 differences with intervals); the toy regression fit (exact GP vs KEP-SVGP via VariationalELBO and Pyro SVI)."""
 
 from .checkpoints import CHECKPOINT_KEYS, CheckpointError, load_checkpoint
-from .compare import (
-    COMPARE_VARIANTS,
-    DEFAULT_ATTENTIONS,
-    CompareConfig,
-    compare_rows,
-    markdown_table,
-    run_comparison,
-    train_and_evaluate,
-    with_temperature_scaled,
-    write_outputs,
-)
+from .compare import COMPARE_VARIANTS, DEFAULT_ATTENTIONS, CompareConfig, compare_rows, train_and_evaluate
 from .ensembles import member_seed, train_ensemble
 from .evaluation import Evaluation, ensemble_logits, ensemble_probabilities, evaluate, evaluate_models, model_fidelity
 from .records import (
@@ -27,6 +17,8 @@ from .records import (
     TrainingSummary,
     read_records,
 )
+from .report import markdown_table, with_temperature_scaled, write_outputs
+from .runner import run_comparison
 from .schedule import warmup_cosine_lr, warmup_cosine_schedule
 from .statistics import (
     INTERVAL_METHODS,

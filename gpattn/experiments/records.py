@@ -35,6 +35,7 @@ import json
 import math
 import numbers
 import os
+import tempfile
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -50,6 +51,8 @@ __all__ = [
     "TemperatureScaled",
     "TrainingSummary",
     "read_records",
+    "write_json_atomically",
+    "write_text_atomically",
 ]
 
 Fields = TypeVar("Fields")
@@ -398,3 +401,27 @@ def _reliability(values: Any) -> ReliabilityBins:
         for name in ("confidence", "accuracy")
     }
     return ReliabilityBins(**optional, count=[_integer(value, f"{where}.count") for value in bins["count"]])
+
+
+# -- atomic files ----------------------------------------------------------------------------------------------------
+def write_text_atomically(path: str | os.PathLike, text: str) -> Path:
+    """Write ``text`` to ``path`` through a temporary file in the same folder and :func:`os.replace`: the file is
+    either the complete new text or untouched (an interruption leaves no half-written file)."""
+    path = Path(path)
+    handle, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(handle, "w") as stream:
+            stream.write(text)
+            stream.flush()
+            os.fsync(stream.fileno())
+        os.replace(temporary, path)
+    except BaseException:
+        Path(temporary).unlink(missing_ok=True)
+        raise
+    return path
+
+
+def write_json_atomically(path: str | os.PathLike, content: Any) -> Path:
+    """Write ``content`` as strict JSON (a ``NaN`` or an infinity is an error, never a bare token) to ``path``
+    atomically (:func:`write_text_atomically`)."""
+    return write_text_atomically(path, json.dumps(content, indent=1, allow_nan=False))

@@ -24,7 +24,6 @@ import multiprocessing
 import os
 import signal
 import sys
-import tempfile
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -35,7 +34,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 from tqdm import tqdm
 
-from .records import RunRecord
+from . import compare
+from .records import RunRecord, write_json_atomically
+from .tasks import load_task
 
 if TYPE_CHECKING:
     from .compare import CompareConfig
@@ -46,10 +47,9 @@ __all__ = [
     "RunFailedError",
     "RunsInterrupted",
     "execute_runs",
+    "run_comparison",
     "result_settings",
     "run_name",
-    "write_json_atomically",
-    "write_text_atomically",
 ]
 
 #: CompareConfig fields that do not change a run's numbers: which runs there are, how they are scheduled and shown
@@ -86,29 +86,6 @@ def result_settings(config: CompareConfig) -> dict[str, Any]:
     return json.loads(json.dumps(settings))  # tuples -> lists, as read back from a file
 
 
-def write_text_atomically(path: str | os.PathLike, text: str) -> Path:
-    """Write ``text`` to ``path`` through a temporary file in the same folder and :func:`os.replace`: the file is
-    either the complete new text or untouched (an interruption leaves no half-written file)."""
-    path = Path(path)
-    handle, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(handle, "w") as stream:
-            stream.write(text)
-            stream.flush()
-            os.fsync(stream.fileno())
-        os.replace(temporary, path)
-    except BaseException:
-        Path(temporary).unlink(missing_ok=True)
-        raise
-    return path
-
-
-def write_json_atomically(path: str | os.PathLike, content: Any) -> Path:
-    """Write ``content`` as strict JSON (a ``NaN`` or an infinity is an error, never a bare token) to ``path``
-    atomically (:func:`write_text_atomically`)."""
-    return write_text_atomically(path, json.dumps(content, indent=1, allow_nan=False))
-
-
 @contextmanager
 def torch_threads(threads: int) -> Iterator[None]:
     """``torch.set_num_threads(threads)`` inside the block, the previous count restored after it."""
@@ -125,12 +102,10 @@ _DATA: dict[str, TaskData] = {}  # per process: each task's data is loaded once
 
 
 def _run_one(config: CompareConfig, task: str, attention: str, seed: int) -> tuple[RunRecord, float]:
-    from . import compare  # looked up at call time: the function may be replaced (tests)
-    from .tasks import load_task
-
     if task not in _DATA:
         _DATA[task] = load_task(task)
     start = time.perf_counter()
+    # looked up at call time: the function may be replaced (tests)
     record = compare.train_and_evaluate(config, task, attention, seed, data=_DATA[task])
     return record, time.perf_counter() - start
 
@@ -263,3 +238,18 @@ def _run_in_parallel(config: CompareConfig, pending: list[tuple[str, str, int]],
             for process in processes:
                 process.join(timeout=10)
             executor.shutdown(wait=True)  # the pool, broken now, releases its queues (no leaked semaphore)
+
+
+def run_comparison(config: CompareConfig, out: str | Path | None = None, resume: bool = False) -> list[RunRecord]:
+    """Train and evaluate every (task, attention, seed) and return one :class:`~gpattn.experiments.RunRecord` per
+    run, in that nesting order (all numbers are fractions, not percent). ``config.jobs`` runs go at once in worker
+    processes with ``config.threads`` torch threads each (:func:`execute_runs`).
+
+    :param out: Run folder: each finished run's record is written at once to
+        ``out/runs/<task>-<attention>-<seed>.json``.
+    :param resume: Read the runs already finished in ``out/runs`` (made with the same settings) instead of training
+        them again.
+    :raises ~gpattn.experiments.runner.RunsInterrupted: On Ctrl-C (the finished runs are kept in ``out/runs``).
+    """
+    runs = [(task, name, seed) for task in config.tasks for name in config.attentions for seed in config.seeds]
+    return execute_runs(config, runs, out=out, resume=resume)

@@ -15,17 +15,10 @@ from torch import Tensor
 from gpattn.attention import AttentionLayer, SoftmaxAttention, attention_names, register_attention, unregister_attention
 from gpattn.cli import main
 from gpattn.experiments import RunRecord, load_task, read_records
-from gpattn.experiments.compare import (
-    CompareConfig,
-    build_model,
-    compare_rows,
-    flat_rows,
-    learned_spectra,
-    markdown_table,
-    run_comparison,
-    train_and_evaluate,
-)
+from gpattn.experiments.compare import CompareConfig, build_model, compare_rows, learned_spectra, train_and_evaluate
 from gpattn.experiments.evaluation import evaluate_run
+from gpattn.experiments.report import flat_rows, markdown_table
+from gpattn.experiments.runner import run_comparison
 
 TINY = dict(pointer_epochs=1, digits_epochs=1, eval_samples=2, seeds=(0,), progress=False)
 BOTH = ("pointer", "digits")
@@ -327,7 +320,7 @@ def test_a_registered_attention_runs_through_gpattn_compare(uniform_attention, t
 def test_format_difference_is_the_paired_t_interval() -> None:
     from scipy import stats
 
-    from gpattn.experiments.compare import format_difference
+    from gpattn.experiments.report import format_difference
 
     reference = {0: 0.90, 1: 0.85, 2: 0.88, 3: 0.91, 4: 0.87}
     other = {0: 0.80, 1: 0.82, 2: 0.79, 3: 0.85, 4: 0.81}

@@ -10,13 +10,14 @@ import pytest
 
 import gpattn.experiments.compare as compare
 from gpattn.experiments import RunRecord
-from gpattn.experiments.compare import CompareConfig, run_comparison
+from gpattn.experiments.compare import CompareConfig
+from gpattn.experiments.records import write_json_atomically
 from gpattn.experiments.runner import (
     RunFailedError,
     RunsInterrupted,
     result_settings,
+    run_comparison,
     run_name,
-    write_json_atomically,
 )
 
 TINY = dict(attentions=("softmax", "kep_svgp"), tasks=("pointer",), pointer_epochs=1, eval_samples=2, progress=False)
