@@ -31,8 +31,10 @@
 # * `"amortized"` (gpattn's default): learned maps $A_e, A_r$ estimate the singular vectors from the tokens,
 #   $e(x) = \kappa(x, Z) A_e(Z)/M$, $r(z) = \kappa(X, z)^\top A_r(X)/N$, in $O(N p s)$ without forming $K$; a
 #   learned $\Lambda$ per head; the KSVD penalty $\eta J^2$ pulls them towards a stationary point;
-# * `"primal_tokens"` (the papers' parametrisation): $W_{e|X} = \Phi_k(X)^\top \tilde W_e$ with learned
-#   per-position weights; needs a fixed length;
+# * `"primal_features"` (a per-position variant of the papers' parametrisation): $W_{e|X} = \Phi_k(X)^\top
+#   \tilde W_e$ with learned per-position weights; needs a fixed length. The papers' own parametrisation,
+#   `"primal_tokens"`, reads the head's input tokens instead, $W_{e|X} = \tilde X^\top \tilde W_e$
+#   (docs/guide/papers.md); this notebook uses the feature variant, whose scores live in the kernel's feature space;
 # * `"exact"`: the truncated SVD of every sequence's $K$: $e(X) = H_e \Lambda$, $J = 0$, $\Lambda$ per sequence.
 #
 # Samples (training, or `sample_attention` in eval) are **joint** by default: one $u = m + L\varepsilon$ per
@@ -84,7 +86,7 @@ print(f"notebook size: {SIZE}")
 # Every sequence holds one source token `a` and one target token `b` among distractors `3..7`; the label is 1
 # iff `a` comes before `b`. Which pair of positions they occupy has the same distribution in both classes, so
 # only their *order* is informative: a symmetric score $k(x, y) = k(y, x)$ on token content cannot tell the
-# classes apart from content alone. Sequences have a fixed length of 10 (the `primal_tokens` mode needs one).
+# classes apart from content alone. Sequences have a fixed length of 10 (the `primal_features` mode needs one).
 # Each model: embedding width 32, 2 heads, one softmax block then one KEP-SVGP block with rank $s = 4$
 # (`num_inducing=4`) and the layer's default KSVD weight $\eta = 1$ (`ksvd_weight`), trained by
 # `gpattn.experiments.train_model` (AdamW, warm-up + cosine schedule, `AttentionELBO` with $\beta = 1$, best validation
@@ -102,7 +104,7 @@ def spell(tokens):
 for index in range(3):
     print(f"label {data.test.labels[index].item()}: {' '.join(spell(data.test.tokens[index]))}")
 
-MODES = ("amortized", "primal_tokens", "exact")
+MODES = ("amortized", "primal_features", "exact")
 models, summary = {}, {}
 for mode in MODES:
     torch.manual_seed(0)
@@ -124,10 +126,10 @@ for mode, (acc, nll, ece, seconds, best) in summary.items():
 
 # %% [markdown]
 # All three modes solve the task after 20 epochs (test accuracy 1.000, 1.000 and 0.996, NLL at most 0.027,
-# ECE at most 0.005): with positional embeddings the order of two tokens is easy for a two-block model, so the
+# ECE at most 0.019): with positional embeddings the order of two tokens is easy for a two-block model, so the
 # differences below are about *how* the modes represent the sequence, not about accuracy. They converge at
 # different speeds, though: in a shorter 8-epoch run (not shown) the amortised model was at 80% and the exact one
-# still at chance while `primal_tokens` had already solved the task. Exact features need an SVD per sequence and
+# still at chance while `primal_features` had already solved the task. Exact features need an SVD per sequence and
 # head and its backward pass; at $N = 10$ tokens this costs little extra training time (the times above were
 # taken on a shared machine and vary by a few seconds between runs).
 #
@@ -174,7 +176,7 @@ plt.show()
 # %% [markdown]
 # The three modes spread mean and uncertainty very differently over the same sequence. The amortised layer puts
 # its output, and its uncertainty, on the distractors right after `a` and `b`, while `a` and `b` themselves get
-# an output and a standard deviation close to zero. The `primal_tokens` layer writes nearly the same vector to
+# an output and a standard deviation close to zero. The `primal_features` layer writes nearly the same vector to
 # every position (a global summary of the sequence broadcast to all tokens) with the largest standard
 # deviation at `b`. The exact layer is most uncertain exactly at `a` and `b`, the tokens that dominate the top
 # singular vectors of their kernel, with standard deviations up to about four times those of the learned modes.
@@ -225,14 +227,15 @@ axes[1].set_title("Model: entropy of the 10-sample predictive distribution")
 plt.show()
 
 # %% [markdown]
-# The layer variance is no out-of-distribution score. In the learned modes it *falls* for sequences without `a`
-# and `b` (amortised 0.0035 → 0.0016, `primal_tokens` 0.0091 → 0.0017) and rises for two sources or random
-# tokens. In exact mode the mean variance is the same number, 0.0874, for every input set, and must be:
+# The layer variance is no out-of-distribution score. For sequences without `a` and `b` it barely moves in the
+# amortised model (0.0053 → 0.0056) and *falls* in the `primal_features` model (0.0112 → 0.0012); it rises for two
+# sources or random tokens (amortised 0.0129 and 0.0160). In exact mode the mean variance is the same number,
+# 0.0459, for every input set, and must be:
 # $e(X) \Lambda^{-1} = H_e$ has orthonormal columns, so the variance summed over the tokens of a sequence is
 # $\sum_n \|H_e[n] L\|^2 = \operatorname{tr}(S)$ whatever the input; per-sequence exact features normalise the
-# input away. The model's predictive entropy rises on every modified set, most for `primal_tokens` on sequences
-# without a pointer (0.59 nats, against $\ln 2 = 0.69$ for a coin flip), least for the amortised model, which
-# stays confident on every set (at most 0.03 nats).
+# input away. The model's predictive entropy rises on every modified set, most for `primal_features` on sequences
+# without a pointer (0.45 nats, against $\ln 2 = 0.69$ for a coin flip) and for the exact model (0.23-0.43 nats),
+# least for the amortised model (at most 0.12 nats).
 #
 # ## 3. Joint against marginal sampling
 #
@@ -287,14 +290,14 @@ plt.show()
 
 
 # %% [markdown]
-# Joint sampling gives strongly correlated tokens (correlations up to 0.996): one $u$ per sequence drives all
+# Joint sampling gives strongly correlated tokens (correlations up to 0.986): one $u$ per sequence drives all
 # tokens through the rank-4 scores of each head, so tokens with similar scores move together (the distractors
 # after `a` and after `b` form one block, anti-correlated with `a`). Marginal sampling has the same per-token
-# variances, both match `posterior()` within Monte Carlo error, but no correlation (off-diagonal at most 0.04,
+# variances, both match `posterior()` within Monte Carlo error, but no correlation (off-diagonal at most 0.05,
 # sampling noise at 4000 samples). Token-wise quantities cannot tell the two apart; anything that pools tokens
-# can: the variance of the mean over the tokens, which is what the classifier's mean pooling sees, is 0.0050 under
-# joint sampling and 0.0011 under marginal sampling. Dropping the correlations underestimates the uncertainty of
-# the pooled representation by a factor 4.4 here.
+# can: the variance of the mean over the tokens, which is what the classifier's mean pooling sees, is 0.0018 under
+# joint sampling and 0.0008 under marginal sampling. Dropping the correlations underestimates the uncertainty of
+# the pooled representation by a factor 2.3 here.
 #
 # ## 4. Attention maps of the three feature modes
 #
@@ -340,7 +343,7 @@ plt.show()
 # The exact mode's kernel shows the directed relation the task is about: in head 1 the largest positive entry
 # is query `b` attending to key `a`, and query `a` attending to key `b` is the most negative, an asymmetry a
 # symmetric kernel could not express. Its $\hat K$ is the best rank-4 approximation and visibly close to $K$.
-# In the `primal_tokens` model the kernel is organised around the pointer tokens (rows `a` and `b` in head 1,
+# In the `primal_features` model the kernel is organised around the pointer tokens (rows `a` and `b` in head 1,
 # columns `a` and `b` in head 2), and $\hat K$ of head 2 reproduces the column pattern at a much smaller scale.
 # The amortised $\hat K$ reproduces the row and column pattern of $K$, at about 1/100 of its scale (note the
 # colour bars).
@@ -391,11 +394,11 @@ figure.suptitle("Singular values of the attention kernel per test sequence vs th
 plt.show()
 
 # %% [markdown]
-# The learned modes do reach small $J$ (mean $|J|$ 0.009 amortised, 0.0245 `primal_tokens`), and their scores
-# do span the leading singular directions of the kernel (principal-angle cosines 1.000, 0.998, 0.96), but they
-# miss the fourth (cosine 0.55-0.57) and, above all, the scale: $\hat K$ is about 98 times (amortised) and 9 times
-# (`primal_tokens`) smaller than $K$, so its relative error is about 1, no better than $\hat K = 0$, against 0.095
-# and 0.024 for the best rank-4 approximation. The learned $\Lambda$ are flat (0.4-0.85) while the exact spectra
+# The learned modes do reach small $J$ (mean $|J|$ 0.009 amortised, 0.022 `primal_features`), and their scores
+# do span the leading singular directions of the kernel (principal-angle cosines 1.000, 0.998-1.000, 0.95-0.98), but they
+# miss the fourth (cosine 0.56-0.59) and, above all, the scale: $\hat K$ is about 150 times (amortised) and 8 times
+# (`primal_features`) smaller than $K$, so its relative error is about 1, no better than $\hat K = 0$, against 0.099
+# and 0.010 for the best rank-4 approximation. The learned $\Lambda$ are flat (0.4-0.85) while the exact spectra
 # of the same kernels fall by a factor 5 to 40 from $\lambda_1$ to $\lambda_4$. One reason is structural: at fixed
 # $\Lambda$, $J$ is homogeneous of degree 2 in the scores, so the penalty $\eta J^2$ is also reduced by shrinking
 # the scores, which the GP means $m$ can compensate. The penalty pushes the learned scores into a subspace
