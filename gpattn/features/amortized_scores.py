@@ -46,14 +46,28 @@ from .kernel_eigen_scores import KernelEigenScores
 
 #: the norm below which a feature column is not normalised further (as torch.nn.functional.normalize)
 NORM_FLOOR = 1e-12
+#: the rows of the feature columns squared and summed per pass when forming their norms
+NORM_BLOCK = 4
 
 
 def _inverse_norms(columns: Tensor) -> tuple[Tensor, Tensor]:
     """``1 / max(||column||, 1e-12)`` along ``-2`` and where the norm is above the floor (the gradient vanishes
     below it); overflowing squared norms take the rescaled path of
     :func:`~gpattn.kernels.cosine_feature_kernel.inverse_norms`."""
-    # (P * P).sum(-2) reduces along the contiguous N: several times faster on CPU than vector_norm over dim -2
-    squared = (columns * columns).sum(-2, keepdim=True)
+    if torch.compiler.is_compiling():  # fused by the compiler
+        squared = (columns * columns).sum(-2, keepdim=True)
+    else:
+        # sum_p P_p^2 accumulated over blocks of NORM_BLOCK rows (a (NORM_BLOCK, N) temporary instead of a (p, N)
+        # one: fresh large buffers cost page faults on CPU), reduced along the contiguous N: several times faster
+        # on CPU than vector_norm over dim -2
+        blocks = columns.split(NORM_BLOCK, dim=-2)
+        accumulated = blocks[0].square()
+        for block in blocks[1:]:
+            if block.shape[-2] == accumulated.shape[-2]:
+                accumulated.addcmul_(block, block)
+            else:  # a shorter last block
+                accumulated = accumulated.sum(-2, keepdim=True) + block.square().sum(-2, keepdim=True)
+        squared = accumulated.sum(-2, keepdim=True)
     if not torch.compiler.is_compiling() and not all_finite(squared):
         inverse = inverse_norms(columns, dim=-2)
         return inverse, inverse < 1.0 / NORM_FLOOR
@@ -148,40 +162,57 @@ class AmortizedSelfScores(torch.autograd.Function):
         operand, square_mask = ctx.operand, ctx.square_mask
         rank = values.shape[-2]
         alpha = compiled[0] if operand is None else operand[..., rank:, :]
-        grad_scores = torch.zeros_like(scores) if grad_scores is None else grad_scores
+        # eager and not differentiable (no create_graph): the (s, N) gradients are written into the first half of
+        # the forward pass's buffer, which then serves as the right operand of the columns' GEMM and as scratch
+        in_place = operand is not None and not torch.is_grad_enabled()
         grad_weights = torch.zeros_like(weights) if grad_weights is None else grad_weights
-        if grad_squares is not None and ctx.squares:  # d/de_ik of sum_i m_i e_ik^2: 2 m_i e_ik
-            masked = scores if square_mask is None else scores * square_mask
-            grad_scores = torch.addcmul(grad_scores, masked, (2.0 * grad_squares).unsqueeze(-1))
-        # scores = c beta nu with beta = weights @ columns: the gradients of beta, nu (partial) and c (partial)
+        if grad_scores is None:
+            grad_scores = torch.zeros_like(scores)
+        # scores = c beta nu with beta = weights @ columns: d beta = (d scores + 2 m dS scores) c nu, the second term
+        # from the token sums S of the squared scores
         scale = root_scale * inverse
-        if operand is None or torch.is_grad_enabled():  # compiled, or differentiable (create_graph): concatenate
-            grad_beta = grad_scores * scale
-            right_operand = torch.cat([grad_beta, alpha], dim=-2)  # (B, 2, H, 2s, N)
-        else:
-            grad_beta = torch.mul(grad_scores, scale, out=operand[..., :rank, :])  # [d beta_e; d beta_r]
+        with_sums = grad_squares is not None and ctx.squares
+        if with_sums:
+            masked = scores if square_mask is None else scores * square_mask
+            sums_factor = (2.0 * grad_squares).unsqueeze(-1)
+        if in_place:
+            grad_beta = operand[..., :rank, :]  # [d beta_e; d beta_r]
+            if with_sums:
+                torch.addcmul(grad_scores, masked, sums_factor, out=grad_beta).mul_(scale)
+            else:
+                torch.mul(grad_scores, scale, out=grad_beta)
             right_operand = operand
-        scaled = grad_scores * scores
-        grad_inverse = scaled.sum(-2, keepdim=True) / inverse  # nu > 0: the norms are finite
+        else:  # compiled, or differentiable (create_graph): no writes into buffers
+            total = torch.addcmul(grad_scores, masked, sums_factor) if with_sums else grad_scores
+            grad_beta = total * scale
+            right_operand = torch.cat([grad_beta, alpha], dim=-2)  # (B, 2, H, 2s, N)
         total_weights = grad_weights + grad_beta @ columns.mT  # the total gradient of [W_e^T; W_r^T]
         total_paired = total_weights.flip(1)  # ... of [W_r^T; W_e^T] = c alpha columns^T
         scaled_paired = root_scale * total_paired  # c folded into the small (s, p) factor
         grad_alpha = scaled_paired @ columns  # [d alpha_r; d alpha_e]
-        factor = inverse * token_weights
-        grad_values = grad_alpha * factor
-        grad_inverse = grad_inverse + (grad_alpha * values).sum(-2, keepdim=True) * token_weights
-        grad_root_scale = None
-        if ctx.needs_input_grad[3]:
-            total = scaled.sum((0, 1, 3, 4)) + (total_weights * weights).sum((0, 1, 3, 4))
-            grad_root_scale = (total / root_scale.flatten()).reshape(root_scale.shape)
         # the feature columns: P_q gets W_e d beta_e + c dW_r^T alpha_r, P_k gets W_r d beta_r + c dW_e^T alpha_e,
-        # one batched GEMM of inner dimension 2s over every block, plus the inverse norms' term -P nu^3 d nu
+        # one batched GEMM of inner dimension 2s over every block, plus the inverse norms' term -P nu^3 d nu below
         left_operand = torch.cat([weights.mT, scaled_paired.mT], dim=-1)  # (B, 2, H, p, 2s)
-        norm_term = -inverse.pow(3) * grad_inverse * active.to(inverse.dtype)
         blocks = columns.shape[0] * columns.shape[1] * columns.shape[2]
         grad_columns = torch.bmm(
             left_operand.reshape(blocks, *left_operand.shape[-2:]),
             right_operand.view(blocks, *right_operand.shape[-2:]),
         ).view(columns.shape)
+        # d nu = sum_k (d e_k) e_k / nu + w sum_k (d alpha_k) a_k, with sum_k (d e_k) e_k = sum_k d beta_k e_k / (c nu);
+        # in place, the products go into the buffer's first half (d beta is no longer needed)
+        if in_place:
+            score_part = grad_beta.mul_(scores).sum(-2, keepdim=True) / scale
+            value_part = torch.mul(grad_alpha, values, out=grad_beta).sum(-2, keepdim=True)
+            grad_values = grad_alpha.mul_(inverse * token_weights)
+        else:
+            score_part = (grad_beta * scores).sum(-2, keepdim=True) / scale
+            value_part = (grad_alpha * values).sum(-2, keepdim=True)
+            grad_values = grad_alpha * (inverse * token_weights)
+        grad_inverse = score_part / inverse + value_part * token_weights  # nu > 0: the norms are finite
+        grad_root_scale = None
+        if ctx.needs_input_grad[3]:  # d c = sum (d e) e / c + sum dW W / c over each head
+            total = score_part.sum((0, 1, 3, 4)) + (total_weights * weights).sum((0, 1, 3, 4))
+            grad_root_scale = (total / root_scale.flatten()).reshape(root_scale.shape)
+        norm_term = -inverse.pow(3) * grad_inverse * active.to(inverse.dtype)
         grad_columns.addcmul_(columns, norm_term)  # in place: one pass over the feature columns
         return grad_columns, grad_values, None, grad_root_scale, None, None

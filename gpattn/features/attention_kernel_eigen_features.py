@@ -481,7 +481,7 @@ class AttentionKernelEigenFeatures(KernelEigenFeaturesBase):
         columns = columns.view(batch, 2, heads, -1, columns.shape[-1])  # [P_q; P_k]: (B, 2, H, p, N)
         maps = torch.stack([self.right_map, self.left_map]).mT  # (2, H, s, C)
         values = torch.bmm(maps.flatten(0, 2).expand(batch, -1, -1), tokens.mT).view(batch, 2, heads, rank, -1)
-        values = values + torch.stack([self.right_bias, self.left_bias]).unsqueeze(-1)  # [a_r; a_e]: (B, 2, H, s, N)
+        values.add_(torch.stack([self.right_bias, self.left_bias]).unsqueeze(-1))  # [a_r; a_e]: (B, 2, H, s, N)
         weights = self._token_weights(tokens, mask)
         if torch.is_tensor(weights):
             weights = weights.unsqueeze(1)  # (B, 1, 1, 1, N)
