@@ -127,3 +127,21 @@ def test_fused_scores_are_halves_of_one_stacked_tensor():
     assert scores.for_outputs(0) is scores
     general = features(x)  # the kernel diagonal takes the general path: one tensor per branch
     assert not isinstance(general, StackedKernelEigenScores)
+
+
+def test_backward_pass_with_create_graph_gives_the_same_gradients():
+    """With create_graph the backward pass writes into no buffer (a concatenation instead): same first-order
+    gradients as the in-place pass."""
+    torch.manual_seed(5)
+    columns = torch.randn(2, 2, 3, 4, 5, dtype=DTYPE, requires_grad=True)
+    values = torch.randn(2, 2, 3, 2, 5, dtype=DTYPE, requires_grad=True)
+    weights = torch.full((1, 1, 1, 1, 1), 0.2, dtype=DTYPE)
+    root_scale = torch.rand(3, 1, 1, dtype=DTYPE).add(0.5).requires_grad_()
+    mask = torch.tensor([[1.0, 1.0, 1.0, 0.0, 0.0], [1.0] * 5], dtype=DTYPE)[:, None, None, None]
+    gradients = {}
+    for create_graph in (False, True):
+        scores, score_weights, sums = AmortizedSelfScores.apply(columns, values, weights, root_scale, True, mask)
+        loss = scores.sin().sum() + score_weights.cos().sum() + sums.sqrt().sum()
+        gradients[create_graph] = torch.autograd.grad(loss, (columns, values, root_scale), create_graph=create_graph)
+    for a, b in zip(gradients[False], gradients[True], strict=True):
+        torch.testing.assert_close(a, b.detach(), rtol=1e-12, atol=1e-12)
