@@ -480,8 +480,11 @@ class AttentionKernelEigenFeatures(KernelEigenFeaturesBase):
         columns = torch.bmm(projection.flatten(0, 2).expand(batch, -1, -1), lifted.mT)
         columns = columns.view(batch, 2, heads, -1, columns.shape[-1])  # [P_q; P_k]: (B, 2, H, p, N)
         maps = torch.stack([self.right_map, self.left_map]).mT  # (2, H, s, C)
-        values = torch.bmm(maps.flatten(0, 2).expand(batch, -1, -1), tokens.mT).view(batch, 2, heads, rank, -1)
-        values.add_(torch.stack([self.right_bias, self.left_bias]).unsqueeze(-1))  # [a_r; a_e]: (B, 2, H, s, N)
+        values = torch.bmm(maps.flatten(0, 2).expand(batch, -1, -1), tokens.mT)  # (B, 2 H s, N)
+        # the bias added in place to the GEMM's own output (not to a view of it, whose in-place update would make
+        # autograd copy the whole gradient)
+        values = values.add_(torch.stack([self.right_bias, self.left_bias]).reshape(-1, 1))
+        values = values.view(batch, 2, heads, rank, -1)  # [a_r; a_e]: (B, 2, H, s, N)
         weights = self._token_weights(tokens, mask)
         if torch.is_tensor(weights):
             weights = weights.unsqueeze(1)  # (B, 1, 1, 1, N)
