@@ -172,10 +172,20 @@ class AttentionLayer(Module):
         :param head_values: ``(B, H, N, k)``; no copy when it is a transposed view of a contiguous ``(B, H, k, N)``.
         :param coefficients: ``(H, k, C)`` or ``(B, H, k, C)``.
         :return: ``(B, N, C)``.
+
+        .. note:: With ``head_values`` a transposed view of a contiguous ``(B, H, k, N)`` tensor (the column layout of
+            the kernel-eigen scores) the product is :math:`y = o + S^\top A` with :math:`S` the ``(B, H k, N)`` view
+            and the backward pass returns :math:`\bar S = A \bar y^\top` in that same layout (autograd through the
+            transposed view would hand back a transposed gradient, and every elementwise pass over it downstream would
+            read it with a stride of :math:`H k`).
         """
         batch, heads, length, width = head_values.shape
-        flat = head_values.permute(0, 2, 1, 3).reshape(batch, length, heads * width)
         coefficients = coefficients.expand(batch, *coefficients.shape[-3:]).reshape(batch, heads * width, -1)
+        columns = head_values.mT
+        # (B, H k, N) without a copy, its gradient handed back in that layout (autocast takes the general product)
+        if columns.is_contiguous() and not torch.is_autocast_enabled(columns.device.type):
+            return _ColumnsOutputGEMM.apply(output, columns.view(batch, heads * width, length), coefficients)
+        flat = head_values.permute(0, 2, 1, 3).reshape(batch, length, heads * width)
         return torch.baddbmm(output.expand(batch, length, coefficients.shape[-1]), flat, coefficients)
 
     def project_out(self, heads: Tensor) -> Tensor:
@@ -242,6 +252,28 @@ class AttentionLayer(Module):
         :return: shape ``(B, N, C)``.
         """
         raise NotImplementedError
+
+
+class _ColumnsOutputGEMM(torch.autograd.Function):
+    r""":math:`y = o + S^\top A` for columns :math:`S` (``(B, K, N)``, contiguous), coefficients :math:`A`
+    (``(B, K, C)``) and ``o`` broadcastable to ``(B, N, C)``; the backward pass gives :math:`\bar S = A \bar y^\top`
+    as a contiguous ``(B, K, N)`` tensor, :math:`\bar A = S \bar y` and :math:`\bar o` summed to ``o``'s shape.
+    The backward pass is made of differentiable operations on the saved inputs (double backward works)."""
+
+    @staticmethod
+    def forward(ctx, output: Tensor, columns: Tensor, coefficients: Tensor) -> Tensor:
+        ctx.save_for_backward(columns, coefficients)
+        ctx.output_shape = output.shape
+        batch, _, length = columns.shape
+        return torch.baddbmm(output.expand(batch, length, coefficients.shape[-1]), columns.mT, coefficients)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        columns, coefficients = ctx.saved_tensors
+        grad_output = grad.sum_to_size(ctx.output_shape) if ctx.needs_input_grad[0] else None
+        grad_columns = coefficients @ grad.mT if ctx.needs_input_grad[1] else None  # (B, K, C) x (B, C, N)
+        grad_coefficients = columns @ grad if ctx.needs_input_grad[2] else None  # (B, K, N) x (B, N, C)
+        return grad_output, grad_columns, grad_coefficients
 
 
 @contextmanager

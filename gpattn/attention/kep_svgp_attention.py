@@ -7,6 +7,7 @@ from gpytorch.variational import CholeskyVariationalDistribution
 from torch import Tensor
 
 from ..features import AttentionKernelEigenFeatures, KernelEigenScores
+from ..features.amortized_scores import StackedKernelEigenScores
 from ..validation import check_choice, check_int
 from ..variational import KernelEigenPairVariationalStrategy, KernelEigenVariationalStrategy
 from ._base import AttentionLayer
@@ -214,8 +215,11 @@ class KEPSVGPAttention(AttentionLayer):
         \varepsilon` per sequence (:meth:`~gpattn.variational.KernelEigenVariationalStrategy.inducing_draw`; branches
         with a shared posterior share it). So the strategy's small ``(H, s, C)`` coefficients :math:`\Lambda^{-1} u^\top
         C` (:meth:`~gpattn.variational.KernelEigenVariationalStrategy.linear_coefficients`) are formed first and each
-        branch costs one GEMM of inner dimension :math:`H s`: no ``(B, H, N, d_out)`` tensor. ``"marginal"`` sampling
-        and the residual add per-token noise of the GP outputs
+        branch costs one GEMM of inner dimension :math:`H s`: no ``(B, H, N, d_out)`` tensor. When the features
+        computed both branches' scores as one tensor (the fused amortised path,
+        :class:`~gpattn.features.amortized_scores.StackedKernelEigenScores`), both branches are one GEMM of inner
+        dimension :math:`2 H s` with the stacked coefficients (one pass over the ``(B, N, C)`` output, not two).
+        ``"marginal"`` sampling and the residual add per-token noise of the GP outputs
         (:meth:`~gpattn.variational.KernelEigenVariationalStrategy.token_noise`), mapped by :math:`C` too.
         """
         sides = self._sides(is_cross)
@@ -227,11 +231,22 @@ class KEPSVGPAttention(AttentionLayer):
             marginal = self.sampling_mode == "marginal"  # merge="sum": one draw for the sum of the branches
             noises = self.strategy.token_noise(scores, sides, marginal, sum_sides=marginal and self.merge == "sum")
         output = self.out_proj.bias
+        coefficients = [
+            self.strategy.linear_coefficients(side, draw, output_map, scores.singular_values, active=scores.active)
+            for side, output_map in zip(sides, maps, strict=True)
+        ]
+        stacked = scores.stacked if isinstance(scores, StackedKernelEigenScores) else None
+        one_gemm = stacked is not None and sides == ("left", "right") and self.merge != "concat_tokens"
+        if one_gemm:
+            # both branches in one GEMM of inner dimension 2 H s: the scores [e^T; r^T] are one (B, 2, H, s, N)
+            # tensor, so their (B, N, 2 H s) view needs no copy; the coefficients stack alike: (..., 2 H, s, C)
+            paired = torch.stack(coefficients, dim=-4).flatten(-4, -3)
+            output = self.accumulate_heads(output, stacked.flatten(1, 2).mT, paired)
         for index, (side, output_map) in enumerate(zip(sides, maps, strict=True)):
-            coefficients = self.strategy.linear_coefficients(
-                side, draw, output_map, scores.singular_values, active=scores.active
-            )
-            output = self.accumulate_heads(output, self._mix_tokens(scores.scores(side), index), coefficients)
+            if not one_gemm:
+                output = self.accumulate_heads(
+                    output, self._mix_tokens(scores.scores(side), index), coefficients[index]
+                )
             if side in noises:  # per-token noise of the GP outputs: (B, H, d_out, N)
                 noise = self._mix_tokens(noises[side].mT, index)  # (B, H, N, d_out)
                 output = output + torch.einsum("bhnd,hdc->bnc", noise, output_map)

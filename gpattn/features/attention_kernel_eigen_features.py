@@ -9,9 +9,10 @@ from torch import Tensor
 
 from ..kernels import CosineFeatureKernel, ExponentialDotProductKernel
 from ..ksvd import kernel_svd, ksvd_objective
+from ..ksvd.ksvd_objective import ksvd_objective_from_sums
 from ..mlls import KSVDAddedLossTerm
 from ..validation import all_finite, check_choice, check_float, check_int
-from .amortized_scores import AmortizedSelfScores
+from .amortized_scores import AmortizedSelfScores, StackedKernelEigenScores
 from .kernel_eigen_features_base import KernelEigenFeaturesBase
 from .kernel_eigen_scores import KernelEigenScores, induced_kernel_diag, numerically_nonzero
 
@@ -468,7 +469,10 @@ class AttentionKernelEigenFeatures(KernelEigenFeaturesBase):
         r"""The amortised self-attention scores by :class:`~gpattn.features.amortized_scores.AmortizedSelfScores`:
         one projection GEMM for :math:`[P_q; P_k]` (``(B, 2, H, p, N)``), one for the values :math:`[A_r(X)^\top;
         A_e(X)^\top]` and the scores' products with a hand-written backward pass (no padding-masked query is treated
-        differently from the general path: the same :math:`1/|V|` weights)."""
+        differently from the general path: the same :math:`1/|V|` weights). :math:`J` comes from the function's
+        token sums of the squared scores (:func:`~gpattn.ksvd.ksvd_objective.ksvd_objective_from_sums`), and the
+        scores are returned as a :class:`~gpattn.features.amortized_scores.StackedKernelEigenScores` whose
+        ``(B, 2, H, s, N)`` tensor lets the layer map both branches with one GEMM."""
         kernel = self.kernel
         lifted = kernel.lift(tokens)
         batch, heads, rank = tokens.shape[0], self.num_heads, self.num_inducing
@@ -476,29 +480,30 @@ class AttentionKernelEigenFeatures(KernelEigenFeaturesBase):
         columns = torch.bmm(projection.flatten(0, 2).expand(batch, -1, -1), lifted.mT)
         columns = columns.view(batch, 2, heads, -1, columns.shape[-1])  # [P_q; P_k]: (B, 2, H, p, N)
         maps = torch.stack([self.right_map, self.left_map]).mT  # (2, H, s, C)
-        values = torch.bmm(maps.flatten(0, 2).expand(batch, -1, -1), tokens.mT).view(batch, 2, heads, rank, -1)
-        values = values + torch.stack([self.right_bias, self.left_bias]).unsqueeze(-1)  # [a_r; a_e]: (B, 2, H, s, N)
+        values = torch.bmm(maps.flatten(0, 2).expand(batch, -1, -1), tokens.mT)  # (B, 2 H s, N)
+        # the bias added in place to the GEMM's own output (not to a view of it, whose in-place update would make
+        # autograd copy the whole gradient)
+        values = values.add_(torch.stack([self.right_bias, self.left_bias]).reshape(-1, 1))
+        values = values.view(batch, 2, heads, rank, -1)  # [a_r; a_e]: (B, 2, H, s, N)
         weights = self._token_weights(tokens, mask)
         if torch.is_tensor(weights):
             weights = weights.unsqueeze(1)  # (B, 1, 1, 1, N)
         else:
             weights = torch.full((1, 1, 1, 1, 1), weights, dtype=columns.dtype, device=columns.device)
         root_scale = kernel.outputscale.sqrt()[:, None, None]
-        scores, score_weights = AmortizedSelfScores.apply(columns, values, weights, root_scale)
-        (left, right), (left_weights, right_weights) = scores.unbind(1), score_weights.unbind(1)
-        if not torch.compiler.is_compiling() and not (all_finite(left) and all_finite(right)):
+        square_mask = None if mask is None else mask[:, None, None, None, :].to(columns.dtype)
+        scores, score_weights, squares = AmortizedSelfScores.apply(
+            columns, values, weights, root_scale, objective, square_mask
+        )
+        if not torch.compiler.is_compiling() and not all_finite(scores):
             self._check_magnitude(tokens, tokens)
         singular_values = self.singular_values
         objective_value = None
-        if objective:
-            objective_value = ksvd_objective(
-                self._zero_masked(left.mT, mask),
-                self._zero_masked(right.mT, mask),
-                left_weights.mT,
-                right_weights.mT,
-                singular_values.unsqueeze(0),
-            )
-        return KernelEigenScores(left.mT, right.mT, singular_values, objective_value)
+        if objective:  # J from the fused pass's token sums of e^2 and r^2 (masked tokens left out) and Tr(W_e^T W_r)
+            coupling = (score_weights[:, 0] * score_weights[:, 1]).sum((-2, -1))
+            objective_value = ksvd_objective_from_sums(squares.sum(1), coupling, singular_values)
+        left, right = scores.unbind(1)
+        return StackedKernelEigenScores(left.mT, right.mT, singular_values, objective_value, stacked=scores)
 
     def _penalised(self, scores: KernelEigenScores, official: Tensor | None = None) -> KernelEigenScores:
         # a training call refreshes the KSVD penalty: eta J^2 averaged over the sequences and summed over the heads

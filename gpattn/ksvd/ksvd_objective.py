@@ -81,3 +81,22 @@ def ksvd_objective(
     if weights_per_position:
         coupling = coupling.mean(-1)
     return 0.5 * (left_weighted.sum(dim=(-2, -1)) + right_weighted.sum(dim=(-2, -1))) - coupling
+
+
+def ksvd_objective_from_sums(squared_scores: Tensor, coupling: Tensor, singular_values: Tensor) -> Tensor:
+    r"""The sum-form KSVD objective :math:`J` (:func:`ksvd_objective`, ``form="sum"``) from its token sums, for
+    callers that have them already (the fused amortised scores form them in their own pass):
+
+    .. math::
+
+        J = \tfrac12 \sum_k \lambda_k^{-1} S_k - \operatorname{Tr}(W_e^\top W_r), \qquad
+        S_k = \sum_i e_{ik}^2 + \sum_j r_{jk}^2.
+
+    :param squared_scores: :math:`S`, shape ``(*batch, s)`` (the masked tokens left out of the sums).
+    :param coupling: :math:`\operatorname{Tr}(W_e^\top W_r)`, shape ``(*batch)``.
+    :param singular_values: :math:`\Lambda`, shape ``(*batch, s)`` (broadcastable), positive.
+    :return: :math:`J`, shape ``(*batch)``.
+
+    .. note:: Cost O(s) per sequence and head.
+    """
+    return 0.5 * (squared_scores / singular_values).sum(-1) - coupling

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gpattn.features import AttentionKernelEigenFeatures
-from gpattn.features.amortized_scores import AmortizedSelfScores
+from gpattn.features import AttentionKernelEigenFeatures, KernelEigenScores
+from gpattn.features.amortized_scores import AmortizedSelfScores, StackedKernelEigenScores
 
 DTYPE = torch.float64
 
@@ -68,3 +68,80 @@ def test_backward_pass_against_finite_differences():
     assert torch.autograd.gradcheck(
         lambda c, v, r: AmortizedSelfScores.apply(c, v, weights, r)[0], (columns, values, root_scale)
     )
+
+
+@pytest.mark.parametrize("masked", [False, True], ids=["every-token", "padding"])
+def test_token_sums_of_squares_and_their_gradient(masked: bool):
+    """The third output, sum_i m_i e_ik^2 per block and direction, against a direct sum of the first output's squares;
+    its hand-written gradient (folded into the scores' gradient) against finite differences."""
+    torch.manual_seed(2)
+    columns = torch.randn(2, 2, 3, 4, 5, dtype=DTYPE, requires_grad=True)
+    values = torch.randn(2, 2, 3, 2, 5, dtype=DTYPE, requires_grad=True)
+    weights = torch.tensor([1.0, 1.0, 1.0, 0.0, 0.0], dtype=DTYPE).expand(2, 1, 1, 1, 5) / 3
+    root_scale = torch.rand(3, 1, 1, dtype=DTYPE).add(0.5).requires_grad_()
+    mask = torch.tensor([[1.0, 1.0, 1.0, 0.0, 0.0], [1.0] * 5], dtype=DTYPE)[:, None, None, None] if masked else None
+    scores, _, sums = AmortizedSelfScores.apply(columns, values, weights, root_scale, True, mask)
+    expected = (scores.square() * (1.0 if mask is None else mask)).sum(-1)
+    assert sums.shape == (2, 2, 3, 2)
+    torch.testing.assert_close(sums, expected, rtol=1e-12, atol=1e-12)
+    assert torch.autograd.gradcheck(
+        lambda c, v, r: AmortizedSelfScores.apply(c, v, weights, r, True, mask), (columns, values, root_scale)
+    )
+    assert torch.autograd.gradcheck(  # the sums alone
+        lambda c, v, r: AmortizedSelfScores.apply(c, v, weights, r, True, mask)[2], (columns, values, root_scale)
+    )
+    # without sums the third output is empty and carries no gradient
+    _, _, empty = AmortizedSelfScores.apply(columns, values, weights, root_scale)
+    assert empty.numel() == 0 and not empty.requires_grad
+
+
+def test_backward_pass_twice_with_a_retained_graph():
+    """The backward pass reuses a buffer of the forward pass as scratch: a second backward pass through the same
+    graph (retain_graph) gives the same gradients."""
+    torch.manual_seed(3)
+    columns = torch.randn(2, 2, 3, 4, 5, dtype=DTYPE, requires_grad=True)
+    values = torch.randn(2, 2, 3, 2, 5, dtype=DTYPE, requires_grad=True)
+    weights = torch.full((1, 1, 1, 1, 1), 0.2, dtype=DTYPE)
+    root_scale = torch.rand(3, 1, 1, dtype=DTYPE).add(0.5).requires_grad_()
+    scores, score_weights, sums = AmortizedSelfScores.apply(columns, values, weights, root_scale, True)
+    loss = scores.sin().sum() + score_weights.cos().sum() + sums.sqrt().sum()
+    first = torch.autograd.grad(loss, (columns, values, root_scale), retain_graph=True)
+    second = torch.autograd.grad(loss, (columns, values, root_scale))
+    for a, b in zip(first, second, strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_fused_scores_are_halves_of_one_stacked_tensor():
+    """The fused path returns both branches as halves of one (B, 2, H, s, N) tensor (for one output GEMM); the
+    per-output view drops it."""
+    torch.manual_seed(4)
+    features = AttentionKernelEigenFeatures(12, 3, num_inducing=2, feature_dim=4).to(DTYPE)
+    x = torch.randn(2, 5, 12, dtype=DTYPE)
+    scores = features(x, kernel_diag=False)
+    assert isinstance(scores, StackedKernelEigenScores) and scores.stacked.shape == (2, 2, 3, 2, 5)
+    assert torch.equal(scores.stacked[:, 0].mT, scores.left_scores)
+    assert torch.equal(scores.stacked[:, 1].mT, scores.right_scores)
+    assert scores.left_scores.data_ptr() == scores.stacked.data_ptr()  # views, no copy
+    per_output = scores.for_outputs(1)
+    assert type(per_output) is KernelEigenScores and per_output.left_scores.shape == (2, 3, 1, 5, 2)
+    assert scores.for_outputs(0) is scores
+    general = features(x)  # the kernel diagonal takes the general path: one tensor per branch
+    assert not isinstance(general, StackedKernelEigenScores)
+
+
+def test_backward_pass_with_create_graph_gives_the_same_gradients():
+    """With create_graph the backward pass writes into no buffer (a concatenation instead): same first-order
+    gradients as the in-place pass."""
+    torch.manual_seed(5)
+    columns = torch.randn(2, 2, 3, 4, 5, dtype=DTYPE, requires_grad=True)
+    values = torch.randn(2, 2, 3, 2, 5, dtype=DTYPE, requires_grad=True)
+    weights = torch.full((1, 1, 1, 1, 1), 0.2, dtype=DTYPE)
+    root_scale = torch.rand(3, 1, 1, dtype=DTYPE).add(0.5).requires_grad_()
+    mask = torch.tensor([[1.0, 1.0, 1.0, 0.0, 0.0], [1.0] * 5], dtype=DTYPE)[:, None, None, None]
+    gradients = {}
+    for create_graph in (False, True):
+        scores, score_weights, sums = AmortizedSelfScores.apply(columns, values, weights, root_scale, True, mask)
+        loss = scores.sin().sum() + score_weights.cos().sum() + sums.sqrt().sum()
+        gradients[create_graph] = torch.autograd.grad(loss, (columns, values, root_scale), create_graph=create_graph)
+    for a, b in zip(gradients[False], gradients[True], strict=True):
+        torch.testing.assert_close(a, b.detach(), rtol=1e-12, atol=1e-12)

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from gpattn.ksvd import ksvd_objective
+from gpattn.ksvd.ksvd_objective import ksvd_objective_from_sums
 
 DTYPE = torch.float64
 B, H, N, P, S, POSITIONS = 3, 2, 5, 4, 3, 6
@@ -65,3 +66,15 @@ def test_unknown_form():
     x = torch.ones(1, 2, 1, dtype=DTYPE)
     with pytest.raises(ValueError, match="form"):
         ksvd_objective(x, x, x, x, torch.ones(1, 1, dtype=DTYPE), form="mean")
+
+
+def test_objective_from_sums_equals_the_sum_form():
+    """J from the token sums of the squared scores and the trace equals the sum form on the scores themselves."""
+    e, r = _randn(B, H, N, S, seed=20), _randn(B, H, N, S, seed=21)
+    we, wr = _randn(B, H, P, S, seed=22), _randn(B, H, P, S, seed=23)
+    lam = _randn(H, S, seed=24).exp()
+    sums = e.pow(2).sum(-2) + r.pow(2).sum(-2)  # (B, H, S)
+    coupling = torch.einsum("bhps,bhps->bh", we, wr)
+    torch.testing.assert_close(
+        ksvd_objective_from_sums(sums, coupling, lam), ksvd_objective(e, r, we, wr, lam), atol=1e-12, rtol=0
+    )
