@@ -41,6 +41,16 @@ PROFILE = settings.get_profile("gpattn-reliability")
 
 DTYPE = torch.float64
 NAMES = attention_names()
+#: the registry rows whose defaults read token positions (the papers' per-position parametrisation
+#: features="primal_tokens"/"primal_features", or merge="concat_tokens"): padding is invisible to them, but a
+#: sequence's outputs depend on where its tokens sit and on its padded length (the position rows of W~), so the
+#: permutation, unpadded-equality and causal properties below do not apply
+POSITIONAL = [
+    name
+    for name in NAMES
+    if ATTENTIONS[name][1].get("features") in ("primal_tokens", "primal_features")
+    or ATTENTIONS[name][1].get("merge") == "concat_tokens"
+]
 SIZE_ARGUMENTS = ("num_inducing",)
 seeds = st.integers(0, 2**31 - 1)
 
@@ -283,13 +293,15 @@ def test_padding_is_invisible(name, data):
     changed = layer(garbage, mask=mask)
     for index, length in enumerate(lengths):
         torch.testing.assert_close(changed[index, :length], output[index, :length], atol=ATOL, rtol=0)
+        if name in POSITIONAL:
+            continue
         # (2) and they equal the outputs of the unpadded sequence alone (no other sequence of the batch matters)
         alone = layer(tokens[index : index + 1, :length])
         torch.testing.assert_close(output[index, :length], alone[0], atol=ATOL, rtol=0)
 
 
 @PROFILE
-@given(name=st.sampled_from(NAMES), data=padded_batches(), seed=seeds)
+@given(name=st.sampled_from([name for name in NAMES if name not in POSITIONAL]), data=padded_batches(), seed=seeds)
 def test_permuting_real_tokens_permutes_the_outputs(name, data, seed):
     # every registered layer (default settings) sees no positions: permutation equivariant over the real tokens.
     # Not true of the fixed-length parametrisations (features="primal_tokens", merge="concat_tokens") or causal masks.
@@ -306,7 +318,7 @@ def test_permuting_real_tokens_permutes_the_outputs(name, data, seed):
         torch.testing.assert_close(permuted_output[index, :length], expected[index, :length], atol=ATOL, rtol=0)
 
 
-CAUSAL = [name for name in NAMES if ATTENTIONS[name][0].supports_causal]
+CAUSAL = [name for name in NAMES if ATTENTIONS[name][0].supports_causal and name not in POSITIONAL]
 
 
 @PROFILE
