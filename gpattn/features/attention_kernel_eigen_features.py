@@ -14,7 +14,9 @@ from ..mlls import KSVDAddedLossTerm
 from ..validation import all_finite, check_choice, check_float, check_int
 from .amortized_scores import AmortizedSelfScores, StackedKernelEigenScores
 from .kernel_eigen_features_base import KernelEigenFeaturesBase
-from .kernel_eigen_scores import KernelEigenScores, induced_kernel_diag, numerically_nonzero
+from .kernel_eigen_scores import KernelEigenScores, numerically_nonzero
+from .positional_weights import PositionalWeights
+from .sequence_sums import prefix_mean_outer, unit_quadratic_form
 
 MODES = ("amortized", "primal_tokens", "primal_features", "exact")
 #: the learned modes with per-position weights (a maximum sequence length)
@@ -29,36 +31,7 @@ DEFAULT_NUM_INDUCING = 10
 KERNELS = ("cosine", "exponential")
 
 
-def _prefix_mean_outer(features: Tensor, values: Tensor) -> Tensor:
-    r""":math:`\frac1i \sum_{j \leq i} \phi_j a_j^\top` for every position :math:`i` (causal, linear-attention style).
-
-    :param features: :math:`\phi`, shape ``(B, H, M, p)``. :param values: :math:`a`, shape ``(B, H, M, s)``.
-    :return: ``(B, H, M, p, s)``.
-    """
-    outer = features.unsqueeze(-1) * values.unsqueeze(-2)  # shape: (B, H, M, p, s)
-    counts = torch.arange(1, features.shape[-2] + 1, dtype=features.dtype, device=features.device)
-    return outer.cumsum(dim=-3) / counts[:, None, None]
-
-
-def _unit_quadratic_form(
-    columns: Tensor, inverse: Tensor, other_columns: Tensor, other_inverse: Tensor, mask: Tensor | None, causal: bool
-) -> Tensor:
-    r""":math:`\sum_{j \in V} \langle \bar p_i, \bar p'_j \rangle^2` of the unit features :math:`\bar p = \nu P`
-    over the visible tokens :math:`V` of the other side (all real tokens, or :math:`j \leq i` when causal).
-
-    :param columns: :math:`P`, ``(B, H, p, N)``; :param inverse: :math:`\nu`, ``(B, H, 1, N)``; likewise the other
-        side with ``M`` tokens; :param mask: ``(B, M)`` bool or ``None``.
-    :return: ``(B, H, N)``.
-    """
-    unit, other = columns * inverse, other_columns * other_inverse
-    if not causal:
-        return induced_kernel_diag(unit.mT, other.mT, None if mask is None else mask[:, None, :])
-    # one Gram matrix per prefix: (B, H, N, p, p); a causal call has no padding mask
-    gram = (other.mT.unsqueeze(-1) * other.mT.unsqueeze(-2)).cumsum(dim=-3)
-    return torch.einsum("bhpn,bhnpq,bhqn->bhn", unit, gram, unit)
-
-
-class AttentionKernelEigenFeatures(KernelEigenFeaturesBase):
+class AttentionKernelEigenFeatures(PositionalWeights, KernelEigenFeaturesBase):
     r"""Per-sequence KSVD scores of the attention kernel of every head (docs/math.md section 2).
 
     For queries :math:`X` (``N`` tokens) and keys :math:`Z` (``M`` tokens) of one sequence and one head, the scores
@@ -270,42 +243,6 @@ class AttentionKernelEigenFeatures(KernelEigenFeaturesBase):
         weights = mask.to(tokens.dtype)
         return (weights / weights.sum(-1, keepdim=True))[:, None, None, :]
 
-    def sampled_positions(self, length: int) -> Tensor | None:
-        r"""``"primal_tokens"``: the positions of the :math:`N'` tokens that form :math:`\tilde X` in a sequence of
-        ``length`` tokens, or ``None`` when all are used (``max_len <= 10 s``; then ``length <= max_len``).
-
-        :return: ``linspace(0, length - 1, N')`` truncated to integers (the official code's even sampling), shape
-            ``(N',)``.
-        """
-        positions = self.left_token_weights.shape[-2]
-        if positions == self.max_len:
-            return None
-        return torch.linspace(0, length - 1, positions, device=self.left_token_weights.device).to(torch.long)
-
-    def token_primal_weights(self, tokens: Tensor, mask: Tensor | None = None) -> tuple[Tensor, Tensor]:
-        r"""``"primal_tokens"``: :math:`W_{e|X} = \tilde X_h^\top \tilde W_e` and :math:`W_{r|X} = \tilde X_h^\top
-        \tilde W_r` of every sequence and head (see the class docstring), each ``(B, H, C/H, s)``.
-
-        :param tokens: The layer's input tokens ``(B, N, C)``.
-        :param mask: ``(B, N)`` bool padding mask (padded rows of :math:`\tilde X` are zeroed), or ``None``.
-
-        .. note:: Cost O(N' C s).
-        """
-        batch, length, width = tokens.shape
-        positions = self.sampled_positions(length)
-        if positions is None:  # all tokens, position i <-> row i
-            selected, rows = tokens, slice(0, length)
-        else:
-            selected, rows = tokens[:, positions], slice(None)
-            mask = None if mask is None else mask[:, positions]
-        if mask is not None:
-            selected = selected * mask.unsqueeze(-1).to(selected.dtype)
-        # X~_h^T: the head's channel block, (B, H, C/H, N')
-        head_tokens = selected.mT.unflatten(1, (self.num_heads, width // self.num_heads))
-        left = head_tokens @ self.left_token_weights[:, rows]
-        right = left if self.tie_qk else head_tokens @ self.right_token_weights[:, rows]
-        return left, right
-
     def forward(
         self,
         queries: Tensor,
@@ -364,8 +301,8 @@ class AttentionKernelEigenFeatures(KernelEigenFeaturesBase):
             right_values = self._value_columns(queries, "right")  # A_r(X)^T: (B, H, s, N)
             query_features = (query_columns * query_inverse * root_scale).mT  # Phi_q: (B, H, N, p)
             key_features = (key_columns * key_inverse * root_scale).mT
-            left_prefix = _prefix_mean_outer(key_features, left_values.mT)  # W_{e|X<=i}: (B, H, N, p, s)
-            right_prefix = _prefix_mean_outer(query_features, right_values.mT)
+            left_prefix = prefix_mean_outer(key_features, left_values.mT)  # W_{e|X<=i}: (B, H, N, p, s)
+            right_prefix = prefix_mean_outer(query_features, right_values.mT)
             left = (query_features.unsqueeze(-2) @ left_prefix).squeeze(-2)
             right = (key_features.unsqueeze(-2) @ right_prefix).squeeze(-2)
             if objective:  # J on the causal scores the outputs use; the trace averaged over the prefixes' weights
@@ -405,10 +342,10 @@ class AttentionKernelEigenFeatures(KernelEigenFeaturesBase):
         if kernel_diag:
             # k_e(x_i, x_i) = sum_j kappa(x_i, z_j)^2 = sigma^2 sum_j <unit q_i, unit k_j>^2; k_r likewise
             scale = kernel.outputscale.square()[:, None]  # shape: (H, 1)
-            left_diag = scale * _unit_quadratic_form(
+            left_diag = scale * unit_quadratic_form(
                 query_columns, query_inverse, key_columns, key_inverse, key_mask, causal
             )
-            right_diag = scale * _unit_quadratic_form(
+            right_diag = scale * unit_quadratic_form(
                 key_columns, key_inverse, query_columns, query_inverse, query_mask, causal
             )
         scores = KernelEigenScores(left, right, singular_values, objective_value, left_diag, right_diag)
@@ -416,42 +353,6 @@ class AttentionKernelEigenFeatures(KernelEigenFeaturesBase):
         if objective and self.ksvd_form == "official":
             official = self.official_objective(scores, key_mask)
         return self._penalised(scores, official)
-
-    def official_objective(self, scores: KernelEigenScores, mask: Tensor | None = None) -> Tensor:
-        r"""The official code's KSVD objective of one call (``"primal_tokens"``), a scalar:
-        :math:`J_{\mathrm{off}} = \tfrac12 \operatorname{mean}_{b,h,i} e_i^\top \Lambda^{-1} e_i + \tfrac12
-        \operatorname{mean}_{b,h,j} r_j^\top \Lambda^{-1} r_j - \operatorname{Tr}(\operatorname{mean}_h \tilde W_e^\top
-        \tilde W_r)` over the real tokens (see :func:`~gpattn.ksvd.ksvd_objective`, ``form="official"``)."""
-        if self.mode != "primal_tokens":
-            raise ValueError(f"the official KSVD objective needs features='primal_tokens', not {self.mode!r}")
-        right_raw = self.left_token_weights if self.tie_qk else self.right_token_weights
-        return ksvd_objective(
-            scores.left_scores,
-            scores.right_scores,
-            self.left_token_weights,
-            right_raw,
-            scores.singular_values,
-            form="official",
-            mask=mask,
-        )
-
-    def _check_positional_call(self, queries: Tensor, key_mask: Tensor | None, causal: bool, self_attention: bool):
-        mode, length = self.mode, queries.shape[-2]
-        if causal or not self_attention or (mode == "primal_features" and key_mask is not None):
-            allowed = "self-attention with a padding mask" if mode == "primal_tokens" else "plain self-attention"
-            raise ValueError(
-                f"features={mode!r} supports {allowed} only (no causal mask, no context): its weights read every "
-                "token of the sequence"
-            )
-        if mode == "primal_features" and length != self.max_len:
-            raise ValueError(
-                f"features='primal_features' needs sequences of length max_len={self.max_len}, got {length}"
-            )
-        if mode == "primal_tokens" and length > self.max_len and self.sampled_positions(length) is None:
-            raise ValueError(
-                "features='primal_tokens' has one weight row per position: sequences of at most "
-                f"max_len={self.max_len} tokens, got {length}"
-            )
 
     def _check_magnitude(self, queries: Tensor, keys: Tensor) -> None:
         # called when the learned scores are not finite: inputs of magnitude ~sqrt(finfo.max) overflow W^T P ~ |x|^2
