@@ -14,7 +14,8 @@ __all__ = ["prefix_mean_outer", "unit_quadratic_form"]
 def prefix_mean_outer(features: Tensor, values: Tensor) -> Tensor:
     r""":math:`\frac1i \sum_{j \leq i} \phi_j a_j^\top` for every position :math:`i` (causal, linear-attention style).
 
-    :param features: :math:`\phi`, shape ``(B, H, M, p)``. :param values: :math:`a`, shape ``(B, H, M, s)``.
+    :param features: :math:`\phi`, shape ``(B, H, M, p)``.
+    :param values: :math:`a`, shape ``(B, H, M, s)``.
     :return: ``(B, H, M, p, s)``.
     """
     outer = features.unsqueeze(-1) * values.unsqueeze(-2)  # shape: (B, H, M, p, s)
@@ -28,8 +29,12 @@ def unit_quadratic_form(
     r""":math:`\sum_{j \in V} \langle \bar p_i, \bar p'_j \rangle^2` of the unit features :math:`\bar p = \nu P`
     over the visible tokens :math:`V` of the other side (all real tokens, or :math:`j \leq i` when causal).
 
-    :param columns: :math:`P`, ``(B, H, p, N)``; :param inverse: :math:`\nu`, ``(B, H, 1, N)``; likewise the other
-        side with ``M`` tokens; :param mask: ``(B, M)`` bool or ``None``.
+    :param columns: :math:`P`, ``(B, H, p, N)``.
+    :param inverse: :math:`\nu`, ``(B, H, 1, N)``.
+    :param other_columns: The other side's :math:`P'`, ``(B, H, p, M)``.
+    :param other_inverse: The other side's :math:`\nu'`, ``(B, H, 1, M)``.
+    :param mask: ``(B, M)`` bool or ``None``.
+    :param causal: Sum over :math:`j \leq i` only.
     :return: ``(B, H, N)``.
     """
     unit, other = columns * inverse, other_columns * other_inverse
