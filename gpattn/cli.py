@@ -281,16 +281,17 @@ def _run_train(args: argparse.Namespace) -> int:
 
 
 def _add_compare(commands) -> None:
-    from .attention import attention_names
-    from .experiments import TASKS, CompareConfig
+    from .experiments import DEFAULT_ATTENTIONS, DEFAULT_TASKS, TASKS, CompareConfig, compare_rows
 
     defaults = CompareConfig()
     compare = commands.add_parser(
         "compare",
-        help="train and evaluate every attention on the pointer toy task and digits (shift, OOD)",
+        help="train and evaluate the attentions on MNIST-1D and digits (shift, OOD, +ts rows, paired statistics)",
         description="Train a small Transformer per task, attention and seed under one training loop and evaluate "
-        "accuracy, NLL, ECE, Brier, AURC, misclassification AUROC/FPR95, digits under shift (noise, rotation, blur, "
-        "severities 1-5) and OOD (held-out digits, structured noise). Prints one line per finished run on standard "
+        "accuracy, NLL, ECE (top-label and classwise), Brier, AURC, misclassification AUROC/FPR95, metrics under "
+        "shift (severities 1-5) and OOD (AUROC, AUPR-In/Out), each model also temperature-scaled on the validation "
+        "split (+ts rows), the KSVD fidelity of the KSVD layers, and KEP-SVGP minus every other row over paired "
+        "seeds with 95 % t intervals. Prints one line per finished run on standard "
         "error and writes its record at once to OUT/runs/ (Ctrl-C keeps the finished runs, --resume trains the "
         "others); at the end writes results.json, results.csv, table.md and figures into OUT.",
     )
@@ -302,24 +303,41 @@ def _add_compare(commands) -> None:
         "pointer task is not learned in this budget",
     )
     compare.add_argument(
-        "--attentions", nargs="+", choices=attention_names(), default=None, help="default: every registered attention"
+        "--attentions",
+        nargs="+",
+        choices=compare_rows(),
+        default=None,
+        help=f"rows: registered attentions and softmax_mc_dropout (default: {' '.join(DEFAULT_ATTENTIONS)})",
     )
-    compare.add_argument("--tasks", nargs="+", choices=TASKS, default=None, help="default: %(choices)s")
+    compare.add_argument(
+        "--tasks",
+        nargs="+",
+        choices=TASKS,
+        default=None,
+        help=f"default: {' '.join(DEFAULT_TASKS)} (--quick: pointer digits)",
+    )
     compare.add_argument(
         "--seeds", nargs="+", type=_non_negative_int, default=None, help=f"default: {list(defaults.seeds)}"
     )
     numbers = (
         ("pointer_epochs", _positive_int, "training epochs on the pointer task"),
         ("digits_epochs", _positive_int, "training epochs on digits"),
+        ("mnist1d_epochs", _positive_int, "training epochs on MNIST-1D"),
         ("eval_samples", _positive_int, "Monte Carlo samples at evaluation"),
         ("ensemble", _positive_int, "members per model: Deep / KEP-SVGP ensembles when > 1"),
         ("num_inducing", _positive_int, "inducing set size: KSVD rank, SGPA/SVGP inducing points"),
         ("beta", _non_negative_float, "KL weight"),
         ("ksvd_weight", _non_negative_float, "KSVD weight eta"),
+        ("ece_bins", _positive_int, "equal-width bins of the ECE and reliability diagrams"),
+        ("mc_dropout", _non_negative_float, "dropout rate of the softmax_mc_dropout row"),
+        ("fidelity_sequences", _non_negative_int, "test sequences for the KSVD fidelity (0: none)"),
     )
     for name, kind, text in numbers:
         flag = "--" + name.replace("_", "-")
         compare.add_argument(flag, type=kind, default=None, help=f"{text} (default: {getattr(defaults, name)})")
+    compare.add_argument(
+        "--no-temperature-scaling", action="store_true", help="leave out the temperature-scaled +ts rows"
+    )
     compare.add_argument("--device", type=_device, default="cpu", help="cpu or cuda (default: %(default)s)")
     compare.add_argument(
         "--jobs",
@@ -352,13 +370,19 @@ def _run_compare(args: argparse.Namespace) -> int:
         "seeds",
         "pointer_epochs",
         "digits_epochs",
+        "mnist1d_epochs",
         "eval_samples",
         "ensemble",
         "num_inducing",
         "beta",
         "ksvd_weight",
+        "ece_bins",
+        "mc_dropout",
+        "fidelity_sequences",
     )
     overrides = {name: getattr(args, name) for name in names if getattr(args, name) is not None}
+    if args.no_temperature_scaling:
+        overrides["temperature_scaling"] = False
     overrides.update(device=args.device, progress=not args.no_progress, threads=args.threads, jobs=args.jobs)
     try:
         config = CompareConfig.quick(**overrides) if args.quick else CompareConfig(**overrides)

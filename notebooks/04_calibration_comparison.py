@@ -94,6 +94,7 @@ print(f"notebook size: {SIZE}")
 # %%
 config = CompareConfig(
     attentions=pick(attention_names(), ["kep_svgp", "primal", "softmax"]),
+    tasks=("pointer", "digits"),
     seeds=pick((0, 1), (0,)),
     pointer_epochs=pick(8, 1),
     digits_epochs=pick(40, 1),
