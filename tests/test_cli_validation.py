@@ -133,6 +133,17 @@ def test_good_options_still_reach_the_run(monkeypatch, tmp_path):
             "0",
             "1",
         ],
+        [
+            "compare",
+            "--out",
+            str(tmp_path / "m"),
+            "--attentions",
+            "softmax_mc_dropout",
+            "kep_svgp_paper",
+            "--mc-dropout",
+            "0.2",
+        ],
+        ["compare", "--out", str(tmp_path / "n"), "--tasks", "mnist1d", "--ece-bins", "10", "--no-temperature-scaling"],
     ):
         with pytest.raises(AssertionError, match="a run started"):
             cli.main(argv)
