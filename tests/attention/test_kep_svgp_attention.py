@@ -1,4 +1,4 @@
-"""KEP-SVGP attention against dense references written here (MATH.md sections 3 and 6), float64.
+"""KEP-SVGP attention against dense references written here (docs/math.md sections 3 and 6), float64.
 
 The references use only the layer's parameters: the kernel's W_q, W_k and output scale, the amortised maps (or the
 per-position token weights), the learned singular values (or a numpy SVD in exact mode), the variational means and
@@ -308,7 +308,7 @@ SAMPLING_CASES = [
 
 @pytest.mark.parametrize(("layer_kwargs", "cross"), SAMPLING_CASES)
 def test_joint_sampling_covariance_across_tokens(layer_kwargs: dict, cross: bool):
-    """MATH.md identity 8 on the layer output: empirical covariance across tokens of 20000 joint samples."""
+    """docs/math.md identity 8 on the layer output: empirical covariance across tokens of 20000 joint samples."""
     layer = _layer(**layer_kwargs)
     x = _randn(1, 5, C, seed=42)
     context = _randn(1, 6, C, seed=43) if cross else None

@@ -1,5 +1,5 @@
-"""SGPA attention against a dense, loop-based re-implementation of MATH.md section 5 (float64), plus masks, sampling
-moments and gradients."""
+"""SGPA attention against a dense, loop-based re-implementation of docs/math.md section 5 (float64), plus masks,
+sampling moments and gradients."""
 
 from __future__ import annotations
 

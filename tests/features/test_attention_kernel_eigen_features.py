@@ -1,4 +1,4 @@
-"""Attention kernel-eigen features against dense references written here (MATH.md sections 2 and 6), float64.
+"""Attention kernel-eigen features against dense references written here (docs/math.md sections 2 and 6), float64.
 
 Every reference is computed from the module's parameters alone: the query/key weights and output scale of the
 kernel, the amortised maps, the learned singular values and, for the exact mode, a numpy SVD of the dense kernel.
@@ -209,7 +209,7 @@ def test_residual_diag_is_clamped():
 
 # -- the KSVD objective ----------------------------------------------------------------------------------------------
 def test_objective_vanishes_when_the_maps_reproduce_the_singular_vectors():
-    """MATH.md identity 2 for the amortised parametrisation: with C >= N the maps can be solved for so that
+    """docs/math.md identity 2 for the amortised parametrisation: with C >= N the maps can be solved for so that
     A_e(Z)/M = H_r and A_r(X)/N = H_e (numpy SVD of the dense kernel), Lambda = its singular values; then
     e(X) = H_e Lambda, r(Z) = H_r Lambda and J = 0. Random maps give J != 0."""
     rank, length = 4, 6
@@ -344,7 +344,7 @@ def test_exact_full_rank_reproduces_the_dense_svd(kernel_name: str):
 
 
 def test_exact_truncated_residual_is_the_tail_of_the_spectrum():
-    """MATH.md identity 5: the left residual sums to sum_{i>s} lambda_i^2 (nothing is clamped here)."""
+    """docs/math.md identity 5: the left residual sums to sum_{i>s} lambda_i^2 (nothing is clamped here)."""
     rank = 2
     module = _features(num_inducing=rank, mode="exact", seed=5)
     x = _randn(2, 6, C, seed=23)

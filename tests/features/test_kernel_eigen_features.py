@@ -1,4 +1,4 @@
-"""Kernel-eigen features against dense references (MATH.md identities 1, 3, 5, 9 and the primal mode), float64."""
+"""Kernel-eigen features against dense references (docs/math.md identities 1, 3, 5, 9 and the primal mode), float64."""
 
 from __future__ import annotations
 
@@ -44,7 +44,7 @@ def _exponential_kernel() -> ExponentialDotProductKernel:
 
 
 def _dense(kernel: AsymmetricKernel, x: Tensor, z: Tensor) -> np.ndarray:
-    """kappa(x, z) recomputed from each kernel's definition (MATH.md section 1)."""
+    """kappa(x, z) recomputed from each kernel's definition (docs/math.md section 1)."""
     with torch.no_grad():
         if isinstance(kernel, CosineFeatureKernel):
             lift = kernel.lift
@@ -68,7 +68,8 @@ def _dense(kernel: AsymmetricKernel, x: Tensor, z: Tensor) -> np.ndarray:
 
 
 def _numpy_svd(matrix: np.ndarray, rank: int | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Top-``rank`` SVD, each pair signed so that the largest-|.| entry of the left vector is positive (MATH.md 2)."""
+    """Top-``rank`` SVD, each pair signed so that the largest-|.| entry of the left vector is positive
+    (docs/math.md 2)."""
     left, singular_values, right_h = np.linalg.svd(matrix, full_matrices=False)
     rank = len(singular_values) if rank is None else rank
     left, singular_values, right = left[:, :rank], singular_values[:rank], right_h[:rank].T

@@ -1,4 +1,4 @@
-"""Closed-form tests of the asymmetric kernels (MATH.md section 1), float64."""
+"""Closed-form tests of the asymmetric kernels (docs/math.md section 1), float64."""
 
 from __future__ import annotations
 

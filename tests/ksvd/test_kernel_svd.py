@@ -1,4 +1,5 @@
-"""Kernel SVD and the KSVD objective against numpy and hand-written references (MATH.md identities 1-2), float64."""
+"""Kernel SVD and the KSVD objective against numpy and hand-written references (docs/math.md identities 1-2),
+float64."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
-"""The kernel-eigen strategy and the pair SVGP against dense references (MATH.md section 3, identities 4, 6-8, 10).
+"""The kernel-eigen strategy and the pair SVGP against dense references (docs/math.md section 3, identities 4, 6-8, 10).
 
 Every reference is computed densely in this file: the cosine kernel from its definition, the KSVD by numpy (signed
-by the convention of MATH.md section 2), exact GP posteriors by linear algebra and by GPyTorch's ``ExactGP``, KL
+by the convention of docs/math.md section 2), exact GP posteriors by linear algebra and by GPyTorch's ``ExactGP``, KL
 divergences by ``torch.distributions``.
 """
 
@@ -314,7 +314,7 @@ def _dense_kl(mean: np.ndarray, chol: np.ndarray, singular_values: np.ndarray) -
 
 
 def _closed_form_kl(mean: np.ndarray, chol: np.ndarray, singular_values: np.ndarray) -> float:
-    """MATH.md: 1/2 [Tr(Lambda^-2 S) + m^T Lambda^-2 m - s + sum log lambda^2 - log|S|]."""
+    """docs/math.md: 1/2 [Tr(Lambda^-2 S) + m^T Lambda^-2 m - s + sum log lambda^2 - log|S|]."""
     covar, inverse_prior = chol @ chol.T, 1.0 / singular_values**2
     log_det = 2 * np.log(np.abs(np.diag(chol))).sum()
     return 0.5 * (
