@@ -42,6 +42,17 @@ def all_finite(value: Tensor) -> bool:
     return bool(torch.isfinite(low) & torch.isfinite(high))
 
 
+def non_finite_parameters(*modules: torch.nn.Module) -> list[str]:
+    """The names of the parameters of ``modules`` that hold a NaN or an infinity (:func:`all_finite` each), in
+    ``named_parameters`` order: what a divergence message names."""
+    return [
+        name
+        for module in modules
+        for name, parameter in module.named_parameters()
+        if not all_finite(parameter.detach())
+    ]
+
+
 def _autocast_enabled(device_type: str) -> bool:
     try:
         return torch.is_autocast_enabled(device_type)

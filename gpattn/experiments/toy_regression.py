@@ -17,7 +17,7 @@ from tqdm import trange
 from ..data import RegressionData, make_asymmetric_regression_1d
 from ..kernels import InducedKernel, ShiftedRBFKernel
 from ..models import KernelEigenPairSVGP
-from ..validation import all_finite, check_float, check_int
+from ..validation import check_float, check_int, non_finite_parameters
 from .training import TrainingDivergedError
 
 
@@ -143,12 +143,7 @@ def _guarded_step(fit: str, iteration: int, total: int, lr: float, step, modules
             raise
         detail = f"{type(error).__name__}: {error}".splitlines()[0]
         raise TrainingDivergedError(f"{where}: the step failed ({detail}); {advice}", iteration + 1) from error
-    broken = [
-        name
-        for module in modules
-        for name, parameter in module.named_parameters()
-        if not all_finite(parameter.detach())
-    ]
+    broken = non_finite_parameters(*modules)
     if not math.isfinite(loss) or broken:
         what = f"loss {loss}" if not math.isfinite(loss) else f"non-finite parameters {broken[:5]}"
         raise TrainingDivergedError(f"{where}: {what}; {advice}", iteration + 1)

@@ -35,7 +35,7 @@ from torch import Tensor
 from tqdm import tqdm
 
 from ..mlls import AttentionELBO
-from ..validation import all_finite, check_device, check_float, check_int
+from ..validation import all_finite, check_device, check_float, check_int, non_finite_parameters
 from .checkpoints import (
     RESUMABLE_CHANGES,
     CheckpointError,
@@ -378,9 +378,6 @@ def train_model(
         norms = torch._foreach_norm(parameters, math.inf) if parameters else []
         return not norms or bool(torch.isfinite(torch.stack([norm.float() for norm in norms])).all())
 
-    def broken_parameters() -> list[str]:
-        return [name for name, parameter in model.named_parameters() if not all_finite(parameter)]
-
     max_norm = math.inf if config.grad_clip is None else config.grad_clip
     for epoch in range(start_epoch + 1, config.epochs + 1):
         started = time.perf_counter()
@@ -419,7 +416,7 @@ def train_model(
                 # a step can make a parameter non-finite with a finite loss and gradient (a NaN or Inf in the
                 # optimiser's moments, a huge learning rate): stop here, before the next forward pass sees it
                 if not parameters_finite():
-                    broken = broken_parameters()[:5]
+                    broken = non_finite_parameters(model)[:5]
                     fail(f"non-finite parameters {broken} after the optimiser step at {where}", step + 1)
                 last_lr = scheduler.get_last_lr()[0]  # the rate this step used
                 scheduler.step()
