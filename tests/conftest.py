@@ -9,7 +9,7 @@ from collections.abc import Callable
 import pytest
 import torch
 
-import gpattn.experiments.training as training_module
+import gpattn.training.loop as loop_module
 from gpattn.attention import select_arguments
 from gpattn.mlls import AttentionELBO
 from gpattn.models import Transformer
@@ -50,7 +50,7 @@ def faulty_elbo(monkeypatch):
                 parts = {name: value * math.nan for name, value in parts.items()}
             return parts
 
-    monkeypatch.setattr(training_module, "AttentionELBO", FaultyELBO)
+    monkeypatch.setattr(loop_module, "AttentionELBO", FaultyELBO)
     return FaultyELBO
 
 

@@ -1,6 +1,6 @@
 r"""Data-parallel training over several processes (``torch.distributed``, gloo backend, ``DistributedDataParallel``).
 
-Launch with ``torchrun --standalone --nproc_per_node K -m gpattn.experiments.distributed --out DIR`` (or call
+Launch with ``torchrun --standalone --nproc_per_node K -m gpattn.training.distributed --out DIR`` (or call
 :func:`train_distributed` from a script started by ``torchrun``). Each process (rank :math:`r` of :math:`K`):
 
 * draws the same permutation of the training set every epoch (a local ``torch.Generator`` seeded with
@@ -11,7 +11,7 @@ Launch with ``torchrun --standalone --nproc_per_node K -m gpattn.experiments.dis
 * minimises :class:`~gpattn.mlls.AttentionELBO` with ``num_data = len(train)``; DDP averages the gradients over the
   ranks, i.e. the gradient of the mean cross-entropy over the global batch plus :math:`\beta / n` KL (identical on
   every rank) plus the mean of the ranks' KSVD terms;
-* runs the loop of :func:`~gpattn.experiments.train_model` itself (AdamW, gradient clipping, the warm-up + cosine
+* runs the loop of :func:`~gpattn.training.train_model` itself (AdamW, gradient clipping, the warm-up + cosine
   schedule) through a :class:`DataParallelStrategy`: gradients are all-reduced before clipping, so every rank clips
   identically and the replicas never diverge.
 
@@ -19,7 +19,7 @@ The global torch RNG (reparameterisation noise, dropout) is seeded with ``config
 independent Monte Carlo samples. Rank 0 evaluates on ``val`` after every epoch and keeps the state with the lowest
 validation NLL; a non-finite loss on any rank stops every rank. At the end the ranks check that their replicas still
 agree (parameter checksums, else ``RuntimeError``) and rank 0's best state is broadcast so that every rank holds the
-same parameters, and rank 0 returns the :class:`~gpattn.experiments.TrainResult` (the other ranks ``None``).
+same parameters, and rank 0 returns the :class:`~gpattn.training.TrainResult` (the other ranks ``None``).
 Checkpoints and resumption are not supported (``config.checkpoint_dir`` is ignored with a warning).
 
 DDP notes: the GP attention layers compute their KL divergence and KSVD added loss terms inside ``forward`` and
@@ -39,6 +39,7 @@ import math
 import os
 import socket
 import warnings
+from collections.abc import Iterable
 from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
@@ -48,10 +49,13 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.nn.parallel import DistributedDataParallel
 
-from ..attention import select_arguments
+from ..attention import attention_names, select_arguments
 from ..data import make_pointer_task
 from ..models import Transformer
-from .training import TrainConfig, TrainingStrategy, TrainResult, train_model
+from .callbacks import Callback
+from .config import TrainConfig, TrainResult
+from .loop import train_model
+from .strategy import TrainingStrategy
 
 __all__ = ["DataParallelStrategy", "parameter_checksum", "shard_indices", "train_distributed"]
 
@@ -80,7 +84,7 @@ def parameter_checksum(model: torch.nn.Module) -> float:
 
 
 class DataParallelStrategy(TrainingStrategy):
-    """The :class:`~gpattn.experiments.TrainingStrategy` of data-parallel training over the initialised default
+    """The :class:`~gpattn.training.TrainingStrategy` of data-parallel training over the initialised default
     process group (see the module docstring): DDP-wrapped forward passes, sharded batches, loss sums and stop
     decisions all-reduced over the ranks, and at the end a replica check and rank 0's best state broadcast.
 
@@ -150,7 +154,9 @@ def _init_process_group() -> bool:
     return True
 
 
-def train_distributed(model: torch.nn.Module, train: Any, val: Any, config: TrainConfig) -> TrainResult | None:
+def train_distributed(
+    model: torch.nn.Module, train: Any, val: Any, config: TrainConfig, *, callbacks: Iterable[Callback] = ()
+) -> TrainResult | None:
     """Train ``model`` data-parallel over the processes of a ``torchrun`` launch (see the module's docstring).
 
     Initialises the gloo process group when it is not (from torchrun's environment, or as a single process
@@ -159,10 +165,11 @@ def train_distributed(model: torch.nn.Module, train: Any, val: Any, config: Trai
 
     :param model: Maps ``(inputs, mask=mask)`` to logits and has ``kl_divergence()``
         (e.g. :class:`~gpattn.models.Transformer`).
-    :param train: Training set (as for :func:`~gpattn.experiments.train_model`).
+    :param train: Training set (as for :func:`~gpattn.training.train_model`).
     :param val: Validation set (evaluated on rank 0 only).
     :param config: The settings; ``batch_size`` is per rank, ``checkpoint_dir`` is ignored.
-    :return: The :class:`~gpattn.experiments.TrainResult` on rank 0, ``None`` on the other ranks. Every rank's
+    :param callbacks: :class:`~gpattn.training.Callback` s, told about the run on rank 0.
+    :return: The :class:`~gpattn.training.TrainResult` on rank 0, ``None`` on the other ranks. Every rank's
         model holds the best state (of rank 0's validation) in eval mode.
     :raises NonFiniteLossError: On every rank, when a loss on some rank or the gradient norm is not finite.
     """
@@ -176,7 +183,7 @@ def train_distributed(model: torch.nn.Module, train: Any, val: Any, config: Trai
     owns_group = _init_process_group()
     try:
         strategy = DataParallelStrategy()
-        result = train_model(model, train, val, config, strategy=strategy)
+        result = train_model(model, train, val, config, strategy=strategy, callbacks=callbacks)
         dist.barrier()
         return result if strategy.is_main else None
     finally:
@@ -196,16 +203,14 @@ def _positive_int(text: str) -> int:
 
 
 def main(argv: list[str] | None = None) -> None:
-    """``python -m gpattn.experiments.distributed --attention kep_svgp --epochs 2 --out DIR`` (under ``torchrun``):
+    """``python -m gpattn.training.distributed --attention kep_svgp --epochs 2 --out DIR`` (under ``torchrun``):
     trains a tiny Transformer on a pointer task; rank 0 writes ``DIR/result.json`` and every rank its checksum
     ``DIR/rank<r>.json``."""
-    from ..attention import attention_names
-
     parser = argparse.ArgumentParser(
-        prog="python -m gpattn.experiments.distributed",
+        prog="python -m gpattn.training.distributed",
         description="Data-parallel training (DistributedDataParallel over gloo) of a tiny Transformer on a pointer "
         "task. Start it under torchrun, e.g. torchrun --standalone --nproc_per_node 2 -m "
-        "gpattn.experiments.distributed --out DIR. Rank 0 writes DIR/result.json (history, best epoch, final "
+        "gpattn.training.distributed --out DIR. Rank 0 writes DIR/result.json (history, best epoch, final "
         "validation accuracy) and every rank its parameter checksum DIR/rank<r>.json.",
     )
     positive = _positive_int

@@ -9,7 +9,7 @@ independent ensembles. ``gpattn compare --ensemble K`` uses the same rule.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -17,7 +17,9 @@ from typing import Any
 import torch
 
 from ..validation import check_int
-from .training import TrainConfig, TrainResult, train_model
+from .callbacks import Callback
+from .config import TrainConfig, TrainResult
+from .loop import train_model
 
 __all__ = ["member_seed", "train_ensemble"]
 
@@ -40,10 +42,12 @@ def train_ensemble(
     config: TrainConfig,
     size: int,
     resume: bool = False,
+    *,
+    callbacks: Iterable[Callback] = (),
 ) -> list[tuple[torch.nn.Module, TrainResult]]:
     """Train ``size`` independent members (Deep Ensembles with softmax attention, KEP-SVGP ensembles with
-    ``"kep_svgp"``) with :func:`~gpattn.experiments.train_model`; average their predictions with
-    :func:`~gpattn.experiments.ensemble_probabilities`.
+    ``"kep_svgp"``) with :func:`~gpattn.training.train_model`; average their predictions with
+    :func:`~gpattn.training.ensemble_probabilities`.
 
     Member ``k`` is built by ``make_model(k)`` right after ``torch.manual_seed(member_seed(config.seed, k, size))``
     (so its initialisation is seeded too) and trained with that seed. With a ``checkpoint_dir``, member ``k`` writes
@@ -51,14 +55,16 @@ def train_ensemble(
     itself), and ``resume=True`` resumes every member from there.
 
     :param make_model: Builds member ``k`` (on any device: it is moved to ``config.device``).
-    :param train: Training set (as for :func:`~gpattn.experiments.train_model`).
+    :param train: Training set (as for :func:`~gpattn.training.train_model`).
     :param val: Validation set.
     :param config: The settings of every member (their seeds follow the rule above).
     :param size: Number of members :math:`K`.
     :param resume: Continue interrupted members from their ``last.pt``.
+    :param callbacks: :class:`~gpattn.training.Callback` s told about every member's training, in member order.
     :return: ``[(model, result), ...]`` in member order.
     """
     check_int("size", size)
+    callbacks = list(callbacks)
     members = []
     for k in range(size):
         directory = config.checkpoint_dir
@@ -67,5 +73,5 @@ def train_ensemble(
         member_config = replace(config, seed=member_seed(config.seed, k, size), checkpoint_dir=directory)
         torch.manual_seed(member_config.seed)
         model = make_model(k)
-        members.append((model, train_model(model, train, val, member_config, resume=resume)))
+        members.append((model, train_model(model, train, val, member_config, resume, callbacks=callbacks)))
     return members

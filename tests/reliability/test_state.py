@@ -1,6 +1,6 @@
 """State: a trained Transformer survives ``state_dict`` and whole-model ``torch.save`` round trips with identical
 predictions, and Monte Carlo evaluation is a function of the seed, for every registered attention. (Bitwise resume of
-an interrupted run is tested with the training loop, tests/experiments/test_training.py.)"""
+an interrupted run is tested with the training loop, tests/training/test_loop.py.)"""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Shared fixtures of the experiments tests: a small pointer task, tiny models and short training settings."""
+"""Shared fixtures of the training tests: a small pointer task, tiny models and short training settings."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from gpattn.data import make_pointer_task
-from gpattn.experiments import TrainConfig
 from gpattn.models import Transformer
+from gpattn.training import TrainConfig
 
 VOCAB, LENGTH = 6, 6
 

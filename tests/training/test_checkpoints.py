@@ -14,27 +14,18 @@ import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from gpattn.data import make_pointer_task
-from gpattn.experiments import (
+from gpattn.models import Transformer
+from gpattn.training import (
     CHECKPOINT_KEYS,
     CheckpointError,
     NonFiniteLossError,
     TrainConfig,
-    checkpoints,
     load_checkpoint,
     train_model,
 )
-from gpattn.experiments.checkpoints import (
-    MANIFEST,
-    check_pair,
-    check_state_fits,
-    content_checksum,
-    recover,
-    restore_rng_state,
-    rng_state,
-    save_checkpoint,
-    save_run_checkpoints,
-)
-from gpattn.models import Transformer
+from gpattn.training import checkpoint_files as files
+from gpattn.training.checkpoint_files import MANIFEST, content_checksum, recover, save_checkpoint, save_run_checkpoints
+from gpattn.training.checkpoints import check_pair, check_state_fits, restore_rng_state, rng_state
 
 STEPS_PER_EPOCH = 2  # 96 training sequences, batches of 48
 
@@ -349,7 +340,7 @@ def test_a_kill_at_any_moment_leaves_a_consistent_pair(tmp_path, monkeypatch, nl
     # every file operation of the epoch-2 write (writing a .tmp file, or a rename) is the moment of the kill in turn,
     # a write also half done: afterwards best.pt and last.pt always pair, of epoch 1 before the manifest's commit and
     # of epoch 2 after it
-    write, replace = checkpoints._write_synced, checkpoints.os.replace
+    write, replace = files._write_synced, files.os.replace
     moment = 0
     while True:
         moment += 1
@@ -371,8 +362,8 @@ def test_a_kill_at_any_moment_leaves_a_consistent_pair(tmp_path, monkeypatch, nl
                 raise _Killed
             replace(source, target)
 
-        monkeypatch.setattr(checkpoints, "_write_synced", killing_write)
-        monkeypatch.setattr(checkpoints.os, "replace", killing_replace)
+        monkeypatch.setattr(files, "_write_synced", killing_write)
+        monkeypatch.setattr(files.os, "replace", killing_replace)
         killed = False
         try:
             last = _synthetic(2, nlls)

@@ -1,4 +1,4 @@
-"""Data-parallel training (gpattn.experiments.distributed): two gloo processes under torchrun, and one in-process."""
+"""Data-parallel training (gpattn.training.distributed): two gloo processes under torchrun, and one in-process."""
 
 from __future__ import annotations
 
@@ -14,14 +14,14 @@ import torch
 import torch.distributed as dist
 
 from gpattn.data import make_pointer_task
-from gpattn.experiments import TrainConfig, train_model
-from gpattn.experiments.distributed import (
+from gpattn.models import Transformer
+from gpattn.training import TrainConfig, train_model
+from gpattn.training.distributed import (
     DataParallelStrategy,
     parameter_checksum,
     shard_indices,
     train_distributed,
 )
-from gpattn.models import Transformer
 
 pytestmark = pytest.mark.skipif(
     not (dist.is_available() and dist.is_gloo_available()),
@@ -41,7 +41,7 @@ def _torchrun(attention: str, out) -> subprocess.CompletedProcess:
         "--nproc_per_node",
         "2",
         "-m",
-        "gpattn.experiments.distributed",
+        "gpattn.training.distributed",
         "--attention",
         attention,
         "--epochs",

@@ -5,14 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gpattn.experiments import (
-    ensemble_probabilities,
-    evaluate,
-    member_seed,
-    train_ensemble,
-    train_model,
-)
 from gpattn.models import Transformer
+from gpattn.training import ensemble_probabilities, evaluate, member_seed, train_ensemble, train_model
 
 
 # -- the seed rule ---------------------------------------------------------------------------------------------------

@@ -14,7 +14,9 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from gpattn.attention import attention_names
 from gpattn.data import make_pointer_task
-from gpattn.experiments import (
+from gpattn.metrics import accuracy, negative_log_likelihood
+from gpattn.models import Transformer
+from gpattn.training import (
     CHECKPOINT_KEYS,
     CheckpointError,
     NonFiniteLossError,
@@ -25,8 +27,6 @@ from gpattn.experiments import (
     load_checkpoint,
     train_model,
 )
-from gpattn.metrics import accuracy, negative_log_likelihood
-from gpattn.models import Transformer
 
 
 @pytest.fixture(scope="module")

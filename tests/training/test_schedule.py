@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from gpattn.experiments import warmup_cosine_lr, warmup_cosine_schedule
+from gpattn.training import warmup_cosine_lr, warmup_cosine_schedule
 
 
 def _closed_form(step, total, warmup, peak, floor):

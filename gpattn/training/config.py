@@ -1,0 +1,118 @@
+"""The settings of the training loop (:class:`TrainConfig`) and what it returns (:class:`TrainResult`)."""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ..validation import check_device, check_float, check_int
+
+__all__ = ["DEVICE_TYPES", "TrainConfig", "TrainResult"]
+
+#: The device types the loop runs on.
+DEVICE_TYPES = ("cpu", "cuda")
+
+
+@dataclass
+class TrainConfig:
+    """Settings of :func:`~gpattn.training.train_model` (validated on construction: a bad value raises ``ValueError``).
+
+    :ivar epochs: Epochs to train (in total, counting those of a resumed run).
+    :ivar batch_size: Training minibatch size (the last batch of an epoch may be smaller); per process in
+        data-parallel training.
+    :ivar lr: Peak learning rate of AdamW (reached at the end of the warm-up).
+    :ivar weight_decay: AdamW's decoupled weight decay.
+    :ivar warmup_epochs: Length of the linear warm-up in epochs (may be fractional).
+    :ivar warmup_steps: Length of the warm-up in optimiser steps; overrides ``warmup_epochs`` when set.
+    :ivar min_lr: Learning rate at the end of the cosine decay (``0 <= min_lr <= lr``).
+    :ivar grad_clip: Maximum global gradient norm, or ``None`` for no clipping.
+    :ivar beta: KL weight :math:`\\beta` of :class:`~gpattn.mlls.AttentionELBO`.
+    :ivar kl_anneal_epochs: KL annealing: the weight rises linearly from :math:`\\beta / A` to :math:`\\beta` over the
+        first :math:`A` optimiser steps (``kl_anneal_epochs`` epochs, may be fractional), :math:`\\beta_t = \\beta
+        \\min(1, (t + 1) / A)` at global step :math:`t`; ``0`` (default) for none. SGPA's official recipe anneals its
+        KL from 0 to 1 (docs/guide/papers.md); the validation NLL that selects the model does not depend on it.
+    :ivar eval_samples: Monte Carlo samples :math:`T` of the validation predictions.
+    :ivar eval_batch_size: Batch size of the validation predictions.
+    :ivar seed: Seed of the global torch RNG and of the batch order.
+    :ivar device: ``"cpu"``, ``"cuda"`` or ``"cuda:<index>"`` (available on this machine).
+    :ivar progress: Show a tqdm bar per epoch (only on a terminal).
+    :ivar checkpoint_dir: Directory of ``best.pt`` and ``last.pt`` (created if missing), or ``None`` (in memory).
+    :ivar schedule_epochs: Horizon of the cosine schedule in epochs (default ``epochs``). Set it to the planned total
+        when a run is deliberately split into stages (``epochs=2`` now, ``epochs=4, resume=True`` later), so that
+        the staged run follows the same schedule as an uninterrupted one.
+    """
+
+    epochs: int = 10
+    batch_size: int = 64
+    lr: float = 1e-3
+    weight_decay: float = 0.01
+    warmup_epochs: float = 1.0
+    warmup_steps: int | None = None
+    min_lr: float = 0.0
+    grad_clip: float | None = 1.0
+    beta: float = 1.0
+    kl_anneal_epochs: float = 0.0
+    eval_samples: int = 10
+    eval_batch_size: int = 256
+    seed: int = 0
+    device: str = "cpu"
+    progress: bool = True
+    checkpoint_dir: str | Path | None = None
+    schedule_epochs: int | None = None
+
+    def __post_init__(self) -> None:
+        where = "TrainConfig"
+        for name in ("epochs", "batch_size", "eval_samples", "eval_batch_size"):
+            check_int(name, getattr(self, name), where=where)
+        for name in ("warmup_steps", "schedule_epochs"):
+            if getattr(self, name) is not None:
+                check_int(name, getattr(self, name), minimum=0 if name == "warmup_steps" else 1, where=where)
+        check_int("seed", self.seed, minimum=None, where=where)
+        check_float("lr", self.lr, 0.0, strict_minimum=True, where=where)
+        check_float("min_lr", self.min_lr, 0.0, self.lr, where=where)
+        for name in ("weight_decay", "warmup_epochs", "beta", "kl_anneal_epochs"):
+            check_float(name, getattr(self, name), 0.0, where=where)
+        if self.grad_clip is not None:
+            check_float("grad_clip", self.grad_clip, 0.0, strict_minimum=True, where=where)
+        check_device("device", self.device, where=where, types=DEVICE_TYPES)
+        if not isinstance(self.progress, bool):
+            raise ValueError(f"{where}: expected progress to be a bool, got {self.progress!r}")
+        if self.checkpoint_dir is not None and not isinstance(self.checkpoint_dir, (str, os.PathLike)):
+            raise ValueError(f"{where}: expected checkpoint_dir to be a path or None, got {self.checkpoint_dir!r}")
+
+    @property
+    def horizon_epochs(self) -> int:
+        """Epochs of the cosine schedule: ``schedule_epochs`` or ``epochs``."""
+        return self.epochs if self.schedule_epochs is None else self.schedule_epochs
+
+    def schedule_steps(self, steps_per_epoch: int) -> tuple[int, int]:
+        """``(total_steps, warmup_steps)`` of the schedule for ``steps_per_epoch`` optimiser steps per epoch."""
+        total = self.horizon_epochs * steps_per_epoch
+        warmup = self.warmup_steps if self.warmup_steps is not None else round(self.warmup_epochs * steps_per_epoch)
+        return total, min(warmup, total)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The settings as plain values (``checkpoint_dir`` as a string), as stored in the checkpoints."""
+        values = asdict(self)
+        values["checkpoint_dir"] = None if self.checkpoint_dir is None else str(self.checkpoint_dir)
+        return values
+
+
+@dataclass
+class TrainResult:
+    """What :func:`~gpattn.training.train_model` returns.
+
+    :ivar history: One dict per epoch: ``epoch`` (from 1), the training loss parts averaged over the epoch's
+        sequences ``loss``, ``nll``, ``kl``, ``ksvd`` (weighted as in :class:`~gpattn.mlls.AttentionELBO`), the mean
+        pre-clipping gradient norm ``grad_norm``, ``val_accuracy``, ``val_nll``, the learning rate of the epoch's
+        last step ``lr`` and the wall time ``seconds``.
+    :ivar best_epoch: Epoch of the lowest validation NLL (its state is the model's after training).
+    :ivar best_val_nll: That NLL.
+    """
+
+    history: list[dict[str, float]] = field(default_factory=list)
+    best_epoch: int = 0
+    best_val_nll: float = math.inf

@@ -1,0 +1,64 @@
+"""Monte Carlo predictive probabilities of a model or an ensemble on a data set, and the validation metrics the training
+loop records and selects on.
+
+One set of metric functions (:mod:`gpattn.metrics`) serves everywhere: the validation NLL that the loop selects on
+(:func:`validation_metrics`) is the test NLL that the comparison reports
+(:func:`~gpattn.comparison.evaluation.classification_metrics`), :func:`~gpattn.metrics.negative_log_likelihood` with
+its floor :math:`\\epsilon = 10^{-12}` on the probability of the true class.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from .. import metrics
+from ..models import predict_probabilities
+from ..validation import check_int
+from .batches import batch_to_device, dataset_inputs
+
+__all__ = ["ensemble_probabilities", "evaluate", "validation_metrics"]
+
+
+def evaluate(model: torch.nn.Module, dataset: Any, num_samples: int = 10, batch_size: int = 256) -> Tensor:
+    """Monte Carlo predictive probabilities of ``model`` on a data set, by batches of
+    :func:`~gpattn.models.predict_probabilities` (eval mode, ``num_samples`` samples, no gradients; the global torch RNG
+    drives the samples).
+
+    :param model: Maps ``(inputs, mask=mask)`` to logits.
+    :param dataset: Has ``.tokens`` (and ``.mask``), ``.images`` or ``.inputs``.
+    :param num_samples: :math:`T`.
+    :param batch_size: Sequences per forward pass.
+    :return: Probabilities, shape ``(n, C)``, on the CPU.
+    """
+    check_int("batch_size", batch_size)
+    inputs, mask = dataset_inputs(dataset)
+    parameter = next(model.parameters(), None)
+    device = torch.device("cpu") if parameter is None else parameter.device
+    parts = []
+    for start in range(0, inputs.shape[0], batch_size):
+        index = torch.arange(start, min(start + batch_size, inputs.shape[0]))
+        batch_inputs, batch_mask = batch_to_device(inputs, mask, index, device)
+        parts.append(predict_probabilities(model, batch_inputs, mask=batch_mask, num_samples=num_samples).cpu())
+    return torch.cat(parts)
+
+
+def ensemble_probabilities(
+    models: Sequence[torch.nn.Module], dataset: Any, num_samples: int = 10, batch_size: int = 256
+) -> Tensor:
+    """The ensemble's predictive probabilities: the mean over members of :func:`evaluate` (members in order, each
+    drawing its Monte Carlo samples from the global torch RNG), shape ``(n, C)``."""
+    models = list(models)
+    if not models:
+        raise ValueError("expected at least one model in the ensemble, got none")
+    return torch.stack([evaluate(model, dataset, num_samples, batch_size) for model in models]).mean(dim=0)
+
+
+def validation_metrics(probabilities: Tensor, labels: Tensor) -> tuple[float, float]:
+    """Accuracy and NLL of predictive probabilities ``(n, C)`` against labels ``(n,)``: what the training loop records
+    every epoch and selects on, the reported :func:`~gpattn.metrics.accuracy` and
+    :func:`~gpattn.metrics.negative_log_likelihood`."""
+    return metrics.accuracy(probabilities, labels), metrics.negative_log_likelihood(probabilities, labels)

@@ -1,0 +1,74 @@
+"""The predictions the training loop validates with: Monte Carlo probabilities by batches, the data sets they read,
+and the one NLL used for selection and reporting."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import pytest
+import torch
+
+from gpattn import metrics
+from gpattn.comparison import load_task
+from gpattn.data import ImageDataset, make_pointer_task
+from gpattn.models import Transformer, predict_probabilities
+from gpattn.training import dataset_inputs, dataset_labels, ensemble_probabilities, evaluate, validation_metrics
+
+
+@pytest.fixture(scope="module")
+def digits() -> ImageDataset:
+    return load_task("digits").test
+
+
+def _digits_model(seed: int = 0) -> Transformer:
+    torch.manual_seed(seed)
+    return Transformer(8, embed_dim=16, depth=1, num_heads=2, attention="softmax", input="patches", image_size=8,
+                       patch_size=2, in_channels=1).eval()  # fmt: skip
+
+
+# -- the NLL of selection and reports --------------------------------------------------------------------------------
+def test_validation_metrics_are_the_reported_accuracy_and_floored_nll():
+    probabilities = torch.tensor(
+        [[0.7, 0.3, 0.0], [0.2, 0.5, 0.3], [1.0, 0.0, 0.0], [0.1, 0.1, 0.8]], dtype=torch.float64
+    )
+    labels = torch.tensor([0, 2, 1, 2])  # the third input gives its true class probability 0
+    accuracy, nll = validation_metrics(probabilities, labels)
+    picked = np.array([0.7, 0.3, 0.0, 0.8], dtype=np.float64)
+    assert nll == pytest.approx(-np.log(np.maximum(picked, 1e-12)).mean(), rel=1e-12)  # -log(1e-12) for the zero
+    assert accuracy == 0.5
+    assert (accuracy, nll) == (
+        metrics.accuracy(probabilities, labels),
+        metrics.negative_log_likelihood(probabilities, labels),
+    )
+
+
+# -- predictions -----------------------------------------------------------------------------------------------------
+def test_evaluate_by_batches_equals_one_pass(digits):
+    model = _digits_model()
+    whole = predict_probabilities(model, digits.images, num_samples=3)
+    torch.testing.assert_close(evaluate(model, digits, num_samples=3, batch_size=50), whole, rtol=1e-6, atol=1e-7)
+    assert evaluate(model, digits, num_samples=3).shape == (len(digits), 8)
+
+
+def test_token_data_sets_carry_their_mask():
+    data = make_pointer_task(8, 4, 4, length=6, seed=0, vocab_size=6, min_length=3)
+    inputs, mask = dataset_inputs(data.train)
+    assert inputs is data.train.tokens and mask is data.train.mask
+    assert dataset_labels(data.train) is data.train.labels
+
+
+def test_data_sets_of_the_wrong_kind_are_refused():
+    @dataclass
+    class Inputs:
+        inputs: torch.Tensor
+        labels: object
+
+    with pytest.raises(TypeError, match=r"\.tokens, \.images or \.inputs"):
+        dataset_inputs(object())
+    with pytest.raises(TypeError, match="integer class labels"):
+        dataset_labels(Inputs(torch.zeros(3, 2), torch.zeros(3)))
+    with pytest.raises(ValueError, match="2 labels for 3 inputs"):
+        dataset_labels(Inputs(torch.zeros(3, 2), torch.zeros(2, dtype=torch.long)))
+    with pytest.raises(ValueError, match="at least one model"):
+        ensemble_probabilities([], Inputs(torch.zeros(3, 2), None))
