@@ -91,20 +91,6 @@ def attention_arguments(name: str) -> list[str]:
     return _arguments(_layer_class(name))
 
 
-def kl_anneal_fraction(name: str) -> float:
-    """The training recipe of the layer registered as ``name`` for its KL term: the fraction of a run over which the
-    KL weight rises linearly from 0 (:attr:`~gpattn.attention.AttentionLayer.kl_anneal_fraction`; 0 for none).
-
-    Example:
-        >>> kl_anneal_fraction("sgpa"), kl_anneal_fraction("kep_svgp")
-        (0.5, 0.0)
-
-    :param name: One of :func:`attention_names`.
-    :return: A fraction in ``[0, 1]``.
-    """
-    return float(_layer_class(name).kl_anneal_fraction)
-
-
 def select_arguments(name: str, **settings: Any) -> dict[str, Any]:
     """The shared ``settings`` that the layer registered as ``name`` takes: how a runner passes one setting (e.g.
     ``num_inducing`` or ``ksvd_weight``) to every attention that has it. A setting the layer does not take is left

@@ -11,8 +11,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gpattn.attention import attention_arguments, attention_names, kl_anneal_fraction
+from gpattn.attention import attention_arguments, attention_names
 from gpattn.data import make_pointer_task
+from gpattn.methods import get_method
 from gpattn.mlls import AttentionELBO
 from gpattn.models import Transformer, predict_probabilities
 
@@ -29,7 +30,7 @@ def _train_and_test(name: str, data) -> float:
     loss_fn = AttentionELBO(model, num_data=len(data.train))
     optimizer = torch.optim.Adam(model.parameters(), lr=LEARNING_RATE)
     batches = torch.Generator().manual_seed(0)
-    anneal_steps = kl_anneal_fraction(name) * STEPS  # each layer's own recipe (SGPA anneals its KL)
+    anneal_steps = get_method(name).recipe.kl_anneal_fraction * STEPS  # each row's own recipe (SGPA anneals its KL)
     model.train()
     for step in range(STEPS):
         if anneal_steps:

@@ -1,0 +1,84 @@
+"""The numbers one run of a comparison row reads (:class:`Hyperparameters`)."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+from ..validation import check_float, check_int
+
+__all__ = ["Hyperparameters"]
+
+
+@dataclass(frozen=True)
+class Hyperparameters:
+    r"""The hyperparameters of one run of a row on a task: every number the run's model and training read.
+
+    ``gpattn compare`` takes them from its settings, the same for every row
+    (:meth:`~gpattn.comparison.CompareConfig.hyperparameters`); a configuration tuned per (task, row) is a mapping of
+    some of these names to values, applied with :meth:`updated`, so that the run reads it as data.
+
+    :ivar epochs: Training epochs.
+    :ivar lr: Peak AdamW learning rate.
+    :ivar weight_decay: AdamW's decoupled weight decay.
+    :ivar batch_size: Minibatch size.
+    :ivar embed_dim: Transformer width.
+    :ivar depth: Encoder blocks.
+    :ivar num_heads: Heads per block.
+    :ivar gp_layers: Blocks (the last ones) using the row's attention.
+    :ivar num_inducing: Inducing set size of the layers that have one (KSVD rank :math:`s`, SGPA's global keys, the
+        SVGP's inducing points); ``None``: each layer's own default.
+    :ivar beta: KL weight :math:`\beta`.
+    :ivar ksvd_weight: :math:`\eta` of the KSVD penalty :math:`\eta J^2` of the KSVD layers.
+    :ivar dropout: Dropout rate of the model (on the embeddings, every attention output and the MLPs); the MC-dropout
+        rows train and predict with it.
+
+    Example:
+        >>> base = Hyperparameters(epochs=20, lr=3e-3, weight_decay=0.01, batch_size=64, embed_dim=32, depth=2,
+        ...                        num_heads=2, gp_layers=1, num_inducing=None, beta=1.0, ksvd_weight=1.0, dropout=0.0)
+        >>> base.updated({"lr": 1e-3, "beta": 0.1}).lr
+        0.001
+    """
+
+    epochs: int
+    lr: float
+    weight_decay: float
+    batch_size: int
+    embed_dim: int
+    depth: int
+    num_heads: int
+    gp_layers: int
+    num_inducing: int | None
+    beta: float
+    ksvd_weight: float
+    dropout: float
+
+    def __post_init__(self) -> None:
+        where = "Hyperparameters"
+        for name in ("epochs", "batch_size", "embed_dim", "depth", "num_heads"):
+            check_int(name, getattr(self, name), where=where)
+        check_int("gp_layers", self.gp_layers, 0, self.depth, where=where)
+        if self.num_inducing is not None:
+            check_int("num_inducing", self.num_inducing, where=where)
+        if self.embed_dim % self.num_heads:
+            raise ValueError(f"{where}: embed_dim ({self.embed_dim}) must be divisible by num_heads ({self.num_heads})")
+        check_float("lr", self.lr, 0.0, strict_minimum=True, where=where)
+        for name in ("weight_decay", "beta", "ksvd_weight"):
+            check_float(name, getattr(self, name), 0.0, where=where)
+        check_float("dropout", self.dropout, 0.0, 1.0, strict_maximum=True, where=where)
+
+    def updated(self, values: dict[str, Any]) -> Hyperparameters:
+        """These hyperparameters with ``values`` (name -> value, e.g. a tuned configuration) replacing some.
+
+        :raises ValueError: A name that is not a hyperparameter, or a value out of its range.
+        """
+        names = [entry.name for entry in dataclasses.fields(self)]
+        unknown = sorted(set(values) - set(names))
+        if unknown:
+            raise ValueError(f"Hyperparameters: unknown names {unknown}; expected some of {names}")
+        return dataclasses.replace(self, **values)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The values by name (plain numbers, as a tuned configuration file holds them)."""
+        return dataclasses.asdict(self)
