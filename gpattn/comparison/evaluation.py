@@ -1,10 +1,11 @@
-"""Evaluation: Monte Carlo predictive probabilities of a model or an ensemble, and the metrics computed from them;
-the post-hoc temperature-scaled variant of every run, and the KSVD fidelity of its KSVD layers.
+"""Evaluation of the comparison's runs: the Monte Carlo logits of a model or an ensemble on every set of a task, the
+metrics computed from them, the post-hoc temperature-scaled variant of every run, and the KSVD fidelity of its KSVD
+layers.
 
 One set of metric functions (:mod:`gpattn.metrics`) serves everywhere: the validation NLL that the training loop
-selects on (:func:`validation_metrics`) is the test NLL that the comparison reports (:func:`classification_metrics`),
-:func:`~gpattn.metrics.negative_log_likelihood` with its floor :math:`\\epsilon = 10^{-12}` on the probability of the
-true class.
+selects on (:func:`~gpattn.training.validation_metrics`) is the test NLL that the comparison reports
+(:func:`classification_metrics`), :func:`~gpattn.metrics.negative_log_likelihood` with its floor
+:math:`\\epsilon = 10^{-12}` on the probability of the true class.
 """
 
 from __future__ import annotations
@@ -20,7 +21,8 @@ from torch import Tensor
 from .. import metrics
 from ..features.attention_kernel_eigen_features import AttentionKernelEigenFeatures
 from ..features.ksvd_fidelity import ksvd_fidelity
-from ..models import fit_temperature, monte_carlo_logits, predict_probabilities
+from ..models import fit_temperature, monte_carlo_logits
+from ..training import batch_to_device, dataset_inputs, dataset_labels, validation_metrics
 from ..validation import check_int
 from .records import (
     ClassificationMetrics,
@@ -35,110 +37,18 @@ from .tasks import TaskData
 __all__ = [
     "DEFAULT_ECE_BINS",
     "Evaluation",
-    "batch_to_device",
     "classification_metrics",
-    "dataset_inputs",
-    "dataset_labels",
     "ensemble_logits",
-    "ensemble_probabilities",
-    "evaluate",
     "evaluate_models",
     "evaluate_run",
     "model_fidelity",
-    "validation_metrics",
 ]
 
 #: Bins of the reported ECE/MCE and reliability diagrams (15, as the KEP-SVGP paper).
 DEFAULT_ECE_BINS = 15
 
 
-# -- data sets -------------------------------------------------------------------------------------------------------
-def dataset_inputs(dataset: Any) -> tuple[Tensor, Tensor | None]:
-    """``(inputs, mask or None)`` of a data set: ``.tokens`` and ``.mask`` (:class:`~gpattn.data.SequenceDataset`),
-    ``.images`` (:class:`~gpattn.data.ImageDataset`, no mask) or a generic ``.inputs`` (and ``.mask`` if present).
-
-    :param dataset: The data set.
-    :return: The inputs, shape ``(n, ...)``, and the boolean mask ``(n, N)`` or ``None``.
-    :raises TypeError: For an object without such a tensor attribute.
-    """
-    for name in ("tokens", "images", "inputs"):
-        inputs = getattr(dataset, name, None)
-        if isinstance(inputs, Tensor):
-            return inputs, None if name == "images" else getattr(dataset, "mask", None)
-    raise TypeError(
-        f"expected a data set with a tensor attribute .tokens, .images or .inputs (and .labels), "
-        f"got {type(dataset).__name__}"
-    )
-
-
-def dataset_labels(dataset: Any) -> Tensor:
-    """The integer class labels ``.labels`` of a data set, shape ``(n,)``, checked against its inputs.
-
-    :raises TypeError: Labels missing or not an integer vector.
-    :raises ValueError: An empty data set, or as many labels as inputs.
-    """
-    labels = getattr(dataset, "labels", None)
-    inputs, _ = dataset_inputs(dataset)
-    if not isinstance(labels, Tensor) or labels.dim() != 1 or labels.is_floating_point():
-        raise TypeError(f"expected integer class labels .labels of shape (n,), got {type(labels).__name__}")
-    if labels.shape[0] != inputs.shape[0] or labels.shape[0] == 0:
-        raise ValueError(
-            f"expected a non-empty data set with as many labels as inputs, got {labels.shape[0]} labels for "
-            f"{inputs.shape[0]} inputs"
-        )
-    return labels
-
-
-def batch_to_device(
-    inputs: Tensor, mask: Tensor | None, index: Tensor, device: torch.device
-) -> tuple[Tensor, Tensor | None]:
-    """Rows ``index`` of ``inputs`` ``(n, ...)`` and of ``mask`` ``(n, N)`` (or ``None``), moved to ``device``."""
-    return inputs[index].to(device), None if mask is None else mask[index].to(device)
-
-
-# -- predictions -----------------------------------------------------------------------------------------------------
-def evaluate(model: torch.nn.Module, dataset: Any, num_samples: int = 10, batch_size: int = 256) -> Tensor:
-    """Monte Carlo predictive probabilities of ``model`` on a data set, by batches of
-    :func:`~gpattn.models.predict_probabilities` (eval mode, ``num_samples`` samples, no gradients; the global torch RNG
-    drives the samples).
-
-    :param model: Maps ``(inputs, mask=mask)`` to logits.
-    :param dataset: Has ``.tokens`` (and ``.mask``), ``.images`` or ``.inputs``.
-    :param num_samples: :math:`T`.
-    :param batch_size: Sequences per forward pass.
-    :return: Probabilities, shape ``(n, C)``, on the CPU.
-    """
-    check_int("batch_size", batch_size)
-    inputs, mask = dataset_inputs(dataset)
-    parameter = next(model.parameters(), None)
-    device = torch.device("cpu") if parameter is None else parameter.device
-    parts = []
-    for start in range(0, inputs.shape[0], batch_size):
-        index = torch.arange(start, min(start + batch_size, inputs.shape[0]))
-        batch_inputs, batch_mask = batch_to_device(inputs, mask, index, device)
-        parts.append(predict_probabilities(model, batch_inputs, mask=batch_mask, num_samples=num_samples).cpu())
-    return torch.cat(parts)
-
-
-def ensemble_probabilities(
-    models: Sequence[torch.nn.Module], dataset: Any, num_samples: int = 10, batch_size: int = 256
-) -> Tensor:
-    """The ensemble's predictive probabilities: the mean over members of :func:`evaluate` (members in order, each
-    drawing its Monte Carlo samples from the global torch RNG), shape ``(n, C)``."""
-    models = list(models)
-    if not models:
-        raise ValueError("expected at least one model in the ensemble, got none")
-    return torch.stack([evaluate(model, dataset, num_samples, batch_size) for model in models]).mean(dim=0)
-
-
 # -- metrics ---------------------------------------------------------------------------------------------------------
-def validation_metrics(probabilities: Tensor, labels: Tensor) -> tuple[float, float]:
-    """Accuracy and NLL of predictive probabilities ``(n, C)`` against labels ``(n,)``: what the training loop records
-    every epoch and selects on, the reported :func:`~gpattn.metrics.accuracy` and
-    :func:`~gpattn.metrics.negative_log_likelihood`."""
-    return metrics.accuracy(probabilities, labels), metrics.negative_log_likelihood(probabilities, labels)
-
-
 def classification_metrics(
     probabilities: Tensor, labels: Tensor, num_bins: int = DEFAULT_ECE_BINS
 ) -> ClassificationMetrics:
@@ -190,7 +100,7 @@ def ensemble_logits(
 ) -> Tensor:
     r"""Monte Carlo logits of every member on a data set, :func:`~gpattn.models.monte_carlo_logits` by batches (members
     in order, each drawing from the global torch RNG; the same draws, in the same order, as
-    :func:`ensemble_probabilities`).
+    :func:`~gpattn.training.ensemble_probabilities`).
 
     :param models: The members (one for a single model), all with the same number of samples per input.
     :param dataset: Has ``.tokens`` (and ``.mask``), ``.images`` or ``.inputs``.
@@ -327,14 +237,14 @@ def evaluate_run(
     num_bins: int = DEFAULT_ECE_BINS,
 ) -> tuple[RunMetrics, ReliabilityBins, dict[str, list[float]]]:
     """Metrics and figure data of one trained model, or of an ensemble (a list of members: their predictive
-    probabilities are averaged, :func:`ensemble_probabilities`), on a task's test, shifted and OOD sets
+    probabilities are averaged, :func:`~gpattn.training.ensemble_probabilities`), on a task's test, shifted and OOD sets
     (:func:`evaluate_models` without the temperature-scaled variant).
 
     :param models: The model or the members.
     :param data: The task.
     :param num_samples: Monte Carlo samples :math:`T` per prediction.
     :param num_bins: Bins of the calibration errors and the reliability diagram.
-    :return: The :class:`~gpattn.experiments.RunMetrics`, the test set's reliability bins and the OOD scores (the
+    :return: The :class:`~gpattn.comparison.RunMetrics`, the test set's reliability bins and the OOD scores (the
         maximum probability of every test (``"in"``) and OOD input; ``{}`` for a task without OOD sets).
     """
     evaluation = evaluate_models(models, data, num_samples, num_bins=num_bins, temperature_scaling=False)

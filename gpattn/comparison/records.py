@@ -1,6 +1,6 @@
 """The typed result of one comparison run (:class:`RunRecord`), what ``results.json`` holds and the figures read.
 
-A record is built by :func:`~gpattn.experiments.train_and_evaluate`, written with :meth:`RunRecord.to_dict` (plain
+A record is built by :func:`~gpattn.comparison.train_and_evaluate`, written with :meth:`RunRecord.to_dict` (plain
 JSON: the layout below) and read back with :meth:`RunRecord.from_dict` or :func:`read_records`, which check it once
 (types, required entries) so that no reader has to::
 
@@ -173,7 +173,7 @@ class TrainingSummary:
 @dataclass(frozen=True)
 class TemperatureScaled:
     """The ``+ts`` variant of a run: the same trained model with its logits divided by a temperature fitted by NLL on
-    the validation split (:func:`~gpattn.experiments.evaluate_models`).
+    the validation split (:func:`~gpattn.comparison.evaluate_models`).
 
     :ivar temperature: The fitted :math:`\\hat\\tau`.
     :ivar metrics: Test, shift and OOD metrics of the scaled predictions.
@@ -281,7 +281,7 @@ class RunRecord:
 
 
 def read_records(path: str | os.PathLike) -> list[RunRecord]:
-    """The records of a ``results.json`` written by :func:`~gpattn.experiments.write_outputs` (or ``gpattn
+    """The records of a ``results.json`` written by :func:`~gpattn.comparison.write_outputs` (or ``gpattn
     compare``), e.g. to redraw its figures with :func:`~gpattn.plotting.write_comparison_figures`.
 
     :param path: The ``results.json`` file.

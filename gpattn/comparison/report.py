@@ -6,18 +6,17 @@ from __future__ import annotations
 
 import csv
 import io
+import math
 import statistics
 from dataclasses import asdict
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from .config import CompareConfig
 from .evaluation import DEFAULT_ECE_BINS
 from .records import RunRecord, write_json_atomically, write_text_atomically
 from .statistics import paired_difference
 from .tasks import PUBLISHED_ACCURACIES
-
-if TYPE_CHECKING:
-    from .compare import CompareConfig
 
 __all__ = [
     "FIDELITY_COLUMNS",
@@ -142,7 +141,7 @@ def _mean_std(values: list[float], percent: bool) -> str:
 
 def format_difference(reference: dict[int, float], other: dict[int, float], percent: bool) -> str:
     """``"+d [low, high] *"``: the paired difference ``reference - other`` over the seeds both have, with its 95 %
-    paired-t interval (:func:`~gpattn.experiments.paired_difference`); ``*`` when the interval excludes 0.
+    paired-t interval (:func:`~gpattn.comparison.paired_difference`); ``*`` when the interval excludes 0.
     Fewer than :data:`MIN_SEEDS_FOR_INTERVALS` paired seeds: the mean difference and ``(n = k < 5, no interval)``."""
     scale = 100.0 if percent else 1.0
     paired = [seed for seed in reference if seed in other]
@@ -195,7 +194,7 @@ def paired_table(records: list[RunRecord], reference: str = REFERENCE_ROW) -> st
 
 
 def published_table(tasks: list[str]) -> str:
-    """The published reference accuracies (:data:`~gpattn.experiments.tasks.PUBLISHED_ACCURACIES`) of the tasks that
+    """The published reference accuracies (:data:`~gpattn.comparison.tasks.PUBLISHED_ACCURACIES`) of the tasks that
     have them, as a markdown table; ``""`` for none."""
     lines = []
     for task in tasks:
@@ -285,15 +284,13 @@ def table_text(records: list[RunRecord], config: CompareConfig) -> str:
 
 
 def write_outputs(records: list[RunRecord], config: CompareConfig, out: str | Path) -> list[Path]:
-    """Write ``results.json`` (config + records, :meth:`~gpattn.experiments.RunRecord.to_dict`; strict JSON: an
+    """Write ``results.json`` (config + records, :meth:`~gpattn.comparison.RunRecord.to_dict`; strict JSON: an
     undefined metric is ``null`` with its reason), ``results.csv`` (:func:`flat_rows`) and ``table.md``
     (:func:`table_text`) into ``out`` (created if missing), each through a temporary file and an atomic rename. The
     figures are :func:`gpattn.plotting.write_comparison_figures`'s (``gpattn compare`` writes both).
 
     :return: The three paths.
     """
-    import math
-
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     written = [out / "results.json", out / "results.csv", out / "table.md"]

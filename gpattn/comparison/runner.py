@@ -1,6 +1,6 @@
 """Scheduling of the comparison's runs: threads, parallel processes, progress lines, incremental records and resume.
 
-:func:`~gpattn.experiments.run_comparison` hands its ``(task, attention, seed)`` runs to :func:`execute_runs`, which
+:func:`~gpattn.comparison.run_comparison` hands its ``(task, attention, seed)`` runs to :func:`execute_runs`, which
 
 * runs them one after the other in this process (``config.jobs == 1``) or in ``config.jobs`` worker processes
   (``spawn`` start method), each with ``torch.set_num_threads(config.threads)``. A run's numbers depend on its
@@ -29,18 +29,15 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import asdict
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from tqdm import tqdm
 
-from . import compare
+from . import runs as run_module
+from .config import CompareConfig
 from .records import RunRecord, write_json_atomically
-from .tasks import load_task
-
-if TYPE_CHECKING:
-    from .compare import CompareConfig
-    from .tasks import TaskData
+from .tasks import TaskData, load_task
 
 __all__ = [
     "RESULT_INDEPENDENT_FIELDS",
@@ -106,7 +103,7 @@ def _run_one(config: CompareConfig, task: str, attention: str, seed: int) -> tup
         _DATA[task] = load_task(task)
     start = time.perf_counter()
     # looked up at call time: the function may be replaced (tests)
-    record = compare.train_and_evaluate(config, task, attention, seed, data=_DATA[task])
+    record = run_module.train_and_evaluate(config, task, attention, seed, data=_DATA[task])
     return record, time.perf_counter() - start
 
 
@@ -241,15 +238,15 @@ def _run_in_parallel(config: CompareConfig, pending: list[tuple[str, str, int]],
 
 
 def run_comparison(config: CompareConfig, out: str | Path | None = None, resume: bool = False) -> list[RunRecord]:
-    """Train and evaluate every (task, attention, seed) and return one :class:`~gpattn.experiments.RunRecord` per
-    run, in that nesting order (all numbers are fractions, not percent). ``config.jobs`` runs go at once in worker
-    processes with ``config.threads`` torch threads each (:func:`execute_runs`).
+    """Train and evaluate every (task, row, seed) and return one :class:`~gpattn.comparison.RunRecord` per run, in
+    that nesting order (all numbers are fractions, not percent): the runs of
+    :func:`~gpattn.comparison.plan_runs` (which first checks every layer's arguments), ``config.jobs`` at once in
+    worker processes with ``config.threads`` torch threads each (:func:`execute_runs`).
 
     :param out: Run folder: each finished run's record is written at once to
         ``out/runs/<task>-<attention>-<seed>.json``.
     :param resume: Read the runs already finished in ``out/runs`` (made with the same settings) instead of training
         them again.
-    :raises ~gpattn.experiments.runner.RunsInterrupted: On Ctrl-C (the finished runs are kept in ``out/runs``).
+    :raises ~gpattn.comparison.runner.RunsInterrupted: On Ctrl-C (the finished runs are kept in ``out/runs``).
     """
-    runs = [(task, name, seed) for task in config.tasks for name in config.attentions for seed in config.seeds]
-    return execute_runs(config, runs, out=out, resume=resume)
+    return execute_runs(config, run_module.plan_runs(config), out=out, resume=resume)

@@ -17,8 +17,8 @@ from tqdm import trange
 from ..data import RegressionData, make_asymmetric_regression_1d
 from ..kernels import InducedKernel, ShiftedRBFKernel
 from ..models import KernelEigenPairSVGP
+from ..training import TrainingDivergedError
 from ..validation import check_float, check_int, non_finite_parameters
-from .training import TrainingDivergedError
 
 
 @dataclass
@@ -130,7 +130,7 @@ def _progress(iterations: int, description: str, progress: bool):
 
 def _guarded_step(fit: str, iteration: int, total: int, lr: float, step, modules, option: str = "lr") -> float:
     """Run one optimisation ``step()`` (returning the loss) of the fit ``fit`` and raise
-    :class:`~gpattn.experiments.TrainingDivergedError` when the fit diverges at it: the loss or a parameter afterwards
+    :class:`~gpattn.training.TrainingDivergedError` when the fit diverges at it: the loss or a parameter afterwards
     is NaN or infinite, or (after the first iteration, from finite parameters) the step fails on a non-finite or
     non-positive-definite matrix. A failure of the first iteration is not divergence and propagates unchanged.
     Cost: one pass over the (few) parameters per iteration."""

@@ -98,7 +98,7 @@ class AttentionELBO(torch.nn.Module):
     :param beta: KL weight :math:`\beta \geq 0`.
     :param combine_terms: Return the scalar loss (``True``) or a dict of its parts.
     :param check_finite: Refuse NaN or infinite logits with a ``ValueError`` (default). A training loop that checks the
-        loss itself, to restore its last good state and report the step (as :func:`~gpattn.experiments.train_model`
+        loss itself, to restore its last good state and report the step (as :func:`~gpattn.training.train_model`
         does), passes ``False`` and gets the non-finite parts.
 
     .. note:: Cost: O(T B C) for the cross-entropy plus the model's KL (O(s) to O(s^2 d_out) per KEP head).

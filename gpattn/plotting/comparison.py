@@ -1,8 +1,8 @@
 """Figures of the attention comparison: reliability diagrams (with counts per bin), shift curves, OOD histograms
 and KSVD spectra.
 
-Every function takes the runner's list of :class:`~gpattn.experiments.RunRecord` s, one per ``(task, attention,
-seed)`` (:func:`~gpattn.experiments.run_comparison`, or :func:`~gpattn.experiments.read_records` of a
+Every function takes the runner's list of :class:`~gpattn.comparison.RunRecord` s, one per ``(task, attention,
+seed)`` (:func:`~gpattn.comparison.run_comparison`, or :func:`~gpattn.comparison.read_records` of a
 ``results.json``). A record lacking the data of a figure (no shift, no OOD scores, no spectra, ...) is skipped by that
 figure. Seeds are pooled (reliability bins, OOD scores) or averaged (metrics, spectra). Attentions appear in registry
 order (:func:`~gpattn.attention.attention_names`), and each keeps its colour across all figures.
@@ -23,11 +23,11 @@ import numpy as np
 from matplotlib.figure import Figure
 
 from ..attention import attention_names
-from ..experiments.records import RunRecord, ShiftMetrics
+from ..comparison.records import RunRecord, ShiftMetrics
 from ..validation import InputTypeError, check_choice
 from .fidelity import write_fidelity_figure
 
-#: The metrics a shift curve can show (those of :class:`~gpattn.experiments.ShiftMetrics`).
+#: The metrics a shift curve can show (those of :class:`~gpattn.comparison.ShiftMetrics`).
 SHIFT_METRICS = tuple(entry.name for entry in dataclasses.fields(ShiftMetrics))
 OOD_SETS = {"in": "in-distribution (test)", "held_out": "held-out classes", "noise": "noise"}
 DPI = 110
@@ -51,7 +51,7 @@ def _validate(records) -> list[RunRecord]:
         if not isinstance(record, RunRecord):
             raise InputTypeError(
                 f"record {index} is a {type(record).__name__}, expected a RunRecord (read the dicts of a "
-                f"results.json with gpattn.experiments.read_records or RunRecord.from_dict)"
+                f"results.json with gpattn.comparison.read_records or RunRecord.from_dict)"
             )
     return list(records)
 

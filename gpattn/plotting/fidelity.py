@@ -1,7 +1,7 @@
 """The KSVD-fidelity figure of a comparison: does a trained KEP-SVGP / Primal-Attention layer perform a KSVD of its
 attention kernel on test sequences?
 
-It reads :attr:`~gpattn.experiments.RunRecord.fidelity` (written by :func:`~gpattn.experiments.model_fidelity`, the
+It reads :attr:`~gpattn.comparison.RunRecord.fidelity` (written by :func:`~gpattn.comparison.model_fidelity`, the
 mean over test sequences of :func:`~gpattn.features.ksvd_fidelity` per layer and head) and draws one panel per
 quantity, one column of points per (task, attention): every seed, layer and head a point, the mean over them a bar.
 At an exact KSVD the relative objective, the largest principal angle and the singular-value error are 0 and the
@@ -18,7 +18,7 @@ import matplotlib.pyplot as plt
 import numpy as np
 from matplotlib.figure import Figure
 
-from ..experiments.records import RunRecord
+from ..comparison.records import RunRecord
 from ..validation import InputTypeError
 
 __all__ = ["FIDELITY_PANELS", "fidelity_values", "plot_fidelity", "write_fidelity_figure"]
@@ -47,7 +47,7 @@ def _checked(records: Sequence[RunRecord]) -> list[RunRecord]:
 def fidelity_values(records: Sequence[RunRecord]) -> dict[tuple[str, str], dict[str, list[float]]]:
     """The fidelity values of the records that have them, pooled over seeds, layers and heads.
 
-    :param records: Comparison records (:func:`~gpattn.experiments.read_records` of a ``results.json``).
+    :param records: Comparison records (:func:`~gpattn.comparison.read_records` of a ``results.json``).
     :return: ``(task, attention)`` -> quantity -> values, in record order; ``{}`` when no record has fidelity.
     """
     groups: dict[tuple[str, str], dict[str, list[float]]] = {}

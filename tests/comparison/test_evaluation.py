@@ -1,10 +1,10 @@
-"""Evaluation: Monte Carlo predictions by batches, the metrics of a run, and the one NLL used for selection and
-reporting."""
+"""Evaluation of the comparison's runs: the metrics of a prediction and of a run, temperature scaling, MC dropout,
+ensembles and the KSVD fidelity (the predictions by batches and the validation NLL: tests/training/test_predictions.py).
+"""
 
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
 
 import numpy as np
 import pytest
@@ -12,20 +12,17 @@ import torch
 from sklearn.metrics import average_precision_score, roc_auc_score
 
 from gpattn import metrics
-from gpattn.data import make_pointer_task
-from gpattn.experiments import TaskData, TrainConfig, ensemble_probabilities, evaluate, load_task, train_model
-from gpattn.experiments.evaluation import (
+from gpattn.comparison import TaskData, load_task
+from gpattn.comparison.evaluation import (
     classification_metrics,
-    dataset_inputs,
-    dataset_labels,
     ensemble_logits,
     evaluate_models,
     evaluate_run,
     model_fidelity,
-    validation_metrics,
 )
 from gpattn.features import ksvd_fidelity
-from gpattn.models import Transformer, predict_probabilities
+from gpattn.models import Transformer
+from gpattn.training import TrainConfig, ensemble_probabilities, train_model
 
 
 @pytest.fixture(scope="module")
@@ -39,22 +36,7 @@ def _digits_model(seed: int = 0) -> Transformer:
                        patch_size=2, in_channels=1).eval()  # fmt: skip
 
 
-# -- the NLL of selection and reports --------------------------------------------------------------------------------
-def test_validation_metrics_are_the_reported_accuracy_and_floored_nll():
-    probabilities = torch.tensor(
-        [[0.7, 0.3, 0.0], [0.2, 0.5, 0.3], [1.0, 0.0, 0.0], [0.1, 0.1, 0.8]], dtype=torch.float64
-    )
-    labels = torch.tensor([0, 2, 1, 2])  # the third input gives its true class probability 0
-    accuracy, nll = validation_metrics(probabilities, labels)
-    picked = np.array([0.7, 0.3, 0.0, 0.8], dtype=np.float64)
-    assert nll == pytest.approx(-np.log(np.maximum(picked, 1e-12)).mean(), rel=1e-12)  # -log(1e-12) for the zero
-    assert accuracy == 0.5
-    assert (accuracy, nll) == (
-        metrics.accuracy(probabilities, labels),
-        metrics.negative_log_likelihood(probabilities, labels),
-    )
-
-
+# -- the metrics of a prediction ---------------------------------------------------------------------------------------
 def test_classification_metrics_of_a_prediction():
     generator = torch.Generator().manual_seed(0)
     probabilities = torch.softmax(torch.randn(200, 4, generator=generator), dim=-1)
@@ -70,37 +52,6 @@ def test_classification_metrics_of_a_prediction():
     assert result.auroc == pytest.approx(roc_auc_score(correct, p.max(1)), rel=1e-12)
     assert result.ece == metrics.expected_calibration_error(probabilities, labels)
     assert result.fpr95 == metrics.fpr_at_95_tpr(probabilities, labels)
-
-
-# -- predictions -----------------------------------------------------------------------------------------------------
-def test_evaluate_by_batches_equals_one_pass(digits):
-    model = _digits_model()
-    whole = predict_probabilities(model, digits.test.images, num_samples=3)
-    torch.testing.assert_close(evaluate(model, digits.test, num_samples=3, batch_size=50), whole, rtol=1e-6, atol=1e-7)
-    assert evaluate(model, digits.test, num_samples=3).shape == (len(digits.test), 8)
-
-
-def test_token_data_sets_carry_their_mask():
-    data = make_pointer_task(8, 4, 4, length=6, seed=0, vocab_size=6, min_length=3)
-    inputs, mask = dataset_inputs(data.train)
-    assert inputs is data.train.tokens and mask is data.train.mask
-    assert dataset_labels(data.train) is data.train.labels
-
-
-def test_data_sets_of_the_wrong_kind_are_refused():
-    @dataclass
-    class Inputs:
-        inputs: torch.Tensor
-        labels: object
-
-    with pytest.raises(TypeError, match=r"\.tokens, \.images or \.inputs"):
-        dataset_inputs(object())
-    with pytest.raises(TypeError, match="integer class labels"):
-        dataset_labels(Inputs(torch.zeros(3, 2), torch.zeros(3)))
-    with pytest.raises(ValueError, match="2 labels for 3 inputs"):
-        dataset_labels(Inputs(torch.zeros(3, 2), torch.zeros(2, dtype=torch.long)))
-    with pytest.raises(ValueError, match="at least one model"):
-        ensemble_probabilities([], Inputs(torch.zeros(3, 2), None))
 
 
 # -- a run's metrics -------------------------------------------------------------------------------------------------

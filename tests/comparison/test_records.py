@@ -9,7 +9,7 @@ import math
 
 import pytest
 
-from gpattn.experiments import (
+from gpattn.comparison import (
     ClassificationMetrics,
     OODMetrics,
     ReliabilityBins,

@@ -1,4 +1,4 @@
-"""Scheduling of the comparison (gpattn/experiments/runner.py): parallel runs give the same records as serial ones,
+"""Scheduling of the comparison (gpattn/comparison/runner.py): parallel runs give the same records as serial ones,
 finished runs are written at once and read back on resume, interruptions and failures keep what finished."""
 
 from __future__ import annotations
@@ -8,11 +8,10 @@ import math
 
 import pytest
 
-import gpattn.experiments.compare as compare
-from gpattn.experiments import RunRecord
-from gpattn.experiments.compare import CompareConfig
-from gpattn.experiments.records import write_json_atomically
-from gpattn.experiments.runner import (
+import gpattn.comparison.runs as runs
+from gpattn.comparison import CompareConfig, RunRecord
+from gpattn.comparison.records import write_json_atomically
+from gpattn.comparison.runner import (
     RunFailedError,
     RunsInterrupted,
     result_settings,
@@ -53,10 +52,10 @@ def test_parallel_jobs_give_the_serial_records(serial, tmp_path) -> None:
 
 
 class _CountingRuns:
-    """Replaces compare.train_and_evaluate: counts the runs, and raises ``error`` at run ``fail_at`` (from 1)."""
+    """Replaces runs.train_and_evaluate: counts the runs, and raises ``error`` at run ``fail_at`` (from 1)."""
 
     def __init__(self, fail_at: int | None = None, error: BaseException | None = None) -> None:
-        self.original = compare.train_and_evaluate
+        self.original = runs.train_and_evaluate
         self.fail_at, self.error, self.started = fail_at, error, []
 
     def __call__(self, config, task, attention, seed, **kwargs):
@@ -69,7 +68,7 @@ class _CountingRuns:
 def test_interrupted_comparison_resumes_without_redoing_finished_runs(serial, tmp_path, monkeypatch) -> None:
     config = CompareConfig(seeds=(0, 1), **TINY)
     cut = _CountingRuns(fail_at=3, error=KeyboardInterrupt())
-    monkeypatch.setattr(compare, "train_and_evaluate", cut)
+    monkeypatch.setattr(runs, "train_and_evaluate", cut)
     with pytest.raises(RunsInterrupted) as interrupted:
         run_comparison(config, out=tmp_path)
     assert (interrupted.value.finished, interrupted.value.total) == (2, 4)
@@ -78,7 +77,7 @@ def test_interrupted_comparison_resumes_without_redoing_finished_runs(serial, tm
     assert not list((tmp_path / "runs").glob(".*"))  # no temporary file left behind
 
     again = _CountingRuns()
-    monkeypatch.setattr(compare, "train_and_evaluate", again)
+    monkeypatch.setattr(runs, "train_and_evaluate", again)
     resumed = run_comparison(config, out=tmp_path, resume=True)
     every = {run_name("pointer", attention, seed) for attention in TINY["attentions"] for seed in (0, 1)}
     assert sorted(again.started) == sorted(every - set(cut.started[:2]))  # only the unfinished runs, once each
@@ -97,7 +96,7 @@ def test_resume_refuses_runs_made_with_other_settings(tmp_path) -> None:
 
 
 def test_a_failed_run_names_itself_and_keeps_the_finished_ones(tmp_path, monkeypatch) -> None:
-    monkeypatch.setattr(compare, "train_and_evaluate", _CountingRuns(fail_at=2, error=ValueError("boom")))
+    monkeypatch.setattr(runs, "train_and_evaluate", _CountingRuns(fail_at=2, error=ValueError("boom")))
     with pytest.raises(RunFailedError, match=r"run pointer-\w+-\d failed: boom"):
         run_comparison(CompareConfig(seeds=(0, 1), **TINY), out=tmp_path)
     assert len(list((tmp_path / "runs").glob("*.json"))) == 1

@@ -1,5 +1,5 @@
-"""The comparison runner and ``gpattn compare`` (smoke-sized: the full run is the main job), including a new attention
-registered from outside the package."""
+"""The runs of the comparison and ``gpattn compare`` (smoke-sized: the full run is the main job), including a new
+attention registered from outside the package."""
 
 from __future__ import annotations
 
@@ -14,14 +14,31 @@ from torch import Tensor
 
 from gpattn.attention import AttentionLayer, SoftmaxAttention, attention_names, register_attention, unregister_attention
 from gpattn.cli import main
-from gpattn.experiments import RunRecord, load_task, read_records
-from gpattn.experiments.compare import CompareConfig, build_model, compare_rows, learned_spectra, train_and_evaluate
-from gpattn.experiments.evaluation import evaluate_run
-from gpattn.experiments.report import flat_rows, markdown_table
-from gpattn.experiments.runner import run_comparison
+from gpattn.comparison import (
+    CompareConfig,
+    RunRecord,
+    build_model,
+    layer_arguments,
+    learned_spectra,
+    load_task,
+    make_train_config,
+    plan_runs,
+    read_records,
+    run_comparison,
+    train_and_evaluate,
+)
+from gpattn.comparison.evaluation import evaluate_run
+from gpattn.comparison.report import flat_rows, markdown_table
+from gpattn.methods import get_method, method_names
 
 TINY = dict(pointer_epochs=1, digits_epochs=1, eval_samples=2, seeds=(0,), progress=False)
 BOTH = ("pointer", "digits")
+
+
+def _model(config: CompareConfig, row: str, num_classes: int, model_kwargs: dict, task: str = "digits"):
+    """The model of a run of ``row`` on ``task`` (as :func:`train_and_evaluate` builds it)."""
+    method = get_method(row)
+    return build_model(method, config.hyperparameters(task, method), num_classes, model_kwargs)
 
 
 @pytest.fixture(scope="module")
@@ -210,7 +227,7 @@ def test_ensemble_record_averages_member_probabilities() -> None:
     members = []
     for seed in (0, 1):
         torch.manual_seed(seed)
-        members.append(build_model(config, "softmax", data.num_classes, data.model_kwargs).eval())
+        members.append(_model(config, "softmax", data.num_classes, data.model_kwargs).eval())
     metrics, _, _ = evaluate_run(members, data, num_samples=2)
     with torch.no_grad():  # softmax attention is deterministic: the ensemble is the mean of the members' softmax
         probabilities = torch.stack([m(data.test.images).softmax(-1) for m in members]).mean(0).double()
@@ -241,22 +258,28 @@ def test_a_run_depends_on_its_arguments_only() -> None:
 
 
 def test_size_arguments_come_from_the_registry() -> None:
+    config = CompareConfig(num_inducing=8, ksvd_weight=0.5, attentions=method_names())
     state = torch.get_rng_state()
-    config = CompareConfig(num_inducing=8, ksvd_weight=0.5)  # every layer is built once to check the size ...
+    plan_runs(config)  # every layer is built once to check the size ...
     assert torch.equal(torch.get_rng_state(), state)  # ... without touching the caller's RNG
-    assert config.attention_arguments("softmax") == {}
-    assert config.attention_arguments("sgpa") == {"num_inducing": 8}
-    assert config.attention_arguments("kep_svgp") == {"num_inducing": 8, "ksvd_weight": 0.5}
+
+    def arguments(config: CompareConfig, row: str) -> dict:
+        method = get_method(row)
+        return layer_arguments(method, config.hyperparameters("digits", method))
+
+    assert arguments(config, "softmax") == {}
+    assert arguments(config, "sgpa") == {"num_inducing": 8}
+    assert arguments(config, "kep_svgp") == {"num_inducing": 8, "ksvd_weight": 0.5}
     default = CompareConfig()
-    assert default.num_inducing is None and default.attention_arguments("sgpa") == {}  # the layer's own default
-    model = build_model(config, "sgpa", 2, {"input": "tokens", "vocab_size": 5, "max_len": 4})
+    assert default.num_inducing is None and arguments(default, "sgpa") == {}  # the layer's own default
+    model = _model(config, "sgpa", 2, {"input": "tokens", "vocab_size": 5, "max_len": 4})
     assert model.attention_layers()[-1].num_inducing == 8
 
 
 def test_learned_spectra_are_the_layers_singular_values_in_descending_order() -> None:
     torch.manual_seed(0)
     config = CompareConfig(attentions=("primal",), num_inducing=4, **TINY)
-    model = build_model(config, "primal", 2, {"input": "tokens", "vocab_size": 5, "max_len": 4})
+    model = _model(config, "primal", 2, {"input": "tokens", "vocab_size": 5, "max_len": 4})
     spectra = learned_spectra(model)
     assert list(spectra) == ["layer_2"]  # the first block is softmax attention, without a spectrum
     values = model.attention_layers()[1].features.singular_values.detach()
@@ -320,7 +343,7 @@ def test_a_registered_attention_runs_through_gpattn_compare(uniform_attention, t
 def test_format_difference_is_the_paired_t_interval() -> None:
     from scipy import stats
 
-    from gpattn.experiments.report import format_difference
+    from gpattn.comparison.report import format_difference
 
     reference = {0: 0.90, 1: 0.85, 2: 0.88, 3: 0.91, 4: 0.87}
     other = {0: 0.80, 1: 0.82, 2: 0.79, 3: 0.85, 4: 0.81}
@@ -358,7 +381,7 @@ def test_table_has_published_numbers_and_paired_differences() -> None:
 def test_mc_dropout_row_trains_softmax_with_dropout_and_samples_it() -> None:
     config = CompareConfig(attentions=("softmax_mc_dropout",), tasks=("digits",), mc_dropout=0.2, **TINY)
     data = load_task("digits")
-    model = build_model(config, "softmax_mc_dropout", data.num_classes, data.model_kwargs)
+    model = _model(config, "softmax_mc_dropout", data.num_classes, data.model_kwargs)
     rates = {module.p for module in model.modules() if isinstance(module, torch.nn.Dropout)}
     assert rates == {0.2} and all(isinstance(layer, SoftmaxAttention) for layer in model.attention_layers())
     record = train_and_evaluate(config, "digits", "softmax_mc_dropout", 0, data=data)
@@ -368,11 +391,11 @@ def test_mc_dropout_row_trains_softmax_with_dropout_and_samples_it() -> None:
         dataclasses.replace(config, eval_samples=3), "digits", "softmax_mc_dropout", 0, data=data
     )
     assert again.metrics.test.nll != record.metrics.test.nll
-    assert "softmax_mc_dropout" in compare_rows() and "softmax_mc_dropout" not in attention_names()
+    assert "softmax_mc_dropout" in method_names() and "softmax_mc_dropout" not in attention_names()
 
 
 def test_ksvd_rows_record_their_fidelity_and_mnist1d_uses_rank_5() -> None:
-    from gpattn.experiments.tasks import TaskData
+    from gpattn.comparison.tasks import TaskData
 
     digits = load_task("digits")
     small = TaskData("mnist1d", digits.train, digits.val, digits.test, digits.model_kwargs, num_inducing=5)
@@ -387,11 +410,14 @@ def test_ksvd_rows_record_their_fidelity_and_mnist1d_uses_rank_5() -> None:
     assert train_and_evaluate(config, "digits", "softmax", 0, data=small).fidelity == {}
 
 
-def test_each_run_trains_with_its_layers_kl_recipe():
+def test_each_run_trains_with_its_rows_kl_recipe():
     """SGPA anneals its KL over the first half of the run (its official recipe); the other rows do not."""
-    from gpattn.experiments.compare import make_train_config
-
     config = CompareConfig(tasks=("digits",), attentions=("sgpa", "kep_svgp", "softmax_mc_dropout"), seeds=(0,))
-    assert make_train_config(config, "digits", 0, attention="sgpa").kl_anneal_epochs == 0.5 * config.digits_epochs
-    for row in ("kep_svgp", "softmax_mc_dropout", None):
-        assert make_train_config(config, "digits", 0, attention=row).kl_anneal_epochs == 0.0
+
+    def anneal_epochs(row: str) -> float:
+        method = get_method(row)
+        return make_train_config(config, method, config.hyperparameters("digits", method), 0).kl_anneal_epochs
+
+    assert anneal_epochs("sgpa") == 0.5 * config.digits_epochs
+    for row in ("kep_svgp", "softmax_mc_dropout"):
+        assert anneal_epochs(row) == 0.0

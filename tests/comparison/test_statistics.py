@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from scipy import stats
 
-from gpattn.experiments import compare_to_reference, paired_difference, summarize_seeds
+from gpattn.comparison import compare_to_reference, paired_difference, summarize_seeds
 
 
 def test_summary_against_stdlib() -> None:

@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 import torch
 
+from gpattn.comparison import DEFAULT_TASKS, PUBLISHED_ACCURACIES, TASKS, load_task, tasks
 from gpattn.data import load_digits_splits
 from gpattn.data.mnist1d import MNIST1D_SHIFT_KINDS, load_mnist1d
-from gpattn.experiments import DEFAULT_TASKS, PUBLISHED_ACCURACIES, TASKS, load_task, tasks
 
 
 def test_pointer_task():

@@ -8,9 +8,10 @@ from dataclasses import replace
 import pytest
 import torch
 
-from gpattn.experiments import ToyRegressionConfig, TrainingDivergedError, format_result, run_toy_regression
-from gpattn.experiments.toy_regression import _guarded_step
+from gpattn.comparison import ToyRegressionConfig, format_result, run_toy_regression
+from gpattn.comparison.toy_regression import _guarded_step
 from gpattn.models import KernelEigenPairSVGP
+from gpattn.training import TrainingDivergedError
 
 SMOKE = ToyRegressionConfig(iterations=5, pyro_iterations=5, num_landmarks=10, num_inducing=6)
 

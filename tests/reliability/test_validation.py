@@ -27,6 +27,7 @@ from gpattn.attention import (
     build_attention,
     sample_attention,
 )
+from gpattn.comparison import CompareConfig, ToyRegressionConfig, plan_runs
 from gpattn.data import (
     ImageDataset,
     images_to_patches,
@@ -42,7 +43,6 @@ from gpattn.data import (
     patches_to_images,
     shift_images,
 )
-from gpattn.experiments import CompareConfig, ToyRegressionConfig
 from gpattn.features import AttentionKernelEigenFeatures, KernelEigenFeatures
 from gpattn.kernels import (
     CosineFeatureKernel,
@@ -857,13 +857,15 @@ def test_file_loaders_reject(tmp_path):
     ],
 )
 def test_compare_config_rejects(kwargs, error, match):
+    # the settings are checked on construction, what needs a layer (the size) once before any run by plan_runs
     with pytest.raises(error, match=match):
-        CompareConfig(**kwargs)
+        plan_runs(CompareConfig(**kwargs))
 
 
 def test_compare_config_size_is_only_bounded_for_ksvd_layers():
     # a size above the head width is only an error for the KSVD layers, whose cosine kernel has rank <= p
-    assert CompareConfig(attentions=("softmax", "sgpa"), num_inducing=64).num_inducing == 64
+    config = CompareConfig(attentions=("softmax", "sgpa"), num_inducing=64)
+    assert config.num_inducing == 64 and len(plan_runs(config)) == len(config.tasks) * 2 * len(config.seeds)
 
 
 def test_compare_config_without_cuda(monkeypatch):

@@ -1,0 +1,103 @@
+"""The comparison (``gpattn compare``): its tasks, settings and runs, their evaluation and typed records
+(JSON/CSV), statistics over seeds (paired differences with intervals), the report, the scheduling of the runs, and the
+toy regression fit (exact GP vs KEP-SVGP via VariationalELBO and Pyro SVI).
+
+Data flows one way: the comparison resolves each row once (:mod:`gpattn.methods`) and trains it with the loop of
+:mod:`gpattn.training`, which never imports this package.
+"""
+
+from .config import DEFAULT_ATTENTIONS, CompareConfig
+from .evaluation import (
+    DEFAULT_ECE_BINS,
+    Evaluation,
+    classification_metrics,
+    ensemble_logits,
+    evaluate_models,
+    evaluate_run,
+    model_fidelity,
+)
+from .records import (
+    ClassificationMetrics,
+    OODMetrics,
+    ReliabilityBins,
+    RunMetrics,
+    RunRecord,
+    ShiftMetrics,
+    TemperatureScaled,
+    TrainingSummary,
+    read_records,
+)
+from .report import markdown_table, table_text, with_temperature_scaled, write_outputs
+from .runner import RunFailedError, RunsInterrupted, execute_runs, run_comparison
+from .runs import build_model, layer_arguments, learned_spectra, make_train_config, plan_runs, train_and_evaluate
+from .statistics import (
+    INTERVAL_METHODS,
+    PairedDifference,
+    SeedSummary,
+    compare_to_reference,
+    paired_difference,
+    summarize_seeds,
+)
+from .tasks import DEFAULT_TASKS, PUBLISHED_ACCURACIES, TASKS, TaskData, load_task
+from .toy_regression import (
+    ToyRegressionConfig,
+    ToyRegressionResult,
+    fit_exact_gp,
+    fit_pair_svgp,
+    fit_pair_svgp_pyro,
+    format_result,
+    run_toy_regression,
+)
+
+__all__ = [
+    "DEFAULT_ATTENTIONS",
+    "DEFAULT_ECE_BINS",
+    "DEFAULT_TASKS",
+    "INTERVAL_METHODS",
+    "PUBLISHED_ACCURACIES",
+    "TASKS",
+    "ClassificationMetrics",
+    "CompareConfig",
+    "Evaluation",
+    "OODMetrics",
+    "PairedDifference",
+    "ReliabilityBins",
+    "RunFailedError",
+    "RunMetrics",
+    "RunRecord",
+    "RunsInterrupted",
+    "SeedSummary",
+    "ShiftMetrics",
+    "TaskData",
+    "TemperatureScaled",
+    "ToyRegressionConfig",
+    "ToyRegressionResult",
+    "TrainingSummary",
+    "build_model",
+    "classification_metrics",
+    "compare_to_reference",
+    "ensemble_logits",
+    "evaluate_models",
+    "evaluate_run",
+    "execute_runs",
+    "fit_exact_gp",
+    "fit_pair_svgp",
+    "fit_pair_svgp_pyro",
+    "format_result",
+    "layer_arguments",
+    "learned_spectra",
+    "load_task",
+    "make_train_config",
+    "markdown_table",
+    "model_fidelity",
+    "paired_difference",
+    "plan_runs",
+    "read_records",
+    "run_comparison",
+    "run_toy_regression",
+    "summarize_seeds",
+    "table_text",
+    "train_and_evaluate",
+    "with_temperature_scaled",
+    "write_outputs",
+]

@@ -1,0 +1,172 @@
+"""The settings of ``gpattn compare`` (:class:`CompareConfig`) and the hyperparameters each run reads from them."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from ..methods import Hyperparameters, MethodSpec, get_method, method_names
+from ..training import TrainConfig
+from ..training.config import DEVICE_TYPES
+from ..validation import check_choice, check_device, check_float, check_int
+from .evaluation import DEFAULT_ECE_BINS
+from .tasks import DEFAULT_TASKS, TASKS
+
+__all__ = ["DEFAULT_ATTENTIONS", "CompareConfig"]
+
+#: The rows of the main job (``gpattn compare`` without ``--attentions``), each also with its ``+ts`` row: KEP-SVGP,
+#: the GP baseline SGPA, softmax, MC dropout and Primal-Attention (the other KSVD layer, for the fidelity). The
+#: symmetric SVGP, CGPT, the symmetric KEP ablation and Deep Ensembles cost 2-5 times as much and run on request.
+DEFAULT_ATTENTIONS = ("kep_svgp", "sgpa", "softmax", "softmax_mc_dropout", "primal")
+
+
+@dataclass
+class CompareConfig:
+    """Settings of :func:`~gpattn.comparison.run_comparison` (the defaults are the CPU-sized embedded comparison).
+
+    Validated on construction against the row registry (:func:`~gpattn.methods.method_names`), without building any
+    layer: what needs a layer (e.g. a ``num_inducing`` above a head width) is checked once before any training, by
+    :func:`~gpattn.comparison.plan_runs`.
+
+    :ivar attentions: Rows to compare (:func:`~gpattn.methods.method_names`: every registered attention,
+        ``softmax_mc_dropout``, ``deep_ensemble``, ...); default :data:`DEFAULT_ATTENTIONS`.
+    :ivar tasks: ``"mnist1d"`` (MNIST-1D as 10 tokens of 4 values), ``"digits"`` (8x8 images as 2x2 patches) and/or
+        ``"pointer"`` (directed toy sequences, solved by every attention: only in ``--quick`` and the tests);
+        default :data:`~gpattn.comparison.tasks.DEFAULT_TASKS`.
+    :ivar seeds: Model seeds (the data splits are fixed); paired intervals need at least 5.
+    :ivar pointer_epochs: Training epochs per run on the pointer task (2048 sequences: 32 steps an epoch).
+    :ivar digits_epochs: Training epochs per run on digits (866 images: 14 steps an epoch).
+    :ivar mnist1d_epochs: Training epochs per run on MNIST-1D (3600 sequences: 57 steps an epoch).
+    :ivar batch_size: Minibatch size.
+    :ivar lr: Peak AdamW learning rate.
+    :ivar embed_dim: Transformer width.
+    :ivar depth: Encoder blocks.
+    :ivar num_heads: Heads per block.
+    :ivar gp_layers: Blocks (the last ones) using the attention under test.
+    :ivar num_inducing: Size of the inducing set of every attention that has one (the KSVD rank :math:`s` of
+        KEP-SVGP and Primal-Attention, the global inducing keys of SGPA, the inducing points of the symmetric SVGP);
+        ``None``: the task's size, else each layer's own default (:math:`s = \\min(10, p)`, 16 for SGPA and the SVGP).
+    :ivar eval_samples: Monte Carlo samples :math:`T` at evaluation.
+    :ivar ensemble: Members per model of the single-model rows (1: single models; K > 1: ensembles whose
+        probabilities are averaged, recorded as ``<row>_ens<K>``; member seeds follow
+        :func:`~gpattn.training.member_seed`). A row that is an ensemble already (``deep_ensemble``) needs 1.
+    :ivar beta: KL weight.
+    :ivar ksvd_weight: :math:`\\eta` of the KSVD penalty :math:`\\eta J^2` of the KSVD attentions (a layer argument).
+    :ivar device: ``"cpu"`` or ``"cuda"``.
+    :ivar progress: Progress: one line per finished run on standard error, and a live bar on a terminal.
+    :ivar ece_bins: Equal-width bins of the ECE/MCE (top-label and classwise) and reliability diagrams.
+    :ivar temperature_scaling: Add the post-hoc ``+ts`` variant of every run whose row has one
+        (:attr:`~gpattn.methods.MethodSpec.temperature_scaled`; temperature fitted by NLL on the validation split; no
+        retraining).
+    :ivar mc_dropout: Dropout rate of the MC-dropout rows (``softmax_mc_dropout``; training and test time).
+    :ivar fidelity_sequences: Test sequences on which the KSVD fidelity of every KEP/Primal layer is measured (0: none).
+    :ivar threads: Torch threads per run (``torch.set_num_threads``). The default, 1, is the fastest for these small
+        models when runs go in parallel (and on a machine with other work), and fixes the numbers: a run's results
+        depend on the thread count, so they are reproducible at a given ``threads`` only.
+    :ivar jobs: Runs trained at the same time, in worker processes (:mod:`gpattn.comparison.runner`); the records
+        are identical for a given ``threads`` whatever ``jobs`` is. Use about (cores / threads).
+    :ivar smoke_test: Set by :meth:`quick`: a smoke test, labelled as such in ``table.md``.
+    """
+
+    attentions: tuple[str, ...] = DEFAULT_ATTENTIONS
+    tasks: tuple[str, ...] = DEFAULT_TASKS
+    seeds: tuple[int, ...] = (0, 1, 2, 3, 4)
+    pointer_epochs: int = 8
+    digits_epochs: int = 40
+    mnist1d_epochs: int = 20
+    batch_size: int = 64
+    lr: float = 3e-3
+    embed_dim: int = 32
+    depth: int = 2
+    num_heads: int = 2
+    gp_layers: int = 1
+    num_inducing: int | None = None
+    eval_samples: int = 10
+    ensemble: int = 1
+    beta: float = 1.0
+    ksvd_weight: float = 1.0
+    device: str = "cpu"
+    progress: bool = True
+    ece_bins: int = DEFAULT_ECE_BINS
+    temperature_scaling: bool = True
+    mc_dropout: float = 0.1
+    fidelity_sequences: int = 256
+    threads: int = 1
+    jobs: int = 1
+    smoke_test: bool = False
+
+    def __post_init__(self) -> None:
+        where = "CompareConfig"
+        self.attentions, self.tasks, self.seeds = tuple(self.attentions), tuple(self.tasks), tuple(self.seeds)
+        if not self.attentions:
+            raise ValueError(f"{where}: expected attentions among {method_names()}, got none")
+        for name in self.attentions:
+            check_choice("attentions", name, method_names(), where=where)
+        if not self.tasks:
+            raise ValueError(f"{where}: expected tasks among {TASKS}, got none")
+        for task in self.tasks:
+            check_choice("tasks", task, TASKS, where=where)
+        if not self.seeds or len(set(self.seeds)) != len(self.seeds):
+            raise ValueError(f"{where}: expected distinct seeds, got {list(self.seeds)}")
+        for seed in self.seeds:
+            check_int("seeds", seed, minimum=0, where=where)
+        check_int("ensemble size", self.ensemble, where=where)
+        ensembles = [name for name in self.attentions if get_method(name).predictive.members > 1]
+        if self.ensemble > 1 and ensembles:
+            raise ValueError(
+                f"{where}: ensemble={self.ensemble} makes ensembles of single-model rows, but {ensembles} are "
+                f"ensembles already; compare them with ensemble=1"
+            )
+        for name in ("pointer_epochs", "digits_epochs", "mnist1d_epochs", "batch_size", "embed_dim", "depth"):
+            check_int(name, getattr(self, name), where=where)
+        check_int("num_heads", self.num_heads, where=where)
+        check_int("ece_bins", self.ece_bins, where=where)
+        check_int("fidelity_sequences", self.fidelity_sequences, minimum=0, where=where)
+        check_float("mc_dropout", self.mc_dropout, 0.0, 1.0, strict_minimum=True, strict_maximum=True, where=where)
+        check_int("eval_samples", self.eval_samples, where=where)
+        if self.num_inducing is not None:
+            check_int("num_inducing", self.num_inducing, where=where)
+        check_int("gp_layers", self.gp_layers, 0, self.depth, where=where)
+        if self.embed_dim % self.num_heads:
+            raise ValueError(f"{where}: embed_dim ({self.embed_dim}) must be divisible by num_heads ({self.num_heads})")
+        check_float("lr", self.lr, 0.0, strict_minimum=True, where=where)
+        check_float("beta", self.beta, 0.0, where=where)
+        check_float("ksvd_weight", self.ksvd_weight, 0.0, where=where)
+        check_device("device", self.device, where=where, types=DEVICE_TYPES)
+        check_int("threads", self.threads, where=where)
+        check_int("jobs", self.jobs, where=where)
+
+    def hyperparameters(self, task: str, method: MethodSpec, num_inducing: int | None = None) -> Hyperparameters:
+        """The :class:`~gpattn.methods.Hyperparameters` of a run of the row ``method`` on ``task``: these settings,
+        the same for every row (the task's epochs; the MC-dropout rate for the rows that predict with dropout, no
+        dropout for the others; AdamW's weight decay of :class:`~gpattn.training.TrainConfig`).
+
+        :param task: One of :data:`~gpattn.comparison.tasks.TASKS`.
+        :param method: The row.
+        :param num_inducing: The task's inducing set size (:attr:`~gpattn.comparison.TaskData.num_inducing`), used
+            where :attr:`num_inducing` is ``None``.
+        """
+        check_choice("task", task, TASKS, where="CompareConfig.hyperparameters")
+        return Hyperparameters(
+            epochs=getattr(self, f"{task}_epochs"),
+            lr=self.lr,
+            weight_decay=TrainConfig.weight_decay,
+            batch_size=self.batch_size,
+            embed_dim=self.embed_dim,
+            depth=self.depth,
+            num_heads=self.num_heads,
+            gp_layers=self.gp_layers,
+            num_inducing=num_inducing if self.num_inducing is None else self.num_inducing,
+            beta=self.beta,
+            ksvd_weight=self.ksvd_weight,
+            dropout=self.mc_dropout if method.predictive.mc_dropout else 0.0,
+        )
+
+    @classmethod
+    def quick(cls, **overrides: Any) -> CompareConfig:
+        """A smoke test (``smoke_test=True``, labelled so in ``table.md``): the pointer task and digits, one seed, few
+        epochs, fewer Monte Carlo samples. It checks that everything runs; the pointer task is not learned in 2 epochs
+        (every attention stays near chance there), so its numbers compare nothing."""
+        settings = {"tasks": ("pointer", "digits"), "seeds": (0,), "pointer_epochs": 2, "digits_epochs": 10}
+        settings.update(mnist1d_epochs=4, eval_samples=4, smoke_test=True)
+        return cls(**{**settings, **overrides})
