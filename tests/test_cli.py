@@ -92,14 +92,14 @@ def _refuse(token: str) -> float:
 @pytest.fixture
 def no_runs(monkeypatch):
     """Make every training fail loudly: what the test checks must happen before any run."""
-    import gpattn.experiments as experiments
-    import gpattn.experiments.compare as compare
+    import gpattn.comparison as comparison
+    import gpattn.comparison.runs as runs
 
     def must_not_run(*args, **kwargs):
         raise AssertionError("a run started")
 
-    monkeypatch.setattr(compare, "train_and_evaluate", must_not_run)
-    monkeypatch.setattr(experiments, "run_toy_regression", must_not_run)
+    monkeypatch.setattr(runs, "train_and_evaluate", must_not_run)
+    monkeypatch.setattr(comparison, "run_toy_regression", must_not_run)
 
 
 @pytest.mark.parametrize("command", [["compare"], ["train"], ["regression"]])
@@ -155,24 +155,24 @@ def test_quick_is_labelled_a_smoke_test(tmp_path, capsys) -> None:
     ],
 )
 def test_expected_failures_are_one_line(error, status, line, tmp_path, capsys, monkeypatch) -> None:
-    import gpattn.experiments.compare as compare
+    import gpattn.comparison.runs as runs
 
     def fail(*args, **kwargs):
         raise error
 
-    monkeypatch.setattr(compare, "train_and_evaluate", fail)
+    monkeypatch.setattr(runs, "train_and_evaluate", fail)
     assert main(["train", "--task", "pointer", "--epochs", "1", "--out", str(tmp_path / "t")]) == status
     err = capsys.readouterr().err
     assert err.startswith(line) and err.count("\n") == 1 and "Traceback" not in err
 
 
 def test_compare_interrupted_says_what_was_kept(tmp_path, capsys, monkeypatch) -> None:
-    import gpattn.experiments.compare as compare
+    import gpattn.comparison.runs as runs
 
     def interrupt(*args, **kwargs):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(compare, "train_and_evaluate", interrupt)
+    monkeypatch.setattr(runs, "train_and_evaluate", interrupt)
     assert main([*TINY_COMPARE, "--out", str(tmp_path / "c")]) == 130
     err = capsys.readouterr().err
     assert err == (

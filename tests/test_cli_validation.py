@@ -19,13 +19,13 @@ def _must_not_run(*args, **kwargs):
 
 @pytest.fixture(autouse=True)
 def _no_runs(monkeypatch):
-    import gpattn.experiments as experiments
-    import gpattn.experiments.compare as compare
-    import gpattn.experiments.runner as runner
+    import gpattn.comparison as comparison
+    import gpattn.comparison.runner as runner
+    import gpattn.comparison.runs as runs
 
-    monkeypatch.setattr(runner, "run_comparison", _must_not_run)
-    monkeypatch.setattr(compare, "train_and_evaluate", _must_not_run)
-    monkeypatch.setattr(experiments, "run_toy_regression", _must_not_run)
+    monkeypatch.setattr(runner, "execute_runs", _must_not_run)
+    monkeypatch.setattr(runs, "train_and_evaluate", _must_not_run)
+    monkeypatch.setattr(comparison, "run_toy_regression", _must_not_run)
 
 
 def exit_code(argv: list[str]) -> int:

@@ -1,0 +1,5 @@
+"""``python -m gpattn.cli``: the ``gpattn`` command."""
+
+from . import main
+
+raise SystemExit(main())

@@ -1,0 +1,165 @@
+"""``gpattn compare``: every row on MNIST-1D and digits (shift, OOD, ``+ts`` rows, paired statistics)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+from .options import (
+    CommandInterrupted,
+    add_common,
+    device,
+    non_negative_float,
+    non_negative_int,
+    out_dir,
+    positive_int,
+    prepare_out,
+)
+
+__all__ = ["FIGURES", "add_compare", "run_compare"]
+
+#: the figures gpattn compare writes (replaced with --overwrite)
+FIGURES = (
+    "reliability_pointer.png",
+    "reliability_digits.png",
+    "shift.png",
+    "ood_histograms.png",
+    "spectra.png",
+)
+#: the options that override a CompareConfig field of the same name
+OVERRIDES = (
+    "attentions",
+    "tasks",
+    "seeds",
+    "pointer_epochs",
+    "digits_epochs",
+    "mnist1d_epochs",
+    "eval_samples",
+    "ensemble",
+    "num_inducing",
+    "beta",
+    "ksvd_weight",
+    "ece_bins",
+    "mc_dropout",
+    "fidelity_sequences",
+)
+
+
+def add_compare(commands) -> None:
+    """Add the ``compare`` command to the subparsers ``commands``."""
+    from ..attention import attention_names
+    from ..comparison import DEFAULT_ATTENTIONS, DEFAULT_TASKS, TASKS, CompareConfig
+    from ..methods import method_names
+
+    defaults = CompareConfig()
+    compare = commands.add_parser(
+        "compare",
+        help="train and evaluate the attentions on MNIST-1D and digits (shift, OOD, +ts rows, paired statistics)",
+        description="Train a small Transformer per task, attention and seed under one training loop and evaluate "
+        "accuracy, NLL, ECE (top-label and classwise), Brier, AURC, misclassification AUROC/FPR95, metrics under "
+        "shift (severities 1-5) and OOD (AUROC, AUPR-In/Out), each model also temperature-scaled on the validation "
+        "split (+ts rows), the KSVD fidelity of the KSVD layers, and KEP-SVGP minus every other row over paired "
+        "seeds with 95 % t intervals. Prints one line per finished run on standard "
+        "error and writes its record at once to OUT/runs/ (Ctrl-C keeps the finished runs, --resume trains the "
+        "others); at the end writes results.json, results.csv, table.md and figures into OUT.",
+    )
+    compare.add_argument("--out", type=out_dir, default=None, help="run folder (default: runs/compare-<date>-<time>)")
+    compare.add_argument(
+        "--quick",
+        action="store_true",
+        help="a smoke test (labelled so in table.md): one seed, few epochs, to check that everything runs; the "
+        "pointer task is not learned in this budget",
+    )
+    others = " and ".join(name for name in method_names() if name not in attention_names())
+    compare.add_argument(
+        "--attentions",
+        nargs="+",
+        choices=method_names(),
+        default=None,
+        help=f"rows: registered attentions and {others} (default: {' '.join(DEFAULT_ATTENTIONS)})",
+    )
+    compare.add_argument(
+        "--tasks",
+        nargs="+",
+        choices=TASKS,
+        default=None,
+        help=f"default: {' '.join(DEFAULT_TASKS)} (--quick: pointer digits)",
+    )
+    compare.add_argument(
+        "--seeds", nargs="+", type=non_negative_int, default=None, help=f"default: {list(defaults.seeds)}"
+    )
+    numbers = (
+        ("pointer_epochs", positive_int, "training epochs on the pointer task"),
+        ("digits_epochs", positive_int, "training epochs on digits"),
+        ("mnist1d_epochs", positive_int, "training epochs on MNIST-1D"),
+        ("eval_samples", positive_int, "Monte Carlo samples at evaluation"),
+        ("ensemble", positive_int, "members per model: Deep / KEP-SVGP ensembles when > 1"),
+        ("num_inducing", positive_int, "inducing set size: KSVD rank, SGPA/SVGP inducing points"),
+        ("beta", non_negative_float, "KL weight"),
+        ("ksvd_weight", non_negative_float, "KSVD weight eta"),
+        ("ece_bins", positive_int, "equal-width bins of the ECE and reliability diagrams"),
+        ("mc_dropout", non_negative_float, "dropout rate of the softmax_mc_dropout row"),
+        ("fidelity_sequences", non_negative_int, "test sequences for the KSVD fidelity (0: none)"),
+    )
+    for name, kind, text in numbers:
+        flag = "--" + name.replace("_", "-")
+        compare.add_argument(flag, type=kind, default=None, help=f"{text} (default: {getattr(defaults, name)})")
+    compare.add_argument(
+        "--no-temperature-scaling", action="store_true", help="leave out the temperature-scaled +ts rows"
+    )
+    compare.add_argument("--device", type=device, default="cpu", help="cpu or cuda (default: %(default)s)")
+    compare.add_argument(
+        "--jobs",
+        type=positive_int,
+        default=1,
+        help="runs trained at the same time in worker processes (default: %(default)s; about cores / threads: 2 on a "
+        "2-core machine). The results are identical whatever --jobs is, for a given --threads",
+    )
+    compare.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue an interrupted comparison in OUT: the runs whose records are in OUT/runs are read back (they "
+        "must have been made with the same settings), the others trained",
+    )
+    compare.add_argument("--no-progress", action="store_true", help="print no line per finished run and no live bar")
+    add_common(compare, resume="continues it")
+
+
+def run_compare(args: argparse.Namespace) -> int:
+    """Run ``gpattn compare``; returns the exit status."""
+    from ..comparison import CompareConfig, plan_runs
+    from ..comparison.report import table_text, write_outputs
+    from ..comparison.runner import execute_runs
+    from ..plotting import write_comparison_figures
+
+    overrides = {name: getattr(args, name) for name in OVERRIDES if getattr(args, name) is not None}
+    if args.no_temperature_scaling:
+        overrides["temperature_scaling"] = False
+    overrides.update(device=args.device, progress=not args.no_progress, threads=args.threads, jobs=args.jobs)
+    try:
+        config = CompareConfig.quick(**overrides) if args.quick else CompareConfig(**overrides)
+        runs = plan_runs(config)  # every layer's own checks, once, before any folder is made or run started
+    except ValueError as error:
+        print(f"gpattn compare: error: {error}", file=sys.stderr)
+        return 2
+    out = prepare_out(
+        args.out or f"runs/compare-{time.strftime('%Y%m%d-%H%M%S')}",
+        overwrite=args.overwrite,
+        resume=args.resume,
+        replaced=("runs", "results.json", "results.csv", "table.md", *FIGURES),
+    )
+    start = time.perf_counter()
+    try:
+        records = execute_runs(config, runs, out=out, resume=args.resume)
+    except KeyboardInterrupt as interrupt:
+        finished = getattr(interrupt, "finished", None)
+        done = "" if finished is None else f"{finished} of {interrupt.total} runs finished, "
+        raise CommandInterrupted(
+            f"interrupted; {done}kept in {out / 'runs'}; the same command with --resume continues"
+        ) from None
+    written = write_outputs(records, config, out) + write_comparison_figures(records, out)
+    print(table_text(records, config))
+    print(f"{len(records)} runs in {time.perf_counter() - start:.0f} s (jobs {config.jobs}, threads {config.threads})")
+    print("wrote " + ", ".join(str(path) for path in written))
+    return 0

@@ -1,0 +1,132 @@
+"""What the commands share: option types whose bad values exit with status 2 before anything runs, the run folder
+check (:func:`prepare_out`), the errors a command prints as one line, and the common options.
+
+A bad value exits with status 2 and ``gpattn <command>: error: argument --x: <what was expected, what came>``; the
+checks are :mod:`gpattn.validation`'s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from ..validation import check_device, check_float, check_int
+
+__all__ = [
+    "CommandError",
+    "CommandInterrupted",
+    "add_common",
+    "device",
+    "non_negative_float",
+    "non_negative_int",
+    "out_dir",
+    "positive_float",
+    "positive_int",
+    "prepare_out",
+]
+
+
+def _option(kind: Callable[[str], Any], check: Callable[..., Any], **bounds: Any) -> Callable[[str], Any]:
+    """An argparse type: the text converted by ``kind`` (or left as text when it does not convert) and checked by a
+    :mod:`gpattn.validation` helper, whose message names what was expected and what came."""
+
+    def parse(text: str) -> Any:
+        try:
+            value = kind(text)
+        except ValueError:
+            value = text
+        try:
+            return check("the value", value, **bounds)
+        except ValueError as error:  # InputTypeError is a ValueError too
+            raise argparse.ArgumentTypeError(str(error)) from None
+
+    return parse
+
+
+positive_int = _option(int, check_int, minimum=1)
+non_negative_int = _option(int, check_int, minimum=0)
+positive_float = _option(float, check_float, minimum=0.0, strict_minimum=True)
+non_negative_float = _option(float, check_float, minimum=0.0)
+
+
+def device(text: str) -> str:
+    """An argparse type: ``cpu``, ``cuda`` or ``cuda:<index>``, available on this machine."""
+    try:
+        check_device("device", text, types=("cpu", "cuda"))
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+    return text
+
+
+def out_dir(text: str) -> str:
+    """An argparse type: a folder path (created later if missing), not an existing file."""
+    if not text:
+        raise argparse.ArgumentTypeError("expected a folder path, got ''")
+    path = Path(text)
+    if path.exists() and not path.is_dir():
+        raise argparse.ArgumentTypeError(f"expected a folder (created if missing), got the existing file {text!r}")
+    return text
+
+
+class CommandError(Exception):
+    """An expected failure of a command: printed as one line ``gpattn <command>: error: <message>``, exit status 1."""
+
+
+class CommandInterrupted(KeyboardInterrupt):
+    """Ctrl-C, with the line that says what was kept."""
+
+
+THREADS_HELP = (
+    "torch threads per run (default: %(default)s; these models are small, so one thread per run is the fastest as "
+    "soon as runs go in parallel or the machine has other work; the numbers depend on the thread count, so "
+    "results are reproducible at a given --threads)"
+)
+
+
+def add_common(parser: argparse.ArgumentParser, resume: str | None) -> None:
+    """Add ``--threads`` and ``--overwrite`` (whose help names what ``--resume`` does, when the command has one)."""
+    parser.add_argument("--threads", type=positive_int, default=1, help=THREADS_HELP)
+    parser.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace the results of an earlier run in OUT (without it, an OUT that holds files is refused"
+        + (f"; --resume {resume})" if resume else ")"),
+    )
+
+
+def prepare_out(out: str | os.PathLike, *, overwrite: bool, resume: bool, replaced: tuple[str, ...]) -> Path:
+    """Check the run folder ``out`` before anything runs: it is created if missing and must be writable; a folder
+    that already holds files is refused unless ``resume`` (continue it) or ``overwrite`` (the entries ``replaced``,
+    e.g. ``"results.json"``, ``"runs"``, are deleted first, so no stale result is mixed with new ones).
+
+    :raises CommandError: The folder cannot be created or written, or holds an earlier run.
+    """
+    out = Path(out)
+    if out.is_dir() and any(out.iterdir()) and not resume:
+        if not overwrite:
+            held = sorted(path.name for path in out.iterdir())
+            shown = ", ".join(held[:4]) + (", ..." if len(held) > 4 else "")
+            raise CommandError(
+                f"--out {out} already holds files ({shown}): pass --overwrite to replace that run"
+                + (", --resume to continue it" if "runs" in replaced or "checkpoints" in replaced else "")
+                + ", or choose another --out"
+            )
+        for name in replaced:
+            path = out / name
+            if path.is_dir() and not path.is_symlink():
+                shutil.rmtree(path)
+            elif path.exists() or path.is_symlink():
+                path.unlink()
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=out):
+            pass
+    except OSError as error:
+        reason = error.strerror or str(error)
+        raise CommandError(f"--out {out}: cannot create or write the folder ({reason})") from None
+    return out
