@@ -29,7 +29,7 @@ from gpattn.comparison import (
 )
 from gpattn.comparison.evaluation import evaluate_run
 from gpattn.comparison.report import flat_rows, markdown_table
-from gpattn.methods import get_method, method_names
+from gpattn.methods import MethodSpec, TrainingRecipe, get_method, method_names, register_method, unregister_method
 
 TINY = dict(pointer_epochs=1, digits_epochs=1, eval_samples=2, seeds=(0,), progress=False)
 BOTH = ("pointer", "digits")
@@ -421,3 +421,35 @@ def test_each_run_trains_with_its_rows_kl_recipe():
     assert anneal_epochs("sgpa") == 0.5 * config.digits_epochs
     for row in ("kep_svgp", "softmax_mc_dropout"):
         assert anneal_epochs(row) == 0.0
+
+
+# -- rows as data: a registered row, Deep Ensembles --------------------------------------------------------------------
+def test_a_registered_row_runs_with_its_own_arguments_and_recipe(tmp_path, capsys) -> None:
+    register_method(MethodSpec("kep_s4", "kep_svgp", {"num_inducing": 4}, recipe=TrainingRecipe(0.5)))
+    try:
+        argv = ["compare", "--quick", "--attentions", "kep_s4", "--tasks", "pointer", "--pointer-epochs", "1"]
+        assert main([*argv, "--eval-samples", "2", "--no-progress", "--out", str(tmp_path)]) == 0
+        (record,) = read_records(tmp_path / "results.json")
+        assert record.attention == "kep_s4" and [len(head) for head in record.spectra["layer_2"]] == [4, 4]
+        config = CompareConfig(attentions=("kep_s4",), num_inducing=8)  # the row's own size wins over the shared one
+        method = get_method("kep_s4")
+        assert layer_arguments(method, config.hyperparameters("pointer", method))["num_inducing"] == 4
+        assert make_train_config(config, method, config.hyperparameters("pointer", method), 0).kl_anneal_epochs == 4.0
+    finally:
+        unregister_method("kep_s4")
+
+
+def test_deep_ensemble_row_is_five_softmax_members_without_a_ts_row() -> None:
+    config = CompareConfig(attentions=("deep_ensemble",), tasks=("pointer",), **TINY)
+    data = load_task("pointer")
+    record = train_and_evaluate(config, "pointer", "deep_ensemble", 0, data=data)
+    assert record.attention == "deep_ensemble" and record.train.ensemble == 5 and record.temperature_scaled is None
+    # the same five members (seeds 5 s + k) as softmax with --ensemble 5, which also adds the +ts variant
+    ensemble = dataclasses.replace(config, attentions=("softmax",), ensemble=5)
+    same = train_and_evaluate(ensemble, "pointer", "softmax", 0, data=data)
+    assert same.attention == "softmax_ens5" and same.temperature_scaled is not None
+    assert record.metrics == same.metrics and record.train.num_parameters == same.train.num_parameters
+    single = train_and_evaluate(
+        dataclasses.replace(config, attentions=("softmax",)), "pointer", "softmax", 0, data=data
+    )
+    assert record.train.num_parameters == 5 * single.train.num_parameters

@@ -1,0 +1,197 @@
+"""The rows of the comparison as data (gpattn/methods): the registry, the specs and how a run reads them."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import pytest
+import torch
+
+from gpattn.attention import AttentionLayer, SoftmaxAttention, attention_names, register_attention, unregister_attention
+from gpattn.comparison import CompareConfig, plan_runs
+from gpattn.methods import (
+    METHODS,
+    Hyperparameters,
+    MethodSpec,
+    Predictive,
+    TrainingRecipe,
+    get_method,
+    method_names,
+    register_method,
+    resolve_method,
+    unregister_method,
+)
+
+
+class EchoAttention(SoftmaxAttention):
+    """Softmax attention under another name, registered by the fixture below."""
+
+
+@pytest.fixture
+def echo():
+    register_attention("echo", EchoAttention)
+    yield "echo"
+    unregister_attention("echo")
+
+
+# -- the registry ------------------------------------------------------------------------------------------------------
+def test_every_registered_attention_is_a_row_then_the_other_rows():
+    names = method_names()
+    assert names[: len(attention_names())] == attention_names()
+    assert names[len(attention_names()) :] == ["softmax_mc_dropout", "deep_ensemble"]
+    for name in attention_names():
+        assert get_method(name).attention == name
+
+
+def test_registering_an_attention_makes_it_a_row_with_the_defaults(echo):
+    assert echo in method_names() and echo not in METHODS
+    spec = get_method(echo)
+    assert (spec.name, spec.attention, spec.attention_arguments, spec.model_arguments) == (echo, echo, {}, {})
+    assert spec.recipe == TrainingRecipe() and spec.predictive == Predictive() and spec.temperature_scaled
+    assert CompareConfig(attentions=(echo,)).attentions == (echo,)
+    unregister_attention(echo)
+    with pytest.raises(ValueError, match="unknown comparison row 'echo'"):
+        get_method(echo)
+    register_attention(echo, EchoAttention)  # for the fixture's teardown
+
+
+def test_register_resolve_and_unregister_a_row():
+    spec = MethodSpec("kep_s4", "kep_svgp", attention_arguments={"num_inducing": 4}, paper="a test")
+    register_method(spec)
+    try:
+        assert method_names()[-1] == "kep_s4" and get_method("kep_s4") is spec
+        assert resolve_method("kep_s4") is spec and resolve_method(spec) is spec
+        with pytest.raises(ValueError, match="'kep_s4' is already registered"):
+            register_method(spec)
+    finally:
+        unregister_method("kep_s4")
+    assert "kep_s4" not in method_names()
+    with pytest.raises(ValueError, match="'kep_s4' is not registered"):
+        unregister_method("kep_s4")
+
+
+def test_a_spec_refines_a_registered_attention_of_its_name(echo):
+    register_method(MethodSpec(echo, echo, recipe=TrainingRecipe(kl_anneal_fraction=0.25)))
+    try:
+        assert method_names().count(echo) == 1  # one row, in the attention's place
+        assert get_method(echo).recipe.kl_anneal_fraction == 0.25
+    finally:
+        unregister_method(echo)
+    assert get_method(echo).recipe.kl_anneal_fraction == 0.0  # the attention is still a row, with the defaults
+
+
+def test_unknown_names_and_attentions_are_clear_errors():
+    with pytest.raises(ValueError) as error:
+        get_method("nope")
+    message = str(error.value)
+    assert message.startswith("unknown comparison row 'nope'; expected one of [")
+    assert all(repr(name) in message for name in method_names())
+    with pytest.raises(TypeError, match="a string"):
+        get_method(3)
+    with pytest.raises(ValueError, match="uses the attention 'missing', which is not registered"):
+        register_method(MethodSpec("ghost", "missing"))
+    with pytest.raises(ValueError, match="uses the attention 'missing'"):
+        resolve_method(MethodSpec("ghost", "missing"))
+    with pytest.raises(TypeError, match="expected a MethodSpec"):
+        register_method("softmax")
+    with pytest.raises(ValueError, match=r"expected attentions to be one of \['kep_svgp', .*'deep_ensemble'\]"):
+        CompareConfig(attentions=("nope",))
+
+
+def test_the_built_in_rows():
+    assert get_method("sgpa").recipe.kl_anneal_fraction == 0.5  # SGPA's official recipe
+    assert all(get_method(name).recipe.kl_anneal_fraction == 0.0 for name in method_names() if name != "sgpa")
+    dropout = get_method("softmax_mc_dropout")
+    assert (dropout.attention, dropout.predictive.kind, dropout.predictive.mc_dropout) == (
+        "softmax",
+        "mc_dropout",
+        True,
+    )
+    ensemble = get_method("deep_ensemble")
+    assert (ensemble.attention, ensemble.predictive.members, ensemble.temperature_scaled) == ("softmax", 5, False)
+    assert "Lakshminarayanan" in ensemble.paper and "Gal" in dropout.paper
+    assert all(get_method(name).description for name in method_names())
+
+
+# -- the specs ---------------------------------------------------------------------------------------------------------
+def test_specs_are_frozen_and_validated():
+    arguments = {"num_inducing": 4}
+    spec = MethodSpec("kep_s4", "kep_svgp", attention_arguments=arguments)
+    arguments["num_inducing"] = 8  # the spec holds its own copy
+    assert spec.attention_arguments == {"num_inducing": 4}
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        spec.attention = "softmax"
+    for bad, match in (
+        ({"name": "two words"}, "name to be a non-empty string without spaces"),
+        ({"attention": ""}, "attention to be a non-empty string"),
+        ({"attention_arguments": [("num_inducing", 4)]}, "attention_arguments to map argument names"),
+        ({"recipe": 0.5}, "recipe to be a TrainingRecipe"),
+        ({"predictive": "mc_dropout"}, "predictive to be a Predictive"),
+        ({"temperature_scaled": 1}, "temperature_scaled to be a bool"),
+    ):
+        with pytest.raises((ValueError, TypeError), match=match):
+            MethodSpec(**{"name": "row", "attention": "softmax", **bad})
+    with pytest.raises(ValueError, match="kl_anneal_fraction"):
+        TrainingRecipe(kl_anneal_fraction=1.5)
+    with pytest.raises(ValueError, match="kind to be one of"):
+        Predictive("laplace")
+    with pytest.raises(ValueError, match="members"):
+        Predictive(members=0)
+    assert TrainingRecipe(0.5).kl_anneal_epochs(40) == 20.0
+
+
+def test_hyperparameters_take_tuned_values_as_data():
+    config = CompareConfig(num_inducing=None, mc_dropout=0.2)
+    base = config.hyperparameters("digits", get_method("softmax"), num_inducing=5)
+    assert (base.epochs, base.lr, base.weight_decay, base.num_inducing, base.dropout) == (40, 3e-3, 0.01, 5, 0.0)
+    assert config.hyperparameters("mnist1d", get_method("softmax_mc_dropout")).dropout == 0.2
+    assert CompareConfig(num_inducing=8).hyperparameters("digits", get_method("sgpa"), 5).num_inducing == 8
+    tuned = base.updated({"lr": 1e-3, "beta": 0.1, "epochs": 60})
+    assert (tuned.lr, tuned.beta, tuned.epochs, tuned.depth) == (1e-3, 0.1, 60, base.depth)
+    assert tuned.to_dict() == {**base.to_dict(), "lr": 1e-3, "beta": 0.1, "epochs": 60}
+    with pytest.raises(ValueError, match=r"unknown names \['learning_rate'\]"):
+        base.updated({"learning_rate": 1e-3})
+    with pytest.raises(ValueError, match="lr"):
+        base.updated({"lr": -1.0})
+    with pytest.raises(ValueError, match="dropout"):
+        base.updated({"dropout": math.nan})
+
+
+# -- CompareConfig reads the registry only -----------------------------------------------------------------------------
+def test_compare_config_builds_no_layer_and_plan_runs_checks_them_once(monkeypatch):
+    built = []
+    original = AttentionLayer.__init__
+
+    def counting(self, *args, **kwargs):
+        built.append(type(self).__name__)
+        original(self, *args, **kwargs)
+
+    monkeypatch.setattr(AttentionLayer, "__init__", counting)
+    rows = ("kep_svgp", "sgpa", "softmax", "softmax_mc_dropout", "deep_ensemble")
+    config = CompareConfig(attentions=rows, num_inducing=8, tasks=("pointer", "digits"))
+    assert built == []  # validated against the registry only
+    state = torch.get_rng_state()
+    runs = plan_runs(config)
+    assert torch.equal(torch.get_rng_state(), state)
+    # one layer per distinct (attention, arguments): the three softmax rows and both tasks share one check
+    assert sorted(built) == ["KEPSVGPAttention", "SGPAAttention", "SoftmaxAttention"]
+    assert runs == [(task, row, seed) for task in ("pointer", "digits") for row in rows for seed in range(5)]
+    with pytest.raises(ValueError, match=r"the row 'kep_svgp': .*num_inducing \(99\).*head width"):
+        plan_runs(dataclasses.replace(config, num_inducing=99))
+
+
+def test_an_ensemble_row_is_not_ensembled_again():
+    assert CompareConfig(attentions=("deep_ensemble",)).ensemble == 1
+    assert CompareConfig(attentions=("softmax",), ensemble=3).ensemble == 3
+    with pytest.raises(ValueError, match=r"\['deep_ensemble'\] are ensembles already"):
+        CompareConfig(attentions=("softmax", "deep_ensemble"), ensemble=2)
+
+
+def test_hyperparameters_are_validated():
+    values = dict(epochs=1, lr=1e-3, weight_decay=0.0, batch_size=8, embed_dim=16, depth=2, num_heads=2, gp_layers=1,
+                  num_inducing=None, beta=1.0, ksvd_weight=1.0, dropout=0.0)  # fmt: skip
+    assert Hyperparameters(**values).gp_layers == 1
+    for bad, match in (({"gp_layers": 3}, "gp_layers"), ({"embed_dim": 15}, "divisible"), ({"epochs": 0}, "epochs")):
+        with pytest.raises(ValueError, match=match):
+            Hyperparameters(**{**values, **bad})
