@@ -1,7 +1,8 @@
 """Validation-split sweep of KEP-SVGP's rank ``s``, KSVD weight ``eta`` and KL weight ``beta`` on digits.
 
 One factor at a time around the comparison's defaults (rank s = 10, eta 1, beta 1), plus softmax and SGPA references,
-each over several seeds, with the comparison's model and training loop (:mod:`gpattn.experiments.compare`).
+each over several seeds, with the comparison's model and training loop (:mod:`gpattn.comparison.runs`; every row
+with its own training recipe, so SGPA anneals its KL as in ``gpattn compare``).
 Everything is measured on the VALIDATION split, never the test split, so the table can be used to choose settings.
 Results go to ``benchmarks/results/kep_sweep.json``.
 """
@@ -16,9 +17,9 @@ from pathlib import Path
 
 import torch
 
-from gpattn.experiments import CompareConfig, TaskData, evaluate, load_task, train_model
-from gpattn.experiments.compare import build_model, make_train_config
-from gpattn.experiments.evaluation import classification_metrics
+from gpattn.comparison import CompareConfig, TaskData, build_model, classification_metrics, load_task, make_train_config
+from gpattn.methods import get_method
+from gpattn.training import evaluate, train_model
 
 SETTINGS = [
     ("kep_svgp", {}),
@@ -38,9 +39,11 @@ SETTINGS = [
 
 def run(name: str, overrides: dict, seed: int, data: TaskData, base: CompareConfig) -> dict[str, float]:
     config = replace(base, **overrides)
+    method = get_method(name)
+    hyperparameters = config.hyperparameters("digits", method, data.num_inducing)
     torch.manual_seed(seed)
-    model = build_model(config, name, data.num_classes, data.model_kwargs)
-    train_config = make_train_config(config, "digits", seed)
+    model = build_model(method, hyperparameters, data.num_classes, data.model_kwargs)
+    train_config = make_train_config(config, method, hyperparameters, seed)
     train_model(model, data.train, data.val, train_config)
     torch.manual_seed(seed)
     probabilities = evaluate(model, data.val, num_samples=config.eval_samples)

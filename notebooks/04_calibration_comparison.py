@@ -16,7 +16,7 @@
 # %% [markdown]
 # # 04 · Calibration, robustness and cost: KEP-SVGP against the other attentions
 #
-# `gpattn.experiments.compare` trains the same small Transformer with every attention of the registry in its last
+# `gpattn.comparison` trains the same small Transformer with every attention of the registry in its last
 # block (the first block uses softmax attention, as in the KEP-SVGP and SGPA papers) and evaluates the Monte Carlo
 # predictive distribution $p(y \mid x) \approx \frac1T \sum_{t=1}^T \operatorname{softmax}(\text{logits}^{(t)})$:
 #

@@ -48,8 +48,7 @@ import numpy as np
 from IPython.display import Markdown, display
 
 from gpattn.data import MNIST1D_SHIFT_PARAMETERS
-from gpattn.experiments import CompareConfig, load_task, markdown_table, train_and_evaluate
-from gpattn.experiments.report import with_temperature_scaled
+from gpattn.experiments import CompareConfig, load_task, markdown_table, train_and_evaluate, with_temperature_scaled
 from gpattn.plotting import plot_fidelity, plot_reliability_diagrams, plot_shift_curves
 
 # %matplotlib inline

@@ -34,7 +34,7 @@ SUBPACKAGES = tuple(
     )
 )
 # objects rendered on a page of their own besides the subpackages' ``__all__`` (lazily exported names)
-EXTRA_RENDERED = ("experiments.distributed",)
+EXTRA_RENDERED = ("training.distributed",)
 
 ROLE = re.compile(r":(?P<role>class|func|meth|attr|data|mod|exc|obj|const):`(?P<target>[^`]+)`")
 MATH_ROLE = re.compile(r":math:`(?P<tex>[^`]+)`")

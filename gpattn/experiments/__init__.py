@@ -63,6 +63,7 @@ from ..training import (
     warmup_cosine_lr,
     warmup_cosine_schedule,
 )
+from ..training.distributed import DataParallelStrategy, parameter_checksum, shard_indices, train_distributed
 
 __all__ = [
     "COMPARE_VARIANTS",
@@ -136,15 +137,3 @@ COMPARE_VARIANTS: dict[str, str] = {
 def compare_rows() -> list[str]:
     """Every row ``CompareConfig.attentions`` accepts: the former name of :func:`~gpattn.methods.method_names`."""
     return method_names()
-
-
-#: Names of :mod:`gpattn.training.distributed`, which :mod:`gpattn.training` imports on first use.
-_DISTRIBUTED = ("DataParallelStrategy", "parameter_checksum", "shard_indices", "train_distributed")
-
-
-def __getattr__(name: str):
-    if name in _DISTRIBUTED:
-        from .. import training
-
-        return getattr(training, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
