@@ -162,6 +162,17 @@ class CompareConfig:
             dropout=self.mc_dropout if method.predictive.mc_dropout else 0.0,
         )
 
+    def attention_arguments(self, row: str) -> dict[str, Any]:
+        """The keyword arguments of the attention layer of the row ``row`` under these settings: ``num_inducing`` and
+        ``ksvd_weight`` where the layer takes them (``num_inducing=None``: the layer's default; a run uses the task's
+        size then), then the row's own (:meth:`~gpattn.methods.MethodSpec.layer_arguments`).
+
+        Example:
+            >>> CompareConfig(num_inducing=8).attention_arguments("sgpa")
+            {'num_inducing': 8}
+        """
+        return get_method(row).layer_arguments(num_inducing=self.num_inducing, ksvd_weight=self.ksvd_weight)
+
     @classmethod
     def quick(cls, **overrides: Any) -> CompareConfig:
         """A smoke test (``smoke_test=True``, labelled so in ``table.md``): the pointer task and digits, one seed, few

@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from ..attention import build_attention, select_arguments
+from ..attention import build_attention
 from ..methods import Hyperparameters, MethodSpec, get_method, resolve_method
 from ..models import Transformer
 from ..training import Callback, TrainConfig, train_ensemble
@@ -46,13 +46,10 @@ __all__ = [
 
 
 def layer_arguments(method: MethodSpec, hyperparameters: Hyperparameters) -> dict[str, Any]:
-    """The keyword arguments of the row's attention layer: ``num_inducing`` and ``ksvd_weight`` where the layer takes
-    them (:func:`~gpattn.attention.select_arguments`; ``num_inducing=None`` is the layer's default), then the row's own
-    :attr:`~gpattn.methods.MethodSpec.attention_arguments`."""
-    shared = select_arguments(
-        method.attention, num_inducing=hyperparameters.num_inducing, ksvd_weight=hyperparameters.ksvd_weight
-    )
-    return {**shared, **method.attention_arguments}
+    """The keyword arguments of the row's attention layer in a run: ``num_inducing`` and ``ksvd_weight`` of
+    ``hyperparameters`` where the layer takes them (``num_inducing=None`` is the layer's default), then the row's own
+    (:meth:`~gpattn.methods.MethodSpec.layer_arguments`)."""
+    return method.layer_arguments(num_inducing=hyperparameters.num_inducing, ksvd_weight=hyperparameters.ksvd_weight)
 
 
 def build_model(

@@ -6,6 +6,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..attention import select_arguments
 from .predictive import Predictive
 from .recipe import TrainingRecipe
 
@@ -33,6 +34,8 @@ class MethodSpec:
         >>> spec = MethodSpec("kep_s4", attention="kep_svgp", attention_arguments={"num_inducing": 4})
         >>> spec.predictive.members, spec.recipe.kl_anneal_fraction, spec.temperature_scaled
         (1, 0.0, True)
+        >>> spec.layer_arguments(num_inducing=8, ksvd_weight=0.5)
+        {'num_inducing': 4, 'ksvd_weight': 0.5}
     """
 
     name: str
@@ -63,3 +66,9 @@ class MethodSpec:
         for label in ("description", "paper"):
             if not isinstance(getattr(self, label), str):
                 raise ValueError(f"MethodSpec: expected {label} to be a string, got {getattr(self, label)!r}")
+
+    def layer_arguments(self, **settings: Any) -> dict[str, Any]:
+        """The keyword arguments of the row's attention layer: the shared ``settings`` that the layer takes
+        (:func:`~gpattn.attention.select_arguments`, e.g. ``num_inducing`` and ``ksvd_weight``; a ``None`` value is
+        left out, so the layer uses its own default), then the row's own :attr:`attention_arguments`, which win."""
+        return {**select_arguments(self.attention, **settings), **self.attention_arguments}

@@ -262,16 +262,13 @@ def test_size_arguments_come_from_the_registry() -> None:
     state = torch.get_rng_state()
     plan_runs(config)  # every layer is built once to check the size ...
     assert torch.equal(torch.get_rng_state(), state)  # ... without touching the caller's RNG
-
-    def arguments(config: CompareConfig, row: str) -> dict:
-        method = get_method(row)
-        return layer_arguments(method, config.hyperparameters("digits", method))
-
-    assert arguments(config, "softmax") == {}
-    assert arguments(config, "sgpa") == {"num_inducing": 8}
-    assert arguments(config, "kep_svgp") == {"num_inducing": 8, "ksvd_weight": 0.5}
+    assert config.attention_arguments("softmax") == {}
+    assert config.attention_arguments("sgpa") == {"num_inducing": 8}
+    assert config.attention_arguments("kep_svgp") == {"num_inducing": 8, "ksvd_weight": 0.5}
     default = CompareConfig()
-    assert default.num_inducing is None and arguments(default, "sgpa") == {}  # the layer's own default
+    assert default.num_inducing is None and default.attention_arguments("sgpa") == {}  # the layer's own default
+    method = get_method("kep_svgp")  # a run's arguments: the same, from its hyperparameters
+    assert layer_arguments(method, config.hyperparameters("digits", method)) == config.attention_arguments("kep_svgp")
     model = _model(config, "sgpa", 2, {"input": "tokens", "vocab_size": 5, "max_len": 4})
     assert model.attention_layers()[-1].num_inducing == 8
 
