@@ -125,7 +125,15 @@ def _describe(parts: dict[str, Tensor]) -> str:
 class _Loop:
     """The state of one call of :func:`train_model` and its helpers: a step, an epoch, its validation and checkpoint."""
 
-    def __init__(self, model, train, val, config: TrainConfig, strategy: TrainingStrategy, callbacks) -> None:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        train: Any,
+        val: Any,
+        config: TrainConfig,
+        strategy: TrainingStrategy,
+        callbacks: Iterable[Callback],
+    ) -> None:
         self.model, self.val, self.config, self.strategy = model, val, config, strategy
         self.device = strategy.device(config)
         self.train_inputs, self.train_mask = dataset_inputs(train)
