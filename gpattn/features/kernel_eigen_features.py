@@ -91,7 +91,8 @@ class KernelEigenFeatures(KernelEigenFeaturesBase):
         self.mode = mode
         self.svd_method = svd_method
         self.ksvd_weight = float(ksvd_weight)
-        if mode == "primal":
+        self.learns_spectrum = mode == "primal"
+        if self.learns_spectrum:
             self._init_primal()
 
     def _register_landmarks(self, name: str, landmarks: Tensor, learn: bool, width: int | str) -> None:
@@ -144,6 +145,12 @@ class KernelEigenFeatures(KernelEigenFeaturesBase):
         """The asymmetric kernel :math:`\\kappa`."""
         return self.base_kernel if "base_kernel" in self._modules else self._kernel_getter()
 
+    @property
+    def inducing_points(self) -> Tensor:
+        """The query landmarks :math:`X`, shape ``(*batch, M, d)`` (what a GPyTorch strategy calls
+        ``inducing_points``)."""
+        return self.landmarks
+
     def _clear_cache(self) -> None:
         clear_cache_hook(self)
 
@@ -154,7 +161,7 @@ class KernelEigenFeatures(KernelEigenFeaturesBase):
     def decomposition(self) -> KernelSVD:
         r"""Exact mode: the truncated KSVD of :math:`\kappa(X, Z)`, memoised until the cache is cleared
         (every training call of a strategy, and ``train()``/``eval()``)."""
-        if self.mode != "exact":
+        if self.learns_spectrum:
             raise RuntimeError("decomposition() is defined in exact mode only")
         return self._exact_svd()
 
@@ -167,7 +174,7 @@ class KernelEigenFeatures(KernelEigenFeaturesBase):
         (:func:`~gpattn.features.numerically_nonzero`; fewer than ``s`` when ``num_inducing`` exceeds the kernel's
         numerical rank on the landmarks, e.g. duplicated landmarks or a smooth kernel with ``s`` close to ``M``),
         shape ``(*batch, s)``; ``None`` in primal mode (a learned :math:`\Lambda` is positive)."""
-        if self.mode != "exact":
+        if self.learns_spectrum:
             return None
         size = max(self.landmarks.shape[-2], self.key_landmarks.shape[-2])
         return numerically_nonzero(self.singular_values, size)
@@ -223,7 +230,7 @@ class KernelEigenFeatures(KernelEigenFeaturesBase):
             if side not in sides:
                 parts[side], parts[f"{side}_diag"] = None, None
                 continue
-            if self.mode == "primal":
+            if self.learns_spectrum:
                 if side == "left":  # e(x) = W_e^T phi_q(x)
                     features, weights = kernel.query_features(x), self.left_weights
                     other = kernel.key_features(self.key_landmarks) if kernel_diag else None
@@ -267,7 +274,7 @@ class KernelEigenFeatures(KernelEigenFeaturesBase):
 
     def ksvd_objective(self) -> Tensor:
         r""":math:`J` (sum form) on the landmarks; identically zero in exact mode. Shape ``(*batch)``."""
-        if self.mode == "exact":
+        if not self.learns_spectrum:
             return torch.zeros(self.landmarks.shape[:-2], dtype=self.landmarks.dtype, device=self.landmarks.device)
         return ksvd_objective(
             self.scores(self.landmarks, "left"),
@@ -282,5 +289,5 @@ class KernelEigenFeatures(KernelEigenFeaturesBase):
 
         Strategies call this on every training forward pass.
         """
-        if self.mode == "primal":
+        if self.learns_spectrum:
             self.update_added_loss_term("ksvd_loss", KSVDAddedLossTerm(self.ksvd_objective(), self.ksvd_weight))
