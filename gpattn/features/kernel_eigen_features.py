@@ -43,6 +43,18 @@ class KernelEigenFeatures(KernelEigenFeaturesBase):
       of the initial landmarks and kept near a stationary point by the penalty :math:`\eta J^2`, registered
       as the added loss term ``"ksvd_loss"``. Needs a kernel with primal features. O(N p s) per call.
 
+    The mode is read once, at construction: :attr:`learns_spectrum` says which of the two the features are.
+
+    Example:
+        >>> from gpattn.kernels import ShiftedRBFKernel
+        >>> landmarks = torch.linspace(-2, 2, 8).unsqueeze(-1)
+        >>> features = KernelEigenFeatures(ShiftedRBFKernel(input_dim=1), landmarks, num_inducing=3)
+        >>> scores = features(torch.linspace(-3, 3, 5).unsqueeze(-1), kernel_diag=True)
+        >>> scores.left_scores.shape, scores.singular_values.shape, features.Kuu().shape  # e(x), Lambda, K_uu
+        (torch.Size([5, 3]), torch.Size([3]), torch.Size([3, 3]))
+        >>> bool((features.residual_diag(landmarks) >= 0).all()), features.learns_spectrum
+        (True, False)
+
     :param kernel: The asymmetric kernel, or a zero-argument callable returning it (used by strategies that
         read ``model.covar_module`` lazily; the callable's kernel is then not registered here).
     :param landmarks: Query landmarks :math:`X`, shape ``(*batch, M, d)``. A :class:`torch.nn.Parameter` is
