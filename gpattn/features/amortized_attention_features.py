@@ -51,29 +51,15 @@ class AmortizedAttentionFeatures(LearnedAttentionFeatures):
     supports_causal = True
     supported_calls = "every call"
 
-    def __init__(
-        self,
-        embed_dim: int,
-        num_heads: int,
-        num_inducing: int | None = None,
-        kernel: str = "cosine",
-        feature_dim: int | None = None,
-        tie_qk: bool = False,
-        max_len: int | None = None,
-        ksvd_weight: float = 1.0,
-        ksvd_form: str = "sum",
-    ):
-        super().__init__(
-            embed_dim, num_heads, num_inducing, kernel, feature_dim, tie_qk, max_len, ksvd_weight, ksvd_form
-        )
-        rank, bound = self.num_inducing, embed_dim**-0.5
+    def _build_weights(self, max_len: int | None) -> None:
+        heads, width, rank = self.num_heads, self.embed_dim, self.num_inducing
+        bound = width**-0.5
         # A_e, A_r: R^C -> R^s per head, as nn.Linear; shape (H, C, s) and (H, s)
-        self.left_map = torch.nn.Parameter(torch.empty(num_heads, embed_dim, rank).uniform_(-bound, bound))
-        self.left_bias = torch.nn.Parameter(torch.zeros(num_heads, rank))
+        self.left_map = torch.nn.Parameter(torch.empty(heads, width, rank).uniform_(-bound, bound))
+        self.left_bias = torch.nn.Parameter(torch.zeros(heads, rank))
         if not self.tie_qk:
-            self.right_map = torch.nn.Parameter(torch.empty(num_heads, embed_dim, rank).uniform_(-bound, bound))
-            self.right_bias = torch.nn.Parameter(torch.zeros(num_heads, rank))
-        self._register_learned_spectrum()
+            self.right_map = torch.nn.Parameter(torch.empty(heads, width, rank).uniform_(-bound, bound))
+            self.right_bias = torch.nn.Parameter(torch.zeros(heads, rank))
 
     def takes_fused_path(self, queries: Tensor, keys: Tensor, causal: bool, kernel_diag: bool) -> bool:
         """Whether a call takes the fused path: self-attention (``keys is queries``), no causal mask, no kernel
@@ -91,19 +77,12 @@ class AmortizedAttentionFeatures(LearnedAttentionFeatures):
             and not torch.is_autocast_enabled(queries.device.type)
         )
 
-    def forward(
-        self,
-        queries: Tensor,
-        keys: Tensor | None = None,
-        key_mask: Tensor | None = None,
-        causal: bool = False,
-        objective: bool = True,
-        kernel_diag: bool = True,
+    def _scores(
+        self, queries: Tensor, keys: Tensor, key_mask: Tensor | None, causal: bool, objective: bool, kernel_diag: bool
     ) -> KernelEigenScores:
-        keys = queries if keys is None else keys
         if self.takes_fused_path(queries, keys, causal, kernel_diag):
-            return self._penalised(self._fused_self_attention(queries, key_mask, objective))
-        return super().forward(queries, keys, key_mask, causal, objective, kernel_diag)
+            return self._fused_self_attention(queries, key_mask, objective)
+        return super()._scores(queries, keys, key_mask, causal, objective, kernel_diag)
 
     def _value_columns(self, tokens: Tensor, side: str) -> Tensor:
         r""":math:`A_e(Z)^\top` / :math:`A_r(X)^\top`, shape ``(B, H, s, n)``: one GEMM ``(H s, C) x (C, n)`` per

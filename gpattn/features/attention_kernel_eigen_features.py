@@ -118,6 +118,10 @@ class AttentionKernelEigenFeatures(KernelEigenFeaturesBase):
             self.kernel = CosineFeatureKernel(embed_dim, feature_dim, tie=tie_qk, batch_shape=heads)
         else:
             self.kernel = ExponentialDotProductKernel(embed_dim, feature_dim, tie=tie_qk, batch_shape=heads)
+        self._build(max_len)
+
+    def _build(self, max_len: int | None) -> None:
+        """The mode's own checks of its arguments and its parameters, after the kernel (called once by ``__init__``)."""
 
     def forward(
         self,
@@ -145,7 +149,20 @@ class AttentionKernelEigenFeatures(KernelEigenFeaturesBase):
             s)``, :math:`\Lambda` of shape ``(H, s)`` (learned) or ``(B, H, s)`` (exact), :math:`J` of shape ``(B, H)``
             and the kernel diagonals ``(B, H, N)``, ``(B, H, M)``.
         """
+        keys = queries if keys is None else keys
+        self._check_call(queries, keys, key_mask, causal)
+        scores = self._scores(queries, keys, key_mask, causal, objective, kernel_diag)
+        return self._penalised(scores, self._official_objective(scores, key_mask) if objective else None)
+
+    def _scores(
+        self, queries: Tensor, keys: Tensor, key_mask: Tensor | None, causal: bool, objective: bool, kernel_diag: bool
+    ) -> KernelEigenScores:
+        """The mode's scores of a checked call (see :meth:`forward`; ``keys`` is ``queries`` in self-attention)."""
         raise NotImplementedError
+
+    def _official_objective(self, scores: KernelEigenScores, key_mask: Tensor | None) -> Tensor | None:
+        """The official code's KSVD number of a call when the penalty takes that form, else ``None`` (sum form)."""
+        return None
 
     def _check_call(self, queries: Tensor, keys: Tensor, key_mask: Tensor | None, causal: bool) -> None:
         """Reject a call the capabilities exclude (a subclass adds its checks of the sequence length)."""

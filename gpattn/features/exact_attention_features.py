@@ -49,21 +49,7 @@ class ExactAttentionFeatures(AttentionKernelEigenFeatures):
         "self- and cross-attention with padding masks, but no causal mask: it mixes every token through the SVD"
     )
 
-    def __init__(
-        self,
-        embed_dim: int,
-        num_heads: int,
-        num_inducing: int | None = None,
-        kernel: str = "cosine",
-        feature_dim: int | None = None,
-        tie_qk: bool = False,
-        max_len: int | None = None,
-        ksvd_weight: float = 1.0,
-        ksvd_form: str = "sum",
-    ):
-        super().__init__(
-            embed_dim, num_heads, num_inducing, kernel, feature_dim, tie_qk, max_len, ksvd_weight, ksvd_form
-        )
+    def _build(self, max_len: int | None) -> None:
         where = type(self).__name__
         if max_len is not None and check_int("max_len", max_len, where=where) < self.num_inducing:
             # the SVD of a sequence of at most max_len tokens has at most max_len singular values
@@ -81,17 +67,9 @@ class ExactAttentionFeatures(AttentionKernelEigenFeatures):
         (:attr:`~gpattn.features.KernelEigenScores.active` of a call's scores, shape ``(B, H, s)``)."""
         raise RuntimeError(PER_SEQUENCE)
 
-    def forward(
-        self,
-        queries: Tensor,
-        keys: Tensor | None = None,
-        key_mask: Tensor | None = None,
-        causal: bool = False,
-        objective: bool = True,
-        kernel_diag: bool = True,
+    def _scores(
+        self, queries: Tensor, keys: Tensor, key_mask: Tensor | None, causal: bool, objective: bool, kernel_diag: bool
     ) -> KernelEigenScores:
-        keys = queries if keys is None else keys
-        self._check_call(queries, keys, key_mask, causal)
         query_mask = key_mask if queries is keys else None
         matrix = self.kernel.forward(queries.unsqueeze(1), keys.unsqueeze(1))  # shape: (B, H, N, M)
         if key_mask is not None:
@@ -117,5 +95,4 @@ class ExactAttentionFeatures(AttentionKernelEigenFeatures):
         singular_values = torch.where(active, values, torch.ones_like(values))  # shape: (B, H, s)
         zero_objective = torch.zeros(matrix.shape[:2], dtype=matrix.dtype, device=matrix.device)
         left_diag, right_diag = (matrix.pow(2).sum(-1), matrix.pow(2).sum(-2)) if kernel_diag else (None, None)
-        scores = KernelEigenScores(left, right, singular_values, zero_objective, left_diag, right_diag, active)
-        return self._penalised(scores)
+        return KernelEigenScores(left, right, singular_values, zero_objective, left_diag, right_diag, active)

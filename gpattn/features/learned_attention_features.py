@@ -56,21 +56,18 @@ class LearnedAttentionFeatures(AttentionKernelEigenFeatures):
 
     learns_spectrum = True
 
-    def _register_learned_spectrum(self) -> None:
+    def _build(self, max_len: int | None) -> None:
+        self._build_weights(max_len)
         # Lambda = softplus(0) = log 2 for every head at initialisation
         self._register_singular_values(torch.full((self.num_heads, self.num_inducing), math.log(2.0)))
 
-    def forward(
-        self,
-        queries: Tensor,
-        keys: Tensor | None = None,
-        key_mask: Tensor | None = None,
-        causal: bool = False,
-        objective: bool = True,
-        kernel_diag: bool = True,
+    def _build_weights(self, max_len: int | None) -> None:
+        """The mode's checks of its arguments and the parameters of its weights (before the learned spectrum)."""
+        raise NotImplementedError
+
+    def _scores(
+        self, queries: Tensor, keys: Tensor, key_mask: Tensor | None, causal: bool, objective: bool, kernel_diag: bool
     ) -> KernelEigenScores:
-        keys = queries if keys is None else keys
-        self._check_call(queries, keys, key_mask, causal)
         self_attention = queries is keys
         query_mask = key_mask if self_attention else None
         kernel = self.kernel
@@ -110,8 +107,7 @@ class LearnedAttentionFeatures(AttentionKernelEigenFeatures):
             right_diag = scale * unit_quadratic_form(
                 key_columns, key_inverse, query_columns, query_inverse, query_mask, causal
             )
-        scores = KernelEigenScores(left, right, singular_values, objective_value, left_diag, right_diag)
-        return self._penalised(scores, self._official_objective(scores, key_mask) if objective else None)
+        return KernelEigenScores(left, right, singular_values, objective_value, left_diag, right_diag)
 
     def _weights(
         self, queries: Tensor, keys: Tensor, key_mask: Tensor | None, columns: Columns
@@ -152,10 +148,6 @@ class LearnedAttentionFeatures(AttentionKernelEigenFeatures):
     ) -> tuple[Tensor, Tensor, Tensor | None]:
         """The scores (and :math:`J`) of a causal call, for a mode that :attr:`supports_causal`."""
         raise NotImplementedError
-
-    def _official_objective(self, scores: KernelEigenScores, key_mask: Tensor | None) -> Tensor | None:
-        """The official code's KSVD number of a call when the penalty takes that form, else ``None`` (sum form)."""
-        return None
 
     def _check_magnitude(self, queries: Tensor, keys: Tensor) -> None:
         # called when the learned scores are not finite: inputs of magnitude ~sqrt(finfo.max) overflow W^T P ~ |x|^2

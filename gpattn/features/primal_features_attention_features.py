@@ -39,30 +39,15 @@ class PrimalFeaturesAttentionFeatures(LearnedAttentionFeatures):
     supports_padding_mask = False
     supported_calls = "plain self-attention only (no mask, no context): its weights read every token of the sequence"
 
-    def __init__(
-        self,
-        embed_dim: int,
-        num_heads: int,
-        num_inducing: int | None = None,
-        kernel: str = "cosine",
-        feature_dim: int | None = None,
-        tie_qk: bool = False,
-        max_len: int | None = None,
-        ksvd_weight: float = 1.0,
-        ksvd_form: str = "sum",
-    ):
-        super().__init__(
-            embed_dim, num_heads, num_inducing, kernel, feature_dim, tie_qk, max_len, ksvd_weight, ksvd_form
-        )
-        where, rank = type(self).__name__, self.num_inducing
+    def _build_weights(self, max_len: int | None) -> None:
+        where, heads, rank = type(self).__name__, self.num_heads, self.num_inducing
         if max_len is None:
             raise ValueError(f"{where}: features='primal_features' needs max_len (its fixed sequence length)")
         # W~ (max_len x s) of rank s
         check_int("max_len (the sequence length of features='primal_features')", max_len, rank, where=where)
-        self.left_token_weights = torch.nn.Parameter(torch.randn(num_heads, max_len, rank) * max_len**-0.5)
+        self.left_token_weights = torch.nn.Parameter(torch.randn(heads, max_len, rank) * max_len**-0.5)
         if not self.tie_qk:
-            self.right_token_weights = torch.nn.Parameter(torch.randn(num_heads, max_len, rank) * max_len**-0.5)
-        self._register_learned_spectrum()
+            self.right_token_weights = torch.nn.Parameter(torch.randn(heads, max_len, rank) * max_len**-0.5)
 
     def _check_call(self, queries: Tensor, keys: Tensor, key_mask: Tensor | None, causal: bool) -> None:
         super()._check_call(queries, keys, key_mask, causal)

@@ -58,26 +58,12 @@ class PrimalTokensAttentionFeatures(LearnedAttentionFeatures):
         "token of the sequence"
     )
 
-    def __init__(
-        self,
-        embed_dim: int,
-        num_heads: int,
-        num_inducing: int | None = None,
-        kernel: str = "cosine",
-        feature_dim: int | None = None,
-        tie_qk: bool = False,
-        max_len: int | None = None,
-        ksvd_weight: float = 1.0,
-        ksvd_form: str = "sum",
-    ):
-        super().__init__(
-            embed_dim, num_heads, num_inducing, kernel, feature_dim, tie_qk, max_len, ksvd_weight, ksvd_form
-        )
-        where, rank, width = type(self).__name__, self.num_inducing, self.kernel.feature_dim
-        if embed_dim % num_heads or width != embed_dim // num_heads:
+    def _build_weights(self, max_len: int | None) -> None:
+        where, heads, rank, width = type(self).__name__, self.num_heads, self.num_inducing, self.kernel.feature_dim
+        if self.embed_dim % heads or width != self.embed_dim // heads:
             raise ValueError(
                 f"{where}: features='primal_tokens' forms W = X_h^T W~ from the head's block of C / H input channels, "
-                f"so feature_dim must be embed_dim / num_heads = {embed_dim} / {num_heads}, got {width}"
+                f"so feature_dim must be embed_dim / num_heads = {self.embed_dim} / {heads}, got {width}"
             )
         if max_len is None:
             raise ValueError(f"{where}: features='primal_tokens' needs max_len (its longest sequence)")
@@ -85,12 +71,11 @@ class PrimalTokensAttentionFeatures(LearnedAttentionFeatures):
         check_int("max_len (the longest sequence of features='primal_tokens')", max_len, where=where)
         positions = min(max_len, PRIMAL_TOKENS_MULTIPLE * rank)
         # the official initialisation: torch's orthogonal_ on (H, N', s), i.e. orthonormal flattened heads
-        self.left_token_weights = torch.nn.Parameter(torch.nn.init.orthogonal_(torch.empty(num_heads, positions, rank)))
+        self.left_token_weights = torch.nn.Parameter(torch.nn.init.orthogonal_(torch.empty(heads, positions, rank)))
         if not self.tie_qk:
             self.right_token_weights = torch.nn.Parameter(
-                torch.nn.init.orthogonal_(torch.empty(num_heads, positions, rank))
+                torch.nn.init.orthogonal_(torch.empty(heads, positions, rank))
             )
-        self._register_learned_spectrum()
 
     def sampled_positions(self, length: int) -> Tensor | None:
         r"""The positions of the :math:`N'` tokens that form :math:`\tilde X` in a sequence of ``length`` tokens, or

@@ -54,19 +54,18 @@ class KernelEigenPairVariationalStrategy(KernelEigenVariationalStrategy):
         the features.
 
     Example:
-        >>> from gpytorch.models import ApproximateGP
         >>> from gpytorch.variational import CholeskyVariationalDistribution
+        >>> from gpattn.features import KernelEigenFeatures
         >>> from gpattn.kernels import ShiftedRBFKernel
-        >>> class PairGP(ApproximateGP):
-        ...     def __init__(self, landmarks):
-        ...         q_u = CholeskyVariationalDistribution(4, batch_shape=torch.Size([2]))  # (left, right)
-        ...         super().__init__(KernelEigenPairVariationalStrategy(self, landmarks, q_u, merge="concat"))
-        ...         self.covar_module = ShiftedRBFKernel(input_dim=1)
-        >>> model = PairGP(torch.linspace(-2, 2, 8).unsqueeze(-1))
+        >>> landmarks = torch.linspace(-2, 2, 8).unsqueeze(-1)
+        >>> features = KernelEigenFeatures(ShiftedRBFKernel(input_dim=1), landmarks, num_inducing=4)  # shared
+        >>> q_u = CholeskyVariationalDistribution(4, batch_shape=torch.Size([2]))  # (left, right)
+        >>> model = torch.nn.Module()  # the owner (its mean_module, if any, is the prior mean)
+        >>> strategy = KernelEigenPairVariationalStrategy(model, None, q_u, merge="concat", features=features)
         >>> x = torch.linspace(-3, 3, 5).unsqueeze(-1)
-        >>> model(x).mean.shape, model.variational_strategy.branch(x, "right").mean.shape  # [F_e, F_r]; F_r alone
+        >>> strategy(x).mean.shape, strategy.branch(x, "right").mean.shape  # [F_e, F_r]; F_r alone
         (torch.Size([5, 2]), torch.Size([5]))
-        >>> model.variational_strategy.kl_divergence().shape  # KL_e + KL_r
+        >>> strategy.kl_divergence().shape  # KL_e + KL_r
         torch.Size([])
 
     .. note:: Cost: one feature evaluation for both branches plus O(N s^2); the KL is O(s) for the prior part.

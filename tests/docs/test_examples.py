@@ -13,8 +13,6 @@ import pkgutil
 
 import pytest
 
-import gpattn
-
 # the subpackages whose examples are doctests (gpattn.experiments shows calls on a run folder and a training run:
 # illustrations, not doctests)
 PACKAGES = (
