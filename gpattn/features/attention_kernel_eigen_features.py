@@ -52,6 +52,15 @@ class AttentionKernelEigenFeatures(KernelEigenFeaturesBase):
     :param ksvd_form: ``"sum"`` (:math:`\eta \operatorname{mean}_b \sum_h J_{bh}^2` with the token-sum :math:`J`) or
         ``"official"`` (``"primal_tokens"`` only), see :func:`~gpattn.ksvd.ksvd_objective`.
 
+    Example:
+        >>> from gpattn.features import ATTENTION_FEATURES
+        >>> for mode, cls in ATTENTION_FEATURES.items():  # what each mode supports, as the layers ask it
+        ...     print(f"{mode:16} {cls.__name__:32} causal={cls.supports_causal} cross={cls.supports_cross_attention}")
+        amortized        AmortizedAttentionFeatures       causal=True cross=True
+        primal_tokens    PrimalTokensAttentionFeatures    causal=False cross=False
+        primal_features  PrimalFeaturesAttentionFeatures  causal=False cross=False
+        exact            ExactAttentionFeatures           causal=False cross=True
+
     :ivar supports_causal: A causal mask is accepted (prefix sums).
     :ivar supports_cross_attention: Keys other than the queries are accepted.
     :ivar supports_padding_mask: A padding mask is accepted.
