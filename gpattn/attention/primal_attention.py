@@ -5,8 +5,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ..features import AttentionKernelEigenFeatures
-from ..validation import check_choice
+from ..features import ATTENTION_FEATURES, attention_feature_class, build_attention_features
 from ._base import AttentionLayer
 
 
@@ -17,16 +16,17 @@ class PrimalAttention(AttentionLayer):
 
         o(x_i) = W_o \begin{bmatrix} e(x_i) \\ r(x_i) \end{bmatrix}, \qquad W_o: \mathbb R^{2s} \to \mathbb R^{C/H},
 
-    with :math:`e, r` from :class:`~gpattn.features.AttentionKernelEigenFeatures` (amortised by default, gpattn's
-    variant; ``"primal_tokens"`` is the official code's :math:`W_{e|X} = \tilde X_h^\top \tilde W_e`, registry row
-    ``"primal_paper"`` together with ``ksvd_form="official"``) and the penalty :math:`\eta J^2` (the features' added
-    loss term ``"ksvd_loss"``, :math:`\eta` = ``ksvd_weight``). Deterministic: ``kl_divergence()`` is zero. In
-    cross-attention :math:`r` lives on the keys, so the queries use :math:`[e(x_i); 0]`.
+    with :math:`e, r` from learned :class:`~gpattn.features.AttentionKernelEigenFeatures` (amortised by default,
+    gpattn's variant; ``"primal_tokens"`` is the official code's :math:`W_{e|X} = \tilde X_h^\top \tilde W_e`,
+    registry row ``"primal_paper"`` together with ``ksvd_form="official"``) and the penalty :math:`\eta J^2` (the
+    features' added loss term ``"ksvd_loss"``, :math:`\eta` = ``ksvd_weight``). Deterministic: ``kl_divergence()`` is
+    zero. In cross-attention :math:`r` lives on the keys, so the queries use :math:`[e(x_i); 0]`.
 
     :param embed_dim: Token width :math:`C`.
     :param num_heads: :math:`H`.
     :param num_inducing: :math:`s`, the KSVD rank (default :math:`\min(10, p)`, :math:`p` the feature dimension).
-    :param features: ``"amortized"``, ``"primal_tokens"`` or ``"primal_features"``.
+    :param features: A mode with a learned spectrum: ``"amortized"``, ``"primal_tokens"`` or ``"primal_features"``
+        (the layer accepts the calls its features support).
     :param max_len: Longest sequence of ``"primal_tokens"`` (sequence length of ``"primal_features"``).
     :param dropout: Output dropout.
     :param feature_dim: Kernel feature dimension :math:`p` (default: the head width); ``num_inducing <= feature_dim``.
@@ -50,20 +50,21 @@ class PrimalAttention(AttentionLayer):
         ksvd_form: str = "sum",
     ):
         super().__init__(embed_dim, num_heads, dropout)
-        modes = ("amortized", "primal_tokens", "primal_features")
-        check_choice("features", features, modes, where=type(self).__name__)
-        self.features = AttentionKernelEigenFeatures(
+        if not attention_feature_class(features).learns_spectrum:  # the scores of a learned KSVD
+            learned = [name for name, cls in ATTENTION_FEATURES.items() if cls.learns_spectrum]
+            raise ValueError(f"{type(self).__name__}: expected features to be one of {learned}, got {features!r}")
+        self.features = build_attention_features(
             embed_dim,
             num_heads,
             num_inducing,
-            mode=features,
+            features,
             feature_dim=feature_dim,
             max_len=max_len,
             ksvd_weight=ksvd_weight,
             ksvd_form=ksvd_form,
         )
-        if features in ("primal_tokens", "primal_features"):  # the weights read every token of the sequence
-            self.supports_causal = self.supports_cross_attention = False
+        self.supports_causal = self.features.supports_causal
+        self.supports_cross_attention = self.features.supports_cross_attention
         self.num_inducing = num_inducing = self.features.num_inducing  # the default resolved there: min(10, p)
         bound = (2 * num_inducing) ** -0.5
         # per-head map [e; r] (2s) -> head width; shape (H, 2s, head_dim)

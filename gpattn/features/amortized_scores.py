@@ -35,14 +35,11 @@ backward passes) outside.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
-
 import torch
 from torch import Tensor
 
 from ..kernels.cosine_feature_kernel import inverse_norms
 from ..validation import all_finite
-from .kernel_eigen_scores import KernelEigenScores
 
 #: the norm below which a feature column is not normalised further (as torch.nn.functional.normalize)
 NORM_FLOOR = 1e-12
@@ -72,27 +69,6 @@ def _inverse_norms(columns: Tensor) -> tuple[Tensor, Tensor]:
         inverse = inverse_norms(columns, dim=-2)
         return inverse, inverse < 1.0 / NORM_FLOOR
     return squared.clamp_min(NORM_FLOOR**2).rsqrt(), squared > NORM_FLOOR**2
-
-
-@dataclass(frozen=True)
-class StackedKernelEigenScores(KernelEigenScores):
-    r"""A :class:`~gpattn.features.KernelEigenScores` whose two branches' scores are halves of one tensor, as the
-    fused path computes them, so that a consumer can treat both branches in one product (e.g. one output GEMM of
-    inner dimension :math:`2 H s` instead of two of :math:`H s`).
-
-    :ivar stacked: :math:`[e^\top; r^\top]`, shape ``(B, 2, H, s, N)``; ``left_scores`` and ``right_scores`` are
-        ``stacked[:, 0].mT`` and ``stacked[:, 1].mT``.
-    """
-
-    stacked: Tensor | None = None
-
-    def for_outputs(self, num_dims: int = 1) -> KernelEigenScores:
-        """:meth:`KernelEigenScores.for_outputs` (a plain :class:`~gpattn.features.KernelEigenScores`: the stacked
-        tensor does not follow the inserted dimensions)."""
-        if num_dims == 0:
-            return self
-        plain = KernelEigenScores(**{field.name: getattr(self, field.name) for field in fields(KernelEigenScores)})
-        return plain.for_outputs(num_dims)
 
 
 class AmortizedSelfScores(torch.autograd.Function):

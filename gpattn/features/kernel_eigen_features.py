@@ -43,6 +43,18 @@ class KernelEigenFeatures(KernelEigenFeaturesBase):
       of the initial landmarks and kept near a stationary point by the penalty :math:`\eta J^2`, registered
       as the added loss term ``"ksvd_loss"``. Needs a kernel with primal features. O(N p s) per call.
 
+    The mode is read once, at construction: :attr:`learns_spectrum` says which of the two the features are.
+
+    Example:
+        >>> from gpattn.kernels import ShiftedRBFKernel
+        >>> landmarks = torch.linspace(-2, 2, 8).unsqueeze(-1)
+        >>> features = KernelEigenFeatures(ShiftedRBFKernel(input_dim=1), landmarks, num_inducing=3)
+        >>> scores = features(torch.linspace(-3, 3, 5).unsqueeze(-1), kernel_diag=True)
+        >>> scores.left_scores.shape, scores.singular_values.shape, features.Kuu().shape  # e(x), Lambda, K_uu
+        (torch.Size([5, 3]), torch.Size([3]), torch.Size([3, 3]))
+        >>> bool((features.residual_diag(landmarks) >= 0).all()), features.learns_spectrum
+        (True, False)
+
     :param kernel: The asymmetric kernel, or a zero-argument callable returning it (used by strategies that
         read ``model.covar_module`` lazily; the callable's kernel is then not registered here).
     :param landmarks: Query landmarks :math:`X`, shape ``(*batch, M, d)``. A :class:`torch.nn.Parameter` is
@@ -91,7 +103,8 @@ class KernelEigenFeatures(KernelEigenFeaturesBase):
         self.mode = mode
         self.svd_method = svd_method
         self.ksvd_weight = float(ksvd_weight)
-        if mode == "primal":
+        self.learns_spectrum = mode == "primal"
+        if self.learns_spectrum:
             self._init_primal()
 
     def _register_landmarks(self, name: str, landmarks: Tensor, learn: bool, width: int | str) -> None:
@@ -144,6 +157,12 @@ class KernelEigenFeatures(KernelEigenFeaturesBase):
         """The asymmetric kernel :math:`\\kappa`."""
         return self.base_kernel if "base_kernel" in self._modules else self._kernel_getter()
 
+    @property
+    def inducing_points(self) -> Tensor:
+        """The query landmarks :math:`X`, shape ``(*batch, M, d)`` (what a GPyTorch strategy calls
+        ``inducing_points``)."""
+        return self.landmarks
+
     def _clear_cache(self) -> None:
         clear_cache_hook(self)
 
@@ -154,7 +173,7 @@ class KernelEigenFeatures(KernelEigenFeaturesBase):
     def decomposition(self) -> KernelSVD:
         r"""Exact mode: the truncated KSVD of :math:`\kappa(X, Z)`, memoised until the cache is cleared
         (every training call of a strategy, and ``train()``/``eval()``)."""
-        if self.mode != "exact":
+        if self.learns_spectrum:
             raise RuntimeError("decomposition() is defined in exact mode only")
         return self._exact_svd()
 
@@ -167,7 +186,7 @@ class KernelEigenFeatures(KernelEigenFeaturesBase):
         (:func:`~gpattn.features.numerically_nonzero`; fewer than ``s`` when ``num_inducing`` exceeds the kernel's
         numerical rank on the landmarks, e.g. duplicated landmarks or a smooth kernel with ``s`` close to ``M``),
         shape ``(*batch, s)``; ``None`` in primal mode (a learned :math:`\Lambda` is positive)."""
-        if self.mode != "exact":
+        if self.learns_spectrum:
             return None
         size = max(self.landmarks.shape[-2], self.key_landmarks.shape[-2])
         return numerically_nonzero(self.singular_values, size)
@@ -223,7 +242,7 @@ class KernelEigenFeatures(KernelEigenFeaturesBase):
             if side not in sides:
                 parts[side], parts[f"{side}_diag"] = None, None
                 continue
-            if self.mode == "primal":
+            if self.learns_spectrum:
                 if side == "left":  # e(x) = W_e^T phi_q(x)
                     features, weights = kernel.query_features(x), self.left_weights
                     other = kernel.key_features(self.key_landmarks) if kernel_diag else None
@@ -267,7 +286,7 @@ class KernelEigenFeatures(KernelEigenFeaturesBase):
 
     def ksvd_objective(self) -> Tensor:
         r""":math:`J` (sum form) on the landmarks; identically zero in exact mode. Shape ``(*batch)``."""
-        if self.mode == "exact":
+        if not self.learns_spectrum:
             return torch.zeros(self.landmarks.shape[:-2], dtype=self.landmarks.dtype, device=self.landmarks.device)
         return ksvd_objective(
             self.scores(self.landmarks, "left"),
@@ -282,5 +301,5 @@ class KernelEigenFeatures(KernelEigenFeaturesBase):
 
         Strategies call this on every training forward pass.
         """
-        if self.mode == "primal":
+        if self.learns_spectrum:
             self.update_added_loss_term("ksvd_loss", KSVDAddedLossTerm(self.ksvd_objective(), self.ksvd_weight))

@@ -24,20 +24,34 @@ class KernelEigenFeaturesBase(Module):
     Subclasses hold the KSVD state (exact, or learned with the KSVD penalty) and are *called* on the inputs of a
     model; the call returns a :class:`~gpattn.features.KernelEigenScores`, the one object the strategies consume
     (scores, :math:`\Lambda`, :math:`J`, kernel diagonals; :math:`K_{uu}`, interpolation and residual derived from
-    them). Two implementations:
+    them). Two families:
 
     * :class:`~gpattn.features.KernelEigenFeatures`: a fixed landmark set, for GP models
       (:class:`~gpattn.models.KernelEigenPairSVGP`); ``features(x)`` evaluates both branches at ``x``.
-    * :class:`~gpattn.features.AttentionKernelEigenFeatures`: one KSVD per sequence and head, for attention layers;
-      ``features(queries, keys, ...)`` evaluates :math:`e` at the queries and :math:`r` at the keys.
+    * :class:`~gpattn.features.AttentionKernelEigenFeatures`: one KSVD per sequence and head, for attention layers,
+      one class per mode; ``features(queries, keys, ...)`` evaluates :math:`e` at the queries and :math:`r` at the
+      keys.
+
+    This class declares every member a strategy or a layer reads, with the defaults of features that have no such
+    part: no landmarks (:attr:`inducing_points` is ``None``), no input check (:meth:`check_inputs`), no KSVD penalty
+    to refresh (:meth:`refresh_ksvd_loss`), every direction active (:attr:`active_inducing`). What a feature class
+    *is* is said by its capability attributes, never by comparing its :attr:`mode` name.
 
     :ivar num_inducing: :math:`s`, the number of inducing variables per branch (the KSVD rank).
+    :ivar mode: The name of the parametrisation, for records and messages (no code compares it).
+    :ivar learns_spectrum: :math:`\Lambda` is a learned parameter, kept near a KSVD stationary point by the KSVD
+        penalty: the prior :math:`\mathcal N(0, \Lambda^2)` and the KL do not depend on any call.
+    :ivar spectrum_per_call: :math:`\Lambda` belongs to each call (an exact SVD per sequence): the prior and the KL
+        are those of a call's :class:`~gpattn.features.KernelEigenScores`, and :attr:`singular_values` raises.
     """
 
     # torch's call (hooks included) rather than gpytorch.Module's, which accepts tensors and distributions only
     __call__ = torch.nn.Module.__call__
 
     num_inducing: int
+    mode: str
+    learns_spectrum: bool = False
+    spectrum_per_call: bool = False
 
     def _register_singular_values(self, initial: Tensor) -> None:
         r"""Register a learned :math:`\Lambda` as ``raw_singular_values`` under a ``GreaterThan(SINGULAR_VALUE_FLOOR)``
@@ -48,14 +62,10 @@ class KernelEigenFeaturesBase(Module):
         self.register_constraint("raw_singular_values", constraint)
 
     @property
-    def learns_singular_values(self) -> bool:
-        r"""Whether :math:`\Lambda` is a learned parameter (kept near a KSVD stationary point by the penalty)."""
-        return "raw_singular_values" in self._parameters
-
-    @property
     def singular_values(self) -> Tensor:
-        r""":math:`\Lambda`, shape ``(*batch, s)``: the learned parameter, or the exact decomposition's."""
-        if self.learns_singular_values:
+        r""":math:`\Lambda`, shape ``(*batch, s)``: the learned parameter, or the exact decomposition's (raises when
+        :attr:`spectrum_per_call`: read it from the scores of a call)."""
+        if self.learns_spectrum:
             return self.raw_singular_values_constraint.transform(self.raw_singular_values)
         return self._exact_singular_values()
 
@@ -69,9 +79,27 @@ class KernelEigenFeaturesBase(Module):
         :attr:`~gpattn.features.KernelEigenScores.active`."""
         return None
 
+    @property
+    def inducing_points(self) -> Tensor | None:
+        r"""The landmarks :math:`Z` of shape ``(*batch, M, d)`` that the features are built on (what a GPyTorch
+        strategy calls ``inducing_points``), or ``None`` (the default) for features evaluated per call."""
+        return None
+
     def Kuu(self) -> DiagLinearOperator:  # noqa: N802 (GPflow's name for the inducing covariance)
         r""":math:`K_{uu} = \Lambda^2` as a ``DiagLinearOperator`` (inverse and log-determinant in O(s))."""
         return inducing_covariance(self.singular_values)
+
+    def check_inputs(self, x: Tensor, where: str) -> None:
+        """Check a model's inputs of shape ``(*batch, N, d)`` once per call, before anything is computed (a strategy's
+        ``__call__`` does); a no-op by default (the attention layers check their tokens themselves).
+
+        :param x: The inputs.
+        :param where: The caller named in error messages.
+        """
+
+    def refresh_ksvd_loss(self) -> None:
+        """Recompute the added loss term ``"ksvd_loss"`` outside a call (a strategy does on every training call); a
+        no-op by default: features without a penalty, or whose calls refresh it themselves."""
 
     def forward(self, *inputs: Tensor, **kwargs) -> KernelEigenScores:
         """Evaluate the features at the inputs of one call: points ``(*batch, N, d)`` (landmark features) or

@@ -1,8 +1,8 @@
-r"""The kernel-eigen inducing features of one call: the one object both feature classes return.
+r"""The kernel-eigen inducing features of one call: the one object every feature class returns.
 
-:class:`~gpattn.features.KernelEigenFeatures` (landmarks, for GP models) and
+:class:`~gpattn.features.KernelEigenFeatures` (landmarks, for GP models) and the
 :class:`~gpattn.features.AttentionKernelEigenFeatures` (per sequence, for attention) are evaluated by calling them;
-both return a :class:`KernelEigenScores`, and the kernel-eigen strategies consume nothing else. Everything derived
+all return a :class:`KernelEigenScores`, and the kernel-eigen strategies consume nothing else. Everything derived
 from the scores (the inducing covariance :math:`K_{uu}`, the interpolation term, the residual) is written here, once.
 """
 
@@ -76,7 +76,7 @@ class KernelEigenScores:
         K_{uu} = \Lambda^2, \qquad K_{fu} = e \Lambda \ (\text{left}), \; r \Lambda \ (\text{right}),
 
     with the landmarks :math:`X_\star, Z_\star` of :class:`~gpattn.features.KernelEigenFeatures` (GP models), or
-    the sequence itself, :math:`X_\star = X`, :math:`Z_\star = Z`, for
+    the sequence itself, :math:`X_\star = X`, :math:`Z_\star = Z`, for the
     :class:`~gpattn.features.AttentionKernelEigenFeatures`.
     A strategy's GP branch needs only :meth:`interp` (:math:`e \Lambda^{-1}`) and, with a residual,
     :meth:`residual_diag`; the KSVD penalty reads :meth:`ksvd_objective`.
@@ -93,6 +93,9 @@ class KernelEigenScores:
         of rank below :math:`s`) is left out consistently: its interpolation column is zero, so it adds nothing to
         :math:`q(f)`, and its prior is the unit normal, so its KL term vanishes at :math:`q = p` instead of being of
         order :math:`\lambda_i^{-2}` (:meth:`prior_variances`).
+    :ivar stacked: :math:`[e^\top; r^\top]` of shape ``(B, 2, H, s, N)`` when the features computed both branches as
+        halves of one tensor (the fused amortised self-attention path: ``left_scores`` and ``right_scores`` are then
+        its transposed halves), else ``None``; read it through :meth:`columns`, which stacks the other layouts.
     """
 
     left_scores: Tensor | None
@@ -102,6 +105,7 @@ class KernelEigenScores:
     left_kernel_diag: Tensor | None = None
     right_kernel_diag: Tensor | None = None
     active: Tensor | None = None
+    stacked: Tensor | None = None
 
     @property
     def num_inducing(self) -> int:
@@ -147,6 +151,23 @@ class KernelEigenScores:
         Zero iff :math:`\operatorname{rank} K \leq s` on the landmarks. Shape ``(*batch, N or M)``."""
         return (self.kernel_diag(side) - self.scores(side).pow(2).sum(-1)).clamp_min(0.0)
 
+    def columns(self, sides: tuple[str, ...] = SIDES) -> Tensor:
+        r"""The scores of the branches ``sides`` at the queries in column layout, stacked on a branch dimension in
+        front of the last batch dimension: for attention scores of batch ``(B, H)``, :math:`[e^\top; r^\top]` of shape
+        ``(B, 2, H, s, N)`` (``(B, 1, H, s, N)`` for one side), so that its ``(B, 2 H s, N)`` view is the left operand
+        of one output GEMM over both branches and every head.
+
+        The fused path's :attr:`stacked` tensor is returned as it is; both branches of another path are stacked once
+        (a copy of the ``(s, N)`` scores); one branch is a view.
+
+        :param sides: ``("left", "right")`` (both branches at the same points, i.e. self-attention) or one side.
+        :return: shape ``(*batch[:-1], len(sides), batch[-1], s, N)``.
+        """
+        if self.stacked is not None and tuple(sides) == SIDES:
+            return self.stacked
+        branches = [self.scores(side).mT for side in sides]  # (*batch, s, N) each
+        return branches[0].unsqueeze(-4) if len(branches) == 1 else torch.stack(branches, dim=-4)
+
     def ksvd_objective(self) -> Tensor:
         r""":math:`J` (sum form; see :func:`~gpattn.ksvd.ksvd_objective`) of this call, shape ``(*batch)`` (e.g.
         ``(B, H)``: one per sequence and head)."""
@@ -175,6 +196,7 @@ class KernelEigenScores:
             left_kernel_diag=insert(self.left_kernel_diag, 1),
             right_kernel_diag=insert(self.right_kernel_diag, 1),
             active=insert(self.active, 1),
+            stacked=None,  # the stacked tensor does not follow the inserted dimensions
         )
 
 

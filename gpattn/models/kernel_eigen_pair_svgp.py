@@ -72,6 +72,20 @@ class KernelEigenPairSVGP(ApproximateGP):
     :param batch_shape: Batch shape of :math:`q(u)`.
     :param ksvd_weight: :math:`\eta` of the primal-mode KSVD penalty.
 
+    Example:
+        >>> from gpattn.kernels import ShiftedRBFKernel
+        >>> _ = torch.manual_seed(0)
+        >>> landmarks = torch.linspace(-2, 2, 10).unsqueeze(-1)
+        >>> model = KernelEigenPairSVGP(landmarks, ShiftedRBFKernel(input_dim=1), num_inducing=4)
+        >>> output = model(torch.linspace(-3, 3, 7).unsqueeze(-1))  # q(F) = q(f_e + f_r) at 7 points
+        >>> output.mean.shape, output.lazy_covariance_matrix.shape
+        (torch.Size([7]), torch.Size([7, 7]))
+        >>> model.features.singular_values.detach()  # Lambda of the landmarks' KSVD (K_uu = Lambda^2)
+        tensor([4.8303, 3.0462, 1.4304, 0.5081])
+        >>> kl = model.variational_strategy.kl_divergence()  # q(u) starts at the prior (GPyTorch jitters m by 1e-3)
+        >>> kl.shape, bool(kl < 1e-4)
+        (torch.Size([]), True)
+
     .. note:: Cost per call: O(N M p) for the scores in exact mode plus O(M^2 p + M^3) for the KSVD of the
         landmarks (primal mode: O(N p s)), O(N s^2) for the covariance roots, O(s^3) for the KL of a
         full-covariance :math:`q(u)` and O(s) for its prior terms.

@@ -10,7 +10,7 @@ from gpytorch.variational import _VariationalDistribution
 from linear_operator.operators import LinearOperator
 from torch import Tensor
 
-from ..features import KernelEigenFeaturesBase
+from ..features import KernelEigenFeaturesBase, KernelEigenScores
 from ..validation import check_choice
 from .kernel_eigen_variational_strategy import SIDES, KernelEigenVariationalStrategy
 from .structured_covariance import low_rank_plus_diag
@@ -27,8 +27,8 @@ class KernelEigenPairVariationalStrategy(KernelEigenVariationalStrategy):
     :math:`q(u)` has batch shape ``(*batch, 2)``: ``[..., 0, :]`` is the left branch's :math:`u_e` (scores
     :math:`e`, prior :math:`\mathcal N(0, \Lambda^2)`), ``[..., 1, :]`` the right branch's :math:`u_r` (scores
     :math:`r`, the same prior). The features are evaluated once for both branches, their interpolation terms are
-    stacked on that dimension, and the single strategy's algebra (:meth:`predictive_terms`) gives both
-    :math:`q(f_e)` and :math:`q(f_r)` at once; only the merge is new:
+    stacked on that dimension, and the single strategy's algebra gives both :math:`q(f_e)` and :math:`q(f_r)` at
+    once; only the merge is new:
 
     * ``merge="sum"``: :math:`F = F_e + F_r`. Independent posteriors add their covariances (the roots are
       concatenated), and the KL is :math:`\mathrm{KL}_e + \mathrm{KL}_r` (as ``_DeepGPVariationalStrategy`` sums its
@@ -52,6 +52,21 @@ class KernelEigenPairVariationalStrategy(KernelEigenVariationalStrategy):
         :class:`KernelEigenVariationalStrategy`).
     :param num_output_dims: Batch dimensions of :math:`q(u)` before the branch dimension that index outputs sharing
         the features.
+
+    Example:
+        >>> from gpytorch.variational import CholeskyVariationalDistribution
+        >>> from gpattn.features import KernelEigenFeatures
+        >>> from gpattn.kernels import ShiftedRBFKernel
+        >>> landmarks = torch.linspace(-2, 2, 8).unsqueeze(-1)
+        >>> features = KernelEigenFeatures(ShiftedRBFKernel(input_dim=1), landmarks, num_inducing=4)  # shared
+        >>> q_u = CholeskyVariationalDistribution(4, batch_shape=torch.Size([2]))  # (left, right)
+        >>> model = torch.nn.Module()  # the owner (its mean_module, if any, is the prior mean)
+        >>> strategy = KernelEigenPairVariationalStrategy(model, None, q_u, merge="concat", features=features)
+        >>> x = torch.linspace(-3, 3, 5).unsqueeze(-1)
+        >>> strategy(x).mean.shape, strategy.branch(x, "right").mean.shape  # [F_e, F_r]; F_r alone
+        (torch.Size([5, 2]), torch.Size([5]))
+        >>> strategy.kl_divergence().shape  # KL_e + KL_r
+        torch.Size([])
 
     .. note:: Cost: one feature evaluation for both branches plus O(N s^2); the KL is O(s) for the prior part.
     """
@@ -96,29 +111,31 @@ class KernelEigenPairVariationalStrategy(KernelEigenVariationalStrategy):
         self.shared_posterior = bool(shared_posterior)
 
     @property
-    def branch_sides(self) -> tuple[str, ...]:
-        """``("left", "right")``."""
+    def _branch_sides(self) -> tuple[str, ...]:
         return SIDES
 
-    def select_branch(self, tensor: Tensor, side: str, event_dims: int) -> Tensor:
-        """The branch ``side`` of a tensor laid out like :math:`q(u)`'s batch (``(*batch, 2 or 1)``, then
-        ``event_dims`` event dimensions): a selection on the branch dimension (the one shared posterior for both
-        sides when it has size 1)."""
+    def _select_branch(self, tensor: Tensor, side: str, event_dims: int) -> Tensor:
+        # a selection on the branch dimension (*batch, 2 or 1) in front of the event dimensions (the one shared
+        # posterior for both sides when it has size 1)
         check_choice("side", side, SIDES, where=type(self).__name__)
         dim = tensor.dim() - 1 - event_dims
         return tensor.select(dim, 0 if tensor.shape[dim] == 1 else SIDES.index(side))
 
-    def select_branch_covariance(self, covariance: LinearOperator | None, side: str) -> LinearOperator | None:
-        """The branch ``side`` of a covariance laid out like :math:`q(u)`'s, ``(*batch, 2 or 1, s, s)``."""
+    def _select_branch_covariance(self, covariance: LinearOperator | None, side: str) -> LinearOperator | None:
+        # the branch of a covariance laid out like q(u)'s, (*batch, 2 or 1, s, s)
         check_choice("side", side, SIDES, where=type(self).__name__)
         if covariance is None:
             return None
         return covariance[..., 0 if covariance.shape[-3] == 1 else SIDES.index(side), :, :]
 
-    def kl_divergence(self) -> Tensor:
+    def kl_divergence(self, scores: KernelEigenScores | None = None) -> Tensor:
         r""":math:`\mathrm{KL}_e + \mathrm{KL}_r` (one KL with a shared posterior), shape ``(*batch)``: the single
-        strategy's closed form on the stacked :math:`q(u)`, summed over the branch dimension."""
-        return super().kl_divergence().sum(-1)
+        strategy's closed form on the stacked :math:`q(u)`, summed over the branch dimension.
+
+        :param scores: The features of one call whose :math:`\Lambda` makes the prior, or ``None`` (the features'
+            own; see :meth:`KernelEigenVariationalStrategy.kl_divergence`).
+        """
+        return super().kl_divergence(scores).sum(-1)
 
     def forward(
         self,
@@ -139,21 +156,20 @@ class KernelEigenPairVariationalStrategy(KernelEigenVariationalStrategy):
             ``(*batch, N)``) or a two-task :class:`~gpytorch.distributions.MultitaskMultivariateNormal` (``"concat"``;
             mean shape ``(*batch, N, 2)``), with a low-rank-plus-diagonal covariance.
         """
-        scores = self.evaluate_features(x)
+        scores = self._evaluate_features(x)
         means, roots, residuals = [], [], []
         for side in SIDES:  # the single strategy's algebra, once per branch of the stacked q(u)
-            interp, residual = self.interpolation(scores, side)
-            branch_mean = self.select_branch(inducing_values, side, 1)
-            branch_covar = self.select_branch_covariance(variational_inducing_covar, side)
-            mean, root = self.predictive_terms(interp, branch_mean, branch_covar)
+            branch_mean = self._select_branch(inducing_values, side, 1)
+            branch_covar = self._select_branch_covariance(variational_inducing_covar, side)
+            mean, root, residual = self._predictive_parts(scores, side, branch_mean, branch_covar)
             means.append(mean)
             roots.append(root)
-            residuals.append(None if residual is None else residual.expand(mean.shape))
+            residuals.append(residual)
         if not merge_branches:
             residual = None if residuals[0] is None else torch.stack(residuals, dim=-2)
             return MultivariateNormal(torch.stack(means, -2), low_rank_plus_diag(torch.stack(roots, -3), residual))
         (left_mean, right_mean), (left_root, right_root), residual = means, roots, residuals
-        prior_mean = self.prior_mean(x)
+        prior_mean = self._prior_mean(x)
         if self.merge == "sum":
             # shared u: (A_e + A_r) L; independent: [A_e L_e, A_r L_r], whose product adds the covariances
             summed_root = left_root + right_root if self.shared_posterior else torch.cat([left_root, right_root], -1)

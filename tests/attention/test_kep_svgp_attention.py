@@ -42,6 +42,13 @@ def _branch_q(layer: KEPSVGPAttention, side: str) -> tuple[Tensor, Tensor]:
     return mean, chol.tril()
 
 
+def _branch_draw(layer: KEPSVGPAttention, draw: Tensor, side: str) -> Tensor:
+    """A branch's part (..., H, d_out, s) of a draw of the strategy's q(u), (..., H, d_out[, branches], s)."""
+    if layer.tie_qk:
+        return draw
+    return draw[..., 1 if (side == "right" and draw.shape[-2] == 2) else 0, :]
+
+
 def _layer(seed: int = 0, num_outputs: int | None = D_OUT, **kwargs) -> KEPSVGPAttention:
     """A float64 layer with every parameter randomised, full (non-triangular) Cholesky parameters included: the
     variational distribution must use their lower triangle only."""
@@ -454,6 +461,37 @@ def test_exact_mode_kl_uses_the_last_batch():
     torch.testing.assert_close(layer.kl_divergence(), torch.stack(per_sequence).mean(), atol=ATOL, rtol=0)
 
 
+def _dense_exact_kl(layer: KEPSVGPAttention, x: Tensor) -> Tensor:
+    """The exact layer's KL for the sequences x: per sequence against its own Lambda (numpy SVD), then the mean."""
+    lam = _dense_scores(layer, x)["lam"]  # (B, H, s)
+    per_sequence = [
+        _dense_kl(*_branch_q(layer, "left"), lam[b]) + _dense_kl(*_branch_q(layer, "right"), lam[b])
+        for b in range(x.shape[0])
+    ]
+    return torch.stack(per_sequence).mean()
+
+
+def test_exact_mode_kl_belongs_to_its_forward_call():
+    """With exact features the KL is computed from the scores of the forward call it belongs to: a posterior() call or
+    a call of the features on other sequences in between leaves kl_divergence() unchanged, its gradient reaches q(u)
+    and the kernel (Lambda is the call's), and the next forward call's KL is that call's."""
+    layer = _layer(features="exact").train()
+    x, other = _randn(3, 5, C, seed=47), _randn(2, 6, C, seed=91)
+    layer(x)
+    expected = _dense_exact_kl(layer, x)
+    layer.posterior(other)
+    layer.features(other)
+    assert layer.training
+    kl = layer.kl_divergence()
+    torch.testing.assert_close(kl, expected, atol=ATOL, rtol=0)
+    assert (_dense_exact_kl(layer, other) - expected).abs() > 1e-3  # not vacuous: another batch has another KL
+    kl.backward()
+    assert layer.strategy._variational_distribution.variational_mean.grad.abs().max() > 0
+    assert layer.features.kernel.raw_outputscale.grad.abs().max() > 0
+    layer.eval()(other)
+    torch.testing.assert_close(layer.kl_divergence(), _dense_exact_kl(layer, other), atol=ATOL, rtol=0)
+
+
 @pytest.mark.parametrize("options", [{}, {"mask": True}, {"causal": True}], ids=["plain", "padding", "causal"])
 def test_ksvd_loss_term_after_a_training_forward(options: dict):
     layer = _layer().train()
@@ -604,7 +642,7 @@ def test_exact_layer_on_one_sequence_is_the_pair_svgp(layer_kwargs: dict):
         torch.testing.assert_close(getattr(per_sequence, name)[0, 0], getattr(landmark, name), atol=ATOL, rtol=0)
     # each branch's q(f) at the tokens: the layer's strategy against the model's (mean and covariance)
     for side in ("left", "right"):
-        from_layer, from_model = layer.strategy.predictive(per_sequence, side), model.branch(x[0], side)
+        from_layer, from_model = layer.readout.predictive(per_sequence, side), model.branch(x[0], side)
         torch.testing.assert_close(from_layer.mean[0, 0], from_model.mean, atol=ATOL, rtol=0)
         torch.testing.assert_close(from_layer.covariance_matrix[0, 0], from_model.covariance_matrix, atol=ATOL, rtol=0)
     # the layer's output is the model's merged q(F) pushed through the output map: mean and variance
@@ -667,7 +705,7 @@ def test_amortised_layer_is_the_strategy_q_f_through_the_output_maps(layer_kwarg
     scores = layer.features(x, dense["context"], dense["mask"], dense["causal"], kernel_diag=True)
     branches = _branches(layer, x, **dense)  # the combined output weights C^b (H, d_out, C) of each branch
     sides = ("left", "right")[: len(branches)]
-    q_f = [layer.strategy.predictive(scores, side) for side in sides]  # batch (B, H, d_out) over the N queries
+    q_f = [layer.readout.predictive(scores, side) for side in sides]  # batch (B, H, d_out) over the N queries
     expected_mean = layer.out_proj.bias + sum(
         torch.einsum("bhcn,hcj->bnj", branch_q.mean, branch["weight"])
         for branch_q, branch in zip(q_f, branches, strict=True)
@@ -683,11 +721,11 @@ def test_amortised_layer_is_the_strategy_q_f_through_the_output_maps(layer_kwarg
     with sample_attention(layer):
         sample = layer(x, **call)
     torch.manual_seed(9)
-    draw = layer.strategy.inducing_draw(torch.Size([x.shape[0]]))  # (B, H, d_out[, branches], s)
+    draw = layer.readout.inducing_draw(torch.Size([x.shape[0]]))  # (B, H, d_out[, branches], s)
     expected_sample = layer.out_proj.bias
     for side, branch in zip(sides, branches, strict=True):
-        interp, _ = layer.strategy.interpolation(scores, side)  # (B, H, 1, N, s)
-        outputs = interp @ layer.strategy.select_branch(draw, side, 1).unsqueeze(-1)  # (B, H, d_out, N, 1)
+        interp = scores.for_outputs(1).interp(side)  # (B, H, 1, N, s)
+        outputs = interp @ _branch_draw(layer, draw, side).unsqueeze(-1)  # (B, H, d_out, N, 1)
         expected_sample = expected_sample + torch.einsum("bhcn,hcj->bnj", outputs.squeeze(-1), branch["weight"])
     if layer.residual == "none":  # (the residual adds per-token noise: covered by the dense sampling tests)
         torch.testing.assert_close(sample, expected_sample, atol=ATOL, rtol=0)
@@ -751,9 +789,10 @@ def test_exact_features_leave_numerically_zero_directions_out_of_the_output_and_
     x = torch.cat([token.expand(1, 5, C), _randn(1, 5, C, seed=82)])  # sequence 0 repeats one token, sequence 1 not
     output = layer(x)
     assert torch.isfinite(output).all()
-    active = layer.features.active_inducing
+    scores = layer.features(x)  # the call's directions and singular values (they belong to its sequences)
+    active = scores.active
     assert active[0].tolist() == [[True, False, False]] * H and bool(active[1].all())
-    singular_values = layer.features.singular_values
+    singular_values = scores.singular_values
     kl = layer.kl_divergence()
     assert torch.isfinite(kl) and kl < 1e3
     # the dense KL per sequence, head, output and branch against the masked prior, averaged over the sequences

@@ -3,11 +3,13 @@ gradients of every parameter; the hand-written backward pass against finite diff
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 
-from gpattn.features import AttentionKernelEigenFeatures, KernelEigenScores
-from gpattn.features.amortized_scores import AmortizedSelfScores, StackedKernelEigenScores
+from gpattn.features import AmortizedAttentionFeatures
+from gpattn.features.amortized_scores import AmortizedSelfScores
 
 DTYPE = torch.float64
 
@@ -24,7 +26,7 @@ def _loss(scores, probes):
 @pytest.mark.parametrize("objective", [False, True], ids=["no-objective", "objective"])
 def test_fused_path_equals_the_general_path(masked: bool, objective: bool):
     torch.manual_seed(0)
-    features = AttentionKernelEigenFeatures(12, 3, num_inducing=2, feature_dim=4).to(DTYPE)
+    features = AmortizedAttentionFeatures(12, 3, num_inducing=2, feature_dim=4).to(DTYPE)
     with torch.no_grad():  # away from the initial values: a nontrivial outputscale and biases
         features.kernel.outputscale = 1.7
         features.left_bias.normal_()
@@ -112,21 +114,52 @@ def test_backward_pass_twice_with_a_retained_graph():
 
 
 def test_fused_scores_are_halves_of_one_stacked_tensor():
-    """The fused path returns both branches as halves of one (B, 2, H, s, N) tensor (for one output GEMM); the
-    per-output view drops it."""
+    """The fused path returns both branches as halves of one (B, 2, H, s, N) tensor (for one output GEMM), which
+    ``columns()`` hands out as it is; the per-output view drops it; the general path exposes the same layout by
+    stacking once."""
     torch.manual_seed(4)
-    features = AttentionKernelEigenFeatures(12, 3, num_inducing=2, feature_dim=4).to(DTYPE)
+    features = AmortizedAttentionFeatures(12, 3, num_inducing=2, feature_dim=4).to(DTYPE)
     x = torch.randn(2, 5, 12, dtype=DTYPE)
     scores = features(x, kernel_diag=False)
-    assert isinstance(scores, StackedKernelEigenScores) and scores.stacked.shape == (2, 2, 3, 2, 5)
+    assert scores.stacked is not None and scores.stacked.shape == (2, 2, 3, 2, 5)
+    assert scores.columns() is scores.stacked
     assert torch.equal(scores.stacked[:, 0].mT, scores.left_scores)
     assert torch.equal(scores.stacked[:, 1].mT, scores.right_scores)
     assert scores.left_scores.data_ptr() == scores.stacked.data_ptr()  # views, no copy
     per_output = scores.for_outputs(1)
-    assert type(per_output) is KernelEigenScores and per_output.left_scores.shape == (2, 3, 1, 5, 2)
+    assert per_output.stacked is None and per_output.left_scores.shape == (2, 3, 1, 5, 2)
     assert scores.for_outputs(0) is scores
     general = features(x)  # the kernel diagonal takes the general path: one tensor per branch
-    assert not isinstance(general, StackedKernelEigenScores)
+    assert general.stacked is None
+    torch.testing.assert_close(general.columns(), scores.stacked, rtol=1e-12, atol=1e-12)  # stacked once
+    left = general.columns(("left",))  # one branch: a view
+    assert left.shape == (2, 1, 3, 2, 5) and left.data_ptr() == general.left_scores.data_ptr()
+
+
+EXCLUSIONS = ["cross-attention", "causal", "kernel_diag", "tie_qk", "autocast"]
+
+
+@pytest.mark.parametrize("exclusion", EXCLUSIONS)
+def test_each_exclusion_of_the_fused_path(exclusion: str):
+    """The fused path is one predicate, ``takes_fused_path``: true for plain self-attention, false for each
+    exclusion, and an excluded call is answered by the general path (no stacked tensor) with the fused path's scores
+    where the call means the same (cross-attention on keys equal to the queries, or with the kernel diagonals)."""
+    torch.manual_seed(6)
+    tied = exclusion == "tie_qk"
+    features = AmortizedAttentionFeatures(12, 3, num_inducing=2, feature_dim=4, tie_qk=tied).to(DTYPE)
+    x = torch.randn(2, 5, 12, dtype=DTYPE)
+    keys = x.clone() if exclusion == "cross-attention" else x  # the same values, but not the queries
+    causal, kernel_diag = exclusion == "causal", exclusion == "kernel_diag"
+    assert features.takes_fused_path(x, x, causal=False, kernel_diag=False) is not tied
+    autocast = torch.autocast("cpu", dtype=torch.bfloat16) if exclusion == "autocast" else contextlib.nullcontext()
+    with autocast:
+        assert features.takes_fused_path(x, keys, causal, kernel_diag) is False
+        scores = features(x, keys, causal=causal, kernel_diag=kernel_diag)
+    assert scores.stacked is None and scores.left_scores.shape == (2, 3, 5, 2)
+    if exclusion in ("cross-attention", "kernel_diag"):
+        fused = features(x, kernel_diag=False)
+        assert fused.stacked is not None
+        torch.testing.assert_close(scores.columns(), fused.columns(), rtol=1e-12, atol=1e-12)
 
 
 def test_backward_pass_with_create_graph_gives_the_same_gradients():

@@ -14,7 +14,7 @@ import torch
 from torch import Tensor
 
 from gpattn.attention.kep_svgp_attention import KEPSVGPAttention
-from gpattn.features import AttentionKernelEigenFeatures, KernelEigenScores
+from gpattn.features import AttentionKernelEigenFeatures, KernelEigenScores, build_attention_features
 
 DTYPE = torch.float64
 ATOL = 1e-10
@@ -29,7 +29,7 @@ def _features(num_inducing: int = 3, seed: int = 0, **kwargs) -> AttentionKernel
     """A module with every parameter randomised (biases, output scales and distinct singular values included)."""
     torch.manual_seed(seed)
     rank = num_inducing
-    module = AttentionKernelEigenFeatures(C, H, rank, **kwargs).double()
+    module = build_attention_features(C, H, rank, **kwargs).double()
     with torch.no_grad():
         module.kernel.raw_outputscale.copy_(_randn(H, seed=seed + 1))
         for name in ("left_bias", "right_bias"):
@@ -257,7 +257,7 @@ def _mean_abs_objective(module: AttentionKernelEigenFeatures, tokens: Tensor) ->
 def test_amortized_objective_decreases_under_the_ksvd_loss():
     """eta J^2 alone (mean over a fixed batch of sequences, sum over heads) drives |J| down by > 5x."""
     torch.manual_seed(0)
-    module = AttentionKernelEigenFeatures(C, H, 4).double()
+    module = build_attention_features(C, H, 4).double()
     tokens = _randn(64, 12, C, seed=19)
     before = _mean_abs_objective(module, tokens)
     optimizer = torch.optim.Adam(module.parameters(), lr=1e-2)
@@ -407,16 +407,16 @@ def test_exact_errors():
     with pytest.raises(ValueError, match="shortest sequence"):
         module(x, _randn(2, 3, C, seed=29))  # cross-attention with 3 keys
     with pytest.raises(ValueError, match="exponential"):
-        AttentionKernelEigenFeatures(C, H, 2, mode="amortized", kernel="exponential")
+        build_attention_features(C, H, 2, mode="amortized", kernel="exponential")
     with pytest.raises(ValueError, match="exponential"):
-        AttentionKernelEigenFeatures(C, H, 2, mode="primal_features", kernel="exponential", max_len=4)
+        build_attention_features(C, H, 2, mode="primal_features", kernel="exponential", max_len=4)
     with pytest.raises(RuntimeError, match="each sequence"):
         _ = module.singular_values
 
 
 def test_exact_cosine_rank_above_the_feature_dimension_is_rejected():
     with pytest.raises(ValueError, match="feature dimension"):
-        AttentionKernelEigenFeatures(C, H, C // H + 1, mode="exact")
+        build_attention_features(C, H, C // H + 1, mode="exact")
 
 
 # -- primal_features ---------------------------------------------------------------------------------------------------
@@ -457,20 +457,20 @@ def test_primal_features_errors():
     with pytest.raises(ValueError, match="self-attention only"):
         module(x, _randn(2, 5, C, seed=33))
     with pytest.raises(ValueError, match="max_len"):
-        AttentionKernelEigenFeatures(C, H, 3, mode="primal_features")
+        build_attention_features(C, H, 3, mode="primal_features")
     with pytest.raises(ValueError, match="max_len"):
-        AttentionKernelEigenFeatures(C, H, 3, mode="primal_features", max_len=2)
+        build_attention_features(C, H, 3, mode="primal_features", max_len=2)
 
 
 def test_constructor_errors():
     with pytest.raises(ValueError, match="features"):
-        AttentionKernelEigenFeatures(C, H, 2, mode="dual")
+        build_attention_features(C, H, 2, mode="dual")
     with pytest.raises(ValueError, match="kernel"):
-        AttentionKernelEigenFeatures(C, H, 2, kernel="rbf")
+        build_attention_features(C, H, 2, kernel="rbf")
     with pytest.raises(ValueError, match="num_inducing"):
-        AttentionKernelEigenFeatures(C, H, 0)
+        build_attention_features(C, H, 0)
     with pytest.raises(ValueError, match="feature dimension"):
-        AttentionKernelEigenFeatures(C, H, C // H + 1)
+        build_attention_features(C, H, C // H + 1)
 
 
 # -- extreme input magnitudes (issue 14) -------------------------------------------------------------------------------

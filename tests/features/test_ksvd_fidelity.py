@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from gpattn.attention import KEPSVGPAttention, PrimalAttention
-from gpattn.features import AttentionKernelEigenFeatures, KSVDFidelity, ksvd_fidelity
+from gpattn.features import AmortizedAttentionFeatures, KSVDFidelity, ksvd_fidelity
 
 DTYPE = torch.float64
 C, H, RANK, LENGTH = 8, 2, 3, 6
@@ -46,7 +46,7 @@ def test_a_layer_at_its_stationary_point_is_the_exact_ksvd():
     """Amortised maps solved so that A_e(Z)/M = H_r, A_r(X)/N = H_e and Lambda the singular values (possible for one
     sequence of N <= C tokens): zero objective, angles and error; random maps are not."""
     torch.manual_seed(2)
-    features = AttentionKernelEigenFeatures(C, H, RANK).double()
+    features = AmortizedAttentionFeatures(C, H, RANK).double()
     x = _tokens(1, LENGTH, C, seed=3)
     before = ksvd_fidelity(features, x)
     assert before.relative_objective.min() > 1e-3 and before.max_angle.min() > 1.0

@@ -43,7 +43,7 @@ from gpattn.data import (
     patches_to_images,
     shift_images,
 )
-from gpattn.features import AttentionKernelEigenFeatures, KernelEigenFeatures
+from gpattn.features import KernelEigenFeatures, build_attention_features
 from gpattn.kernels import (
     CosineFeatureKernel,
     ExponentialDotProductKernel,
@@ -215,7 +215,7 @@ def test_attention_constructor_rejects(cls, kwargs, error, match):
 )
 def test_attention_features_constructor_rejects(kwargs, error, match):
     with pytest.raises(error, match=match):
-        AttentionKernelEigenFeatures(**{"embed_dim": EMBED_DIM, "num_heads": NUM_HEADS, "num_inducing": 2, **kwargs})
+        build_attention_features(**{"embed_dim": EMBED_DIM, "num_heads": NUM_HEADS, "num_inducing": 2, **kwargs})
 
 
 def test_registry_rejects_unknown_names_and_arguments():

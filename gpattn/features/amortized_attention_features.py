@@ -1,0 +1,154 @@
+"""Amortised attention features (gpattn's default): learned maps estimate the singular vectors of every sequence."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from ..ksvd import ksvd_objective
+from ..ksvd.ksvd_objective import ksvd_objective_from_sums
+from ..validation import all_finite
+from .amortized_scores import AmortizedSelfScores
+from .kernel_eigen_scores import KernelEigenScores
+from .learned_attention_features import Columns, LearnedAttentionFeatures
+from .sequence_sums import prefix_mean_outer
+
+
+class AmortizedAttentionFeatures(LearnedAttentionFeatures):
+    r"""``features="amortized"`` (gpattn's default; length-agnostic, mask-friendly): learned maps
+    :math:`A_e, A_r: \mathbb R^C \to \mathbb R^s` (one affine map per head) estimate the singular vectors,
+
+    .. math::
+
+        W_{e|X} = \Phi_k^\top A_e(Z) / M, \qquad W_{r|X} = \Phi_q^\top A_r(X) / N, \qquad
+        e(x) = \kappa(x, Z) A_e(Z) / M, \qquad r(z) = \kappa(X, z)^\top A_r(X) / N,
+
+    computed in the primal in O(N p s) without forming :math:`K` (docs/math.md section 2). Padding masks drop keys from
+    the sums; a causal mask turns them into prefix means (:math:`e_i, r_i` of the prefix :math:`j \le i`).
+    Self- and cross-attention, padding and causal masks, any length. ``tie_qk`` ties the two maps. The arguments are
+    those of :class:`~gpattn.features.AttentionKernelEigenFeatures` (cosine kernel, sum-form penalty).
+
+    Self-attention without a causal mask and without kernel diagonals takes the fused path
+    (:meth:`takes_fused_path`): one autograd function with a hand-written backward pass
+    (:class:`~gpattn.features.amortized_scores.AmortizedSelfScores`) computes both branches as the halves of one
+    ``(B, 2, H, s, N)`` tensor, :attr:`~gpattn.features.KernelEigenScores.stacked`.
+
+    Example:
+        >>> torch.manual_seed(0)  # doctest: +ELLIPSIS
+        <torch._C.Generator object at ...>
+        >>> features = AmortizedAttentionFeatures(embed_dim=16, num_heads=2, num_inducing=3)
+        >>> scores = features(torch.randn(4, 9, 16), kernel_diag=False)
+        >>> scores.left_scores.shape, scores.columns().shape  # e (B, H, N, s), [e^T; r^T] (B, 2, H, s, N)
+        (torch.Size([4, 2, 9, 3]), torch.Size([4, 2, 2, 3, 9]))
+        >>> features.singular_values  # learned, log 2 at initialisation
+        tensor([[0.6931, 0.6931, 0.6931],
+                [0.6931, 0.6931, 0.6931]], grad_fn=<AddBackward0>)
+
+    .. note:: Cost O(N C s + N p s) per sequence and head, O(N p s) memory per position more with a causal mask.
+    """
+
+    mode = "amortized"
+    supports_causal = True
+    supported_calls = "every call"
+
+    def _build_weights(self, max_len: int | None) -> None:
+        heads, width, rank = self.num_heads, self.embed_dim, self.num_inducing
+        bound = width**-0.5
+        # A_e, A_r: R^C -> R^s per head, as nn.Linear; shape (H, C, s) and (H, s)
+        self.left_map = torch.nn.Parameter(torch.empty(heads, width, rank).uniform_(-bound, bound))
+        self.left_bias = torch.nn.Parameter(torch.zeros(heads, rank))
+        if not self.tie_qk:
+            self.right_map = torch.nn.Parameter(torch.empty(heads, width, rank).uniform_(-bound, bound))
+            self.right_bias = torch.nn.Parameter(torch.zeros(heads, rank))
+
+    def takes_fused_path(self, queries: Tensor, keys: Tensor, causal: bool, kernel_diag: bool) -> bool:
+        """Whether a call takes the fused path: self-attention (``keys is queries``), no causal mask, no kernel
+        diagonals (the residual needs them), untied maps (one map for both branches has no paired layout) and no
+        autocast (the fused pass runs in the tokens' dtype; autocast takes the general path).
+
+        :param queries: ``(B, N, C)``.
+        :param keys: ``(B, M, C)``.
+        :param causal: The call is causal.
+        :param kernel_diag: The call asks for the kernel diagonals.
+        """
+        return (
+            queries is keys
+            and not (causal or kernel_diag or self.tie_qk)
+            and not torch.is_autocast_enabled(queries.device.type)
+        )
+
+    def _scores(
+        self, queries: Tensor, keys: Tensor, key_mask: Tensor | None, causal: bool, objective: bool, kernel_diag: bool
+    ) -> KernelEigenScores:
+        if self.takes_fused_path(queries, keys, causal, kernel_diag):
+            return self._fused_self_attention(queries, key_mask, objective)
+        return super()._scores(queries, keys, key_mask, causal, objective, kernel_diag)
+
+    def _value_columns(self, tokens: Tensor, side: str) -> Tensor:
+        r""":math:`A_e(Z)^\top` / :math:`A_r(X)^\top`, shape ``(B, H, s, n)``: one GEMM ``(H s, C) x (C, n)`` per
+        sequence for all heads."""
+        left = side == "left" or self.tie_qk
+        weight, bias = (self.left_map, self.left_bias) if left else (self.right_map, self.right_bias)
+        heads, width, rank = weight.shape
+        stacked = weight.mT.reshape(heads * rank, width).expand(tokens.shape[0], -1, -1)
+        values = torch.bmm(stacked, tokens.mT)  # shape: (B, H s, n), contiguous
+        return values.unflatten(-2, (heads, rank)) + bias.unsqueeze(-1)
+
+    def _causal_scores(
+        self, tokens: Tensor, columns: Columns, singular_values: Tensor, objective: bool
+    ) -> tuple[Tensor, Tensor, Tensor | None]:
+        # the outputs use prefix means: one (p, s) matrix per position
+        query_columns, query_inverse, key_columns, key_inverse, root_scale = columns
+        left_values = self._value_columns(tokens, "left")  # A_e(Z)^T: (B, H, s, M)
+        right_values = self._value_columns(tokens, "right")  # A_r(X)^T: (B, H, s, N)
+        query_features = (query_columns * query_inverse * root_scale).mT  # Phi_q: (B, H, N, p)
+        key_features = (key_columns * key_inverse * root_scale).mT
+        left_prefix = prefix_mean_outer(key_features, left_values.mT)  # W_{e|X<=i}: (B, H, N, p, s)
+        right_prefix = prefix_mean_outer(query_features, right_values.mT)
+        left = (query_features.unsqueeze(-2) @ left_prefix).squeeze(-2)
+        right = (key_features.unsqueeze(-2) @ right_prefix).squeeze(-2)
+        objective_value = None
+        if objective:  # J on the causal scores the outputs use; the trace averaged over the prefixes' weights
+            objective_value = ksvd_objective(
+                left, right, left_prefix, right_prefix, singular_values.unsqueeze(0), weights_per_position=True
+            )
+        return left, right, objective_value
+
+    def _fused_self_attention(self, tokens: Tensor, mask: Tensor | None, objective: bool) -> KernelEigenScores:
+        r"""The self-attention scores by :class:`~gpattn.features.amortized_scores.AmortizedSelfScores`: one projection
+        GEMM for :math:`[P_q; P_k]` (``(B, 2, H, p, N)``), one for the values :math:`[A_r(X)^\top; A_e(X)^\top]` and
+        the scores' products with a hand-written backward pass (a padding-masked query is treated as in the general
+        path: the same :math:`1/|V|` weights). :math:`J` comes from the function's token sums of the squared scores
+        (:func:`~gpattn.ksvd.ksvd_objective.ksvd_objective_from_sums`), and both branches are the halves of the
+        ``(B, 2, H, s, N)`` tensor :attr:`~gpattn.features.KernelEigenScores.stacked`."""
+        kernel = self.kernel
+        lifted = kernel.lift(tokens)
+        batch, heads, rank = tokens.shape[0], self.num_heads, self.num_inducing
+        projection = torch.stack([kernel.query_weight, kernel.key_projection])  # (2, H, p, D)
+        columns = torch.bmm(projection.flatten(0, 2).expand(batch, -1, -1), lifted.mT)
+        columns = columns.view(batch, 2, heads, -1, columns.shape[-1])  # [P_q; P_k]: (B, 2, H, p, N)
+        maps = torch.stack([self.right_map, self.left_map]).mT  # (2, H, s, C)
+        values = torch.bmm(maps.flatten(0, 2).expand(batch, -1, -1), tokens.mT)  # (B, 2 H s, N)
+        # the bias added in place to the GEMM's own output (not to a view of it, whose in-place update would make
+        # autograd copy the whole gradient)
+        values = values.add_(torch.stack([self.right_bias, self.left_bias]).reshape(-1, 1))
+        values = values.view(batch, 2, heads, rank, -1)  # [a_r; a_e]: (B, 2, H, s, N)
+        weights = self._token_weights(tokens, mask)
+        if torch.is_tensor(weights):
+            weights = weights.unsqueeze(1)  # (B, 1, 1, 1, N)
+        else:
+            weights = torch.full((1, 1, 1, 1, 1), weights, dtype=columns.dtype, device=columns.device)
+        root_scale = kernel.outputscale.sqrt()[:, None, None]
+        square_mask = None if mask is None else mask[:, None, None, None, :].to(columns.dtype)
+        scores, score_weights, squares = AmortizedSelfScores.apply(
+            columns, values, weights, root_scale, objective, square_mask
+        )
+        if not torch.compiler.is_compiling() and not all_finite(scores):
+            self._check_magnitude(tokens, tokens)
+        singular_values = self.singular_values
+        objective_value = None
+        if objective:  # J from the fused pass's token sums of e^2 and r^2 (masked tokens left out) and Tr(W_e^T W_r)
+            coupling = (score_weights[:, 0] * score_weights[:, 1]).sum((-2, -1))
+            objective_value = ksvd_objective_from_sums(squares.sum(1), coupling, singular_values)
+        left, right = scores.unbind(1)
+        return KernelEigenScores(left.mT, right.mT, singular_values, objective_value, stacked=scores)

@@ -1,0 +1,166 @@
+"""The learned attention features: data-dependent weights, a learned spectrum and the KSVD penalty."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+from ..ksvd import ksvd_objective
+from ..validation import all_finite
+from .attention_kernel_eigen_features import AttentionKernelEigenFeatures
+from .kernel_eigen_scores import KernelEigenScores
+from .sequence_sums import unit_quadratic_form
+
+#: the feature columns of one call: P_q (B, H, p, N), nu_q (B, H, 1, N), P_k (B, H, p, M), nu_k (B, H, 1, M) and
+#: sqrt(sigma_f) (H, 1, 1)
+Columns = tuple[Tensor, Tensor, Tensor, Tensor, Tensor]
+
+
+class LearnedAttentionFeatures(AttentionKernelEigenFeatures):
+    r"""The base class of the learned attention modes (amortised, ``primal_tokens``, ``primal_features``): primal
+    scores with data-dependent weights and a learned spectrum (docs/math.md section 2).
+
+    .. math::
+
+        e(X) = \Phi_q W_{e|X}, \qquad r(Z) = \Phi_k W_{r|X}, \qquad W_{e|X}, W_{r|X} \in \mathbb R^{p \times s},
+
+    with the cosine kernel's normalised features :math:`\Phi_q, \Phi_k` and weights that each subclass defines from
+    the sequence (:meth:`_weights`). :math:`\Lambda` is a learned positive vector per head (:attr:`learns_spectrum`;
+    ``softplus`` above :data:`~gpattn.features.SINGULAR_VALUE_FLOOR`, starting at :math:`\log 2`), and the KSVD
+    penalty drives the scores towards a stationary point of the KSVD. Two forms (``ksvd_form``), see
+    :func:`~gpattn.ksvd.ksvd_objective`:
+
+    * ``"sum"`` (default): :math:`\eta \operatorname{mean}_b \sum_h J_{bh}^2` with the token-sum
+      :math:`J_{bh} = \tfrac12 \sum_i e_i^\top \Lambda^{-1} e_i + \tfrac12 \sum_j r_j^\top \Lambda^{-1} r_j
+      - \operatorname{Tr}(W_{e|X}^\top W_{r|X})` of every sequence and head over its real tokens (with a causal mask,
+      on the causal scores: :math:`e_i, r_i` of the prefix :math:`j \le i`, and the trace averaged over the prefixes'
+      weights);
+    * ``"official"`` (:class:`~gpattn.features.PrimalTokensAttentionFeatures` only): the official code's number
+      :math:`\eta\, J_{\mathrm{off}}^2`.
+
+    :attr:`KernelEigenScores.objective` is always the sum-form :math:`J` per sequence and head. The arguments are
+    those of :class:`~gpattn.features.AttentionKernelEigenFeatures`.
+
+    :raises ValueError: When the scores of inputs of very large magnitude (about :math:`\sqrt{\text{finfo.max}}`,
+        :math:`1.8 \cdot 10^{19}` in float32) are not finite: the weights :math:`W_{e|X}` grow like :math:`|x|` and
+        the product with the unnormalised projections like :math:`|x|^2`.
+
+    .. note:: Without a causal mask the features stay in the column layout of
+        :meth:`~gpattn.kernels.CosineFeatureKernel.feature_columns` and their normalisation, the output scale and the
+        padding mask are folded into the ``(s, n)`` values and the ``(p, s)`` weights, so a call costs four GEMMs of
+        O(N C p) or O(N C s), four batched products of O(N p s) and elementwise work on ``(N, s)`` tensors only. In
+        the learned modes the scores are transposed views of contiguous ``(B, H, s, N)`` tensors.
+    """
+
+    learns_spectrum = True
+
+    def _build(self, max_len: int | None) -> None:
+        self._build_weights(max_len)
+        # Lambda = softplus(0) = log 2 for every head at initialisation
+        self._register_singular_values(torch.full((self.num_heads, self.num_inducing), math.log(2.0)))
+
+    def _build_weights(self, max_len: int | None) -> None:
+        """The mode's checks of its arguments and the parameters of its weights (before the learned spectrum)."""
+        raise NotImplementedError
+
+    def _scores(
+        self, queries: Tensor, keys: Tensor, key_mask: Tensor | None, causal: bool, objective: bool, kernel_diag: bool
+    ) -> KernelEigenScores:
+        self_attention = queries is keys
+        query_mask = key_mask if self_attention else None
+        kernel = self.kernel
+        query_columns, query_inverse = kernel.feature_columns(queries, "query")  # P_q (B, H, p, N), nu_q (B, H, 1, N)
+        if self_attention and self.tie_qk:
+            key_columns, key_inverse = query_columns, query_inverse
+        else:
+            key_columns, key_inverse = kernel.feature_columns(keys, "key")  # P_k (B, H, p, M), nu_k (B, H, 1, M)
+        root_scale = kernel.outputscale.sqrt()[:, None, None]  # sqrt(sigma_f): (H, 1, 1)
+        columns = (query_columns, query_inverse, key_columns, key_inverse, root_scale)
+        singular_values = self.singular_values
+        objective_value = None
+        if causal:
+            left, right, objective_value = self._causal_scores(queries, columns, singular_values, objective)
+        else:
+            left_weights, right_weights = self._weights(queries, keys, key_mask, columns)
+            # e(X) = Phi_q W_e = sqrt(sigma) diag(nu_q) P_q^T W_e, built as its transpose (B, H, s, N); r(Z) likewise
+            left = ((left_weights.mT @ query_columns) * (query_inverse * root_scale)).mT
+            right = ((right_weights.mT @ key_columns) * (key_inverse * root_scale)).mT
+            if objective:
+                objective_value = ksvd_objective(
+                    self._zero_masked(left, query_mask),
+                    self._zero_masked(right, key_mask),
+                    left_weights,
+                    right_weights,
+                    singular_values.unsqueeze(0),
+                )
+        if not (all_finite(left) and all_finite(right)):
+            self._check_magnitude(queries, keys)
+        left_diag = right_diag = None
+        if kernel_diag:
+            # k_e(x_i, x_i) = sum_j kappa(x_i, z_j)^2 = sigma^2 sum_j <unit q_i, unit k_j>^2; k_r likewise
+            scale = kernel.outputscale.square()[:, None]  # shape: (H, 1)
+            left_diag = scale * unit_quadratic_form(
+                query_columns, query_inverse, key_columns, key_inverse, key_mask, causal
+            )
+            right_diag = scale * unit_quadratic_form(
+                key_columns, key_inverse, query_columns, query_inverse, query_mask, causal
+            )
+        return KernelEigenScores(left, right, singular_values, objective_value, left_diag, right_diag)
+
+    def _weights(
+        self, queries: Tensor, keys: Tensor, key_mask: Tensor | None, columns: Columns
+    ) -> tuple[Tensor, Tensor]:
+        r""":math:`W_{e|X}` and :math:`W_{r|X}` of every sequence and head, each ``(B, H, p, s)``, as means of the
+        values :math:`a` (:meth:`_value_columns`) over the feature vectors of the visible tokens,
+        :math:`W_{e|X} = \Phi_k^\top a_e / |V|` and :math:`W_{r|X} = \Phi_q^\top a_r / |V|` (the weights of
+        :meth:`_token_weights`); a subclass with another form overrides this."""
+        query_columns, query_inverse, key_columns, key_inverse, root_scale = columns
+        query_mask = key_mask if queries is keys else None
+        left_values = self._value_columns(keys, "left")  # A_e(Z)^T: (B, H, s, M)
+        right_values = self._value_columns(queries, "right")  # A_r(X)^T: (B, H, s, N)
+        # W_{e|X}^T = A_e^T Phi_k / |V| = sqrt(sigma) A_e^T diag(nu_k / |V|) P_k^T: (B, H, s, p); W_{r|X} likewise.
+        # (Products are arranged so that the long axis N is the columns of every output and operand: batched GEMMs
+        # with an (N, s) output are several times slower on CPU, forward and backward.)
+        left_weights = (
+            root_scale * ((left_values * key_inverse * self._token_weights(keys, key_mask)) @ key_columns.mT).mT
+        )
+        right_weights = (
+            root_scale
+            * ((right_values * query_inverse * self._token_weights(queries, query_mask)) @ query_columns.mT).mT
+        )
+        return left_weights, right_weights
+
+    def _value_columns(self, tokens: Tensor, side: str) -> Tensor:
+        """The values :math:`a_j` of :meth:`_weights` in column layout, ``(B, H, s, n)`` or ``(H, s, n)``."""
+        raise NotImplementedError
+
+    def _token_weights(self, tokens: Tensor, mask: Tensor | None) -> Tensor | float:
+        # the 1/|V| of the masked means over the visible tokens V: a float or (B, 1, 1, n)
+        if mask is None:
+            return 1.0 / tokens.shape[-2]
+        weights = mask.to(tokens.dtype)
+        return (weights / weights.sum(-1, keepdim=True))[:, None, None, :]
+
+    def _causal_scores(
+        self, tokens: Tensor, columns: Columns, singular_values: Tensor, objective: bool
+    ) -> tuple[Tensor, Tensor, Tensor | None]:
+        """The scores (and :math:`J`) of a causal call, for a mode that :attr:`supports_causal`."""
+        raise NotImplementedError
+
+    def _check_magnitude(self, queries: Tensor, keys: Tensor) -> None:
+        # called when the learned scores are not finite: inputs of magnitude ~sqrt(finfo.max) overflow W^T P ~ |x|^2
+        magnitude = float(max(queries.detach().abs().amax(), keys.detach().abs().amax()))
+        limit = torch.finfo(queries.dtype).max ** 0.5
+        if magnitude > limit / 1e3:
+            raise ValueError(
+                f"{type(self).__name__} (features={self.mode!r}): the input tokens reach |x| = {magnitude:.3g}, too "
+                f"large for {queries.dtype}: the weights W_e|X grow like |x| and their product with the unnormalised "
+                f"projections like |x|^2, which overflows beyond about sqrt(finfo.max) = {limit:.3g}; rescale the "
+                "inputs (e.g. a LayerNorm before the layer) or use float64"
+            )
+
+    @staticmethod
+    def _zero_masked(scores: Tensor, mask: Tensor | None) -> Tensor:
+        return scores if mask is None else scores * mask[:, None, :, None].to(scores.dtype)

@@ -1,0 +1,346 @@
+r"""What an attention layer reads from a kernel-eigen strategy beyond GPyTorch's surface: the strategy's :math:`q(f)`
+at the scores of one call, pushed through linear output maps without forming the GP outputs."""
+
+from __future__ import annotations
+
+import torch
+from gpytorch.distributions import MultivariateNormal
+from gpytorch.variational import CholeskyVariationalDistribution, MeanFieldVariationalDistribution
+from torch import Tensor
+
+from ..features import KernelEigenScores
+from ..validation import check_choice, check_float
+from .kernel_eigen_variational_strategy import KernelEigenVariationalStrategy
+from .structured_covariance import low_rank_plus_diag, reparameterised_draw
+
+
+class KernelEigenReadout:
+    r"""The readout of a kernel-eigen strategy's :math:`q(f)` through linear maps: the one object an attention layer
+    holds besides the strategy (docs/math.md section 3).
+
+    An attention layer evaluates its features itself (queries, keys, masks), so it reads the strategy's
+    :math:`q(f)` at the :class:`~gpattn.features.KernelEigenScores` of each call rather than calling
+    ``strategy(x)``. Its output is linear in the GP outputs, :math:`y = b + \sum_{b, h} F^b_h C^b_h` with per-branch
+    maps :math:`C^b` (``(H, d_out, C)``), and :math:`F^b_h = e^b_h \Lambda_h^{-1} u^b_h{}^\top` is linear in
+    :math:`u`, so everything the layer needs is one of:
+
+    * :meth:`predictive`: the strategy's :math:`q(f)` of one branch at the call's inputs (mean, covariance root and
+      residual: the algebra of the strategy's ``forward``);
+    * :meth:`inducing_draw` and :meth:`linear_coefficients`: the mean of :math:`q(u)` or a joint reparameterised draw
+      :math:`u = m + L \varepsilon`, folded with the maps into ``(s, C)`` coefficients :math:`\Lambda^{-1} \sum_c
+      u_c C_c` (then one output GEMM over the stacked scores, :meth:`~gpattn.features.KernelEigenScores.columns`);
+    * :meth:`token_noise`: per-input noise (the official code's "marginal" sampling, the residual);
+    * :meth:`output_variance`: :math:`\operatorname{Var}(y)` of :math:`q(f)` through the maps;
+    * :meth:`initialize_at_prior_draw`: the layer's starting :math:`q(u)`.
+
+    The layout is the attention layers': :math:`q(u)` of batch ``(H, d_out)`` (``(H, d_out, 2 or 1)`` for a pair:
+    ``num_output_dims=1``), scores of batch ``(B, H)``.
+
+    :param strategy: The strategy (single branch or pair) whose :math:`q(u)` and algebra are read.
+    :raises ValueError: A strategy with ``num_output_dims != 1``.
+
+    Example:
+        >>> from gpattn.attention import KEPSVGPAttention
+        >>> torch.manual_seed(0)  # doctest: +ELLIPSIS
+        <torch._C.Generator object at ...>
+        >>> layer = KEPSVGPAttention(embed_dim=16, num_heads=2, num_inducing=3, num_outputs=4)
+        >>> scores = layer.features(torch.randn(5, 9, 16), kernel_diag=False)
+        >>> q_f = layer.readout.predictive(scores, "right")  # q(f_r): batch (B, H, d_out) over the N tokens
+        >>> q_f.batch_shape, q_f.event_shape
+        (torch.Size([5, 2, 4]), torch.Size([9]))
+        >>> layer.readout.inducing_draw(torch.Size([5])).shape  # one joint u per sequence: (B, H, d_out, 2, s)
+        torch.Size([5, 2, 4, 2, 3])
+    """
+
+    def __init__(self, strategy: KernelEigenVariationalStrategy):
+        if strategy.num_output_dims != 1:
+            raise ValueError(
+                f"KernelEigenReadout maps one output dimension of q(u), the strategy has {strategy.num_output_dims}"
+            )
+        self.strategy = strategy
+
+    # -- q(f) at the scores of a call --------------------------------------------------------------------------------
+    def _parts(self, scores: KernelEigenScores, side: str) -> tuple[Tensor, Tensor, Tensor | None]:
+        strategy = self.strategy
+        variational = strategy.variational_distribution
+        mean = strategy._select_branch(variational.mean, side, 1)
+        covariance = strategy._select_branch_covariance(variational.lazy_covariance_matrix, side)
+        return strategy._predictive_parts(scores, side, mean, covariance)
+
+    def predictive(self, scores: KernelEigenScores, side: str) -> MultivariateNormal:
+        r""":math:`q(f)` of one branch at the inputs of one call of the features, without the prior mean: a batch
+        ``(B, H, d_out)`` of distributions over the ``N`` queries with a low-rank-plus-diagonal covariance (the algebra
+        of :meth:`KernelEigenVariationalStrategy.forward`).
+
+        :param scores: The features of the call, scores of shape ``(B, H, N, s)``.
+        :param side: ``"left"`` or ``"right"`` (a branch of the strategy).
+        """
+        mean, root, residual = self._parts(scores, side)
+        return MultivariateNormal(mean, low_rank_plus_diag(root, residual))
+
+    def output_variance(self, scores: KernelEigenScores, sides: tuple[str, ...], maps: list[Tensor]) -> Tensor:
+        r"""The variance of :math:`y = \sum_b F^b C^b` under :math:`q(f)` (:meth:`predictive`), ``(B, N, C)``: the GP
+        outputs are independent across heads and output dimensions, so :math:`\operatorname{Var}(y_{nj}) = \sum_{h, c}
+        \| \sum_b C^b_{hcj}\, e^b_n \Lambda^{-1} L_c \|^2 + \sum_{b, h, c} (C^b_{hcj})^2 \rho^b_n` with the residual
+        :math:`\rho` (cross-branch terms only when the branches share :math:`q(u)`).
+
+        :param scores: The features of the call.
+        :param sides: The branches at the queries.
+        :param maps: :math:`C^b` of each side, ``(H, d_out, C)``.
+        """
+        parts = [self._parts(scores, side) for side in sides]  # root (B, H, d_out, N, s)
+        shared = self._shares_posterior(tuple(sides))
+        variance = 0.0
+        for a, (_, root_a, _) in enumerate(parts):
+            for b, (_, root_b, _) in enumerate(parts):
+                if a == b or shared:
+                    inner = (root_a * root_b).sum(-1)  # (B, H, d_out, N)
+                    variance = variance + torch.einsum("bhcn,hcj,hcj->bnj", inner, maps[a], maps[b])
+        for (_, _, residual), weight in zip(parts, maps, strict=True):
+            if residual is not None:
+                variance = variance + torch.einsum("bhcn,hcj->bnj", residual, weight.pow(2))
+        return variance
+
+    # -- draws of u and the linear readout --------------------------------------------------------------------------
+    def inducing_draw(self, sample_shape: torch.Size | None = None) -> Tensor:
+        r"""The mean :math:`m` of :math:`q(u)` (``sample_shape=None``), or joint reparameterised draws
+        :math:`u = m + L \varepsilon`, shape ``(*sample_shape, *q_batch, s)``. Branches that share a posterior share
+        the draw."""
+        variational = self.strategy.variational_distribution
+        if sample_shape is None:
+            return variational.mean
+        noise = torch.randn(
+            (*sample_shape, *variational.mean.shape), dtype=variational.mean.dtype, device=variational.mean.device
+        )
+        return reparameterised_draw(variational.mean, variational.lazy_covariance_matrix, noise)
+
+    def linear_coefficients(
+        self, inducing_values: Tensor, maps: list[Tensor], scores: KernelEigenScores, sides: tuple[str, ...]
+    ) -> Tensor:
+        r"""The coefficients of the linear maps of the outputs of the branches ``sides``, stacked in the layout of
+        :meth:`~gpattn.features.KernelEigenScores.columns`: with :math:`F_c(x) = e(x) \Lambda^{-1} u_c` over the output
+        dimension :math:`c` and a map :math:`C^b` per branch,
+
+        .. math::
+
+            \sum_c F^b_c(x) C^b_c = e^b(x)\, A^b, \qquad A^b = \Lambda^{-1} \textstyle\sum_c u^b_c C^b_c
+            \quad (\text{whitened: } \textstyle\sum_c u^b_c C^b_c),
+
+        so that the outputs are never formed: ``(*sample, B or 1, branches H, s, C)`` coefficients (an inactive
+        direction's are zero, as its interpolation column is), then one GEMM with the stacked scores. O(d_out s C) per
+        branch, head and sequence.
+
+        :param inducing_values: :meth:`inducing_draw` (mean or draws), ``(*sample, H, d_out[, branches], s)``.
+        :param maps: :math:`C^b` of each side, ``(H, d_out, C)``.
+        :param scores: The features of the call (its :math:`\Lambda` and active directions).
+        :param sides: The branches.
+        """
+        strategy = self.strategy
+        singular_values, active = scores.singular_values, scores.active
+        coefficients = []
+        for side, weights in zip(sides, maps, strict=True):
+            values = strategy._select_branch(inducing_values, side, 1)  # (*sample, H, d_out, s)
+            branch = values.mT @ weights  # sum_c u_c C_c; (*sample, H, s, C)
+            if not strategy.whiten:
+                branch = branch / singular_values.unsqueeze(-1)
+            coefficients.append(branch if active is None else torch.where(active.unsqueeze(-1), branch, 0.0))
+        return torch.stack(coefficients, dim=-4).flatten(-4, -3)
+
+    def initialize_at_prior_draw(self, singular_values: Tensor, covariance_scale: float = 0.1) -> None:
+        r"""Set :math:`q(u) = \mathcal N(m_0, c^2 \Lambda^2)` with a draw :math:`m_0 \sim \mathcal N(0, \Lambda^2)` of
+        the (unwhitened) prior: :math:`\Lambda^{-1} m_0` then acts like a random projection, so the outputs start
+        away from zero, and the posterior starts tighter than the prior (:math:`c` = ``covariance_scale``).
+
+        :param singular_values: The :math:`\Lambda` to scale with, ``(H, s)`` (e.g. ones when the prior is per call).
+        :param covariance_scale: :math:`c > 0`.
+        """
+        strategy = self.strategy
+        check_float("covariance_scale", covariance_scale, 0.0, strict_minimum=True, where=type(self).__name__)
+        distribution = strategy._variational_distribution
+        with torch.no_grad():
+            scale = (
+                strategy._aligned(singular_values)
+                .to(distribution.variational_mean)
+                .expand_as(distribution.variational_mean)
+            )
+            distribution.variational_mean.copy_(scale * torch.randn_like(scale))
+            if isinstance(distribution, CholeskyVariationalDistribution):
+                distribution.chol_variational_covar.copy_(torch.diag_embed(covariance_scale * scale))
+            elif isinstance(distribution, MeanFieldVariationalDistribution):
+                distribution._variational_stddev.copy_(covariance_scale * scale)
+            else:
+                raise TypeError(
+                    "initialize_at_prior_draw needs a Cholesky or mean-field variational distribution, got "
+                    f"{type(distribution).__name__}"
+                )
+        strategy.variational_params_initialized.fill_(1)
+
+    # -- per-input noise ---------------------------------------------------------------------------------------------
+    def token_noise(
+        self, scores: KernelEigenScores, sides: tuple[str, ...], marginal: bool, sum_sides: bool = False
+    ) -> dict[str, Tensor]:
+        r"""Noise of the outputs that is independent across the ``N`` inputs of a call: per-input draws of
+        :math:`q(u)` beyond the joint one (``marginal``: noise distributed as :math:`a(x_n) L \varepsilon_n` with
+        :math:`a = e \Lambda^{-1}`, exact per-input marginals and no correlation across inputs, the official
+        KEP-SVGP code's sampling; branches that share :math:`q(u)` are jointly distributed as with a shared
+        :math:`\varepsilon_n`) and the residual :math:`\sqrt{\rho(x_n)}\, \xi_n` (``residual="diag"``, independent
+        per branch).
+
+        No :math:`L \varepsilon_n` is formed (an ``(N, d_out, s)`` tensor per sequence): the variance per input
+        and output, :math:`v_{nc} = a_n S_c a_n^\top`, comes from one GEMM (:meth:`token_noise_moments`) and the noise
+        is :math:`\sqrt{v_{nc}}\, \xi_{nc}`, one standard normal per input and output. Two branches that share
+        :math:`q(u)` are correlated at one input (covariance :math:`a^e_n S_c a^r_n{}^\top`) and are drawn from
+        their :math:`2 \times 2` covariance by its closed-form Cholesky factor.
+
+        :param scores: The features of the call.
+        :param sides: The branches to draw for.
+        :param marginal: Draw the per-input :math:`q(u)` noise.
+        :param sum_sides: Return the noise of the *sum* of the branches' outputs, under the first side's key (for
+            outputs that are mapped alike, e.g. ``merge="sum"``): one normal per input and output scaled by the
+            square root of the summed variance :math:`(a^e + a^r) S (a^e + a^r)^\top` (shared :math:`q(u)`) or
+            :math:`a^e S^e a^e{}^\top + a^r S^r a^r{}^\top` (independent), plus the residuals.
+        :return: ``{side: noise}``, each ``(B, H, d_out, N)``, for the branches that have any.
+
+        .. note:: Cost per sequence: O(N s^2) for the products of the quadratic forms (independent of ``d_out``),
+            O(N s^2 d_out) multiply-adds in one GEMM per form, O(N d_out) for the draws; O(N) for the residual.
+        """
+        sides = tuple(sides)
+        residual = self.strategy.residual == "diag"
+        if not marginal and not residual:
+            return {}
+        if sum_sides and len(sides) > 1:
+            variance = self._summed_variance(scores, sides, marginal)
+            return {sides[0]: self._scaled_normal(variance)}
+        noises = {}
+        if marginal:
+            moments = self.token_noise_moments(scores, sides)
+            if self._shares_posterior(sides):  # Cholesky of [[v_a, v_ab], [v_ab, v_b]] per input and output
+                first, second = sides
+                root = self._floored_sqrt(moments[first, first])
+                loading = moments[first, second] / root
+                remainder = self._floored_sqrt(moments[second, second] - loading.square())
+                xi_first, xi_second = self._standard_normal(root), self._standard_normal(root)
+                noises = {first: root * xi_first, second: loading * xi_first + remainder * xi_second}
+            else:
+                noises = {side: self._scaled_normal(moments[side, side]) for side in sides}
+        if residual:
+            for side in sides:
+                extra = self._scaled_normal(self._residual_variance(scores, side))
+                noises[side] = extra if side not in noises else noises[side] + extra
+        return noises
+
+    def token_noise_moments(self, scores: KernelEigenScores, sides: tuple[str, ...]) -> dict[tuple[str, str], Tensor]:
+        r"""The per-input covariances of the :math:`q(u)` part of the outputs, without any :math:`N \times N` or
+        ``(N, d_out, s)`` tensor: for branches :math:`a, b` with interpolation terms :math:`A^a` (``(B, H, N, s)``)
+        and output :math:`c`,
+
+        .. math::
+
+            \operatorname{Cov}(f^a_c(x_n), f^b_c(x_n)) = A^a_n S_c A^b_n{}^\top
+            = \sum_{i \leq j} w_{ij}\, \tfrac12 (A^a_{ni} A^b_{nj} + A^a_{nj} A^b_{ni})\, S_{c,ij},
+            \qquad w_{ij} = 2 - \delta_{ij},
+
+        the symmetric (Kronecker) form: the ``s(s+1)/2`` products of the upper triangle per input, then one GEMM
+        against the packed :math:`S_c` of every output. Diagonal entries ``(a, a)`` for every side; the cross entry
+        ``(left, right)`` when the two branches share :math:`q(u)` (independent branches are uncorrelated).
+
+        :return: ``{(a, b): covariance}``, each ``(B, H, d_out, N)``.
+
+        .. note:: Cost O(N s^2) per sequence for the products and O(N s^2 d_out) for each GEMM.
+        """
+        sides = tuple(sides)
+        forms = self._quadratic_forms()
+        interps = {side: self._token_interp(scores, side) for side in sides}
+        moments = {(side, side): forms(interp, None, side) for side, interp in interps.items()}
+        if self._shares_posterior(sides):
+            moments[sides[0], sides[1]] = forms(interps[sides[0]], interps[sides[1]], sides[0])
+        return moments
+
+    @staticmethod
+    def _floored_sqrt(variance: Tensor) -> Tensor:
+        # floored at eps: d sqrt(v) / dv stays finite where the variance is ~ 0
+        return variance.clamp_min(torch.finfo(variance.dtype).eps).sqrt()
+
+    @staticmethod
+    def _standard_normal(like: Tensor) -> Tensor:
+        # in the logical order of the shape (randn_like would follow a permuted tensor's memory order)
+        return torch.randn(like.shape, dtype=like.dtype, device=like.device)
+
+    def _scaled_normal(self, variance: Tensor) -> Tensor:
+        root = self._floored_sqrt(variance)
+        return root * self._standard_normal(root)
+
+    def _residual_variance(self, scores: KernelEigenScores, side: str) -> Tensor:
+        # the residual diagonal of a branch broadcast to (B, H, d_out, N)
+        strategy = self.strategy
+        interp, residual = strategy._interpolation(scores, side)  # (*lead, *branch_batch, N, s), (..., N)
+        outputs = strategy._select_branch(strategy.variational_distribution.mean, side, 1).shape[:-1]
+        return residual.expand(*torch.broadcast_shapes(interp.shape[:-2], outputs), interp.shape[-2])
+
+    def _summed_variance(self, scores: KernelEigenScores, sides: tuple[str, ...], marginal: bool) -> Tensor:
+        # the per-input variance of the sum of the branches' token noises, (B, H, d_out, N)
+        variance = 0.0
+        if marginal:
+            forms = self._quadratic_forms()
+            interps = [self._token_interp(scores, side) for side in sides]
+            if self._shares_posterior(sides):  # one u: (a_e + a_r) S (a_e + a_r)^T
+                variance = forms(interps[0] + interps[1], None, sides[0])
+            else:
+                for side, interp in zip(sides, interps, strict=True):
+                    variance = variance + forms(interp, None, side)
+        if self.strategy.residual == "diag":
+            for side in sides:
+                variance = variance + self._residual_variance(scores, side)
+        return variance
+
+    def _shares_posterior(self, sides: tuple[str, ...]) -> bool:
+        # two branches drawn from one q(u) (a pair with a branch dimension of size 1)
+        strategy = self.strategy
+        return (
+            len(sides) > 1
+            and len(strategy._branch_sides) > 1
+            and strategy._variational_distribution.batch_shape[-1] == 1
+        )
+
+    def _token_interp(self, scores: KernelEigenScores, side: str) -> Tensor:
+        check_choice("side", side, self.strategy._branch_sides, where=type(self).__name__)
+        return scores.interp(side, self.strategy.whiten)  # (B, H, N, s): no output dimensions
+
+    def _quadratic_forms(self):
+        r"""A function ``(a, b, side) -> a_n S_c b_n^T`` for every input ``n`` and output ``c`` of the branch
+        ``side`` (``b = a`` when ``None``), ``(B, H, d_out, N)`` from ``(B, H, N, s)`` terms, in the symmetric
+        (Kronecker) form :math:`\sum_{i \leq j} w_{ij} \tfrac12 (a_i b_j + a_j b_i) S_{ij}`, :math:`w_{ij} = 2 -
+        \delta_{ij}`: ``s(s+1)/2`` products per input, then one GEMM against the packed :math:`S_c` of every
+        output."""
+        strategy = self.strategy
+        variational = strategy._variational_distribution
+        covariance = strategy.variational_distribution.lazy_covariance_matrix.to_dense()  # (*q_batch, s, s), tiny
+        size, dims = covariance.shape[-1], strategy.num_output_dims
+        rows, cols = torch.triu_indices(size, size, device=covariance.device)
+        packed = covariance[..., rows, cols] * (2.0 - (rows == cols).to(covariance.dtype))
+        end = len(variational.batch_shape) - int(len(strategy._branch_sides) > 1)
+        outputs = variational.batch_shape[end - dims : end]
+        # the entries a_i and a_j of the upper triangle by GEMMs with one-hot columns (gathers are several times
+        # slower on CPU, forward and backward)
+        columns = torch.arange(rows.numel(), device=covariance.device)
+        first_selection = covariance.new_zeros(size, rows.numel())
+        second_selection = covariance.new_zeros(size, rows.numel())
+        first_selection[rows, columns] = 1.0
+        second_selection[cols, columns] = 1.0
+
+        def forms(first: Tensor, second: Tensor | None, side: str) -> Tensor:
+            if second is None:
+                products = (first @ first_selection) * (first @ second_selection)
+            else:
+                products = 0.5 * (
+                    (first @ first_selection) * (second @ second_selection)
+                    + (first @ second_selection) * (second @ first_selection)
+                )
+            branch = strategy._select_branch(packed, side, 1)  # (*lead_q, *outputs, P)
+            flat = branch.reshape(*branch.shape[: branch.dim() - 1 - dims], -1, branch.shape[-1])
+            result = products @ flat.mT  # (*batch, N, P) x (*lead_q, P, D) -> (*batch, N, D)
+            if not dims:
+                return result.squeeze(-1)
+            return result.unflatten(-1, outputs).movedim(-1 - dims, -1)
+
+        return forms
