@@ -256,16 +256,21 @@ def check_token_magnitude(tokens: Tensor | Sequence[Tensor], growth: str, where:
     r"""Refuse input tokens too large for their dtype: a ``ValueError`` when :math:`\max |x|` exceeds
     :func:`token_magnitude_limit`, saying what overflows and what to do; nothing otherwise.
 
-    Costs one pass over the tokens: layers call it through :func:`check_overflow`, i.e. only once a result is not
-    finite, so that the normal path pays a single reduction over its outputs.
+    Costs one reduction pass over each distinct tensor (``torch.aminmax``, no temporary; skipped while tracing or
+    compiling, and on ``meta``). The layers call it through :func:`check_overflow`, i.e. only once a result is not
+    finite, so that the normal path pays a single reduction over their outputs (and float16, whose limit is 0.26,
+    keeps working for ordinary tokens).
 
     :param tokens: The layer's input tokens (one tensor or several, e.g. the queries and the context).
     :param growth: What overflows, for the message, e.g. ``"the attention scores <q, k> grow like |x|^2"``.
     :raises ValueError: Naming the magnitude reached, the dtype and its limit.
     """
-    tokens = [tokens] if isinstance(tokens, Tensor) else list(tokens)
+    tokens = list({id(part): part for part in ([tokens] if isinstance(tokens, Tensor) else tokens)}.values())
+    if _is_tracing() or any(part.device.type == "meta" for part in tokens):
+        return
     dtype = tokens[0].dtype
-    magnitude = max(float(part.detach().abs().amax()) for part in tokens if part.numel())
+    extremes = [torch.aminmax(part.detach()) for part in tokens if part.numel()]
+    magnitude = max((max(-float(low), float(high)) for low, high in extremes), default=0.0)
     limit = torch.finfo(dtype).max ** 0.5
     if magnitude > limit / MAGNITUDE_MARGIN:
         remedy = "" if dtype == torch.float64 else " or use float64"

@@ -36,8 +36,12 @@ class SoftmaxAttention(AttentionLayer):
     Deterministic: ``kl_divergence()`` is zero and ``posterior`` has zero variance.
 
     The scores grow like :math:`|x|^2`: a NaN or an infinity in the heads' output raises a ``ValueError`` when the
-    tokens exceed :func:`~gpattn.validation.token_magnitude_limit` (1.8e16 in float32, 1.3e151 in float64), where
-    the scores or their gradients overflow (one reduction over the output on the normal path).
+    tokens exceed :func:`~gpattn.validation.token_magnitude_limit` (1.8e16 in float32, 1.3e151 in float64; one
+    reduction over the output on the normal path). The guard sees the forward pass only: PyTorch's fused CPU backward
+    already returns NaN gradients for :math:`W_q, W_k` once the scores reach about :math:`10^{32}` (tokens of about
+    :math:`10^{16}` in float32, :math:`10^{150}` in float64), where the forward output is still finite and the
+    explicit softmax gives the correct zero gradients of a saturated softmax; a training loop meets them as a
+    divergence.
 
     :param embed_dim: Token width :math:`C`.
     :param num_heads: Number of heads :math:`H` (must divide ``embed_dim``).
