@@ -3,7 +3,8 @@
 Scalars (constructor and CLI arguments) are checked with :func:`check_int`, :func:`check_float`,
 :func:`check_choice` and :func:`check_device`; tensors with :func:`check_tensor`, which costs O(1) apart from one
 elementwise pass when ``finite=True`` (skipped while TorchScript or ``torch.compile`` trace, and on the ``meta``
-device, where values do not exist).
+device, where values do not exist). Layers guard their results with :func:`check_overflow`, which refuses input
+tokens too large for their dtype (:func:`check_token_magnitude`) once a result is not finite.
 """
 
 from __future__ import annotations
@@ -61,9 +62,10 @@ def _autocast_enabled(device_type: str) -> bool:
 
 
 def check_int(name: str, value: Any, minimum: int | None = 1, maximum: int | None = None, where: str = "") -> int:
-    """An integer (not a bool) in ``[minimum, maximum]`` (either bound may be ``None``).
+    """An integer in ``[minimum, maximum]`` (either bound may be ``None``): a Python or NumPy integer
+    (``numbers.Integral``, e.g. ``numpy.int64``), not a bool (Python's or NumPy's).
 
-    :raises InputTypeError: For a non-integer (a float, a string, a bool).
+    :raises InputTypeError: For a non-integer (a float, also an integral one such as ``15.0``, a string, a bool).
     :raises ValueError: For an integer out of range.
     :return: ``value`` as a Python ``int``.
     """
@@ -235,6 +237,72 @@ def check_tensor(
     if finite and not skip_finite and not all_finite(value):
         raise ValueError(f"{prefix}{name} contains NaN or Inf values")
     return value
+
+
+#: The factor below :math:`\sqrt{f_{\max}}` at which :func:`check_token_magnitude` refuses tokens: the margin left for
+#: the sums over tokens and dimensions that multiply a quantity growing like :math:`|x|^2`.
+MAGNITUDE_MARGIN = 1e3
+
+
+def token_magnitude_limit(dtype: torch.dtype) -> float:
+    r"""The largest token magnitude a layer accepts in ``dtype``: :math:`\sqrt{f_{\max}} / 10^3` (1.8e16 in float32
+    and bfloat16, 1.3e151 in float64, 0.26 in float16), where quantities that grow like :math:`|x|^2` (attention
+    scores, squared distances, quadratic forms of the values) leave the range of the dtype with a margin of
+    :data:`MAGNITUDE_MARGIN` for their sums."""
+    return torch.finfo(dtype).max ** 0.5 / MAGNITUDE_MARGIN
+
+
+def check_token_magnitude(tokens: Tensor | Sequence[Tensor], growth: str, where: str = "") -> None:
+    r"""Refuse input tokens too large for their dtype: a ``ValueError`` when :math:`\max |x|` exceeds
+    :func:`token_magnitude_limit`, saying what overflows and what to do; nothing otherwise.
+
+    Costs one reduction pass over each distinct tensor (``torch.aminmax``, no temporary; skipped while tracing or
+    compiling, and on ``meta``). The layers call it through :func:`check_overflow`, i.e. only once a result is not
+    finite, so that the normal path pays a single reduction over their outputs (and float16, whose limit is 0.26,
+    keeps working for ordinary tokens).
+
+    :param tokens: The layer's input tokens (one tensor or several, e.g. the queries and the context).
+    :param growth: What overflows, for the message, e.g. ``"the attention scores <q, k> grow like |x|^2"``.
+    :raises ValueError: Naming the magnitude reached, the dtype and its limit.
+    """
+    tokens = list({id(part): part for part in ([tokens] if isinstance(tokens, Tensor) else tokens)}.values())
+    if _is_tracing() or any(part.device.type == "meta" for part in tokens):
+        return
+    dtype = tokens[0].dtype
+    extremes = [torch.aminmax(part.detach()) for part in tokens if part.numel()]
+    magnitude = max((max(-float(low), float(high)) for low, high in extremes), default=0.0)
+    limit = torch.finfo(dtype).max ** 0.5
+    if magnitude > limit / MAGNITUDE_MARGIN:
+        remedy = "" if dtype == torch.float64 else " or use float64"
+        raise ValueError(
+            f"{_prefix(where)}the input tokens reach |x| = {magnitude:.3g}, too large for {dtype}: {growth}, which "
+            f"overflows beyond about sqrt(finfo.max) = {limit:.3g}; rescale the inputs (e.g. a LayerNorm before the "
+            f"layer){remedy}"
+        )
+
+
+def check_overflow(
+    results: Sequence[Tensor | None], tokens: Tensor | Sequence[Tensor], growth: str, where: str = ""
+) -> bool:
+    """The guard a layer runs after its forward pass: when one of ``results`` holds a NaN or an infinity, refuse
+    tokens beyond :func:`token_magnitude_limit` with :func:`check_token_magnitude`'s message.
+
+    One :func:`all_finite` pass per result on the normal path (skipped while tracing or compiling, and on ``meta``).
+
+    :param results: What the layer computed from the tokens (its output, its loss terms); ``None`` entries are skipped.
+    :param tokens: The input tokens.
+    :param growth: What overflows, for the message.
+    :return: Whether every result is finite (``True`` also when the check is skipped); ``False`` when a result is not
+        finite but the tokens are within the limit (e.g. diverged parameters), which the caller may diagnose further.
+    :raises ValueError: A non-finite result from tokens beyond the limit.
+    """
+    present = [result for result in results if result is not None]
+    if _is_tracing() or any(result.device.type == "meta" for result in present):
+        return True
+    if all(all_finite(result.detach()) for result in present):
+        return True
+    check_token_magnitude(tokens, growth, where)
+    return False
 
 
 def check_positive(name: str, value: Any, like: Tensor, where: str = "") -> Tensor:

@@ -11,10 +11,13 @@ from gpytorch.constraints import GreaterThan, Positive
 from linear_operator.utils.errors import NotPSDError
 from torch import Tensor
 
+from ..kernels import first_real_token, squared_distance
 from ..mlls import CGPAddedLossTerm
-from ..validation import check_float, check_positive
+from ..validation import check_float, check_overflow, check_positive
 from ._base import AttentionInputs, AttentionLayer
 
+#: what overflows at large tokens, for the messages of the magnitude guard
+GROWTH = "the squared distances of its RBF kernels grow like |x|^2"
 #: the positive scales of a head: the amplitude a^2 of the three GPs, and the query and key GPs' prior variances
 #: relative to the latent GP's (sigma_q^2, sigma_k^2 >= 1 keep their conditional covariances given z_0 PSD)
 SCALES = {
@@ -24,15 +27,15 @@ SCALES = {
 }
 
 
-def _rbf(left: Tensor, right: Tensor) -> Tensor:
-    """The standardised RBF kernel :math:`\\kappa(a, b) = \\exp(-\\lVert a - b \\rVert^2 / 2)`.
+def _rbf(left: Tensor, right: Tensor | None = None) -> Tensor:
+    """The standardised RBF kernel :math:`\\kappa(a, b) = \\exp(-\\lVert a - b \\rVert^2 / 2)` on
+    :func:`~gpattn.kernels.squared_distance` (``right=None``: ``right`` is ``left``, with an exact unit diagonal).
 
     :param left: shape ``(..., n, p)``.
     :param right: shape ``(..., m, p)``.
     :return: shape ``(..., n, m)``.
     """
-    squared_dist = left.square().sum(-1, keepdim=True) + right.square().sum(-1).unsqueeze(-2) - 2 * left @ right.mT
-    return torch.exp(-0.5 * squared_dist.clamp_min(0))  # clamped against rounding
+    return torch.exp(-0.5 * squared_distance(left, left if right is None else right, same=right is None))
 
 
 def _restrict(covar: Tensor, row_mask: Tensor | None, col_mask: Tensor | None) -> Tensor:
@@ -58,8 +61,9 @@ def _decouple(covar: Tensor, mask: Tensor | None, variance: Tensor | float) -> T
 class _Latent:
     """The latent-GP part shared by the mean, the variance, the samples and the objective of one call."""
 
-    queries: Tensor  # q = W_q x; shape: (B, H, N, p)
-    keys: Tensor  # k = W_k x; shape: (B, H, M, p)
+    tokens: tuple[Tensor, Tensor]  # the input queries and keys, for the magnitude guard
+    queries: Tensor  # q = W_q (x - t), centred; shape: (B, H, N, p)
+    keys: Tensor  # k = W_k (x - t), centred; shape: (B, H, M, p)
     values: Tensor  # v = W_v x, padded keys zeroed; shape: (B, H, M, p)
     query_mask: Tensor | None  # shape: (B, 1, N); None in cross-attention
     key_mask: Tensor | None  # shape: (B, 1, M)
@@ -135,7 +139,13 @@ class CGPTAttention(AttentionLayer):
     **Numerics.** One jitter :math:`\epsilon` (``jitter``), a white-noise nugget of the model: :math:`\epsilon I` is
     added to :math:`K_{00}` and :math:`\epsilon \sigma_s^2 I` to :math:`K_{ss}` and :math:`\Sigma_s`, so that every
     formula above holds exactly for the jittered matrices. :math:`K_{00}`, :math:`K_{kk}`, :math:`\Sigma_q` and
-    :math:`\Sigma_k` are factorised by Cholesky (never inverted); a failed factorisation raises
+    :math:`\Sigma_k` are factorised by Cholesky (never inverted); the squared distances are
+    :func:`~gpattn.kernels.squared_distance`'s of tokens centred on the first real key :math:`t` of their sequence
+    before the projections (:math:`W_q (x - t)`, ...; where queries or keys meet the latent inputs they are moved by
+    :math:`(W_q - W_0) t` or :math:`(W_k - W_0) t`), so that a constant offset of the tokens costs no precision (the
+    plain expansion of :math:`\lVert a - b \rVert^2` made :math:`K_{00}` indefinite at an offset of :math:`10^3` in
+    float32). A failed factorisation, or a NaN or infinity in the results, raises a ``ValueError`` when the tokens
+    exceed :func:`~gpattn.validation.token_magnitude_limit`; otherwise a failed factorisation raises
     :class:`~linear_operator.utils.errors.NotPSDError` naming the matrix (no retry with a larger jitter). The variance
     ratios are constrained to :math:`\sigma_q^2, \sigma_k^2 > 1`: :math:`\Sigma_q` is a Schur complement of the RBF
     Gram matrix on :math:`\{q\} \cup \{x_0\}` plus :math:`(\sigma_q^2 - 1)\kappa(q, q)`, so it is PSD for every input
@@ -145,6 +155,13 @@ class CGPTAttention(AttentionLayer):
     :math:`\sigma_q^2 = \sigma_k^2 = 2` and :math:`a^2 = 0.1` at the start (with :math:`a^2 = 1` the initial sampling
     noise, of variance at least :math:`a^2 (\sigma_q^2 - 1)` per value dimension, swamps the mean: the comparison's
     pointer task then stays at chance).
+
+    float16 and bfloat16 layers compute the projections :math:`W_q, W_k, W_0, W_v` and the GPs (kernel matrices,
+    Cholesky factors, solves, samples and the regulariser) in float32: LAPACK has no half-precision Cholesky, and
+    :math:`K_{00}^{-1}` amplifies the rounding of half-precision projections (a mean off by 100 % in float16). The
+    heads' mean (or sample) and covariance are cast back to the tokens' dtype (``out_proj`` runs in it); the
+    regulariser stays in float32.
+    Under ``torch.autocast`` everything but ``out_proj`` runs in the parameters' precision (autocast off).
 
     **Masks.** Padded tokens leave the latent, key and (in self-attention) query sets: their rows and columns of the
     kernel matrices are decoupled, so the real tokens' outputs, samples (for the same noise) and objective are those
@@ -244,12 +261,14 @@ class CGPTAttention(AttentionLayer):
         self._set_scale("key_variance_ratio", value)
 
     # -- the correlated GPs ------------------------------------------------------------------------------------------
-    def _cholesky(self, covar: Tensor, variance: Tensor | float, name: str) -> Tensor:
-        """The Cholesky factor of ``covar + jitter * variance * I`` (``(B, H, n, n)``); raises on failure."""
+    def _cholesky(self, covar: Tensor, variance: Tensor | float, name: str, tokens: tuple[Tensor, Tensor]) -> Tensor:
+        """The Cholesky factor of ``covar + jitter * variance * I`` (``(B, H, n, n)``); raises on failure: a
+        ``ValueError`` when the input ``tokens`` are too large for their dtype, else a ``NotPSDError``."""
         eye = torch.eye(covar.shape[-1], dtype=covar.dtype, device=covar.device)
         factor, info = torch.linalg.cholesky_ex(covar + self.jitter * variance * eye)
         failed = info > 0
         if bool(failed.any()):
+            check_overflow((covar,), tokens, GROWTH, where=type(self).__name__)
             raise NotPSDError(
                 f"{type(self).__name__}: the Cholesky factorisation of {name} failed for {int(failed.sum())} of "
                 f"{failed.numel()} (sequence, head) pairs: not positive definite at jitter={self.jitter:g} in "
@@ -259,37 +278,59 @@ class CGPTAttention(AttentionLayer):
         return factor
 
     def _latent(self, inputs: AttentionInputs) -> _Latent:
-        queries = self.split_heads(self.query_proj(inputs.queries))
-        keys = self.split_heads(self.key_proj(inputs.keys))
-        latents = self.split_heads(self.latent_proj(inputs.keys))  # x_0; shape: (B, H, M, p)
-        values = self.split_heads(self.value_proj(inputs.keys))
+        # the kernels are translation invariant: centre the tokens on one of them before projecting, and move the
+        # queries and keys by (W_q - W_0) t and (W_k - W_0) t where they meet the latent inputs
+        tokens = (inputs.queries, inputs.keys)
+        # float32 at least from the projections on (LAPACK has no half-precision Cholesky, and K_00^{-1} amplifies
+        # the rounding of half-precision projections); the caller casts the results back
+        dtype = torch.promote_types(inputs.keys.dtype, torch.float32)
+        query_tokens, key_tokens = inputs.queries.to(dtype), inputs.keys.to(dtype)
+        origin = first_real_token(key_tokens, inputs.key_mask)  # t; shape: (B, 1, C)
+
+        query_weight, key_weight, latent_weight, value_weight = (
+            projection.weight.to(dtype)
+            for projection in (self.query_proj, self.key_proj, self.latent_proj, self.value_proj)
+        )
+
+        def project(source: Tensor, weight: Tensor) -> Tensor:  # (B, n, C) -> (B, H, n, p)
+            return self.split_heads(torch.nn.functional.linear(source, weight))
+
+        queries = project(query_tokens - origin, query_weight)  # W_q (x - t); shape: (B, H, N, p)
+        keys = project(key_tokens - origin, key_weight)  # shape: (B, H, M, p)
+        latents = project(key_tokens - origin, latent_weight)  # x_0 - W_0 t; shape: (B, H, M, p)
+        values = project(key_tokens, value_weight)
         key_mask = None if inputs.key_mask is None else inputs.key_mask.unsqueeze(1)  # shape: (B, 1, M)
         query_mask = None if inputs.is_cross else key_mask
         if key_mask is not None:  # z_k = K_kk v must vanish at padded keys
             values = values * key_mask.unsqueeze(-1)
         # the matrices K of the unit-amplitude GPs; the GPs' covariances are a^2 K
-        latent_covar = _decouple(_rbf(latents, latents), key_mask, 1.0)  # K_00; shape: (B, H, M, M)
-        latent_chol = self._cholesky(latent_covar, 1.0, "K_00 (the latent GP's kernel matrix on x_0)")
-        latent_query = _restrict(_rbf(latents, queries), key_mask, query_mask)  # K_0q; shape: (B, H, M, N)
-        latent_key = _restrict(_rbf(latents, keys), key_mask, key_mask)  # K_0k; shape: (B, H, M, M)
+        latent_covar = _decouple(_rbf(latents), key_mask, 1.0)  # K_00; shape: (B, H, M, M)
+        latent_chol = self._cholesky(latent_covar, 1.0, "K_00 (the latent GP's kernel matrix on x_0)", tokens)
+        # kappa(W_0 x_j, W_q x_i) = kappa(x_0 - W_0 t, q + (W_q - W_0) t), likewise for the keys; the difference of
+        # the weights first, so that nearly equal projections of a distant t do not cancel
+        query_shift = project(origin, query_weight - latent_weight)  # shape: (B, H, 1, p)
+        key_shift = project(origin, key_weight - latent_weight)
+        latent_query = _restrict(_rbf(latents, queries + query_shift), key_mask, query_mask)  # K_0q; (B, H, M, N)
+        latent_key = _restrict(_rbf(latents, keys + key_shift), key_mask, key_mask)  # K_0k; shape: (B, H, M, M)
         query_interp = torch.linalg.solve_triangular(latent_chol, latent_query, upper=False)
         key_interp = torch.linalg.solve_triangular(latent_chol, latent_key, upper=False)
-        amplitude = self.outputscale[:, None, None]  # a^2; shape: (H, 1, 1)
+        amplitude = self.outputscale.to(dtype)[:, None, None]  # a^2; shape: (H, 1, 1)
         mean = query_interp.mT @ (key_interp @ values)  # K_qk v = K_q0 K_00^{-1} K_0k v, free of a^2
-        return _Latent(queries, keys, values, query_mask, key_mask, query_interp, key_interp, amplitude, mean)
+        return _Latent(tokens, queries, keys, values, query_mask, key_mask, query_interp, key_interp, amplitude, mean)
 
     def _prior_covar(self, side: str, latent: _Latent) -> tuple[Tensor, Tensor]:
         r""":math:`K_{ss} = \sigma_s^2 \kappa(s, s)` (padded tokens decoupled, no nugget), ``(B, H, n, n)``, and
         :math:`\sigma_s^2`, shape ``(H, 1, 1)``."""
         tokens, mask = (latent.queries, latent.query_mask) if side == "query" else (latent.keys, latent.key_mask)
-        ratio = getattr(self, f"{side}_variance_ratio")[:, None, None]
-        return _decouple(ratio * _rbf(tokens, tokens), mask, ratio), ratio
+        ratio = getattr(self, f"{side}_variance_ratio").to(tokens.dtype)[:, None, None]
+        return _decouple(ratio * _rbf(tokens), mask, ratio), ratio
 
     def _conditional_cholesky(self, side: str, latent: _Latent, prior_covar: Tensor, ratio: Tensor) -> Tensor:
         r"""The Cholesky factor :math:`L_s` of :math:`\Sigma_s = K_{ss} - K_{s0} K_{00}^{-1} K_{0s}` (+ nugget)."""
         interp = latent.query_interp if side == "query" else latent.key_interp
         conditional = prior_covar - interp.mT @ interp
-        return self._cholesky(conditional, ratio, f"Sigma_{side[0]} (the {side} GP's covariance given z_0)")
+        name = f"Sigma_{side[0]} (the {side} GP's covariance given z_0)"
+        return self._cholesky(conditional, ratio, name, latent.tokens)
 
     def _objective(self, latent: _Latent, side: str, observed: Tensor, chol: Tensor) -> Tensor:
         r""":math:`\tfrac12 \sum_c [a^{-2} z_c^\top \Sigma_s^{-1} z_c + \mathrm{tr}(\Sigma_s^{-1} K_{s0} K_{00}^{-1}
@@ -312,7 +353,7 @@ class CGPTAttention(AttentionLayer):
         key_covar, key_ratio = self._prior_covar("key", latent)
         query_chol = self._conditional_cholesky("query", latent, query_covar, query_ratio)
         key_cond_chol = self._conditional_cholesky("key", latent, key_covar, key_ratio)
-        key_chol = self._cholesky(key_covar, key_ratio, "K_kk (the key GP's kernel matrix)")
+        key_chol = self._cholesky(key_covar, key_ratio, "K_kk (the key GP's kernel matrix)", latent.tokens)
         # unit-amplitude prior draws: z_0' = L_00 eps_0, so that K_s0 K_00^{-1} z_0' = interp_s^T eps_0
         latent_noise = torch.randn_like(latent.values)
         prior_key = latent.key_interp.mT @ latent_noise + key_cond_chol @ torch.randn_like(latent.values)
@@ -331,14 +372,17 @@ class CGPTAttention(AttentionLayer):
     # -- attention interface -----------------------------------------------------------------------------------------
     def forward(self, x: Tensor, mask: Tensor | str | None = None, context: Tensor | None = None) -> Tensor:
         inputs = self._prepare(x, mask, context)
-        with torch.autocast(x.device.type, enabled=False):  # Cholesky factors in the tokens' precision
+        loss = None
+        with torch.autocast(x.device.type, enabled=False):  # Cholesky factors in float32 at least
             latent = self._latent(inputs)
             heads = latent.mean
             if self.sampling:
                 with_objective = self.training and self.cgp_weight > 0
                 heads, loss = self._sample_and_objective(latent, objective=with_objective)
-                if loss is not None:
-                    self.update_added_loss_term("cgp_loss", CGPAddedLossTerm(loss, self.cgp_weight))
+        heads = heads.to(x.dtype)
+        check_overflow((heads, loss), latent.tokens, GROWTH, where=type(self).__name__)
+        if loss is not None:
+            self.update_added_loss_term("cgp_loss", CGPAddedLossTerm(loss, self.cgp_weight))
         return self.project_out(heads)
 
     def head_covariance(
@@ -351,13 +395,15 @@ class CGPTAttention(AttentionLayer):
         with torch.autocast(x.device.type, enabled=False):
             latent = self._latent(inputs)
             key_covar, key_ratio = self._prior_covar("key", latent)
-            key_chol = self._cholesky(key_covar, key_ratio, "K_kk (the key GP's kernel matrix)")
+            key_chol = self._cholesky(key_covar, key_ratio, "K_kk (the key GP's kernel matrix)", latent.tokens)
             key_query_covar = latent.key_interp.mT @ latent.query_interp  # K_kq; shape: (B, H, M, N)
             explained = torch.linalg.solve_triangular(key_chol, key_query_covar, upper=False)  # L_kk^{-1} K_kq
             query_covar, query_ratio = self._prior_covar("query", latent)
             eye = torch.eye(query_covar.shape[-1], dtype=query_covar.dtype, device=query_covar.device)
             covar = latent.amplitude * (query_covar + self.jitter * query_ratio * eye - explained.mT @ explained)
-        return latent.mean, covar
+        mean, covar = latent.mean.to(x.dtype), covar.to(x.dtype)
+        check_overflow((mean, covar), latent.tokens, GROWTH, where=type(self).__name__)
+        return mean, covar
 
     def head_moments(
         self, x: Tensor, mask: Tensor | str | None = None, context: Tensor | None = None

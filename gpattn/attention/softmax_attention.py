@@ -8,7 +8,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from ..validation import check_overflow
 from ._base import AttentionLayer
+
+#: what overflows at large tokens, for the message of the magnitude guard
+GROWTH = "the attention scores <q, k> grow like |x|^2"
 
 
 class SoftmaxAttention(AttentionLayer):
@@ -30,6 +34,14 @@ class SoftmaxAttention(AttentionLayer):
     dropout is applied: here on the output, as in every gpattn layer, rather than on the attention weights).
 
     Deterministic: ``kl_divergence()`` is zero and ``posterior`` has zero variance.
+
+    The scores grow like :math:`|x|^2`: a NaN or an infinity in the heads' output raises a ``ValueError`` when the
+    tokens exceed :func:`~gpattn.validation.token_magnitude_limit` (1.8e16 in float32, 1.3e151 in float64; one
+    reduction over the output on the normal path). The guard sees the forward pass only: PyTorch's fused CPU backward
+    already returns NaN gradients for :math:`W_q, W_k` once the scores reach about :math:`10^{32}` (tokens of about
+    :math:`10^{16}` in float32, :math:`10^{150}` in float64), where the forward output is still finite and the
+    explicit softmax gives the correct zero gradients of a saturated softmax; a training loop meets them as a
+    divergence.
 
     :param embed_dim: Token width :math:`C`.
     :param num_heads: Number of heads :math:`H` (must divide ``embed_dim``).
@@ -66,4 +78,5 @@ class SoftmaxAttention(AttentionLayer):
         heads = F.scaled_dot_product_attention(
             queries, keys, values, attn_mask=attn_mask, is_causal=inputs.causal, scale=1.0 / math.sqrt(self.head_dim)
         )  # shape: (B, H, N, p)
+        check_overflow((heads,), (inputs.queries, inputs.keys), GROWTH, where=type(self).__name__)
         return self.project_out(heads)

@@ -12,8 +12,11 @@ from gpytorch.models import ApproximateGP
 from gpytorch.variational import CholeskyVariationalDistribution, VariationalStrategy
 from torch import Tensor
 
-from ..validation import check_int
+from ..validation import InputTypeError, check_int, check_overflow
 from ._base import AttentionInputs, AttentionLayer
+
+#: what overflows at large tokens, for the message of the magnitude guard
+GROWTH = "the GP inputs grow like |x| and the squared distances of its RBF kernel like |x|^2"
 
 
 class _HeadwiseSVGP(ApproximateGP):
@@ -67,6 +70,12 @@ class SymmetricSVGPAttention(AttentionLayer):
     :math:`\mu_i` (eval); heads are concatenated and projected. :meth:`kl_divergence` is
     :math:`\sum_{h, d} \mathrm{KL}(q(u_{hd}) \| \mathcal N(0, I))` and does not depend on the data.
 
+    Numerics: GPyTorch's ``RBFKernel`` centres its squared distances, so they do not lose precision at an offset of
+    the GP inputs; a NaN or an infinity in the moments raises a ``ValueError`` when the tokens exceed
+    :func:`~gpattn.validation.token_magnitude_limit`. GPyTorch's variational strategy has no float16 or bfloat16
+    jitter (nor LAPACK a half-precision Cholesky): a half-precision layer raises a ``TypeError`` saying so; keep it in
+    float32 and use ``torch.autocast``, under which the GP computes in float32.
+
     :param embed_dim: Token width :math:`C`.
     :param num_heads: Number of heads :math:`H`.
     :param num_inducing: :math:`M`, inducing points per head.
@@ -115,6 +124,12 @@ class SymmetricSVGPAttention(AttentionLayer):
         # the GP (a K_uu Cholesky, triangular solves) runs in the parameters' precision, never autocast's: GPyTorch's
         # custom backward of the predictive updates fails on the mixed dtypes that autocast would produce
         strategy = self.gp.variational_strategy
+        if strategy.inducing_points.dtype in (torch.float16, torch.bfloat16):
+            raise InputTypeError(
+                f"{type(self).__name__}: GPyTorch's variational strategy (its Cholesky factor of K_uu and its jitter) "
+                f"needs float32 or float64 parameters, got {strategy.inducing_points.dtype}: keep this layer in "
+                "float32 (layer.float()) and use torch.autocast for mixed precision, under which it computes in float32"
+            )
         # no memo survives a call: GPyTorch memoises the K_uu Cholesky in eval mode, which would go stale after an
         # in-place parameter update and hold this call's autograd graph (a second backward would fail); the
         # recomputation is O(H M^3), small against the O(B N M^2) of the predictions
@@ -129,7 +144,9 @@ class SymmetricSVGPAttention(AttentionLayer):
         def unflatten(tokens: Tensor) -> Tensor:  # (H, p, B N) -> (B, H, N, p)
             return tokens.reshape(heads, width, batch, length).permute(2, 0, 3, 1)
 
-        return unflatten(mean), unflatten(variance)
+        mean, variance = unflatten(mean).to(inputs.queries.dtype), unflatten(variance).to(inputs.queries.dtype)
+        check_overflow((mean, variance), (inputs.queries, inputs.keys), GROWTH, where=type(self).__name__)
+        return mean, variance
 
     # -- attention interface -----------------------------------------------------------------------------------------
     def forward(self, x: Tensor, mask: Tensor | str | None = None, context: Tensor | None = None) -> Tensor:

@@ -2,7 +2,7 @@ r"""MNIST-1D (Greydanus, "Scaling down deep learning", 2020, arXiv 2011.14439) a
 shifts regenerated from the data set's own generator, its spatially shuffled variant, and OOD sequences.
 
 The data come from the PyPI package ``mnist1d``, which generates them locally: ``mnist1d.data.make_dataset`` with the
-default ``get_dataset_args()`` (5000 sequences, seed 42) gives the standard split of 4000 training and 1000 test
+default ``getdataset_args()`` (5000 sequences, seed 42) gives the standard split of 4000 training and 1000 test
 sequences of length 40, identical to the published pickle. Nothing is downloaded (``get_dataset``, which downloads,
 is never called). Each sequence is one of ten 12-point digit templates, padded with 36 to 60 zeros, dilated to 72
 points, scaled by a factor uniform on :math:`1 \pm` ``scale_coeff`` / 2, translated circularly by an integer uniform
@@ -10,6 +10,8 @@ on ``[0, max_translation)``, its zero background filled with correlated noise (`
 smoothed by a Gaussian of 2 samples), plus i.i.d. noise (std ``iid_noise_scale``), sheared by a linear ramp of slope
 uniform on :math:`\pm` ``shear_scale`` / 2 and subsampled to 40 points; the whole set is then standardised by its
 global mean and standard deviation.
+The calls into ``mnist1d`` (the standard data set, regenerated sequences, the standardisation, tokens) live in
+:mod:`gpattn.data.mnist1d_generator`; this module builds the splits and the test sets on them.
 
 * :func:`load_mnist1d`: train / validation / test as :class:`~gpattn.data.SequenceDataset` s of float tokens. The
   test split is the standard 1000 sequences; the validation split is carved from the standard 4000 training
@@ -22,7 +24,7 @@ global mean and standard deviation.
   a semantic OOD set.
 * :func:`make_mnist1d_shifted_test_sets`: covariate shift at severities 1 to 5, by *regenerating* every test
   sequence (same class) with one generator parameter raised above its training value (``MNIST1D_SHIFT_PARAMETERS``;
-  the training value is the default of ``mnist1d.data.get_dataset_args``):
+  the training value is the default of ``mnist1d.data.getdataset_args``):
 
   ====================  =========================  =======  =====  =====  =====  =====  =====
   kind                  generator argument         default    1      2      3      4      5
@@ -60,18 +62,28 @@ as they were.
 
 from __future__ import annotations
 
-import random
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
 from dataclasses import dataclass
-from functools import lru_cache
 from typing import Any
 
 import numpy as np
 import torch
-from torch import Tensor
 
 from ..validation import InputTypeError, check_choice, check_float, check_int
+from .mnist1d_generator import (
+    MNIST1D_LENGTH,
+    MNIST1D_SHIFT_ARGUMENTS,
+    NUM_DIGITS,
+    PATCH_SIZES,
+    check_dtype,
+    dataset_args,
+    make_mnist1d_signals,
+    seeded_global_rngs,
+    sequence_dataset,
+    signals_to_tokens,
+    standard_dataset,
+    standardisation,
+)
 from .toy_sequences import SequenceDataset
 
 __all__ = [
@@ -89,16 +101,6 @@ __all__ = [
     "signals_to_tokens",
 ]
 
-#: Length of every MNIST-1D sequence (``final_seq_length``).
-MNIST1D_LENGTH = 40
-#: The generator argument of ``mnist1d.data.get_dataset_args`` that each shift kind raises.
-MNIST1D_SHIFT_ARGUMENTS: dict[str, str] = {
-    "iid_noise": "iid_noise_scale",
-    "correlated_noise": "corr_noise_scale",
-    "shear": "shear_scale",
-    "translation": "max_translation",
-    "scale": "scale_coeff",
-}
 #: The shift kinds of :func:`make_mnist1d_shifted_test_sets`, in the order of the comparison's figures.
 MNIST1D_SHIFT_KINDS: tuple[str, ...] = tuple(MNIST1D_SHIFT_ARGUMENTS)
 #: Value of each kind's generator argument at severities 1 to 5 (the training values are 0.02, 0.25, 0.75, 48, 0.4).
@@ -111,8 +113,6 @@ MNIST1D_SHIFT_PARAMETERS: dict[str, tuple[float, ...]] = {
 }
 #: The families of :func:`make_mnist1d_noise_ood`, indexed by its labels.
 MNIST1D_NOISE_FAMILIES: tuple[str, ...] = ("background", "random_template", "smooth_noise")
-PATCH_SIZES = tuple(p for p in range(1, MNIST1D_LENGTH + 1) if MNIST1D_LENGTH % p == 0)
-NUM_DIGITS = 10
 
 
 @dataclass(frozen=True)
@@ -143,104 +143,6 @@ class MNIST1DSplits:
     val_indices: np.ndarray
 
 
-@contextmanager
-def _seeded_global_rngs(seed: int) -> Iterator[None]:
-    """Seed NumPy's and ``random``'s global generators (which ``mnist1d`` draws from) and restore them afterwards."""
-    numpy_state, python_state = np.random.get_state(), random.getstate()
-    np.random.seed(seed)
-    random.seed(seed)
-    try:
-        yield
-    finally:
-        np.random.set_state(numpy_state)
-        random.setstate(python_state)
-
-
-def _dataset_args(**overrides: Any) -> Any:
-    from mnist1d.data import get_dataset_args
-
-    args = get_dataset_args()
-    for name, value in overrides.items():
-        setattr(args, name, value)
-    return args
-
-
-@lru_cache(maxsize=2)
-def _standard_dataset(shuffle_seq: bool = False) -> dict[str, np.ndarray]:
-    """``make_dataset`` with the default arguments (``shuffle_seq`` aside); cached, read-only arrays."""
-    from mnist1d.data import make_dataset
-
-    with _seeded_global_rngs(0):  # make_dataset seeds the global generators itself; this restores them afterwards
-        dataset = make_dataset(_dataset_args(shuffle_seq=shuffle_seq))
-    arrays = {key: np.asarray(dataset[key]) for key in ("x", "y", "x_test", "y_test")}
-    for array in arrays.values():
-        array.flags.writeable = False
-    return arrays
-
-
-def _raw_signals(digits: np.ndarray, seed: int, overrides: dict[str, Any]) -> np.ndarray:
-    """Unstandardised sequences ``(n, 40)`` of the given digits from ``mnist1d``'s transformation, seeded."""
-    from mnist1d.data import get_templates
-    from mnist1d.transform import transform
-
-    if len(digits) == 0:
-        return np.empty((0, MNIST1D_LENGTH))
-    args = _dataset_args(**overrides)
-    templates = get_templates()
-    with _seeded_global_rngs(seed):
-        return np.stack([transform(templates["x"][digit], templates["t"], args)[0] for digit in digits])
-
-
-@lru_cache(maxsize=1)
-def _standardisation() -> tuple[float, float]:
-    """Mean and standard deviation of the raw standard data set, by which ``make_dataset`` standardises it.
-
-    ``make_dataset`` draws ``num_samples / 10`` sequences of digit 0, then of digit 1, ... from the global generators
-    seeded with 42 and standardises all 5000 together; replaying the same draws gives its raw values.
-    """
-    args = _dataset_args()
-    per_class = args.num_samples // NUM_DIGITS
-    raw = _raw_signals(np.repeat(np.arange(NUM_DIGITS), per_class), args.seed, {})
-    return float(raw.mean()), float(raw.std())
-
-
-def _check_dtype(dtype: Any, where: str) -> torch.dtype:
-    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
-        raise InputTypeError(f"{where}: expected dtype to be a floating torch.dtype, got {dtype!r}")
-    return dtype
-
-
-def signals_to_tokens(signals: np.ndarray | Tensor, patch_size: int, dtype: torch.dtype = torch.float32) -> Tensor:
-    """Cut signals ``(n, L)`` into ``L / p`` tokens of ``p`` consecutive values.
-
-    :param signals: ``(n, L)`` (NumPy or torch).
-    :param patch_size: :math:`p`, dividing ``L``.
-    :param dtype: Floating dtype of the tokens.
-    :return: Tokens ``(n, L / p, p)``; ``tokens.reshape(n, L)`` is the input.
-    """
-    values = torch.as_tensor(np.asarray(signals), dtype=_check_dtype(dtype, "signals_to_tokens"))
-    if values.dim() != 2:
-        raise ValueError(f"expected signals of shape (n, L), got {tuple(values.shape)}")
-    p = check_int("patch_size", patch_size)
-    if values.shape[1] % p:
-        raise ValueError(f"expected patch_size to divide the signal length {values.shape[1]}, got {p}")
-    return values.reshape(values.shape[0], values.shape[1] // p, p)
-
-
-def _sequence_dataset(
-    signals: np.ndarray, labels: np.ndarray, num_classes: int, patch_size: int, dtype: torch.dtype, text: str
-) -> SequenceDataset:
-    return SequenceDataset(
-        signals_to_tokens(signals, patch_size, dtype),
-        torch.as_tensor(labels, dtype=torch.int64),
-        None,
-        num_classes,
-        None,
-        patch_size,
-        f"{text}; tokens of {patch_size} consecutive values",
-    )
-
-
 def _check_digits(name: str, value: Any) -> tuple[int, ...]:
     digits = () if value is None else tuple(value)
     if any(isinstance(c, bool) or not isinstance(c, (int, np.integer)) or not 0 <= c < NUM_DIGITS for c in digits):
@@ -255,7 +157,7 @@ def load_mnist1d(
     held_out_classes: Sequence[int] | None = None,
     dtype: torch.dtype = torch.float32,
 ) -> MNIST1DSplits:
-    """The standard MNIST-1D split (``mnist1d.data.make_dataset(get_dataset_args())``) as token sequences.
+    """The standard MNIST-1D split (``mnist1d.data.make_dataset(getdataset_args())``) as token sequences.
 
     The test split is the standard ``x_test`` / ``y_test`` in their order; the standard training sequences are split
     by class: within every kept digit the rows are permuted by ``numpy.random.default_rng(seed)`` and the first
@@ -273,12 +175,12 @@ def load_mnist1d(
     check_int("seed", seed, minimum=0, where="load_mnist1d")
     check_float("val_fraction", val_fraction, 0.0, 1.0, strict_maximum=True, where="load_mnist1d")
     check_choice("patch_size", patch_size, PATCH_SIZES, where="load_mnist1d")
-    _check_dtype(dtype, "load_mnist1d")
+    check_dtype(dtype, "load_mnist1d")
     held = _check_digits("held_out_classes", held_out_classes)
     if len(set(held)) != len(held) or len(held) > NUM_DIGITS - 2:
         raise ValueError(f"expected at most 8 distinct held-out digits (2 classes must remain), got {held!r}")
 
-    data = _standard_dataset()
+    data = standard_dataset()
     kept = [c for c in range(NUM_DIGITS) if c not in held]
     label_map = {digit: index for index, digit in enumerate(kept)}
     lookup = np.full(NUM_DIGITS, -1, dtype=np.int64)
@@ -295,12 +197,12 @@ def load_mnist1d(
     held_text = f", digits {', '.join(map(str, held))} held out" if held else ""
     source = f"MNIST-1D (mnist1d.make_dataset, default arguments){held_text}"
     train, val = (
-        _sequence_dataset(
+        sequence_dataset(
             data["x"][rows], lookup[data["y"][rows]], len(kept), patch_size, dtype, f"{source}, {name} (seed {seed})"
         )
         for name, rows in (("train", train_indices), ("validation", val_indices))
     )
-    test = _sequence_dataset(
+    test = sequence_dataset(
         data["x_test"][test_rows], lookup[data["y_test"][test_rows]], len(kept), patch_size, dtype, f"{source}, test"
     )
     ood = None
@@ -308,7 +210,7 @@ def load_mnist1d(
         rows = np.flatnonzero(np.isin(data["y_test"], held))
         ood_lookup = np.full(NUM_DIGITS, -1, dtype=np.int64)
         ood_lookup[list(held)] = np.arange(len(held))
-        ood = _sequence_dataset(
+        ood = sequence_dataset(
             data["x_test"][rows],
             ood_lookup[data["y_test"][rows]],
             len(held),
@@ -317,32 +219,6 @@ def load_mnist1d(
             f"MNIST-1D test sequences of the held-out digits {held} (semantic OOD); label k is digit {held}[k]",
         )
     return MNIST1DSplits(train, val, test, ood, held, label_map, patch_size, train_indices, val_indices)
-
-
-def make_mnist1d_signals(digits: Sequence[int] | np.ndarray | Tensor, seed: int = 0, **generator_arguments: Any):
-    """Fresh MNIST-1D sequences of the given digits from ``mnist1d``'s generator, standardised as the standard set.
-
-    :param digits: The digit (template) of every sequence, ``(n,)`` in ``0..9``.
-    :param seed: Seed of the generator's draws.
-    :param generator_arguments: Values replacing the defaults of ``get_dataset_args`` among
-        ``MNIST1D_SHIFT_ARGUMENTS.values()`` (e.g. ``iid_noise_scale=0.3``); none gives draws from the training
-        distribution.
-    :return: ``float64`` NumPy array ``(n, 40)``.
-    """
-    check_int("seed", seed, minimum=0, maximum=2**32 - 1, where="make_mnist1d_signals")
-    values = np.asarray(digits.cpu() if isinstance(digits, Tensor) else digits)
-    if values.ndim != 1 or (values.size and values.dtype.kind not in "iu"):
-        raise InputTypeError(f"expected digits to be integers of shape (n,), got {values.dtype} {values.shape}")
-    if values.size and (values.min() < 0 or values.max() >= NUM_DIGITS):
-        raise ValueError(f"expected digits in 0..9, got values in [{values.min()}, {values.max()}]")
-    for name, value in generator_arguments.items():
-        check_choice("generator argument", name, tuple(MNIST1D_SHIFT_ARGUMENTS.values()), where="make_mnist1d_signals")
-        if name == "max_translation":
-            check_int(name, value, minimum=1, maximum=72, where="make_mnist1d_signals")
-        else:
-            check_float(name, value, 0.0, 2.0 if name == "scale_coeff" else None, where="make_mnist1d_signals")
-    mean, std = _standardisation()
-    return (_raw_signals(values, seed, generator_arguments) - mean) / std
 
 
 def _sub_seed(*entropy: int) -> int:
@@ -390,7 +266,7 @@ def make_mnist1d_shifted_test_sets(
             signals = make_mnist1d_signals(
                 digits, _sub_seed(seed, MNIST1D_SHIFT_KINDS.index(kind), severity), **{argument: value}
             )
-            shifted[(kind, severity)] = _sequence_dataset(
+            shifted[(kind, severity)] = sequence_dataset(
                 signals,
                 test.labels.numpy(),
                 test.num_classes,
@@ -409,9 +285,9 @@ def make_mnist1d_shuffled_test_set(splits: MNIST1DSplits) -> SequenceDataset:
     :return: The same sequences as ``splits.test`` with their positions permuted, same labels.
     """
     _test_digits(splits)
-    data = _standard_dataset(shuffle_seq=True)
+    data = standard_dataset(shuffle_seq=True)
     kept = np.isin(data["y_test"], sorted(splits.label_map))
-    return _sequence_dataset(
+    return sequence_dataset(
         data["x_test"][kept],
         splits.test.labels.numpy(),
         splits.test.num_classes,
@@ -448,14 +324,14 @@ def make_mnist1d_noise_ood(
     check_int("n", n, minimum=0, where="make_mnist1d_noise_ood")
     check_int("seed", seed, minimum=0, maximum=2**32 - 1, where="make_mnist1d_noise_ood")
     check_choice("patch_size", patch_size, PATCH_SIZES, where="make_mnist1d_noise_ood")
-    _check_dtype(dtype, "make_mnist1d_noise_ood")
-    mean, std = _standardisation()
-    args = _dataset_args()
+    check_dtype(dtype, "make_mnist1d_noise_ood")
+    mean, std = standardisation()
+    args = dataset_args()
     time_axis = get_templates()["t"]
     rng = np.random.default_rng(seed)
     labels = np.arange(n) % len(MNIST1D_NOISE_FAMILIES)
     signals = np.empty((n, MNIST1D_LENGTH))
-    with _seeded_global_rngs(seed):
+    with seeded_global_rngs(seed):
         for i, family in enumerate(labels):
             if family == 2:
                 noise = gaussian_filter1d(rng.standard_normal(MNIST1D_LENGTH), rng.uniform(1.0, 3.0), mode="wrap")
@@ -467,7 +343,7 @@ def make_mnist1d_noise_ood(
                 walk = (walk - walk.mean()) / walk.std()
                 template = (walk - walk[0]) / 6.0
             signals[i] = (transform(template, time_axis, args)[0] - mean) / std
-    return _sequence_dataset(
+    return sequence_dataset(
         signals,
         labels,
         len(MNIST1D_NOISE_FAMILIES),

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import logging
 import sys
-import warnings
 
 import torch
+
+logger = logging.getLogger(__name__)
 
 #: The operators for which torchvision registers fake (meta) kernels at import time, without first checking that its
 #: compiled extension, which defines them, was loaded.
@@ -24,10 +26,13 @@ def import_torchvision() -> None:
     A torchvision wheel whose compiled extension does not load beside the installed torch (PyPI's torchvision is
     built against the CUDA torch; beside a CPU torch its ``_C`` library misses ``libtorch_cuda.so``) fails to import
     with ``RuntimeError: operator torchvision::nms does not exist``: it registers fake kernels for two operators of
-    that extension unconditionally. timm's and transformers' encoders use no torchvision operator, so the two
-    schemas are declared without any kernel (calling ``torchvision.ops.nms`` still raises torchvision's own "Couldn't
-    load custom C++ ops" error) and the import is retried, with a warning. Nothing is done when torchvision is not
-    installed, already imported, or imports as it is.
+    that extension unconditionally. timm's and transformers' encoders, and everything gpattn.integrations does with
+    them, use no torchvision operator (timm imports only torchvision's transforms and the Python module
+    ``torchvision.ops.misc``), so the two schemas are declared without any kernel and the import is retried. No
+    warning is issued, as nothing gpattn does is affected: the repair is logged at level INFO (logger
+    ``gpattn.integrations.torchvision_import``), and whoever calls a compiled operator (``torchvision.ops.nms``,
+    ``roi_align``, ``torchvision.io``'s decoders) still gets torchvision's own error ("Couldn't load custom C++
+    ops"). Nothing is done when torchvision is not installed, already imported, or imports as it is.
     """
     if "torchvision" in sys.modules or importlib.util.find_spec("torchvision") is None:
         return
@@ -45,9 +50,11 @@ def import_torchvision() -> None:
         library.define(schema)
     _LIBRARIES.append(library)
     importlib.import_module("torchvision")
-    warnings.warn(
-        f"torchvision {sys.modules['torchvision'].__version__} cannot load its compiled operators beside torch "
-        f"{torch.__version__} ({reason}); gpattn.integrations declared the schemas it needs to import, and its "
-        "operators (nms, roi_align, ...) are unavailable. Install the torchvision built for this torch to use them.",
-        stacklevel=2,
+    logger.info(
+        "torchvision %s cannot load its compiled operators beside torch %s (%s); gpattn.integrations declared the "
+        "schemas it needs to import, and its operators (nms, roi_align, ...) are unavailable, which nothing in gpattn "
+        "uses. Install the torchvision built for this torch to use them.",
+        sys.modules["torchvision"].__version__,
+        torch.__version__,
+        reason,
     )

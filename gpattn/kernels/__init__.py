@@ -6,6 +6,7 @@ from .exponential_dot_product_kernel import ExponentialDotProductKernel, safe_ma
 from .feature_lift import FeatureLift
 from .induced_kernel import InducedKernel
 from .shifted_rbf_kernel import ShiftedRBFKernel
+from .squared_distance import first_real_token, squared_distance
 
 __all__ = [
     "AsymmetricKernel",
@@ -14,6 +15,8 @@ __all__ = [
     "FeatureLift",
     "InducedKernel",
     "ShiftedRBFKernel",
+    "first_real_token",
     "inverse_norms",
     "safe_max_logit",
+    "squared_distance",
 ]

@@ -7,6 +7,8 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
+from ..validation import check_int
+
 #: The methods of :func:`kernel_svd`: a full ``torch.linalg.svd`` truncated to the rank, or a seeded randomised range
 #: finder with power iterations.
 SVD_METHODS = ("exact", "randomized")
@@ -206,7 +208,7 @@ def kernel_svd(
     \leq s`, with a relative bias :math:`O(\lambda_{s+1} / \lambda_s)` otherwise.
 
     :param matrix: :math:`K`, shape ``(*batch, N, M)``.
-    :param rank: :math:`s \leq \min(N, M)`.
+    :param rank: :math:`s \leq \min(N, M)` (a Python or NumPy integer).
     :param method: ``"exact"`` (``torch.linalg.svd``, O(N M min(N, M))) or ``"randomized"`` (a seeded
         randomised range finder with power iterations, O(N M (s + oversampling)) per pass).
     :param oversampling: Extra sketch columns of the randomised method.
@@ -228,8 +230,7 @@ def kernel_svd(
     if not matrix.is_floating_point():
         raise TypeError(f"expected a floating-point matrix, got {matrix.dtype}")
     num_rows, num_cols = matrix.shape[-2:]
-    if isinstance(rank, bool) or not isinstance(rank, int) or not 1 <= rank <= min(num_rows, num_cols):
-        raise ValueError(f"expected an integer rank in [1, min(N, M)] = [1, {min(num_rows, num_cols)}], got {rank!r}")
+    rank = check_int("rank (at most min(N, M))", rank, 1, min(num_rows, num_cols), where="kernel_svd")
     if method not in SVD_METHODS:
         raise ValueError(f"expected method in {SVD_METHODS}, got {method!r}")
     if gradient_tolerance is not None and (

@@ -15,7 +15,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from ..validation import InputTypeError, check_choice
+from ..validation import InputTypeError, check_choice, check_float, check_int
 
 #: The least tolerance on a row sum :math:`|\sum_c P_{ic} - 1|` (float32 and float64 inputs, integers).
 ROW_SUM_TOLERANCE = 1e-4
@@ -101,11 +101,6 @@ def _confidence_and_correctness(probabilities: np.ndarray, targets: np.ndarray) 
     return probabilities.max(axis=1), probabilities.argmax(axis=1) == targets
 
 
-def _check_num_bins(num_bins: int) -> None:
-    if isinstance(num_bins, bool) or not isinstance(num_bins, int) or num_bins < 1:
-        raise ValueError(f"expected a positive integer num_bins, got {num_bins!r}")
-
-
 #: The calibration errors of :func:`expected_calibration_error` and :func:`maximum_calibration_error`.
 CALIBRATION_KINDS = ("top_label", "classwise")
 
@@ -133,7 +128,7 @@ def _calibration_gaps(probs: Any, labels: Any, num_bins: int, kind: str) -> tupl
         diagram = reliability_diagram_data(probs, labels, num_bins)
         count, mean_score, mean_hit = diagram.count, diagram.confidence, diagram.accuracy
     else:
-        _check_num_bins(num_bins)
+        num_bins = check_int("num_bins", num_bins)  # Python and NumPy integers, not bools
         probabilities, targets = _check_inputs(probs, labels)
         num_samples, num_classes = probabilities.shape
         is_class = targets[:, None] == np.arange(num_classes)  # shape: (n, C)
@@ -161,12 +156,12 @@ def negative_log_likelihood(probs: Tensor | np.ndarray, labels: Tensor | np.ndar
 
     :param probs: Predicted probabilities, shape ``(n, C)``.
     :param labels: Integer labels, shape ``(n,)``.
-    :param eps: Floor on the probability of the true class, so that a zero probability gives a finite
-        :math:`-\log \epsilon` instead of :math:`+\infty`.
+    :param eps: Floor on the probability of the true class, :math:`0 < \epsilon < 1`, so that a zero probability
+        gives a finite :math:`-\log \epsilon` instead of :math:`+\infty` (a floor of 1 or more would replace every
+        probability and make the result :math:`-\log \epsilon \leq 0`).
     :return: A float :math:`\geq 0`.
     """
-    if not eps > 0.0:
-        raise ValueError(f"expected eps > 0, got {eps!r}")
+    check_float("eps", eps, 0.0, 1.0, strict_minimum=True, strict_maximum=True, where="negative_log_likelihood")
     probabilities, targets = _check_inputs(probs, labels)
     true_class = probabilities[np.arange(targets.shape[0]), targets]
     return float(-np.log(np.maximum(true_class, eps)).mean())
@@ -218,10 +213,10 @@ def reliability_diagram_data(
 
     :param probs: Predicted probabilities, shape ``(n, C)``.
     :param labels: Integer labels, shape ``(n,)``.
-    :param num_bins: Number of bins :math:`B \geq 1`.
+    :param num_bins: Number of bins :math:`B \geq 1` (a Python or NumPy integer).
     :return: A :class:`ReliabilityDiagram` of NumPy arrays.
     """
-    _check_num_bins(num_bins)
+    num_bins = check_int("num_bins", num_bins)  # Python and NumPy integers, not bools
     probabilities, targets = _check_inputs(probs, labels)
     confidence, correct = _confidence_and_correctness(probabilities, targets)
     groups = np.zeros(confidence.shape[0], dtype=np.int64)
@@ -251,7 +246,8 @@ def expected_calibration_error(
 
     :param probs: Predicted probabilities, shape ``(n, C)``.
     :param labels: Integer labels, shape ``(n,)``.
-    :param num_bins: Number of bins :math:`B \geq 1` (15 by default, as the KEP-SVGP paper).
+    :param num_bins: Number of bins :math:`B \geq 1` (a Python or NumPy integer; 15 by default, as the KEP-SVGP
+        paper).
     :param kind: ``"top_label"`` or ``"classwise"``.
     :return: A fraction in :math:`[0, 1]` (multiply by 100 for the percent that papers often report).
     """
@@ -269,7 +265,7 @@ def maximum_calibration_error(
 
     :param probs: Predicted probabilities, shape ``(n, C)``.
     :param labels: Integer labels, shape ``(n,)``.
-    :param num_bins: Number of bins :math:`B \geq 1`.
+    :param num_bins: Number of bins :math:`B \geq 1` (a Python or NumPy integer).
     :param kind: ``"top_label"`` or ``"classwise"``.
     :return: A fraction in :math:`[0, 1]`.
     """

@@ -81,7 +81,8 @@ class AttentionELBO(torch.nn.Module):
     :mod:`gpattn.integrations`, the sum of ``kl_divergence()`` over its outermost submodules that have one: every
     gpattn attention layer), the per-sequence KL terms are the model's
     :class:`~gpattn.mlls.SequenceKLAddedLossTerm` (SGPA's amortised posterior on the values: weight :math:`\beta` per
-    sequence, not divided by :math:`n`, as in the ELBO with local latent variables and in SGPA's paper and code) and
+    sequence, not divided by :math:`n`, as in the ELBO with local latent variables and in SGPA's paper and code; with
+    ``kl_weighting="official"`` SGPA's global KL rides in that term too, at weight :math:`\beta`) and
     the last sum runs over every other added loss term registered in the model (the KSVD terms :math:`\eta J^2` of the
     KEP-SVGP and Primal-Attention layers, :class:`~gpattn.mlls.KSVDAddedLossTerm`, each weighted by its layer's
     ``ksvd_weight``, and CGPT's :class:`~gpattn.mlls.CGPAddedLossTerm`: as in GPyTorch's MLLs, a term carries its own

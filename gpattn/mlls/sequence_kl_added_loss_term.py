@@ -17,7 +17,9 @@ class SequenceKLAddedLossTerm(AddedLossTerm):
     :math:`n`) the global KL gets the weight :math:`1/n` and each local KL the weight 1. So this term is
     :math:`w\, \operatorname{mean}_b \mathrm{KL}_b` over the minibatch, **not** divided by ``num_data``: the weight
     SGPA's paper and official code give it. :class:`~gpattn.mlls.AttentionELBO` multiplies it by its KL weight
-    :math:`\beta` and reports it with the KL; GPyTorch's MLLs add :meth:`loss` as it is.
+    :math:`\beta` and reports it with the KL; GPyTorch's MLLs add :meth:`loss` as it is. (SGPA's official loss also
+    adds the global KL to every sequence: ``SGPAAttention(kl_weighting="official")`` puts it in this term, which then
+    carries :math:`\mathrm{KL}_{\text{global}} + \mathrm{KL}_b`.)
 
     :param objective: :math:`\mathrm{KL}_b` per sequence (summed over heads and value dimensions), shape ``(B,)``.
     :param weight: :math:`w \geq 0`.

@@ -51,15 +51,22 @@ def rbf(left: torch.Tensor, right: torch.Tensor) -> torch.Tensor:
     return torch.exp(-0.5 * torch.cdist(left, right).square())
 
 
-def dense_head(layer: CGPTAttention, head: int, seq: int, x, mask, context) -> dict[str, torch.Tensor]:
-    """The paper's matrices for one head and sequence on the real tokens only, with explicit inverses."""
+def dense_head(layer: CGPTAttention, head: int, seq: int, x, mask, context, origin=None) -> dict[str, torch.Tensor]:
+    """The paper's matrices for one head and sequence on the real tokens only, with explicit inverses.
+
+    ``origin``: a point o subtracted from the tokens before the projections, W_0 o from every projection (so the
+    queries become W_q (x - o) + (W_q - W_0) o), which leaves every RBF value unchanged in exact arithmetic and lets
+    tokens at a large offset o + z be handled at the scale of z (x - o is exact for float64 tokens and o)."""
     rows = slice(head * WIDTH, (head + 1) * WIDTH)
+    query_weight, key_weight = layer.query_proj.weight[rows], layer.key_proj.weight[rows]
+    latent_weight = layer.latent_proj.weight[rows]
     source = x if context is None else context
     real_keys = torch.ones(source.shape[1], dtype=torch.bool) if mask is None else mask[seq]
     real_queries = real_keys if context is None else torch.ones(x.shape[1], dtype=torch.bool)
-    queries = x[seq][real_queries] @ layer.query_proj.weight[rows].T
-    keys = source[seq][real_keys] @ layer.key_proj.weight[rows].T
-    latents = source[seq][real_keys] @ layer.latent_proj.weight[rows].T  # x_0
+    origin = torch.zeros(x.shape[-1], dtype=DTYPE) if origin is None else origin
+    queries = (x[seq][real_queries] - origin) @ query_weight.T + origin @ (query_weight - latent_weight).T
+    keys = (source[seq][real_keys] - origin) @ key_weight.T + origin @ (key_weight - latent_weight).T
+    latents = (source[seq][real_keys] - origin) @ latent_weight.T  # x_0 - W_0 o
     values = source[seq][real_keys] @ layer.value_proj.weight[rows].T
     eps, amplitude = layer.jitter, layer.outputscale[head]
     sigma_q, sigma_k = layer.query_variance_ratio[head], layer.key_variance_ratio[head]
@@ -345,3 +352,73 @@ def test_a_failed_factorisation_names_the_matrix_and_the_jitter():
         layer(x)
     layer.jitter = 1e-6
     assert torch.isfinite(layer(x)).all()
+
+
+# -- numerics: offsets, the range of the dtype, half precision -------------------------------------------------------
+@pytest.mark.parametrize(
+    ("dtype", "magnitude", "rtol"),
+    [
+        (torch.float32, 1e3, 1e-4),  # the plain expansion: K_00 not positive definite
+        (torch.float32, 1e6, 1e-4),
+        (torch.float64, 1e6, 1e-9),
+        (torch.float64, 1e12, 1e-9),
+    ],
+)
+@pytest.mark.parametrize("setting", SETTINGS)
+def test_exact_at_large_offsets(dtype, magnitude, rtol, setting):
+    """Mean and predictive covariance of tokens at a constant offset, against the dense float64 formulas on the same
+    tokens. The projections differ by about 1 / offset, so that the queries and keys stay O(1) away from the latent
+    inputs (with unrelated projections an offset moves them apart and every cross-covariance is 0)."""
+    layer = make_layer()
+    with torch.no_grad():
+        for projection, seed in ((layer.key_proj, 2), (layer.latent_proj, 3)):
+            noise = torch.randn(EMBED, EMBED, generator=torch.Generator().manual_seed(seed), dtype=DTYPE)
+            projection.weight.copy_(layer.query_proj.weight + 0.5 * noise / magnitude)
+    layer = layer.to(dtype)
+    x, mask, context = make_inputs(setting)
+    offset = torch.full((EMBED,), magnitude, dtype=DTYPE)
+    tokens = (x + offset).to(dtype)
+    context_tokens = None if context is None else (context + offset).to(dtype)
+    mean, covar = layer.head_covariance(tokens, mask=mask, context=context_tokens)
+    reference = make_layer().requires_grad_(False)
+    reference.load_state_dict(layer.state_dict())  # the stored (rounded) parameters, in float64
+    exact_tokens, exact_context = tokens.double(), None if context is None else context_tokens.double()
+    dense = [
+        [dense_head(reference, head, seq, exact_tokens, mask, exact_context, origin=offset) for head in range(HEADS)]
+        for seq in range(x.shape[0])
+    ]
+    scale = max(float(head["mean"].abs().max()) for heads in dense for head in heads)
+    assert scale > 0.1  # the cross-covariances are not all 0
+    for seq, heads in enumerate(dense):
+        for head, reference_head in enumerate(heads):
+            real = reference_head["real_queries"]
+            torch.testing.assert_close(
+                mean[seq, head][real].double(), reference_head["mean"], rtol=rtol, atol=rtol * scale
+            )
+            torch.testing.assert_close(
+                covar[seq, head][real][:, real].double(), reference_head["covar"], rtol=rtol, atol=rtol
+            )
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_half_precision_layer_computes_the_gps_in_float32(dtype):
+    """A .half() / .bfloat16() layer (before: torch's "cholesky_cpu not implemented for 'Half'") projects in its
+    precision and runs the GPs in float32: its mean equals, to the half precision's rounding, that of the float32
+    layer with the same (rounded) parameters, and training reaches every parameter."""
+    layer = make_layer().to(dtype).eval()
+    x, mask, _ = make_inputs("padding")
+    tokens = x.to(dtype)
+    output = layer(tokens, mask=mask)
+    reference = make_layer().float().eval().requires_grad_(False)
+    reference.load_state_dict(layer.state_dict())
+    expected = reference(tokens.float(), mask=mask)
+    assert output.dtype == dtype
+    tolerance = 4 * torch.finfo(dtype).eps
+    torch.testing.assert_close(output.float(), expected, rtol=tolerance, atol=tolerance * float(expected.abs().max()))
+    layer.cgp_weight = 0.1
+    layer.train()
+    output = layer(tokens, mask=mask)
+    assert output.dtype == dtype and layer.added_loss_terms is not None
+    (output.float().sum() + sum(term.loss() for term in layer.added_loss_terms())).backward()
+    for name, parameter in layer.named_parameters():
+        assert parameter.grad.dtype == dtype and torch.isfinite(parameter.grad).all(), name

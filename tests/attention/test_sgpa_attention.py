@@ -53,14 +53,21 @@ def dense_kernel(layer: SGPAAttention, head: int, left: torch.Tensor, right: tor
     return outputscale * torch.exp(left @ right.T)
 
 
-def dense_head(layer: SGPAAttention, head: int, seq: int, x, mask, context):
-    """Mean ``(N, p)``, variance ``(N,)`` and the data KL term of one head and sequence, built token by token."""
+def dense_head(layer: SGPAAttention, head: int, seq: int, x, mask, context, origin=None):
+    """Mean ``(N, p)``, variance ``(N,)`` and the data KL term of one head and sequence, built token by token.
+
+    ``origin`` (ARD only): a point o subtracted from the tokens before the projection and, projected, from the global
+    keys, which leaves every ARD kernel value unchanged in exact arithmetic (||W (x - o) - (k_b - W o)|| =
+    ||W x - k_b||), so that tokens at a large offset o + z are handled at the scale of z (the differences x - o of
+    float64 tokens and a float64 o are exact)."""
     width = layer.head_dim
     rows = slice(head * width, (head + 1) * width)
     key_weight, value_weight = layer.key_proj.weight[rows], layer.value_proj.weight[rows]
     source = x if context is None else context
-    queries, keys, values = x[seq] @ key_weight.T, source[seq] @ key_weight.T, source[seq] @ value_weight.T
-    induc_keys, induc_values = layer.inducing_keys[head], layer.inducing_values[head]
+    origin = torch.zeros(x.shape[-1], dtype=DTYPE) if origin is None else origin
+    queries, keys = (x[seq] - origin) @ key_weight.T, (source[seq] - origin) @ key_weight.T
+    values = source[seq] @ value_weight.T
+    induc_keys, induc_values = layer.inducing_keys[head] - origin @ key_weight.T, layer.inducing_values[head]
 
     def kern(left, right):
         return dense_kernel(layer, head, left, right)
@@ -214,8 +221,9 @@ def test_padding_mask_invariance(kernel, setting):
     torch.testing.assert_close(layer.sequence_kl(), kl, rtol=0, atol=1e-10)
 
 
-def test_causal_invariance():
-    layer = make_layer("exponential").eval()
+@pytest.mark.parametrize("kernel", ["ard", "exponential"])
+def test_causal_invariance(kernel):
+    layer = make_layer(kernel).eval()
     x, mask, _ = make_inputs("causal", length=6)
     output = layer(x, mask=mask)
     _, variance = layer.posterior(x, mask=mask)
@@ -326,3 +334,156 @@ def test_sgpa_loss_weights_each_sequence_kl_once_and_the_global_kl_by_one_over_n
     assert parts["ksvd"] == 0
     # the per-sequence part is not divided by n: it dominates the global part at initialisation-like scales
     assert beta * data_kl.mean() > beta / num_data * dense_global_kl(layer)
+
+
+def test_official_kl_weighting_adds_the_whole_kl_to_every_sequence():
+    """``kl_weighting="official"``: the official code's loss mean_b CE_b + beta (KL_global + mean_b KL_vg,b), the
+    global part at weight beta rather than beta / n, against the dense per-head transcription."""
+    from gpattn.mlls import AttentionELBO
+
+    class Classifier(torch.nn.Module):
+        def __init__(self, layer):
+            super().__init__()
+            self.layer = layer
+            self.head = torch.nn.Linear(EMBED, 3).to(DTYPE)
+
+        def forward(self, x, mask=None):
+            return self.head(self.layer(x, mask=mask).mean(1))
+
+        def kl_divergence(self):
+            return self.layer.kl_divergence()
+
+    layer = make_layer(kl_weighting="official").eval()
+    model = Classifier(layer)
+    x, mask, _ = make_inputs("padding")
+    targets = torch.tensor([0, 2])
+    beta, num_data = 0.8, 500
+    parts = AttentionELBO(model, num_data, beta=beta, combine_terms=False)(model(x, mask), targets)
+    data_kl = torch.zeros(x.shape[0], dtype=DTYPE)
+    for seq in range(x.shape[0]):
+        for head in range(HEADS):
+            data_kl[seq] += dense_head(layer, head, seq, x, mask, None)[2]
+    global_kl = dense_global_kl(layer)
+    expected_kl = beta * global_kl + beta * data_kl.mean()  # no 1 / n anywhere
+    torch.testing.assert_close(parts["kl"], expected_kl, rtol=1e-10, atol=1e-10)
+    nll = torch.nn.functional.cross_entropy(model(x, mask), targets)
+    torch.testing.assert_close(parts["loss"], nll + expected_kl, rtol=1e-10, atol=1e-10)
+    # the split: nothing global left to divide by n, the whole KL in every sequence's term
+    assert layer.kl_divergence() == 0
+    torch.testing.assert_close(layer.sequence_kl(), global_kl + data_kl, rtol=1e-10, atol=1e-10)
+
+
+def test_elbo_kl_weighting_is_the_default_and_changes_nothing():
+    x, mask, _ = make_inputs("padding")
+    default, explicit = make_layer(), make_layer(kl_weighting="elbo")
+    assert default.kl_weighting == "elbo"
+    torch.manual_seed(5)
+    output = default(x, mask=mask)
+    torch.manual_seed(5)
+    assert torch.equal(explicit(x, mask=mask), output)
+    assert torch.equal(explicit.sequence_kl(), default.sequence_kl())
+    assert torch.equal(explicit.kl_divergence(), default.kl_divergence())
+    with pytest.raises(ValueError, match=r"kl_weighting to be one of \['elbo', 'official'\]"):
+        make_layer(kl_weighting="paper")
+
+
+# -- numerics: offsets, scales, the range of the dtype, half precision ------------------------------------------------
+@pytest.mark.parametrize(
+    ("dtype", "magnitude", "rtol"),
+    [
+        (torch.float32, 1e3, 1e-4),  # the plain expansion: 1e-2 relative error
+        (torch.float32, 1e6, 1e-4),  # 0.3
+        (torch.float64, 1e6, 1e-9),  # 2e-5
+        (torch.float64, 1e12, 1e-9),  # 0.3
+    ],
+)
+@pytest.mark.parametrize("setting", SETTINGS)
+def test_ard_kernel_is_exact_at_large_offsets(dtype, magnitude, rtol, setting):
+    """Mean, variance and per-sequence KL of tokens at a constant offset in ``dtype``, against the dense float64
+    reference on the same tokens (handled at the scale of the data by ``origin``)."""
+    layer = make_layer().to(dtype).eval()
+    x, mask, context = make_inputs(setting)
+    offset = torch.full((EMBED,), magnitude, dtype=DTYPE)
+    tokens = (x + offset).to(dtype)
+    context_tokens = None if context is None else (context + offset).to(dtype)
+    mean, variance = layer.head_moments(tokens, mask, context_tokens)
+    layer(tokens, mask=mask, context=context_tokens)
+    reference = copy.deepcopy(layer).double().requires_grad_(False)
+    exact_tokens, exact_context = tokens.double(), None if context is None else context_tokens.double()
+    for seq in range(x.shape[0]):
+        real_queries = mask[seq] if isinstance(mask, torch.Tensor) and context is None else slice(None)
+        data_kl = 0.0
+        for head in range(HEADS):
+            dense_mean, dense_variance, data_term = dense_head(
+                reference, head, seq, exact_tokens, mask, exact_context, origin=offset
+            )
+            dense_mean = dense_mean[real_queries]
+            scale = float(dense_mean.abs().max())
+            torch.testing.assert_close(mean[seq, head][real_queries].double(), dense_mean, rtol=rtol, atol=rtol * scale)
+            expected_variance = dense_variance.clamp_min(0)[real_queries]
+            torch.testing.assert_close(
+                variance[seq, head][real_queries, 0].double(), expected_variance, rtol=rtol, atol=rtol
+            )
+            data_kl = data_kl + data_term
+        torch.testing.assert_close(layer.sequence_kl()[seq].double(), data_kl, rtol=rtol, atol=0)
+
+
+@pytest.mark.parametrize(("dtype", "magnitude"), [(torch.float32, 1e20), (torch.float64, 1e160)])
+@pytest.mark.parametrize("kind", ["offset", "scale"])
+def test_tokens_beyond_the_range_of_the_dtype_raise(dtype, magnitude, kind):
+    """Beyond sqrt(finfo.max) / 1e3 the values' quadratic form in the KL overflows (before: a NaN output)."""
+    layer = make_layer().to(dtype)
+    x, _, _ = make_inputs("none")
+    tokens = (x + magnitude if kind == "offset" else x * magnitude).to(dtype)
+    with pytest.raises(
+        ValueError,
+        match=rf"SGPAAttention \(kernel='ard'\): the input tokens reach \|x\| = .*, too large "
+        rf"for {dtype}: .*rescale the inputs \(e.g. a LayerNorm before the layer\)",
+    ):
+        layer(tokens)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_exponential_kernel_refuses_saturated_logits(dtype):
+    """At the clamp of its logits (safe_max_logit) the exponential kernel is constant: K_bb has rank one and the KL
+    loses its sign (before: a finite output of 1e303 and a KL of -3e307 in float64, NaN in float32)."""
+    layer = make_layer("exponential").to(dtype)
+    x, _, _ = make_inputs("none")
+    layer(x.to(dtype))  # unit-scale tokens are far from the clamp
+    with pytest.raises(
+        ValueError, match=r"kernel='exponential'\): the kernel's logits .* beyond the clamp .*saturates"
+    ):
+        layer((x + 1e3).to(dtype))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("kernel", ["ard", "exponential"])
+def test_half_precision_layer_computes_the_gp_in_float32(dtype, kernel):
+    """A .half() / .bfloat16() layer (before: torch's "cholesky_cpu not implemented for 'Half'") projects in its
+    precision and runs the GP in float32: its output equals, to the half precision's rounding, that of the float32
+    layer with the same (rounded) parameters."""
+    layer = make_layer(kernel).to(dtype).eval()
+    x, mask, _ = make_inputs("padding")
+    tokens = x.to(dtype)
+    output = layer(tokens, mask=mask)
+    reference = copy.deepcopy(layer).float()(tokens.float(), mask=mask).detach()
+    assert output.dtype == dtype and layer.sequence_kl().dtype == torch.float32
+    tolerance = 4 * torch.finfo(dtype).eps
+    torch.testing.assert_close(output.float(), reference, rtol=tolerance, atol=tolerance * float(reference.abs().max()))
+    layer.train()
+    (layer(tokens, mask=mask).float().sum() + layer.kl_divergence() + layer.sequence_kl().mean()).backward()
+    for name, parameter in layer.named_parameters():
+        assert parameter.grad.dtype == dtype and torch.isfinite(parameter.grad).all(), name
+
+
+def test_ard_kernel_is_exact_at_a_large_scale():
+    """Tokens 1e10 lengthscales apart (float64): K_qg is s_f^2 I, so the mean is each token's own value times s_f^2
+    (and K_qb = 0). The plain expansion's diagonal distances read about eps |q|^2 = 1e4 instead of 0, which made the
+    diagonal exp(-5e3) = 0: relative error 0.4 to 0.9 for heads of width 8 and more."""
+    torch.manual_seed(0)
+    layer = SGPAAttention(32, 2, num_inducing=3).double().eval()
+    x = 1e10 * torch.randn(2, 6, 32, generator=torch.Generator().manual_seed(1), dtype=DTYPE)
+    mean, variance = layer.head_moments(x)
+    outputscale = layer.outputscale[None, :, None, None]  # K_qg = s_f^2 I
+    torch.testing.assert_close(mean, outputscale * layer.split_heads(layer.value_proj(x)), rtol=1e-12, atol=0)
+    torch.testing.assert_close(variance, outputscale.expand_as(variance), rtol=1e-12, atol=0)

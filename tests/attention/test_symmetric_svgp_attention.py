@@ -254,3 +254,23 @@ def test_eval_mode_output_follows_an_in_place_parameter_update(grad):
     dense_mean, dense_variance = dense_moments(layer, x, mask, context)
     torch.testing.assert_close(mean.detach(), dense_mean, rtol=1e-7, atol=1e-7)
     torch.testing.assert_close(variance.detach(), dense_variance, rtol=1e-7, atol=1e-7)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_half_precision_layer_says_what_needs_float32(dtype):
+    """GPyTorch's variational strategy has no half-precision jitter (before: ``TypeError: must be real number, not
+    NoneType`` in float16, "Unsupported dtype for variational_cholesky_jitter" in bfloat16); the advice holds: the
+    float32 layer under bfloat16 autocast gives the float32 result up to bfloat16's rounding of the output map."""
+    layer = make_layer().float().eval()
+    x, _, _ = make_inputs("none")
+    with pytest.raises(
+        TypeError,
+        match=rf"SymmetricSVGPAttention: GPyTorch's variational strategy .* needs float32 or float64 .*got {dtype}",
+    ):
+        copy.deepcopy(layer).to(dtype)(x.to(dtype))
+    with torch.no_grad():
+        expected = layer(x.float())
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            output = layer(x.float())
+    tolerance = 4 * torch.finfo(torch.bfloat16).eps
+    torch.testing.assert_close(output.float(), expected, rtol=tolerance, atol=tolerance * float(expected.abs().max()))

@@ -170,6 +170,19 @@ def test_kernel_svd_errors() -> None:
         kernel_svd(torch.ones(3, 3, dtype=torch.long), 2)
 
 
+def test_kernel_svd_accepts_numpy_integer_ranks() -> None:
+    """A rank read from a NumPy array (e.g. ``np.int64``) is an integer (before: refused as "an integer rank");
+    NumPy's bool is not."""
+    matrix = _randn(5, 4, seed=10)
+    expected = kernel_svd(matrix, 2)
+    for rank in (np.int64(2), np.int32(2)):
+        result = kernel_svd(matrix, rank)
+        for part, reference in zip(result, expected, strict=True):
+            assert torch.equal(part, reference)
+    with pytest.raises(ValueError, match=r"kernel_svd: expected rank .* to be an integer in \[1, 4\], got np.True_"):
+        kernel_svd(matrix, np.bool_(True))
+
+
 # --- KSVD objective --------------------------------------------------------------------------------------------
 
 

@@ -202,10 +202,33 @@ def test_bad_inputs_raise(probs: np.ndarray, labels: np.ndarray, match: str) -> 
             metric(probs, labels)
 
 
-@pytest.mark.parametrize("num_bins", [0, -3, 2.5, True])
+@pytest.mark.parametrize("num_bins", [0, -3, 2.5, True, 15.0, np.float64(15), np.bool_(True)])
 def test_bad_num_bins_raise(num_bins) -> None:
     with pytest.raises(ValueError, match="num_bins"):
         expected_calibration_error(PROBS, LABELS, num_bins=num_bins)
+
+
+@pytest.mark.parametrize("integer", [np.int64, np.int32, np.uint8])
+def test_numpy_integer_num_bins_equal_python_integers(integer) -> None:
+    """A bin count read from a NumPy array (before: "expected a positive integer num_bins, got np.int64(5)")."""
+    for kind in ("top_label", "classwise"):
+        expected = expected_calibration_error(PROBS, LABELS, num_bins=5, kind=kind)
+        assert expected_calibration_error(PROBS, LABELS, num_bins=integer(5), kind=kind) == expected
+        assert maximum_calibration_error(PROBS, LABELS, num_bins=integer(5), kind=kind) == maximum_calibration_error(
+            PROBS, LABELS, num_bins=5, kind=kind
+        )
+    diagram = reliability_diagram_data(PROBS, LABELS, num_bins=np.int64(5))
+    np.testing.assert_array_equal(diagram.count, reliability_diagram_data(PROBS, LABELS, num_bins=5).count)
+
+
+@pytest.mark.parametrize("eps", [2.0, 1.0, 0.0, -1e-3, float("nan"), float("inf"), "0.1", True])
+def test_nll_eps_must_be_a_probability_floor(eps) -> None:
+    """0 < eps < 1: a floor of 1 or more replaces every probability (before: eps=2.0 returned -log 2 = -0.693)."""
+    with pytest.raises(ValueError, match=r"negative_log_likelihood: expected eps to be a finite number > 0 and < 1"):
+        negative_log_likelihood(PROBS, LABELS, eps=eps)
+    floor = 0.5  # above 0.3, the smallest true-class probability: -(ln 0.9 + ln 0.5 + ln 0.7 + ln 0.55) / 4
+    expected = -(math.log(0.9) + math.log(0.5) + math.log(0.7) + math.log(0.55)) / 4
+    assert negative_log_likelihood(PROBS, LABELS, eps=np.float32(floor)) == pytest.approx(expected, abs=1e-12)
 
 
 def test_classwise_hand_computed() -> None:
