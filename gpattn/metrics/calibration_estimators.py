@@ -1,0 +1,154 @@
+r"""Calibration-error estimators that are less biased than the 15-bin ECE on finite test sets.
+
+The equal-width ECE of :func:`~gpattn.metrics.expected_calibration_error` is biased upwards: even a perfectly
+calibrated classifier shows an ECE of order :math:`\sqrt{B / n}` (about 2.6 % with 15 bins on 1,000 test examples),
+the size of the differences between the rows of a comparison. Two estimators from the literature correct for this:
+
+* :func:`debiased_calibration_error`: the debiased :math:`\ell_2` calibration error of Kumar, Liang & Ma (2019,
+  "Verified uncertainty calibration", NeurIPS), on equal-mass bins. With :math:`n_b` examples in bin :math:`b`, mean
+  score :math:`\bar s_b` and mean outcome :math:`\bar y_b` (outcome: the prediction is correct, for the top label;
+  the example is of class :math:`c`, classwise),
+
+  .. math::
+
+      \widehat{\mathrm{CE}}^2 = \sum_b \frac{n_b}{n} \Big[ (\bar s_b - \bar y_b)^2
+          - \frac{\bar y_b (1 - \bar y_b)}{n_b - 1} \Big],
+
+  the plug-in squared error minus an estimate of the variance of :math:`\bar y_b`. The squared estimate can be
+  negative (``squared=True`` returns it as it is, for averaging over runs); the error itself is
+  :math:`\sqrt{\max(\widehat{\mathrm{CE}}^2, 0)}` (classwise: the root of the mean over classes of the floored
+  squared estimates). Bins with fewer than two examples contribute 0, as in the
+  reference implementation (the ``uncertainty-calibration`` package, ``get_calibration_error(..., p=2,
+  debias=True)``), against which the tests check this function.
+* :func:`sweep_calibration_error`: the equal-mass "sweep" ECE of Roelofs, Cain, Shlens & Mozer (2022, "Mitigating
+  bias in calibration error estimation", AISTATS): the :math:`\ell_1` error on the largest number of equal-mass bins
+  for which the bins' mean outcomes are monotone (non-decreasing) in the bins' scores.
+
+Both take the predicted probabilities :math:`P` (``(n, C)``) and integer labels of the other metrics and return
+plain floats (fractions).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from torch import Tensor
+
+from ..validation import check_choice
+from .calibration import CALIBRATION_KINDS, _check_inputs, _check_num_bins, _confidence_and_correctness
+
+__all__ = ["debiased_calibration_error", "equal_mass_bin_indices", "sweep_calibration_error"]
+
+
+def equal_mass_bin_indices(scores: np.ndarray, num_bins: int) -> np.ndarray:
+    r"""The equal-mass bin of every score: the sorted scores split into ``num_bins`` contiguous groups of sizes
+    differing by at most one (``numpy.array_split``), ties kept together (a boundary between two equal scores moves
+    to the next distinct value, so bins can merge), as the reference implementation of Kumar et al. bins them.
+
+    :param scores: Shape ``(n,)``.
+    :param num_bins: :math:`B \geq 1` (at most ``n`` bins are used).
+    :return: Bin indices in ``[0, B)``, shape ``(n,)``, non-decreasing in the score.
+    """
+    order = np.sort(scores)
+    groups = np.array_split(order, min(num_bins, order.shape[0]))
+    # the midpoints between consecutive groups are the edges; a score goes to the first edge >= it
+    edges = np.unique([(left[-1] + right[0]) / 2.0 for left, right in zip(groups[:-1], groups[1:], strict=True)])
+    return np.searchsorted(edges, scores, side="left")
+
+
+def _outcomes(
+    probs: Tensor | np.ndarray, labels: Tensor | np.ndarray, kind: str
+) -> list[tuple[np.ndarray, np.ndarray]]:
+    """``(scores, outcomes)`` of every binary problem: the top label, or each class (classwise)."""
+    check_choice("kind", kind, CALIBRATION_KINDS)
+    probabilities, targets = _check_inputs(probs, labels)
+    if kind == "top_label":
+        confidence, correct = _confidence_and_correctness(probabilities, targets)
+        return [(confidence, correct.astype(np.float64))]
+    return [(probabilities[:, label], (targets == label).astype(np.float64)) for label in range(probabilities.shape[1])]
+
+
+def _binned(scores: np.ndarray, outcomes: np.ndarray, bins: np.ndarray) -> tuple[np.ndarray, ...]:
+    count = np.bincount(bins)
+    filled = count > 0
+    count = count[filled]
+    mean_score = np.bincount(bins, weights=scores)[filled] / count
+    mean_outcome = np.bincount(bins, weights=outcomes)[filled] / count
+    return count, mean_score, mean_outcome
+
+
+def debiased_calibration_error(
+    probs: Tensor | np.ndarray,
+    labels: Tensor | np.ndarray,
+    num_bins: int = 15,
+    kind: str = "top_label",
+    squared: bool = False,
+) -> float:
+    r"""The debiased :math:`\ell_2` calibration error of Kumar, Liang & Ma (2019) on ``num_bins`` equal-mass bins
+    (see the module docstring for the estimator).
+
+    ``kind="classwise"`` averages the squared estimates of the :math:`C` one-vs-rest problems (each floored at 0)
+    before the square root (the reference implementation's ``mode="marginal"``).
+
+    Conditional on the scores, a perfectly calibrated predictor (outcome :math:`\sim` Bernoulli(score)) gives
+    :math:`\mathbb E[\widehat{\mathrm{CE}}^2] = -\sum_b \frac{n_b}{n} \frac{v_b}{n_b - 1}` with :math:`v_b` the
+    variance of the scores within bin :math:`b`: zero up to the spread of the scores inside a bin (the plug-in squared
+    error has expectation :math:`\sum_b \frac{1}{n n_b} \sum_{i \in b} s_i (1 - s_i)` instead, of order :math:`B/n`).
+
+    :param probs: Predicted probabilities, shape ``(n, C)``.
+    :param labels: Integer labels, shape ``(n,)``.
+    :param num_bins: :math:`B \geq 1` equal-mass bins (15 by default).
+    :param kind: ``"top_label"`` or ``"classwise"``.
+    :param squared: Return the (possibly negative) squared estimate :math:`\widehat{\mathrm{CE}}^2` instead of
+        :math:`\sqrt{\max(\widehat{\mathrm{CE}}^2, 0)}`.
+    :return: A float (a fraction; the squared estimate lies in :math:`[-1, 1]`).
+
+    .. note:: Cost O(n log n) per binary problem (a sort).
+    """
+    _check_num_bins(num_bins)
+    estimates = []
+    for scores, outcomes in _outcomes(probs, labels, kind):
+        count, mean_score, mean_outcome = _binned(scores, outcomes, equal_mass_bin_indices(scores, num_bins))
+        usable = count >= 2  # the variance estimate needs two examples; smaller bins contribute 0
+        variance = np.zeros_like(mean_outcome)
+        variance[usable] = mean_outcome[usable] * (1.0 - mean_outcome[usable]) / (count[usable] - 1.0)
+        errors = np.where(usable, (mean_score - mean_outcome) ** 2 - variance, 0.0)
+        estimates.append(float((count * errors).sum() / count.sum()))
+    if squared:
+        return float(np.mean(estimates))
+    # each problem's error floored at 0 before averaging, as the reference implementation's marginal mode
+    return float(np.mean(np.maximum(estimates, 0.0))) ** 0.5
+
+
+def sweep_calibration_error(
+    probs: Tensor | np.ndarray, labels: Tensor | np.ndarray, kind: str = "top_label", power: int = 1
+) -> float:
+    r"""The equal-mass sweep calibration error of Roelofs et al. (2022).
+
+    For :math:`B = 1, 2, \dots` equal-mass bins (:func:`equal_mass_bin_indices`), the largest :math:`B^\star` such
+    that the bins' mean outcomes are non-decreasing in :math:`b` for every :math:`B \leq B^\star` is chosen, and
+
+    .. math:: \mathrm{ECE}_{\mathrm{sweep}} = \Big( \sum_b \frac{n_b}{n} |\bar s_b - \bar y_b|^p \Big)^{1/p}
+
+    on :math:`B^\star` bins. ``kind="classwise"`` averages the :math:`p`-th powers over the classes.
+
+    :param probs: Predicted probabilities, shape ``(n, C)``.
+    :param labels: Integer labels, shape ``(n,)``.
+    :param kind: ``"top_label"`` or ``"classwise"``.
+    :param power: :math:`p \in \{1, 2\}` (1: the ECE).
+    :return: A fraction in :math:`[0, 1]`.
+
+    .. note:: Cost O(n B^\star) after one sort per binary problem.
+    """
+    if power not in (1, 2):
+        raise ValueError(f"expected power 1 or 2, got {power!r}")
+    errors = []
+    for scores, outcomes in _outcomes(probs, labels, kind):
+        chosen = _binned(scores, outcomes, equal_mass_bin_indices(scores, 1))
+        for num_bins in range(2, scores.shape[0] + 1):
+            candidate = _binned(scores, outcomes, equal_mass_bin_indices(scores, num_bins))
+            if np.any(np.diff(candidate[2]) < 0):
+                break
+            chosen = candidate
+        count, mean_score, mean_outcome = chosen
+        errors.append(float((count * np.abs(mean_score - mean_outcome) ** power).sum() / count.sum()))
+    return float(np.mean(errors)) ** (1.0 / power)

@@ -1,0 +1,71 @@
+"""Entropy decomposition of Monte Carlo predictions (gpattn.metrics.uncertainty) against its definition computed with
+torch.distributions in float64."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from torch.distributions import Categorical
+
+from gpattn.metrics import (
+    expected_entropy,
+    mutual_information,
+    ood_auroc,
+    ood_auroc_mutual_information,
+    predictive_entropy,
+)
+
+
+def _samples(seed: int, shape: tuple[int, int, int], spread: float) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(seed)
+    logits = torch.randn(shape, generator=generator, dtype=torch.float64) * spread
+    return logits.softmax(-1)
+
+
+@pytest.mark.parametrize(("seed", "shape"), [(0, (10, 50, 3)), (1, (1, 7, 10)), (2, (25, 200, 2))])
+def test_mutual_information_equals_its_definition_in_float64(seed, shape) -> None:
+    samples = _samples(seed, shape, 2.0)
+    mean = samples.mean(0)
+    total = Categorical(probs=mean).entropy()
+    aleatoric = Categorical(probs=samples).entropy().mean(0)
+    np.testing.assert_allclose(predictive_entropy(mean), total.numpy(), rtol=0, atol=1e-12)
+    np.testing.assert_allclose(expected_entropy(samples), aleatoric.numpy(), rtol=0, atol=1e-12)
+    np.testing.assert_allclose(mutual_information(samples), (total - aleatoric).clamp_min(0).numpy(), atol=1e-12)
+    # the decomposition: total = aleatoric + epistemic, epistemic >= 0 (one sample: 0)
+    assert (mutual_information(samples) >= 0).all()
+    if shape[0] == 1:
+        assert np.all(mutual_information(samples) == 0.0)
+
+
+def test_mutual_information_is_zero_when_samples_agree_and_maximal_when_they_disagree() -> None:
+    agree = torch.tensor([[[0.2, 0.8]], [[0.2, 0.8]]], dtype=torch.float64)
+    assert mutual_information(agree) == pytest.approx([0.0], abs=1e-15)
+    disagree = torch.tensor([[[1.0, 0.0]], [[0.0, 1.0]]], dtype=torch.float64)  # two certain, opposite samples
+    assert mutual_information(disagree) == pytest.approx([np.log(2.0)])
+
+
+def test_ood_auroc_by_mutual_information_ranks_disagreement_as_ood() -> None:
+    inside = _samples(0, (8, 100, 4), 0.1)  # samples that agree: small MI
+    outside = _samples(1, (8, 100, 4), 5.0)  # samples that disagree: large MI
+    assert ood_auroc_mutual_information(inside, outside) > 0.99
+    assert ood_auroc_mutual_information(outside, inside) < 0.01
+    # a deterministic model (one sample) has MI 0 everywhere: no separation
+    assert ood_auroc_mutual_information(inside[:1], outside[:1]) == 0.5
+    # the max-probability score of the mean prediction is a different score
+    assert ood_auroc(inside.mean(0), outside.mean(0)) != ood_auroc_mutual_information(inside, outside)
+
+
+def test_bad_samples_raise() -> None:
+    with pytest.raises(ValueError, match=r"\(T, n, C\)"):
+        mutual_information(torch.ones(4, 3) / 3)
+    with pytest.raises(ValueError, match="sum to 1"):
+        mutual_information(torch.ones(2, 4, 3))
+    with pytest.raises(ValueError, match="number of classes"):
+        ood_auroc_mutual_information(torch.ones(2, 4, 3) / 3, torch.ones(2, 4, 2) / 2)
+
+
+def test_low_precision_samples_use_their_dtype_tolerance() -> None:
+    samples = _samples(3, (4, 20, 10), 1.0).to(torch.bfloat16)
+    reference = mutual_information(samples.double() / samples.double().sum(-1, keepdim=True))
+    np.testing.assert_allclose(mutual_information(samples), reference, atol=0.05)
