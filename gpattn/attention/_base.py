@@ -44,10 +44,8 @@ class AttentionLayer(Module):
     unless sampling is switched on with :func:`sample_attention`. They expose ``kl_divergence()`` (zero for
     deterministic layers) and ``posterior(x, ...)`` (predictive mean and variance of the output).
 
-    ``kl_anneal_fraction`` is the layer's training recipe for its KL term: the fraction of a training run over which
-    its authors raise the KL weight linearly from 0 to :math:`\\beta` (0: no annealing; SGPA: 0.5).
-    :func:`~gpattn.attention.kl_anneal_fraction` reads it and ``gpattn compare`` applies it
-    (``TrainConfig.kl_anneal_epochs``).
+    A layer's training recipe (e.g. SGPA's KL annealing) belongs to its comparison row, not to the layer: see
+    :class:`~gpattn.methods.TrainingRecipe`.
 
     :param embed_dim: Token width :math:`C`.
     :param num_heads: Number of heads :math:`H` (must divide ``embed_dim``).
@@ -57,7 +55,6 @@ class AttentionLayer(Module):
     is_stochastic: bool = False
     supports_cross_attention: bool = True
     supports_causal: bool = True
-    kl_anneal_fraction: float = 0.0
 
     # torch's call (forward hooks, forward pre-hooks) rather than gpytorch.Module's, which bypasses the hooks:
     # attention layers return plain tensors, and users capture their inputs with register_forward_pre_hook

@@ -78,7 +78,7 @@ class SGPAAttention(AttentionLayer):
               + \beta\, \mathrm{KL}_{\text{global}} + \beta \operatorname{mean}_b \mathrm{KL}_{v_g, b},
 
       i.e. :math:`n` times the ELBO's weight on the global part (the official recipe anneals :math:`\beta` from 0
-      to 1, :attr:`kl_anneal_fraction`). docs/guide/papers.md compares the two.
+      to 1, the ``sgpa`` row's :class:`~gpattn.methods.TrainingRecipe`). docs/guide/papers.md compares the two.
 
     **Numerics.** The ARD kernel is translation invariant, so the tokens are centred on the first real key of their
     sequence before the projection, :math:`W_k (x - t)`, and the global keys are moved into that frame,
@@ -116,10 +116,6 @@ class SGPAAttention(AttentionLayer):
     """
 
     is_stochastic = True
-    # the official recipe anneals the KL from 0 to 1; with its per-sequence weight (docs/guide/papers.md) an
-    # unannealed start holds the layer at chance on the pointer task (0.48 against 1.00 annealed over half the run)
-    kl_anneal_fraction = 0.5
-
     def __init__(
         self,
         embed_dim: int,

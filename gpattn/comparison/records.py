@@ -203,9 +203,14 @@ class RunRecord:
         Primal-Attention) on test sequences: ``"layer_<l>"`` -> field of :class:`~gpattn.features.KSVDFidelity` ->
         one value per head (the mean over the sequences); ``{}`` for other attentions.
 
+    A run folder's records are read back with :func:`read_records` (``read_records("runs/main/results.json")``).
+
     Example:
-        >>> records = read_records("runs/main/results.json")  # the run folder of ``gpattn compare``
-        >>> {r.attention: r.metrics.test.ece for r in records if r.task == "digits" and r.seed == 0}
+        >>> from gpattn.comparison import ClassificationMetrics, RunMetrics, RunRecord
+        >>> test = ClassificationMetrics(**dict.fromkeys(ClassificationMetrics.__dataclass_fields__, 0.5))
+        >>> record = RunRecord("digits", "softmax", 0, RunMetrics(test=test))
+        >>> RunRecord.from_dict(record.to_dict()) == record  # strict JSON data and back
+        True
     """
 
     task: str

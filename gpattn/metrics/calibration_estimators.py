@@ -33,8 +33,8 @@ from __future__ import annotations
 import numpy as np
 from torch import Tensor
 
-from ..validation import check_choice
-from .calibration import CALIBRATION_KINDS, _check_inputs, _check_num_bins, _confidence_and_correctness
+from ..validation import check_choice, check_int
+from .calibration import CALIBRATION_KINDS, _check_inputs, _confidence_and_correctness
 
 __all__ = ["debiased_calibration_error", "equal_mass_bin_indices", "sweep_calibration_error"]
 
@@ -104,7 +104,7 @@ def debiased_calibration_error(
 
     .. note:: Cost O(n log n) per binary problem (a sort).
     """
-    _check_num_bins(num_bins)
+    num_bins = check_int("num_bins", num_bins)  # Python and NumPy integers, not bools
     estimates = []
     for scores, outcomes in _outcomes(probs, labels, kind):
         count, mean_score, mean_outcome = _binned(scores, outcomes, equal_mass_bin_indices(scores, num_bins))

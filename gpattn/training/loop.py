@@ -96,10 +96,16 @@ def train_model(
         model is then left untouched.
 
     Example:
-        >>> data = make_pointer_task(256, 64, 64, length=8, seed=0, vocab_size=8)  # gpattn.data
-        >>> model = Transformer(2, embed_dim=16, depth=1, num_heads=2, vocab_size=8, max_len=8)  # gpattn.models
-        >>> result = train_model(model, data.train, data.val, TrainConfig(epochs=2, progress=False))
-        >>> result.best_epoch, result.best_val_nll  # the selected epoch and its validation NLL
+        >>> from gpattn.data import make_pointer_task
+        >>> from gpattn.models import Transformer
+        >>> from gpattn.training import TrainConfig, train_model
+        >>> data = make_pointer_task(256, 64, 64, length=8, seed=0, vocab_size=8)
+        >>> model = Transformer(2, embed_dim=16, depth=1, num_heads=2, vocab_size=8, max_len=8)
+        >>> result = train_model(model, data.train, data.val, TrainConfig(epochs=2, seed=0, progress=False))
+        >>> len(result.history), result.best_epoch  # epochs trained; the one of the lowest validation NLL
+        (2, 1)
+        >>> sorted(result.history[0])  # what each epoch records
+        ['epoch', 'grad_norm', 'kl', 'ksvd', 'loss', 'lr', 'nll', 'seconds', 'val_accuracy', 'val_nll']
 
     .. note:: Per epoch one forward and backward pass over the training set and ``eval_samples`` forward passes over
         the validation set; the checkpoints add two state copies (model, AdamW moments) written to disk with a

@@ -13,20 +13,23 @@ import pkgutil
 
 import pytest
 
-# the subpackages whose examples are doctests (gpattn.experiments shows calls on a run folder and a training run:
-# illustrations, not doctests)
+# the subpackages whose examples are doctests (gpattn.experiments only re-exports names of gpattn.training and
+# gpattn.comparison)
 PACKAGES = (
     "attention",
+    "comparison",
     "data",
     "features",
     "integrations",
     "kernels",
     "ksvd",
+    "methods",
     "metrics",
     "mlls",
     "models",
     "plotting",
     "test",
+    "training",
     "variational",
 )
 OPTIONS = doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE
