@@ -116,6 +116,7 @@ class SGPAAttention(AttentionLayer):
     """
 
     is_stochastic = True
+
     def __init__(
         self,
         embed_dim: int,
