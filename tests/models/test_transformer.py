@@ -172,7 +172,6 @@ def test_vit_cifar_preset_builds():
         ({"depth": 0}, "depth"),
         ({"input": "pixels"}, "input"),
         ({"vocab_size": None}, "needs vocab_size"),
-        ({"input_dim": 4}, "input_dim is only used"),
         ({"input": "vectors", "vocab_size": None}, "needs input_dim"),
         ({"input": "patches", "vocab_size": None, "image_size": 8, "patch_size": 3, "in_channels": 1}, "divide"),
         ({"input": "patches", "vocab_size": None, "image_size": 8, "patch_size": 2}, "needs in_channels"),
