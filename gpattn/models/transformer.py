@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -11,7 +12,9 @@ from torch import Tensor
 from ..attention import AttentionLayer, SoftmaxAttention, attention_arguments, build_attention
 from ..validation import InputTypeError, check_choice, check_float, check_int, check_tensor
 
-INPUTS = ("tokens", "patches", "vectors")
+INPUTS = ("tokens", "patches", "vectors", "signal")
+#: The stem of ``input="signal"`` when its arguments are not given: two layers of kernel 5, the last of stride 2.
+SIGNAL_STEM_DEFAULTS = {"stem_kernel_size": 5, "stem_stride": 2, "stem_layers": 2}
 
 
 def _positive_int(name: str, value: Any) -> int:
@@ -56,6 +59,14 @@ class Transformer(Module):
     * ``"patches"``: images ``(B, in_channels, H, W)`` with ``(H, W)`` = ``image_size``; non-overlapping
       ``patch_size`` patches embedded by a convolution with kernel = stride = ``patch_size`` (ViT), giving
       ``N = (H / patch_size) (W / patch_size)`` tokens (``max_len`` is not used).
+    * ``"signal"``: float signals ``(B, L, input_dim)`` (``input_dim`` values per position, channels last as for
+      ``"vectors"``; MNIST-1D with ``patch_size=1`` is ``(B, 40, 1)``), ``L <= max_len``; a convolutional stem of
+      ``stem_layers`` ``Conv1d`` layers of width ``embed_dim`` and odd kernel ``stem_kernel_size`` :math:`k`, zero
+      padded by :math:`(k - 1) / 2` on both sides, with a GELU between layers, all of stride 1 except the last, of
+      stride ``stem_stride`` :math:`s`: ``N = ceil(L / s)`` tokens. With ``stem_layers=1`` the tokens are linear
+      embeddings of overlapping windows of :math:`k` positions, :math:`s` apart (overlapping patches). The positional
+      table has ``ceil(max_len / s)`` rows (the model's ``max_len``, which the attention layers get); the stem mixes
+      neighbouring positions, so this input takes no mask.
 
     Stochastic attention layers sample in training and return their predictive mean in eval mode; use
     :func:`~gpattn.attention.sample_attention` or :func:`~gpattn.models.predict_probabilities` for Monte Carlo
@@ -70,20 +81,25 @@ class Transformer(Module):
         (:func:`~gpattn.attention.attention_names`).
     :param gp_layers: How many of the last blocks use ``attention`` (``0 <= gp_layers <= depth``; with 0, ``attention``
         and ``attention_kwargs`` are not used, so that sweeps over ``gp_layers`` can share arguments).
-    :param input: ``"tokens"``, ``"patches"`` or ``"vectors"``.
+    :param input: ``"tokens"``, ``"patches"``, ``"vectors"`` or ``"signal"``.
     :param vocab_size: Number of token ids (``input="tokens"``).
-    :param max_len: Longest sequence, the size of the positional table (``"tokens"`` and ``"vectors"``).
-    :param input_dim: Feature width (``input="vectors"``).
+    :param max_len: Longest sequence, the size of the positional table (``"tokens"`` and ``"vectors"``); the
+        longest signal ``L`` for ``"signal"``.
+    :param input_dim: Feature width (``input="vectors"``), values per position (``input="signal"``).
     :param image_size: Image side ``int`` or ``(H, W)`` (``input="patches"``).
     :param patch_size: Patch side, dividing both image sides (``input="patches"``).
     :param in_channels: Image channels (``input="patches"``).
+    :param stem_kernel_size: Odd kernel :math:`k` of the stem's convolutions (``input="signal"``; default 5).
+    :param stem_stride: Stride :math:`s` of the stem's last convolution (``input="signal"``; default 2).
+    :param stem_layers: Convolutions of the stem (``input="signal"``; default 2).
     :param mlp_ratio: Hidden width of the MLPs as a multiple of ``embed_dim``.
     :param dropout: Dropout on the embeddings, the MLPs and every attention output (unless ``attention_kwargs``
         sets the GP layers' own).
     :param attention_kwargs: Keyword arguments of the ``attention`` layers (e.g. ``num_inducing=10``). Layers that
         take a ``max_len`` get the model's (the number of patches for images) unless it is given here.
 
-    .. note:: Cost per forward: the attention layers' costs plus O(B N C^2 mlp_ratio) per block for the MLPs.
+    .. note:: Cost per forward: the attention layers' costs plus O(B N C^2 mlp_ratio) per block for the MLPs; the
+        ``"signal"`` stem adds O(B L k C^2) per layer but the last, O(B N k C^2) for the last.
     """
 
     def __init__(
@@ -101,6 +117,9 @@ class Transformer(Module):
         image_size: int | tuple[int, int] | None = None,
         patch_size: int | None = None,
         in_channels: int | None = None,
+        stem_kernel_size: int | None = None,
+        stem_stride: int | None = None,
+        stem_layers: int | None = None,
         mlp_ratio: float = 2.0,
         dropout: float = 0.0,
         **attention_kwargs: Any,
@@ -113,17 +132,22 @@ class Transformer(Module):
         check_choice("input", input, INPUTS, where="Transformer")
         check_float("mlp_ratio", mlp_ratio, 0.0, strict_minimum=True, where="Transformer")
         check_float("dropout", dropout, 0.0, 1.0, strict_maximum=True, where="Transformer")
-        input_arguments = {
-            "tokens": {"vocab_size": vocab_size},
-            "vectors": {"input_dim": input_dim},
-            "patches": {"image_size": image_size, "patch_size": patch_size, "in_channels": in_channels},
-        }
-        for kind, arguments in input_arguments.items():
-            for name, value in arguments.items():
-                if kind == input and value is None:
-                    raise ValueError(f"input={input!r} needs {name}")
-                if kind != input and value is not None:
-                    raise ValueError(f"{name} is only used with input={kind!r}, got input={input!r}")
+        arguments = (  # name, value, the inputs that use it; all are required by them but the stem's (defaults)
+            ("vocab_size", vocab_size, ("tokens",)),
+            ("input_dim", input_dim, ("vectors", "signal")),
+            ("image_size", image_size, ("patches",)),
+            ("patch_size", patch_size, ("patches",)),
+            ("in_channels", in_channels, ("patches",)),
+            ("stem_kernel_size", stem_kernel_size, ("signal",)),
+            ("stem_stride", stem_stride, ("signal",)),
+            ("stem_layers", stem_layers, ("signal",)),
+        )
+        for name, value, kinds in arguments:
+            if input in kinds and value is None and name not in SIGNAL_STEM_DEFAULTS:
+                raise ValueError(f"input={input!r} needs {name}")
+            if input not in kinds and value is not None:
+                users = " or ".join(map(repr, kinds))
+                raise ValueError(f"{name} is only used with input={users}, got input={input!r}")
 
         self.input = input
         self.embed_dim = embed_dim
@@ -142,6 +166,35 @@ class Transformer(Module):
             self.embedding = torch.nn.Conv2d(in_channels, embed_dim, kernel_size=patch_size, stride=patch_size)
             self.max_len = (height // patch_size) * (width // patch_size)
             self.input_shape = ("B", in_channels, height, width)
+        elif input == "signal":
+            self.input_dim = _positive_int("input_dim", input_dim)
+            self.max_signal_length = _positive_int("max_len", max_len)
+            given = {"stem_kernel_size": stem_kernel_size, "stem_stride": stem_stride, "stem_layers": stem_layers}
+            kernel, stride, layers = (
+                _positive_int(name, SIGNAL_STEM_DEFAULTS[name] if value is None else value)
+                for name, value in given.items()
+            )
+            if kernel % 2 == 0:
+                raise ValueError(
+                    f"expected an odd stem_kernel_size (padded by (k - 1) / 2 on both sides), got {kernel}"
+                )
+            self.stem_kernel_size, self.stem_stride, self.stem_layers = kernel, stride, layers
+            convolutions = [
+                torch.nn.Conv1d(
+                    input_dim if index == 0 else embed_dim,
+                    embed_dim,
+                    kernel,
+                    stride=stride if index == layers - 1 else 1,
+                    padding=(kernel - 1) // 2,
+                )
+                for index in range(layers)
+            ]
+            modules = [convolutions[0]]
+            for convolution in convolutions[1:]:
+                modules += [torch.nn.GELU(), convolution]
+            self.embedding = torch.nn.Sequential(*modules)
+            self.max_len = math.ceil(max_len / stride)
+            self.input_shape = ("B", "L", input_dim)
         else:
             self.max_len = _positive_int("max_len", max_len)
             if input == "tokens":
@@ -201,7 +254,12 @@ class Transformer(Module):
             raise ValueError(f"Transformer: expected non-empty inputs, got shape {tuple(inputs.shape)}")
         if integer and (inputs.min() < 0 or inputs.max() >= self.vocab_size):
             raise ValueError(f"token ids must lie in [0, {self.vocab_size}), got [{inputs.min()}, {inputs.max()}]")
-        tokens = self.embedding(inputs)
+        if self.input == "signal":
+            if inputs.shape[1] > self.max_signal_length:
+                raise ValueError(f"signal length {inputs.shape[1]} exceeds max_len={self.max_signal_length}")
+            tokens = self.embedding(inputs.transpose(1, 2)).transpose(1, 2)  # (B, L, D) -> (B, D, L) -> (B, N, C)
+        else:
+            tokens = self.embedding(inputs)
         if self.input == "patches":
             tokens = tokens.flatten(2).transpose(1, 2)  # (B, C, H/p, W/p) -> (B, N, C)
         length = tokens.shape[1]
@@ -213,11 +271,18 @@ class Transformer(Module):
     def forward(self, inputs: Tensor, mask: Tensor | str | None = None) -> Tensor:
         """Class logits.
 
-        :param inputs: Token ids ``(B, N)``, vectors ``(B, N, input_dim)`` or images ``(B, in_channels, H, W)``.
+        :param inputs: Token ids ``(B, N)``, vectors ``(B, N, input_dim)``, images ``(B, in_channels, H, W)`` or
+            signals ``(B, L, input_dim)``.
         :param mask: ``None``, a boolean padding mask ``(B, N)`` (``True`` = real token; padded tokens have no
-            influence on the logits) or ``"causal"`` (the pooled mean still runs over all tokens).
+            influence on the logits) or ``"causal"`` (the pooled mean still runs over all tokens); ``None`` for
+            ``input="signal"``.
         :return: Logits, shape ``(B, num_classes)``.
         """
+        if self.input == "signal" and mask is not None:
+            raise ValueError(
+                f"Transformer: input='signal' takes no mask (its convolutional stem mixes neighbouring positions), "
+                f"got {mask if isinstance(mask, str) else type(mask).__name__}"
+            )
         tokens = self.embed(inputs)  # shape: (B, N, C)
         padding = mask if isinstance(mask, Tensor) else None
         if padding is not None and (padding.dtype != torch.bool or tuple(padding.shape) != tuple(tokens.shape[:2])):

@@ -57,6 +57,50 @@ def test_patch_input_shapes():
     assert model(torch.randn(BATCH, 3, 8, 12, dtype=torch.float64)).shape == (BATCH, CLASSES)
 
 
+def windowed_convolution(signal: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, stride: int) -> torch.Tensor:
+    """Reference of a zero-padded ``Conv1d`` by explicit windows: ``(B, D, L) -> (B, C, N)``, output ``n`` the
+    weighted sum of the window of ``k`` positions centred on position ``n * stride``."""
+    k = weight.shape[-1]
+    padded = torch.nn.functional.pad(signal, ((k - 1) // 2, (k - 1) // 2))
+    windows = torch.stack([padded[..., start : start + k] for start in range(0, signal.shape[-1], stride)], dim=1)
+    return torch.einsum("bndk,cdk->bcn", windows, weight) + bias[:, None]  # windows: (B, N, D, k)
+
+
+@pytest.mark.parametrize(("layers", "kernel", "stride", "length"), [(1, 5, 2, 11), (2, 3, 2, 12), (3, 5, 1, 7)])
+def test_signal_stem_is_windowed_convolutions(layers, kernel, stride, length):
+    model = small_model(
+        input="signal",
+        vocab_size=None,
+        input_dim=2,
+        max_len=12,
+        stem_layers=layers,
+        stem_kernel_size=kernel,
+        stem_stride=stride,
+    ).eval()
+    signal = torch.randn(BATCH, length, 2, dtype=torch.float64)
+    convolutions = [module for module in model.embedding if isinstance(module, torch.nn.Conv1d)]
+    assert len(convolutions) == layers
+    hidden = signal.transpose(1, 2)
+    for index, convolution in enumerate(convolutions):
+        last = index == layers - 1
+        hidden = windowed_convolution(hidden, convolution.weight, convolution.bias, stride if last else 1)
+        hidden = hidden if last else torch.nn.functional.gelu(hidden)
+    tokens = -(-length // stride)  # ceil(L / s)
+    assert model.max_len == -(-12 // stride) and model.position_embedding.shape == (1, model.max_len, 16)
+    expected = hidden.transpose(1, 2) + model.position_embedding[:, :tokens]
+    torch.testing.assert_close(model.embed(signal), expected, rtol=1e-12, atol=1e-12)
+    assert model(signal).shape == (BATCH, CLASSES)
+
+
+def test_signal_input_defaults_and_gp_layer_length():
+    model = small_model(input="signal", vocab_size=None, input_dim=1, max_len=40, merge="concat_tokens")
+    assert (model.stem_kernel_size, model.stem_stride, model.stem_layers) == (5, 2, 2)
+    assert model.max_len == 20 and model.attention_layers()[-1].max_len == 20  # the tokens, not the signal length
+    logits = model.train()(torch.randn(BATCH, 40, 1, dtype=torch.float64))
+    (logits.sum() + model.kl_divergence()).backward()
+    assert logits.shape == (BATCH, CLASSES) and torch.count_nonzero(model.embedding[0].weight.grad) > 0
+
+
 @pytest.mark.parametrize("gp_layers", [0, 1, 2, 3])
 def test_gp_layers_are_the_last_blocks(gp_layers):
     model = small_model("sgpa", depth=3, gp_layers=gp_layers)
@@ -128,10 +172,14 @@ def test_vit_cifar_preset_builds():
         ({"depth": 0}, "depth"),
         ({"input": "pixels"}, "input"),
         ({"vocab_size": None}, "needs vocab_size"),
-        ({"input_dim": 4}, "input_dim is only used"),
         ({"input": "vectors", "vocab_size": None}, "needs input_dim"),
         ({"input": "patches", "vocab_size": None, "image_size": 8, "patch_size": 3, "in_channels": 1}, "divide"),
         ({"input": "patches", "vocab_size": None, "image_size": 8, "patch_size": 2}, "needs in_channels"),
+        ({"input": "signal", "vocab_size": None}, "needs input_dim"),
+        ({"input": "signal", "vocab_size": None, "input_dim": 1, "stem_kernel_size": 4}, "odd stem_kernel_size"),
+        ({"input": "signal", "vocab_size": None, "input_dim": 1, "stem_layers": 0}, "stem_layers"),
+        ({"stem_stride": 2}, "stem_stride is only used with input='signal'"),
+        ({"input_dim": 4}, "input_dim is only used with input='vectors' or 'signal'"),
         ({"attention": "nope"}, "expected one of"),
         ({"mlp_ratio": 0.0}, "mlp_ratio"),
         ({"dropout": 1.0}, "dropout"),
@@ -163,3 +211,10 @@ def test_invalid_inputs():
         vectors(torch.randn(2, 3, 4, dtype=torch.float64))
     with pytest.raises(TypeError, match="floating-point"):
         vectors(torch.ones(2, 3, 5, dtype=torch.long))
+    signal = small_model(input="signal", vocab_size=None, input_dim=1, max_len=12)
+    with pytest.raises(ValueError, match="max_len=12"):
+        signal(torch.randn(2, 13, 1, dtype=torch.float64))
+    with pytest.raises(ValueError, match=r"\(B, L, 1\)"):
+        signal(torch.randn(2, 12, 2, dtype=torch.float64))
+    with pytest.raises(ValueError, match="takes no mask"):
+        signal(torch.randn(2, 12, 1, dtype=torch.float64), mask=torch.ones(2, 6, dtype=torch.bool))
