@@ -81,7 +81,7 @@ class LastLayerLaplace(torch.nn.Module):
         self.laplace: Any = None  # laplace-torch's KronLLLaplace after fit()
 
     def forward(self, inputs: Tensor, mask: Tensor | str | None = None) -> Tensor:
-        """The model's logits at the trained weights: the GLM predictive's mean."""
+        """The model's logits at the trained weights, shape ``(B, C)``: the GLM predictive's mean."""
         return self.model(inputs, mask=mask)
 
     @torch.no_grad()
