@@ -245,7 +245,7 @@ def evaluate_models(
 
     Every set is predicted once, as Monte Carlo logits :math:`f^{(k,t)}(x)` of member :math:`k` and sample
     :math:`t` (:func:`ensemble_logits`), drawn from a random stream of its own seeded from ``seed`` and the set's name
-    (:func:`~gpattn.comparison.streams.random_stream`); the reported prediction is
+    (:func:`~gpattn.comparison.random_stream`); the reported prediction is
     :math:`\frac{1}{KT} \sum_{k,t} \operatorname{softmax}(f^{(k,t)}(x) / \tau)` with :math:`\tau = 1` for the
     model as trained and, for the ``+ts`` variant, :math:`\hat\tau` fitted by
     :func:`~gpattn.models.fit_temperature` on the *validation* split's logits of the same kind (the same :math:`T`,

@@ -150,7 +150,7 @@ def train_and_evaluate(
     """Train one row on ``task`` with ``seed`` (one model, or the row's ensemble, or an ensemble of
     ``config.ensemble`` members recorded as ``"<row>_ens<K>"``) and return its record. The result depends on the
     arguments only (every random stream is seeded from ``seed``: the validation split's draw, the training, and each
-    evaluated set's Monte Carlo draws, :mod:`~gpattn.comparison.streams`).
+    evaluated set's Monte Carlo draws, :func:`~gpattn.comparison.random_stream`).
 
     The record holds the metrics of the model as trained, of its temperature-scaled variant (``+ts``:
     :func:`~gpattn.comparison.evaluate_models`, temperature fitted on the validation split, when
