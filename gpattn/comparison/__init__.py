@@ -1,6 +1,6 @@
-"""The comparison (``gpattn compare``): its tasks, settings and runs, their evaluation and typed records
-(JSON/CSV), statistics over seeds (paired differences with intervals), the report, the scheduling of the runs, and the
-toy regression fit (exact GP vs KEP-SVGP via VariationalELBO and Pyro SVI).
+"""The comparison (``gpattn compare``): its tasks, settings and runs, their evaluation (with separate random streams)
+and typed records (JSON/CSV), statistics over seeds (paired differences with intervals), the report, the scheduling
+of the runs, and the toy regression fit (exact GP vs KEP-SVGP via VariationalELBO and Pyro SVI).
 
 Data flows one way: the comparison resolves each row once (:mod:`gpattn.methods`) and trains it with the loop of
 :mod:`gpattn.training`, which never imports this package.
@@ -9,12 +9,14 @@ Data flows one way: the comparison resolves each row once (:mod:`gpattn.methods`
 from .config import DEFAULT_ATTENTIONS, CompareConfig
 from .evaluation import (
     DEFAULT_ECE_BINS,
+    POOLED_OOD,
     Evaluation,
     classification_metrics,
     ensemble_logits,
     evaluate_models,
     evaluate_run,
     model_fidelity,
+    per_example_predictions,
 )
 from .records import (
     ClassificationMetrics,
@@ -38,7 +40,8 @@ from .statistics import (
     paired_difference,
     summarize_seeds,
 )
-from .tasks import DEFAULT_TASKS, PUBLISHED_ACCURACIES, TASKS, TaskData, load_task
+from .streams import random_stream, stream_seed
+from .tasks import DEFAULT_TASKS, PUBLISHED_ACCURACIES, TASK_DEFAULTS, TASKS, TaskData, load_task
 from .toy_regression import (
     ToyRegressionConfig,
     ToyRegressionResult,
@@ -54,8 +57,10 @@ __all__ = [
     "DEFAULT_ECE_BINS",
     "DEFAULT_TASKS",
     "INTERVAL_METHODS",
+    "POOLED_OOD",
     "PUBLISHED_ACCURACIES",
     "TASKS",
+    "TASK_DEFAULTS",
     "ClassificationMetrics",
     "CompareConfig",
     "Evaluation",
@@ -91,10 +96,13 @@ __all__ = [
     "markdown_table",
     "model_fidelity",
     "paired_difference",
+    "per_example_predictions",
     "plan_runs",
+    "random_stream",
     "read_records",
     "run_comparison",
     "run_toy_regression",
+    "stream_seed",
     "summarize_seeds",
     "table_text",
     "train_and_evaluate",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,7 +37,8 @@ class CompareConfig:
     :ivar seeds: Model seeds (the data splits are fixed); paired intervals need at least 5.
     :ivar pointer_epochs: Training epochs per run on the pointer task (2048 sequences: 32 steps an epoch).
     :ivar digits_epochs: Training epochs per run on digits (866 images: 14 steps an epoch).
-    :ivar mnist1d_epochs: Training epochs per run on MNIST-1D (3600 sequences: 57 steps an epoch).
+    :ivar mnist1d_epochs: Training epochs per run on MNIST-1D (3601 sequences: 57 steps an epoch; 60, the protocol's
+        base model).
     :ivar batch_size: Minibatch size.
     :ivar lr: Peak AdamW learning rate.
     :ivar embed_dim: Transformer width.
@@ -73,7 +75,7 @@ class CompareConfig:
     seeds: tuple[int, ...] = (0, 1, 2, 3, 4)
     pointer_epochs: int = 8
     digits_epochs: int = 40
-    mnist1d_epochs: int = 20
+    mnist1d_epochs: int = 60
     batch_size: int = 64
     lr: float = 3e-3
     embed_dim: int = 32
@@ -136,17 +138,21 @@ class CompareConfig:
         check_int("threads", self.threads, where=where)
         check_int("jobs", self.jobs, where=where)
 
-    def hyperparameters(self, task: str, method: MethodSpec, num_inducing: int | None = None) -> Hyperparameters:
+    def hyperparameters(
+        self, task: str, method: MethodSpec, defaults: Mapping[str, Any] | None = None
+    ) -> Hyperparameters:
         """The :class:`~gpattn.methods.Hyperparameters` of a run of the row ``method`` on ``task``: these settings,
-        the same for every row (the task's epochs; the MC-dropout rate for the rows that predict with dropout, no
-        dropout for the others; AdamW's weight decay of :class:`~gpattn.training.TrainConfig`).
+        the same for every row (the task's epochs; the MC-dropout rate for the rows that predict with dropout, the
+        task's dropout for the others; AdamW's weight decay of :class:`~gpattn.training.TrainConfig`).
 
         :param task: One of :data:`~gpattn.comparison.tasks.TASKS`.
         :param method: The row.
-        :param num_inducing: The task's inducing set size (:attr:`~gpattn.comparison.TaskData.num_inducing`), used
-            where :attr:`num_inducing` is ``None``.
+        :param defaults: The task's own values (:attr:`~gpattn.comparison.TaskData.defaults`): ``num_inducing``, used
+            where :attr:`num_inducing` is ``None``, and ``dropout`` (default 0), the dropout of the rows that do not
+            predict with dropout.
         """
         check_choice("task", task, TASKS, where="CompareConfig.hyperparameters")
+        defaults = {} if defaults is None else defaults
         return Hyperparameters(
             epochs=getattr(self, f"{task}_epochs"),
             lr=self.lr,
@@ -156,11 +162,17 @@ class CompareConfig:
             depth=self.depth,
             num_heads=self.num_heads,
             gp_layers=self.gp_layers,
-            num_inducing=num_inducing if self.num_inducing is None else self.num_inducing,
+            num_inducing=defaults.get("num_inducing") if self.num_inducing is None else self.num_inducing,
             beta=self.beta,
             ksvd_weight=self.ksvd_weight,
-            dropout=self.mc_dropout if method.predictive.mc_dropout else 0.0,
+            dropout=self.mc_dropout if method.predictive.mc_dropout else defaults.get("dropout", 0.0),
         )
+
+    def is_tuned(self, task: str, method: MethodSpec) -> bool:
+        """Whether :meth:`hyperparameters` of ``(task, method)`` come from a tuned configuration (recorded as
+        :attr:`~gpattn.comparison.RunRecord.tuned`): ``False``, these settings are the defaults."""
+        check_choice("task", task, TASKS, where="CompareConfig.is_tuned")
+        return False
 
     def attention_arguments(self, row: str) -> dict[str, Any]:
         """The keyword arguments of the attention layer of the row ``row`` under these settings: ``num_inducing`` and

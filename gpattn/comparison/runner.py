@@ -95,15 +95,17 @@ def torch_threads(threads: int) -> Iterator[None]:
 
 
 # -- one run ---------------------------------------------------------------------------------------------------------
-_DATA: dict[str, TaskData] = {}  # per process: each task's data is loaded once
+# per process: each (task, seed)'s data is loaded once (its validation split depends on the seed; load_task caches the
+# test, shifted and OOD sets, which do not, so that another seed loads its training and validation splits only)
+_DATA: dict[tuple[str, int], TaskData] = {}
 
 
 def _run_one(config: CompareConfig, task: str, attention: str, seed: int) -> tuple[RunRecord, float]:
-    if task not in _DATA:
-        _DATA[task] = load_task(task)
+    if (task, seed) not in _DATA:
+        _DATA[(task, seed)] = load_task(task, seed)
     start = time.perf_counter()
     # looked up at call time: the function may be replaced (tests)
-    record = run_module.train_and_evaluate(config, task, attention, seed, data=_DATA[task])
+    record = run_module.train_and_evaluate(config, task, attention, seed, data=_DATA[(task, seed)])
     return record, time.perf_counter() - start
 
 

@@ -102,6 +102,28 @@ def test_a_failed_run_names_itself_and_keeps_the_finished_ones(tmp_path, monkeyp
     assert len(list((tmp_path / "runs").glob("*.json"))) == 1
 
 
+def test_each_run_gets_the_data_of_its_seed_and_the_shared_sets_are_loaded_once(monkeypatch) -> None:
+    seen = []
+
+    def record_data(config, task, attention, seed, data=None, **kwargs):
+        seen.append((task, seed, data))
+        return RunRecord.from_dict({"task": task, "attention": attention, "seed": seed, "metrics": {"test": TEST}})
+
+    monkeypatch.setattr(runs, "train_and_evaluate", record_data)
+    config = CompareConfig(seeds=(0, 1), attentions=("softmax", "kep_svgp"), tasks=("digits",), progress=False)
+    run_comparison(config)
+    assert [(task, seed, data.seed) for task, seed, data in seen] == [
+        ("digits", 0, 0), ("digits", 1, 1), ("digits", 0, 0), ("digits", 1, 1)
+    ]  # fmt: skip
+    assert seen[0][2] is seen[2][2] and seen[1][2] is seen[3][2]  # loaded once per (task, seed) ...
+    assert seen[0][2].test is seen[1][2].test and seen[0][2].ood["noise"] is seen[1][2].ood["noise"]  # ... sharing
+    assert not seen[0][2].val.images.equal(seen[1][2].val.images)
+
+
+TEST = dict(accuracy=0.9, confidence=0.85, nll=0.3, ece=0.05, mce=0.2, brier=0.15, aurc=0.02, eaurc=0.01,
+            auroc=0.8, fpr95=0.6)  # fmt: skip
+
+
 def test_one_progress_line_per_finished_run(capsys) -> None:
     run_comparison(CompareConfig(seeds=(0,), **{**TINY, "attentions": ("softmax",), "progress": True}))
     lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("[")]

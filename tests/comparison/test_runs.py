@@ -6,8 +6,10 @@ from __future__ import annotations
 import csv
 import dataclasses
 import json
+import math
 from dataclasses import asdict
 
+import numpy as np
 import pytest
 import torch
 from torch import Tensor
@@ -27,9 +29,11 @@ from gpattn.comparison import (
     run_comparison,
     train_and_evaluate,
 )
-from gpattn.comparison.evaluation import evaluate_run
+from gpattn.comparison.evaluation import evaluate_models, evaluate_run
 from gpattn.comparison.report import flat_rows, markdown_table
 from gpattn.methods import MethodSpec, TrainingRecipe, get_method, method_names, register_method, unregister_method
+from gpattn.models import LastLayerLaplace
+from gpattn.training import train_ensemble
 
 TINY = dict(pointer_epochs=1, digits_epochs=1, eval_samples=2, seeds=(0,), progress=False)
 BOTH = ("pointer", "digits")
@@ -56,7 +60,7 @@ def test_one_record_per_task_attention_seed(records) -> None:
     for record in records:
         test = asdict(record.metrics.test)
         expected = {"accuracy", "confidence", "nll", "ece", "mce", "brier", "aurc", "eaurc", "auroc", "fpr95"}
-        expected.add("classwise_ece")
+        expected.update({"classwise_ece", "debiased_ce", "sweep_ece"})
         assert set(test) == expected
         assert 0.0 <= test["accuracy"] <= 1.0 and test["nll"] > 0
         reliability = record.reliability
@@ -72,7 +76,7 @@ def test_digits_records_hold_shift_ood_and_spectra(records) -> None:
         shift = record.metrics.shift
         assert set(shift) == {"gaussian_noise", "rotation", "blur"}
         assert all(set(levels) == {"1", "2", "3", "4", "5"} for levels in shift.values())
-        assert set(record.metrics.ood) == {"held_out", "noise"}
+        assert list(record.metrics.ood) == ["held_out", "noise", "pooled"]
         ood = record.metrics.ood["held_out"]
         # the stored AUROC is the metric of the stored scores (max probability), recomputed independently here
         scores_in, scores_out = record.ood_scores["in"], record.ood_scores["held_out"]
@@ -395,7 +399,7 @@ def test_ksvd_rows_record_their_fidelity_and_mnist1d_uses_rank_5() -> None:
     from gpattn.comparison.tasks import TaskData
 
     digits = load_task("digits")
-    small = TaskData("mnist1d", digits.train, digits.val, digits.test, digits.model_kwargs, num_inducing=5)
+    small = TaskData("digits", digits.train, digits.val, digits.test, digits.model_kwargs, defaults={"num_inducing": 5})
     config = CompareConfig(attentions=("kep_svgp",), fidelity_sequences=16, tasks=("digits",), **TINY)
     record = train_and_evaluate(config, "digits", "kep_svgp", 0, data=small)
     assert [len(head) for head in record.spectra["layer_2"]] == [5, 5]  # the task's rank reached the layer
@@ -405,6 +409,71 @@ def test_ksvd_rows_record_their_fidelity_and_mnist1d_uses_rank_5() -> None:
     assert all(len(heads) == 2 for heads in fidelity.values())
     assert all(0.0 < value <= 1.0 + 1e-9 for value in fidelity["energy"])
     assert train_and_evaluate(config, "digits", "softmax", 0, data=small).fidelity == {}
+
+
+def test_a_record_holds_its_hyperparameters_and_every_test_example(records) -> None:
+    config = CompareConfig(attentions=("kep_svgp", "softmax"), tasks=BOTH, **TINY)
+    for record in records:
+        method = get_method(record.attention)
+        expected = config.hyperparameters(record.task, method, load_task(record.task).defaults)
+        assert record.hyperparameters == expected.to_dict() and record.tuned is False
+        assert record.hyperparameters["epochs"] == 1 and record.train.epochs == 1
+        for variant in (record, record.temperature_scaled):
+            examples = variant.per_example
+            assert [len(values) for values in examples.values()] == [len(load_task(record.task).test)] * 3
+            assert float(np.mean(examples["test_nll"])) == variant.metrics.test.nll  # exactly, also read back:
+        again = RunRecord.from_dict(json.loads(json.dumps(record.to_dict())))
+        assert float(np.mean(again.per_example["test_nll"])) == record.metrics.test.nll
+
+
+def test_a_run_reads_the_data_of_its_own_seed() -> None:
+    config = CompareConfig(attentions=("softmax",), tasks=("digits",), **TINY)
+    with pytest.raises(ValueError, match=r"validation seed 0, but the run is 'digits' with seed 1; load them with"):
+        train_and_evaluate(config, "digits", "softmax", 1, data=load_task("digits", 0))
+    with pytest.raises(ValueError, match=r"task 'pointer'"):
+        train_and_evaluate(config, "digits", "softmax", 0, data=load_task("pointer", 0))
+
+
+def test_the_laplace_row_is_the_softmax_model_with_a_laplace_predictive() -> None:
+    config = CompareConfig(attentions=("laplace", "softmax"), tasks=("digits",), **{**TINY, "digits_epochs": 3})
+    data = load_task("digits")
+    laplace = train_and_evaluate(config, "digits", "laplace", 0, data=data)
+    softmax = train_and_evaluate(config, "digits", "softmax", 0, data=data)
+    assert (laplace.attention, laplace.hyperparameters) == ("laplace", softmax.hyperparameters)
+    assert laplace.train.best_epoch == softmax.train.best_epoch  # the same trained Transformer ...
+    # ... with a last-layer Laplace fitted on the training split, evaluated on the run's streams: by hand
+    method = get_method("softmax")
+    hyperparameters = config.hyperparameters("digits", method, data.defaults)
+    train_config = make_train_config(config, method, hyperparameters, 0)
+    ((model, _),) = train_ensemble(
+        lambda k: build_model(method, hyperparameters, data.num_classes, data.model_kwargs),
+        data.train,
+        data.val,
+        train_config,
+        1,
+    )
+    predictor = LastLayerLaplace(model).fit(data.train.images, data.train.labels)
+    expected = evaluate_models(predictor, data, config.eval_samples, seed=0)
+    assert (
+        laplace.metrics == expected.metrics
+        and laplace.temperature_scaled.metrics == expected.temperature_scaled.metrics
+    )
+    assert evaluate_models(model, data, config.eval_samples, seed=0).metrics == softmax.metrics
+    # its Monte Carlo samples vary: the mutual information is defined (NaN for the deterministic softmax row)
+    assert all(0.0 < ood.auroc_mutual_information < 1.0 for ood in laplace.metrics.ood.values())
+    assert all(math.isnan(ood.auroc_mutual_information) for ood in softmax.metrics.ood.values())
+    assert laplace.metrics.test.nll != softmax.metrics.test.nll
+
+
+def test_every_row_of_the_main_table_runs_through_gpattn_compare(tmp_path) -> None:
+    rows = ["softmax", "softmax_mc_dropout", "deep_ensemble", "laplace", "sgpa", "kep_svgp", "kep_svgp_paper",
+            "primal", "primal_paper"]  # fmt: skip
+    argv = ["compare", "--quick", "--tasks", "pointer", "--pointer-epochs", "1", "--eval-samples", "2"]
+    assert main([*argv, "--attentions", *rows, "--no-progress", "--out", str(tmp_path)]) == 0
+    records = read_records(tmp_path / "results.json")
+    assert [record.attention for record in records] == rows
+    assert [record.temperature_scaled is None for record in records] == [row == "deep_ensemble" for row in rows]
+    assert all(0.0 <= record.metrics.test.accuracy <= 1.0 and record.hyperparameters for record in records)
 
 
 def test_each_run_trains_with_its_rows_kl_recipe():
