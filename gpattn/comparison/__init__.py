@@ -35,7 +35,10 @@ from .statistics import (
     PairedDifference,
     SeedSummary,
     compare_to_reference,
+    hierarchical_difference,
+    holm_adjusted,
     paired_difference,
+    paired_p_value,
     summarize_seeds,
 )
 from .tasks import DEFAULT_TASKS, PUBLISHED_ACCURACIES, TASKS, TaskData, load_task
@@ -84,6 +87,8 @@ __all__ = [
     "fit_pair_svgp",
     "fit_pair_svgp_pyro",
     "format_result",
+    "hierarchical_difference",
+    "holm_adjusted",
     "layer_arguments",
     "learned_spectra",
     "load_task",
@@ -91,6 +96,7 @@ __all__ = [
     "markdown_table",
     "model_fidelity",
     "paired_difference",
+    "paired_p_value",
     "plan_runs",
     "read_records",
     "run_comparison",
