@@ -73,6 +73,10 @@ class ClassificationMetrics:
     :ivar auroc: Misclassification AUROC of the top-label probability.
     :ivar fpr95: Misclassification FPR at 95% TPR.
     :ivar classwise_ece: Classwise ECE (Kull et al. 2019; the same bins; NaN in records written before it existed).
+    :ivar debiased_ce: Debiased calibration error (:func:`~gpattn.metrics.debiased_calibration_error`, top label, 15
+        equal-mass bins; NaN in records written before it existed).
+    :ivar sweep_ece: Equal-mass sweep calibration error (:func:`~gpattn.metrics.sweep_calibration_error`, top label;
+        NaN in records written before it existed).
     """
 
     accuracy: float
@@ -86,16 +90,22 @@ class ClassificationMetrics:
     auroc: float
     fpr95: float
     classwise_ece: float = math.nan
+    debiased_ce: float = math.nan
+    sweep_ece: float = math.nan
 
 
 @dataclass(frozen=True)
 class ShiftMetrics:
-    """Metrics on one shifted test set (one kind, one severity)."""
+    """Metrics on one shifted test set (one kind, one severity).
+
+    :ivar debiased_ce: Debiased calibration error (as :class:`ClassificationMetrics`; NaN in older records).
+    """
 
     accuracy: float
     nll: float
     ece: float
     brier: float
+    debiased_ce: float = math.nan
 
 
 @dataclass(frozen=True)
@@ -108,6 +118,9 @@ class OODMetrics:
     :ivar fpr95_max_prob: FPR of the OOD set at 95 % TPR of the test set.
     :ivar aupr_out_max_prob: AUPR-Out (OOD positive, ranked by minus the maximum probability; NaN in records written
         before it existed).
+    :ivar auroc_mutual_information: AUROC of the mutual information on the Monte Carlo samples
+        (:func:`~gpattn.metrics.ood_auroc_mutual_information`); NaN for a row whose predictions do not vary
+        (deterministic) and in records written before it existed.
     """
 
     auroc_max_prob: float
@@ -115,6 +128,7 @@ class OODMetrics:
     aupr_max_prob: float
     fpr95_max_prob: float
     aupr_out_max_prob: float = math.nan
+    auroc_mutual_information: float = math.nan
 
 
 @dataclass(frozen=True)
@@ -178,11 +192,13 @@ class TemperatureScaled:
     :ivar temperature: The fitted :math:`\\hat\\tau`.
     :ivar metrics: Test, shift and OOD metrics of the scaled predictions.
     :ivar reliability: The test set's reliability bins of the scaled predictions.
+    :ivar per_example: As :attr:`RunRecord.per_example`, for the scaled predictions.
     """
 
     temperature: float
     metrics: RunMetrics
     reliability: ReliabilityBins | None = None
+    per_example: dict[str, list[float]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -202,6 +218,10 @@ class RunRecord:
     :ivar fidelity: KSVD fidelity (:func:`~gpattn.features.ksvd_fidelity`) of every KSVD layer (KEP-SVGP,
         Primal-Attention) on test sequences: ``"layer_<l>"`` -> field of :class:`~gpattn.features.KSVDFidelity` ->
         one value per head (the mean over the sequences); ``{}`` for other attentions.
+    :ivar per_example: On the clean test set, one float per test example in test order: ``"test_nll"``,
+        ``"test_correct"``, ``"test_confidence"``; ``{}`` in records written before it existed.
+    :ivar hyperparameters: The :meth:`~gpattn.methods.Hyperparameters.to_dict` the run used; ``{}`` in older records.
+    :ivar tuned: Whether those hyperparameters are a tuned configuration (else the defaults).
 
     A run folder's records are read back with :func:`read_records` (``read_records("runs/main/results.json")``).
 
@@ -223,6 +243,9 @@ class RunRecord:
     train: TrainingSummary | None = None
     temperature_scaled: TemperatureScaled | None = None
     fidelity: dict[str, dict[str, list[float]]] = field(default_factory=dict)
+    per_example: dict[str, list[float]] = field(default_factory=dict)
+    hyperparameters: dict[str, Any] = field(default_factory=dict)
+    tuned: bool = False
 
     def to_dict(self) -> dict[str, Any]:
         """The record as plain, strict JSON data (nested dicts and lists), the layout of ``results.json``: every field
@@ -258,6 +281,7 @@ class RunRecord:
                 temperature=_number(scaled.get("temperature"), "record.temperature_scaled.temperature"),
                 metrics=_run_metrics(scaled.get("metrics"), "record.temperature_scaled.metrics"),
                 reliability=None if scaled_bins is None else _reliability(scaled_bins),
+                per_example=_per_example(scaled.get("per_example", {}), "record.temperature_scaled.per_example"),
             )
         return cls(
             task=data["task"],
@@ -282,6 +306,9 @@ class RunRecord:
                 }
                 for layer, fields_ in _mapping(data.get("fidelity", {}), "record.fidelity").items()
             },
+            per_example=_per_example(data.get("per_example", {}), "record.per_example"),
+            hyperparameters=dict(_mapping(data.get("hyperparameters", {}), "record.hyperparameters")),
+            tuned=_boolean(data.get("tuned", False), "record.tuned"),
         )
 
 
@@ -328,6 +355,7 @@ UNDEFINED_REASONS = {
     "aupr_max_prob": "needs both in-distribution and OOD inputs",
     "aupr_out_max_prob": "needs both in-distribution and OOD inputs",
     "fpr95_max_prob": "needs both in-distribution and OOD inputs",
+    "auroc_mutual_information": "deterministic: the row's predictions do not vary, so no mutual information",
 }
 
 
@@ -369,6 +397,16 @@ def _number(value: Any, where: str) -> float:
 
 def _numbers(values: Any, where: str) -> list[float]:
     return [_number(value, where) for value in _list(values, where)]
+
+
+def _per_example(value: Any, where: str) -> dict[str, list[float]]:
+    return {name: _numbers(values, f"{where}.{name}") for name, values in _mapping(value, where).items()}
+
+
+def _boolean(value: Any, where: str) -> bool:
+    if not isinstance(value, bool):
+        raise ValueError(f"{where}: expected true or false, got {value!r}")
+    return value
 
 
 def _integer(value: Any, where: str) -> int:

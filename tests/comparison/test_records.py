@@ -50,10 +50,13 @@ def _same(first: RunRecord, second: RunRecord) -> bool:
 def test_to_dict_is_the_documented_layout():
     data = _record().to_dict()
     fields = ["task", "attention", "seed", "metrics", "reliability", "ood_scores", "spectra", "train"]
-    assert list(data) == [*fields, "temperature_scaled", "fidelity", "undefined"]  # the record has one NaN
+    later = ["per_example", "hyperparameters", "tuned"]  # the protocol's fields (issue 23)
+    assert list(data) == [*fields, "temperature_scaled", "fidelity", *later, "undefined"]  # the record has NaNs
     assert list(data["metrics"]) == ["test", "shift", "ood"]
-    assert {k: v for k, v in data["metrics"]["test"].items() if k != "classwise_ece"} == TEST
-    assert data["metrics"]["shift"]["blur"]["1"] == {"accuracy": 0.8, "nll": 0.5, "ece": 0.1, "brier": 0.3}
+    added = ("classwise_ece", "debiased_ce", "sweep_ece")  # fields added later: NaN (null) here
+    assert {k: v for k, v in data["metrics"]["test"].items() if k not in added} == TEST
+    shift = {"accuracy": 0.8, "nll": 0.5, "ece": 0.1, "brier": 0.3, "debiased_ce": None}
+    assert data["metrics"]["shift"]["blur"]["1"] == shift
     assert data["metrics"]["ood"]["noise"]["aupr_max_prob"] == 0.95
     assert data["reliability"] == {"confidence": [None, 0.55, 0.95], "accuracy": [None, 0.5, 1.0], "count": [0, 4, 6]}
     assert data["train"] == {"seconds": 1.5, "epochs": 3, "best_epoch": 2, "num_parameters": 1234, "ensemble": 1}
@@ -67,9 +70,15 @@ def test_to_dict_is_strict_json_with_a_reason_for_each_undefined_metric():
     import dataclasses
 
     record = _record()  # every metric defined but one (the fields added later default to NaN: set them)
-    test = dataclasses.replace(record.metrics.test, classwise_ece=0.07)
-    ood = {"noise": dataclasses.replace(record.metrics.ood["noise"], aupr_out_max_prob=0.9)}
-    record = dataclasses.replace(record, metrics=dataclasses.replace(record.metrics, test=test, ood=ood))
+    test = dataclasses.replace(record.metrics.test, classwise_ece=0.07, debiased_ce=0.02, sweep_ece=0.03)
+    noise = dataclasses.replace(record.metrics.ood["noise"], aupr_out_max_prob=0.9, auroc_mutual_information=0.6)
+    ood = {"noise": noise}
+    shift = {
+        kind: {level: dataclasses.replace(values, debiased_ce=0.1) for level, values in levels.items()}
+        for kind, levels in record.metrics.shift.items()
+    }
+    metrics = dataclasses.replace(record.metrics, test=test, ood=ood, shift=shift)
+    record = dataclasses.replace(record, metrics=metrics)
     data = record.to_dict()
     text = json.dumps(data, allow_nan=False)  # raises on NaN or Inf
     assert json.loads(text, parse_constant=_refuse) == data
