@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import statistics
+import textwrap
 from dataclasses import dataclass
 from typing import Any
 
@@ -45,8 +46,11 @@ class Endpoint:
     :ivar unit: The unit of a shown difference (``"nats"``, ``"points"``).
 
     Example:
+        >>> from gpattn.comparison.endpoints import PRIMARY_ENDPOINT
         >>> PRIMARY_ENDPOINT.describe()
         'test NLL of kep_svgp+ts minus softmax+ts on mnist1d'
+        >>> PRIMARY_ENDPOINT.on_task("digits").describe()
+        'test NLL of kep_svgp+ts minus softmax+ts on digits'
     """
 
     label: str
@@ -127,23 +131,24 @@ DESCRIPTIVE_ENDPOINTS = (
 
 
 def declaration_text() -> str:
-    """The declared endpoints in words (markdown), as ``table.md`` and the results page state them before any
-    number."""
+    """The declared endpoints in words (markdown paragraphs wrapped at 120 characters), as ``table.md`` and the
+    results page state them before any number."""
     primary = PRIMARY_ENDPOINT
     secondaries = "; ".join(
         f"{endpoint.label} ({endpoint.reference} − {endpoint.other})" for endpoint in SECONDARY_ENDPOINTS
     )
-    return (
+    paragraphs = [
         f"**Primary endpoint** (declared before the run): the {primary.label} of {primary.reference} minus "
         f"{primary.other} on clean {primary.task} test data, in {primary.unit} (like for like: does GP attention add "
-        "anything once both models are calibrated?); negative favours "
-        f"{primary.reference}. Estimated with its 95 % paired-t interval over the seeds and a 95 % seeds-and-examples "
-        "bootstrap interval (the test examples resampled too).\n\n"
+        f"anything once both models are calibrated?); negative favours {primary.reference}. Estimated with its 95 % "
+        "paired-t interval over the seeds and a 95 % seeds-and-examples bootstrap interval (the test examples "
+        "resampled too). The protocol runs the primary pair with 10 seeds and every other row with 5.",
         f"**Secondary endpoints**, on {primary.task}, each a paired-t test over the seeds with its p-value "
         f"Holm-adjusted over the family of {len(SECONDARY_ENDPOINTS)}: {secondaries}. The OOD AUROC is on the pooled "
         "OOD set, with each row's best score (the maximum probability, or for a stochastic row the mutual "
-        "information, whichever has the higher mean AUROC).\n\n"
+        "information, whichever has the higher mean AUROC).",
         "**Verdict rule**: a difference is stated when every interval of the primary endpoint excludes 0 on the same "
         "side; otherwise no difference is detected, and the hull of the intervals bounds the differences the run "
-        "excludes. A secondary difference is stated when its Holm-adjusted p-value is at most 0.05."
-    )
+        "excludes. A secondary difference is stated when its Holm-adjusted p-value is at most 0.05.",
+    ]
+    return "\n\n".join(textwrap.fill(paragraph, 120, break_on_hyphens=False) for paragraph in paragraphs)

@@ -407,3 +407,15 @@ def test_overwrite_deletes_every_output_the_writers_can_write(tmp_path) -> None:
     left = {path.name for path in out.iterdir() if path.is_file() and path.read_text(errors="ignore") == "stale"}
     assert left == {"notes.txt"}  # every output replaced or deleted; another file kept
     assert {"reliability_pointer.png", "table.md", "results.json"} <= {path.name for path in out.iterdir()}
+
+
+def test_the_results_page_states_the_declared_endpoints() -> None:
+    # docs/guide/results.md, written by hand before the protocol's run and by gpattn report after it, declares the
+    # endpoints in the words the report uses
+    from pathlib import Path
+
+    page = Path(__file__).resolve().parents[2] / "docs" / "guide" / "results.md"
+    text = page.read_text()
+    assert declaration_text() in text
+    numbers = [position for position in (text.find("**Verdict**"), text.find("\n| ")) if position >= 0]
+    assert text.index(declaration_text()) < min(numbers, default=len(text))  # before the first verdict or table
