@@ -319,6 +319,13 @@ def _per_example_differences(
     return np.stack(rows), seeds
 
 
+def _draw_counts(generator: np.random.Generator, size: int, count: int) -> np.ndarray:
+    """How often each of ``count`` items is drawn in each of ``size`` resamples of ``count`` draws with replacement:
+    shape ``(size, count)``, every row summing to ``count``."""
+    drawn = generator.integers(0, count, size=(size, count)) + count * np.arange(size)[:, None]
+    return np.bincount(drawn.ravel(), minlength=size * count).reshape(size, count).astype(np.float64)
+
+
 def hierarchical_difference(
     reference: Mapping[Hashable, Sequence[float] | np.ndarray],
     other: Mapping[Hashable, Sequence[float] | np.ndarray],
@@ -382,8 +389,8 @@ def hierarchical_difference(
     block = 1000
     for start in range(0, num_resamples, block):
         size = min(block, num_resamples - start)
-        seed_weights = generator.multinomial(num_seeds, np.full(num_seeds, 1.0 / num_seeds), size=size) / num_seeds
-        example_weights = generator.multinomial(num_examples, np.full(num_examples, 1.0 / num_examples), size=size)
+        seed_weights = _draw_counts(generator, size, num_seeds) / num_seeds
+        example_weights = _draw_counts(generator, size, num_examples)
         # w^T D v for every resample of the block: (size, S) @ (S, n) -> (size, n), times (size, n), summed over n
         means[start : start + size] = ((seed_weights @ centred) * example_weights).sum(axis=1) / num_examples
     alpha = 1.0 - confidence
