@@ -26,7 +26,8 @@ def add_report(commands) -> None:
         "held by several folders must be the same in each) and print the headline of the declared endpoints and the "
         "full tables. --page writes the results page (markdown, every number from the records) and its figures "
         "beside it, in <page stem>_figures/. --same-verdict compares the primary verdict with that of other run "
-        "folders (e.g. the same run with --threads 2) and exits with status 1 when it differs.",
+        "folders (e.g. the same run with --threads 2) and exits with status 1 when it differs or cannot be checked (a "
+        "run without the primary pair).",
     )
     report.add_argument("runs", nargs="+", type=_folder, metavar="RUN", help="run folders (with results.json)")
     report.add_argument(
@@ -38,7 +39,7 @@ def add_report(commands) -> None:
         type=_folder,
         default=None,
         metavar="OTHER",
-        help="run folders whose primary verdict must be the same: exit status 0 when it holds, 1 when it differs",
+        help="run folders whose primary verdict must be the same: exit status 0 when it holds, 1 otherwise",
     )
 
 

@@ -5,6 +5,7 @@ records, the primary endpoint's verdict by the declared rule, and the secondarie
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -131,10 +132,7 @@ def estimate_secondaries(records: list[RunRecord]) -> list[EndpointEstimate]:
     not count)."""
     estimates = [estimate_endpoint(records, endpoint, hierarchical=False) for endpoint in SECONDARY_ENDPOINTS]
     adjusted = holm_adjusted([estimate.p_value for estimate in estimates])
-    return [
-        EndpointEstimate(**{**estimate.__dict__, "holm": holm})
-        for estimate, holm in zip(estimates, adjusted, strict=True)
-    ]
+    return [dataclasses.replace(estimate, holm=holm) for estimate, holm in zip(estimates, adjusted, strict=True)]
 
 
 def _value(estimate: EndpointEstimate, value: float, sign: bool = True) -> str:

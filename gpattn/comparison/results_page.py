@@ -11,12 +11,20 @@ from __future__ import annotations
 import json
 import math
 import os
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from .endpoints import PRIMARY_ENDPOINT, declaration_text
 from .environment import environment_lines
-from .headline import FAMILY_WISE_LEVEL, estimate_endpoint, estimate_secondaries, headline_text, verdict
+from .headline import (
+    FAMILY_WISE_LEVEL,
+    EndpointEstimate,
+    estimate_endpoint,
+    estimate_secondaries,
+    headline_text,
+    verdict,
+)
 from .records import RunRecord
 from .report import markdown_table
 
@@ -26,17 +34,20 @@ __all__ = ["RunFolders", "compare_verdicts", "read_run_folders", "results_page"]
 SCHEDULING = ("progress", "jobs")
 
 
+@dataclass(frozen=True)
 class RunFolders:
     """The records of one or more run folders, merged by ``(task, row, seed)`` (:func:`read_run_folders`).
 
-    :ivar names: The folders, as given.
+    :ivar names: The folders, as shown on a page (relative to the working directory, else by name).
     :ivar records: The merged records, in folder and file order.
     :ivar configs: Each folder's ``config`` entry.
     :ivar environments: Each folder's ``environment`` entry (``{}`` for a folder written before it existed).
     """
 
-    def __init__(self, names: list[str], records: list[RunRecord], configs: list[dict], environments: list[dict]):
-        self.names, self.records, self.configs, self.environments = names, records, configs, environments
+    names: list[str]
+    records: list[RunRecord]
+    configs: list[dict[str, Any]]
+    environments: list[dict[str, Any]]
 
 
 def _display(folder: str | os.PathLike) -> str:
@@ -178,8 +189,9 @@ def compare_verdicts(first: RunFolders, second: RunFolders) -> tuple[bool, list[
     holds = kinds[0] == kinds[1] and "missing" not in kinds
     state = "holds" if holds else ("cannot be checked" if "missing" in kinds else "differs")
     lines.insert(0, f"The primary verdict {state} ({kinds[0]} / {kinds[1]}).")
-    decisions = [[_stated(e) for e in estimate_secondaries(runs.records)] for runs in (first, second)]
-    for estimate, left, right in zip(estimate_secondaries(first.records), *decisions, strict=True):
+    secondaries = [estimate_secondaries(runs.records) for runs in (first, second)]
+    for estimate, other in zip(*secondaries, strict=True):
+        left, right = _stated(estimate), _stated(other)
         mark = "same" if left == right else "DIFFERS"
         lines.append(f"secondary {estimate.endpoint.label}: {left} / {right} ({mark})")
     changed = _changed_settings(first.configs, second.configs)
@@ -187,7 +199,7 @@ def compare_verdicts(first: RunFolders, second: RunFolders) -> tuple[bool, list[
     return holds, lines
 
 
-def _stated(estimate: Any) -> str:
+def _stated(estimate: EndpointEstimate) -> str:
     if math.isnan(estimate.holm):
         return "no test"
     return "stated" if estimate.holm <= FAMILY_WISE_LEVEL else "not stated"
