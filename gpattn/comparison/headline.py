@@ -73,16 +73,20 @@ def _per_example(records: list[RunRecord], task: str, row: str, key: str) -> dic
     }
 
 
-def _missing(rows: list[dict], endpoint: Endpoint, reference: dict, other: dict) -> str:
+def _missing(rows: list[dict], endpoint: Endpoint, values: tuple[dict, dict], note: str) -> str:
+    # a row without runs on the task; else the note of the values' reading (no pooled OOD set); else each row's reason
     groups = group_rows(rows)
-    reasons = []
-    for row, values in ((endpoint.reference, reference), (endpoint.other, other)):
-        group = groups.get((endpoint.task, row))
-        if group is None:
-            reasons.append(f"no {row} runs on {endpoint.task}")
-        elif not values:
-            reasons.append(f"{row}: {missing_reason(group, endpoint.column)}")
-    return "; ".join(dict.fromkeys(reasons))
+    pair = (endpoint.reference, endpoint.other)
+    absent = [f"no {row} runs on {endpoint.task}" for row in pair if (endpoint.task, row) not in groups]
+    if absent or note:
+        return "; ".join(absent) or note
+    return "; ".join(
+        dict.fromkeys(
+            f"{row}: {missing_reason(groups[(endpoint.task, row)], endpoint.column)}"
+            for row, found in zip(pair, values, strict=True)
+            if not found
+        )
+    )
 
 
 def estimate_endpoint(
@@ -103,7 +107,7 @@ def estimate_endpoint(
     reference, other, note = endpoint.seed_values(rows)
     seeds = [seed for seed in reference if seed in other]
     if not reference or not other:
-        return EndpointEstimate(endpoint, math.nan, 0, missing=note or _missing(rows, endpoint, reference, other))
+        return EndpointEstimate(endpoint, math.nan, 0, missing=_missing(rows, endpoint, (reference, other), note))
     mean = math.fsum(reference[seed] - other[seed] for seed in seeds) / len(seeds) if seeds else math.nan
     p_value = paired_p_value(reference, other)
     if len(seeds) < MIN_SEEDS_FOR_INTERVALS:
