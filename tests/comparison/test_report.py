@@ -290,6 +290,15 @@ def test_verdict_rule() -> None:
     assert verdict(few) == ("missing", "Not measured: 3 paired seed(s), fewer than 5: no interval.")
     absent = estimate_endpoint([r for r in _records() if r.attention != "softmax"], PRIMARY_ENDPOINT)
     assert verdict(absent)[1] == "Not measured: no softmax+ts runs on mnist1d."
+    # the intervals disagree: no difference is stated, and the sentence says which one excludes 0
+    from gpattn.comparison import PairedDifference
+    from gpattn.comparison.headline import EndpointEstimate
+
+    t = PairedDifference(-0.02, -0.03, -0.01, 10, 0.95, "t", tuple(range(10)))
+    wide = PairedDifference(-0.02, -0.045, 0.01, 10, 0.95, "hierarchical", tuple(range(10)))
+    kind, sentence = verdict(EndpointEstimate(PRIMARY_ENDPOINT, -0.02, 10, t, wide, EXAMPLES))
+    assert kind == "none" and "(only the paired t interval excludes 0)" in sentence
+    assert "exclude differences larger than 0.045 nats in either direction" in sentence
 
 
 def test_secondaries_are_holm_adjusted_over_the_family(records) -> None:
