@@ -1,6 +1,6 @@
 """Command line interface: ``gpattn compare`` (every row on MNIST-1D and digits), ``gpattn train`` (one model, with
-checkpoints and ``--resume``) and ``gpattn regression`` (KEP-SVGP against the exact GP on the 1-D toy data); one
-module per command.
+checkpoints and ``--resume``), ``gpattn regression`` (KEP-SVGP against the exact GP on the 1-D toy data) and
+``gpattn report`` (the headline, tables and results page of run folders); one module per command.
 
 Exit status: 0 on success; 2 for a bad option (the message names it) before anything runs; 1 for a failure while
 running (a diverged training, a damaged checkpoint, a folder that cannot be written, ...), printed as one line
@@ -17,6 +17,7 @@ from .. import __version__
 from .compare import add_compare, run_compare
 from .options import CommandError, CommandInterrupted, prepare_out
 from .regression import add_regression, run_regression
+from .report import add_report, run_report
 from .train import add_train, run_train
 
 __all__ = ["CommandError", "build_parser", "main", "prepare_out"]
@@ -30,13 +31,15 @@ def build_parser() -> argparse.ArgumentParser:
     add_regression(commands)
     add_compare(commands)
     add_train(commands)
+    add_report(commands)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run ``gpattn`` with ``argv`` (default: the process's arguments) and return the exit status."""
     args = build_parser().parse_args(argv)
-    run = {"compare": run_compare, "train": run_train, "regression": run_regression}[args.command]
+    runners = {"compare": run_compare, "train": run_train, "regression": run_regression, "report": run_report}
+    run = runners[args.command]
     prefix = f"gpattn {args.command}"
     try:
         return run(args)

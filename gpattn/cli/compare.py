@@ -17,16 +17,8 @@ from .options import (
     prepare_out,
 )
 
-__all__ = ["FIGURES", "add_compare", "run_compare"]
+__all__ = ["add_compare", "run_compare", "run_folder_outputs"]
 
-#: the figures gpattn compare writes (replaced with --overwrite)
-FIGURES = (
-    "reliability_pointer.png",
-    "reliability_digits.png",
-    "shift.png",
-    "ood_histograms.png",
-    "spectra.png",
-)
 #: the options that override a CompareConfig field of the same name
 OVERRIDES = (
     "attentions",
@@ -126,6 +118,17 @@ def add_compare(commands) -> None:
     add_common(compare, resume="continues it")
 
 
+def run_folder_outputs() -> tuple[str, ...]:
+    """Every entry ``gpattn compare`` can write into a run folder, derived from the writers (what ``--overwrite``
+    deletes first): ``runs/``, :data:`~gpattn.comparison.report.OUTPUT_FILES` and every figure of every task
+    (:func:`~gpattn.plotting.comparison_figure_names`, with the figure names of earlier versions)."""
+    from ..comparison.report import OUTPUT_FILES
+    from ..comparison.tasks import TASKS
+    from ..plotting import comparison_figure_names
+
+    return ("runs", *OUTPUT_FILES, *comparison_figure_names(TASKS))
+
+
 def run_compare(args: argparse.Namespace) -> int:
     """Run ``gpattn compare``; returns the exit status."""
     from ..comparison import CompareConfig, plan_runs
@@ -147,7 +150,7 @@ def run_compare(args: argparse.Namespace) -> int:
         args.out or f"runs/compare-{time.strftime('%Y%m%d-%H%M%S')}",
         overwrite=args.overwrite,
         resume=args.resume,
-        replaced=("runs", "results.json", "results.csv", "table.md", *FIGURES),
+        replaced=run_folder_outputs(),
     )
     start = time.perf_counter()
     try:

@@ -37,7 +37,10 @@ from .statistics import (
     PairedDifference,
     SeedSummary,
     compare_to_reference,
+    hierarchical_difference,
+    holm_adjusted,
     paired_difference,
+    paired_p_value,
     summarize_seeds,
 )
 from .streams import random_stream, stream_seed
@@ -89,6 +92,8 @@ __all__ = [
     "fit_pair_svgp",
     "fit_pair_svgp_pyro",
     "format_result",
+    "hierarchical_difference",
+    "holm_adjusted",
     "layer_arguments",
     "learned_spectra",
     "load_task",
@@ -96,6 +101,7 @@ __all__ = [
     "markdown_table",
     "model_fidelity",
     "paired_difference",
+    "paired_p_value",
     "per_example_predictions",
     "plan_runs",
     "random_stream",

@@ -30,7 +30,6 @@ from gpattn.comparison import (
     train_and_evaluate,
 )
 from gpattn.comparison.evaluation import evaluate_models, evaluate_run
-from gpattn.comparison.report import flat_rows, markdown_table
 from gpattn.methods import MethodSpec, TrainingRecipe, get_method, method_names, register_method, unregister_method
 from gpattn.models import LastLayerLaplace
 from gpattn.training import train_ensemble
@@ -93,39 +92,6 @@ def test_same_config_same_numbers(records) -> None:
     assert [r.metrics for r in again] == [r.metrics for r in records]
 
 
-def test_table_and_rows(records) -> None:
-    rows = flat_rows(records)
-    assert rows[0]["test_accuracy"] == records[0].metrics.test.accuracy
-    assert rows[4]["shift_accuracy"] == pytest.approx(  # rows: every run followed by its +ts row
-        sum(v.accuracy for kind in records[2].metrics.shift.values() for v in kind.values()) / 15
-    )
-    table = markdown_table(records)
-    main_table = table.split("Paired differences")[0]
-    assert main_table.count("\n| digits |") == 4 and "ood_held_out_auroc" in table  # two rows and their +ts rows
-    assert table.split("Paired differences")[1].count("\n| digits |") == 3  # kep_svgp against the three others
-    percent = f"| {100 * records[0].metrics.test.accuracy:.2f} (n=1) |"  # one seed: the value and n, no "± 0.00"
-    assert percent in table and "±" not in main_table.split("\n\n")[0]
-    # the +ts row of each run follows it, with the fitted temperature
-    assert rows[1]["attention"] == "kep_svgp+ts" and rows[1]["temperature"] == records[0].temperature_scaled.temperature
-    assert rows[1]["test_nll"] == records[0].temperature_scaled.metrics.test.nll
-
-
-def test_table_shows_n_for_every_mean_and_std(records) -> None:
-    import dataclasses
-
-    first = records[0]
-    second = dataclasses.replace(first, seed=1)
-    undefined = dataclasses.replace(first.metrics.test, auroc=float("nan"))
-    third = dataclasses.replace(first, seed=2, metrics=dataclasses.replace(first.metrics, test=undefined))
-    lines = markdown_table([first, second, third]).splitlines()
-    header = [cell.strip() for cell in lines[0].strip("|").split("|")]
-    row = next(line for line in lines if line.startswith(f"| {first.task} | {first.attention} |"))
-    cells = dict(zip(header, (cell.strip() for cell in row.strip("|").split("|")), strict=True))
-    accuracy = 100 * first.metrics.test.accuracy
-    assert cells["accuracy"] == f"{accuracy:.2f} ± 0.00 (n=3)"  # three equal values: a real zero spread, with its n
-    assert cells["auroc"] == f"{100 * first.metrics.test.auroc:.2f} ± 0.00 (n=2)"  # undefined on one of three seeds
-
-
 def test_ece_agrees_with_the_stored_reliability_bins(records) -> None:
     # ECE = sum_b (n_b / n) |acc_b - conf_b|, recomputed from the reliability data stored beside it
     for record in records:
@@ -183,15 +149,15 @@ def test_cli_compare_writes_the_run_folder(tmp_path, capsys) -> None:
         "results.csv",
         "table.md",
         "reliability_digits.png",
-        "shift.png",
-        "ood_histograms.png",
+        "shift_digits.png",
+        "ood_histograms_digits.png",
     } <= names
     assert "spectra.png" in names  # primal has learned singular values
     saved = json.loads((out / "results.json").read_text(), parse_constant=_refuse)  # strict JSON: no NaN token
     assert saved["config"]["attentions"] == ["softmax", "primal"] and len(saved["records"]) == 4
     with (out / "results.csv").open() as handle:
         assert len(list(csv.DictReader(handle))) == 8  # each run and its +ts row
-    assert "| pointer | primal |" in capsys.readouterr().out
+    assert "### pointer" in (printed := capsys.readouterr().out) and "| primal | 1 |" in printed
 
 
 def _refuse(token: str) -> float:
@@ -326,7 +292,7 @@ def test_a_registered_attention_runs_through_gpattn_compare(uniform_attention, t
     argv = ["compare", "--quick", "--attentions", uniform_attention, "--tasks", "pointer", "--num-inducing", "5"]
     assert main([*argv, "--out", str(out), "--no-progress"]) == 0
     printed = capsys.readouterr().out
-    assert "| pointer | uniform |" in printed and (out / "table.md").read_text() in printed
+    assert "| uniform | 1 |" in printed and (out / "table.md").read_text() in printed
     saved = json.loads((out / "results.json").read_text(), parse_constant=_refuse)  # strict JSON: no NaN token
     assert saved["config"]["attentions"] == ["uniform"] and saved["config"]["num_inducing"] == 5
     (record,) = read_records(out / "results.json")
@@ -340,45 +306,7 @@ def test_a_registered_attention_runs_through_gpattn_compare(uniform_attention, t
         assert (out / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and (out / name).stat().st_size > 10_000
 
 
-# -- the table's statistics, the baselines' rows ----------------------------------------------------------------------
-def test_format_difference_is_the_paired_t_interval() -> None:
-    from scipy import stats
-
-    from gpattn.comparison.report import format_difference
-
-    reference = {0: 0.90, 1: 0.85, 2: 0.88, 3: 0.91, 4: 0.87}
-    other = {0: 0.80, 1: 0.82, 2: 0.79, 3: 0.85, 4: 0.81}
-    differences = [reference[s] - other[s] for s in reference]
-    interval = stats.ttest_rel(list(reference.values()), list(other.values())).confidence_interval(0.95)
-    mean = sum(differences) / 5
-    assert format_difference(reference, other, True) == (
-        f"{100 * mean:+.2f} [{100 * interval.low:+.2f}, {100 * interval.high:+.2f}] *"
-    )
-    noisy = {0: 0.95, 1: 0.70, 2: 0.90, 3: 0.80, 4: 0.90}  # differences of both signs: not significant
-    assert not format_difference(reference, noisy, True).endswith("*")
-    four = {seed: value for seed, value in reference.items() if seed < 4}
-    assert format_difference(four, other, False).endswith("(n = 4 < 5, no interval)")
-    assert format_difference({7: 1.0}, other, False) == "-"
-
-
-def test_table_has_published_numbers_and_paired_differences() -> None:
-    def record(attention: str, seed: int, accuracy: float) -> RunRecord:
-        test = dict(accuracy=accuracy, confidence=0.8, nll=0.5, ece=0.1, mce=0.2, brier=0.3, aurc=0.1, eaurc=0.05,
-                    auroc=0.7, fpr95=0.5, classwise_ece=0.02)  # fmt: skip
-        return RunRecord.from_dict({"task": "mnist1d", "attention": attention, "seed": seed, "metrics": {"test": test}})
-
-    records = [record(name, seed, 0.8 + 0.01 * seed + (0.05 if name == "kep_svgp" else 0.0))
-               for name in ("kep_svgp", "softmax") for seed in range(5)]  # fmt: skip
-    table = markdown_table(records)
-    assert "| mnist1d | CNN | 94 |" in table and "| mnist1d | human | 96 |" in table
-    assert "Published reference numbers" in table and "not measured here" in table
-    # kep_svgp is 5 points better on every seed: the difference +5.00 with a zero-width interval, significant
-    assert "| mnist1d | softmax | 5 | +5.00 [+5.00, +5.00] * |" in table
-    assert "| mnist1d | kep_svgp | 5 | 87.00 ± 1.58 (n=5) |" in table
-    short = markdown_table(records[:3] + records[5:8])
-    assert "(n = 3 < 5, no interval)" in short and "[+" not in short
-
-
+# -- the baselines' rows (the table's statistics: tests/comparison/test_report.py) -------------------------------------
 def test_mc_dropout_row_trains_softmax_with_dropout_and_samples_it() -> None:
     config = CompareConfig(attentions=("softmax_mc_dropout",), tasks=("digits",), mc_dropout=0.2, **TINY)
     data = load_task("digits")
