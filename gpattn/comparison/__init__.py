@@ -14,8 +14,8 @@ from .evaluation import (
     ensemble_logits,
     evaluate_models,
     evaluate_run,
-    model_fidelity,
 )
+from .fidelity import model_fidelity
 from .records import (
     ClassificationMetrics,
     OODMetrics,

@@ -29,9 +29,10 @@ import torch
 from ..attention import build_attention
 from ..methods import Hyperparameters, MethodSpec, get_method, resolve_method
 from ..models import Transformer
-from ..training import Callback, TrainConfig, train_ensemble
+from ..training import Callback, TrainConfig, member_seed, train_ensemble
 from .config import CompareConfig
-from .evaluation import evaluate_models, model_fidelity
+from .evaluation import evaluate_models
+from .fidelity import model_fidelity
 from .records import RunRecord, TrainingSummary
 from .tasks import TaskData, load_task
 
@@ -184,7 +185,12 @@ def train_and_evaluate(
         mc_dropout=method.predictive.mc_dropout,
         temperature_scaling=config.temperature_scaling and method.temperature_scaled,
     )
-    fidelity = model_fidelity(models[0], data.test, config.fidelity_sequences) if config.fidelity_sequences else {}
+    fidelity = {}
+    if config.fidelity_sequences:  # the first member against itself as train_ensemble built it, before training
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(member_seed(train_config.seed, 0, size))
+            initial = make_model(0)
+        fidelity = model_fidelity(models[0], data.test, config.fidelity_sequences, initial)
     return RunRecord(
         task=task,
         attention=method.name if config.ensemble == 1 else f"{method.name}_ens{config.ensemble}",
