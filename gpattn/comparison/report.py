@@ -37,8 +37,18 @@ __all__ = [
 #: the in-distribution columns of the table; "confidence" (mean top-label probability) next to the accuracy shows the
 #: sign of the miscalibration: over-confident when above it, under-confident when below
 TABLE_METRICS = ("accuracy", "confidence", "nll", "ece", "classwise_ece", "brier", "aurc", "auroc", "fpr95")
-#: The KSVD-fidelity summaries in the table (fields of :class:`~gpattn.features.KSVDFidelity`).
-FIDELITY_COLUMNS = ("relative_objective", "left_cosine", "right_cosine", "energy")
+#: The KSVD-fidelity summaries in the table (fields of :func:`~gpattn.comparison.model_fidelity`: the trained model,
+#: ``initial_*`` the model at initialisation, ``random_*`` random subspaces; every field is in ``results.csv``).
+FIDELITY_COLUMNS = (
+    "relative_objective",
+    "left_cosine",
+    "initial_left_cosine",
+    "random_left_cosine",
+    "kernel_error",
+    "initial_kernel_error",
+    "optimal_error",
+    "effective_rank",
+)
 #: The reference row of the paired differences in the table.
 REFERENCE_ROW = "kep_svgp"
 #: The columns of the paired differences: (flat_rows column, header, percent).
