@@ -150,6 +150,48 @@ def _random_cosines(
     return left_mean.mean(0), right_mean.mean(0), angle.mean(0)
 
 
+def _evaluated(
+    module: AttentionKernelEigenFeatures,
+    queries: Tensor,
+    keys: Tensor,
+    key_mask: Tensor | None,
+    row_mask: Tensor | None,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    # the dense kernel (B, H, N, M), e (B, H, N, s), r (B, H, M, s), Lambda (B, H, s), the layer's active directions
+    # (B, H, s) and J (B, H) of a call in eval mode, masked rows of K, e and r and inactive columns of e and r zeroed
+    was_training = module.training
+    module.eval()
+    try:
+        scores = module(queries, None if keys is queries else keys, key_mask, objective=True, kernel_diag=False)
+    finally:
+        module.train(was_training)
+    matrix = module.kernel.forward(queries.unsqueeze(1), keys.unsqueeze(1))  # (B, H, N, M)
+    left_scores, right_scores = scores.left_scores, scores.right_scores
+    if key_mask is not None:  # compare on the real tokens only (outputs at padded positions are unspecified)
+        matrix = matrix * key_mask[:, None, None, :].to(matrix.dtype)
+        right_scores = right_scores * key_mask[:, None, :, None].to(right_scores.dtype)
+    if row_mask is not None:
+        matrix = matrix * row_mask[:, None, :, None].to(matrix.dtype)
+        left_scores = left_scores * row_mask[:, None, :, None].to(left_scores.dtype)
+    # the layer's active directions (all, for learned features; the exact layer leaves out its zero singular values)
+    singular_values = scores.singular_values.expand(*matrix.shape[:2], module.num_inducing)
+    active = torch.ones_like(singular_values, dtype=torch.bool) if scores.active is None else scores.active
+    active = active.expand_as(singular_values)
+    left_scores = torch.where(active.unsqueeze(-2), left_scores, 0.0)
+    right_scores = torch.where(active.unsqueeze(-2), right_scores, 0.0)
+    return matrix, left_scores, right_scores, singular_values, active, scores.ksvd_objective()
+
+
+def _spectrum_measures(sigma: Tensor, rank: int) -> tuple[Tensor, Tensor, Tensor]:
+    # optimal_error, energy and effective_rank (see KSVDFidelity) of singular values (B, H, min(N, M))
+    squares = sigma.pow(2)
+    total = squares.sum(-1).clamp_min(torch.finfo(sigma.dtype).tiny)
+    optimal_error = (squares[..., rank:].sum(-1) / total).sqrt()  # summed directly: no cancellation
+    energy = squares[..., :rank].sum(-1) / total
+    shares = squares / total.unsqueeze(-1)
+    return optimal_error, energy, torch.exp(-torch.special.xlogy(shares, shares).sum(-1))
+
+
 @torch.no_grad()
 def ksvd_fidelity(
     features: AttentionKernelEigenFeatures | torch.nn.Module,
@@ -202,35 +244,16 @@ def ksvd_fidelity(
         )
     check_int("random_samples", random_samples, where="ksvd_fidelity")
     check_int("seed", seed, minimum=0, where="ksvd_fidelity")
-    self_attention = keys is None
     keys = queries if keys is None else keys
-    row_mask = key_mask if self_attention else None
+    row_mask = key_mask if keys is queries else None  # self-attention: the mask masks the queries too
     rank = module.num_inducing
     _check_lengths(queries, keys, key_mask, row_mask, rank)
-    was_training = module.training
-    module.eval()
-    try:
-        scores = module(queries, None if self_attention else keys, key_mask, objective=True, kernel_diag=False)
-    finally:
-        module.train(was_training)
-    matrix = module.kernel.forward(queries.unsqueeze(1), keys.unsqueeze(1))  # (B, H, N, M)
-    left_scores, right_scores = scores.left_scores, scores.right_scores
-    if key_mask is not None:  # compare on the real tokens only (outputs at padded positions are unspecified)
-        matrix = matrix * key_mask[:, None, None, :].to(matrix.dtype)
-        right_scores = right_scores * key_mask[:, None, :, None].to(right_scores.dtype)
-    if row_mask is not None:
-        matrix = matrix * row_mask[:, None, :, None].to(matrix.dtype)
-        left_scores = left_scores * row_mask[:, None, :, None].to(left_scores.dtype)
-    # the layer's active directions (all, for learned features; the exact layer leaves out its zero singular values)
-    singular_values = scores.singular_values.expand(*matrix.shape[:2], rank)  # (B, H, s)
-    active = torch.ones_like(singular_values, dtype=torch.bool) if scores.active is None else scores.active
-    active = active.expand_as(singular_values)
-    left_scores = torch.where(active.unsqueeze(-2), left_scores, 0.0)
-    right_scores = torch.where(active.unsqueeze(-2), right_scores, 0.0)
+    matrix, left_scores, right_scores, singular_values, active, objective_value = _evaluated(
+        module, queries, keys, key_mask, row_mask
+    )
 
     left, sigma, right_h = torch.linalg.svd(matrix, full_matrices=False)  # the exact SVD: H_e, sigma, H_r^T
-    total = sigma.pow(2).sum(-1)  # ||K||_F^2: (B, H)
-    safe_total = total.clamp_min(torch.finfo(total.dtype).tiny)
+    total = sigma.pow(2).sum(-1).clamp_min(torch.finfo(sigma.dtype).tiny)  # ||K||_F^2: (B, H)
     top = sigma[..., :rank]  # (B, H, s)
     kernel_active = numerically_nonzero(top, max(matrix.shape[-2:]))  # the k numerically nonzero of the top s
     count = kernel_active.sum(-1)  # k: (B, H)
@@ -247,16 +270,12 @@ def ksvd_fidelity(
     value_error = torch.where(compared, learned - top, 0.0).norm(dim=-1) / torch.where(compared, top, 0.0).norm(dim=-1)
 
     approximation = (left_scores / singular_values.unsqueeze(-2)) @ right_scores.mT  # K_hat = e Lambda^-1 r^T
-    kernel_error = ((matrix - approximation).pow(2).sum((-2, -1)) / safe_total).sqrt()
-    residual = sigma[..., rank:].pow(2).sum(-1)  # sum_{i > s} sigma_i^2, summed directly (no cancellation)
-    optimal_error = (residual / safe_total).sqrt()
-    energy = top.pow(2).sum(-1) / safe_total
-    shares = sigma.pow(2) / safe_total.unsqueeze(-1)
-    effective_rank = torch.exp(-torch.special.xlogy(shares, shares).sum(-1))
+    kernel_error = ((matrix - approximation).pow(2).sum((-2, -1)) / total).sqrt()
+    optimal_error, energy, effective_rank = _spectrum_measures(sigma, rank)
 
     inverse = torch.where(active, singular_values.reciprocal(), 0.0).unsqueeze(-2)
     terms = 0.5 * ((left_scores.pow(2) * inverse).sum((-2, -1)) + (right_scores.pow(2) * inverse).sum((-2, -1)))
-    objective = scores.objective.abs() / terms.clamp_min(torch.finfo(terms.dtype).tiny)
+    objective = objective_value.abs() / terms.clamp_min(torch.finfo(terms.dtype).tiny)
     random_left, random_right, random_angle = _random_cosines(
         left_reference, right_reference, count, active, row_mask, key_mask, random_samples, seed
     )

@@ -66,6 +66,22 @@ def test_exact_features_are_the_exact_ksvd():
     assert (fidelity.optimal_error > 1e-3).all()  # rank K = 4 > s = 3: the truncation has an error
 
 
+def test_cross_attention_compares_the_rectangular_kernel():
+    """Queries of N = 9 tokens against M = 6 keys (one sequence padded to 4): the exact layer is exact, and the chance
+    level of the kernel error is sqrt(1 - s^2 / (N M)) with each sequence's real keys."""
+    torch.manual_seed(13)
+    layer = KEPSVGPAttention(C, H, num_inducing=RANK, features="exact").double()
+    queries, keys = _tokens(2, 9, C, seed=14), _tokens(2, LENGTH, C, seed=15)
+    mask = torch.tensor([[True] * LENGTH, [True] * 4 + [False] * 2])
+    fidelity = ksvd_fidelity(layer, queries, keys, key_mask=mask)
+    _assert_exact(fidelity)
+    kernel = layer.features.kernel.forward(queries.unsqueeze(1), keys.unsqueeze(1)).detach().numpy()
+    kernel[1, :, :, 4:] = 0.0
+    _assert_kernel_quantities(fidelity, kernel, RANK)
+    expected = np.sqrt(1 - RANK**2 / (9 * np.array([LENGTH, 4])))[:, None].repeat(H, 1)
+    np.testing.assert_allclose(fidelity.random_kernel_error.numpy(), expected, rtol=1e-12)
+
+
 def test_learned_kernel_error_is_the_dense_error_of_e_inverse_lambda_r():
     """The amortised layer's K_hat = e Lambda^{-1} r^T with e = K A_e(Z) / M, r = K^T A_r(X) / N, formed densely in
     numpy from the kernel matrix and the maps' parameters (docs/math.md section 2)."""
