@@ -36,7 +36,7 @@ FIDELITY_PANELS: tuple[tuple[str, str, float | None], ...] = (
     ("right_cosine", "mean cosine, right subspace", 1.0),
     ("max_angle", "largest principal angle (degrees)", 0.0),
     ("singular_value_error", "relative error of learned Lambda", 0.0),
-    ("kernel_error", "||K - e Lambda^-1 r^T||_F / ||K||_F", None),
+    ("kernel_error", "learned rank-s kernel: ||K - e Lambda^-1 r^T||_F / ||K||_F", None),
     ("effective_rank", "effective rank of K", None),
 )
 #: The variants of every quantity: (field prefix, label, colour); a variant without values is not drawn.
