@@ -59,6 +59,9 @@ class KSVDFidelity:
         directions, the learned singular values against the exact ones (both sorted).
     :ivar kernel_error: :math:`\|K - \hat K\|_F / \|K\|_F`, the relative error of the learned rank-:math:`s` kernel
         (above 1 when :math:`\hat K` is further from :math:`K` than the zero matrix).
+    :ivar kernel_scale: :math:`\|\hat K\|_F / \|K\|_F`, the size of the learned rank-:math:`s` kernel
+        (:math:`\sqrt{\text{energy}}` at a stationary point; near 0 when the scores collapsed, which makes :math:`J`
+        small without a KSVD and ``kernel_error`` near 1).
     :ivar optimal_error: :math:`\|K - K_s\|_F / \|K\|_F = (\sum_{i > s} \sigma_i^2)^{1/2} / \|K\|_F`, the least
         relative error of any rank-:math:`s` matrix (Eckart-Young), so ``kernel_error >= optimal_error``.
     :ivar energy: :math:`\sum_{i \leq s} \sigma_i^2 / \|K\|_F^2 = 1 - \text{optimal\_error}^2`, the share of the
@@ -85,6 +88,7 @@ class KSVDFidelity:
     max_angle: Tensor
     singular_value_error: Tensor
     kernel_error: Tensor
+    kernel_scale: Tensor
     optimal_error: Tensor
     energy: Tensor
     effective_rank: Tensor
@@ -271,6 +275,7 @@ def ksvd_fidelity(
 
     approximation = (left_scores / singular_values.unsqueeze(-2)) @ right_scores.mT  # K_hat = e Lambda^-1 r^T
     kernel_error = ((matrix - approximation).pow(2).sum((-2, -1)) / total).sqrt()
+    kernel_scale = (approximation.pow(2).sum((-2, -1)) / total).sqrt()
     optimal_error, energy, effective_rank = _spectrum_measures(sigma, rank)
 
     inverse = torch.where(active, singular_values.reciprocal(), 0.0).unsqueeze(-2)
@@ -291,6 +296,7 @@ def ksvd_fidelity(
         max_angle=max_angle,
         singular_value_error=value_error,
         kernel_error=kernel_error,
+        kernel_scale=kernel_scale,
         optimal_error=optimal_error,
         energy=energy,
         effective_rank=effective_rank,

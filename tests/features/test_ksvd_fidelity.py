@@ -40,6 +40,7 @@ def _assert_exact(fidelity: KSVDFidelity) -> None:
         torch.testing.assert_close(getattr(fidelity, name), torch.ones_like(getattr(fidelity, name)), atol=1e-9, rtol=0)
     assert fidelity.max_angle.max() < 1e-3  # degrees (arccos near 1 loses half the digits)
     torch.testing.assert_close(fidelity.kernel_error, fidelity.optimal_error, atol=1e-9, rtol=0)  # K_hat = K_s
+    torch.testing.assert_close(fidelity.kernel_scale, fidelity.energy.sqrt(), atol=1e-9, rtol=0)  # ||K_s|| / ||K||
 
 
 def _assert_kernel_quantities(fidelity: KSVDFidelity, kernel: np.ndarray, rank: int) -> None:
@@ -92,7 +93,7 @@ def test_learned_kernel_error_is_the_dense_error_of_e_inverse_lambda_r():
     kernel = _dense_kernel(features, x)
     tokens = x.numpy()
     lam = features.singular_values.detach().numpy()  # (H, s)
-    expected = np.empty((3, H))
+    expected, scale = np.empty((3, H)), np.empty((3, H))
     for b in range(3):
         for h in range(H):
             left_values = tokens[b] @ features.left_map[h].detach().numpy() + features.left_bias[h].detach().numpy()
@@ -101,7 +102,9 @@ def test_learned_kernel_error_is_the_dense_error_of_e_inverse_lambda_r():
             r = kernel[b, h].T @ right_values / TOKENS
             approximation = e / lam[h] @ r.T
             expected[b, h] = np.linalg.norm(kernel[b, h] - approximation) / np.linalg.norm(kernel[b, h])
+            scale[b, h] = np.linalg.norm(approximation) / np.linalg.norm(kernel[b, h])
     np.testing.assert_allclose(fidelity.kernel_error.numpy(), expected, rtol=1e-10, atol=0)
+    np.testing.assert_allclose(fidelity.kernel_scale.numpy(), scale, rtol=1e-10, atol=0)
     _assert_kernel_quantities(fidelity, kernel, S)
     assert (fidelity.kernel_error > fidelity.optimal_error + 0.1).all()  # random maps: far from the truncation
 
@@ -147,6 +150,7 @@ def test_padding_compares_the_real_tokens_only():
         "max_angle",
         "singular_value_error",
         "kernel_error",
+        "kernel_scale",
         "optimal_error",
         "energy",
         "effective_rank",
@@ -278,6 +282,8 @@ def test_the_diagnostic_separates_a_trained_layer_from_its_initialisation(twenty
     initial_excess = mean["kernel_error"][0] - mean["optimal_error"][0]
     trained_excess = mean["kernel_error"][1] - mean["optimal_error"][1]
     assert initial_excess > 0.5 and trained_excess < 0.2 * initial_excess
+    # its size: from almost nothing (0.015) to near that of the truncation, sqrt(energy) = 0.93 (0.89)
+    assert mean["kernel_scale"][0] < 0.05 and abs(mean["kernel_scale"][1] - math.sqrt(mean["energy"][1])) < 0.1
     assert mean["random_kernel_error"][0] > 0.95  # chance: sqrt(1 - 25/400) = 0.968
     # subspaces: initialisation (0.82) above chance (0.42), training (0.93) above initialisation
     for side in ("left", "right"):
@@ -289,8 +295,9 @@ def test_the_diagnostic_separates_a_trained_layer_from_its_initialisation(twenty
 
 
 def test_the_ksvd_penalty_alone_satisfies_j_and_fails_the_diagnostic(twenty_tokens):
-    """J^2 alone (J = 0 is necessary, not sufficient): the relative objective falls, but the learned kernel is no
-    closer to K than the zero matrix and its subspaces fall towards chance; the diagnostic says so."""
+    """J^2 alone (J = 0 is necessary, not sufficient): the relative objective falls, but by shrinking the scores: the
+    learned kernel collapses, is no closer to K than the zero matrix and its subspaces fall towards chance; the
+    diagnostic says so."""
     x, initial_features, initial = twenty_tokens
     features = AmortizedAttentionFeatures(WIDE, H, S).double()
     features.load_state_dict(initial_features.state_dict())
@@ -298,6 +305,7 @@ def test_the_ksvd_penalty_alone_satisfies_j_and_fails_the_diagnostic(twenty_toke
     trained = ksvd_fidelity(features, x).summary()
     assert trained["relative_objective"] < 0.5 * initial.summary()["relative_objective"]
     assert trained["kernel_error"] > trained["random_kernel_error"]
+    assert trained["kernel_scale"] < 0.2 * initial.summary()["kernel_scale"]  # collapsed
     assert trained["left_cosine"] < initial.summary()["left_cosine"] - 0.2
     assert trained["left_cosine"] < trained["random_left_cosine"] + 0.15
 
