@@ -47,6 +47,7 @@ FIDELITY_COLUMNS = (
     "kernel_error",
     "initial_kernel_error",
     "optimal_error",
+    "kernel_scale",
     "effective_rank",
 )
 #: The reference row of the paired differences in the table.

@@ -7,8 +7,9 @@ model at initialisation (``initial_*``) and random subspaces (``random_*``)) and
 group per (task, attention, layer) and in each group up to three columns of points: trained, initialisation and
 random; every seed and head a point, the mean over them a bar. At an exact KSVD the relative objective, the largest
 principal angle and the singular-value error are 0 and the cosines are 1 (dotted reference lines); the error of the
-learned rank-:math:`s` kernel is bounded below by the Eckart-Young optimum of the same kernel (black dashes), and the
-kernel's effective rank is drawn against the rank :math:`s` of the layer (black dashes).
+learned rank-:math:`s` kernel is bounded below by the Eckart-Young optimum of the same kernel, its size is that of the
+truncation :math:`K_s` at a KSVD (near 0: the scores collapsed), and the kernel's effective rank is drawn against the
+rank :math:`s` of the layer (black dashes).
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ FIDELITY_PANELS: tuple[tuple[str, str, float | None], ...] = (
     ("max_angle", "largest principal angle (degrees)", 0.0),
     ("singular_value_error", "relative error of learned Lambda", 0.0),
     ("kernel_error", "learned rank-s kernel: ||K - e Lambda^-1 r^T||_F / ||K||_F", None),
+    ("kernel_scale", "size of the learned kernel: ||e Lambda^-1 r^T||_F / ||K||_F", None),
     ("effective_rank", "effective rank of K", None),
 )
 #: The variants of every quantity: (field prefix, label, colour); a variant without values is not drawn.
@@ -45,9 +47,14 @@ FIDELITY_VARIANTS: tuple[tuple[str, str, str], ...] = (
     (INITIAL_PREFIX, "initialisation", "C1"),
     ("random_", "random subspaces", "0.55"),
 )
-#: The reference drawn as black dashes in a panel without an exact value: panel -> (field, label); the field takes the
-#: variant's prefix (the Eckart-Young optimum of the trained and of the initial kernel) except ``rank``.
-REFERENCES = {"kernel_error": ("optimal_error", "Eckart-Young optimum"), "effective_rank": ("rank", "rank s")}
+#: The reference drawn as black dashes in a panel without an exact value: panel -> (field, label, square root); the
+#: field takes the variant's prefix (the Eckart-Young optimum of the trained and of the initial kernel) except ``rank``,
+#: and the dashes sit at the mean of its values, or at its square root (the size of :math:`K_s`, :math:`\sqrt{energy}`).
+REFERENCES: dict[str, tuple[str, str, bool]] = {
+    "kernel_error": ("optimal_error", "Eckart-Young optimum", False),
+    "kernel_scale": ("energy", "size of K_s: sqrt(energy)", True),
+    "effective_rank": ("rank", "rank s", False),
+}
 DPI = 110
 OFFSETS = (-0.27, 0.0, 0.27)  # of the variants within a group
 
@@ -92,10 +99,11 @@ def _draw_panel(axis: Axes, name: str, groups: list[dict[str, list[float]]], rng
             axis.scatter(centre + rng.uniform(-0.07, 0.07, points.size), points, s=9, alpha=0.6, color=colour)
             axis.hlines(points.mean(), centre - 0.11, centre + 0.11, color=colour, lw=2.5)
             if reference is not None:
-                field = reference[0] if reference[0] == "rank" else prefix + reference[0]
-                bound = _finite(values.get(field, []))
+                field, _, root = reference
+                bound = _finite(values.get(field if field == "rank" else prefix + field, []))
                 if bound.size:
-                    axis.hlines(bound.mean(), centre - 0.13, centre + 0.13, color="black", lw=1.2, ls="--")
+                    level = np.sqrt(bound.mean()) if root else bound.mean()
+                    axis.hlines(level, centre - 0.13, centre + 0.13, color="black", lw=1.2, ls="--")
 
 
 def plot_fidelity(records: Sequence[RunRecord]) -> Figure:
@@ -105,7 +113,7 @@ def plot_fidelity(records: Sequence[RunRecord]) -> Figure:
     :data:`REFERENCES`.
 
     :param records: Comparison records; those without fidelity (softmax, SGPA, ...) are skipped.
-    :return: The figure (the last axis holds the legend).
+    :return: The figure (2 x 4 panels, the legend below them).
     :raises ValueError: No record has fidelity data.
     """
     groups = fidelity_values(records)
@@ -114,10 +122,9 @@ def plot_fidelity(records: Sequence[RunRecord]) -> Figure:
     names = [f"{task}\n{attention}\n{layer}" for task, attention, layer in groups]
     columns = 4
     width = max(3.6, 1.1 * len(groups) + 1.2)
-    figure, axes = plt.subplots(2, columns, figsize=(width * columns, 3.6 * 2), squeeze=False)
+    figure, axes = plt.subplots(2, columns, figsize=(width * columns, 3.8 * 2), squeeze=False)
     rng = np.random.default_rng(0)  # the jitter only
-    panels = axes.ravel()
-    for axis, (name, label, exact) in zip(panels, FIDELITY_PANELS, strict=False):
+    for axis, (name, label, exact) in zip(axes.ravel(), FIDELITY_PANELS, strict=True):
         _draw_panel(axis, name, list(groups.values()), rng)
         if exact is not None:
             axis.axhline(exact, color="grey", ls=":", lw=1)
@@ -125,16 +132,14 @@ def plot_fidelity(records: Sequence[RunRecord]) -> Figure:
         axis.set_xlim(-0.6, len(names) - 0.4)
         axis.set_title(label, fontsize=9)
         axis.grid(alpha=0.3, axis="y")
-    legend = panels[len(FIDELITY_PANELS)]
-    legend.axis("off")
     handles = [Line2D([], [], color=colour, marker="o", lw=2.5, label=label) for _, label, colour in FIDELITY_VARIANTS]
     handles.append(Line2D([], [], color="grey", ls=":", label="exact KSVD"))
-    handles += [Line2D([], [], color="black", ls="--", label=label) for _, label in REFERENCES.values()]
-    legend.legend(handles=handles, loc="center", fontsize=9, frameon=False)
+    handles += [Line2D([], [], color="black", ls="--", label=label) for _, label, _ in REFERENCES.values()]
+    figure.legend(handles=handles, loc="lower center", ncol=len(handles), fontsize=9, frameon=False)
     figure.suptitle(
         "KSVD fidelity on test sequences: trained vs initialisation vs random subspaces (points: seeds x heads)"
     )
-    figure.tight_layout()
+    figure.tight_layout(rect=(0, 0.05, 1, 1))
     return figure
 
 

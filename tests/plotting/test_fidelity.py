@@ -25,10 +25,10 @@ def _record(attention: str, seed: int, fidelity: dict) -> RunRecord:
 def _fields(offset: float, initial: bool = True) -> dict[str, list[float]]:
     # two heads; the initial model offset by 10, the random subspaces by 20 (cosines, angles, kernel error only)
     fields = {name: [offset + 0.1, offset + 0.2] for name, _, _ in FIDELITY_PANELS}
-    fields |= {"optimal_error": [offset + 0.05, offset + 0.05], "rank": [5.0, 5.0]}
+    fields |= {"optimal_error": [offset + 0.05, offset + 0.05], "energy": [0.64, 0.64], "rank": [5.0, 5.0]}
     if initial:
         fields |= {f"initial_{name}": [offset + 10.1, offset + 10.2] for name, _, _ in FIDELITY_PANELS}
-        fields |= {"initial_optimal_error": [offset + 10.0, offset + 10.0]}
+        fields |= {"initial_optimal_error": [offset + 10.0, offset + 10.0], "initial_energy": [0.36, 0.36]}
         for name in ("left_cosine", "right_cosine", "max_angle", "kernel_error"):
             fields[f"random_{name}"] = [offset + 20.1, offset + 20.3]
     return fields
@@ -72,7 +72,7 @@ def test_figure_draws_trained_initial_and_random_per_layer(records):
     figure = plot_fidelity(records)
     try:
         axes = figure.axes
-        assert [axis.get_title() for axis in axes[: len(FIDELITY_PANELS)]] == [label for _, label, _ in FIDELITY_PANELS]
+        assert [axis.get_title() for axis in axes] == [label for _, label, _ in FIDELITY_PANELS]  # 8 panels
         cosine = axes[1]  # left_cosine: kep_svgp layer 2 has all three variants, primal only the trained values
         assert _means(cosine) == [(-0.27, 0.35), (0.0, 10.35), (0.27, 20.4), (0.73, 1.15), (1.73, 2.15)]
         points = np.sort(cosine.collections[0].get_offsets()[:, 1])
@@ -84,17 +84,21 @@ def test_figure_draws_trained_initial_and_random_per_layer(records):
         # the optima: means of 0.05, 0.45 (trained) and 10.0, 10.4 (initial); the random bar
         assert (-0.27, 0.25) in bars and (0.0, 10.2) in bars and (0.27, 20.4) in bars
         assert (-0.27, 0.35) in bars and (0.73, 1.05) in bars
-        rank = axes[6]  # effective_rank against s = 5 for every variant that is drawn
+        scale = axes[6]  # kernel_scale against the size of K_s, sqrt(energy): 0.8 trained, 0.6 initial
+        assert (-0.27, 0.8) in _means(scale) and (0.0, 0.6) in _means(scale)
+        rank = axes[7]  # effective_rank against s = 5 for every variant that is drawn
         assert sum(y == 5.0 for _, y in _means(rank)) == 4  # kep_svgp trained + initial, primal layers 1 and 2
         labels = [tick.get_text() for tick in cosine.get_xticklabels()]
         assert labels == ["mnist1d\nkep_svgp\nlayer_2", "mnist1d\nprimal\nlayer_1", "mnist1d\nprimal\nlayer_2"]
-        legend = [text.get_text() for text in axes[7].get_legend().get_texts()]
+        (legend,) = figure.legends
+        legend = [text.get_text() for text in legend.get_texts()]
         assert legend == [
             "trained",
             "initialisation",
             "random subspaces",
             "exact KSVD",
             "Eckart-Young optimum",
+            "size of K_s: sqrt(energy)",
             "rank s",
         ]
     finally:
