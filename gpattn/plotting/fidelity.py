@@ -37,8 +37,8 @@ FIDELITY_PANELS: tuple[tuple[str, str, float | None], ...] = (
     ("right_cosine", "mean cosine, right subspace", 1.0),
     ("max_angle", "largest principal angle (degrees)", 0.0),
     ("singular_value_error", "relative error of learned Lambda", 0.0),
-    ("kernel_error", "learned rank-s kernel: ||K - e Lambda^-1 r^T||_F / ||K||_F", None),
-    ("kernel_scale", "size of the learned kernel: ||e Lambda^-1 r^T||_F / ||K||_F", None),
+    ("kernel_error", "||K - K_hat||_F / ||K||_F, K_hat = e Lambda^-1 r^T", None),
+    ("kernel_scale", "size of the learned kernel ||K_hat||_F / ||K||_F", None),
     ("effective_rank", "effective rank of K", None),
 )
 #: The variants of every quantity: (field prefix, label, colour); a variant without values is not drawn.
