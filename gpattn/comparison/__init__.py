@@ -15,9 +15,9 @@ from .evaluation import (
     ensemble_logits,
     evaluate_models,
     evaluate_run,
-    model_fidelity,
     per_example_predictions,
 )
+from .fidelity import model_fidelity
 from .records import (
     ClassificationMetrics,
     OODMetrics,

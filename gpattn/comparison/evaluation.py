@@ -1,6 +1,6 @@
 """Evaluation of the comparison's runs: the Monte Carlo logits of a model or an ensemble on every set of a task, the
-metrics computed from them, the post-hoc temperature-scaled variant of every run, and the KSVD fidelity of its KSVD
-layers.
+metrics computed from them and the post-hoc temperature-scaled variant of every run (the KSVD fidelity of its KSVD
+layers: :mod:`gpattn.comparison.fidelity`).
 
 One set of metric functions (:mod:`gpattn.metrics`) serves everywhere: the validation NLL that the training loop
 selects on (:func:`~gpattn.training.validation_metrics`) is the test NLL that the comparison reports
@@ -21,10 +21,8 @@ import torch
 from torch import Tensor
 
 from .. import metrics
-from ..features.attention_kernel_eigen_features import AttentionKernelEigenFeatures
-from ..features.ksvd_fidelity import ksvd_fidelity
 from ..models import LastLayerLaplace, fit_temperature, monte_carlo_logits
-from ..training import batch_to_device, dataset_inputs, dataset_labels, validation_metrics
+from ..training import dataset_inputs, dataset_labels, validation_metrics
 from ..validation import check_int
 from .records import (
     ClassificationMetrics,
@@ -45,7 +43,6 @@ __all__ = [
     "ensemble_logits",
     "evaluate_models",
     "evaluate_run",
-    "model_fidelity",
     "per_example_predictions",
 ]
 
@@ -316,69 +313,3 @@ def evaluate_run(
     """
     evaluation = evaluate_models(models, data, num_samples, num_bins=num_bins, temperature_scaling=False, seed=seed)
     return evaluation.metrics, evaluation.reliability, evaluation.ood_scores
-
-
-def _ksvd_layers(model: torch.nn.Module) -> list[tuple[int, torch.nn.Module]]:
-    layers = getattr(model, "attention_layers", None)
-    if layers is None:
-        return []
-    return [
-        (index, layer)
-        for index, layer in enumerate(layers(), start=1)
-        if isinstance(getattr(layer, "features", None), AttentionKernelEigenFeatures)
-    ]
-
-
-@torch.no_grad()
-def model_fidelity(model: torch.nn.Module, dataset: Any, max_sequences: int = 256) -> dict[str, dict[str, list[float]]]:
-    """:func:`~gpattn.features.ksvd_fidelity` of every KSVD layer (KEP-SVGP, Primal-Attention: a layer with
-    :class:`~gpattn.features.AttentionKernelEigenFeatures` as ``.features``) of a trained model, on the tokens that
-    the layer receives when the model reads the first ``max_sequences`` inputs of ``dataset`` (captured by a forward
-    pre-hook during one eval-mode pass), averaged over those sequences per head.
-
-    :param model: A :class:`~gpattn.models.Transformer` (anything with ``attention_layers()``).
-    :param dataset: Has ``.tokens`` (and ``.mask``), ``.images`` or ``.inputs``.
-    :param max_sequences: Sequences to measure on.
-    :return: ``"layer_<l>"`` (from 1) -> field of :class:`~gpattn.features.KSVDFidelity` -> one value per head;
-        ``{}`` for a model without KSVD layers. A layer whose rank :math:`s` exceeds the sequence length is left
-        out (the exact KSVD has fewer than :math:`s` singular vectors).
-
-    .. note:: Cost: one forward pass over the sequences plus, per KSVD layer, the dense kernel and its SVD per
-        sequence and head (:func:`~gpattn.features.ksvd_fidelity`).
-    """
-    check_int("max_sequences", max_sequences, where="model_fidelity")
-    layers = _ksvd_layers(model)
-    if not layers:
-        return {}
-    inputs, mask = dataset_inputs(dataset)
-    parameter = next(model.parameters())
-    index = torch.arange(min(max_sequences, inputs.shape[0]))
-    batch_inputs, batch_mask = batch_to_device(inputs, mask, index, parameter.device)
-    captured: dict[int, tuple[Tensor, Tensor | None]] = {}
-
-    def capture(number: int):
-        def hook(module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
-            layer_mask = kwargs.get("mask", args[1] if len(args) > 1 else None)
-            captured[number] = (args[0].detach(), layer_mask if isinstance(layer_mask, Tensor) else None)
-
-        return hook
-
-    handles = [layer.register_forward_pre_hook(capture(n), with_kwargs=True) for n, layer in layers]
-    was_training = model.training
-    model.eval()
-    try:
-        model(batch_inputs, mask=batch_mask)
-    finally:
-        model.train(was_training)
-        for handle in handles:
-            handle.remove()
-    result = {}
-    for number, layer in layers:
-        queries, layer_mask = captured[number]
-        if layer.features.num_inducing > queries.shape[-2]:
-            continue  # a rank above the sequence length: no top-s subspace to compare with (e.g. s = 10, 8 tokens)
-        fidelity = ksvd_fidelity(layer, queries, key_mask=layer_mask)
-        result[f"layer_{number}"] = {
-            name: getattr(fidelity, name).double().mean(dim=0).tolist() for name in fidelity.summary()
-        }
-    return result

@@ -71,8 +71,19 @@ MAIN_COLUMNS = (
     ("ood_auroc_mi", "OOD AUROC (MI)", True),
     ("temperature", "T", False),
 )
-#: The KSVD-fidelity summaries in the fidelity table (fields of :class:`~gpattn.features.KSVDFidelity`).
-FIDELITY_COLUMNS = ("relative_objective", "left_cosine", "right_cosine", "energy")
+#: The KSVD-fidelity summaries in the table (fields of :func:`~gpattn.comparison.model_fidelity`: the trained model,
+#: ``initial_*`` the model at initialisation, ``random_*`` random subspaces; every field is in ``results.csv``).
+FIDELITY_COLUMNS = (
+    "relative_objective",
+    "left_cosine",
+    "initial_left_cosine",
+    "random_left_cosine",
+    "kernel_error",
+    "initial_kernel_error",
+    "optimal_error",
+    "kernel_scale",
+    "effective_rank",
+)
 #: The reference row of the paired tables (its ``+ts`` variant in the temperature-scaled one).
 REFERENCE_ROW = "kep_svgp"
 #: The columns of the paired differences: (flat-row column, header, percent).

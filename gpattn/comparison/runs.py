@@ -32,9 +32,10 @@ import torch
 from ..attention import build_attention
 from ..methods import Hyperparameters, MethodSpec, get_method, resolve_method
 from ..models import LastLayerLaplace, Transformer
-from ..training import Callback, TrainConfig, dataset_inputs, dataset_labels, train_ensemble
+from ..training import Callback, TrainConfig, dataset_inputs, dataset_labels, member_seed, train_ensemble
 from .config import CompareConfig
-from .evaluation import evaluate_models, model_fidelity
+from .evaluation import evaluate_models
+from .fidelity import model_fidelity
 from .records import RunRecord, TrainingSummary
 from .tasks import TASK_DEFAULTS, TaskData, load_task
 
@@ -200,7 +201,12 @@ def train_and_evaluate(
         temperature_scaling=config.temperature_scaling and method.temperature_scaled,
         seed=seed,
     )
-    fidelity = model_fidelity(models[0], data.test, config.fidelity_sequences) if config.fidelity_sequences else {}
+    fidelity = {}
+    if config.fidelity_sequences:  # the first member against itself as train_ensemble built it, before training
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(member_seed(train_config.seed, 0, size))
+            initial = make_model(0)
+        fidelity = model_fidelity(models[0], data.test, config.fidelity_sequences, initial)
     return RunRecord(
         task=task,
         attention=method.name if config.ensemble == 1 else f"{method.name}_ens{config.ensemble}",

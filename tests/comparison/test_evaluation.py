@@ -19,10 +19,8 @@ from gpattn.comparison.evaluation import (
     ensemble_logits,
     evaluate_models,
     evaluate_run,
-    model_fidelity,
     per_example_predictions,
 )
-from gpattn.features import ksvd_fidelity
 from gpattn.models import LastLayerLaplace, Transformer, fit_temperature
 from gpattn.training import TrainConfig, ensemble_probabilities, train_model
 
@@ -323,24 +321,3 @@ def test_ensemble_logits_give_the_ensemble_probabilities(digits):
     torch.testing.assert_close(
         logits.softmax(-1).mean((0, 1)), ensemble_probabilities(members, digits.test, 4).double(), rtol=0, atol=1e-6
     )
-
-
-def test_model_fidelity_is_ksvd_fidelity_on_the_tokens_the_layer_receives():
-    torch.manual_seed(0)
-    model = Transformer(3, embed_dim=16, depth=2, num_heads=2, attention="kep_svgp", input="vectors", input_dim=4,
-                        max_len=10, num_inducing=4).double().eval()  # fmt: skip
-    data = type("Inputs", (), {})()
-    data.inputs = torch.randn(7, 10, 4, dtype=torch.float64)
-    data.labels = torch.zeros(7, dtype=torch.long)
-    fidelity = model_fidelity(model, data, max_sequences=5)
-    assert list(fidelity) == ["layer_2"]  # the first block is softmax attention
-    with torch.no_grad():  # the second block's attention input, by hand: LN(block_1(embed(x)))
-        tokens = model.blocks[0](model.embed(data.inputs[:5]), None)
-        expected = ksvd_fidelity(model.blocks[1].attention, model.blocks[1].attention_norm(tokens))
-    for name, per_head in fidelity["layer_2"].items():
-        assert len(per_head) == 2
-        np.testing.assert_allclose(per_head, getattr(expected, name).mean(0).numpy(), rtol=1e-10, atol=1e-12)
-    assert fidelity["layer_2"]["relative_objective"][0] > 1e-3  # random weights: not a KSVD
-    softmax = Transformer(3, embed_dim=16, depth=1, num_heads=2, attention="softmax", input="vectors", input_dim=4,
-                          max_len=10)  # fmt: skip
-    assert model_fidelity(softmax.double(), data) == {}
