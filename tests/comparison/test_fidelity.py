@@ -5,13 +5,14 @@ receives, for the trained model and the model at initialisation, and the initial
 from __future__ import annotations
 
 import copy
+import dataclasses
 from dataclasses import fields
 
 import numpy as np
 import pytest
 import torch
 
-from gpattn.comparison import CompareConfig, TaskData, build_model, load_task, model_fidelity, train_and_evaluate
+from gpattn.comparison import CompareConfig, build_model, load_task, model_fidelity, train_and_evaluate
 from gpattn.comparison.fidelity import INITIAL_FIELDS
 from gpattn.features import KSVDFidelity, ksvd_fidelity
 from gpattn.methods import get_method
@@ -90,7 +91,7 @@ class _Snapshot(Callback):
 
 def test_a_run_measures_the_first_member_as_it_was_before_training():
     digits = load_task("digits")
-    small = TaskData("mnist1d", digits.train, digits.val, digits.test, digits.model_kwargs, num_inducing=5)
+    small = dataclasses.replace(digits, defaults={**digits.defaults, "num_inducing": 5})  # s = 5 < 16 patches
     config = CompareConfig(attentions=("kep_svgp",), fidelity_sequences=16, tasks=("digits",), pointer_epochs=1,
                            digits_epochs=1, eval_samples=2, seeds=(0,), progress=False)  # fmt: skip
     snapshot = _Snapshot()
@@ -99,7 +100,9 @@ def test_a_run_measures_the_first_member_as_it_was_before_training():
     assert set(fidelity) == {*FIELDS, *(f"initial_{name}" for name in INITIAL_FIELDS), "rank"}
     # the run's model, built again and given the state the training loop received: the same numbers
     method = get_method("kep_svgp")
-    initial = build_model(method, config.hyperparameters("digits", method, 5), small.num_classes, small.model_kwargs)
+    initial = build_model(
+        method, config.hyperparameters("digits", method, small.defaults), small.num_classes, small.model_kwargs
+    )
     initial.load_state_dict(snapshot.state)
     expected = model_fidelity(initial, small.test, 16)["layer_2"]
     for name in INITIAL_FIELDS:
