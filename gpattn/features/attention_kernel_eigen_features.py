@@ -160,14 +160,25 @@ class AttentionKernelEigenFeatures(KernelEigenFeaturesBase):
         """
         keys = queries if keys is None else keys
         self._check_call(queries, keys, key_mask, causal)
+        queries, keys = self._watched(queries, keys)
         scores = self._scores(queries, keys, key_mask, causal, objective, kernel_diag)
-        return self._penalised(scores, self._official_objective(scores, key_mask) if objective else None)
+        official = self._official_objective(scores, key_mask) if objective else None
+        self._check_scores(scores, official, queries, keys)
+        return self._penalised(scores, official)
 
     def _scores(
         self, queries: Tensor, keys: Tensor, key_mask: Tensor | None, causal: bool, objective: bool, kernel_diag: bool
     ) -> KernelEigenScores:
         """The mode's scores of a checked call (see :meth:`forward`; ``keys`` is ``queries`` in self-attention)."""
         raise NotImplementedError
+
+    def _watched(self, queries: Tensor, keys: Tensor) -> tuple[Tensor, Tensor]:
+        """The tokens the scores are computed from (a mode may wrap them to watch their gradients; ``keys`` stays
+        ``queries`` in self-attention)."""
+        return queries, keys
+
+    def _check_scores(self, scores: KernelEigenScores, official: Tensor | None, queries: Tensor, keys: Tensor) -> None:
+        """The mode's checks of a call's results against the magnitude of its tokens (nothing by default)."""
 
     def _official_objective(self, scores: KernelEigenScores, key_mask: Tensor | None) -> Tensor | None:
         """The official code's KSVD number of a call when the penalty takes that form, else ``None`` (sum form)."""
