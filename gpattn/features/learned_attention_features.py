@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -93,8 +94,8 @@ class LearnedAttentionFeatures(AttentionKernelEigenFeatures):
 
     learns_spectrum = True
 
-    def _build(self, max_len: int | None) -> None:
-        self._build_weights(max_len)
+    def _build(self, max_len: int | None, **options: Any) -> None:
+        self._build_weights(max_len, **options)
         # Lambda = softplus(0) = log 2 for every head at initialisation
         self._register_singular_values(torch.full((self.num_heads, self.num_inducing), math.log(2.0)))
 
