@@ -19,8 +19,8 @@ PADDINGS = ("excluded", "included")
 
 class PrimalTokensAttentionFeatures(LearnedAttentionFeatures):
     r"""``features="primal_tokens"``: the parametrisation of the official KEP-SVGP and Primal-Attention code (the
-    equivalence tests in ``tests/attention/test_paper_equivalence.py`` and ``test_paper_equivalence_cola.py`` check it
-    against transcriptions of the official CIFAR and CoLA layers):
+    equivalence tests in ``tests/attention/test_paper_equivalence.py`` check it against float64 transcriptions of the
+    official CIFAR and CoLA layers):
 
     .. math::
 
