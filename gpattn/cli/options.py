@@ -8,6 +8,7 @@ checks are :mod:`gpattn.validation`'s. A command holds a lock on its run folder 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import shutil
 import tempfile
@@ -163,7 +164,8 @@ def _lock(handle: IO[str], out: Path) -> None:
         raise CommandError(
             f"--out {out} is in use by another gpattn command ({holder}); wait until it ends, or choose another --out"
         ) from None
-    handle.seek(0)
-    handle.truncate()
-    handle.write(f"process {os.getpid()}")
-    handle.flush()
+    with contextlib.suppress(OSError):  # the holder's name is a courtesy: a full disk must not stop the command
+        handle.seek(0)
+        handle.truncate()
+        handle.write(f"process {os.getpid()}")
+        handle.flush()
