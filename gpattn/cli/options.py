@@ -165,7 +165,5 @@ def _lock(handle: IO[str], out: Path) -> None:
             f"--out {out} is in use by another gpattn command ({holder}); wait until it ends, or choose another --out"
         ) from None
     with contextlib.suppress(OSError):  # the holder's name is a courtesy: a full disk must not stop the command
-        handle.seek(0)
-        handle.truncate()
-        handle.write(f"process {os.getpid()}")
-        handle.flush()
+        os.ftruncate(handle.fileno(), 0)
+        os.pwrite(handle.fileno(), f"process {os.getpid()}".encode(), 0)
