@@ -196,10 +196,15 @@ def read_run_file(
         raise ValueError(f"{path}: expected the format {RUN_FILE_FORMAT!r}, got {content['format']!r}")
     identity = content["identity"]
     if identity != expected:
-        shown = identity if not isinstance(identity, dict) else run_name(*(identity.get(k) for k in expected))
+        if isinstance(identity, dict):
+            stored_run = run_name(*(identity.get(key) for key in expected))
+            shown = f"{stored_run} ({_differences(identity, expected, 'stored')})"
+        else:
+            shown = repr(identity)
         raise ValueError(
-            f"{path} holds the run {shown}, not {run_name(*run)}: a run file copied or renamed from another run is "
-            "never read back as this one; delete it to run it again"
+            f"{path} holds the run {shown}, not {run_name(*run)}: a run file is only read back as its own run (one "
+            "copied or renamed from another run is refused); resume with that run's options, or delete the file to "
+            "run this one again"
         )
     stored = content["settings"]
     if not isinstance(stored, dict) or settings_hash(stored) != content["settings_sha256"]:

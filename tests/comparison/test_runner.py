@@ -158,7 +158,8 @@ def test_resume_refuses_a_run_file_copied_from_another_run(tmp_path, monkeypatch
     assert stored["settings_sha256"] == settings_hash(result_settings(config)) == settings_hash(stored["settings"])
     # the probe: another run's file under this run's name is refused, naming the file and both runs
     (folder / "pointer-kep_svgp-0.json").write_text((folder / "pointer-softmax-0.json").read_text())
-    with pytest.raises(ValueError, match=r"pointer-kep_svgp-0\.json holds the run pointer-softmax-0, not pointer-kep"):
+    message = r"pointer-kep_svgp-0\.json holds the run pointer-softmax-0 \(row: stored 'softmax', now 'kep_svgp'\), not"
+    with pytest.raises(ValueError, match=message):
         run_comparison(config, out=tmp_path, resume=True)
 
 
