@@ -328,8 +328,8 @@ def test_train_on_a_full_disk_names_the_files_and_what_was_kept(tmp_path, capsys
     checkpoints = out / "checkpoints"
     assert capsys.readouterr().err == (
         f"gpattn train: error: [Errno 28] cannot write the checkpoints of epoch 2 to {checkpoints} (No space left on "
-        "device); it still holds the checkpoints of epoch 1, the last complete pair; make room and continue with "
-        "resume=True\n"
+        "device); it still holds the checkpoints of epoch 1, the last complete pair; make room and resume from it "
+        "(resume=True, or --resume of gpattn train)\n"
     )
     assert sorted(path.name for path in checkpoints.iterdir()) == ["best.pt", "checkpoints.json", "last.pt"]
 

@@ -306,7 +306,7 @@ class _Loop:
             raise OSError(
                 error.errno,
                 f"cannot write the checkpoints of epoch {self.epoch} to {self.directory} ({reason}); {kept}; make "
-                "room and continue with resume=True",
+                "room and resume from it (resume=True, or --resume of gpattn train)",
             ) from error
 
     def _settings(self) -> dict[str, Any]:
