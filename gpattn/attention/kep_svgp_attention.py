@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import Any
+
 import torch
 from gpytorch.variational import CholeskyVariationalDistribution
 from torch import Tensor
@@ -65,6 +68,9 @@ class KEPSVGPAttention(AttentionLayer):
     :param feature_dim: Kernel feature dimension :math:`p` (default: the head width); ``num_inducing <= feature_dim``.
     :param ksvd_weight: :math:`\eta \geq 0`, the weight of the KSVD penalty :math:`\eta J^2`.
     :param ksvd_form: ``"sum"`` or ``"official"`` (``"primal_tokens"`` only); see :func:`~gpattn.ksvd.ksvd_objective`.
+    :param feature_options: The feature mode's own options
+        (:attr:`~gpattn.features.AttentionKernelEigenFeatures.options`), e.g. ``{"rank_multiple": 2, "padding":
+        "included"}`` for ``"primal_tokens"`` as the official CoLA layer.
 
     The paper's configuration (registry row ``"kep_svgp_paper"``) is ``features="primal_tokens"``,
     ``shared_posterior=True``, ``sampling="marginal"``, ``num_outputs="num_inducing"``, ``ksvd_form="official"``;
@@ -104,6 +110,7 @@ class KEPSVGPAttention(AttentionLayer):
         feature_dim: int | None = None,
         ksvd_weight: float = 1.0,
         ksvd_form: str = "sum",
+        feature_options: Mapping[str, Any] | None = None,
     ):
         super().__init__(embed_dim, num_heads, dropout)
         where = type(self).__name__
@@ -116,7 +123,7 @@ class KEPSVGPAttention(AttentionLayer):
             check_int("max_len (the sequence length of merge='concat_tokens')", max_len, where=where)
         kernel_features = build_attention_features(
             embed_dim, num_heads, num_inducing, features, kernel=kernel, feature_dim=feature_dim, tie_qk=tie_qk,
-            max_len=max_len, ksvd_weight=ksvd_weight, ksvd_form=ksvd_form,
+            max_len=max_len, ksvd_weight=ksvd_weight, ksvd_form=ksvd_form, **dict(feature_options or {}),
         )  # fmt: skip
         self.supports_causal = kernel_features.supports_causal
         self.supports_cross_attention = kernel_features.supports_cross_attention

@@ -7,6 +7,7 @@ import sys
 import time
 
 from .options import (
+    CommandError,
     CommandInterrupted,
     add_common,
     device,
@@ -64,12 +65,16 @@ def add_compare(commands) -> None:
         "pointer task is not learned in this budget",
     )
     others = " and ".join(name for name in method_names() if name not in attention_names())
+    papers = " / ".join(name for name in attention_names() if name.endswith("_paper"))
     compare.add_argument(
         "--attentions",
         nargs="+",
         choices=method_names(),
         default=None,
-        help=f"rows: registered attentions and {others} (default: {' '.join(DEFAULT_ATTENTIONS)})",
+        help=f"rows: registered attentions and {others} (default: {' '.join(DEFAULT_ATTENTIONS)}). kep_svgp and "
+        f"primal are gpattn's variants of KEP-SVGP and Primal-Attention; {papers} are the papers' methods as their "
+        "official code runs them (features='primal_tokens', the official KSVD number; the documentation's 'Faithful "
+        "to the papers' page says what differs)",
     )
     compare.add_argument(
         "--tasks",
@@ -96,7 +101,10 @@ def add_compare(commands) -> None:
     )
     for name, kind, text in numbers:
         flag = "--" + name.replace("_", "-")
-        compare.add_argument(flag, type=kind, default=None, help=f"{text} (default: {getattr(defaults, name)})")
+        default = getattr(defaults, name)
+        if default is None:  # num_inducing: each layer's own
+            default = "each layer's own: s = min(10, head width) for KEP-SVGP and Primal-Attention, 16 for SGPA, SVGP"
+        compare.add_argument(flag, type=kind, default=None, help=f"{text} (default: {default})")
     compare.add_argument(
         "--no-temperature-scaling", action="store_true", help="leave out the temperature-scaled +ts rows"
     )
@@ -146,22 +154,28 @@ def run_compare(args: argparse.Namespace) -> int:
     except ValueError as error:
         print(f"gpattn compare: error: {error}", file=sys.stderr)
         return 2
-    out = prepare_out(
+    with prepare_out(
         args.out or f"runs/compare-{time.strftime('%Y%m%d-%H%M%S')}",
         overwrite=args.overwrite,
         resume=args.resume,
         replaced=run_folder_outputs(),
-    )
-    start = time.perf_counter()
-    try:
-        records = execute_runs(config, runs, out=out, resume=args.resume)
-    except KeyboardInterrupt as interrupt:
-        finished = getattr(interrupt, "finished", None)
-        done = "" if finished is None else f"{finished} of {interrupt.total} runs finished, "
-        raise CommandInterrupted(
-            f"interrupted; {done}kept in {out / 'runs'}; the same command with --resume continues"
-        ) from None
-    written = write_outputs(records, config, out) + write_comparison_figures(records, out)
+    ) as out:
+        start = time.perf_counter()
+        try:
+            records = execute_runs(config, runs, out=out, resume=args.resume)
+        except KeyboardInterrupt as interrupt:
+            finished = getattr(interrupt, "finished", None)
+            done = "" if finished is None else f"{finished} of {interrupt.total} runs finished, "
+            raise CommandInterrupted(
+                f"interrupted; {done}kept in {out / 'runs'}; the same command with --resume continues"
+            ) from None
+        try:
+            written = write_outputs(records, config, out) + write_comparison_figures(records, out)
+        except OSError as error:
+            raise CommandError(
+                f"{error}; the {len(records)} runs are kept in {out / 'runs'}: make room (or fix the folder) and run "
+                "the same command with --resume to write the results"
+            ) from error
     print(table_text(records, config))
     print(f"{len(records)} runs in {time.perf_counter() - start:.0f} s (jobs {config.jobs}, threads {config.threads})")
     print("wrote " + ", ".join(str(path) for path in written))

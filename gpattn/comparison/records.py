@@ -39,11 +39,12 @@ row) is written as ``null`` and its reason goes into an ``"undefined"`` entry, d
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import math
 import os
-import tempfile
+import secrets
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -397,17 +398,27 @@ def _reliability(values: Any) -> ReliabilityBins:
 # -- atomic files ----------------------------------------------------------------------------------------------------
 def write_text_atomically(path: str | os.PathLike, text: str) -> Path:
     """Write ``text`` to ``path`` through a temporary file in the same folder and :func:`os.replace`: the file is
-    either the complete new text or untouched (an interruption leaves no half-written file)."""
+    either the complete new text or untouched (an interruption leaves no half-written file). The file gets the mode
+    of any newly created file (``0o666`` less the process's umask, e.g. ``0o644``), as the figures and tables do.
+
+    :raises OSError: The folder cannot be written (a full disk, no permission, ...): the error names ``path`` and says
+        that it is unchanged; the temporary file is removed.
+    """
     path = Path(path)
-    handle, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    temporary = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
     try:
-        with os.fdopen(handle, "w") as stream:
+        # os.open with 0o666 applies the umask, as open() does (tempfile.mkstemp would make the file 0o600)
+        with os.fdopen(os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666), "w") as stream:
             stream.write(text)
             stream.flush()
             os.fsync(stream.fileno())
         os.replace(temporary, path)
-    except BaseException:
-        Path(temporary).unlink(missing_ok=True)
+    except BaseException as error:
+        with contextlib.suppress(OSError):  # e.g. a read-only file system, where even unlink fails
+            temporary.unlink(missing_ok=True)
+        if isinstance(error, OSError):
+            reason = error.strerror or str(error)
+            raise OSError(error.errno, f"cannot write {path} ({reason}); it is unchanged") from error
         raise
     return path
 

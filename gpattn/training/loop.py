@@ -147,7 +147,11 @@ class _Loop:
         self.val_labels = dataset_labels(val)
         self.directory = None if config.checkpoint_dir is None else Path(config.checkpoint_dir)
         if self.directory is not None:
-            self.directory.mkdir(parents=True, exist_ok=True)
+            try:
+                self.directory.mkdir(parents=True, exist_ok=True)
+            except OSError as error:  # a file in its place, or above it; no permission
+                reason = error.strerror or str(error)
+                raise OSError(error.errno, f"cannot create the checkpoint folder {self.directory} ({reason})") from None
         model.to(self.device)
         self.forward = strategy.wrap(model)
         self.num_data = self.train_labels.shape[0]
@@ -171,7 +175,7 @@ class _Loop:
     def run(self, resume: bool) -> TrainResult:
         if resume:
             state = (self.model, self.optimizer, self.scheduler, self.generator)
-            checkpoint, best = restore_run(self.directory, *state, self.config.to_dict(), self.device)
+            checkpoint, best = restore_run(self.directory, *state, self._settings(), self.device)
             start_epoch = checkpoint["epoch"]
             self.result = TrainResult(list(checkpoint["history"]), checkpoint["best_epoch"], checkpoint["best_val_nll"])
             best = _state_copy(self.model) if best is None else best
@@ -288,9 +292,27 @@ class _Loop:
             "history": self.result.history,
             "best_epoch": self.result.best_epoch,
             "best_val_nll": self.result.best_val_nll,
-            "config": self.config.to_dict(),
+            "config": self._settings(),
         }
-        save_run_checkpoints(self.directory, checkpoint, checkpoint if improved else None)
+        try:
+            save_run_checkpoints(self.directory, checkpoint, checkpoint if improved else None)
+        except OSError as error:  # a full disk, a folder that became unwritable: say what is still there
+            reason = error.strerror or str(error)
+            kept = (
+                f"it still holds the checkpoints of epoch {self.epoch - 1}, the last complete pair"
+                if self.epoch > 1
+                else "it holds no checkpoint of this run"
+            )
+            raise OSError(
+                error.errno,
+                f"cannot write the checkpoints of epoch {self.epoch} to {self.directory} ({reason}); {kept}; make "
+                "room and resume from it (resume=True, or --resume of gpattn train)",
+            ) from error
+
+    def _settings(self) -> dict[str, Any]:
+        """The run's settings as the checkpoints store them: the config and the torch thread count (the numbers on
+        the CPU depend on it; a resumed run with another count is warned about)."""
+        return {**self.config.to_dict(), "threads": torch.get_num_threads()}
 
     # -- divergence ---------------------------------------------------------------------------------------------------
     def _parameters_finite(self) -> bool:

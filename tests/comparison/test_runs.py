@@ -176,7 +176,11 @@ def test_cli_train_resume_after_an_interruption_gives_the_same_numbers(tmp_path,
 
     faulty_elbo.interrupt_at = 30  # digits: 866 images / 64 = 14 steps per epoch, so this is inside epoch 3
     assert main([*arguments, "--out", str(tmp_path / "cut")]) == 130  # Ctrl-C: one line, exit status 130
-    assert capsys.readouterr().err.endswith("gpattn train: interrupted\n")
+    checkpoints = tmp_path / "cut" / "checkpoints"
+    assert capsys.readouterr().err.endswith(  # what was kept, and how to go on
+        f"gpattn train: interrupted; the checkpoints of epoch 2 of 4 are kept in {checkpoints}; the same command with "
+        "--resume continues\n"
+    )
     faulty_elbo.interrupt_at = None
     assert not (tmp_path / "cut" / "record.json").exists()
     assert main([*arguments, "--out", str(tmp_path / "cut"), "--resume"]) == 0
