@@ -134,7 +134,7 @@ def test_overwrite_replaces_the_earlier_results_and_output_is_strict_json(tmp_pa
     assert results["config"]["threads"] == 1 and results["config"]["jobs"] == 1
     assert len(results["records"]) == 1
     table = (tmp_path / "table.md").read_text()
-    assert "(n=1)" in table and "± 0.00" not in table  # one seed: the value and n, no made-up spread
+    assert "| softmax | 1 |" in table and "± 0.00" not in table  # one seed: n once per row, no made-up spread
     assert "Smoke test" not in table
 
 

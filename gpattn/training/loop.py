@@ -99,7 +99,9 @@ def train_model(
         >>> from gpattn.data import make_pointer_task
         >>> from gpattn.models import Transformer
         >>> from gpattn.training import TrainConfig, train_model
+        >>> import torch
         >>> data = make_pointer_task(256, 64, 64, length=8, seed=0, vocab_size=8)
+        >>> _ = torch.manual_seed(0)  # the model's initial parameters (the loop seeds everything after)
         >>> model = Transformer(2, embed_dim=16, depth=1, num_heads=2, vocab_size=8, max_len=8)
         >>> result = train_model(model, data.train, data.val, TrainConfig(epochs=2, seed=0, progress=False))
         >>> len(result.history), result.best_epoch  # epochs trained; the one of the lowest validation NLL
