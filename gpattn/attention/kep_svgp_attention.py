@@ -170,14 +170,16 @@ class KEPSVGPAttention(AttentionLayer):
         # the branches evaluated at the queries: r lives on the keys in cross-attention; one branch when tied
         return ("left",) if (self.tie_qk or is_cross) else ("left", "right")
 
-    def _output_maps(self, branches: int) -> list[Tensor]:
-        r"""The linear maps from a branch's GP outputs to the layer output, each ``(H, d_out, C)``:
+    def _output_maps(self, branches: int) -> Tensor:
+        r"""The linear maps from the branches' GP outputs to the layer output, ``(K, H, d_out, C)``:
         :math:`C^b_h = W^b_h P_h^\top` with the branch's rows :math:`W^b_h` of the per-head output map and the head
-        block :math:`P_h` of ``out_proj`` (so ``y = b + sum_{b, h} F^b_h C^b_h``)."""
+        block :math:`P_h` of ``out_proj`` (so ``y = b + sum_{b, h} F^b_h C^b_h``); one map for every branch
+        (``K = 1``) unless ``merge="concat"`` gives each of the ``branches`` its block of rows."""
         projection = self.head_projection()  # (H, hd, C)
-        width, concat = self.num_outputs, self.merge == "concat"  # "concat": a block of rows per branch
-        rows = [slice(index * width, (index + 1) * width) if concat else slice(0, width) for index in range(branches)]
-        return [self.output_weight[:, block] @ projection for block in rows]
+        if self.merge != "concat":
+            return (self.output_weight @ projection).unsqueeze(0)
+        rows = self.output_weight[:, : branches * self.num_outputs]  # a block of rows per branch
+        return rows.unflatten(1, (branches, self.num_outputs)).movedim(1, 0) @ projection
 
     def _output(self, scores: KernelEigenScores, is_cross: bool, sample: bool) -> Tensor:
         r"""The output before dropout, ``(B, N, C)``, the mean or a sample: the readout's coefficients
@@ -185,8 +187,8 @@ class KEPSVGPAttention(AttentionLayer):
         in one GEMM of inner dimension :math:`2 H s`, plus the per-token noise of ``"marginal"`` and the residual."""
         sides = self._sides(is_cross)
         maps = self._output_maps(len(sides))
-        joint = sample and self.joint_sampling
-        draw = self.readout.inducing_draw(torch.Size([scores.left_scores.shape[0]]) if joint else None)
+        draws = scores.left_scores.shape[0] if sample and self.joint_sampling else None  # a joint u per sequence
+        coefficients = self.readout.linear_coefficients(maps, scores, sides, draws)  # (B or 1, branches H s, C)
         noises = {}
         if sample and (not self.joint_sampling or self.residual == "diag"):
             marginal = not self.joint_sampling  # merge="sum": one draw for the sum of the branches
@@ -195,9 +197,8 @@ class KEPSVGPAttention(AttentionLayer):
         mixing = self.merge == "concat_tokens"  # W_tok [F_e; F_r]: its (H, N, N) blocks act along the tokens
         blocks = self.token_weight.unflatten(-1, (2, self.max_len)).movedim(-2, 0) if mixing else None
         columns = columns @ blocks.mT if mixing else columns  # on the scores: the outputs are linear in them
-        coefficients = self.readout.linear_coefficients(draw, maps, scores, sides)  # (B or 1, branches H, s, C)
-        output = self.accumulate_heads(self.out_proj.bias, columns.flatten(1, 2).mT, coefficients)
-        for index, (side, output_map) in enumerate(zip(sides, maps, strict=True)):
+        output = self.accumulate_columns(self.out_proj.bias, columns.flatten(1, 3), coefficients)
+        for index, (side, output_map) in enumerate(zip(sides, maps.expand(len(sides), -1, -1, -1), strict=True)):
             if side in noises:  # per-token noise of the GP outputs: (B, H, d_out, N)
                 noise = noises[side].mT  # (B, H, N, d_out)
                 noise = blocks[index] @ noise if mixing else noise
@@ -253,7 +254,8 @@ class KEPSVGPAttention(AttentionLayer):
         try:
             scores, is_cross = self.train(False)._features(x, mask, context)
             sides = self._sides(is_cross)
-            variance = self.readout.output_variance(scores, sides, self._output_maps(len(sides)))
+            maps = self._output_maps(len(sides)).expand(len(sides), -1, -1, -1)
+            variance = self.readout.output_variance(scores, sides, list(maps))
             return self._output(scores, is_cross, sample=False), variance
         finally:
             self.train(previous)
