@@ -171,30 +171,19 @@ class AttentionLayer(Module):
         :return: ``(B, N, C)``.
 
         .. note:: With ``head_values`` a transposed view of a contiguous ``(B, H, k, N)`` tensor (the column layout of
-            the kernel-eigen scores) the product is :meth:`accumulate_columns` on its ``(B, H k, N)`` view.
+            the kernel-eigen scores) the product is :math:`y = o + S^\top A` with :math:`S` the ``(B, H k, N)`` view
+            and the backward pass returns :math:`\bar S = A \bar y^\top` in that same layout (autograd through the
+            transposed view would hand back a transposed gradient, and every elementwise pass over it downstream would
+            read it with a stride of :math:`H k`).
         """
         batch, heads, length, width = head_values.shape
         coefficients = coefficients.expand(batch, *coefficients.shape[-3:]).reshape(batch, heads * width, -1)
         columns = head_values.mT
+        # (B, H k, N) without a copy, its gradient handed back in that layout (autocast takes the general product)
         if columns.is_contiguous() and not torch.is_autocast_enabled(columns.device.type):
-            return AttentionLayer.accumulate_columns(output, columns.view(batch, heads * width, length), coefficients)
+            return _ColumnsOutputGEMM.apply(output, columns.view(batch, heads * width, length), coefficients)
         flat = head_values.permute(0, 2, 1, 3).reshape(batch, length, heads * width)
         return torch.baddbmm(output.expand(batch, length, coefficients.shape[-1]), flat, coefficients)
-
-    @staticmethod
-    def accumulate_columns(output: Tensor, columns: Tensor, coefficients: Tensor) -> Tensor:
-        r""":math:`y = o + S^\top A` per sequence for columns :math:`S` (``(B, K, N)``, e.g. the ``(B, H k, N)`` view of
-        per-head values in column layout) and coefficients :math:`A` (``(B or 1, K, C)``): one GEMM of inner dimension
-        :math:`K`, whose backward pass returns :math:`\bar S = A \bar y^\top` in the columns' own ``(B, K, N)``
-        layout (autograd through a transposed view would hand back a transposed gradient, and every elementwise pass
-        over it downstream would read it with a stride of :math:`K`).
-
-        :param output: ``(B, N, C)`` or broadcastable to it (e.g. the bias).
-        :param columns: ``(B, K, N)``.
-        :param coefficients: ``(B, K, C)`` or ``(1, K, C)`` (shared by the sequences).
-        :return: ``(B, N, C)``.
-        """
-        return _ColumnsOutputGEMM.apply(output, columns, coefficients.expand(columns.shape[0], -1, -1))
 
     def project_out(self, heads: Tensor) -> Tensor:
         """Concatenate heads ``(B, H, N, C / H)`` and apply the output projection and dropout: ``(B, N, C)``."""

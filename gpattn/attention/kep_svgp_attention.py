@@ -184,25 +184,24 @@ class KEPSVGPAttention(AttentionLayer):
     def _output(self, scores: KernelEigenScores, is_cross: bool, sample: bool) -> Tensor:
         r"""The output before dropout, ``(B, N, C)``, the mean or a sample: the readout's coefficients
         :math:`\Lambda^{-1} u^\top C` (``u = m`` or a joint draw) times the stacked scores :math:`[e^\top; r^\top]`
-        in one GEMM of inner dimension :math:`2 H s`, plus the per-token noise of ``"marginal"`` and the residual."""
+        in one GEMM of inner dimension :math:`2 H s` (:meth:`~gpattn.variational.KernelEigenReadout.linear_output`),
+        plus the per-token noise of ``"marginal"`` and the residual, drawn after :math:`u`."""
         sides = self._sides(is_cross)
         maps = self._output_maps(len(sides))
-        draws = scores.left_scores.shape[0] if sample and self.joint_sampling else None  # a joint u per sequence
-        coefficients = self.readout.linear_coefficients(maps, scores, sides, draws)  # (B or 1, branches H s, C)
-        noises = {}
-        if sample and (not self.joint_sampling or self.residual == "diag"):
-            marginal = not self.joint_sampling  # merge="sum": one draw for the sum of the branches
-            noises = self.readout.token_noise(scores, sides, marginal, sum_sides=marginal and self.merge == "sum")
         columns = scores.columns(sides)  # [e^T; r^T]: (B, branches, H, s, N)
         mixing = self.merge == "concat_tokens"  # W_tok [F_e; F_r]: its (H, N, N) blocks act along the tokens
         blocks = self.token_weight.unflatten(-1, (2, self.max_len)).movedim(-2, 0) if mixing else None
         columns = columns @ blocks.mT if mixing else columns  # on the scores: the outputs are linear in them
-        output = self.accumulate_columns(self.out_proj.bias, columns.flatten(1, 3), coefficients)
-        for index, (side, output_map) in enumerate(zip(sides, maps.expand(len(sides), -1, -1, -1), strict=True)):
-            if side in noises:  # per-token noise of the GP outputs: (B, H, d_out, N)
-                noise = noises[side].mT  # (B, H, N, d_out)
-                noise = blocks[index] @ noise if mixing else noise
-                output = output + torch.einsum("bhnd,hdc->bnc", noise, output_map)
+        draws = columns.shape[0] if sample and self.joint_sampling else None  # a joint u per sequence, or the mean
+        output = self.readout.linear_output(columns.flatten(1, 3), self.out_proj.bias, maps, scores, sides, draws)
+        if sample and (not self.joint_sampling or self.residual == "diag"):  # drawn after u
+            marginal = not self.joint_sampling  # merge="sum": one draw for the sum of the branches
+            noises = self.readout.token_noise(scores, sides, marginal, sum_sides=marginal and self.merge == "sum")
+            for index, (side, output_map) in enumerate(zip(sides, maps.expand(len(sides), -1, -1, -1), strict=True)):
+                if side in noises:  # per-token noise of the GP outputs: (B, H, d_out, N)
+                    noise = noises[side].mT  # (B, H, N, d_out)
+                    noise = blocks[index] @ noise if mixing else noise
+                    output = output + torch.einsum("bhnd,hdc->bnc", noise, output_map)
         return output
 
     def _features(self, x: Tensor, mask: Tensor | str | None, context: Tensor | None) -> tuple[KernelEigenScores, bool]:
@@ -220,7 +219,8 @@ class KEPSVGPAttention(AttentionLayer):
         scores, is_cross = self._features(x, mask, context)
         if self.features.spectrum_per_call:  # the KL belongs to this call (the added-loss-term idiom)
             self._call_kl = self._summed(self.strategy.kl_divergence(scores))
-        return self.dropout(self._output(scores, is_cross, sample=self.sampling))
+        output = self._output(scores, is_cross, sample=self.sampling)
+        return self.dropout(output) if self.dropout.p > 0 else output
 
     # -- probabilistic interface -----------------------------------------------------------------------------------
     @staticmethod

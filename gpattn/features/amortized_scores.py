@@ -121,42 +121,43 @@ class AmortizedSelfScores(torch.autograd.Function):
         batch, length, heads, rank = tokens.shape[0], tokens.shape[1], right_map.shape[0], right_map.shape[-1]
         # [P_q; P_k] and [a_r; a_e] by one GEMM each over every head: (B, 2, H, p, N) and (B, 2, H, s, N)
         projection = torch.cat([query_weight, key_weight]).flatten(0, 1)  # (2 H p, D)
-        columns = torch.bmm(projection.expand(batch, -1, -1), lifted.mT).view(batch, 2, heads, -1, length)
+        token_columns = tokens.mT
+        lifted_columns = token_columns if lifted is tokens else lifted.mT
+        columns = torch.bmm(projection.expand(batch, -1, -1), lifted_columns).view(batch, 2, heads, -1, length)
         value_weight = torch.cat([right_map, left_map]).mT.reshape(2 * heads * rank, -1)  # (2 H s, C)
         value_bias = torch.cat([right_bias, left_bias]).view(-1, 1)
-        values = torch.baddbmm(value_bias, value_weight.expand(batch, -1, -1), tokens.mT)
+        values = torch.baddbmm(value_bias, value_weight.expand(batch, -1, -1), token_columns)
         values = values.view(batch, 2, heads, rank, length)
-        root_scale = outputscale.sqrt().view(heads, 1, 1)  # c: (H, 1, 1)
         inverse, active, squared = _inverse_norms(columns, rescaled)  # [nu_q; nu_k]: (B, 2, H, 1, N)
-        # alpha lives in the second half of a (2s, N) buffer: the backward pass writes the gradient of beta into the
-        # first half and hands the buffer to its GEMM of inner dimension 2s without a concatenation
-        factor = inverse * token_weights
+        scale = outputscale.sqrt().view(heads, 1, 1) * inverse  # c nu
+        factor = scale * token_weights  # c nu w
+        # alpha = a c nu w lives in the second half of a (2s, N) buffer: the backward pass writes the gradient of beta
+        # into the first half and hands the buffer to its GEMM of inner dimension 2s without a concatenation
         if torch.compiler.is_compiling():  # dynamo traces no out= into a strided view: the backward pass concatenates
             operand, alpha = None, values * factor
         else:
             operand = values.new_empty(*values.shape[:-2], 2 * rank, length)
-            alpha = torch.mul(values, factor, out=operand[..., rank:, :])  # [a_r nu_q w; a_e nu_k w]
-        paired = root_scale * (alpha @ columns.mT)  # [W_r^T; W_e^T]: (B, 2, H, s, p)
+            alpha = torch.mul(values, factor, out=operand[..., rank:, :])  # [a_r c nu_q w; a_e c nu_k w]
+        paired = alpha @ columns.mT  # [W_r^T; W_e^T]: (B, 2, H, s, p)
         weights = paired.flip(1)  # [W_e^T; W_r^T], the weights of the scores [e; r]
-        scores = weights @ columns
-        scores.mul_(root_scale * inverse)  # [e^T; r^T] = c [W_e^T P_q; W_r^T P_k] nu
-        objective = totals = None
+        scores = (weights @ columns).mul_(scale)  # [e^T; r^T] = c [W_e^T P_q; W_r^T P_k] nu
+        objective = totals = half_inverse = None
         if singular_values is not None:
             if square_mask is None:  # sum_i e_ik^2: one reduction
                 sums = torch.linalg.vecdot(scores, scores)
             else:  # sum_i m_i e_ik^2 over the real tokens
                 sums = torch.linalg.vecdot(scores * square_mask, scores)
             totals = sums.sum(1)  # S: (B, H, s)
+            half_inverse = torch.div(0.5, singular_values)  # 1 / (2 lambda)
             coupling = paired.prod(1).sum((-2, -1))  # Tr(W_e^T W_r)
-            objective = (0.5 * (totals / singular_values).sum(-1)).sub_(coupling)
+            objective = torch.linalg.vecdot(totals, half_inverse).sub_(coupling)
         if torch.compiler.is_compiling():
             finite = scores.new_empty(0, dtype=torch.bool)
         else:  # one check of the squared norms and the scores together (a sum is finite iff every term is)
             finite = torch.isfinite(squared.sum() + (scores.sum() if totals is None else totals.sum()))
-        ctx.operand, ctx.square_mask, ctx.token_weights = operand, square_mask, token_weights
-        ctx.same_tokens = lifted is tokens
-        saved = (lifted, tokens, projection, value_weight, values, columns, root_scale, inverse, active, weights)
-        saved += (scores, singular_values, totals)
+        ctx.operand, ctx.square_mask, ctx.same_tokens = operand, square_mask, lifted is tokens
+        saved = (lifted, tokens, projection, value_weight, values, columns, outputscale, inverse, active, scale)
+        saved += (factor, paired, scores, half_inverse, totals)
         # alpha is saved as the buffer's half (no version check: the backward pass writes the other half)
         ctx.save_for_backward(*saved, *(() if operand is not None else (alpha,)))
         ctx.mark_non_differentiable(finite)
@@ -168,68 +169,68 @@ class AmortizedSelfScores(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_scores, grad_objective, grad_finite):
-        lifted, tokens, projection, value_weight, values, columns, root_scale, inverse, active, weights, *rest = (
+        lifted, tokens, projection, value_weight, values, columns, outputscale, inverse, active, scale, *rest = (
             ctx.saved_tensors
         )
-        scores, singular_values, totals, *compiled = rest
-        operand, square_mask, token_weights = ctx.operand, ctx.square_mask, ctx.token_weights
+        factor, paired, scores, half_inverse, totals, *compiled = rest
+        operand, square_mask = ctx.operand, ctx.square_mask
         batch, _, heads, rank, length = scores.shape
         alpha = compiled[0] if operand is None else operand[..., rank:, :]
+        weights = paired.flip(1)
         # eager and not differentiable (no create_graph): the (s, N) gradients are written into the first half of
         # the forward pass's buffer, which then serves as the right operand of the columns' GEMM and as scratch
         in_place = operand is not None and not torch.is_grad_enabled()
         if grad_scores is None:
             grad_scores = torch.zeros_like(scores)
-        with_objective = grad_objective is not None and singular_values is not None
+        with_objective = grad_objective is not None and half_inverse is not None
         # scores = c beta nu with beta = weights @ columns: d beta = (d scores + dJ m scores / lambda) c nu, the second
         # term from the token sums S of the squared scores in J
-        scale = root_scale * inverse
         if with_objective:
             masked = scores if square_mask is None else scores * square_mask
-            sums_factor = (grad_objective.unsqueeze(-1) / singular_values).view(batch, 1, heads, rank, 1)
+            sums_factor = torch.einsum("bh,hs->bhs", grad_objective, half_inverse)  # dJ / (2 lambda)
+            sums_factor = sums_factor.view(batch, 1, heads, rank, 1)
         if in_place:
             grad_beta = operand[..., :rank, :]  # [d beta_e; d beta_r]
             if with_objective:
-                torch.addcmul(grad_scores, masked, sums_factor, out=grad_beta).mul_(scale)
+                torch.addcmul(grad_scores, masked, sums_factor, value=2.0, out=grad_beta).mul_(scale)
             else:
                 torch.mul(grad_scores, scale, out=grad_beta)
             right_operand = operand
         else:  # compiled, or differentiable (create_graph): no writes into buffers
-            total = torch.addcmul(grad_scores, masked, sums_factor) if with_objective else grad_scores
+            total = torch.addcmul(grad_scores, masked, sums_factor, value=2.0) if with_objective else grad_scores
             grad_beta = total * scale
             right_operand = torch.cat([grad_beta, alpha], dim=-2)  # (B, 2, H, 2s, N)
-        # the total gradient of [W_r^T; W_e^T] = c alpha columns^T: through the scores, and -dJ [W_e^T; W_r^T] from
-        # the trace Tr(W_e^T W_r)
-        total_paired = (grad_beta @ columns.mT).flip(1)
+        # the total gradient of [W_r^T; W_e^T] = alpha columns^T: through the scores, and -dJ [W_e^T; W_r^T] from the
+        # trace Tr(W_e^T W_r)
+        total_paired = torch.einsum("...sn,...pn->...sp", grad_beta, columns).flip(1)
         if with_objective:
             total_paired = torch.addcmul(total_paired, weights, grad_objective.view(batch, 1, heads, 1, 1), value=-1)
-        scaled_paired = root_scale * total_paired  # c folded into the small (s, p) factor
-        grad_alpha = scaled_paired @ columns  # [d alpha_r; d alpha_e]
-        # the feature columns: P_q gets W_e d beta_e + c dW_r^T alpha_r, P_k gets W_r d beta_r + c dW_e^T alpha_e,
-        # one batched GEMM of inner dimension 2s over every block, plus the inverse norms' term -P nu^3 d nu below
-        left_operand = torch.cat([weights.mT, scaled_paired.mT], dim=-1)  # (B, 2, H, p, 2s)
-        blocks = batch * 2 * heads
-        grad_columns = torch.bmm(
-            left_operand.reshape(blocks, *left_operand.shape[-2:]),
-            right_operand.view(blocks, *right_operand.shape[-2:]),
-        ).view(columns.shape)
-        # d nu = sum_k (d e_k) e_k / nu + w sum_k (d alpha_k) a_k, with sum_k (d e_k) e_k = sum_k d beta_k e_k / (c nu);
-        # in place, the products go into the buffer's first half (d beta is no longer needed)
+        grad_alpha = total_paired @ columns  # [d alpha_r; d alpha_e]
+        # the feature columns: P_q gets W_e d beta_e + dW_r^T alpha_r, P_k gets W_r d beta_r + dW_e^T alpha_e, one
+        # batched GEMM of inner dimension 2s over every block, plus the inverse norms' term -P nu^3 d nu below
+        left_operand = torch.cat([weights, total_paired], dim=-2)  # (B, 2, H, 2s, p)
+        grad_columns = torch.einsum("...kp,...kn->...pn", left_operand, right_operand)
+        # d nu = sum_k (d e_k) e_k / nu + sum_k (d alpha_k) alpha_k / nu, with sum_k (d e_k) e_k = sum_k d beta_k e_k /
+        # (c nu); in place, the products go into the buffer's first half (d beta is no longer needed)
         if in_place:
             score_part = grad_beta.mul_(scores).sum(-2, keepdim=True) / scale
             value_part = torch.mul(grad_alpha, values, out=grad_beta).sum(-2, keepdim=True)
-            grad_values = grad_alpha.mul_(inverse * token_weights)
+            grad_values = grad_alpha.mul_(factor)
         else:
             score_part = (grad_beta * scores).sum(-2, keepdim=True) / scale
             value_part = (grad_alpha * values).sum(-2, keepdim=True)
-            grad_values = grad_alpha * (inverse * token_weights)
-        grad_inverse = score_part / inverse + value_part * token_weights  # nu > 0: the norms are finite
-        norm_term = -inverse.pow(3) * grad_inverse * active.to(inverse.dtype)
-        grad_columns.addcmul_(columns, norm_term)  # in place: one pass over the feature columns
+            grad_values = grad_alpha * factor
+        grad_inverse = torch.addcmul(score_part, value_part, factor).div_(inverse)  # nu > 0: the norms are finite
+        norm_term = torch.where(active, inverse.pow(3) * grad_inverse, 0.0)  # no gradient below the norm floor
+        grad_columns.addcmul_(columns, norm_term, value=-1.0)  # in place: one pass over the feature columns
         large = _projection_gradients(ctx, lifted, tokens, projection, value_weight, grad_columns, grad_values)
-        objective_part = (grad_objective, totals, singular_values)
-        small = _small_gradients(ctx, root_scale, score_part, total_paired, weights, *objective_part)
-        return *large, *small
+        grad_outputscale = grad_singular_values = None
+        if ctx.needs_input_grad[9]:  # d c = (sum (d e) e + sum dW W) / c over each head; d sigma_f = d c / (2 c)
+            total = score_part.sum((0, 1, 3, 4)) + torch.einsum("bqhsp,bqhsp->h", total_paired, paired)
+            grad_outputscale = total.div_(2.0 * outputscale)
+        if ctx.needs_input_grad[10] and with_objective:  # dJ / d lambda_k = -S_k / (2 lambda_k^2)
+            grad_singular_values = torch.einsum("bqhsx,bhs,hs->hs", sums_factor, totals, half_inverse).mul_(-2.0)
+        return *large, None, grad_outputscale, grad_singular_values, None, None
 
 
 def _projection_gradients(ctx, lifted, tokens, projection, value_weight, grad_columns, grad_values) -> tuple:
@@ -256,14 +257,3 @@ def _projection_gradients(ctx, lifted, tokens, projection, value_weight, grad_co
     if needs[6] or needs[7]:
         grad_right_bias, grad_left_bias = grad_values.sum((0, 2)).view(2, heads, rank).unbind(0)
     return grad_lifted, grad_tokens, grad_query, grad_key, grad_right, grad_left, grad_right_bias, grad_left_bias
-
-
-def _small_gradients(ctx, root_scale, score_part, total_paired, weights, grad_objective, totals, singular_values):
-    # the gradients of token_weights (none), the output scale, the singular values, square_mask and rescaled (none)
-    grad_outputscale = grad_singular_values = None
-    if ctx.needs_input_grad[9]:  # d c = sum (d e) e / c + sum dW W / c over each head; d sigma_f = d c / (2 c)
-        total = score_part.sum((0, 1, 3, 4)) + (total_paired.flip(1) * weights).sum((0, 1, 3, 4))
-        grad_outputscale = total / (2.0 * root_scale.flatten().square())
-    if ctx.needs_input_grad[10] and grad_objective is not None:  # dJ / d lambda_k = -S_k / (2 lambda_k^2)
-        grad_singular_values = (grad_objective.unsqueeze(-1) * totals).sum(0) * (-0.5 / singular_values.square())
-    return None, grad_outputscale, grad_singular_values, None, None

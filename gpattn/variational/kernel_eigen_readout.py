@@ -11,7 +11,7 @@ from torch import Tensor
 from ..features import KernelEigenScores
 from ..validation import check_choice, check_float
 from .kernel_eigen_variational_strategy import KernelEigenVariationalStrategy
-from .readout_coefficients import ReadoutCoefficients
+from .linear_output import LinearOutput
 from .structured_covariance import low_rank_plus_diag, reparameterised_draw
 
 
@@ -27,10 +27,10 @@ class KernelEigenReadout:
 
     * :meth:`predictive`: the strategy's :math:`q(f)` of one branch at the call's inputs (mean, covariance root and
       residual: the algebra of the strategy's ``forward``);
-    * :meth:`linear_coefficients`: the mean of :math:`q(u)` or a joint reparameterised draw
-      :math:`u = m + L \varepsilon` per sequence (:meth:`inducing_draw`'s), folded with the maps into ``(s, C)``
-      coefficients :math:`\Lambda^{-1} \sum_c u_c C_c` (then one output GEMM over the stacked scores,
-      :meth:`~gpattn.features.KernelEigenScores.columns`);
+    * :meth:`linear_output`: the output under the mean of :math:`q(u)` or a joint reparameterised draw
+      :math:`u = m + L \varepsilon` per sequence (:meth:`inducing_draw`'s), the maps folded into ``(s, C)``
+      coefficients :math:`\Lambda^{-1} \sum_c u_c C_c` and one output GEMM over the stacked scores
+      (:meth:`~gpattn.features.KernelEigenScores.columns`);
     * :meth:`token_noise`: per-input noise (the official code's "marginal" sampling, the residual);
     * :meth:`output_variance`: :math:`\operatorname{Var}(y)` of :math:`q(f)` through the maps;
     * :meth:`initialize_at_prior_draw`: the layer's starting :math:`q(u)`.
@@ -116,31 +116,41 @@ class KernelEigenReadout:
         )
         return reparameterised_draw(variational.mean, variational.lazy_covariance_matrix, noise)
 
-    def linear_coefficients(
-        self, maps: Tensor, scores: KernelEigenScores, sides: tuple[str, ...], batch: int | None = None
+    def linear_output(
+        self,
+        columns: Tensor,
+        bias: Tensor,
+        maps: Tensor,
+        scores: KernelEigenScores,
+        sides: tuple[str, ...],
+        batch: int | None = None,
     ) -> Tensor:
-        r"""The coefficients of the linear maps of the outputs of the branches ``sides`` under the mean of
-        :math:`q(u)` (``batch=None``) or one joint draw :math:`u = m + L \varepsilon` per sequence (``batch = B``; the
-        noise drawn as :meth:`inducing_draw` draws it), in the layout of one output GEMM with the stacked scores
-        (:meth:`~gpattn.features.KernelEigenScores.columns`): with :math:`F_c(x) = e(x) \Lambda^{-1} u_c` over the
-        output dimension :math:`c` and a map :math:`C^b` per branch,
+        r"""The output :math:`y = b + \sum_b \sum_c F^b_c C^b_c` of the linear maps :math:`C^b` of the GP outputs of the
+        branches ``sides``, under the mean of :math:`q(u)` (``batch=None``) or one joint draw
+        :math:`u = m + L \varepsilon` per sequence (``batch = B``; the noise drawn as :meth:`inducing_draw` draws it):
+        with :math:`F_c(x) = e(x) \Lambda^{-1} u_c` over the output dimension :math:`c`,
 
         .. math::
 
             \sum_c F^b_c(x) C^b_c = e^b(x)\, A^b, \qquad A^b = \Lambda^{-1} \textstyle\sum_c u^b_c C^b_c
             \quad (\text{whitened: } \textstyle\sum_c u^b_c C^b_c),
 
-        so that the outputs are never formed: ``(B or 1, branches H s, C)`` coefficients (an inactive direction's
-        are zero, as its interpolation column is). A Cholesky :math:`q(u)` takes one autograd function for the draw
-        and the products (:class:`~gpattn.variational.readout_coefficients.ReadoutCoefficients`); another draws
-        through :meth:`inducing_draw`.
+        so that the outputs are never formed: ``(s, C)`` coefficients per branch, head and draw (an inactive
+        direction's are zero, as its interpolation column is), then one GEMM with the stacked scores. A Cholesky
+        :math:`q(u)` takes one autograd function for the draw, the coefficients and the GEMM
+        (:class:`~gpattn.variational.linear_output.LinearOutput`); another draws through :meth:`inducing_draw`.
 
-        :param maps: :math:`C`, ``(K, H, d_out, C)``: one map for every branch (``K = 1``) or one per side.
+        :param columns: The stacked scores :math:`[e^\top; r^\top]` of ``sides`` as ``(B, branches H s, N)``
+            (:meth:`~gpattn.features.KernelEigenScores.columns` flattened).
+        :param bias: :math:`b`, broadcastable to ``(B, N, C)``.
+        :param maps: :math:`C`, ``(M, H, d_out, C)``: one map for every branch (``M = 1``) or one per side.
         :param scores: The features of the call (its :math:`\Lambda` and active directions).
-        :param sides: The branches, ``("left", "right")`` or one side.
+        :param sides: The branches, ``("left", "right")`` or a leading part of the strategy's.
         :param batch: The number of sequences to draw for, or ``None`` (the mean).
+        :return: ``(B, N, C)``.
 
-        .. note:: Cost O(d_out s C) per branch, head and draw, O(d_out s^2) per draw for :math:`L \varepsilon`.
+        .. note:: Cost O(d_out s C) per branch, head and draw, O(d_out s^2) per draw for :math:`L \varepsilon`,
+            O(N branches H s C) per sequence for the GEMM.
         """
         strategy = self.strategy
         if tuple(sides) != strategy._branch_sides[: len(sides)]:
@@ -161,7 +171,8 @@ class KernelEigenReadout:
             mean, factor = mean.unsqueeze(2), None if factor is None else factor.unsqueeze(2)
             noise = None if noise is None else noise.unsqueeze(3)
         singular_values = None if strategy.whiten else scores.singular_values
-        return ReadoutCoefficients.apply(mean, factor, noise, singular_values, scores.active, maps, len(sides))
+        parts = (mean, factor, noise, singular_values, scores.active, maps, len(sides))
+        return LinearOutput.apply(columns, bias, *parts)
 
     def initialize_at_prior_draw(self, singular_values: Tensor, covariance_scale: float = 0.1) -> None:
         r"""Set :math:`q(u) = \mathcal N(m_0, c^2 \Lambda^2)` with a draw :math:`m_0 \sim \mathcal N(0, \Lambda^2)` of
