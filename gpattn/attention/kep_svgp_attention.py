@@ -171,13 +171,13 @@ class KEPSVGPAttention(AttentionLayer):
         return ("left",) if (self.tie_qk or is_cross) else ("left", "right")
 
     def _output_maps(self, branches: int) -> Tensor:
-        r"""The linear maps from the branches' GP outputs to the layer output, ``(K, H, d_out, C)``:
-        :math:`C^b_h = W^b_h P_h^\top` with the branch's rows :math:`W^b_h` of the per-head output map and the head
-        block :math:`P_h` of ``out_proj`` (so ``y = b + sum_{b, h} F^b_h C^b_h``); one map for every branch
-        (``K = 1``) unless ``merge="concat"`` gives each of the ``branches`` its block of rows."""
+        r"""The linear maps from the branches' GP outputs to the layer output: :math:`C^b_h = W^b_h P_h^\top` with the
+        branch's rows :math:`W^b_h` of the per-head output map and the head block :math:`P_h` of ``out_proj`` (so
+        ``y = b + sum_{b, h} F^b_h C^b_h``); one map ``(H, d_out, C)`` for every branch, or with ``merge="concat"`` a
+        block of rows per branch, ``(branches, H, d_out, C)``."""
         projection = self.head_projection()  # (H, hd, C)
         if self.merge != "concat":
-            return (self.output_weight @ projection).unsqueeze(0)
+            return self.output_weight @ projection
         rows = self.output_weight[:, : branches * self.num_outputs]  # a block of rows per branch
         return rows.unflatten(1, (branches, self.num_outputs)).movedim(1, 0) @ projection
 
@@ -234,7 +234,7 @@ class KEPSVGPAttention(AttentionLayer):
         of the last ``forward`` call, averaged over its sequences (computed by that call; :meth:`posterior` leaves it
         unchanged)."""
         if not self.features.spectrum_per_call:
-            return self._summed(self.strategy.kl_divergence())
+            return self.readout.kl_divergence()
         if self._call_kl is None:
             raise RuntimeError(
                 f"{type(self).__name__}: with features={self.features.mode!r} the prior belongs to each sequence: "

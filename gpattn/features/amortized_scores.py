@@ -123,7 +123,7 @@ class AmortizedSelfScores(torch.autograd.Function):
         projection = torch.cat([query_weight, key_weight]).flatten(0, 1)  # (2 H p, D)
         token_columns = tokens.mT
         lifted_columns = token_columns if lifted is tokens else lifted.mT
-        columns = torch.bmm(projection.expand(batch, -1, -1), lifted_columns).view(batch, 2, heads, -1, length)
+        columns = torch.matmul(projection, lifted_columns).view(batch, 2, heads, -1, length)
         value_weight = torch.cat([right_map, left_map]).mT.reshape(2 * heads * rank, -1)  # (2 H s, C)
         value_bias = torch.cat([right_bias, left_bias]).view(-1, 1)
         values = torch.baddbmm(value_bias, value_weight.expand(batch, -1, -1), token_columns)
@@ -235,25 +235,27 @@ class AmortizedSelfScores(torch.autograd.Function):
 
 def _projection_gradients(ctx, lifted, tokens, projection, value_weight, grad_columns, grad_values) -> tuple:
     # the gradients of the lifted tokens, the tokens and the six parameters of the two projection GEMMs: one GEMM
-    # each, the parameters' summed over the sequences, handed back as views of the stacked gradients
+    # each, the parameters' summed over the sequences (addbmm; beta=0 ignores its first argument), handed back as
+    # views of the stacked gradients
     batch, _, heads, rank, _ = grad_values.shape
     needs = ctx.needs_input_grad
     grad_columns = grad_columns.view(batch, projection.shape[0], -1)  # (B, 2 H p, N)
     grad_values = grad_values.view(batch, value_weight.shape[0], -1)  # (B, 2 H s, N)
     grad_lifted = grad_tokens = None
     if needs[0] or (ctx.same_tokens and needs[1]):
-        grad_lifted = torch.bmm(grad_columns.mT, projection.expand(batch, -1, -1))
+        grad_lifted = torch.matmul(grad_columns.mT, projection)
     if needs[1]:
-        grad_tokens = torch.bmm(grad_values.mT, value_weight.expand(batch, -1, -1))
+        grad_tokens = torch.matmul(grad_values.mT, value_weight)
     if ctx.same_tokens and grad_lifted is not None:  # one input: one gradient (autograd would add the two)
         grad_tokens = grad_lifted if grad_tokens is None else grad_tokens.add_(grad_lifted)
         grad_lifted = None
     grad_query = grad_key = grad_right = grad_left = grad_right_bias = grad_left_bias = None
     if needs[2] or needs[3]:
-        grad_query, grad_key = torch.bmm(grad_columns, lifted).sum(0).view(2, heads, -1, lifted.shape[-1]).unbind(0)
+        grad_projection = torch.addbmm(projection, grad_columns, lifted, beta=0.0)  # (2 H p, D)
+        grad_query, grad_key = grad_projection.view(2, heads, -1, lifted.shape[-1]).unbind(0)
     if needs[4] or needs[5]:
-        grad_maps = torch.bmm(grad_values, tokens).sum(0).view(2, heads, rank, -1).mT  # (2, H, C, s)
-        grad_right, grad_left = grad_maps.unbind(0)
+        grad_maps = torch.addbmm(value_weight, grad_values, tokens, beta=0.0).view(2, heads, rank, -1)  # (2, H, s, C)
+        grad_right, grad_left = grad_maps.mT.contiguous().unbind(0)  # the maps' (H, C, s) layout
     if needs[6] or needs[7]:
         grad_right_bias, grad_left_bias = grad_values.sum((0, 2)).view(2, heads, rank).unbind(0)
     return grad_lifted, grad_tokens, grad_query, grad_key, grad_right, grad_left, grad_right_bias, grad_left_bias

@@ -38,33 +38,38 @@ class CholeskyPriorKL(torch.autograd.Function):
 
     Inputs: ``mean`` :math:`m` of shape ``(*batch, s)``; ``factor``, the Cholesky parameter of shape
     ``(*batch, s, s)`` (only its lower triangle is read; the upper one gets a zero gradient); ``scales``
-    :math:`\sigma`, positive, broadcastable to ``(*batch, s)``. Output: shape ``(*batch)``.
+    :math:`\sigma`, positive, broadcastable to ``(*batch, s)``; ``total``: sum over the batch. Output: shape
+    ``(*batch)``, or a scalar with ``total``.
 
     .. note:: Cost O(s^2) per batch element, forward and backward.
     """
 
     @staticmethod
-    def forward(ctx, mean: Tensor, factor: Tensor, scales: Tensor) -> Tensor:
+    def forward(ctx, mean: Tensor, factor: Tensor, scales: Tensor, total: bool = False) -> Tensor:
         lower = factor.tril()
         squares = torch.linalg.vecdot(lower, lower).addcmul_(mean, mean)  # n = sum_j L_ij^2 + m_i^2, (*batch, s)
         inverse = scales.pow(-2)
         ratio = squares * inverse  # n / sigma^2
-        # n / sigma^2 + 2 log (sigma / |L_ii|), summed over i, minus s, halved
+        # n / sigma^2 + 2 log (sigma / |L_ii|), summed over i (and the batch), minus s, halved
         terms = torch.add(ratio, (scales / lower.diagonal(dim1=-2, dim2=-1)).abs().log(), alpha=2.0)
         ctx.save_for_backward(mean, lower, scales, inverse, ratio)
+        ctx.total = total
+        if total:
+            return 0.5 * (terms.sum() - mean.numel())
         return 0.5 * (terms.sum(-1) - mean.shape[-1])
 
     @staticmethod
     def backward(ctx, grad: Tensor):
         mean, lower, scales, inverse, ratio = ctx.saved_tensors
-        scale = grad.unsqueeze(-1) * inverse  # dKL / sigma_i^2, (*batch, s)
+        grad = grad if ctx.total else grad.unsqueeze(-1)  # broadcast against (*batch, s)
+        scale = grad * inverse  # dKL / sigma_i^2, (*batch, s)
         grad_mean = grad_factor = grad_scales = None
         if ctx.needs_input_grad[0]:
             grad_mean = mean * scale
         if ctx.needs_input_grad[1]:
             grad_factor = lower * scale.unsqueeze(-1)  # zero above the diagonal, as the lower triangle is
             diagonal = lower.diagonal(dim1=-2, dim2=-1)
-            grad_factor = grad_factor - torch.diag_embed(grad.unsqueeze(-1) / diagonal)
+            grad_factor = grad_factor - torch.diag_embed(grad / diagonal)
         if ctx.needs_input_grad[2]:
             grad_scales = (scale * scales * (1.0 - ratio)).sum_to_size(scales.shape)
-        return grad_mean, grad_factor, grad_scales
+        return grad_mean, grad_factor, grad_scales, None

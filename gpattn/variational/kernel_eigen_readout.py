@@ -10,6 +10,7 @@ from torch import Tensor
 
 from ..features import KernelEigenScores
 from ..validation import check_choice, check_float
+from .cholesky_prior_kl import CholeskyPriorKL
 from .kernel_eigen_variational_strategy import KernelEigenVariationalStrategy
 from .linear_output import LinearOutput
 from .structured_covariance import low_rank_plus_diag, reparameterised_draw
@@ -33,6 +34,7 @@ class KernelEigenReadout:
       (:meth:`~gpattn.features.KernelEigenScores.columns`);
     * :meth:`token_noise`: per-input noise (the official code's "marginal" sampling, the residual);
     * :meth:`output_variance`: :math:`\operatorname{Var}(y)` of :math:`q(f)` through the maps;
+    * :meth:`kl_divergence`: the KL summed over :math:`q(u)`'s batch, the layer's KL term;
     * :meth:`initialize_at_prior_draw`: the layer's starting :math:`q(u)`.
 
     The layout is the attention layers': :math:`q(u)` of batch ``(H, d_out)`` (``(H, d_out, 2 or 1)`` for a pair:
@@ -143,7 +145,8 @@ class KernelEigenReadout:
         :param columns: The stacked scores :math:`[e^\top; r^\top]` of ``sides`` as ``(B, branches H s, N)``
             (:meth:`~gpattn.features.KernelEigenScores.columns` flattened).
         :param bias: :math:`b`, broadcastable to ``(B, N, C)``.
-        :param maps: :math:`C`, ``(M, H, d_out, C)``: one map for every branch (``M = 1``) or one per side.
+        :param maps: :math:`C`: one map ``(H, d_out, C)`` for every branch, or one per side,
+            ``(branches, H, d_out, C)``.
         :param scores: The features of the call (its :math:`\Lambda` and active directions).
         :param sides: The branches, ``("left", "right")`` or a leading part of the strategy's.
         :param batch: The number of sequences to draw for, or ``None`` (the mean).
@@ -173,6 +176,20 @@ class KernelEigenReadout:
         singular_values = None if strategy.whiten else scores.singular_values
         parts = (mean, factor, noise, singular_values, scores.active, maps, len(sides))
         return LinearOutput.apply(columns, bias, *parts)
+
+    def kl_divergence(self) -> Tensor:
+        r"""The strategy's :math:`\mathrm{KL}(q(u) \| p(u))` (against the features' own :math:`\Lambda`) summed over
+        :math:`q(u)`'s batch (heads, outputs, branches), a scalar: one autograd function for a Cholesky :math:`q(u)`
+        (:class:`~gpattn.variational.cholesky_prior_kl.CholeskyPriorKL`), else the strategy's KL summed.
+
+        .. note:: Cost O(s^2) per element of :math:`q(u)`'s batch, forward and backward.
+        """
+        strategy = self.strategy
+        distribution = strategy._variational_distribution
+        if type(distribution) is CholeskyVariationalDistribution:
+            mean, factor = distribution.variational_mean, distribution.chol_variational_covar
+            return CholeskyPriorKL.apply(mean, factor, strategy._prior_scales(), True)
+        return strategy.kl_divergence().sum()
 
     def initialize_at_prior_draw(self, singular_values: Tensor, covariance_scale: float = 0.1) -> None:
         r"""Set :math:`q(u) = \mathcal N(m_0, c^2 \Lambda^2)` with a draw :math:`m_0 \sim \mathcal N(0, \Lambda^2)` of

@@ -52,7 +52,7 @@ class LinearOutput(torch.autograd.Function):
     * ``singular_values`` :math:`\Lambda` ``(H, s)`` or ``(B, H, s)`` (a spectrum per sequence), or ``None``
       (whitened: no :math:`\Lambda^{-1}`); ``active``: ``None`` or a boolean of the shape of :math:`\Lambda`, false
       where a direction is numerically zero (its coefficients are zero);
-    * ``maps`` :math:`C` ``(M, H, d_out, C)``: one map for every branch (``M = 1``) or one per branch;
+    * ``maps`` :math:`C`: one map ``(H, d_out, C)`` for every branch, or one per branch ``(branches, H, d_out, C)``;
     * ``branches``: the number of branches read, ``Q`` or, with ``Q = 2``, 1 (the first branch alone).
 
     Output: ``(B, N, C)``.
@@ -74,93 +74,84 @@ class LinearOutput(torch.autograd.Function):
         maps: Tensor,
         branches: int,
     ) -> Tensor:
-        heads, outputs, stacked, rank = mean.shape[:4]
+        stacked = mean.shape[2]
         drawn = mean.dim() == 5
         if factor is None:  # u = m (H, d_out, Q, s, 1), or draws given (H, d_out, Q, s, B)
             lower, draws = None, mean if drawn else mean.unsqueeze(-1)
-        else:  # u = m + L eps for every sequence: one GEMM (s, s) x (s, B) per head, output and branch
+        else:  # u = m + L eps for every sequence: one (s, s) x (s, B) product per head, output and branch
             lower = factor.tril()
-            blocks = heads * outputs * stacked
-            noise_columns = noise.view(-1, blocks, rank).permute(1, 2, 0)  # eps: (blocks, s, B)
-            draws = torch.baddbmm(mean.reshape(blocks, rank, 1), lower.view(blocks, rank, rank), noise_columns)
-            draws = draws.view(heads, outputs, stacked, rank, -1)
+            draws = torch.einsum("hdqij,bhdqj->hdqib", lower, noise).add_(mean.unsqueeze(-1))
         # the branches read: every branch from the one shared q(u), or the first `branches` of the stack
         if stacked == 1:
             draws = draws.expand(-1, -1, branches, -1, -1)
         elif branches < stacked:
             draws = draws[:, :, :branches]
-        inverse = _inverse_scales(singular_values, active, mean.dtype)  # Lambda^{-1}: (H, 1, 1, s, 1 or B), or None
-        scaled = draws if inverse is None else draws * inverse  # (H, d_out, branches, s, B)
-        equation = _EQUATIONS[len(maps) == 1]
-        coefficients = torch.einsum(equation, scaled, maps[0] if len(maps) == 1 else maps)  # (B, br, H, s, C)
+        inverse = _inverse_scales(singular_values, active, mean.dtype)  # Lambda^{-1}: (H, s) or (B, H, s), or None
+        letters = _letters(inverse, maps)
+        operands = (draws, maps) if inverse is None else (draws, inverse, maps)
+        coefficients = torch.einsum(f"{letters['draws']},{letters['maps']}->bqhsc", *operands)  # (B, br, H, s, C)
         coefficients = coefficients.reshape(coefficients.shape[0], -1, coefficients.shape[-1])  # (B or 1, K, C)
-        batch, _, length = columns.shape
-        output = torch.baddbmm(bias, columns.mT, coefficients.expand(batch, -1, -1))
-        ctx.save_for_backward(columns, coefficients, lower, noise, draws, inverse, scaled, maps, singular_values)
+        if coefficients.shape[0] != columns.shape[0]:  # one coefficient matrix for every sequence
+            coefficients = coefficients.expand(columns.shape[0], -1, -1)
+        output = torch.baddbmm(bias, columns.mT, coefficients)
+        ctx.save_for_backward(columns, coefficients, lower, noise, draws, inverse, maps, singular_values)
         ctx.stacked, ctx.drawn, ctx.bias_shape = stacked, drawn, bias.shape
         return output
 
     @staticmethod
     def backward(ctx, grad: Tensor):
-        columns, coefficients, lower, noise, draws, inverse, scaled, maps, singular_values = ctx.saved_tensors
+        columns, coefficients, lower, noise, draws, inverse, maps, singular_values = ctx.saved_tensors
         needs = ctx.needs_input_grad
-        heads, outputs, branches, rank, samples = scaled.shape
+        heads, outputs, branches, rank, samples = draws.shape
+        samples = max(samples, 1 if inverse is None or inverse.dim() == 2 else inverse.shape[0])
         grad_bias = grad.sum_to_size(ctx.bias_shape) if needs[1] else None
-        grad_columns = torch.bmm(coefficients.expand(grad.shape[0], -1, -1), grad.mT) if needs[0] else None
+        grad_columns = torch.bmm(coefficients, grad.mT) if needs[0] else None
         if not any(needs[2:]):
             return grad_columns, grad_bias, None, None, None, None, None, None, None
         grad_coefficients = torch.bmm(columns, grad)  # (B, K, C)
         if samples == 1:  # one coefficient matrix for every sequence
             grad_coefficients = grad_coefficients.sum(0, keepdim=True)
         grad_coefficients = grad_coefficients.view(samples, branches, heads, rank, -1)
-        shared = len(maps) == 1
-        grad_maps = None
+        letters = _letters(inverse, maps)
+        scaling = () if inverse is None else (inverse,)
+        scale = "" if inverse is None else f",{letters['inverse']}"
+        draws_letters = letters["draws"].split(",")[0]
+        grad_maps = grad_mean = grad_factor = grad_singular_values = None
         if needs[7]:  # (U Lambda^{-1})^T dA, summed over the branches of a shared map
-            grad_maps = torch.einsum(_GRAD_MAPS[shared], scaled, grad_coefficients)
-            grad_maps = grad_maps.unsqueeze(0) if shared else grad_maps
-        grad_scaled = torch.einsum(_GRAD_SCALED[shared], grad_coefficients, maps[0] if shared else maps)
-        grad_mean = grad_factor = grad_singular_values = None
-        if inverse is not None and needs[5]:  # d Lambda = -Lambda^{-2} d(Lambda^{-1})
-            grad_inverse = (grad_scaled * draws).sum_to_size(inverse.shape)
-            grad_singular_values = _scales_layout(grad_inverse.mul_(inverse.square()).neg_(), singular_values)
-        if needs[2] or needs[3]:
-            grad_draws = grad_scaled if inverse is None else grad_scaled * inverse
+            equation = f"{draws_letters}{scale},bqhsc->{letters['maps']}"
+            grad_maps = torch.einsum(equation, draws, *scaling, grad_coefficients)
+        if inverse is not None and needs[5]:  # d Lambda = -Lambda^{-2} d(Lambda^{-1}) = -Lambda^{-2} sum dU U
+            equation = f"bqhsc,{letters['maps']},{draws_letters}{scale}{scale}->{letters['inverse']}"
+            grad_singular_values = torch.einsum(equation, grad_coefficients, maps, draws, inverse, inverse).neg_()
+        if needs[2] or needs[3]:  # dU = C dA^T Lambda^{-1}, summed over the branches that read one q(u)
+            equation = f"bqhsc,{letters['maps']}{scale}->hdqsb"
+            grad_draws = torch.einsum(equation, grad_coefficients, maps, *scaling)  # (H, d_out, branches, s, B)
             if ctx.stacked == 1:  # one q(u) read by every branch
                 grad_draws = grad_draws.sum(2, keepdim=True)
             elif branches < ctx.stacked:  # branches not read get no gradient
                 grad_draws = torch.cat([grad_draws, grad_draws.new_zeros(heads, outputs, 1, rank, samples)], dim=2)
             grad_mean = grad_draws if ctx.drawn else grad_draws.sum(-1)  # (H, d_out, Q, s[, B])
             if lower is not None and needs[3]:  # dL = tril(dU eps^T)
-                blocks = heads * outputs * ctx.stacked
-                noise = noise.view(samples, blocks, rank).transpose(0, 1)  # (blocks, B, s)
-                grad_factor = torch.bmm(grad_draws.reshape(blocks, rank, samples), noise).tril().view(lower.shape)
+                grad_factor = torch.einsum("hdqib,bhdqj->hdqij", grad_draws, noise).tril()
         return grad_columns, grad_bias, grad_mean, grad_factor, None, grad_singular_values, None, grad_maps, None
 
 
-#: the coefficients from the scaled draws (H, d_out, branches, s, B) and one shared map or one map per branch
-_EQUATIONS = {True: "hdqsb,hdc->bqhsc", False: "hdqsb,qhdc->bqhsc"}
-_GRAD_MAPS = {True: "hdqsb,bqhsc->hdc", False: "hdqsb,bqhsc->qhdc"}
-_GRAD_SCALED = {True: "bqhsc,hdc->hdqsb", False: "bqhsc,qhdc->hdqsb"}
+def _letters(inverse: Tensor | None, maps: Tensor) -> dict[str, str]:
+    # the einsum subscripts of the draws (H, d_out, branches, s, B), Lambda^{-1} ((H, s), or (B, H, s) per sequence)
+    # and the maps ((H, d_out, C) shared by every branch, or (branches, H, d_out, C))
+    inverse_letters = "" if inverse is None else ("hs" if inverse.dim() == 2 else "bhs")
+    return {
+        "draws": "hdqsb" if inverse is None else f"hdqsb,{inverse_letters}",
+        "inverse": inverse_letters,
+        "maps": "hdc" if maps.dim() == 3 else "qhdc",
+    }
 
 
 def _inverse_scales(singular_values: Tensor | None, active: Tensor | None, dtype: torch.dtype) -> Tensor | None:
-    # Lambda^{-1} (1 when whitened; 0 for an inactive direction) in the layout of the draws, (H, 1, 1, s, 1) or
-    # (H, 1, 1, s, B); None when there is nothing to scale
+    # Lambda^{-1} (1 when whitened; 0 for an inactive direction), (H, s) or (B, H, s); None when nothing scales
     if singular_values is None and active is None:
         return None
     if singular_values is None:
-        inverse = active.to(dtype)
-    else:
-        inverse = singular_values.reciprocal()
-        if active is not None:
-            inverse = torch.where(active, inverse, 0.0)
-    if inverse.dim() == 2:  # (H, s)
-        return inverse.view(inverse.shape[0], 1, 1, -1, 1)
-    return inverse.permute(1, 2, 0)[:, None, None]  # (B, H, s) -> (H, 1, 1, s, B)
-
-
-def _scales_layout(gradient: Tensor, singular_values: Tensor) -> Tensor:
-    # a gradient in the layout of _inverse_scales back to the shape of the singular values
-    if singular_values.dim() == 2:
-        return gradient.reshape(singular_values.shape)
-    return gradient.reshape(gradient.shape[0], gradient.shape[3], -1).permute(2, 0, 1)
+        return active.to(dtype)
+    inverse = singular_values.reciprocal()
+    return inverse if active is None else torch.where(active, inverse, 0.0)
