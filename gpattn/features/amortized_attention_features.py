@@ -62,19 +62,15 @@ class AmortizedAttentionFeatures(LearnedAttentionFeatures):
 
     def takes_fused_path(self, queries: Tensor, keys: Tensor, causal: bool, kernel_diag: bool) -> bool:
         """Whether a call takes the fused path: self-attention (``keys is queries``), no causal mask, no kernel
-        diagonals (the residual needs them), untied maps (one map for both branches has no paired layout) and no
-        autocast (the fused pass runs in the tokens' dtype; autocast takes the general path).
+        diagonals (the residual needs them) and untied maps (one map for both branches has no paired layout). Under
+        autocast the fused pass runs its products in the autocast dtype and :math:`J` in float32.
 
         :param queries: ``(B, N, C)``.
         :param keys: ``(B, M, C)``.
         :param causal: The call is causal.
         :param kernel_diag: The call asks for the kernel diagonals.
         """
-        return (
-            queries is keys
-            and not (causal or kernel_diag or self.tie_qk)
-            and not torch.is_autocast_enabled(queries.device.type)
-        )
+        return queries is keys and not (causal or kernel_diag or self.tie_qk)
 
     def _scores(
         self, queries: Tensor, keys: Tensor, key_mask: Tensor | None, causal: bool, objective: bool, kernel_diag: bool
@@ -136,6 +132,6 @@ class AmortizedAttentionFeatures(LearnedAttentionFeatures):
             scores, objective_value, finite = AmortizedSelfScores.apply(*arguments, True)  # overflowing norms
             if not all_finite(scores):
                 self._check_magnitude(tokens, tokens)
-        left, right = scores.unbind(1)
+        left, right = scores.mT.unbind(1)  # e, r: (B, H, N, s) views
         objective_value = objective_value if objective else None
-        return KernelEigenScores(left.mT, right.mT, singular_values, objective_value, stacked=scores)
+        return KernelEigenScores(left, right, singular_values, objective_value, stacked=scores)

@@ -41,6 +41,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from ..autocast import autocast_state, full_precision, restored_autocast
 from ..kernels.cosine_feature_kernel import inverse_norms
 
 #: the norm below which a feature column is not normalised further (as torch.nn.functional.normalize)
@@ -63,7 +64,8 @@ def _inverse_norms(columns: Tensor, rescaled: bool) -> tuple[Tensor, Tensor]:
         # one: fresh large buffers cost page faults on CPU), reduced along the contiguous N: several times faster
         # on CPU than vector_norm over dim -2
         blocks = columns.split(NORM_BLOCK, dim=-2)
-        accumulated = blocks[0].square()
+        wide = torch.promote_types(columns.dtype, torch.float32)  # bfloat16 columns: accumulated in float32
+        accumulated = (blocks[0] if blocks[0].dtype == wide else blocks[0].to(wide)).square()
         for block in blocks[1:]:
             if block.shape[-2] == accumulated.shape[-2]:
                 accumulated.addcmul_(block, block)
@@ -119,6 +121,7 @@ class AmortizedSelfScores(torch.autograd.Function):
         rescaled: bool = False,
     ):
         batch, length, heads, rank = tokens.shape[0], tokens.shape[1], right_map.shape[0], right_map.shape[-1]
+        ctx.autocast = autocast_state(tokens.device.type)  # the backward pass runs its products in the same dtype
         # [P_q; P_k] and [a_r; a_e] by one GEMM each over every head: (B, 2, H, p, N) and (B, 2, H, s, N)
         projection = torch.cat([query_weight, key_weight]).flatten(0, 1)  # (2 H p, D)
         token_columns = tokens.mT
@@ -138,26 +141,31 @@ class AmortizedSelfScores(torch.autograd.Function):
         else:
             operand = values.new_empty(*values.shape[:-2], 2 * rank, length)
             alpha = torch.mul(values, factor, out=operand[..., rank:, :])  # [a_r c nu_q w; a_e c nu_k w]
-        paired = alpha @ columns.mT  # [W_r^T; W_e^T]: (B, 2, H, s, p)
+        paired = torch.einsum("...sn,...pn->...sp", alpha, columns)  # [W_r^T; W_e^T] = alpha columns^T: (B, 2, H, s, p)
         weights = paired.flip(1)  # [W_e^T; W_r^T], the weights of the scores [e; r]
         scores = (weights @ columns).mul_(scale)  # [e^T; r^T] = c [W_e^T P_q; W_r^T P_k] nu
-        objective = totals = half_inverse = None
+        objective = sums = half_inverse = None
+        # under autocast the products run in bfloat16 (or float16); J, a difference of sums that cancel near a
+        # stationary point, and the small weights' gradients are formed in float32
+        wide = torch.promote_types(scores.dtype, torch.float32)
+        paired = paired if paired.dtype == wide else paired.to(wide)
         if singular_values is not None:
-            if square_mask is None:  # sum_i e_ik^2: one reduction
-                sums = torch.linalg.vecdot(scores, scores)
-            else:  # sum_i m_i e_ik^2 over the real tokens
-                sums = torch.linalg.vecdot(scores * square_mask, scores)
-            totals = sums.sum(1)  # S: (B, H, s)
-            half_inverse = torch.div(0.5, singular_values)  # 1 / (2 lambda)
-            coupling = paired.prod(1).sum((-2, -1))  # Tr(W_e^T W_r)
-            objective = torch.linalg.vecdot(totals, half_inverse).sub_(coupling)
+            with full_precision(ctx.autocast):
+                wide_scores = scores if scores.dtype == wide else scores.to(wide)
+                if square_mask is None:  # sum_i e_ik^2: one reduction
+                    sums = torch.linalg.vecdot(wide_scores, wide_scores)  # (B, 2, H, s): S_k sums the branches
+                else:  # sum_i m_i e_ik^2 over the real tokens
+                    sums = torch.linalg.vecdot(wide_scores * square_mask, wide_scores)
+                half_inverse = torch.div(0.5, singular_values)  # 1 / (2 lambda)
+                coupling = paired.prod(1).sum((-2, -1))  # Tr(W_e^T W_r)
+                objective = torch.einsum("bqhs,hs->bh", sums, half_inverse).sub_(coupling)
         if torch.compiler.is_compiling():
             finite = scores.new_empty(0, dtype=torch.bool)
         else:  # one check of the squared norms and the scores together (a sum is finite iff every term is)
-            finite = torch.isfinite(squared.sum() + (scores.sum() if totals is None else totals.sum()))
+            finite = torch.isfinite(squared.sum() + (scores.sum() if sums is None else sums.sum()))
         ctx.operand, ctx.square_mask, ctx.same_tokens = operand, square_mask, lifted is tokens
         saved = (lifted, tokens, projection, value_weight, values, columns, outputscale, inverse, active, scale)
-        saved += (factor, paired, scores, half_inverse, totals)
+        saved += (factor, paired, scores, half_inverse, sums)
         # alpha is saved as the buffer's half (no version check: the backward pass writes the other half)
         ctx.save_for_backward(*saved, *(() if operand is not None else (alpha,)))
         ctx.mark_non_differentiable(finite)
@@ -169,68 +177,76 @@ class AmortizedSelfScores(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_scores, grad_objective, grad_finite):
-        lifted, tokens, projection, value_weight, values, columns, outputscale, inverse, active, scale, *rest = (
-            ctx.saved_tensors
-        )
-        factor, paired, scores, half_inverse, totals, *compiled = rest
-        operand, square_mask = ctx.operand, ctx.square_mask
-        batch, _, heads, rank, length = scores.shape
-        alpha = compiled[0] if operand is None else operand[..., rank:, :]
-        weights = paired.flip(1)
-        # eager and not differentiable (no create_graph): the (s, N) gradients are written into the first half of
-        # the forward pass's buffer, which then serves as the right operand of the columns' GEMM and as scratch
-        in_place = operand is not None and not torch.is_grad_enabled()
-        if grad_scores is None:
-            grad_scores = torch.zeros_like(scores)
-        with_objective = grad_objective is not None and half_inverse is not None
-        # scores = c beta nu with beta = weights @ columns: d beta = (d scores + dJ m scores / lambda) c nu, the second
-        # term from the token sums S of the squared scores in J
-        if with_objective:
-            masked = scores if square_mask is None else scores * square_mask
+        with restored_autocast(ctx.autocast):
+            return _backward(ctx, grad_scores, grad_objective)
+
+
+def _backward(ctx, grad_scores, grad_objective):
+    lifted, tokens, projection, value_weight, values, columns, outputscale, inverse, active, scale, *rest = (
+        ctx.saved_tensors
+    )
+    factor, paired, scores, half_inverse, sums, *compiled = rest
+    operand, square_mask = ctx.operand, ctx.square_mask
+    batch, _, heads, rank, length = scores.shape
+    alpha = compiled[0] if operand is None else operand[..., rank:, :]
+    weights = paired.flip(1)
+    # eager and not differentiable (no create_graph): the (s, N) gradients are written into the first half of
+    # the forward pass's buffer, which then serves as the right operand of the columns' GEMM and as scratch
+    in_place = operand is not None and not torch.is_grad_enabled()
+    if grad_scores is None:
+        grad_scores = torch.zeros_like(scores)
+    with_objective = grad_objective is not None and half_inverse is not None
+    # scores = c beta nu with beta = weights @ columns: d beta = (d scores + dJ m scores / lambda) c nu, the second
+    # term from the token sums S of the squared scores in J
+    if with_objective:
+        masked = scores if square_mask is None else scores * square_mask
+        with full_precision(ctx.autocast):
             sums_factor = torch.einsum("bh,hs->bhs", grad_objective, half_inverse)  # dJ / (2 lambda)
-            sums_factor = sums_factor.view(batch, 1, heads, rank, 1)
-        if in_place:
-            grad_beta = operand[..., :rank, :]  # [d beta_e; d beta_r]
-            if with_objective:
-                torch.addcmul(grad_scores, masked, sums_factor, value=2.0, out=grad_beta).mul_(scale)
-            else:
-                torch.mul(grad_scores, scale, out=grad_beta)
-            right_operand = operand
-        else:  # compiled, or differentiable (create_graph): no writes into buffers
-            total = torch.addcmul(grad_scores, masked, sums_factor, value=2.0) if with_objective else grad_scores
-            grad_beta = total * scale
-            right_operand = torch.cat([grad_beta, alpha], dim=-2)  # (B, 2, H, 2s, N)
-        # the total gradient of [W_r^T; W_e^T] = alpha columns^T: through the scores, and -dJ [W_e^T; W_r^T] from the
-        # trace Tr(W_e^T W_r)
-        total_paired = torch.einsum("...sn,...pn->...sp", grad_beta, columns).flip(1)
+        sums_factor = sums_factor.view(batch, 1, heads, rank, 1)
+    if in_place:
+        grad_beta = operand[..., :rank, :]  # [d beta_e; d beta_r]
         if with_objective:
-            total_paired = torch.addcmul(total_paired, weights, grad_objective.view(batch, 1, heads, 1, 1), value=-1)
-        grad_alpha = total_paired @ columns  # [d alpha_r; d alpha_e]
-        # the feature columns: P_q gets W_e d beta_e + dW_r^T alpha_r, P_k gets W_r d beta_r + dW_e^T alpha_e, one
-        # batched GEMM of inner dimension 2s over every block, plus the inverse norms' term -P nu^3 d nu below
-        left_operand = torch.cat([weights, total_paired], dim=-2)  # (B, 2, H, 2s, p)
-        grad_columns = torch.einsum("...kp,...kn->...pn", left_operand, right_operand)
-        # d nu = sum_k (d e_k) e_k / nu + sum_k (d alpha_k) alpha_k / nu, with sum_k (d e_k) e_k = sum_k d beta_k e_k /
-        # (c nu); in place, the products go into the buffer's first half (d beta is no longer needed)
-        if in_place:
-            score_part = grad_beta.mul_(scores).sum(-2, keepdim=True) / scale
-            value_part = torch.mul(grad_alpha, values, out=grad_beta).sum(-2, keepdim=True)
-            grad_values = grad_alpha.mul_(factor)
+            torch.addcmul(grad_scores, masked, sums_factor, value=2.0, out=grad_beta).mul_(scale)
         else:
-            score_part = (grad_beta * scores).sum(-2, keepdim=True) / scale
-            value_part = (grad_alpha * values).sum(-2, keepdim=True)
-            grad_values = grad_alpha * factor
-        grad_inverse = torch.addcmul(score_part, value_part, factor).div_(inverse)  # nu > 0: the norms are finite
-        norm_term = torch.where(active, inverse.pow(3) * grad_inverse, 0.0)  # no gradient below the norm floor
-        grad_columns.addcmul_(columns, norm_term, value=-1.0)  # in place: one pass over the feature columns
-        large = _projection_gradients(ctx, lifted, tokens, projection, value_weight, grad_columns, grad_values)
-        grad_outputscale = grad_singular_values = None
+            torch.mul(grad_scores, scale, out=grad_beta)
+        right_operand = operand
+    else:  # compiled, or differentiable (create_graph): no writes into buffers
+        total = torch.addcmul(grad_scores, masked, sums_factor, value=2.0) if with_objective else grad_scores
+        grad_beta = total * scale
+        right_operand = torch.cat([grad_beta, alpha], dim=-2)  # (B, 2, H, 2s, N)
+    # the total gradient of [W_r^T; W_e^T] = alpha columns^T: through the scores, and -dJ [W_e^T; W_r^T] from the
+    # trace Tr(W_e^T W_r)
+    total_paired = torch.einsum("...sn,...pn->...sp", grad_beta, columns).flip(1)
+    if with_objective:
+        total_paired = torch.addcmul(total_paired, weights, grad_objective.view(batch, 1, heads, 1, 1), value=-1)
+    grad_alpha = total_paired @ columns  # [d alpha_r; d alpha_e]
+    # the feature columns: P_q gets W_e d beta_e + dW_r^T alpha_r, P_k gets W_r d beta_r + dW_e^T alpha_e, one
+    # batched GEMM of inner dimension 2s over every block, plus the inverse norms' term -P nu^3 d nu below
+    left_operand = torch.cat([weights, total_paired], dim=-2)  # (B, 2, H, 2s, p)
+    grad_columns = torch.einsum("...kp,...kn->...pn", left_operand, right_operand)
+    # d nu = sum_k (d e_k) e_k / nu + sum_k (d alpha_k) alpha_k / nu, with sum_k (d e_k) e_k = sum_k d beta_k e_k /
+    # (c nu); in place, the products go into the buffer's first half (d beta is no longer needed)
+    if in_place:
+        score_part = grad_beta.mul_(scores).sum(-2, keepdim=True) / scale
+        value_part = torch.mul(grad_alpha, values, out=grad_beta).sum(-2, keepdim=True)
+        grad_values = grad_alpha.mul_(factor)
+    else:
+        score_part = (grad_beta * scores).sum(-2, keepdim=True) / scale
+        value_part = (grad_alpha * values).sum(-2, keepdim=True)
+        grad_values = grad_alpha * factor
+    grad_inverse = torch.addcmul(score_part, value_part, factor).div_(inverse)  # nu > 0: the norms are finite
+    norm_term = torch.where(active, inverse.pow(3) * grad_inverse, 0.0)  # no gradient below the norm floor
+    grad_columns.addcmul_(columns, norm_term, value=-1.0)  # in place: one pass over the feature columns
+    large = _projection_gradients(ctx, lifted, tokens, projection, value_weight, grad_columns, grad_values)
+    grad_outputscale = grad_singular_values = None
+    with full_precision(ctx.autocast):
         if ctx.needs_input_grad[9]:  # d c = (sum (d e) e + sum dW W) / c over each head; d sigma_f = d c / (2 c)
+            total_paired = total_paired if total_paired.dtype == paired.dtype else total_paired.to(paired.dtype)
             total = score_part.sum((0, 1, 3, 4)) + torch.einsum("bqhsp,bqhsp->h", total_paired, paired)
             grad_outputscale = total.div_(2.0 * outputscale)
         if ctx.needs_input_grad[10] and with_objective:  # dJ / d lambda_k = -S_k / (2 lambda_k^2)
-            grad_singular_values = torch.einsum("bqhsx,bhs,hs->hs", sums_factor, totals, half_inverse).mul_(-2.0)
-        return *large, None, grad_outputscale, grad_singular_values, None, None
+            grad_singular_values = torch.einsum("bxhsy,bqhs,hs->hs", sums_factor, sums, half_inverse).mul_(-2.0)
+    return *large, None, grad_outputscale, grad_singular_values, None, None
 
 
 def _projection_gradients(ctx, lifted, tokens, projection, value_weight, grad_columns, grad_values) -> tuple:
@@ -240,6 +256,7 @@ def _projection_gradients(ctx, lifted, tokens, projection, value_weight, grad_co
     batch, _, heads, rank, _ = grad_values.shape
     needs = ctx.needs_input_grad
     grad_columns = grad_columns.view(batch, projection.shape[0], -1)  # (B, 2 H p, N)
+    grad_bias = grad_values.sum((0, 4)) if needs[6] or needs[7] else None  # (2, H, s)
     grad_values = grad_values.view(batch, value_weight.shape[0], -1)  # (B, 2 H s, N)
     grad_lifted = grad_tokens = None
     if needs[0] or (ctx.same_tokens and needs[1]):
@@ -256,6 +273,6 @@ def _projection_gradients(ctx, lifted, tokens, projection, value_weight, grad_co
     if needs[4] or needs[5]:
         grad_maps = torch.addbmm(value_weight, grad_values, tokens, beta=0.0).view(2, heads, rank, -1)  # (2, H, s, C)
         grad_right, grad_left = grad_maps.mT.contiguous().unbind(0)  # the maps' (H, C, s) layout
-    if needs[6] or needs[7]:
-        grad_right_bias, grad_left_bias = grad_values.sum((0, 2)).view(2, heads, rank).unbind(0)
+    if grad_bias is not None:
+        grad_right_bias, grad_left_bias = grad_bias.unbind(0)
     return grad_lifted, grad_tokens, grad_query, grad_key, grad_right, grad_left, grad_right_bias, grad_left_bias

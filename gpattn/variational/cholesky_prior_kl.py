@@ -50,13 +50,13 @@ class CholeskyPriorKL(torch.autograd.Function):
         squares = torch.linalg.vecdot(lower, lower).addcmul_(mean, mean)  # n = sum_j L_ij^2 + m_i^2, (*batch, s)
         inverse = scales.pow(-2)
         ratio = squares * inverse  # n / sigma^2
-        # n / sigma^2 + 2 log (sigma / |L_ii|), summed over i (and the batch), minus s, halved
-        terms = torch.add(ratio, (scales / lower.diagonal(dim1=-2, dim2=-1)).abs().log(), alpha=2.0)
+        # n / (2 sigma^2) + log (sigma / |L_ii|), summed over i (and the batch), minus s / 2
+        terms = torch.add((scales / lower.diagonal(dim1=-2, dim2=-1)).abs().log(), ratio, alpha=0.5)
         ctx.save_for_backward(mean, lower, scales, inverse, ratio)
         ctx.total = total
         if total:
-            return 0.5 * (terms.sum() - mean.numel())
-        return 0.5 * (terms.sum(-1) - mean.shape[-1])
+            return terms.sum().sub_(0.5 * mean.numel())
+        return terms.sum(-1).sub_(0.5 * mean.shape[-1])
 
     @staticmethod
     def backward(ctx, grad: Tensor):
@@ -71,5 +71,6 @@ class CholeskyPriorKL(torch.autograd.Function):
             diagonal = lower.diagonal(dim1=-2, dim2=-1)
             grad_factor = grad_factor - torch.diag_embed(grad / diagonal)
         if ctx.needs_input_grad[2]:
-            grad_scales = (scale * scales * (1.0 - ratio)).sum_to_size(scales.shape)
+            scaled = scale * scales
+            grad_scales = torch.addcmul(scaled, scaled, ratio, value=-1.0).sum_to_size(scales.shape)
         return grad_mean, grad_factor, grad_scales, None

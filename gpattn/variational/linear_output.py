@@ -34,6 +34,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from ..autocast import autocast_state, restored_autocast
+
 
 class LinearOutput(torch.autograd.Function):
     r""":math:`y = b + S^\top A` with the readout coefficients :math:`A` of ``branches`` branches (see the module
@@ -74,6 +76,7 @@ class LinearOutput(torch.autograd.Function):
         maps: Tensor,
         branches: int,
     ) -> Tensor:
+        ctx.autocast = autocast_state(columns.device.type)  # the backward pass runs its products in the same dtype
         stacked = mean.shape[2]
         drawn = mean.dim() == 5
         if factor is None:  # u = m (H, d_out, Q, s, 1), or draws given (H, d_out, Q, s, B)
@@ -100,40 +103,45 @@ class LinearOutput(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: Tensor):
-        columns, coefficients, lower, noise, draws, inverse, maps, singular_values = ctx.saved_tensors
-        needs = ctx.needs_input_grad
-        heads, outputs, branches, rank, samples = draws.shape
-        samples = max(samples, 1 if inverse is None or inverse.dim() == 2 else inverse.shape[0])
-        grad_bias = grad.sum_to_size(ctx.bias_shape) if needs[1] else None
-        grad_columns = torch.bmm(coefficients, grad.mT) if needs[0] else None
-        if not any(needs[2:]):
-            return grad_columns, grad_bias, None, None, None, None, None, None, None
-        grad_coefficients = torch.bmm(columns, grad)  # (B, K, C)
-        if samples == 1:  # one coefficient matrix for every sequence
-            grad_coefficients = grad_coefficients.sum(0, keepdim=True)
-        grad_coefficients = grad_coefficients.view(samples, branches, heads, rank, -1)
-        letters = _letters(inverse, maps)
-        scaling = () if inverse is None else (inverse,)
-        scale = "" if inverse is None else f",{letters['inverse']}"
-        draws_letters = letters["draws"].split(",")[0]
-        grad_maps = grad_mean = grad_factor = grad_singular_values = None
-        if needs[7]:  # (U Lambda^{-1})^T dA, summed over the branches of a shared map
-            equation = f"{draws_letters}{scale},bqhsc->{letters['maps']}"
-            grad_maps = torch.einsum(equation, draws, *scaling, grad_coefficients)
-        if inverse is not None and needs[5]:  # d Lambda = -Lambda^{-2} d(Lambda^{-1}) = -Lambda^{-2} sum dU U
-            equation = f"bqhsc,{letters['maps']},{draws_letters}{scale}{scale}->{letters['inverse']}"
-            grad_singular_values = torch.einsum(equation, grad_coefficients, maps, draws, inverse, inverse).neg_()
-        if needs[2] or needs[3]:  # dU = C dA^T Lambda^{-1}, summed over the branches that read one q(u)
-            equation = f"bqhsc,{letters['maps']}{scale}->hdqsb"
-            grad_draws = torch.einsum(equation, grad_coefficients, maps, *scaling)  # (H, d_out, branches, s, B)
-            if ctx.stacked == 1:  # one q(u) read by every branch
-                grad_draws = grad_draws.sum(2, keepdim=True)
-            elif branches < ctx.stacked:  # branches not read get no gradient
-                grad_draws = torch.cat([grad_draws, grad_draws.new_zeros(heads, outputs, 1, rank, samples)], dim=2)
-            grad_mean = grad_draws if ctx.drawn else grad_draws.sum(-1)  # (H, d_out, Q, s[, B])
-            if lower is not None and needs[3]:  # dL = tril(dU eps^T)
-                grad_factor = torch.einsum("hdqib,bhdqj->hdqij", grad_draws, noise).tril()
-        return grad_columns, grad_bias, grad_mean, grad_factor, None, grad_singular_values, None, grad_maps, None
+        with restored_autocast(ctx.autocast):
+            return _backward(ctx, grad)
+
+
+def _backward(ctx, grad: Tensor) -> tuple:
+    columns, coefficients, lower, noise, draws, inverse, maps, singular_values = ctx.saved_tensors
+    needs = ctx.needs_input_grad
+    heads, outputs, branches, rank, samples = draws.shape
+    samples = max(samples, 1 if inverse is None or inverse.dim() == 2 else inverse.shape[0])
+    grad_bias = grad.sum_to_size(ctx.bias_shape) if needs[1] else None
+    grad_columns = torch.bmm(coefficients, grad.mT) if needs[0] else None
+    if not any(needs[2:]):
+        return grad_columns, grad_bias, None, None, None, None, None, None, None
+    grad_coefficients = torch.bmm(columns, grad)  # (B, K, C)
+    if samples == 1:  # one coefficient matrix for every sequence
+        grad_coefficients = grad_coefficients.sum(0, keepdim=True)
+    grad_coefficients = grad_coefficients.view(samples, branches, heads, rank, -1)
+    letters = _letters(inverse, maps)
+    scaling = () if inverse is None else (inverse,)
+    scale = "" if inverse is None else f",{letters['inverse']}"
+    draws_letters = letters["draws"].split(",")[0]
+    grad_maps = grad_mean = grad_factor = grad_singular_values = None
+    if needs[7]:  # (U Lambda^{-1})^T dA, summed over the branches of a shared map
+        equation = f"{draws_letters}{scale},bqhsc->{letters['maps']}"
+        grad_maps = torch.einsum(equation, draws, *scaling, grad_coefficients)
+    if inverse is not None and needs[5]:  # d Lambda = -Lambda^{-2} d(Lambda^{-1}) = -Lambda^{-2} sum dU U
+        equation = f"bqhsc,{letters['maps']},{draws_letters}{scale}{scale}->{letters['inverse']}"
+        grad_singular_values = torch.einsum(equation, grad_coefficients, maps, draws, inverse, inverse).neg_()
+    if needs[2] or needs[3]:  # dU = C dA^T Lambda^{-1}, summed over the branches that read one q(u)
+        equation = f"bqhsc,{letters['maps']}{scale}->hdqsb"
+        grad_draws = torch.einsum(equation, grad_coefficients, maps, *scaling)  # (H, d_out, branches, s, B)
+        if ctx.stacked == 1:  # one q(u) read by every branch
+            grad_draws = grad_draws.sum(2, keepdim=True)
+        elif branches < ctx.stacked:  # branches not read get no gradient
+            grad_draws = torch.cat([grad_draws, grad_draws.new_zeros(heads, outputs, 1, rank, samples)], dim=2)
+        grad_mean = grad_draws if ctx.drawn else grad_draws.sum(-1)  # (H, d_out, Q, s[, B])
+        if lower is not None and needs[3]:  # dL = tril(dU eps^T)
+            grad_factor = torch.einsum("hdqib,bhdqj->hdqij", grad_draws, noise).tril()
+    return grad_columns, grad_bias, grad_mean, grad_factor, None, grad_singular_values, None, grad_maps, None
 
 
 def _letters(inverse: Tensor | None, maps: Tensor) -> dict[str, str]:

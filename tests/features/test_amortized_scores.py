@@ -3,8 +3,6 @@ gradients of every parameter; the hand-written backward pass against finite diff
 
 from __future__ import annotations
 
-import contextlib
-
 import pytest
 import torch
 
@@ -199,7 +197,7 @@ def test_fused_scores_are_halves_of_one_stacked_tensor():
     assert left.shape == (2, 1, 3, 2, 5) and left.data_ptr() == general.left_scores.data_ptr()
 
 
-EXCLUSIONS = ["cross-attention", "causal", "kernel_diag", "tie_qk", "autocast"]
+EXCLUSIONS = ["cross-attention", "causal", "kernel_diag", "tie_qk"]
 
 
 @pytest.mark.parametrize("exclusion", EXCLUSIONS)
@@ -214,15 +212,43 @@ def test_each_exclusion_of_the_fused_path(exclusion: str):
     keys = x.clone() if exclusion == "cross-attention" else x  # the same values, but not the queries
     causal, kernel_diag = exclusion == "causal", exclusion == "kernel_diag"
     assert features.takes_fused_path(x, x, causal=False, kernel_diag=False) is not tied
-    autocast = torch.autocast("cpu", dtype=torch.bfloat16) if exclusion == "autocast" else contextlib.nullcontext()
-    with autocast:
-        assert features.takes_fused_path(x, keys, causal, kernel_diag) is False
-        scores = features(x, keys, causal=causal, kernel_diag=kernel_diag)
+    assert features.takes_fused_path(x, keys, causal, kernel_diag) is False
+    scores = features(x, keys, causal=causal, kernel_diag=kernel_diag)
     assert scores.stacked is None and scores.left_scores.shape == (2, 3, 5, 2)
     if exclusion in ("cross-attention", "kernel_diag"):
         fused = features(x, kernel_diag=False)
         assert fused.stacked is not None
         torch.testing.assert_close(scores.columns(), fused.columns(), rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("masked", [False, True], ids=["every-token", "padding"])
+def test_fused_path_under_bfloat16_autocast(masked: bool):
+    """Under CPU autocast (bfloat16) the fused path runs its products in bfloat16 (scores within bfloat16 rounding of
+    float32's) and forms J in float32 from them; its backward pass restores autocast and gives finite gradients close
+    to float32's."""
+    torch.manual_seed(7)
+    features = AmortizedAttentionFeatures(32, 2, num_inducing=4)
+    x = torch.randn(3, 40, 32)
+    mask = (torch.arange(40) < torch.tensor([40, 31, 17])[:, None]) if masked else None
+    gradients = {}
+    for precision in ("float32", "bfloat16"):
+        features.zero_grad(set_to_none=True)
+        enabled = precision == "bfloat16"
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=enabled):
+            assert features.takes_fused_path(x, x, causal=False, kernel_diag=False)
+            scores = features(x, key_mask=mask, objective=True, kernel_diag=False)
+        assert scores.stacked is not None and scores.stacked.dtype == getattr(torch, precision)
+        assert scores.objective.dtype == torch.float32
+        (scores.stacked.float().square().mean() + scores.objective.square().mean()).backward()
+        gradients[precision] = (scores, {k: v.grad.clone() for k, v in features.named_parameters()})
+    (reference, reference_grads), (low, low_grads) = gradients["float32"], gradients["bfloat16"]
+    relative = (low.stacked.float() - reference.stacked).norm() / reference.stacked.norm()
+    assert relative < 2e-2, relative
+    scale = float(reference.objective.detach().abs().max())
+    torch.testing.assert_close(low.objective, reference.objective, rtol=2e-2, atol=2e-2 * scale)
+    for name, value in reference_grads.items():
+        assert torch.isfinite(low_grads[name]).all() and low_grads[name].dtype == torch.float32, name
+        assert (low_grads[name] - value).norm() <= 5e-2 * value.norm() + 1e-6, name
 
 
 def test_backward_pass_with_create_graph_gives_the_same_gradients():
