@@ -22,8 +22,8 @@ and the gradients are closed forms of the same few tensors:
 with :math:`\bar k` the gradient of the KL. Autograd through GPyTorch's distribution (the mask, the
 ``CholLinearOperator`` and its root) and the closed form of
 :func:`~gpattn.variational.structured_covariance.diagonal_prior_kl` runs about eighty small operators per training
-step, forward and backward; this function about twenty-five. The backward pass is made of differentiable operations
-on the saved tensors (double backward works).
+step, forward and backward; this function about twenty-five. The backward pass reuses the forward pass's
+intermediates: first derivatives only (no double backward).
 """
 
 from __future__ import annotations
