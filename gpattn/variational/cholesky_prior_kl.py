@@ -31,6 +31,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from ..autocast import autocast_state, full_precision
+
 
 class CholeskyPriorKL(torch.autograd.Function):
     r""":math:`\mathrm{KL}(\mathcal N(m, L L^\top) \,\|\, \mathcal N(0, \operatorname{diag}(\sigma^2)))` per batch
@@ -46,17 +48,8 @@ class CholeskyPriorKL(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, mean: Tensor, factor: Tensor, scales: Tensor, total: bool = False) -> Tensor:
-        lower = factor.tril()
-        squares = torch.linalg.vecdot(lower, lower).addcmul_(mean, mean)  # n = sum_j L_ij^2 + m_i^2, (*batch, s)
-        inverse = scales.pow(-2)
-        ratio = squares * inverse  # n / sigma^2
-        # n / (2 sigma^2) + log (sigma / |L_ii|), summed over i (and the batch), minus s / 2
-        terms = torch.add((scales / lower.diagonal(dim1=-2, dim2=-1)).abs().log(), ratio, alpha=0.5)
-        ctx.save_for_backward(mean, lower, scales, inverse, ratio)
-        ctx.total = total
-        if total:
-            return terms.sum().sub_(0.5 * mean.numel())
-        return terms.sum(-1).sub_(0.5 * mean.shape[-1])
+        with full_precision(autocast_state(mean.device.type)):  # the parameters' dtype, also under autocast
+            return _forward(ctx, mean, factor, scales, total)
 
     @staticmethod
     def backward(ctx, grad: Tensor):
@@ -74,3 +67,17 @@ class CholeskyPriorKL(torch.autograd.Function):
             scaled = scale * scales
             grad_scales = torch.addcmul(scaled, scaled, ratio, value=-1.0).sum_to_size(scales.shape)
         return grad_mean, grad_factor, grad_scales, None
+
+
+def _forward(ctx, mean: Tensor, factor: Tensor, scales: Tensor, total: bool) -> Tensor:
+    lower = factor.tril()
+    squares = torch.linalg.vecdot(lower, lower).addcmul_(mean, mean)  # n = sum_j L_ij^2 + m_i^2, (*batch, s)
+    inverse = scales.pow(-2)
+    ratio = squares * inverse  # n / sigma^2
+    # n / (2 sigma^2) + log (sigma / |L_ii|), summed over i (and the batch), minus s / 2
+    terms = torch.add((scales / lower.diagonal(dim1=-2, dim2=-1)).abs().log(), ratio, alpha=0.5)
+    ctx.save_for_backward(mean, lower, scales, inverse, ratio)
+    ctx.total = total
+    if total:
+        return terms.sum().sub_(0.5 * mean.numel())
+    return terms.sum(-1).sub_(0.5 * mean.shape[-1])
