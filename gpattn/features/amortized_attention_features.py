@@ -126,7 +126,9 @@ class AmortizedAttentionFeatures(LearnedAttentionFeatures):
         singular_values = self.singular_values
         parameters = (kernel.query_weight, kernel.key_projection, self.right_map, self.left_map)
         parameters += (self.right_bias, self.left_bias, weights, kernel.outputscale)
-        arguments = (kernel.lift(tokens), tokens, *parameters, singular_values if objective else None, square_mask)
+        lifted = kernel.lift(tokens)
+        lifted = None if lifted is tokens else lifted
+        arguments = (lifted, tokens, *parameters, singular_values if objective else None, square_mask)
         scores, objective_value, finite = AmortizedSelfScores.apply(*arguments)
         if finite.numel() and not bool(finite):
             scores, objective_value, finite = AmortizedSelfScores.apply(*arguments, True)  # overflowing norms

@@ -81,8 +81,8 @@ class AmortizedSelfScores(torch.autograd.Function):
 
     Inputs:
 
-    * ``lifted`` :math:`G` ``(B, N, D)`` (the kernel's lift of the tokens; the tokens themselves without a lift) and
-      ``tokens`` :math:`X` ``(B, N, C)``;
+    * ``lifted`` :math:`G` ``(B, N, D)``, the kernel's lift of the tokens, or ``None`` (no lift: :math:`G = X`; one
+      tensor is never passed twice, which ``torch.compile`` cannot trace), and ``tokens`` :math:`X` ``(B, N, C)``;
     * ``query_weight``, ``key_weight`` :math:`W_q, W_k` ``(H, p, D)``; ``right_map``, ``left_map`` ``(H, C, s)`` and
       ``right_bias``, ``left_bias`` ``(H, s)``, the affine maps :math:`A_r, A_e`;
     * ``token_weights`` :math:`w`: a float (every token) or ``(B, 1, 1, 1, N)`` (no gradient);
@@ -106,7 +106,7 @@ class AmortizedSelfScores(torch.autograd.Function):
     @staticmethod
     def forward(
         ctx,
-        lifted: Tensor,
+        lifted: Tensor | None,
         tokens: Tensor,
         query_weight: Tensor,
         key_weight: Tensor,
@@ -125,7 +125,9 @@ class AmortizedSelfScores(torch.autograd.Function):
         # [P_q; P_k] and [a_r; a_e] by one GEMM each over every head: (B, 2, H, p, N) and (B, 2, H, s, N)
         projection = torch.cat([query_weight, key_weight]).flatten(0, 1)  # (2 H p, D)
         token_columns = tokens.mT
-        lifted_columns = token_columns if lifted is tokens else lifted.mT
+        ctx.same_tokens = lifted is None
+        lifted = tokens if lifted is None else lifted
+        lifted_columns = token_columns if ctx.same_tokens else lifted.mT
         columns = torch.matmul(projection, lifted_columns).view(batch, 2, heads, -1, length)
         value_weight = torch.cat([right_map, left_map]).mT.reshape(2 * heads * rank, -1)  # (2 H s, C)
         value_bias = torch.cat([right_bias, left_bias]).view(-1, 1)
@@ -163,7 +165,7 @@ class AmortizedSelfScores(torch.autograd.Function):
             finite = scores.new_empty(0, dtype=torch.bool)
         else:  # one check of the squared norms and the scores together (a sum is finite iff every term is)
             finite = torch.isfinite(squared.sum() + (scores.sum() if sums is None else sums.sum()))
-        ctx.operand, ctx.square_mask, ctx.same_tokens = operand, square_mask, lifted is tokens
+        ctx.operand, ctx.square_mask = operand, square_mask
         saved = (lifted, tokens, projection, value_weight, values, columns, outputscale, inverse, active, scale)
         saved += (factor, paired, scores, half_inverse, sums)
         # alpha is saved as the buffer's half (no version check: the backward pass writes the other half)
@@ -263,7 +265,7 @@ def _projection_gradients(ctx, lifted, tokens, projection, value_weight, grad_co
         grad_lifted = torch.matmul(grad_columns.mT, projection)
     if needs[1]:
         grad_tokens = torch.matmul(grad_values.mT, value_weight)
-    if ctx.same_tokens and grad_lifted is not None:  # one input: one gradient (autograd would add the two)
+    if ctx.same_tokens and grad_lifted is not None:  # G = X: both gradients go to the tokens
         grad_tokens = grad_lifted if grad_tokens is None else grad_tokens.add_(grad_lifted)
         grad_lifted = None
     grad_query = grad_key = grad_right = grad_left = grad_right_bias = grad_left_bias = None

@@ -91,7 +91,8 @@ def _arguments(inputs: dict, token_weights, mask, objective: bool = True) -> lis
     """The function's arguments in its order from ``inputs`` (a dict of :func:`_inputs`)."""
     names = ("lifted", "tokens", "query_weight", "key_weight", "right_map", "left_map", "right_bias", "left_bias")
     singular_values = inputs["singular_values"] if objective else None
-    return [inputs[name] for name in names] + [token_weights, inputs["outputscale"], singular_values, mask]
+    arguments = [inputs[name] for name in names] + [token_weights, inputs["outputscale"], singular_values, mask]
+    return [None if arguments[0] is arguments[1] else arguments[0], *arguments[1:]]  # no lift: None
 
 
 def _apply(inputs: dict, token_weights=THIRDS, objective: bool = True, mask=None):
