@@ -50,6 +50,11 @@ NORM_FLOOR = 1e-12
 NORM_BLOCK = 8
 
 
+def _wide(dtype: torch.dtype) -> torch.dtype:
+    # float32 for the half-precision dtypes of autocast, else the dtype itself (no aten call, unlike promote_types)
+    return dtype if dtype in (torch.float32, torch.float64) else torch.float32
+
+
 def _inverse_norms(columns: Tensor, rescaled: bool) -> tuple[Tensor, Tensor]:
     """``1 / max(||column||, 1e-12)`` along ``-2`` and where the norm is above the floor (the gradient vanishes
     below it), with the squared norms (empty when ``rescaled``): ``rescaled`` takes the overflow-safe path of
@@ -64,7 +69,7 @@ def _inverse_norms(columns: Tensor, rescaled: bool) -> tuple[Tensor, Tensor]:
         # one: fresh large buffers cost page faults on CPU), reduced along the contiguous N: several times faster
         # on CPU than vector_norm over dim -2
         blocks = columns.split(NORM_BLOCK, dim=-2)
-        wide = torch.promote_types(columns.dtype, torch.float32)  # bfloat16 columns: accumulated in float32
+        wide = _wide(columns.dtype)  # bfloat16 columns: accumulated in float32
         accumulated = (blocks[0] if blocks[0].dtype == wide else blocks[0].to(wide)).square()
         for block in blocks[1:]:
             if block.shape[-2] == accumulated.shape[-2]:
@@ -149,7 +154,7 @@ class AmortizedSelfScores(torch.autograd.Function):
         objective = sums = half_inverse = None
         # under autocast the products run in bfloat16 (or float16); J, a difference of sums that cancel near a
         # stationary point, and the small weights' gradients are formed in float32
-        wide = torch.promote_types(scores.dtype, torch.float32)
+        wide = _wide(scores.dtype)
         paired = paired if paired.dtype == wide else paired.to(wide)
         if singular_values is not None:
             with full_precision(ctx.autocast):
