@@ -41,7 +41,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ..autocast import autocast_state, full_precision, restored_autocast
+from ..fused import autocast_state, full_precision, restored_autocast
 from ..kernels.cosine_feature_kernel import inverse_norms
 
 #: the norm below which a feature column is not normalised further (as torch.nn.functional.normalize)

@@ -31,7 +31,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ..autocast import autocast_state, full_precision
+from ..fused import autocast_state, full_precision
 
 
 class CholeskyPriorKL(torch.autograd.Function):

@@ -34,7 +34,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ..autocast import autocast_state, restored_autocast
+from ..fused import autocast_state, restored_autocast
 
 
 class LinearOutput(torch.autograd.Function):
