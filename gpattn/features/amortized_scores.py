@@ -42,6 +42,7 @@ import torch
 from torch import Tensor
 
 from ..fused import autocast_state, full_precision, restored_autocast
+from ..fused.triton_scores import runs_triton, scores_backward, scores_forward
 from ..kernels.cosine_feature_kernel import inverse_norms
 
 #: the norm below which a feature column is not normalised further (as torch.nn.functional.normalize)
@@ -78,6 +79,27 @@ def _inverse_norms(columns: Tensor, rescaled: bool) -> tuple[Tensor, Tensor]:
                 accumulated = accumulated.sum(-2, keepdim=True) + block.square().sum(-2, keepdim=True)
         squared = accumulated.sum(-2, keepdim=True)
     return squared.clamp_min(NORM_FLOOR**2).rsqrt(), squared > NORM_FLOOR**2, squared
+
+
+def _torch_forward(ctx, columns, values, outputscale, token_weights, rescaled) -> tuple:
+    # the PyTorch sweep of the forward pass: scores, paired weights [W_r^T; W_e^T], squared norms and the tensors its
+    # backward pass reuses (the Triton kernels' reference)
+    rank, length = values.shape[-2], values.shape[-1]
+    inverse, active, squared = _inverse_norms(columns, rescaled)  # [nu_q; nu_k]: (B, 2, H, 1, N)
+    scale = outputscale.sqrt().view(-1, 1, 1) * inverse  # c nu
+    factor = scale * token_weights  # c nu w
+    # alpha = a c nu w lives in the second half of a (2s, N) buffer: the backward pass writes the gradient of beta
+    # into the first half and hands the buffer to its GEMM of inner dimension 2s without a concatenation
+    if torch.compiler.is_compiling():  # dynamo traces no out= into a strided view: the backward pass concatenates
+        ctx.operand, alpha = None, values * factor
+    else:
+        ctx.operand = values.new_empty(*values.shape[:-2], 2 * rank, length)
+        alpha = torch.mul(values, factor, out=ctx.operand[..., rank:, :])  # [a_r c nu_q w; a_e c nu_k w]
+    paired = torch.einsum("...sn,...pn->...sp", alpha, columns)  # [W_r^T; W_e^T] = alpha columns^T: (B, 2, H, s, p)
+    weights = paired.flip(1)  # [W_e^T; W_r^T], the weights of the scores [e; r]
+    scores = (weights @ columns).mul_(scale)  # [e^T; r^T] = c [W_e^T P_q; W_r^T P_k] nu
+    # alpha is saved as the buffer's half (no version check: the backward pass writes the other half)
+    return scores, paired, squared, (inverse, active, scale, factor, *(() if ctx.operand is not None else (alpha,)))
 
 
 class AmortizedSelfScores(torch.autograd.Function):
@@ -138,31 +160,30 @@ class AmortizedSelfScores(torch.autograd.Function):
         value_bias = torch.cat([right_bias, left_bias]).view(-1, 1)
         values = torch.baddbmm(value_bias, value_weight.expand(batch, -1, -1), token_columns)
         values = values.view(batch, 2, heads, rank, length)
-        inverse, active, squared = _inverse_norms(columns, rescaled)  # [nu_q; nu_k]: (B, 2, H, 1, N)
-        scale = outputscale.sqrt().view(heads, 1, 1) * inverse  # c nu
-        factor = scale * token_weights  # c nu w
-        # alpha = a c nu w lives in the second half of a (2s, N) buffer: the backward pass writes the gradient of beta
-        # into the first half and hands the buffer to its GEMM of inner dimension 2s without a concatenation
-        if torch.compiler.is_compiling():  # dynamo traces no out= into a strided view: the backward pass concatenates
-            operand, alpha = None, values * factor
+        ctx.triton = runs_triton(columns) and not rescaled
+        if ctx.triton:  # one launch of B H programs: scores, weights, token sums, squared norms
+            root_scale = outputscale.sqrt()
+            with_sums = singular_values is not None
+            scores, paired, sums, squared = scores_forward(
+                columns, values, token_weights, square_mask, root_scale, with_sums, NORM_FLOOR**2
+            )
+            sweep = (root_scale,)
         else:
-            operand = values.new_empty(*values.shape[:-2], 2 * rank, length)
-            alpha = torch.mul(values, factor, out=operand[..., rank:, :])  # [a_r c nu_q w; a_e c nu_k w]
-        paired = torch.einsum("...sn,...pn->...sp", alpha, columns)  # [W_r^T; W_e^T] = alpha columns^T: (B, 2, H, s, p)
-        weights = paired.flip(1)  # [W_e^T; W_r^T], the weights of the scores [e; r]
-        scores = (weights @ columns).mul_(scale)  # [e^T; r^T] = c [W_e^T P_q; W_r^T P_k] nu
-        objective = sums = half_inverse = None
+            scores, paired, squared, sweep = _torch_forward(ctx, columns, values, outputscale, token_weights, rescaled)
+            sums = None
+        objective = half_inverse = None
         # under autocast the products run in bfloat16 (or float16); J, a difference of sums that cancel near a
         # stationary point, and the small weights' gradients are formed in float32
         wide = _wide(scores.dtype)
         paired = paired if paired.dtype == wide else paired.to(wide)
         if singular_values is not None:
             with full_precision(ctx.autocast):
-                wide_scores = scores if scores.dtype == wide else scores.to(wide)
-                if square_mask is None:  # sum_i e_ik^2: one reduction
-                    sums = torch.linalg.vecdot(wide_scores, wide_scores)  # (B, 2, H, s): S_k sums the branches
-                else:  # sum_i m_i e_ik^2 over the real tokens
-                    sums = torch.linalg.vecdot(wide_scores * square_mask, wide_scores)
+                if sums is None:  # the PyTorch sweep: the token sums here
+                    wide_scores = scores if scores.dtype == wide else scores.to(wide)
+                    if square_mask is None:  # sum_i e_ik^2: one reduction
+                        sums = torch.linalg.vecdot(wide_scores, wide_scores)  # (B, 2, H, s): S_k sums the branches
+                    else:  # sum_i m_i e_ik^2 over the real tokens
+                        sums = torch.linalg.vecdot(wide_scores * square_mask, wide_scores)
                 half_inverse = torch.div(0.5, singular_values)  # 1 / (2 lambda)
                 coupling = paired.prod(1).sum((-2, -1))  # Tr(W_e^T W_r)
                 objective = torch.einsum("bqhs,hs->bh", sums, half_inverse).sub_(coupling)
@@ -170,11 +191,9 @@ class AmortizedSelfScores(torch.autograd.Function):
             finite = scores.new_empty(0, dtype=torch.bool)
         else:  # one check of the squared norms and the scores together (a sum is finite iff every term is)
             finite = torch.isfinite(squared.sum() + (scores.sum() if sums is None else sums.sum()))
-        ctx.operand, ctx.square_mask = operand, square_mask
-        saved = (lifted, tokens, projection, value_weight, values, columns, outputscale, inverse, active, scale)
-        saved += (factor, paired, scores, half_inverse, sums)
-        # alpha is saved as the buffer's half (no version check: the backward pass writes the other half)
-        ctx.save_for_backward(*saved, *(() if operand is not None else (alpha,)))
+        ctx.square_mask, ctx.token_weights = square_mask, token_weights
+        saved = (lifted, tokens, projection, value_weight, values, columns, outputscale, paired, scores, half_inverse)
+        ctx.save_for_backward(*saved, sums, *sweep)
         ctx.mark_non_differentiable(finite)
         ctx.set_materialize_grads(False)  # an unused output's gradient is None, not zeros
         if objective is None:
@@ -189,12 +208,43 @@ class AmortizedSelfScores(torch.autograd.Function):
 
 
 def _backward(ctx, grad_scores, grad_objective):
-    lifted, tokens, projection, value_weight, values, columns, outputscale, inverse, active, scale, *rest = (
+    lifted, tokens, projection, value_weight, values, columns, outputscale, paired, scores, half_inverse, *rest = (
         ctx.saved_tensors
     )
-    factor, paired, scores, half_inverse, sums, *compiled = rest
+    sums, *sweep = rest
+    with_objective = grad_objective is not None and half_inverse is not None
+    sums_factor = None
+    if with_objective:  # dJ / (2 lambda): the gradient of the token sums S in J
+        with full_precision(ctx.autocast):
+            sums_factor = torch.einsum("bh,hs->bhs", grad_objective, half_inverse)
+    if ctx.triton:
+        grad_columns, grad_values, total_paired, score_sums = scores_backward(
+            columns, values, scores, paired, grad_scores, grad_objective if with_objective else None, sums_factor,
+            ctx.token_weights, ctx.square_mask, sweep[0], NORM_FLOOR**2,
+        )  # fmt: skip
+        score_total = score_sums.sum(0)
+    else:
+        grad_columns, grad_values, total_paired, score_total = _torch_backward(
+            ctx, columns, values, paired, scores, sweep, grad_scores, grad_objective, sums_factor
+        )
+    large = _projection_gradients(ctx, lifted, tokens, projection, value_weight, grad_columns, grad_values)
+    grad_outputscale = grad_singular_values = None
+    with full_precision(ctx.autocast):
+        if ctx.needs_input_grad[9]:  # d c = (sum (d e) e + sum dW W) / c over each head; d sigma_f = d c / (2 c)
+            total_paired = total_paired if total_paired.dtype == paired.dtype else total_paired.to(paired.dtype)
+            total = score_total + torch.einsum("bqhsp,bqhsp->h", total_paired, paired)
+            grad_outputscale = total.div_(2.0 * outputscale)
+        if ctx.needs_input_grad[10] and with_objective:  # dJ / d lambda_k = -S_k / (2 lambda_k^2)
+            grad_singular_values = torch.einsum("bhs,bqhs,hs->hs", sums_factor, sums, half_inverse).mul_(-2.0)
+    return *large, None, grad_outputscale, grad_singular_values, None, None
+
+
+def _torch_backward(ctx, columns, values, paired, scores, sweep, grad_scores, grad_objective, sums_factor) -> tuple:
+    # the PyTorch sweep of the backward pass: the gradients of the columns and the values, the total gradient of
+    # [W_r^T; W_e^T] and the sum over every token of sum_k d beta_k e_k / (c nu) per head (the output scale's)
+    inverse, active, scale, factor, *compiled = sweep
     operand, square_mask = ctx.operand, ctx.square_mask
-    batch, _, heads, rank, length = scores.shape
+    batch, _, heads, rank, _ = scores.shape
     alpha = compiled[0] if operand is None else operand[..., rank:, :]
     weights = paired.flip(1)
     # eager and not differentiable (no create_graph): the (s, N) gradients are written into the first half of
@@ -202,13 +252,11 @@ def _backward(ctx, grad_scores, grad_objective):
     in_place = operand is not None and not torch.is_grad_enabled()
     if grad_scores is None:
         grad_scores = torch.zeros_like(scores)
-    with_objective = grad_objective is not None and half_inverse is not None
+    with_objective = sums_factor is not None
     # scores = c beta nu with beta = weights @ columns: d beta = (d scores + dJ m scores / lambda) c nu, the second
     # term from the token sums S of the squared scores in J
     if with_objective:
         masked = scores if square_mask is None else scores * square_mask
-        with full_precision(ctx.autocast):
-            sums_factor = torch.einsum("bh,hs->bhs", grad_objective, half_inverse)  # dJ / (2 lambda)
         sums_factor = sums_factor.view(batch, 1, heads, rank, 1)
     if in_place:
         grad_beta = operand[..., :rank, :]  # [d beta_e; d beta_r]
@@ -244,16 +292,7 @@ def _backward(ctx, grad_scores, grad_objective):
     grad_inverse = torch.addcmul(score_part, value_part, factor).div_(inverse)  # nu > 0: the norms are finite
     norm_term = torch.where(active, inverse.pow(3) * grad_inverse, 0.0)  # no gradient below the norm floor
     grad_columns.addcmul_(columns, norm_term, value=-1.0)  # in place: one pass over the feature columns
-    large = _projection_gradients(ctx, lifted, tokens, projection, value_weight, grad_columns, grad_values)
-    grad_outputscale = grad_singular_values = None
-    with full_precision(ctx.autocast):
-        if ctx.needs_input_grad[9]:  # d c = (sum (d e) e + sum dW W) / c over each head; d sigma_f = d c / (2 c)
-            total_paired = total_paired if total_paired.dtype == paired.dtype else total_paired.to(paired.dtype)
-            total = score_part.sum((0, 1, 3, 4)) + torch.einsum("bqhsp,bqhsp->h", total_paired, paired)
-            grad_outputscale = total.div_(2.0 * outputscale)
-        if ctx.needs_input_grad[10] and with_objective:  # dJ / d lambda_k = -S_k / (2 lambda_k^2)
-            grad_singular_values = torch.einsum("bxhsy,bqhs,hs->hs", sums_factor, sums, half_inverse).mul_(-2.0)
-    return *large, None, grad_outputscale, grad_singular_values, None, None
+    return grad_columns, grad_values, total_paired, score_part.sum((0, 1, 3, 4))
 
 
 def _projection_gradients(ctx, lifted, tokens, projection, value_weight, grad_columns, grad_values) -> tuple:
