@@ -112,6 +112,8 @@ def _backward(ctx, grad: Tensor) -> tuple:
     needs = ctx.needs_input_grad
     heads, outputs, branches, rank, samples = draws.shape
     samples = max(samples, 1 if inverse is None or inverse.dim() == 2 else inverse.shape[0])
+    if not grad.is_contiguous():  # e.g. the expanded gradient of output.sum(): one copy, not one per sequence in bmm
+        grad = grad.contiguous()
     grad_bias = grad.sum_to_size(ctx.bias_shape) if needs[1] else None
     grad_columns = torch.bmm(coefficients, grad.mT) if needs[0] else None
     if not any(needs[2:]):
