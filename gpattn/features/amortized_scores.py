@@ -289,16 +289,18 @@ def _torch_backward(ctx, columns, values, paired, scores, sweep, grad_scores, gr
         score_part = (grad_beta * scores).sum(-2, keepdim=True) / scale
         value_part = (grad_alpha * values).sum(-2, keepdim=True)
         grad_values = grad_alpha * factor
-    grad_inverse = torch.addcmul(score_part, value_part, factor).div_(inverse)  # nu > 0: the norms are finite
-    norm_term = torch.where(active, inverse.pow(3) * grad_inverse, 0.0)  # no gradient below the norm floor
+    # the norms' term nu^3 d nu with d nu = (score_part + value_part c nu w) / nu (nu > 0: the norms are finite); no
+    # gradient below the norm floor
+    norm_term = torch.where(active, torch.addcmul(score_part, value_part, factor).mul_(inverse.square()), 0.0)
     grad_columns.addcmul_(columns, norm_term, value=-1.0)  # in place: one pass over the feature columns
     return grad_columns, grad_values, total_paired, score_part.sum((0, 1, 3, 4))
 
 
 def _projection_gradients(ctx, lifted, tokens, projection, value_weight, grad_columns, grad_values) -> tuple:
     # the gradients of the lifted tokens, the tokens and the six parameters of the two projection GEMMs: one GEMM
-    # each, the parameters' summed over the sequences (addbmm; beta=0 ignores its first argument), handed back as
-    # views of the stacked gradients
+    # each, the parameters' summed over the sequences afterwards (one batched GEMM and one reduction: addbmm would run
+    # one GEMM per sequence, each a parallel region that waits for its threads on a busy CPU), handed back as views
+    # of the stacked gradients
     batch, _, heads, rank, _ = grad_values.shape
     needs = ctx.needs_input_grad
     grad_columns = grad_columns.view(batch, projection.shape[0], -1)  # (B, 2 H p, N)
@@ -314,10 +316,10 @@ def _projection_gradients(ctx, lifted, tokens, projection, value_weight, grad_co
         grad_lifted = None
     grad_query = grad_key = grad_right = grad_left = grad_right_bias = grad_left_bias = None
     if needs[2] or needs[3]:
-        grad_projection = torch.addbmm(projection, grad_columns, lifted, beta=0.0)  # (2 H p, D)
+        grad_projection = torch.bmm(grad_columns, lifted).sum(0)  # (2 H p, D)
         grad_query, grad_key = grad_projection.view(2, heads, -1, lifted.shape[-1]).unbind(0)
     if needs[4] or needs[5]:
-        grad_maps = torch.addbmm(value_weight, grad_values, tokens, beta=0.0).view(2, heads, rank, -1)  # (2, H, s, C)
+        grad_maps = torch.bmm(grad_values, tokens).sum(0).view(2, heads, rank, -1)  # (2, H, s, C)
         grad_right, grad_left = grad_maps.mT.contiguous().unbind(0)  # the maps' (H, C, s) layout
     if grad_bias is not None:
         grad_right_bias, grad_left_bias = grad_bias.unbind(0)

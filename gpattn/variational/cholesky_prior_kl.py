@@ -40,16 +40,17 @@ class CholeskyPriorKL(torch.autograd.Function):
 
     Inputs: ``mean`` :math:`m` of shape ``(*batch, s)``; ``factor``, the Cholesky parameter of shape
     ``(*batch, s, s)`` (only its lower triangle is read; the upper one gets a zero gradient); ``scales``
-    :math:`\sigma`, positive, broadcastable to ``(*batch, s)``; ``total``: sum over the batch. Output: shape
-    ``(*batch)``, or a scalar with ``total``.
+    :math:`\sigma`, positive, broadcastable to ``(*batch, s)`` once ``singletons`` dimensions of size 1 are inserted in
+    front of its last (e.g. :math:`\Lambda` of shape ``(H, s)`` against a :math:`q(u)` of batch ``(H, d_out, 2)``
+    with ``singletons=2``); ``total``: sum over the batch. Output: shape ``(*batch)``, or a scalar with ``total``.
 
     .. note:: Cost O(s^2) per batch element, forward and backward.
     """
 
     @staticmethod
-    def forward(ctx, mean: Tensor, factor: Tensor, scales: Tensor, total: bool = False) -> Tensor:
+    def forward(ctx, mean: Tensor, factor: Tensor, scales: Tensor, total: bool = False, singletons: int = 0) -> Tensor:
         with full_precision(autocast_state(mean.device.type)):  # the parameters' dtype, also under autocast
-            return _forward(ctx, mean, factor, scales, total)
+            return _forward(ctx, mean, factor, scales, total, singletons)
 
     @staticmethod
     def backward(ctx, grad: Tensor):
@@ -65,11 +66,20 @@ class CholeskyPriorKL(torch.autograd.Function):
             grad_factor = grad_factor - torch.diag_embed(grad / diagonal)
         if ctx.needs_input_grad[2]:
             scaled = scale * scales
-            grad_scales = torch.addcmul(scaled, scaled, ratio, value=-1.0).sum_to_size(scales.shape)
-        return grad_mean, grad_factor, grad_scales, None
+            grad_scales = torch.addcmul(scaled, scaled, ratio, value=-1.0)
+            if ctx.inserted:  # summed over the inserted dimensions (and those in front), back to sigma's shape
+                leading = grad_scales.dim() - len(ctx.scales_shape) - len(ctx.inserted)
+                inserted = tuple(leading + dim for dim in ctx.inserted)
+                grad_scales = grad_scales.sum(tuple(range(leading)) + inserted)
+            if grad_scales.shape != ctx.scales_shape:  # broadcast dimensions of sigma
+                grad_scales = grad_scales.sum_to_size(ctx.scales_shape)
+        return grad_mean, grad_factor, grad_scales, None, None
 
 
-def _forward(ctx, mean: Tensor, factor: Tensor, scales: Tensor, total: bool) -> Tensor:
+def _forward(ctx, mean: Tensor, factor: Tensor, scales: Tensor, total: bool, singletons: int) -> Tensor:
+    ctx.scales_shape, ctx.inserted = scales.shape, tuple(range(scales.dim() - 1, scales.dim() - 1 + singletons))
+    if singletons:  # (*lead, s) -> (*lead, 1, ..., 1, s)
+        scales = scales.view(*scales.shape[:-1], *(1,) * singletons, scales.shape[-1])
     lower = factor.tril()
     squares = torch.linalg.vecdot(lower, lower).addcmul_(mean, mean)  # n = sum_j L_ij^2 + m_i^2, (*batch, s)
     inverse = scales.pow(-2)

@@ -188,7 +188,8 @@ class KernelEigenReadout:
         distribution = strategy._variational_distribution
         if type(distribution) is CholeskyVariationalDistribution:
             mean, factor = distribution.variational_mean, distribution.chol_variational_covar
-            return CholeskyPriorKL.apply(mean, factor, strategy._prior_scales(), True)
+            scales = strategy._prior_scales(aligned=False)  # aligned inside the function: no view in the graph
+            return CholeskyPriorKL.apply(mean, factor, scales, True, strategy._aligned_dims)
         return strategy.kl_divergence().sum()
 
     def initialize_at_prior_draw(self, singular_values: Tensor, covariance_scale: float = 0.1) -> None:

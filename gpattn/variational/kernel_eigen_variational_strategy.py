@@ -262,23 +262,28 @@ class KernelEigenVariationalStrategy(_VariationalStrategy):
         check_choice("side", side, self._branch_sides, where=type(self).__name__)
         return covariance
 
+    @property
+    def _aligned_dims(self) -> int:
+        # the singleton dimensions that align Lambda with q(u)'s batch: the outputs (and the branches of a pair)
+        return self.num_output_dims + (len(self._branch_sides) > 1)
+
     def _aligned(self, tensor: Tensor) -> Tensor:
         # Lambda (or its active directions) of the features, (*batch_f, s), with singleton dimensions for the outputs
         # (and the branches of a pair) so that it broadcasts against q(u)'s batch shape
-        extra = self.num_output_dims + (len(self._branch_sides) > 1)
-        return tensor.reshape(*tensor.shape[:-1], *(1,) * extra, tensor.shape[-1])
+        return tensor.reshape(*tensor.shape[:-1], *(1,) * self._aligned_dims, tensor.shape[-1])
 
-    def _prior_scales(self, scores: KernelEigenScores | None = None) -> Tensor:
-        # the prior standard deviations Lambda (1 for an inactive direction, all 1 when whitened) aligned with q(u)'s
-        # batch (broadcastable to it), from a call's scores or from the features
+    def _prior_scales(self, scores: KernelEigenScores | None = None, aligned: bool = True) -> Tensor:
+        # the prior standard deviations Lambda (1 for an inactive direction, all 1 when whitened), from a call's scores
+        # or from the features; aligned with q(u)'s batch (broadcastable to it), or in Lambda's shape
         if scores is None:
             singular_values, active = self.features.singular_values, self.features.active_inducing
         else:
             singular_values, active = scores.singular_values, scores.active
         if self.whiten:
-            return torch.ones_like(self._aligned(singular_values))
-        scales = self._aligned(singular_values)
-        return scales if active is None else torch.where(self._aligned(active), scales, 1.0)
+            scales = torch.ones_like(singular_values)
+        else:
+            scales = singular_values if active is None else torch.where(active, singular_values, 1.0)
+        return self._aligned(scales) if aligned else scales
 
     def _prior_variances(self, scores: KernelEigenScores | None = None) -> Tensor:
         # the prior variances Lambda^2 (1 for an inactive direction, all 1 when whitened) broadcast to q(u)'s batch

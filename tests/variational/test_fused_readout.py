@@ -30,11 +30,15 @@ def _factor(seed: int) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("total", [False, True], ids=["per-batch", "total"])
-def test_cholesky_prior_kl_against_torch_distributions(total: bool):
-    mean, factor, scales = _randn(H, D_OUT, S, seed=1), _factor(2), _randn(H, 1, S, seed=3, positive=True)
-    kl = CholeskyPriorKL.apply(mean, factor, scales, total)
+@pytest.mark.parametrize("aligned", [True, False], ids=["aligned-scales", "scales-per-head"])
+def test_cholesky_prior_kl_against_torch_distributions(total: bool, aligned: bool):
+    """sigma aligned with q(u)'s batch, (H, 1, s), or of Lambda's shape (H, s): the singleton dimension inserted."""
+    mean, factor, scales = _randn(H, D_OUT, S, seed=1), _factor(2), _randn(H, S, seed=3, positive=True)
+    scales = scales.unsqueeze(1) if aligned else scales
+    kl = CholeskyPriorKL.apply(mean, factor, scales, total, 0 if aligned else 1)
+    variances = (scales if aligned else scales.unsqueeze(1)).square().expand_as(mean)
     q = MultivariateNormal(mean, scale_tril=factor.tril())
-    p = MultivariateNormal(torch.zeros_like(mean), covariance_matrix=torch.diag_embed(scales.square().expand_as(mean)))
+    p = MultivariateNormal(torch.zeros_like(mean), covariance_matrix=torch.diag_embed(variances))
     expected = kl_divergence(q, p)
     torch.testing.assert_close(kl, expected.sum() if total else expected, rtol=1e-12, atol=1e-12)
 
@@ -42,8 +46,11 @@ def test_cholesky_prior_kl_against_torch_distributions(total: bool):
 def test_cholesky_prior_kl_gradients():
     """gradcheck of every input; the upper triangle of the parameter gets a zero gradient."""
     inputs = (_randn(H, D_OUT, S, seed=4), _factor(5), _randn(H, 1, S, seed=6, positive=True))
+    per_head = (*inputs[:2], _randn(H, S, seed=7, positive=True))  # sigma of Lambda's shape (H, s)
     for total in (False, True):
-        assert torch.autograd.gradcheck(lambda m, f, s, t=total: CholeskyPriorKL.apply(m, f, s, t), inputs)
+        for arguments, singletons in ((inputs, 0), (per_head, 1)):
+            function = lambda m, f, s, t=total, n=singletons: CholeskyPriorKL.apply(m, f, s, t, n)  # noqa: E731
+            assert torch.autograd.gradcheck(function, arguments)
     (grad,) = torch.autograd.grad(CholeskyPriorKL.apply(*inputs, True), inputs[1])
     assert torch.equal(grad.triu(1), torch.zeros_like(grad))
 
