@@ -74,7 +74,7 @@ class KEPSVGPAttention(AttentionLayer):
         >>> _ = torch.manual_seed(0)
         >>> layer, x = KEPSVGPAttention(embed_dim=16, num_heads=2, num_inducing=3), torch.randn(4, 9, 16)
         >>> layer.train()(x).shape, layer.kl_divergence()  # training: a joint sample; the KL of q(u)
-        (torch.Size([4, 9, 16]), tensor(225.1221, grad_fn=<SumBackward1>))
+        (torch.Size([4, 9, 16]), tensor(225.1222, grad_fn=<CholeskyPriorKLBackward>))
         >>> mean, variance = layer.posterior(x)  # the strategy's q(f) through the output maps, (B, N, C) each
         >>> variance.shape, bool((variance > 0).all())
         (torch.Size([4, 9, 16]), True)
