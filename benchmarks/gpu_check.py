@@ -60,7 +60,7 @@ SCALING_SCRIPT = Path(__file__).resolve().with_name("attention_scaling.py")
 VARIANT_ROWS = ("kep_svgp_marginal", "kep_svgp_exact", "kep_svgp_official_style")
 #: the rows of the scaling table and of the counts
 TABLE_ROWS = ("softmax", "floor", "kep_svgp", "kep_svgp_official_style", "sgpa")
-COMPILED_ROWS = ("softmax", "floor", "kep_svgp")
+COMPILED_ROWS = ("floor", "kep_svgp")  # the target: compiled KEP within 1.2x of the compiled floor
 AUTOCAST_ROWS = ("softmax", "kep_svgp")
 #: the comparison's rows timed on MNIST-1D (all of its default rows)
 MNIST1D_ROWS = ("kep_svgp", "sgpa", "softmax", "softmax_mc_dropout", "primal")
