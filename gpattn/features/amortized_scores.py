@@ -23,7 +23,7 @@ term):
 
 .. math::
 
-    \bar P_q = [W_e,\; c\, \bar W_r] \begin{bmatrix} \bar\beta_e \\ a_r \circ \nu_q w \end{bmatrix}
+    \bar P_q = [W_e,\; \bar W_r] \begin{bmatrix} \bar\beta_e \\ a_r \circ c \nu_q w \end{bmatrix}
         - P_q \circ \nu_q^3 \bar\nu_q,
 
 with :math:`\bar\beta_e = c\, \bar e^\top \circ \nu_q`, :math:`\bar W_r` the total gradient of :math:`W_r^\top`
@@ -31,9 +31,15 @@ with :math:`\bar\beta_e = c\, \bar e^\top \circ \nu_q`, :math:`\bar W_r` the tot
 gradient enters as :math:`\bar e_{ik} \mathrel{+}= \bar J m_i e_{ik} / \lambda_k` (one ``addcmul`` over the scores)
 and :math:`\bar W_e^\top = -\bar J\, W_r^\top`, :math:`\bar W_r^\top = -\bar J\, W_e^\top` (one over the small
 weights). Both feature matrices come from one projection GEMM and both value maps from another; their gradients are
-written by one batched GEMM each into the layout of that GEMM's output, and the parameters' gradients are one GEMM
-each (summed over the sequences). The right operand :math:`[\bar\beta; a \circ \nu w]` of the feature columns'
+written by one batched GEMM each into the layout of that GEMM's output, and the parameters' gradients are one batched
+GEMM and one reduction each. The right operand :math:`[\bar\beta; a \circ c \nu w]` of the feature columns'
 gradient GEMM is one buffer whose second half the forward pass fills.
+
+The two sweeps between the projection GEMMs (the norms, weights, scores and token sums forward; the gradients of the
+columns and values backward) are PyTorch code, the reference and the CPU path, or on CUDA Triton kernels
+(:mod:`gpattn.fused.triton_scores`, decided by :func:`~gpattn.fused.triton_scores.runs_triton`). Under autocast the
+products run in the autocast dtype (the backward pass under the forward's autocast) and the norms, the token sums,
+:math:`J` and the small weights' gradients in float32.
 """
 
 from __future__ import annotations
