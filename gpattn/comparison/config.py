@@ -68,6 +68,8 @@ class CompareConfig:
     :ivar jobs: Runs trained at the same time, in worker processes (:mod:`gpattn.comparison.runner`); the records
         are identical for a given ``threads`` whatever ``jobs`` is. Use about (cores / threads).
     :ivar smoke_test: Set by :meth:`quick`: a smoke test, labelled as such in ``table.md``.
+    :ivar compile: ``torch.compile`` every model (``gpattn.comparison.runs.compile_model``: CUDA graphs on
+        CUDA); its numbers equal eager's up to float rounding (a field of the records' settings).
     """
 
     attentions: tuple[str, ...] = DEFAULT_ATTENTIONS
@@ -96,6 +98,7 @@ class CompareConfig:
     threads: int = 1
     jobs: int = 1
     smoke_test: bool = False
+    compile: bool = False
 
     def __post_init__(self) -> None:
         where = "CompareConfig"

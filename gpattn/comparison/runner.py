@@ -5,7 +5,9 @@
 * runs them one after the other in this process (``config.jobs == 1``) or in ``config.jobs`` worker processes
   (``spawn`` start method), each with ``torch.set_num_threads(config.threads)``. A run's numbers depend on its
   arguments and on the thread count only (torch's reductions are split differently with another thread count), so
-  for a given ``threads`` the records are identical whatever ``jobs`` is;
+  for a given ``threads`` the records are identical whatever ``jobs`` is. On CUDA every process running runs uses
+  deterministic kernels (:func:`run_environment`), so that the workers sharing one GPU give the records of the runs
+  made one by one;
 * writes each finished run's record at once to ``<out>/runs/<task>-<attention>-<seed>.json`` (strict JSON, through
   a temporary file and :func:`os.replace`, so a file is either complete or absent), together with the run's identity
   (task, row, seed) and the settings that determine its numbers, with their SHA-256 (:func:`run_file_content`);
@@ -49,6 +51,7 @@ __all__ = [
     "check_writable_folder",
     "execute_runs",
     "read_run_file",
+    "run_environment",
     "result_settings",
     "run_comparison",
     "run_file_content",
@@ -118,11 +121,41 @@ def _run_one(config: CompareConfig, task: str, attention: str, seed: int) -> tup
     return record, time.perf_counter() - start
 
 
-def _start_worker(threads: int) -> None:
+def _start_worker(threads: int, device: str) -> None:
     # Ctrl-C goes to the whole process group: the parent alone handles it (and stops the workers), so that a worker
     # prints no traceback
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     torch.set_num_threads(threads)
+    _deterministic_cuda(device)
+
+
+def _deterministic_cuda(device: str) -> bool:
+    """On a CUDA device: deterministic kernels (cuBLAS with a fixed workspace, set before the process's first cuBLAS
+    call; PyTorch's deterministic algorithms, with a warning for an operator that has none) and the run's device made
+    current, so that a run gives the same record in any process, alone or beside others on the GPU. The parent of the
+    workers never touches CUDA (spawned workers start without its state). Returns whether it changed anything."""
+    target = torch.device(device)
+    if target.type != "cuda":
+        return False
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    if target.index is not None:
+        torch.cuda.set_device(target)
+    return True
+
+
+@contextmanager
+def run_environment(config: CompareConfig) -> Iterator[None]:
+    """The settings of the runs in this process, the previous ones restored after the block: ``config.threads``
+    torch threads and, on CUDA, deterministic kernels (as in every worker process)."""
+    previous = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
+    with torch_threads(config.threads):
+        changed = _deterministic_cuda(config.device)
+        try:
+            yield
+        finally:
+            if changed:
+                torch.use_deterministic_algorithms(previous[0], warn_only=previous[1])
 
 
 # -- the records on disk ---------------------------------------------------------------------------------------------
@@ -308,7 +341,7 @@ def execute_runs(
         tqdm.write(f"resuming: {len(records)} of {total} runs already finished in {folder}", file=sys.stderr)
     try:
         if config.jobs == 1 or len(pending) <= 1:
-            with torch_threads(config.threads):
+            with run_environment(config):
                 for run in pending:
                     bar.set_postfix_str(run_name(*run))
                     try:
@@ -337,7 +370,7 @@ def _run_in_parallel(config: CompareConfig, pending: list[tuple[str, str, int]],
         max_workers=min(config.jobs, len(pending)),
         mp_context=context,
         initializer=_start_worker,
-        initargs=(config.threads,),
+        initargs=(config.threads, config.device),
     )
     futures = {executor.submit(_run_one, config, *run): run for run in pending}
     clean = False
