@@ -300,12 +300,20 @@ def check_token_magnitude(tokens: Tensor | Sequence[Tensor], growth: str, where:
         )
 
 
-def _within(value: Tensor, bound: float) -> bool:
-    # one aminmax pass: finite and within [-bound, bound] (NaN fails every comparison)
-    if value.numel() == 0:
-        return True
-    low, high = torch.aminmax(value.detach())
-    return bool(torch.isfinite(low) & torch.isfinite(high) & (low >= -bound) & (high <= bound))
+def within_bound(values: Sequence[Tensor | None], bound: float = math.inf) -> bool:
+    """Whether every tensor of ``values`` (``None`` entries skipped) is finite and within ``[-bound, bound]``: one fused
+    max-norm pass over all of them (``torch._foreach_norm``, which propagates NaN) and one host synchronisation,
+    whatever their number. ``True`` while tracing or compiling and for ``meta`` tensors (nothing can be read)."""
+    present = [value for value in values if value is not None and value.numel()]
+    if not present or _is_tracing() or any(value.device.type == "meta" for value in present):
+        return True  # nothing to check, or no value to read (tracing, compiling, meta tensors)
+    with torch.no_grad():
+        groups: dict[tuple[torch.dtype, torch.device], list[Tensor]] = {}
+        for value in present:  # _foreach_norm takes one dtype and device per call
+            groups.setdefault((value.dtype, value.device), []).append(value)
+        norms = [norm.float() for group in groups.values() for norm in torch._foreach_norm(group, math.inf)]
+        largest = norms[0] if len(norms) == 1 else torch.stack(norms).amax()
+        return bool(torch.isfinite(largest) & (largest <= bound))  # NaN fails both
 
 
 def check_overflow(
@@ -321,7 +329,8 @@ def check_overflow(
     beyond ``bound`` (a result whose square or product is about to overflow), refuse tokens beyond
     :func:`token_magnitude_limit` (of ``power``) with :func:`check_token_magnitude`'s message.
 
-    One reduction pass per result on the normal path (skipped while tracing or compiling, and on ``meta``).
+    One fused reduction over all results and one host synchronisation on the normal path (:func:`within_bound`;
+    skipped while tracing or compiling, and on ``meta``).
 
     :param results: What the layer computed from the tokens (its output, its loss terms); ``None`` entries are skipped.
     :param tokens: The input tokens.
@@ -333,10 +342,7 @@ def check_overflow(
         diagnose further.
     :raises ValueError: A result out of range from tokens beyond the limit.
     """
-    present = [result for result in results if result is not None]
-    if _is_tracing() or any(result.device.type == "meta" for result in present):
-        return True
-    if all(_within(result, bound) for result in present):
+    if within_bound(results, bound):
         return True
     check_token_magnitude(tokens, growth, where, power)
     return False

@@ -9,7 +9,7 @@ import torch
 from torch import Tensor
 
 from ..ksvd import ksvd_objective
-from ..validation import all_finite, check_overflow, check_token_magnitude, square_limit
+from ..validation import all_finite, check_overflow, check_token_magnitude, square_limit, within_bound
 from .attention_kernel_eigen_features import AttentionKernelEigenFeatures
 from .kernel_eigen_scores import KernelEigenScores
 from .sequence_sums import unit_quadratic_form
@@ -201,12 +201,15 @@ class LearnedAttentionFeatures(AttentionKernelEigenFeatures):
         return watched, (watched if keys is queries else _GradientGuard.apply(keys, anchor, self._where()))
 
     def _check_scores(self, scores: KernelEigenScores, official: Tensor | None, queries: Tensor, keys: Tensor) -> None:
-        # one reduction over the scores (their squares must not overflow), and over J when it was computed (J^2)
+        # the scores (their squares must not overflow) and J when it was computed (J^2, the penalty): one fused pass and
+        # one synchronisation on the normal path; what overflowed is told apart only when something did
         bound = square_limit(queries.dtype)
-        tokens, where = (queries, keys), self._where()
         results = [scores.stacked] if scores.stacked is not None else [scores.left_scores, scores.right_scores]
-        check_overflow(results, tokens, SCORES_GROWTH, where, bound=bound)
         penalised = scores.objective if official is None else official  # the J whose square is the penalty
+        if within_bound([*results, penalised], bound):
+            return
+        tokens, where = (queries, keys), self._where()
+        check_overflow(results, tokens, SCORES_GROWTH, where, bound=bound)
         check_overflow((penalised,), tokens, PENALTY_GROWTH, where, bound=bound, power=4)
 
     @staticmethod

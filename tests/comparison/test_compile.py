@@ -47,7 +47,7 @@ def test_compiled_model_trains_to_the_eager_numbers():
     rounding of reordered sums."""
     method = get_method("kep_svgp")
     config = CompareConfig(embed_dim=16, depth=1, num_heads=2)
-    hyperparameters = config.hyperparameters("mnist1d", method, 4)
+    hyperparameters = config.hyperparameters("mnist1d", method, {"num_inducing": 4})
     tokens = torch.randn(8, 16, 1, generator=torch.Generator().manual_seed(1))
     labels = torch.randint(0, 10, (8,), generator=torch.Generator().manual_seed(2))
     results = {}
