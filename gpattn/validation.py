@@ -311,9 +311,13 @@ def within_bound(values: Sequence[Tensor | None], bound: float = math.inf) -> bo
         groups: dict[tuple[torch.dtype, torch.device], list[Tensor]] = {}
         for value in present:  # _foreach_norm takes one dtype and device per call
             groups.setdefault((value.dtype, value.device), []).append(value)
-        norms = [norm.float() for group in groups.values() for norm in torch._foreach_norm(group, math.inf)]
-        largest = norms[0] if len(norms) == 1 else torch.stack(norms).amax()
-        return bool(torch.isfinite(largest) & (largest <= bound))  # NaN fails both
+        within = None
+        for group in groups.values():  # each group compared in its own dtype (no cast: float64 stays float64)
+            norms = torch._foreach_norm(group, math.inf)
+            largest = norms[0] if len(norms) == 1 else torch.stack(norms).amax()
+            inside = torch.isfinite(largest) & (largest <= bound)  # NaN fails both
+            within = inside if within is None else within & inside.to(within.device)
+        return bool(within)
 
 
 def check_overflow(

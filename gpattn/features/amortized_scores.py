@@ -179,8 +179,9 @@ class AmortizedSelfScores(torch.autograd.Function):
             sums = None
         objective = half_inverse = None
         # under autocast the products run in bfloat16 (or float16); J, a difference of sums that cancel near a
-        # stationary point, and the small weights' gradients are formed in float32
-        wide = _wide(scores.dtype)
+        # stationary point, and the small weights' gradients are formed in float32; a half-precision layer outside
+        # autocast (its parameters half too) computes them in its own dtype, as its magnitude guard assumes
+        wide = _wide(scores.dtype) if ctx.autocast is not None else scores.dtype
         paired = paired if paired.dtype == wide else paired.to(wide)
         if singular_values is not None:
             with full_precision(ctx.autocast):
