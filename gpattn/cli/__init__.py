@@ -1,6 +1,6 @@
-"""Command line interface: ``gpattn compare`` (every row on MNIST-1D and digits), ``gpattn train`` (one model, with
-checkpoints and ``--resume``) and ``gpattn regression`` (KEP-SVGP against the exact GP on the 1-D toy data); one
-module per command.
+"""Command line interface: ``gpattn compare`` (every row on MNIST-1D and digits), ``gpattn tune`` (every row's
+hyperparameters on validation, with Optuna), ``gpattn train`` (one model, with checkpoints and ``--resume``) and
+``gpattn regression`` (KEP-SVGP against the exact GP on the 1-D toy data); one module per command.
 
 Exit status: 0 on success; 2 for a bad option (the message names it) before anything runs; 1 for a failure while
 running (a diverged training, a damaged checkpoint, a folder that cannot be written, ...), printed as one line
@@ -18,6 +18,7 @@ from .compare import add_compare, run_compare
 from .options import CommandError, CommandInterrupted, prepare_out
 from .regression import add_regression, run_regression
 from .train import add_train, run_train
+from .tune import add_tune, run_tune
 
 __all__ = ["CommandError", "build_parser", "main", "prepare_out"]
 
@@ -29,6 +30,7 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True)
     add_regression(commands)
     add_compare(commands)
+    add_tune(commands)
     add_train(commands)
     return parser
 
@@ -36,7 +38,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     """Run ``gpattn`` with ``argv`` (default: the process's arguments) and return the exit status."""
     args = build_parser().parse_args(argv)
-    run = {"compare": run_compare, "train": run_train, "regression": run_regression}[args.command]
+    run = {"compare": run_compare, "tune": run_tune, "train": run_train, "regression": run_regression}[args.command]
     prefix = f"gpattn {args.command}"
     try:
         return run(args)
