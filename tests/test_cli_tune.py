@@ -12,7 +12,7 @@ import pytest
 import gpattn.comparison.tuned_configuration as tuned_module
 import gpattn.comparison.tuning as tuning_module
 from gpattn.cli import main
-from gpattn.comparison.search_space import ARCHITECTURES, TUNED_ROWS
+from gpattn.comparison.tuning_space import ARCHITECTURES, TUNED_ROWS
 
 TINY = ["tune", "--tasks", "pointer", "--rows", "softmax", "--trials", "2", "--pointer-epochs", "1"]
 TINY += ["--eval-samples", "2", "--no-progress"]

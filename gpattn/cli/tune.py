@@ -42,9 +42,9 @@ FIELDS = (
 
 def add_tune(commands) -> None:
     """Add the ``tune`` command to the subparsers ``commands``."""
-    from ..comparison.search_space import TUNED_ROWS, search_space_text
     from ..comparison.tasks import TASKS
     from ..comparison.tune_config import TuneConfig
+    from ..comparison.tuning_space import TUNED_ROWS, search_space_text
 
     defaults = TuneConfig()
     tune = commands.add_parser(

@@ -1,6 +1,8 @@
 """The comparison (``gpattn compare``): its tasks, settings and runs, their evaluation and typed records
-(JSON/CSV), statistics over seeds (paired differences with intervals), the report, the scheduling of the runs, and the
-toy regression fit (exact GP vs KEP-SVGP via VariationalELBO and Pyro SVI).
+(JSON/CSV), statistics over seeds (paired differences with intervals), the report, the scheduling of the runs, the
+tuned configurations and the settings and search space of ``gpattn tune`` (its Optuna studies:
+:mod:`gpattn.comparison.tuning`, which needs the ``tune`` extra), and the toy regression fit (exact GP vs KEP-SVGP
+via VariationalELBO and Pyro SVI).
 
 Data flows one way: the comparison resolves each row once (:mod:`gpattn.methods`) and trains it with the loop of
 :mod:`gpattn.training`, which never imports this package.
@@ -48,14 +50,21 @@ from .toy_regression import (
     format_result,
     run_toy_regression,
 )
+from .tune_config import DEFAULT_TRIALS, TuneConfig
+from .tuned_configuration import TunedRow, read_tuned, write_tuned
+from .tuning_space import ARCHITECTURES, TUNED_ROWS, TUNING_SEED, SearchParameter, search_space
 
 __all__ = [
+    "ARCHITECTURES",
     "DEFAULT_ATTENTIONS",
     "DEFAULT_ECE_BINS",
     "DEFAULT_TASKS",
+    "DEFAULT_TRIALS",
     "INTERVAL_METHODS",
     "PUBLISHED_ACCURACIES",
     "TASKS",
+    "TUNED_ROWS",
+    "TUNING_SEED",
     "ClassificationMetrics",
     "CompareConfig",
     "Evaluation",
@@ -66,12 +75,15 @@ __all__ = [
     "RunMetrics",
     "RunRecord",
     "RunsInterrupted",
+    "SearchParameter",
     "SeedSummary",
     "ShiftMetrics",
     "TaskData",
     "TemperatureScaled",
     "ToyRegressionConfig",
     "ToyRegressionResult",
+    "TuneConfig",
+    "TunedRow",
     "TrainingSummary",
     "build_model",
     "classification_metrics",
@@ -93,11 +105,14 @@ __all__ = [
     "paired_difference",
     "plan_runs",
     "read_records",
+    "read_tuned",
     "run_comparison",
     "run_toy_regression",
+    "search_space",
     "summarize_seeds",
     "table_text",
     "train_and_evaluate",
     "with_temperature_scaled",
+    "write_tuned",
     "write_outputs",
 ]

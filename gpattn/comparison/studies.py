@@ -36,8 +36,8 @@ from optuna.trial import TrialState
 from sqlalchemy.engine import make_url
 
 from .. import __version__
-from .search_space import SearchParameter, hyperparameter_values
 from .tuned_configuration import TunedRow
+from .tuning_space import SearchParameter, hyperparameter_values
 
 __all__ = [
     "StorageError",
@@ -252,6 +252,7 @@ def summarize_study(
         "sampler": f"optuna {optuna.__version__} TPESampler(seed=tuning_seed * 1000 + k)",
         "wall_seconds": round((ended - started).total_seconds(), 1),
         "trial_seconds": round(sum(trial.user_attrs.get("seconds", 0.0) for trial in trials), 1),
+        "trial_cpu_seconds": round(sum(trial.user_attrs.get("cpu_seconds", 0.0) for trial in trials), 1),
         "failed_trials": len(study.get_trials(deepcopy=False, states=(TrialState.FAIL,))),
         "load_average": round(sum(loads) / len(loads), 2) if loads else None,
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),

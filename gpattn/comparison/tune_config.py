@@ -9,8 +9,8 @@ from ..methods import Hyperparameters, MethodSpec, get_method, method_names
 from ..training.config import DEVICE_TYPES
 from ..validation import check_choice, check_device, check_int
 from .config import CompareConfig
-from .search_space import MAX_EPOCHS, PATIENCE, TUNED_ROWS, TUNING_SEED, hyperparameter_values
 from .tasks import DEFAULT_TASKS, TASKS
+from .tuning_space import MAX_EPOCHS, PATIENCE, TUNED_ROWS, TUNING_SEED, hyperparameter_values
 
 __all__ = ["DEFAULT_TRIALS", "EVALUATION_SEEDS", "TuneConfig"]
 
@@ -29,7 +29,7 @@ class TuneConfig:
 
     :ivar tasks: Tasks (:data:`~gpattn.comparison.tasks.TASKS`); default MNIST-1D and digits.
     :ivar rows: Rows to tune (:func:`~gpattn.methods.method_names`, single models only: an ensemble row uses its
-        attention row's configuration); default :data:`~gpattn.comparison.search_space.TUNED_ROWS`.
+        attention row's configuration); default :data:`~gpattn.comparison.tuning_space.TUNED_ROWS`.
     :ivar trials: Finished trials per study (:data:`DEFAULT_TRIALS`).
     :ivar seed: The tuning seed (model initialisation, batch order, noise of every trial; Optuna's sampler seeds
         derive from it): not an evaluation seed (0-9).
@@ -114,7 +114,7 @@ class TuneConfig:
     ) -> Hyperparameters:
         """The :class:`~gpattn.methods.Hyperparameters` of a trial of ``method`` on ``task``: the shared settings
         (:meth:`compare_config`, with the task's ``num_inducing``), this config's epochs and patience, and the trial's
-        ``parameters`` (:func:`~gpattn.comparison.search_space.hyperparameter_values`)."""
+        ``parameters`` (:func:`~gpattn.comparison.tuning_space.hyperparameter_values`)."""
         shared = self.compare_config().hyperparameters(task, method, num_inducing)
         return shared.updated({**self.fixed_hyperparameters(task), **hyperparameter_values(parameters)})
 

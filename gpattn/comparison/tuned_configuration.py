@@ -42,13 +42,15 @@ class TunedRow:
 
     :ivar hyperparameters: :class:`~gpattn.methods.Hyperparameters` name -> value: what ``gpattn compare`` applies
         (:meth:`~gpattn.methods.Hyperparameters.updated`), the epochs and patience of the tuning included.
-    :ivar parameters: The best trial's parameters as searched (:func:`~gpattn.comparison.search_space.search_space`).
+    :ivar parameters: The best trial's parameters as searched (:func:`~gpattn.comparison.tuning_space.search_space`).
     :ivar best_val_nll: That trial's best validation NLL (the objective).
     :ivar best_trial: Its Optuna trial number.
     :ivar trials: Finished trials of the study.
     :ivar search_space: Parameter name -> ``{kind: [low, high]}`` or ``{"choice": [...]}``.
-    :ivar study: The study's record: ``tuning_seed``, ``sampler``, ``wall_seconds``, ``trial_seconds``, ``jobs``,
-        ``threads``, ``load_average``, ``date``, ``gpattn``, ``commit``, ``machine``, ``label``.
+    :ivar study: The study's record: ``tuning_seed``, ``sampler``, ``wall_seconds`` (first trial's start to last
+        trial's end), ``trial_seconds`` and ``trial_cpu_seconds`` (summed over the finished trials), ``failed_trials``,
+        ``jobs`` and ``threads`` (of the process that wrote it), ``load_average`` (mean 1-minute load at the trials'
+        ends), ``date``, ``gpattn``, ``commit``, ``machine``, ``label``.
     """
 
     hyperparameters: dict[str, Any]

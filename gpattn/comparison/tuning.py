@@ -2,7 +2,7 @@
 
 Each (task, row) is one Optuna study (``<task>-<row>``, :mod:`gpattn.comparison.studies`) of exactly
 ``config.trials`` trials, the same for every row. A trial (:func:`run_trial`) draws the row's parameters from its
-search space (:func:`~gpattn.comparison.search_space.search_space`), trains one model with the tuning seed under the
+search space (:func:`~gpattn.comparison.tuning_space.search_space`), trains one model with the tuning seed under the
 comparison's training loop (at most the task's epochs, early stopping on the validation NLL) and reports the run's
 best validation NLL, the objective. The tuned configuration of a study is its best trial's
 (:class:`~gpattn.comparison.tuned_configuration.TunedRow`), written to ``<out>/tuned/<task>.json``.
@@ -41,7 +41,6 @@ from ..training import TrainingDivergedError, train_ensemble
 from .records import write_json_atomically
 from .runner import torch_threads
 from .runs import build_model, layer_arguments, make_train_config
-from .search_space import ARCHITECTURES, search_space
 from .studies import (
     StudyLock,
     claim_trial,
@@ -55,6 +54,7 @@ from .studies import (
 from .tasks import TaskData, load_task
 from .tune_config import TuneConfig
 from .tuned_configuration import TunedRow, write_tuned
+from .tuning_space import ARCHITECTURES, search_space
 
 __all__ = [
     "SealedSplit",

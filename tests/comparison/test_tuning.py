@@ -20,21 +20,21 @@ from optuna.trial import TrialState
 
 from gpattn.comparison import load_task
 from gpattn.comparison import tuning as tuning_module
-from gpattn.comparison.search_space import (
+from gpattn.comparison.tune_config import TuneConfig
+from gpattn.comparison.tuning import SealedSplit, TuningInterrupted, run_trial, study_name, tune, tuning_data
+from gpattn.comparison.tuning_space import (
     ARCHITECTURES,
     PARAMETER_BUDGET,
     TUNED_ROWS,
     architecture_sizes,
     search_space,
 )
-from gpattn.comparison.tune_config import TuneConfig
-from gpattn.comparison.tuning import SealedSplit, TuningInterrupted, run_trial, study_name, tune, tuning_data
 from gpattn.models import Transformer
 
 ROWS = ("softmax", "kep_svgp")
 TINY = dict(tasks=("pointer",), rows=ROWS, trials=3, pointer_epochs=1, patience=1, eval_samples=2, progress=False)
 #: entries of a study's record that depend on the clock, the machine's load or the date
-CLOCK = ("wall_seconds", "trial_seconds", "load_average", "date")
+CLOCK = ("wall_seconds", "trial_seconds", "trial_cpu_seconds", "load_average", "date")
 
 
 def _comparable(summaries):
