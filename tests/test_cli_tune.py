@@ -38,7 +38,8 @@ def test_help_states_the_defaults_the_search_space_and_the_cost():
         "beta log-uniform [0.01, n] for sgpa, kep_svgp, kep_svgp_paper",
         " ".join(ARCHITECTURES),
         "patience 15",
-        "Cost on one CPU thread",
+        "Cost, measured with one torch thread per trial",
+        "about 5 CPU-hours",
         "sqlite:///OUT/study.db",
     ):
         assert "".join(stated.split()) in text, stated

@@ -21,9 +21,11 @@ __all__ = ["COST", "add_tune", "run_tune"]
 
 #: What a trial costs, measured (``gpattn tune --help`` and docs/guide/tuning.md say the same).
 COST = (
-    "Cost on one CPU thread (measured on MNIST-1D with the 10-token model, 2-core machine under load 2-5): about "
-    "60 s per softmax trial and 3-4 min per GP-row trial; the default 20 trials x 7 rows x 2 tasks is about 15 "
-    "hours at --jobs 1, 7-8 hours at --jobs 2 on 2 cores"
+    "Cost, measured with one torch thread per trial (docs/guide/tuning.md): a trial trains at most 60 epochs on "
+    "MNIST-1D, 60-140 CPU-seconds with the protocol's 40-value signal model (an epoch: softmax 1.0 s, KEP-SVGP 1.8 s, "
+    "SGPA 2.3 s; 30-70 with today's 10-token model), at most 100 epochs on digits, 20-56 CPU-seconds; the default "
+    "20 trials x 7 rows x 2 tasks is about 5 CPU-hours, about 2.6 hours of wall time with --jobs 2 on an idle "
+    "2-core machine (early stopping shortens it)"
 )
 #: the options that set a TuneConfig field of the same name
 FIELDS = (

@@ -15,7 +15,9 @@ one machine goes through a lock file beside the database (:class:`StudyLock`); a
 **Seeded sampling.** A trial's parameters are drawn by a TPE sampler seeded with ``seed * 1000 + k``, ``k`` the number
 of the study's other finished or running trials when it is claimed (:func:`claim_trial`), from the study's finished
 trials: with one worker a study is a function of the seed (an interrupted and resumed study draws what the
-uninterrupted one draws); with several workers the draws depend on the order in which trials finish.
+uninterrupted one draws); with several workers the draws depend on the order in which trials finish. The seed does
+not depend on the row and the shared parameters are drawn first, so the random start-up trials of the rows are paired
+(the same learning rate, weight decay, dropout and architecture).
 """
 
 from __future__ import annotations
