@@ -4,9 +4,13 @@ an unreachable storage are one line before any training; a run writes the tuned 
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
 import sys
+from collections import Counter
 
+import optuna
 import pytest
 
 import gpattn.comparison.tuned_configuration as tuned_module
@@ -119,3 +123,27 @@ def test_ctrl_c_keeps_the_finished_trials_and_says_how_to_continue(tmp_path, cap
         f"gpattn tune: interrupted; 1 of 2 trials finished, kept in {tmp_path / 'study.db'}; the same command with "
         "--resume continues"
     )
+
+
+def test_sigint_during_jobs_2_fails_the_trials_in_flight_and_resume_completes_the_budget(tmp_path):
+    """A real Ctrl-C (SIGINT to the process group) while two trial workers run, then ``--resume``."""
+    argv = [sys.executable, "-m", "gpattn.cli", *TINY[:6], "6", *TINY[7:-1], "--jobs", "2", "--out", str(tmp_path)]
+    process = subprocess.Popen(argv, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    first = process.stderr.readline()
+    assert first.startswith("[1/6] pointer/softmax trial "), first
+    os.killpg(process.pid, signal.SIGINT)
+    rest = process.stderr.read()
+    assert process.wait(timeout=60) == 130
+    assert "Traceback" not in rest and rest.splitlines()[-1].startswith("gpattn tune: interrupted; ")
+    storage = f"sqlite:///{tmp_path / 'study.db'}"
+    states = Counter(
+        trial.state.name for trial in optuna.load_study(study_name="pointer-softmax", storage=storage).trials
+    )
+    assert states["RUNNING"] == 0 and 1 <= states["COMPLETE"] < 6  # the trials in flight were marked failed
+
+    resumed = subprocess.run([*argv, "--resume", "--jobs", "1"], capture_output=True, text=True, timeout=300)
+    assert resumed.returncode == 0, resumed.stderr
+    trials = optuna.load_study(study_name="pointer-softmax", storage=storage).trials
+    complete = [trial for trial in trials if trial.state.name == "COMPLETE"]
+    assert len(complete) == 6 and {trial.state.name for trial in trials} <= {"COMPLETE", "FAIL"}
+    assert len({json.dumps(trial.params, sort_keys=True) for trial in complete}) == 6  # no configuration twice

@@ -12,9 +12,10 @@ state races: measured here, three processes claimed 326 trials out of 300 queued
 one machine goes through a lock file beside the database (:class:`StudyLock`); a server database locks the row itself.
 ``--resume`` marks the trials left RUNNING by an interrupted run as failed and queues as many as are missing.
 
-**Seeded sampling.** A trial's parameters are drawn by a TPE sampler seeded with ``seed * 1000 + k``, ``k`` the number
-of the study's other finished or running trials when it is claimed (:func:`claim_trial`), from the study's finished
-trials: with one worker a study is a function of the seed (an interrupted and resumed study draws what the
+**Seeded sampling.** A trial's parameters are drawn by a TPE sampler seeded with ``seed * 1000 + k`` from the study's
+finished trials, ``k`` its slot: the smallest number that no finished or running trial of the study holds when it is
+claimed (:func:`claim_trial`; a failed trial gives its slot back), so that no two finished trials share a seed: with
+one worker a study is a function of the seed (an interrupted and resumed study draws what the
 uninterrupted one draws); with several workers the draws depend on the order in which trials finish. The seed does
 not depend on the row and the shared parameters are drawn first, so the random start-up trials of the rows are paired
 (the same learning rate, weight decay, dropout and architecture).
@@ -49,8 +50,10 @@ __all__ = [
     "finish_trial",
     "open_storage",
     "prepare_study",
+    "release_trials",
     "study_counts",
     "summarize_study",
+    "worker_name",
 ]
 
 #: How long a process that joins a study made by another one waits for its settings (a server database, no lock).
@@ -101,6 +104,10 @@ def open_storage(url: str) -> optuna.storages.RDBStorage:
     except Exception as error:  # sqlalchemy's ArgumentError/OperationalError, a driver's ImportError, ...
         reason = " ".join(str(error).split("\n")[0].split()) or type(error).__name__
         raise StorageError(f"cannot open the study storage {url!r}: {reason}") from None
+
+
+#: The states of the trials that hold a sampling slot (a failed trial gives its slot back).
+_HELD = (TrialState.COMPLETE, TrialState.RUNNING)
 
 
 def _trials(storage: optuna.storages.RDBStorage, study_id: int, *states: TrialState) -> list:
@@ -191,13 +198,36 @@ def claim_trial(
                     continue  # another worker claimed it
             except UpdateFinishedTrialError:
                 continue
-            others = len(_trials(storage, study_id, TrialState.COMPLETE, TrialState.RUNNING)) - 1
+            held = {trial.user_attrs.get("slot") for trial in _trials(storage, study_id, *_HELD)}
+            slot = min(set(range(len(held) + 1)) - held)  # the first slot no finished or running trial holds
+            storage.set_trial_user_attr(trial_id, "slot", slot)
+            storage.set_trial_user_attr(trial_id, "worker", worker_name())
             # a fresh study object: its cache of trials is the storage's now
-            sampler = optuna.samplers.TPESampler(seed=seed * 1000 + others)
+            sampler = optuna.samplers.TPESampler(seed=seed * 1000 + slot)
             study = optuna.load_study(study_name=name, storage=storage, sampler=sampler)
             trial = optuna.Trial(study, trial_id)
             return study, trial, {parameter.name: parameter.suggest(trial) for parameter in space}
     return None
+
+
+def worker_name(pid: int | None = None) -> str:
+    """``"<host>:<pid>"``: the worker that claims a trial (its ``worker`` user attribute), this process by default."""
+    return f"{platform.node()}:{os.getpid() if pid is None else pid}"
+
+
+def release_trials(
+    storage: optuna.storages.RDBStorage, lock: StudyLock, names: list[str], workers: set[str], reason: str
+) -> None:
+    """Mark failed the RUNNING trials of the studies ``names`` claimed by ``workers`` (:func:`worker_name`), e.g. of
+    worker processes that were stopped: ``--resume`` queues trials in their place."""
+    with lock:
+        for name in names:
+            study_id = storage.get_study_id_from_name(name)
+            for trial in _trials(storage, study_id, TrialState.RUNNING):
+                if trial.user_attrs.get("worker") in workers:
+                    trial_id = storage.get_trial_id_from_study_id_trial_number(study_id, trial.number)
+                    storage.set_trial_user_attr(trial_id, "failed", reason)
+                    storage.set_trial_state_values(trial_id, TrialState.FAIL)
 
 
 def finish_trial(
@@ -251,7 +281,7 @@ def summarize_study(
     loads = [trial.user_attrs["load_average"] for trial in trials if "load_average" in trial.user_attrs]
     record = {
         **record,
-        "sampler": f"optuna {optuna.__version__} TPESampler(seed=tuning_seed * 1000 + k)",
+        "sampler": f"optuna {optuna.__version__} TPESampler(seed=tuning_seed * 1000 + slot)",
         "wall_seconds": round((ended - started).total_seconds(), 1),
         "trial_seconds": round(sum(trial.user_attrs.get("seconds", 0.0) for trial in trials), 1),
         "trial_cpu_seconds": round(sum(trial.user_attrs.get("cpu_seconds", 0.0) for trial in trials), 1),

@@ -26,8 +26,10 @@ import os
 import queue
 import signal
 import sys
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -48,8 +50,10 @@ from .studies import (
     finish_trial,
     open_storage,
     prepare_study,
+    release_trials,
     study_counts,
     summarize_study,
+    worker_name,
 )
 from .tasks import TaskData, load_task
 from .tune_config import TuneConfig
@@ -182,19 +186,72 @@ def _data(task: str) -> TaskData:
     return _DATA[task]
 
 
-def _work(config: TuneConfig, storage: Any, lock: StudyLock, out: Path | None, report: Callable[..., None]) -> None:
-    """Claim and run trials of every study in order until none is waiting."""
+_DEFERRED = {"depth": 0, "pending": False}  # per process: inside _signals_deferred, and a signal came meanwhile
+
+
+def _interrupt(signum: int, frame: Any) -> None:
+    """The handler of Ctrl-C (SIGINT) and of a worker's SIGTERM while trials run: ``KeyboardInterrupt``, at once or,
+    inside :func:`_signals_deferred`, at its end."""
+    if _DEFERRED["depth"]:
+        _DEFERRED["pending"] = True
+    else:
+        raise KeyboardInterrupt
+
+
+@contextmanager
+def _signals_deferred() -> Iterator[None]:
+    """A study write (a claim with its slot and owner, a trial's result) that :func:`_interrupt` never cuts in half:
+    the ``KeyboardInterrupt`` of a signal that comes meanwhile is raised after it. A trial claimed before it is then
+    still running and marked failed by :func:`~gpattn.comparison.studies.release_trials`."""
+    _DEFERRED["depth"] += 1
+    try:
+        yield
+    finally:
+        _DEFERRED["depth"] -= 1
+        if not _DEFERRED["depth"] and _DEFERRED["pending"]:
+            _DEFERRED["pending"] = False
+            raise KeyboardInterrupt
+
+
+@contextmanager
+def _handler(signum: int) -> Iterator[None]:
+    """:func:`_interrupt` handles ``signum`` inside the block (in the main thread; elsewhere Python's handlers stay)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signum, _interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signum, previous)
+
+
+def _work(
+    config: TuneConfig,
+    storage: Any,
+    lock: StudyLock,
+    out: Path | None,
+    report: Callable[..., None],
+    orphaned: Callable[[], bool] = lambda: False,
+) -> None:
+    """Claim and run trials of every study in order until none is waiting (or, in a worker process, until its parent
+    is gone: ``orphaned()``)."""
     for task in config.tasks:
         data = _data(task)
         for row in config.rows:
             name = study_name(task, row)
             space = search_space(row, len(data.train))
-            while (claimed := claim_trial(storage, lock, name, space, config.seed)) is not None:
+            while not orphaned():
+                with _signals_deferred():
+                    claimed = claim_trial(storage, lock, name, space, config.seed)
+                if claimed is None:
+                    break
                 study, trial, parameters = claimed
                 try:
                     record = run_trial(config, data, row, parameters)
                 except BaseException as error:
-                    fail_trial(study, trial, lock, f"{type(error).__name__}: {error}")
+                    with _signals_deferred():
+                        fail_trial(study, trial, lock, f"{type(error).__name__}: {error}")
                     if isinstance(error, Exception):
                         raise TuningFailedError(f"trial {trial.number} of {name} failed: {error}") from error
                     raise
@@ -202,7 +259,8 @@ def _work(config: TuneConfig, storage: Any, lock: StudyLock, out: Path | None, r
                 attributes = {key: record[key] for key in ("hyperparameters", "best_epoch", "epochs", "diverged")}
                 load = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
                 attributes.update(seconds=record["seconds"], cpu_seconds=record["cpu_seconds"], load_average=load)
-                best = finish_trial(study, trial, lock, value, attributes)
+                with _signals_deferred():
+                    best = finish_trial(study, trial, lock, value, attributes)
                 if out is not None:
                     write_json_atomically(out / "trials" / f"{name}-{trial.number}.json", {"study": name, **record})
                 report(task, row, trial.number, record, best)
@@ -210,13 +268,22 @@ def _work(config: TuneConfig, storage: Any, lock: StudyLock, out: Path | None, r
 
 def _worker_main(config: TuneConfig, url: str, out: Path | None, messages: Any) -> None:
     """A worker process: Ctrl-C goes to the parent (which terminates the workers: SIGTERM stops the trial in
-    flight, which is marked failed)."""
+    flight, which is marked failed); a worker whose parent is gone claims no further trial."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.default_int_handler)
+    signal.signal(signal.SIGTERM, _interrupt)
     torch.set_num_threads(config.threads)
     optuna.logging.set_verbosity(optuna.logging.WARNING)
+    parent = os.getppid()
     try:
-        _work(config, open_storage(url), StudyLock(url), out, lambda *message: messages.put(("trial", *message)))
+        storage, lock = open_storage(url), StudyLock(url)
+        _work(
+            config,
+            storage,
+            lock,
+            out,
+            lambda *message: messages.put(("trial", *message)),
+            lambda: os.getppid() != parent,
+        )
     except KeyboardInterrupt:
         pass
     except BaseException as error:
@@ -225,7 +292,9 @@ def _worker_main(config: TuneConfig, url: str, out: Path | None, messages: Any) 
         messages.put(("exit",))
 
 
-def _run_in_parallel(config: TuneConfig, url: str, out: Path | None, report: Callable[..., None]) -> None:
+def _run_in_parallel(
+    config: TuneConfig, url: str, out: Path | None, report: Callable[..., None], storage: Any, lock: StudyLock
+) -> None:
     context = multiprocessing.get_context("spawn")
     messages = context.Queue()
     workers = [context.Process(target=_worker_main, args=(config, url, out, messages)) for _ in range(config.jobs)]
@@ -249,12 +318,21 @@ def _run_in_parallel(config: TuneConfig, url: str, out: Path | None, report: Cal
                 running -= 1
         clean = True
     finally:
-        if not clean:  # Ctrl-C or a failed trial: stop the trials in flight (they are marked failed)
+        if not clean:  # Ctrl-C or a failed trial: stop the trials in flight
             for worker in workers:
                 worker.terminate()
         for worker in workers:
             worker.join(timeout=30)
         messages.close()
+        if not clean:
+            _release(config, storage, lock, {worker_name(worker.pid) for worker in workers})
+
+
+def _release(config: TuneConfig, storage: Any, lock: StudyLock, workers: set[str]) -> None:
+    """Mark failed the trials that ``workers`` claimed and did not finish (stopped between a claim and the trial's
+    end), so that ``--resume`` runs them again."""
+    names = [study_name(task, row) for task in config.tasks for row in config.rows]
+    release_trials(storage, lock, names, workers, "interrupted")
 
 
 # -- the whole search --------------------------------------------------------------------------------------------------
@@ -327,12 +405,16 @@ def tune(
         tqdm.write(f"resuming: {finished} of {total} trials already finished", file=sys.stderr)
     try:
         if config.jobs == 1:
-            with torch_threads(config.threads):
+            with torch_threads(config.threads), _handler(signal.SIGINT):
                 _work(config, database, lock, out, report)
         else:
-            _run_in_parallel(config, url, out, report)
+            _run_in_parallel(config, url, out, report, database, lock)
     except KeyboardInterrupt:
+        _release(config, database, lock, {worker_name()})
         raise TuningInterrupted(done[0], total) from None
+    except TuningFailedError:
+        _release(config, database, lock, {worker_name()})
+        raise
     finally:
         bar.close()
     return _summaries(config, database, studies, out)
