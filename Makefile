@@ -2,7 +2,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 PYTEST_ARGS ?=
 
-.PHONY: all env test test-fast lint main quick tune regression bench docs notebooks clean
+.PHONY: all env test test-fast lint main quick tune regression results bench docs notebooks clean
 
 all: test
 
@@ -40,6 +40,12 @@ tune: env
 
 regression: env
 	$(VENV)/bin/gpattn regression --out runs/regression $(ARGS)
+
+# docs/guide/results.md (and its figures, docs/guide/results_figures/) generated from the records of runs/main and, if
+# it exists, runs/full (gpattn compare --full): no number on the page is typed by hand
+RESULTS_RUNS ?= runs/main $(wildcard runs/full)
+results: env
+	$(VENV)/bin/gpattn report $(RESULTS_RUNS) --page docs/guide/results.md
 
 # the documentation site (strict: warnings fail) into site/
 docs: env

@@ -33,12 +33,16 @@ def _is_tracing() -> bool:
 
 
 def all_finite(value: Tensor) -> bool:
-    """Whether a tensor holds no NaN and no infinity: one reduction pass (``torch.aminmax``, which propagates NaN)
-    and no full-size temporary, about ten times faster on large CPU tensors than ``torch.isfinite(value).all()``."""
+    """Whether a tensor holds no NaN and no infinity: one reduction pass and no full-size temporary, about ten times
+    faster on large CPU tensors than ``torch.isfinite(value).all()``. A finite sum answers at once (three
+    operators); a sum that is not finite (a NaN or an infinity, or finite entries whose sum overflows) is settled by
+    ``torch.aminmax``, which propagates NaN."""
     if value.numel() == 0 or not (value.is_floating_point() or value.is_complex()):
         return True
     if value.is_complex():
         return all_finite(torch.view_as_real(value))
+    if bool(torch.isfinite(value.sum())):
+        return True
     low, high = torch.aminmax(value)
     return bool(torch.isfinite(low) & torch.isfinite(high))
 
@@ -244,25 +248,39 @@ def check_tensor(
 MAGNITUDE_MARGIN = 1e3
 
 
-def token_magnitude_limit(dtype: torch.dtype) -> float:
-    r"""The largest token magnitude a layer accepts in ``dtype``: :math:`\sqrt{f_{\max}} / 10^3` (1.8e16 in float32
-    and bfloat16, 1.3e151 in float64, 0.26 in float16), where quantities that grow like :math:`|x|^2` (attention
-    scores, squared distances, quadratic forms of the values) leave the range of the dtype with a margin of
-    :data:`MAGNITUDE_MARGIN` for their sums."""
-    return torch.finfo(dtype).max ** 0.5 / MAGNITUDE_MARGIN
+def token_magnitude_limit(dtype: torch.dtype, power: int = 2) -> float:
+    r"""The largest token magnitude a layer accepts in ``dtype`` for a quantity that grows like :math:`|x|^p`
+    (``power``): :math:`(f_{\max} / 10^6)^{1/p}`, so that the quantity stays :math:`10^6` (:data:`MAGNITUDE_MARGIN`
+    squared) below the largest value for its sums.
+
+    With ``power=2`` (attention scores, squared distances, quadratic forms of the values) it is
+    :math:`\sqrt{f_{\max}} / 10^3`: 1.8e16 in float32 and bfloat16, 1.3e151 in float64, 0.26 in float16. With
+    ``power=4`` (the KSVD penalty :math:`\eta J^2`) 1.4e8 in float32, 3.7e75 in float64; with ``power=5`` (its
+    gradients) 3.2e6 in float32, 2.8e60 in float64, 0.58 in float16.
+    """
+    return (torch.finfo(dtype).max / MAGNITUDE_MARGIN**2) ** (1.0 / power)
 
 
-def check_token_magnitude(tokens: Tensor | Sequence[Tensor], growth: str, where: str = "") -> None:
+def square_limit(dtype: torch.dtype) -> float:
+    r"""The largest magnitude of a result whose square must stay representable in ``dtype``, with a margin of
+    :data:`MAGNITUDE_MARGIN` for the sums it enters: :math:`\sqrt{f_{\max} / 10^3}` (5.8e17 in float32, 8.1 in
+    float16). A layer passes it as ``bound`` to :func:`check_overflow` for results that are squared later (scores
+    whose squares are variances, an objective whose square is a penalty)."""
+    return (torch.finfo(dtype).max / MAGNITUDE_MARGIN) ** 0.5
+
+
+def check_token_magnitude(tokens: Tensor | Sequence[Tensor], growth: str, where: str = "", power: int = 2) -> None:
     r"""Refuse input tokens too large for their dtype: a ``ValueError`` when :math:`\max |x|` exceeds
-    :func:`token_magnitude_limit`, saying what overflows and what to do; nothing otherwise.
+    :func:`token_magnitude_limit` (of ``power``), saying what overflows and what to do; nothing otherwise.
 
     Costs one reduction pass over each distinct tensor (``torch.aminmax``, no temporary; skipped while tracing or
     compiling, and on ``meta``). The layers call it through :func:`check_overflow`, i.e. only once a result is not
-    finite, so that the normal path pays a single reduction over their outputs (and float16, whose limit is 0.26,
-    keeps working for ordinary tokens).
+    finite (or beyond its bound), so that the normal path pays a single reduction over their outputs (and float16,
+    whose limit is 0.26, keeps working for ordinary tokens).
 
     :param tokens: The layer's input tokens (one tensor or several, e.g. the queries and the context).
     :param growth: What overflows, for the message, e.g. ``"the attention scores <q, k> grow like |x|^2"``.
+    :param power: The power of :math:`|x|` the overflowing quantity grows like.
     :raises ValueError: Naming the magnitude reached, the dtype and its limit.
     """
     tokens = list({id(part): part for part in ([tokens] if isinstance(tokens, Tensor) else tokens)}.values())
@@ -271,37 +289,56 @@ def check_token_magnitude(tokens: Tensor | Sequence[Tensor], growth: str, where:
     dtype = tokens[0].dtype
     extremes = [torch.aminmax(part.detach()) for part in tokens if part.numel()]
     magnitude = max((max(-float(low), float(high)) for low, high in extremes), default=0.0)
-    limit = torch.finfo(dtype).max ** 0.5
-    if magnitude > limit / MAGNITUDE_MARGIN:
+    if magnitude > token_magnitude_limit(dtype, power):
         remedy = "" if dtype == torch.float64 else " or use float64"
+        largest = torch.finfo(dtype).max
+        root = "sqrt(finfo.max)" if power == 2 else f"finfo.max^(1/{power})"
         raise ValueError(
             f"{_prefix(where)}the input tokens reach |x| = {magnitude:.3g}, too large for {dtype}: {growth}, which "
-            f"overflows beyond about sqrt(finfo.max) = {limit:.3g}; rescale the inputs (e.g. a LayerNorm before the "
-            f"layer){remedy}"
+            f"overflows beyond about {root} = {largest ** (1.0 / power):.3g}; rescale the inputs (e.g. a LayerNorm "
+            f"before the layer){remedy}"
         )
 
 
-def check_overflow(
-    results: Sequence[Tensor | None], tokens: Tensor | Sequence[Tensor], growth: str, where: str = ""
-) -> bool:
-    """The guard a layer runs after its forward pass: when one of ``results`` holds a NaN or an infinity, refuse
-    tokens beyond :func:`token_magnitude_limit` with :func:`check_token_magnitude`'s message.
+def _within(value: Tensor, bound: float) -> bool:
+    # one aminmax pass: finite and within [-bound, bound] (NaN fails every comparison)
+    if value.numel() == 0:
+        return True
+    low, high = torch.aminmax(value.detach())
+    return bool(torch.isfinite(low) & torch.isfinite(high) & (low >= -bound) & (high <= bound))
 
-    One :func:`all_finite` pass per result on the normal path (skipped while tracing or compiling, and on ``meta``).
+
+def check_overflow(
+    results: Sequence[Tensor | None],
+    tokens: Tensor | Sequence[Tensor],
+    growth: str,
+    where: str = "",
+    *,
+    bound: float = math.inf,
+    power: int = 2,
+) -> bool:
+    """The guard a layer runs after its forward pass: when one of ``results`` holds a NaN or an infinity, or a value
+    beyond ``bound`` (a result whose square or product is about to overflow), refuse tokens beyond
+    :func:`token_magnitude_limit` (of ``power``) with :func:`check_token_magnitude`'s message.
+
+    One reduction pass per result on the normal path (skipped while tracing or compiling, and on ``meta``).
 
     :param results: What the layer computed from the tokens (its output, its loss terms); ``None`` entries are skipped.
     :param tokens: The input tokens.
     :param growth: What overflows, for the message.
-    :return: Whether every result is finite (``True`` also when the check is skipped); ``False`` when a result is not
-        finite but the tokens are within the limit (e.g. diverged parameters), which the caller may diagnose further.
-    :raises ValueError: A non-finite result from tokens beyond the limit.
+    :param bound: The largest magnitude a result may reach (default: any finite value).
+    :param power: The power of :math:`|x|` the overflowing quantity grows like (:func:`token_magnitude_limit`).
+    :return: Whether every result is finite and within ``bound`` (``True`` also when the check is skipped);
+        ``False`` when one is not but the tokens are within the limit (e.g. diverged parameters), which the caller may
+        diagnose further.
+    :raises ValueError: A result out of range from tokens beyond the limit.
     """
     present = [result for result in results if result is not None]
     if _is_tracing() or any(result.device.type == "meta" for result in present):
         return True
-    if all(all_finite(result.detach()) for result in present):
+    if all(_within(result, bound) for result in present):
         return True
-    check_token_magnitude(tokens, growth, where)
+    check_token_magnitude(tokens, growth, where, power)
     return False
 
 

@@ -59,11 +59,11 @@ def test_console_script_help() -> None:
 
 
 def test_train_resume_from_a_corrupted_checkpoint_is_a_clear_error(tmp_path, capsys) -> None:
-    checkpoints = tmp_path / "checkpoints"
-    checkpoints.mkdir()
-    (checkpoints / "last.pt").write_bytes(b"not a checkpoint")
     argv = ["train", "--task", "pointer", "--attention", "softmax", "--epochs", "1", "--out", str(tmp_path)]
-    assert main([*argv, "--resume"]) == 1
+    assert main([*argv, "--eval-samples", "2", "--no-progress"]) == 0  # a run with its run.json and checkpoints
+    (tmp_path / "checkpoints" / "last.pt").write_bytes(b"not a checkpoint")
+    capsys.readouterr()
+    assert main([*argv, "--eval-samples", "2", "--resume"]) == 1
     error = capsys.readouterr().err
     assert error.startswith("gpattn train: error:") and "last.pt" in error and "Traceback" not in error
 
@@ -134,7 +134,7 @@ def test_overwrite_replaces_the_earlier_results_and_output_is_strict_json(tmp_pa
     assert results["config"]["threads"] == 1 and results["config"]["jobs"] == 1
     assert len(results["records"]) == 1
     table = (tmp_path / "table.md").read_text()
-    assert "(n=1)" in table and "± 0.00" not in table  # one seed: the value and n, no made-up spread
+    assert "| softmax | 1 |" in table and "± 0.00" not in table  # one seed: n once per row, no made-up spread
     assert "Smoke test" not in table
 
 
@@ -148,7 +148,7 @@ def test_quick_is_labelled_a_smoke_test(tmp_path, capsys) -> None:
 @pytest.mark.parametrize(
     ("error", "status", "line"),
     [
-        (KeyboardInterrupt(), 130, "gpattn train: interrupted\n"),
+        (KeyboardInterrupt(), 130, "gpattn train: interrupted; no epoch had finished, so "),
         (RuntimeError("training diverged\nat step 3"), 1, "gpattn train: error: training diverged at step 3\n"),
         (ValueError("bad checkpoint"), 1, "gpattn train: error: bad checkpoint\n"),
         (PermissionError(13, "Permission denied", "/x/record.json"), 1, "gpattn train: error: [Errno 13]"),
@@ -229,3 +229,135 @@ def test_resume_with_other_settings_is_one_line(tmp_path, capsys) -> None:
     err = capsys.readouterr().err
     assert err.startswith("gpattn compare: error: ") and "pointer-softmax-0.json was made with other settings" in err
     assert "eval_samples: stored 2, now 3" in err and err.count("\n") == 1
+
+
+# -- run identity and settings of gpattn train, locks, full disks (issue 24, items 3 and 9) ----------------------------
+TINY_TRAIN = ["train", "--task", "pointer", "--attention", "softmax", "--epochs", "1", "--eval-samples", "2"]
+
+
+def test_train_resume_refuses_another_thread_count(tmp_path, capsys) -> None:
+    out = tmp_path / "t"
+    assert main([*TINY_TRAIN, "--no-progress", "--threads", "1", "--out", str(out)]) == 0
+    stored = json.loads((out / "run.json").read_text())
+    assert stored["identity"] == {"task": "pointer", "row": "softmax", "seed": 0}
+    assert stored["settings"]["threads"] == 1 and stored["settings"]["pointer_epochs"] == 1
+    capsys.readouterr()
+    assert main([*TINY_TRAIN, "--no-progress", "--threads", "2", "--out", str(out), "--resume"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith(f"gpattn train: error: {out / 'run.json'} was made with other settings (threads: stored 1")
+    assert err.count("\n") == 1
+
+
+def test_train_resume_with_more_epochs_names_the_option_not_a_library_setting(tmp_path, capsys) -> None:
+    out = tmp_path / "t"
+    assert main([*TINY_TRAIN, "--no-progress", "--out", str(out)]) == 0
+    capsys.readouterr()
+    argv = [*TINY_TRAIN[:-4], "--epochs", "2", "--eval-samples", "2", "--no-progress", "--out", str(out), "--resume"]
+    assert main(argv) == 1
+    err = capsys.readouterr().err
+    assert "pointer_epochs: stored 1, now 2" in err and "schedule_epochs" not in err
+    assert "use the original options, or another --out" in err
+
+
+def test_a_second_command_on_the_same_out_gets_one_line(tmp_path, capsys, no_runs) -> None:
+    import os
+
+    from gpattn.cli.options import prepare_out
+
+    with prepare_out(tmp_path, overwrite=False, resume=False, replaced=()):  # the first command, still running
+        assert main([*TINY_COMPARE, "--out", str(tmp_path)]) == 1
+    err = capsys.readouterr().err
+    assert err == (
+        f"gpattn compare: error: --out {tmp_path} is in use by another gpattn command (process {os.getpid()}); wait "
+        "until it ends, or choose another --out\n"
+    )
+
+
+def test_a_second_process_on_the_same_out_stops_at_once(tmp_path) -> None:
+    """Two real processes: the second ``gpattn train`` on the first one's --out ends with one line, status 1."""
+    out = tmp_path / "t"
+    argv = [sys.executable, "-m", "gpattn.cli", *TINY_TRAIN[:-4], "--epochs", "50", "--out", str(out)]
+    first = subprocess.Popen(argv, stderr=subprocess.PIPE, text=True)
+    try:
+        assert first.stderr.readline().startswith("epoch 1/50")  # the first one holds the folder now
+        second = subprocess.run([*argv, "--resume"], capture_output=True, text=True, timeout=120)
+    finally:
+        first.kill()
+        first.wait()
+    assert second.returncode == 1
+    assert second.stderr == (
+        f"gpattn train: error: --out {out} is in use by another gpattn command (process {first.pid}); wait until it "
+        "ends, or choose another --out\n"
+    )
+
+
+def test_train_interrupted_says_what_was_kept(tmp_path, capsys, monkeypatch) -> None:
+    import gpattn.training.loop as loop
+
+    original = loop._Loop._checkpoint
+
+    def stop_after_the_first_epoch(self, improved):
+        original(self, improved)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(loop._Loop, "_checkpoint", stop_after_the_first_epoch)
+    out = tmp_path / "t"
+    assert main([*TINY_TRAIN[:-4], "--epochs", "3", "--no-progress", "--out", str(out)]) == 130
+    checkpoints = out / "checkpoints"
+    assert capsys.readouterr().err == (
+        f"gpattn train: interrupted; the checkpoints of epoch 1 of 3 are kept in {checkpoints}; the same command with "
+        "--resume continues\n"
+    )
+
+
+def test_train_on_a_full_disk_names_the_files_and_what_was_kept(tmp_path, capsys, monkeypatch) -> None:
+    import errno
+    import os
+
+    real_fsync, calls = os.fsync, []
+
+    def fill_up(descriptor):  # the second epoch's checkpoints meet a full disk
+        calls.append(descriptor)
+        if len(calls) > 4:  # run.json, then epoch 1: best.pt, last.pt, the manifest
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_fsync(descriptor)
+
+    monkeypatch.setattr(os, "fsync", fill_up)
+    out = tmp_path / "t"
+    assert main([*TINY_TRAIN[:-4], "--epochs", "2", "--no-progress", "--out", str(out)]) == 1
+    checkpoints = out / "checkpoints"
+    assert capsys.readouterr().err == (
+        f"gpattn train: error: [Errno 28] cannot write the checkpoints of epoch 2 to {checkpoints} (No space left on "
+        "device); it still holds the checkpoints of epoch 1, the last complete pair; make room and resume from it "
+        "(resume=True, or --resume of gpattn train)\n"
+    )
+    assert sorted(path.name for path in checkpoints.iterdir()) == ["best.pt", "checkpoints.json", "last.pt"]
+
+
+def test_compare_on_a_full_disk_at_the_end_keeps_the_runs(tmp_path, capsys, monkeypatch) -> None:
+    import errno
+
+    import gpattn.comparison.report as report
+
+    def full(*args, **kwargs):
+        path = tmp_path / "results.json"
+        raise OSError(errno.ENOSPC, f"cannot write {path} (No space left on device); it is unchanged")
+
+    monkeypatch.setattr(report, "write_outputs", full)
+    assert main([*TINY_COMPARE, "--out", str(tmp_path)]) == 1
+    err = capsys.readouterr().err
+    assert err == (
+        f"gpattn compare: error: [Errno 28] cannot write {tmp_path / 'results.json'} (No space left on device); it is "
+        f"unchanged; the 1 runs are kept in {tmp_path / 'runs'}: make room (or fix the folder) and run the same "
+        "command with --resume to write the results\n"
+    )
+    assert main([*TINY_COMPARE, "--out", str(tmp_path), "--resume"]) == 1  # still full: nothing trained again
+
+
+def test_compare_help_explains_its_defaults_and_the_paper_rows(capsys) -> None:
+    with pytest.raises(SystemExit):
+        main(["compare", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "default: None" not in text
+    assert "(default: each layer's own: s = min(10, head width) for KEP-SVGP and Primal-Attention" in text
+    assert "kep_svgp_paper / primal_paper are the papers' methods as their official code runs them" in text

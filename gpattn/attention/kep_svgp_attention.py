@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import Any
+
 import torch
 from gpytorch.variational import CholeskyVariationalDistribution
 from torch import Tensor
@@ -65,6 +68,9 @@ class KEPSVGPAttention(AttentionLayer):
     :param feature_dim: Kernel feature dimension :math:`p` (default: the head width); ``num_inducing <= feature_dim``.
     :param ksvd_weight: :math:`\eta \geq 0`, the weight of the KSVD penalty :math:`\eta J^2`.
     :param ksvd_form: ``"sum"`` or ``"official"`` (``"primal_tokens"`` only); see :func:`~gpattn.ksvd.ksvd_objective`.
+    :param feature_options: The feature mode's own options
+        (:attr:`~gpattn.features.AttentionKernelEigenFeatures.options`), e.g. ``{"rank_multiple": 2, "padding":
+        "included"}`` for ``"primal_tokens"`` as the official CoLA layer.
 
     The paper's configuration (registry row ``"kep_svgp_paper"``) is ``features="primal_tokens"``,
     ``shared_posterior=True``, ``sampling="marginal"``, ``num_outputs="num_inducing"``, ``ksvd_form="official"``;
@@ -74,7 +80,7 @@ class KEPSVGPAttention(AttentionLayer):
         >>> _ = torch.manual_seed(0)
         >>> layer, x = KEPSVGPAttention(embed_dim=16, num_heads=2, num_inducing=3), torch.randn(4, 9, 16)
         >>> layer.train()(x).shape, layer.kl_divergence()  # training: a joint sample; the KL of q(u)
-        (torch.Size([4, 9, 16]), tensor(225.1221, grad_fn=<SumBackward1>))
+        (torch.Size([4, 9, 16]), tensor(225.1222, grad_fn=<CholeskyPriorKLBackward>))
         >>> mean, variance = layer.posterior(x)  # the strategy's q(f) through the output maps, (B, N, C) each
         >>> variance.shape, bool((variance > 0).all())
         (torch.Size([4, 9, 16]), True)
@@ -104,6 +110,7 @@ class KEPSVGPAttention(AttentionLayer):
         feature_dim: int | None = None,
         ksvd_weight: float = 1.0,
         ksvd_form: str = "sum",
+        feature_options: Mapping[str, Any] | None = None,
     ):
         super().__init__(embed_dim, num_heads, dropout)
         where = type(self).__name__
@@ -116,7 +123,7 @@ class KEPSVGPAttention(AttentionLayer):
             check_int("max_len (the sequence length of merge='concat_tokens')", max_len, where=where)
         kernel_features = build_attention_features(
             embed_dim, num_heads, num_inducing, features, kernel=kernel, feature_dim=feature_dim, tie_qk=tie_qk,
-            max_len=max_len, ksvd_weight=ksvd_weight, ksvd_form=ksvd_form,
+            max_len=max_len, ksvd_weight=ksvd_weight, ksvd_form=ksvd_form, **dict(feature_options or {}),
         )  # fmt: skip
         self.supports_causal = kernel_features.supports_causal
         self.supports_cross_attention = kernel_features.supports_cross_attention
@@ -170,38 +177,38 @@ class KEPSVGPAttention(AttentionLayer):
         # the branches evaluated at the queries: r lives on the keys in cross-attention; one branch when tied
         return ("left",) if (self.tie_qk or is_cross) else ("left", "right")
 
-    def _output_maps(self, branches: int) -> list[Tensor]:
-        r"""The linear maps from a branch's GP outputs to the layer output, each ``(H, d_out, C)``:
-        :math:`C^b_h = W^b_h P_h^\top` with the branch's rows :math:`W^b_h` of the per-head output map and the head
-        block :math:`P_h` of ``out_proj`` (so ``y = b + sum_{b, h} F^b_h C^b_h``)."""
+    def _output_maps(self, branches: int) -> Tensor:
+        r"""The linear maps from the branches' GP outputs to the layer output: :math:`C^b_h = W^b_h P_h^\top` with the
+        branch's rows :math:`W^b_h` of the per-head output map and the head block :math:`P_h` of ``out_proj`` (so
+        ``y = b + sum_{b, h} F^b_h C^b_h``); one map ``(H, d_out, C)`` for every branch, or with ``merge="concat"`` a
+        block of rows per branch, ``(branches, H, d_out, C)``."""
         projection = self.head_projection()  # (H, hd, C)
-        width, concat = self.num_outputs, self.merge == "concat"  # "concat": a block of rows per branch
-        rows = [slice(index * width, (index + 1) * width) if concat else slice(0, width) for index in range(branches)]
-        return [self.output_weight[:, block] @ projection for block in rows]
+        if self.merge != "concat":
+            return self.output_weight @ projection
+        rows = self.output_weight[:, : branches * self.num_outputs]  # a block of rows per branch
+        return rows.unflatten(1, (branches, self.num_outputs)).movedim(1, 0) @ projection
 
     def _output(self, scores: KernelEigenScores, is_cross: bool, sample: bool) -> Tensor:
         r"""The output before dropout, ``(B, N, C)``, the mean or a sample: the readout's coefficients
         :math:`\Lambda^{-1} u^\top C` (``u = m`` or a joint draw) times the stacked scores :math:`[e^\top; r^\top]`
-        in one GEMM of inner dimension :math:`2 H s`, plus the per-token noise of ``"marginal"`` and the residual."""
+        in one GEMM of inner dimension :math:`2 H s` (:meth:`~gpattn.variational.KernelEigenReadout.linear_output`),
+        plus the per-token noise of ``"marginal"`` and the residual, drawn after :math:`u`."""
         sides = self._sides(is_cross)
         maps = self._output_maps(len(sides))
-        joint = sample and self.joint_sampling
-        draw = self.readout.inducing_draw(torch.Size([scores.left_scores.shape[0]]) if joint else None)
-        noises = {}
-        if sample and (not self.joint_sampling or self.residual == "diag"):
-            marginal = not self.joint_sampling  # merge="sum": one draw for the sum of the branches
-            noises = self.readout.token_noise(scores, sides, marginal, sum_sides=marginal and self.merge == "sum")
         columns = scores.columns(sides)  # [e^T; r^T]: (B, branches, H, s, N)
         mixing = self.merge == "concat_tokens"  # W_tok [F_e; F_r]: its (H, N, N) blocks act along the tokens
         blocks = self.token_weight.unflatten(-1, (2, self.max_len)).movedim(-2, 0) if mixing else None
         columns = columns @ blocks.mT if mixing else columns  # on the scores: the outputs are linear in them
-        coefficients = self.readout.linear_coefficients(draw, maps, scores, sides)  # (B or 1, branches H, s, C)
-        output = self.accumulate_heads(self.out_proj.bias, columns.flatten(1, 2).mT, coefficients)
-        for index, (side, output_map) in enumerate(zip(sides, maps, strict=True)):
-            if side in noises:  # per-token noise of the GP outputs: (B, H, d_out, N)
-                noise = noises[side].mT  # (B, H, N, d_out)
-                noise = blocks[index] @ noise if mixing else noise
-                output = output + torch.einsum("bhnd,hdc->bnc", noise, output_map)
+        draws = columns.shape[0] if sample and self.joint_sampling else None  # a joint u per sequence, or the mean
+        output = self.readout.linear_output(columns.flatten(1, 3), self.out_proj.bias, maps, scores, sides, draws)
+        if sample and (not self.joint_sampling or self.residual == "diag"):  # drawn after u
+            marginal = not self.joint_sampling  # merge="sum": one draw for the sum of the branches
+            noises = self.readout.token_noise(scores, sides, marginal, sum_sides=marginal and self.merge == "sum")
+            for index, (side, output_map) in enumerate(zip(sides, maps.expand(len(sides), -1, -1, -1), strict=True)):
+                if side in noises:  # per-token noise of the GP outputs: (B, H, d_out, N)
+                    noise = noises[side].mT  # (B, H, N, d_out)
+                    noise = blocks[index] @ noise if mixing else noise
+                    output = output + torch.einsum("bhnd,hdc->bnc", noise, output_map)
         return output
 
     def _features(self, x: Tensor, mask: Tensor | str | None, context: Tensor | None) -> tuple[KernelEigenScores, bool]:
@@ -219,7 +226,8 @@ class KEPSVGPAttention(AttentionLayer):
         scores, is_cross = self._features(x, mask, context)
         if self.features.spectrum_per_call:  # the KL belongs to this call (the added-loss-term idiom)
             self._call_kl = self._summed(self.strategy.kl_divergence(scores))
-        return self.dropout(self._output(scores, is_cross, sample=self.sampling))
+        output = self._output(scores, is_cross, sample=self.sampling)
+        return self.dropout(output) if self.dropout.p > 0 else output
 
     # -- probabilistic interface -----------------------------------------------------------------------------------
     @staticmethod
@@ -233,7 +241,7 @@ class KEPSVGPAttention(AttentionLayer):
         of the last ``forward`` call, averaged over its sequences (computed by that call; :meth:`posterior` leaves it
         unchanged)."""
         if not self.features.spectrum_per_call:
-            return self._summed(self.strategy.kl_divergence())
+            return self.readout.kl_divergence()
         if self._call_kl is None:
             raise RuntimeError(
                 f"{type(self).__name__}: with features={self.features.mode!r} the prior belongs to each sequence: "
@@ -253,7 +261,8 @@ class KEPSVGPAttention(AttentionLayer):
         try:
             scores, is_cross = self.train(False)._features(x, mask, context)
             sides = self._sides(is_cross)
-            variance = self.readout.output_variance(scores, sides, self._output_maps(len(sides)))
+            maps = self._output_maps(len(sides)).expand(len(sides), -1, -1, -1)
+            variance = self.readout.output_variance(scores, sides, list(maps))
             return self._output(scores, is_cross, sample=False), variance
         finally:
             self.train(previous)

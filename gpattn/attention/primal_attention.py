@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import Any
+
 import torch
 from torch import Tensor
 
@@ -33,6 +36,9 @@ class PrimalAttention(AttentionLayer):
     :param ksvd_weight: :math:`\eta \geq 0`, the weight of the KSVD penalty :math:`\eta J^2`.
     :param ksvd_form: ``"sum"`` or ``"official"`` (the official code's number, ``"primal_tokens"`` only; see
         :func:`~gpattn.ksvd.ksvd_objective`).
+    :param feature_options: The feature mode's own options
+        (:attr:`~gpattn.features.AttentionKernelEigenFeatures.options`), e.g. ``{"rank_multiple": 2, "padding":
+        "included"}`` for ``"primal_tokens"`` as the official CoLA layer.
 
     .. note:: Cost per head O(N C s + N p s): no :math:`N \times N` matrix.
     """
@@ -48,6 +54,7 @@ class PrimalAttention(AttentionLayer):
         feature_dim: int | None = None,
         ksvd_weight: float = 1.0,
         ksvd_form: str = "sum",
+        feature_options: Mapping[str, Any] | None = None,
     ):
         super().__init__(embed_dim, num_heads, dropout)
         if not attention_feature_class(features).learns_spectrum:  # the scores of a learned KSVD
@@ -62,6 +69,7 @@ class PrimalAttention(AttentionLayer):
             max_len=max_len,
             ksvd_weight=ksvd_weight,
             ksvd_form=ksvd_form,
+            **dict(feature_options or {}),
         )
         self.supports_causal = self.features.supports_causal
         self.supports_cross_attention = self.features.supports_cross_attention

@@ -22,7 +22,10 @@ from .softmax_attention import SoftmaxAttention
 from .symmetric_svgp_attention import SymmetricSVGPAttention
 
 #: KEP-SVGP as its official code runs it (the model it trains; its KL formula and its KL weight without 1/n are not
-#: reproduced, see docs/guide/papers.md)
+#: reproduced, see docs/guide/papers.md). Its primal-token weights have N' = min(max_len, 10 s) rows (the official
+#: CIFAR and IMDB layers' rank_multi = 10) formed from each sequence's real tokens, so that padding has no influence;
+#: the official CoLA layer, whose weights read the padded sequence, is
+#: feature_options={"rank_multiple": 2, "padding": "included"} (docs/guide/papers.md)
 PAPER_KEP_SVGP: dict[str, Any] = {
     "features": "primal_tokens",
     "max_len": 512,
@@ -31,7 +34,7 @@ PAPER_KEP_SVGP: dict[str, Any] = {
     "num_outputs": "num_inducing",
     "ksvd_form": "official",
 }
-#: Primal-Attention as its official code runs it
+#: Primal-Attention as its official code runs it (the same primal-token weights)
 PAPER_PRIMAL: dict[str, Any] = {"features": "primal_tokens", "max_len": 512, "ksvd_form": "official"}
 
 #: name -> (layer class, default keyword arguments). Every class takes ``(embed_dim, num_heads, **kwargs)``.
@@ -54,7 +57,7 @@ ATTENTIONS: dict[str, tuple[type[AttentionLayer], dict[str, Any]]] = {
     # the two below are the papers' methods as their official code runs them (docs/guide/papers.md): the official
     # parametrisation W_e|X = X~_h^T W~_e (features="primal_tokens"), the official KSVD number, and for KEP-SVGP one
     # shared q(u), per-token (marginal) sampling and d_out = s. max_len is the longest sequence: a Transformer passes
-    # its own; the default 512 (the Transformer's) samples 10 s evenly spaced tokens of any sequence
+    # its own; the default 512 (the Transformer's) samples 10 s evenly spaced tokens of each sequence's real tokens
     "kep_svgp_paper": (KEPSVGPAttention, PAPER_KEP_SVGP),
     "primal_paper": (PrimalAttention, PAPER_PRIMAL),
 }

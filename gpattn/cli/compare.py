@@ -7,6 +7,7 @@ import sys
 import time
 
 from .options import (
+    CommandError,
     CommandInterrupted,
     add_common,
     device,
@@ -17,16 +18,8 @@ from .options import (
     prepare_out,
 )
 
-__all__ = ["FIGURES", "add_compare", "run_compare"]
+__all__ = ["add_compare", "run_compare", "run_folder_outputs"]
 
-#: the figures gpattn compare writes (replaced with --overwrite)
-FIGURES = (
-    "reliability_pointer.png",
-    "reliability_digits.png",
-    "shift.png",
-    "ood_histograms.png",
-    "spectra.png",
-)
 #: the options that override a CompareConfig field of the same name
 OVERRIDES = (
     "attentions",
@@ -72,12 +65,16 @@ def add_compare(commands) -> None:
         "pointer task is not learned in this budget",
     )
     others = " and ".join(name for name in method_names() if name not in attention_names())
+    papers = " / ".join(name for name in attention_names() if name.endswith("_paper"))
     compare.add_argument(
         "--attentions",
         nargs="+",
         choices=method_names(),
         default=None,
-        help=f"rows: registered attentions and {others} (default: {' '.join(DEFAULT_ATTENTIONS)})",
+        help=f"rows: registered attentions and {others} (default: {' '.join(DEFAULT_ATTENTIONS)}). kep_svgp and "
+        f"primal are gpattn's variants of KEP-SVGP and Primal-Attention; {papers} are the papers' methods as their "
+        "official code runs them (features='primal_tokens', the official KSVD number; the documentation's 'Faithful "
+        "to the papers' page says what differs)",
     )
     compare.add_argument(
         "--tasks",
@@ -104,7 +101,10 @@ def add_compare(commands) -> None:
     )
     for name, kind, text in numbers:
         flag = "--" + name.replace("_", "-")
-        compare.add_argument(flag, type=kind, default=None, help=f"{text} (default: {getattr(defaults, name)})")
+        default = getattr(defaults, name)
+        if default is None:  # num_inducing: each layer's own
+            default = "each layer's own: s = min(10, head width) for KEP-SVGP and Primal-Attention, 16 for SGPA, SVGP"
+        compare.add_argument(flag, type=kind, default=None, help=f"{text} (default: {default})")
     compare.add_argument(
         "--no-temperature-scaling", action="store_true", help="leave out the temperature-scaled +ts rows"
     )
@@ -130,6 +130,13 @@ def add_compare(commands) -> None:
         "2-core machine). The results are identical whatever --jobs is, for a given --threads",
     )
     compare.add_argument(
+        "--compile",
+        action="store_true",
+        help="torch.compile every model: mode reduce-overhead (CUDA graphs) on CUDA, the default mode on CPU; the "
+        "numbers equal eager's up to float rounding, each input shape compiles once per run (the first epoch is "
+        "slower)",
+    )
+    compare.add_argument(
         "--resume",
         action="store_true",
         help="continue an interrupted comparison in OUT: the runs whose records are in OUT/runs are read back (they "
@@ -137,6 +144,17 @@ def add_compare(commands) -> None:
     )
     compare.add_argument("--no-progress", action="store_true", help="print no line per finished run and no live bar")
     add_common(compare, resume="continues it")
+
+
+def run_folder_outputs() -> tuple[str, ...]:
+    """Every entry ``gpattn compare`` can write into a run folder, derived from the writers (what ``--overwrite``
+    deletes first): ``runs/``, :data:`~gpattn.comparison.report.OUTPUT_FILES` and every figure of every task
+    (:func:`~gpattn.plotting.comparison_figure_names`, with the figure names of earlier versions)."""
+    from ..comparison.report import OUTPUT_FILES
+    from ..comparison.tasks import TASKS
+    from ..plotting import comparison_figure_names
+
+    return ("runs", *OUTPUT_FILES, *comparison_figure_names(TASKS))
 
 
 def run_compare(args: argparse.Namespace) -> int:
@@ -154,28 +172,35 @@ def run_compare(args: argparse.Namespace) -> int:
     if args.tuned_dir is not None:
         overrides["tuned_dir"] = args.tuned_dir
     overrides.update(device=args.device, progress=not args.no_progress, threads=args.threads, jobs=args.jobs)
+    overrides.update(compile=args.compile)
     try:
         config = CompareConfig.quick(**overrides) if args.quick else CompareConfig(**overrides)
         runs = plan_runs(config)  # every layer's own checks, once, before any folder is made or run started
     except ValueError as error:
         print(f"gpattn compare: error: {error}", file=sys.stderr)
         return 2
-    out = prepare_out(
+    with prepare_out(
         args.out or f"runs/compare-{time.strftime('%Y%m%d-%H%M%S')}",
         overwrite=args.overwrite,
         resume=args.resume,
-        replaced=("runs", "results.json", "results.csv", "table.md", *FIGURES),
-    )
-    start = time.perf_counter()
-    try:
-        records = execute_runs(config, runs, out=out, resume=args.resume)
-    except KeyboardInterrupt as interrupt:
-        finished = getattr(interrupt, "finished", None)
-        done = "" if finished is None else f"{finished} of {interrupt.total} runs finished, "
-        raise CommandInterrupted(
-            f"interrupted; {done}kept in {out / 'runs'}; the same command with --resume continues"
-        ) from None
-    written = write_outputs(records, config, out) + write_comparison_figures(records, out)
+        replaced=run_folder_outputs(),
+    ) as out:
+        start = time.perf_counter()
+        try:
+            records = execute_runs(config, runs, out=out, resume=args.resume)
+        except KeyboardInterrupt as interrupt:
+            finished = getattr(interrupt, "finished", None)
+            done = "" if finished is None else f"{finished} of {interrupt.total} runs finished, "
+            raise CommandInterrupted(
+                f"interrupted; {done}kept in {out / 'runs'}; the same command with --resume continues"
+            ) from None
+        try:
+            written = write_outputs(records, config, out) + write_comparison_figures(records, out)
+        except OSError as error:
+            raise CommandError(
+                f"{error}; the {len(records)} runs are kept in {out / 'runs'}: make room (or fix the folder) and run "
+                "the same command with --resume to write the results"
+            ) from error
     print(table_text(records, config))
     print(f"{len(records)} runs in {time.perf_counter() - start:.0f} s (jobs {config.jobs}, threads {config.threads})")
     print("wrote " + ", ".join(str(path) for path in written))

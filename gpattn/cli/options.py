@@ -2,22 +2,30 @@
 check (:func:`prepare_out`), the errors a command prints as one line, and the common options.
 
 A bad value exits with status 2 and ``gpattn <command>: error: argument --x: <what was expected, what came>``; the
-checks are :mod:`gpattn.validation`'s.
+checks are :mod:`gpattn.validation`'s. A command holds a lock on its run folder while it runs (:func:`prepare_out`).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import shutil
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
+
+try:
+    import fcntl
+except ImportError:  # Windows
+    fcntl = None
 
 from ..validation import check_device, check_float, check_int
 
 __all__ = [
+    "LOCK_FILE",
     "CommandError",
     "CommandInterrupted",
     "add_common",
@@ -99,34 +107,63 @@ def add_common(parser: argparse.ArgumentParser, resume: str | None) -> None:
     )
 
 
-def prepare_out(out: str | os.PathLike, *, overwrite: bool, resume: bool, replaced: tuple[str, ...]) -> Path:
-    """Check the run folder ``out`` before anything runs: it is created if missing and must be writable; a folder
+#: The lock file that :func:`prepare_out` holds in a run folder while a command writes to it.
+LOCK_FILE = ".gpattn.lock"
+
+
+@contextmanager
+def prepare_out(out: str | os.PathLike, *, overwrite: bool, resume: bool, replaced: tuple[str, ...]) -> Iterator[Path]:
+    """Check and lock the run folder ``out`` before anything runs, for the duration of the ``with`` block: it is
+    created if missing and must be writable; :data:`LOCK_FILE` in it is locked (``fcntl.flock``, released when the
+    block or the process ends, also after a kill), so that a second command on the same folder stops at once; a folder
     that already holds files is refused unless ``resume`` (continue it) or ``overwrite`` (the entries ``replaced``,
     e.g. ``"results.json"``, ``"runs"``, are deleted first, so no stale result is mixed with new ones).
 
-    :raises CommandError: The folder cannot be created or written, or holds an earlier run.
+    :raises CommandError: The folder cannot be created or written, another gpattn command is writing to it, or it
+        holds an earlier run.
     """
     out = Path(out)
-    if out.is_dir() and any(out.iterdir()) and not resume:
-        if not overwrite:
-            held = sorted(path.name for path in out.iterdir())
-            shown = ", ".join(held[:4]) + (", ..." if len(held) > 4 else "")
-            raise CommandError(
-                f"--out {out} already holds files ({shown}): pass --overwrite to replace that run"
-                + (", --resume to continue it" if "runs" in replaced or "checkpoints" in replaced else "")
-                + ", or choose another --out"
-            )
-        for name in replaced:
-            path = out / name
-            if path.is_dir() and not path.is_symlink():
-                shutil.rmtree(path)
-            elif path.exists() or path.is_symlink():
-                path.unlink()
     try:
         out.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryFile(dir=out):
             pass
+        lock = open(out / LOCK_FILE, "a+")  # noqa: SIM115 (held open for the block)
     except OSError as error:
         reason = error.strerror or str(error)
         raise CommandError(f"--out {out}: cannot create or write the folder ({reason})") from None
-    return out
+    with lock:
+        _lock(lock, out)
+        held = sorted(path.name for path in out.iterdir() if path.name != LOCK_FILE)
+        if held and not resume:
+            if not overwrite:
+                shown = ", ".join(held[:4]) + (", ..." if len(held) > 4 else "")
+                raise CommandError(
+                    f"--out {out} already holds files ({shown}): pass --overwrite to replace that run"
+                    + (", --resume to continue it" if "runs" in replaced or "checkpoints" in replaced else "")
+                    + ", or choose another --out"
+                )
+            for name in replaced:
+                path = out / name
+                if path.is_dir() and not path.is_symlink():
+                    shutil.rmtree(path)
+                elif path.exists() or path.is_symlink():
+                    path.unlink()
+        yield out
+
+
+def _lock(handle: IO[str], out: Path) -> None:
+    """Lock the open lock file ``handle`` of ``out`` for this process (and write its id into it), or raise
+    :class:`CommandError` naming the process that holds it."""
+    if fcntl is None:  # no advisory locks on this platform (Windows): nothing to hold
+        return
+    try:
+        fcntl.flock(handle.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        handle.seek(0)
+        holder = handle.read().strip() or "another process"
+        raise CommandError(
+            f"--out {out} is in use by another gpattn command ({holder}); wait until it ends, or choose another --out"
+        ) from None
+    with contextlib.suppress(OSError):  # the holder's name is a courtesy: a full disk must not stop the command
+        os.ftruncate(handle.fileno(), 0)
+        os.pwrite(handle.fileno(), f"process {os.getpid()}".encode(), 0)

@@ -58,22 +58,24 @@ def run_regression(args: argparse.Namespace) -> int:
         pyro_iterations=args.pyro_iterations,
         lr=args.lr,
     )
-    out = prepare_out(args.out, overwrite=args.overwrite, resume=False, replaced=("results.json", "posterior.png"))
     import matplotlib.pyplot as plt
 
     from ..plotting import plot_pair_posterior
 
-    with torch_threads(args.threads):
-        result = comparison.run_toy_regression(config, progress=not args.no_progress)
-    write_text_atomically(out / "results.json", result.to_json())
-    models = result.models
-    figure = plot_pair_posterior(
-        models["kep_svgp_elbo"], result.data, exact_gp=models["exact_gp"], pyro_model=models.get("kep_svgp_pyro")
-    )
-    temporary = out / ".posterior.png.tmp"
-    figure.savefig(temporary, dpi=120, bbox_inches="tight", format="png")
-    plt.close(figure)
-    os.replace(temporary, out / "posterior.png")
+    with prepare_out(
+        args.out, overwrite=args.overwrite, resume=False, replaced=("results.json", "posterior.png")
+    ) as out:
+        with torch_threads(args.threads):
+            result = comparison.run_toy_regression(config, progress=not args.no_progress)
+        write_text_atomically(out / "results.json", result.to_json())
+        models = result.models
+        figure = plot_pair_posterior(
+            models["kep_svgp_elbo"], result.data, exact_gp=models["exact_gp"], pyro_model=models.get("kep_svgp_pyro")
+        )
+        temporary = out / ".posterior.png.tmp"
+        figure.savefig(temporary, dpi=120, bbox_inches="tight", format="png")
+        plt.close(figure)
+        os.replace(temporary, out / "posterior.png")
     print(comparison.format_result(result))
     print(f"wrote {out / 'results.json'} and {out / 'posterior.png'}")
     return 0

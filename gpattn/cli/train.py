@@ -7,9 +7,24 @@ import sys
 from dataclasses import asdict
 from pathlib import Path
 
-from .options import add_common, device, non_negative_int, out_dir, positive_int, prepare_out
+from .options import (
+    CommandError,
+    CommandInterrupted,
+    add_common,
+    device,
+    non_negative_int,
+    out_dir,
+    positive_int,
+    prepare_out,
+)
 
-__all__ = ["add_train", "run_train"]
+__all__ = ["OUTPUTS", "RUN_FILE", "add_train", "run_train"]
+
+#: The run's identity and settings (:func:`~gpattn.comparison.runner.run_file_content`), written before it trains and
+#: checked by ``--resume``
+RUN_FILE = "run.json"
+#: What ``gpattn train`` writes besides :data:`RUN_FILE` (replaced with ``--overwrite``)
+OUTPUTS = ("record.json", "checkpoints")
 
 
 def add_train(commands) -> None:
@@ -22,9 +37,10 @@ def add_train(commands) -> None:
         "train",
         help="train and evaluate one model (checkpoints, --resume after an interruption)",
         description="Train one Transformer with the chosen attention on a task of the comparison, with best.pt / "
-        "last.pt checkpoints in OUT/checkpoints, and write OUT/record.json (the same metrics as gpattn compare). "
-        "After an interruption, the same command with --resume continues from last.pt and ends with the same "
-        "numbers as an uninterrupted run (CPU). Prints one line per epoch on standard error.",
+        "last.pt checkpoints in OUT/checkpoints, and write OUT/record.json (the same metrics as gpattn compare); "
+        "OUT/run.json holds the run's identity and every setting that changes its numbers (--threads included). "
+        "After an interruption, the same command with --resume continues from last.pt (refusing other settings) and "
+        "ends with the same numbers as an uninterrupted run (CPU). Prints one line per epoch on standard error.",
     )
     train.add_argument("--attention", choices=attention_names(), default="kep_svgp", help="default: %(default)s")
     train.add_argument("--task", choices=TASKS, default="digits", help="default: %(default)s")
@@ -37,7 +53,11 @@ def add_train(commands) -> None:
     train.add_argument(
         "--out", type=out_dir, default=None, help="run folder (default: runs/train-<task>-<attention>-<seed>)"
     )
-    train.add_argument("--resume", action="store_true", help="continue from OUT/checkpoints/last.pt")
+    train.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue from OUT/checkpoints/last.pt, with the settings stored in OUT/run.json",
+    )
     train.add_argument("--device", type=device, default="cpu", help="cpu or cuda (default: %(default)s)")
     train.add_argument("--no-progress", action="store_true", help="print no line per epoch")
     add_common(train, resume="continues it")
@@ -48,7 +68,7 @@ def run_train(args: argparse.Namespace) -> int:
     from ..comparison import CompareConfig, plan_runs
     from ..comparison import runs as run_module
     from ..comparison.records import write_json_atomically
-    from ..comparison.runner import torch_threads
+    from ..comparison.runner import read_run_file, result_settings, run_file_content, torch_threads
     from ..training import EpochLog
 
     out = Path(args.out or f"runs/train-{args.task}-{args.attention}-{args.seed}")
@@ -72,20 +92,52 @@ def run_train(args: argparse.Namespace) -> int:
     if args.resume and not (out / "checkpoints" / "last.pt").exists():
         print(f"gpattn train: error: --resume needs {out / 'checkpoints' / 'last.pt'}", file=sys.stderr)
         return 2
-    prepare_out(out, overwrite=args.overwrite, resume=args.resume, replaced=("record.json", "checkpoints"))
-    callbacks = [] if args.no_progress else [EpochLog()]  # one line per epoch on standard error
-    with torch_threads(args.threads):
-        record = run_module.train_and_evaluate(
-            config,
-            args.task,
-            args.attention,
-            args.seed,
-            checkpoint_dir=out / "checkpoints",
-            resume=args.resume,
-            callbacks=callbacks,
-        )
-    write_json_atomically(out / "record.json", record.to_dict())
+    run, settings = (args.task, args.attention, args.seed), result_settings(config)
+    with prepare_out(out, overwrite=args.overwrite, resume=args.resume, replaced=(RUN_FILE, *OUTPUTS)) as out:
+        if args.resume:  # the same run, with every setting that changes its numbers (threads included)
+            if not (out / RUN_FILE).exists():
+                raise CommandError(
+                    f"--resume needs {out / RUN_FILE} (the run's identity and settings, written when it started) to "
+                    "check that it continues the same run; start it again with --overwrite"
+                )
+            read_run_file(out / RUN_FILE, run, settings, record=False)
+        else:
+            write_json_atomically(out / RUN_FILE, run_file_content(run, settings))
+        callbacks = [] if args.no_progress else [EpochLog()]  # one line per epoch on standard error
+        checkpoints = out / "checkpoints"
+        try:
+            with torch_threads(args.threads):
+                record = run_module.train_and_evaluate(
+                    config, *run, checkpoint_dir=checkpoints, resume=args.resume, callbacks=callbacks
+                )
+        except KeyboardInterrupt:
+            raise CommandInterrupted(f"interrupted; {_kept(checkpoints, config, args.task)}") from None
+        try:
+            write_json_atomically(out / "record.json", record.to_dict())
+        except OSError as error:
+            raise CommandError(
+                f"{error}; the trained model's checkpoints are kept in {checkpoints}: make room (or fix the folder) "
+                "and run the same command with --resume, which evaluates them again without training"
+            ) from error
     test = asdict(record.metrics.test)
     print(", ".join(f"{key} {value:.4f}" for key, value in test.items()))
     print(f"wrote {out / 'record.json'}")
     return 0
+
+
+def _kept(checkpoints: Path, config, task: str) -> str:
+    """What an interrupted ``gpattn train`` leaves: the epoch of its last checkpoints, read from their manifest."""
+    from ..training import CheckpointError
+    from ..training.checkpoint_files import read_manifest
+
+    try:
+        manifest = read_manifest(checkpoints)
+    except CheckpointError:
+        manifest = None
+    if manifest is None or not isinstance(manifest.get("epoch"), int):
+        return f"no epoch had finished, so {checkpoints} holds no checkpoint: run the same command (without --resume)"
+    epochs = getattr(config, f"{task}_epochs")
+    return (
+        f"the checkpoints of epoch {manifest['epoch']} of {epochs} are kept in {checkpoints}; the same command with "
+        "--resume continues"
+    )

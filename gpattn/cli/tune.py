@@ -136,23 +136,31 @@ def run_tune(args: argparse.Namespace) -> int:
     except ValueError as error:
         print(f"gpattn tune: error: {error}", file=sys.stderr)
         return 2
-    out = prepare_out(
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    with prepare_out(
         args.out or f"runs/tune-{time.strftime('%Y%m%d-%H%M%S')}",
         overwrite=args.overwrite,
         resume=args.resume,
         replaced=("study.db", "study.db.lock", "trials", "tuned"),
-    )
-    optuna.logging.set_verbosity(optuna.logging.WARNING)
-    start = time.perf_counter()
-    try:
-        summaries = tuning.tune(config, out, storage=args.storage, resume=args.resume)
-    except KeyboardInterrupt as interrupt:
-        finished = getattr(interrupt, "finished", None)
-        done = "" if finished is None else f"{finished} of {interrupt.total} trials finished, "
-        where = args.storage or out / "study.db"
-        raise CommandInterrupted(
-            f"interrupted; {done}kept in {where}; the same command with --resume continues"
-        ) from None
+    ) as out:
+        start = time.perf_counter()
+        try:
+            summaries = tuning.tune(config, out, storage=args.storage, resume=args.resume)
+        except KeyboardInterrupt as interrupt:
+            finished = getattr(interrupt, "finished", None)
+            done = "" if finished is None else f"{finished} of {interrupt.total} trials finished, "
+            where = args.storage or out / "study.db"
+            raise CommandInterrupted(
+                f"interrupted; {done}kept in {where}; the same command with --resume continues"
+            ) from None
+        written = [
+            tuned_path(task, out / "tuned") for task in config.tasks if tuned_path(task, out / "tuned").is_file()
+        ]
+        if args.write_tuned:
+            for task in config.tasks:
+                rows = {row: summaries[task, row] for row in config.rows if summaries[task, row] is not None}
+                if rows:
+                    written.append(write_tuned(task, rows, TUNED_DIRECTORY))
     for (task, row), summary in summaries.items():
         if summary is None:
             print(f"{task}/{row}: not all trials finished (running in another process, or failed: --resume runs them)")
@@ -161,12 +169,6 @@ def run_tune(args: argparse.Namespace) -> int:
                 f"{task}/{row}: best validation NLL {summary.best_val_nll:.4f} (trial {summary.best_trial} of "
                 f"{summary.trials}), {summary.parameters}"
             )
-    written = [tuned_path(task, out / "tuned") for task in config.tasks if (out / "tuned" / f"{task}.json").is_file()]
-    if args.write_tuned:
-        for task in config.tasks:
-            rows = {row: summaries[task, row] for row in config.rows if summaries[task, row] is not None}
-            if rows:
-                written.append(write_tuned(task, rows, TUNED_DIRECTORY))
     seconds = time.perf_counter() - start
     print(f"{len(summaries)} studies in {seconds:.0f} s (jobs {config.jobs}, threads {config.threads})")
     if written:

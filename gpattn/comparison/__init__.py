@@ -1,6 +1,6 @@
-"""The comparison (``gpattn compare``): its tasks, settings and runs, their evaluation and typed records
-(JSON/CSV), statistics over seeds (paired differences with intervals), the report, the scheduling of the runs, the
-tuned configurations and the settings and search space of ``gpattn tune`` (its Optuna studies:
+"""The comparison (``gpattn compare``): its tasks, settings and runs, their evaluation (with separate random streams)
+and typed records (JSON/CSV), statistics over seeds (paired differences with intervals), the report, the scheduling
+of the runs, the tuned configurations and the settings and search space of ``gpattn tune`` (its Optuna studies:
 :mod:`gpattn.comparison.tuning`, which needs the ``tune`` extra), and the toy regression fit (exact GP vs KEP-SVGP
 via VariationalELBO and Pyro SVI).
 
@@ -11,13 +11,15 @@ Data flows one way: the comparison resolves each row once (:mod:`gpattn.methods`
 from .config import DEFAULT_ATTENTIONS, CompareConfig
 from .evaluation import (
     DEFAULT_ECE_BINS,
+    POOLED_OOD,
     Evaluation,
     classification_metrics,
     ensemble_logits,
     evaluate_models,
     evaluate_run,
-    model_fidelity,
+    per_example_predictions,
 )
+from .fidelity import model_fidelity
 from .records import (
     ClassificationMetrics,
     OODMetrics,
@@ -37,10 +39,14 @@ from .statistics import (
     PairedDifference,
     SeedSummary,
     compare_to_reference,
+    hierarchical_difference,
+    holm_adjusted,
     paired_difference,
+    paired_p_value,
     summarize_seeds,
 )
-from .tasks import DEFAULT_TASKS, PUBLISHED_ACCURACIES, TASKS, TaskData, load_task
+from .streams import random_stream, stream_seed
+from .tasks import DEFAULT_TASKS, PUBLISHED_ACCURACIES, TASK_DEFAULTS, TASKS, TaskData, load_task
 from .toy_regression import (
     ToyRegressionConfig,
     ToyRegressionResult,
@@ -61,8 +67,10 @@ __all__ = [
     "DEFAULT_TASKS",
     "DEFAULT_TRIALS",
     "INTERVAL_METHODS",
+    "POOLED_OOD",
     "PUBLISHED_ACCURACIES",
     "TASKS",
+    "TASK_DEFAULTS",
     "TUNED_ROWS",
     "TUNING_SEED",
     "ClassificationMetrics",
@@ -96,6 +104,8 @@ __all__ = [
     "fit_pair_svgp",
     "fit_pair_svgp_pyro",
     "format_result",
+    "hierarchical_difference",
+    "holm_adjusted",
     "layer_arguments",
     "learned_spectra",
     "load_task",
@@ -103,11 +113,15 @@ __all__ = [
     "markdown_table",
     "model_fidelity",
     "paired_difference",
+    "paired_p_value",
+    "per_example_predictions",
     "plan_runs",
+    "random_stream",
     "read_records",
     "read_tuned",
     "run_comparison",
     "run_toy_regression",
+    "stream_seed",
     "search_space",
     "summarize_seeds",
     "table_text",

@@ -4,6 +4,7 @@ when there is one."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -13,7 +14,7 @@ from ..training import TrainConfig
 from ..training.config import DEVICE_TYPES
 from ..validation import check_choice, check_device, check_float, check_int
 from .evaluation import DEFAULT_ECE_BINS
-from .tasks import DEFAULT_TASKS, TASKS
+from .tasks import DEFAULT_TASKS, TASK_DEFAULTS, TASKS
 from .tuned_configuration import TunedRow, read_tuned, tuned_path, tuned_source
 
 __all__ = ["DEFAULT_ATTENTIONS", "CompareConfig"]
@@ -40,7 +41,8 @@ class CompareConfig:
     :ivar seeds: Model seeds (the data splits are fixed); paired intervals need at least 5.
     :ivar pointer_epochs: Training epochs per run on the pointer task (2048 sequences: 32 steps an epoch).
     :ivar digits_epochs: Training epochs per run on digits (866 images: 14 steps an epoch).
-    :ivar mnist1d_epochs: Training epochs per run on MNIST-1D (3600 sequences: 57 steps an epoch).
+    :ivar mnist1d_epochs: Training epochs per run on MNIST-1D (3601 sequences: 57 steps an epoch; 60, the protocol's
+        base model).
     :ivar batch_size: Minibatch size.
     :ivar lr: Peak AdamW learning rate.
     :ivar embed_dim: Transformer width.
@@ -70,6 +72,8 @@ class CompareConfig:
     :ivar jobs: Runs trained at the same time, in worker processes (:mod:`gpattn.comparison.runner`); the records
         are identical for a given ``threads`` whatever ``jobs`` is. Use about (cores / threads).
     :ivar smoke_test: Set by :meth:`quick`: a smoke test, labelled as such in ``table.md``.
+    :ivar compile: ``torch.compile`` every model (``gpattn.comparison.runs.compile_model``: CUDA graphs on
+        CUDA); its numbers equal eager's up to float rounding (a field of the records' settings).
     :ivar tuned: Use the tuned configuration of every (task, row) that has one (``gpattn tune``; the files
         ``<tuned_dir>/<task>.json``) in place of the shared settings above (:meth:`hyperparameters`); ``False``
         (``gpattn compare --untuned``): the shared settings for every row.
@@ -82,7 +86,7 @@ class CompareConfig:
     seeds: tuple[int, ...] = (0, 1, 2, 3, 4)
     pointer_epochs: int = 8
     digits_epochs: int = 40
-    mnist1d_epochs: int = 20
+    mnist1d_epochs: int = 60
     batch_size: int = 64
     lr: float = 3e-3
     embed_dim: int = 32
@@ -103,6 +107,7 @@ class CompareConfig:
     threads: int = 1
     jobs: int = 1
     smoke_test: bool = False
+    compile: bool = False
     tuned: bool = True
     tuned_dir: str | None = None
 
@@ -158,22 +163,26 @@ class CompareConfig:
             for row in self.attentions:
                 if self.tuned_entry(task, row) is not None:
                     try:
-                        self.hyperparameters(task, get_method(row))
+                        self.hyperparameters(task, get_method(row), TASK_DEFAULTS[task])
                     except ValueError as error:
                         raise ValueError(f"{tuned_path(task, self.tuned_dir)}, row {row!r}: {error}") from None
 
-    def hyperparameters(self, task: str, method: MethodSpec, num_inducing: int | None = None) -> Hyperparameters:
+    def hyperparameters(
+        self, task: str, method: MethodSpec, defaults: Mapping[str, Any] | None = None
+    ) -> Hyperparameters:
         """The :class:`~gpattn.methods.Hyperparameters` of a run of the row ``method`` on ``task``: these settings,
-        the same for every row (the task's epochs; the MC-dropout rate for the rows that predict with dropout, no
-        dropout for the others; AdamW's weight decay of :class:`~gpattn.training.TrainConfig`), with the values of
-        the row's tuned configuration (:meth:`tuned_entry`) in their place when :attr:`tuned` and there is one.
+        the same for every row (the task's epochs; the MC-dropout rate for the rows that predict with dropout, the
+        task's dropout for the others; AdamW's weight decay of :class:`~gpattn.training.TrainConfig`), with the values
+        of the row's tuned configuration (:meth:`tuned_entry`) in their place when :attr:`tuned` and there is one.
 
         :param task: One of :data:`~gpattn.comparison.tasks.TASKS`.
         :param method: The row.
-        :param num_inducing: The task's inducing set size (:attr:`~gpattn.comparison.TaskData.num_inducing`), used
-            where :attr:`num_inducing` is ``None``.
+        :param defaults: The task's own values (:attr:`~gpattn.comparison.TaskData.defaults`): ``num_inducing``, used
+            where :attr:`num_inducing` is ``None``, and ``dropout`` (default 0), the dropout of the rows that do not
+            predict with dropout.
         """
         check_choice("task", task, TASKS, where="CompareConfig.hyperparameters")
+        defaults = {} if defaults is None else defaults
         shared = Hyperparameters(
             epochs=getattr(self, f"{task}_epochs"),
             lr=self.lr,
@@ -183,10 +192,10 @@ class CompareConfig:
             depth=self.depth,
             num_heads=self.num_heads,
             gp_layers=self.gp_layers,
-            num_inducing=num_inducing if self.num_inducing is None else self.num_inducing,
+            num_inducing=defaults.get("num_inducing") if self.num_inducing is None else self.num_inducing,
             beta=self.beta,
             ksvd_weight=self.ksvd_weight,
-            dropout=self.mc_dropout if method.predictive.mc_dropout else 0.0,
+            dropout=self.mc_dropout if method.predictive.mc_dropout else defaults.get("dropout", 0.0),
         )
         entry = self.tuned_entry(task, method.name)
         return shared if entry is None else shared.updated(entry.hyperparameters)
@@ -203,14 +212,18 @@ class CompareConfig:
         (:func:`~gpattn.comparison.tuned_configuration.tuned_source`)."""
         return tuned_source(row, self._tuned[task]) if task in self._tuned else None
 
-    def is_tuned(self, task: str, row: str) -> bool:
-        """Whether the runs of ``row`` on ``task`` read a tuned configuration (their own or an inherited one).
+    def is_tuned(self, task: str, method: MethodSpec | str) -> bool:
+        """Whether :meth:`hyperparameters` of ``(task, method)`` come from a tuned configuration, the row's own or an
+        inherited one (recorded as :attr:`~gpattn.comparison.RunRecord.tuned`).
 
         Example:
             >>> CompareConfig(tasks=("pointer",)).is_tuned("pointer", "softmax")  # no tuned file for the pointer task
             False
+
+        :param method: The row, or its name.
         """
-        return self.tuned_source(task, row) is not None
+        check_choice("task", task, TASKS, where="CompareConfig.is_tuned")
+        return self.tuned_source(task, method if isinstance(method, str) else method.name) is not None
 
     def attention_arguments(self, row: str) -> dict[str, Any]:
         """The keyword arguments of the attention layer of the row ``row`` under these settings: ``num_inducing`` and

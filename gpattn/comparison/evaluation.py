@@ -1,6 +1,6 @@
 """Evaluation of the comparison's runs: the Monte Carlo logits of a model or an ensemble on every set of a task, the
-metrics computed from them, the post-hoc temperature-scaled variant of every run, and the KSVD fidelity of its KSVD
-layers.
+metrics computed from them and the post-hoc temperature-scaled variant of every run (the KSVD fidelity of its KSVD
+layers: :mod:`gpattn.comparison.fidelity`).
 
 One set of metric functions (:mod:`gpattn.metrics`) serves everywhere: the validation NLL that the training loop
 selects on (:func:`~gpattn.training.validation_metrics`) is the test NLL that the comparison reports
@@ -10,19 +10,19 @@ selects on (:func:`~gpattn.training.validation_metrics`) is the test NLL that th
 
 from __future__ import annotations
 
+import math
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 from torch import Tensor
 
 from .. import metrics
-from ..features.attention_kernel_eigen_features import AttentionKernelEigenFeatures
-from ..features.ksvd_fidelity import ksvd_fidelity
-from ..models import fit_temperature, monte_carlo_logits
-from ..training import batch_to_device, dataset_inputs, dataset_labels, validation_metrics
+from ..models import LastLayerLaplace, fit_temperature, monte_carlo_logits
+from ..training import dataset_inputs, dataset_labels, validation_metrics
 from ..validation import check_int
 from .records import (
     ClassificationMetrics,
@@ -32,29 +32,38 @@ from .records import (
     ShiftMetrics,
     TemperatureScaled,
 )
+from .streams import random_stream
 from .tasks import TaskData
 
 __all__ = [
     "DEFAULT_ECE_BINS",
+    "POOLED_OOD",
     "Evaluation",
     "classification_metrics",
     "ensemble_logits",
     "evaluate_models",
     "evaluate_run",
-    "model_fidelity",
+    "per_example_predictions",
 ]
 
-#: Bins of the reported ECE/MCE and reliability diagrams (15, as the KEP-SVGP paper).
+#: Bins of the reported ECE/MCE and reliability diagrams (15, as the KEP-SVGP paper), and equal-mass bins of the
+#: debiased calibration error.
 DEFAULT_ECE_BINS = 15
+#: The name of the OOD set that pools every OOD set of a task.
+POOLED_OOD = "pooled"
+#: The floor of :func:`~gpattn.metrics.negative_log_likelihood` on the probability of the true class.
+NLL_FLOOR = 1e-12
 
 
 # -- metrics ---------------------------------------------------------------------------------------------------------
 def classification_metrics(
     probabilities: Tensor, labels: Tensor, num_bins: int = DEFAULT_ECE_BINS
 ) -> ClassificationMetrics:
-    """Every test-set metric of predictive probabilities ``(n, C)`` against labels ``(n,)``; the calibration errors
+    """Every test-set metric of predictive probabilities ``(n, C)`` against labels ``(n,)``: the calibration errors
     over ``num_bins`` equal-width bins (top-label ECE/MCE and the classwise ECE,
-    :func:`~gpattn.metrics.expected_calibration_error`)."""
+    :func:`~gpattn.metrics.expected_calibration_error`), the debiased top-label calibration error on ``num_bins``
+    equal-mass bins (:func:`~gpattn.metrics.debiased_calibration_error`) and the top-label sweep ECE
+    (:func:`~gpattn.metrics.sweep_calibration_error`)."""
     accuracy, nll = validation_metrics(probabilities, labels)
     return ClassificationMetrics(
         accuracy=accuracy,
@@ -68,22 +77,50 @@ def classification_metrics(
         auroc=metrics.misclassification_auroc(probabilities, labels),
         fpr95=metrics.fpr_at_95_tpr(probabilities, labels),
         classwise_ece=metrics.expected_calibration_error(probabilities, labels, num_bins, kind="classwise"),
+        debiased_ce=metrics.debiased_calibration_error(probabilities, labels, num_bins),
+        sweep_ece=metrics.sweep_calibration_error(probabilities, labels),
     )
+
+
+def per_example_predictions(probabilities: Tensor, labels: Tensor) -> dict[str, list[float]]:
+    """The prediction on every example (:attr:`~gpattn.comparison.RunRecord.per_example`): ``"test_nll"``
+    (:math:`-\\log \\max(P_{i y_i}, \\epsilon)`, whose mean is :func:`~gpattn.metrics.negative_log_likelihood`),
+    ``"test_correct"`` (1.0 where the first top class is the label) and ``"test_confidence"`` (the top probability),
+    one float each per row of ``probabilities`` ``(n, C)``, in order."""
+    array = probabilities.detach().cpu().double().numpy()
+    targets = labels.cpu().numpy()
+    true_class = array[np.arange(targets.shape[0]), targets]
+    return {
+        "test_nll": (-np.log(np.maximum(true_class, NLL_FLOOR))).tolist(),
+        "test_correct": (array.argmax(axis=1) == targets).astype(np.float64).tolist(),
+        "test_confidence": array.max(axis=1).tolist(),
+    }
 
 
 def _shift_metrics(probabilities: Tensor, labels: Tensor, num_bins: int) -> ShiftMetrics:
     accuracy, nll = validation_metrics(probabilities, labels)
-    ece = metrics.expected_calibration_error(probabilities, labels, num_bins)
-    return ShiftMetrics(accuracy=accuracy, nll=nll, ece=ece, brier=metrics.brier_score(probabilities, labels))
+    return ShiftMetrics(
+        accuracy=accuracy,
+        nll=nll,
+        ece=metrics.expected_calibration_error(probabilities, labels, num_bins),
+        brier=metrics.brier_score(probabilities, labels),
+        debiased_ce=metrics.debiased_calibration_error(probabilities, labels, num_bins),
+    )
 
 
-def _ood_metrics(test_probabilities: Tensor, ood_probabilities: Tensor) -> OODMetrics:
+def _ood_metrics(test_samples: Tensor, ood_samples: Tensor) -> OODMetrics:
+    # samples: (S, n, C) probabilities, S = members x Monte Carlo samples; one sample: a deterministic row
+    test_probabilities, ood_probabilities = test_samples.mean(dim=0), ood_samples.mean(dim=0)
+    stochastic = test_samples.shape[0] > 1
     return OODMetrics(
         auroc_max_prob=metrics.ood_auroc(test_probabilities, ood_probabilities, score="max_prob"),
         auroc_entropy=metrics.ood_auroc(test_probabilities, ood_probabilities, score="entropy"),
         aupr_max_prob=metrics.ood_aupr(test_probabilities, ood_probabilities, score="max_prob"),
         fpr95_max_prob=metrics.ood_fpr_at_95_tpr(test_probabilities, ood_probabilities, score="max_prob"),
         aupr_out_max_prob=metrics.ood_aupr(test_probabilities, ood_probabilities, score="max_prob", positive="out"),
+        auroc_mutual_information=(
+            metrics.ood_auroc_mutual_information(test_samples, ood_samples) if stochastic else math.nan
+        ),
     )
 
 
@@ -98,9 +135,10 @@ def ensemble_logits(
     mc_dropout: bool = False,
     batch_size: int = 256,
 ) -> Tensor:
-    r"""Monte Carlo logits of every member on a data set, :func:`~gpattn.models.monte_carlo_logits` by batches (members
-    in order, each drawing from the global torch RNG; the same draws, in the same order, as
-    :func:`~gpattn.training.ensemble_probabilities`).
+    r"""Monte Carlo logits of every member on a data set, by batches: :func:`~gpattn.models.monte_carlo_logits`, or
+    for a :class:`~gpattn.models.LastLayerLaplace` member its GLM predictive's samples
+    (:meth:`~gpattn.models.LastLayerLaplace.sample_logits`); members in order, each drawing from the global torch RNG
+    (the same draws, in the same order, as :func:`~gpattn.training.ensemble_probabilities` for models).
 
     :param models: The members (one for a single model), all with the same number of samples per input.
     :param dataset: Has ``.tokens`` (and ``.mask``), ``.images`` or ``.inputs``.
@@ -119,7 +157,10 @@ def ensemble_logits(
         parameter = next(model.parameters(), None)
         device = torch.device("cpu") if parameter is None else parameter.device
         mask_on_device = None if mask is None else mask.to(device)
-        logits = monte_carlo_logits(model, inputs.to(device), mask_on_device, num_samples, mc_dropout, batch_size)
+        if isinstance(model, LastLayerLaplace):
+            logits = model.sample_logits(inputs.to(device), mask_on_device, num_samples, batch_size)
+        else:
+            logits = monte_carlo_logits(model, inputs.to(device), mask_on_device, num_samples, mc_dropout, batch_size)
         outputs.append(logits.cpu().double())
     if len({tuple(logits.shape) for logits in outputs}) != 1:
         raise ValueError(
@@ -128,9 +169,9 @@ def ensemble_logits(
     return torch.stack(outputs)
 
 
-def _probabilities(logits: Tensor, temperature: float = 1.0) -> Tensor:
-    # mean over members and samples of softmax(logits / tau): shape (n, C)
-    return (logits / temperature).softmax(dim=-1).mean(dim=(0, 1))
+def _samples(logits: Tensor, temperature: float = 1.0) -> Tensor:
+    # softmax(logits / tau) of every member and sample: (K, T', n, C) -> (K T', n, C)
+    return (logits / temperature).softmax(dim=-1).flatten(0, 1)
 
 
 @dataclass(frozen=True)
@@ -140,6 +181,7 @@ class Evaluation:
     :ivar metrics: Test, shift and OOD metrics.
     :ivar reliability: The test set's reliability bins.
     :ivar ood_scores: Max probabilities of the test (``"in"``) and every OOD input; ``{}`` without OOD sets.
+    :ivar per_example: The prediction on every test example (:func:`per_example_predictions`).
     :ivar temperature_scaled: The same predictions temperature-scaled (temperature fitted on the validation split),
         or ``None``.
     """
@@ -147,6 +189,7 @@ class Evaluation:
     metrics: RunMetrics
     reliability: ReliabilityBins
     ood_scores: dict[str, list[float]]
+    per_example: dict[str, list[float]]
     temperature_scaled: TemperatureScaled | None
 
 
@@ -161,22 +204,26 @@ def _bins(probabilities: Tensor, labels: Tensor, num_bins: int) -> ReliabilityBi
 
 def _metrics_from_logits(
     logits: dict[str, Tensor], data: TaskData, temperature: float, num_bins: int
-) -> tuple[RunMetrics, ReliabilityBins, dict[str, list[float]]]:
-    test_probabilities = _probabilities(logits["test"], temperature)
+) -> tuple[RunMetrics, ReliabilityBins, dict[str, list[float]], dict[str, list[float]]]:
+    test_samples = _samples(logits["test"], temperature)
+    test_probabilities = test_samples.mean(dim=0)
     shift: dict[str, dict[str, ShiftMetrics]] = {}
     for (kind, severity), dataset in data.shifted.items():
-        probabilities = _probabilities(logits[f"shift/{kind}/{severity}"], temperature)
+        probabilities = _samples(logits[f"shift/{kind}/{severity}"], temperature).mean(dim=0)
         shift.setdefault(kind, {})[str(severity)] = _shift_metrics(probabilities, dataset.labels, num_bins)
     ood, ood_scores = {}, {}
-    if data.ood:
+    ood_samples = {name: _samples(logits[f"ood/{name}"], temperature) for name in data.ood}
+    if ood_samples:
+        ood_samples[POOLED_OOD] = torch.cat(list(ood_samples.values()), dim=1)
         ood_scores["in"] = test_probabilities.max(dim=-1).values.tolist()
-    for name in data.ood:
-        probabilities = _probabilities(logits[f"ood/{name}"], temperature)
-        ood_scores[name] = probabilities.max(dim=-1).values.tolist()
-        ood[name] = _ood_metrics(test_probabilities, probabilities)
+    for name, samples in ood_samples.items():
+        if name != POOLED_OOD:
+            ood_scores[name] = samples.mean(dim=0).max(dim=-1).values.tolist()
+        ood[name] = _ood_metrics(test_samples, samples)
     test = classification_metrics(test_probabilities, data.test.labels, num_bins)
     bins = _bins(test_probabilities, data.test.labels, num_bins)
-    return RunMetrics(test=test, shift=shift, ood=ood), bins, ood_scores
+    per_example = per_example_predictions(test_probabilities, data.test.labels)
+    return RunMetrics(test=test, shift=shift, ood=ood), bins, ood_scores, per_example
 
 
 def evaluate_models(
@@ -187,24 +234,33 @@ def evaluate_models(
     num_bins: int = DEFAULT_ECE_BINS,
     mc_dropout: bool = False,
     temperature_scaling: bool = True,
+    seed: int = 0,
 ) -> Evaluation:
     r"""Metrics and figure data of one trained model, or of an ensemble (a list of members: their predictive
-    probabilities are averaged), on a task's test, shifted and OOD sets, and of its temperature-scaled variant.
+    probabilities are averaged), on a task's test, shifted and OOD sets (each OOD set, and all of them pooled as
+    :data:`POOLED_OOD`), and of its temperature-scaled variant.
 
     Every set is predicted once, as Monte Carlo logits :math:`f^{(k,t)}(x)` of member :math:`k` and sample
-    :math:`t` (:func:`ensemble_logits`); the reported prediction is
+    :math:`t` (:func:`ensemble_logits`), drawn from a random stream of its own seeded from ``seed`` and the set's name
+    (:func:`~gpattn.comparison.random_stream`); the reported prediction is
     :math:`\frac{1}{KT} \sum_{k,t} \operatorname{softmax}(f^{(k,t)}(x) / \tau)` with :math:`\tau = 1` for the
     model as trained and, for the ``+ts`` variant, :math:`\hat\tau` fitted by
     :func:`~gpattn.models.fit_temperature` on the *validation* split's logits of the same kind (the same :math:`T`,
-    the same MC dropout). The test labels are never read before the metrics: the temperature depends on the
-    validation split only. Post-hoc: no retraining, one extra pass over the validation split.
+    the same MC dropout, the validation split's own stream). The test labels are never read before the metrics, and
+    no other set's draws come before the validation split's: the temperature depends on the validation split and
+    ``seed`` only. OOD inputs are scored by the maximum probability and, where a run has more than one sample per
+    input (:math:`KT > 1`), by the mutual information of its samples
+    (:func:`~gpattn.metrics.ood_auroc_mutual_information`; NaN for one sample). Post-hoc: no retraining, one extra
+    pass over the validation split.
 
     :param models: The model or the members.
     :param data: The task.
     :param num_samples: Monte Carlo samples :math:`T` per prediction.
-    :param num_bins: Bins of the ECE/MCE (top-label and classwise) and of the reliability diagram.
+    :param num_bins: Bins of the ECE/MCE (top-label and classwise), of the reliability diagram, and equal-mass bins of
+        the debiased calibration error.
     :param mc_dropout: Dropout on at test time (MC dropout; the models must have dropout).
     :param temperature_scaling: Also fit and evaluate the temperature-scaled variant.
+    :param seed: The run's seed, which seeds every set's stream.
     :return: The :class:`Evaluation`.
 
     .. note:: Cost: :math:`K T` forward passes over every set (and the validation split for the temperature);
@@ -217,17 +273,23 @@ def evaluate_models(
     sets = {"test": data.test}
     sets.update({f"shift/{kind}/{severity}": dataset for (kind, severity), dataset in data.shifted.items()})
     sets.update({f"ood/{name}": dataset for name, dataset in data.ood.items()})
-    logits = {name: ensemble_logits(members, dataset, num_samples, mc_dropout) for name, dataset in sets.items()}
-    run_metrics, reliability, ood_scores = _metrics_from_logits(logits, data, 1.0, num_bins)
+    logits = {}
+    for name, dataset in sets.items():
+        with random_stream(seed, name):
+            logits[name] = ensemble_logits(members, dataset, num_samples, mc_dropout)
+    run_metrics, reliability, ood_scores, per_example = _metrics_from_logits(logits, data, 1.0, num_bins)
     scaled = None
     if temperature_scaling:
-        val_logits = ensemble_logits(members, data.val, num_samples, mc_dropout)
+        with random_stream(seed, "val"):
+            val_logits = ensemble_logits(members, data.val, num_samples, mc_dropout)
         with warnings.catch_warnings():  # a boundary temperature is kept and shown in the table's temperature column
             warnings.filterwarnings("ignore", message="fit_temperature: the optimum lies on the boundary")
             temperature = fit_temperature(val_logits.flatten(0, 1), dataset_labels(data.val))
-        scaled_metrics, scaled_bins, _ = _metrics_from_logits(logits, data, temperature, num_bins)
-        scaled = TemperatureScaled(temperature=temperature, metrics=scaled_metrics, reliability=scaled_bins)
-    return Evaluation(run_metrics, reliability, ood_scores, scaled)
+        scaled_metrics, scaled_bins, _, scaled_examples = _metrics_from_logits(logits, data, temperature, num_bins)
+        scaled = TemperatureScaled(
+            temperature=temperature, metrics=scaled_metrics, reliability=scaled_bins, per_example=scaled_examples
+        )
+    return Evaluation(run_metrics, reliability, ood_scores, per_example, scaled)
 
 
 def evaluate_run(
@@ -235,83 +297,19 @@ def evaluate_run(
     data: TaskData,
     num_samples: int,
     num_bins: int = DEFAULT_ECE_BINS,
+    seed: int = 0,
 ) -> tuple[RunMetrics, ReliabilityBins, dict[str, list[float]]]:
     """Metrics and figure data of one trained model, or of an ensemble (a list of members: their predictive
-    probabilities are averaged, :func:`~gpattn.training.ensemble_probabilities`), on a task's test, shifted and OOD sets
-    (:func:`evaluate_models` without the temperature-scaled variant).
+    probabilities are averaged), on a task's test, shifted and OOD sets (:func:`evaluate_models` without the
+    temperature-scaled variant).
 
     :param models: The model or the members.
     :param data: The task.
     :param num_samples: Monte Carlo samples :math:`T` per prediction.
     :param num_bins: Bins of the calibration errors and the reliability diagram.
+    :param seed: The seed of the sets' random streams.
     :return: The :class:`~gpattn.comparison.RunMetrics`, the test set's reliability bins and the OOD scores (the
         maximum probability of every test (``"in"``) and OOD input; ``{}`` for a task without OOD sets).
     """
-    evaluation = evaluate_models(models, data, num_samples, num_bins=num_bins, temperature_scaling=False)
+    evaluation = evaluate_models(models, data, num_samples, num_bins=num_bins, temperature_scaling=False, seed=seed)
     return evaluation.metrics, evaluation.reliability, evaluation.ood_scores
-
-
-def _ksvd_layers(model: torch.nn.Module) -> list[tuple[int, torch.nn.Module]]:
-    layers = getattr(model, "attention_layers", None)
-    if layers is None:
-        return []
-    return [
-        (index, layer)
-        for index, layer in enumerate(layers(), start=1)
-        if isinstance(getattr(layer, "features", None), AttentionKernelEigenFeatures)
-    ]
-
-
-@torch.no_grad()
-def model_fidelity(model: torch.nn.Module, dataset: Any, max_sequences: int = 256) -> dict[str, dict[str, list[float]]]:
-    """:func:`~gpattn.features.ksvd_fidelity` of every KSVD layer (KEP-SVGP, Primal-Attention: a layer with
-    :class:`~gpattn.features.AttentionKernelEigenFeatures` as ``.features``) of a trained model, on the tokens that
-    the layer receives when the model reads the first ``max_sequences`` inputs of ``dataset`` (captured by a forward
-    pre-hook during one eval-mode pass), averaged over those sequences per head.
-
-    :param model: A :class:`~gpattn.models.Transformer` (anything with ``attention_layers()``).
-    :param dataset: Has ``.tokens`` (and ``.mask``), ``.images`` or ``.inputs``.
-    :param max_sequences: Sequences to measure on.
-    :return: ``"layer_<l>"`` (from 1) -> field of :class:`~gpattn.features.KSVDFidelity` -> one value per head;
-        ``{}`` for a model without KSVD layers. A layer whose rank :math:`s` exceeds the sequence length is left
-        out (the exact KSVD has fewer than :math:`s` singular vectors).
-
-    .. note:: Cost: one forward pass over the sequences plus, per KSVD layer, the dense kernel and its SVD per
-        sequence and head (:func:`~gpattn.features.ksvd_fidelity`).
-    """
-    check_int("max_sequences", max_sequences, where="model_fidelity")
-    layers = _ksvd_layers(model)
-    if not layers:
-        return {}
-    inputs, mask = dataset_inputs(dataset)
-    parameter = next(model.parameters())
-    index = torch.arange(min(max_sequences, inputs.shape[0]))
-    batch_inputs, batch_mask = batch_to_device(inputs, mask, index, parameter.device)
-    captured: dict[int, tuple[Tensor, Tensor | None]] = {}
-
-    def capture(number: int):
-        def hook(module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
-            layer_mask = kwargs.get("mask", args[1] if len(args) > 1 else None)
-            captured[number] = (args[0].detach(), layer_mask if isinstance(layer_mask, Tensor) else None)
-
-        return hook
-
-    handles = [layer.register_forward_pre_hook(capture(n), with_kwargs=True) for n, layer in layers]
-    was_training = model.training
-    model.eval()
-    try:
-        model(batch_inputs, mask=batch_mask)
-    finally:
-        model.train(was_training)
-        for handle in handles:
-            handle.remove()
-    result = {}
-    for number, layer in layers:
-        queries, layer_mask = captured[number]
-        if layer.features.num_inducing > queries.shape[-2]:
-            continue  # a rank above the sequence length: no top-s subspace to compare with (e.g. s = 10, 8 tokens)
-        fidelity = ksvd_fidelity(layer, queries, key_mask=layer_mask)
-        result[f"layer_{number}"] = {
-            name: getattr(fidelity, name).double().mean(dim=0).tolist() for name in fidelity.summary()
-        }
-    return result

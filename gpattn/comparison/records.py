@@ -5,22 +5,31 @@ JSON: the layout below) and read back with :meth:`RunRecord.from_dict` or :func:
 (types, required entries) so that no reader has to::
 
     {"task": "digits", "attention": "kep_svgp", "seed": 0,
-     "metrics": {"test": {"accuracy": ..., "confidence": ..., "nll": ..., "ece": ..., ...},
-                 "shift": {"gaussian_noise": {"1": {"accuracy": ..., "nll": ..., "ece": ..., "brier": ...}, ...}},
-                 "ood": {"held_out": {"auroc_max_prob": ..., ...}, "noise": {...}}},
+     "metrics": {"test": {"accuracy": ..., "confidence": ..., "nll": ..., "ece": ..., "debiased_ce": ...,
+                          "sweep_ece": ..., ...},
+                 "shift": {"gaussian_noise": {"1": {"accuracy": ..., "nll": ..., "ece": ..., "brier": ...,
+                                                    "debiased_ce": ...}, ...}},
+                 "ood": {"held_out": {"auroc_max_prob": ..., "auroc_mutual_information": ..., ...},
+                         "noise": {...}, "pooled": {...}}},
      "reliability": {"confidence": [...], "accuracy": [...], "count": [...]},  # per bin, test set
      "ood_scores": {"in": [...], "held_out": [...], "noise": [...]},          # max probabilities
+     "per_example": {"test_nll": [...], "test_correct": [...], "test_confidence": [...]},  # test order
      "spectra": {"layer_2": [[sigma_1, sigma_2, ...], ...]},                  # one list per head
      "train": {"seconds": ..., "epochs": ..., "best_epoch": ..., "num_parameters": ..., "ensemble": ...},
-     "temperature_scaled": {"temperature": ..., "metrics": {...}, "reliability": {...}},  # the "+ts" row
-     "fidelity": {"layer_2": {"relative_objective": [...], "left_cosine": [...], ...}}}  # one value per head
+     "temperature_scaled": {"temperature": ..., "metrics": {...}, "reliability": {...},  # the "+ts" row
+                            "per_example": {...}},
+     "fidelity": {"layer_2": {"relative_objective": [...], "left_cosine": [...], ...}},  # one value per head
+     "hyperparameters": {"epochs": ..., "lr": ..., ...},  # Hyperparameters.to_dict() of the run
+     "tuned": false}
 
 ``task``, ``attention``, ``seed`` and ``metrics.test`` are required; ``shift``, ``ood``, ``ood_scores``,
-``spectra`` and ``fidelity`` may be empty (a task without shifted or OOD sets, an attention without a learned spectrum
-or KSVD layer) and ``reliability``, ``train`` and ``temperature_scaled`` may be ``null`` (or missing, as in records
-written before they existed). Every number is a fraction, not a percent. The layout is strict
-JSON: a metric that is undefined for a run (NaN, e.g. the misclassification AUROC when every test prediction is
-correct) is written as ``null`` and its reason goes into an ``"undefined"`` entry, dotted path -> reason::
+``per_example``, ``spectra``, ``fidelity`` and ``hyperparameters`` may be empty (a task without shifted or OOD sets,
+an attention without a learned spectrum or KSVD layer, a record written before they existed) and ``reliability``,
+``train`` and ``temperature_scaled`` may be ``null`` (or missing, as in records written before they existed);
+``tuned`` is ``false`` where missing, and a metric added after a record was written reads back as NaN. Every number
+is a fraction, not a percent. The layout is strict JSON: a metric that is undefined for a run (NaN, e.g. the
+misclassification AUROC when every test prediction is correct, or the mutual-information AUROC of a deterministic
+row) is written as ``null`` and its reason goes into an ``"undefined"`` entry, dotted path -> reason::
 
      "undefined": {"metrics.test.auroc": "NaN: needs both correct and wrong test predictions (all were correct or all
                    wrong)"}
@@ -30,18 +39,21 @@ correct) is written as ``null`` and its reason goes into an ``"undefined"`` entr
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import math
-import numbers
 import os
-import tempfile
+import secrets
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
+
+from .json_values import as_integer, as_list, as_mapping, as_number, as_numbers, as_scalar, read_fields, strict_json
 
 __all__ = [
+    "PER_EXAMPLE_FIELDS",
     "ClassificationMetrics",
     "OODMetrics",
     "ReliabilityBins",
@@ -55,7 +67,9 @@ __all__ = [
     "write_text_atomically",
 ]
 
-Fields = TypeVar("Fields")
+#: The entries of :attr:`RunRecord.per_example` (and :attr:`TemperatureScaled.per_example`): one float per clean test
+#: example each.
+PER_EXAMPLE_FIELDS = ("test_nll", "test_correct", "test_confidence")
 
 
 @dataclass(frozen=True)
@@ -73,6 +87,11 @@ class ClassificationMetrics:
     :ivar auroc: Misclassification AUROC of the top-label probability.
     :ivar fpr95: Misclassification FPR at 95% TPR.
     :ivar classwise_ece: Classwise ECE (Kull et al. 2019; the same bins; NaN in records written before it existed).
+    :ivar debiased_ce: Debiased top-label :math:`\\ell_2` calibration error (Kumar et al. 2019;
+        :func:`~gpattn.metrics.debiased_calibration_error` on as many equal-mass bins as the ECE has bins; NaN in
+        records written before it existed).
+    :ivar sweep_ece: Equal-mass sweep ECE, top label (Roelofs et al. 2022;
+        :func:`~gpattn.metrics.sweep_calibration_error`; NaN in records written before it existed).
     """
 
     accuracy: float
@@ -86,16 +105,20 @@ class ClassificationMetrics:
     auroc: float
     fpr95: float
     classwise_ece: float = math.nan
+    debiased_ce: float = math.nan
+    sweep_ece: float = math.nan
 
 
 @dataclass(frozen=True)
 class ShiftMetrics:
-    """Metrics on one shifted test set (one kind, one severity)."""
+    """Metrics on one shifted test set (one kind, one severity): those of :class:`ClassificationMetrics` of the same
+    names (``debiased_ce``: NaN in records written before it existed)."""
 
     accuracy: float
     nll: float
     ece: float
     brier: float
+    debiased_ce: float = math.nan
 
 
 @dataclass(frozen=True)
@@ -108,6 +131,10 @@ class OODMetrics:
     :ivar fpr95_max_prob: FPR of the OOD set at 95 % TPR of the test set.
     :ivar aupr_out_max_prob: AUPR-Out (OOD positive, ranked by minus the maximum probability; NaN in records written
         before it existed).
+    :ivar auroc_mutual_information: AUROC of minus the mutual information between the prediction and the model
+        sample (:func:`~gpattn.metrics.ood_auroc_mutual_information` on the run's Monte Carlo samples: members times
+        samples); NaN for a row whose predictions do not vary (one deterministic sample), and in records written
+        before it existed.
     """
 
     auroc_max_prob: float
@@ -115,6 +142,7 @@ class OODMetrics:
     aupr_max_prob: float
     fpr95_max_prob: float
     aupr_out_max_prob: float = math.nan
+    auroc_mutual_information: float = math.nan
 
 
 @dataclass(frozen=True)
@@ -123,7 +151,8 @@ class RunMetrics:
 
     :ivar test: On the clean test set.
     :ivar shift: Shift kind -> severity (``"1"`` to ``"5"``, a string as in JSON) -> metrics; ``{}`` without shifts.
-    :ivar ood: OOD set name (``"held_out"``, ``"noise"``) -> metrics; ``{}`` without OOD sets.
+    :ivar ood: OOD set name (the task's families, e.g. ``"held_out"`` and ``"noise"``, then ``"pooled"``, all of them
+        together) -> metrics; ``{}`` without OOD sets.
     """
 
     test: ClassificationMetrics
@@ -178,11 +207,14 @@ class TemperatureScaled:
     :ivar temperature: The fitted :math:`\\hat\\tau`.
     :ivar metrics: Test, shift and OOD metrics of the scaled predictions.
     :ivar reliability: The test set's reliability bins of the scaled predictions.
+    :ivar per_example: The scaled predictions on every test example (:attr:`RunRecord.per_example`); ``{}`` in
+        records written before it existed.
     """
 
     temperature: float
     metrics: RunMetrics
     reliability: ReliabilityBins | None = None
+    per_example: dict[str, list[float]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -202,6 +234,14 @@ class RunRecord:
     :ivar fidelity: KSVD fidelity (:func:`~gpattn.features.ksvd_fidelity`) of every KSVD layer (KEP-SVGP,
         Primal-Attention) on test sequences: ``"layer_<l>"`` -> field of :class:`~gpattn.features.KSVDFidelity` ->
         one value per head (the mean over the sequences); ``{}`` for other attentions.
+    :ivar per_example: The prediction on every clean test example, in test order (:data:`PER_EXAMPLE_FIELDS`):
+        ``"test_nll"`` (its negative log-likelihood, floored as :func:`~gpattn.metrics.negative_log_likelihood`,
+        whose mean is ``metrics.test.nll``), ``"test_correct"`` (1.0 where the top class is the label, else 0.0) and
+        ``"test_confidence"`` (the top-class probability); ``{}`` in records written before it existed.
+    :ivar hyperparameters: The :meth:`~gpattn.methods.Hyperparameters.to_dict` of the run (tuned or default);
+        ``{}`` in records written before it existed.
+    :ivar tuned: Whether ``hyperparameters`` come from a tuned configuration (``False`` in records written before it
+        existed).
 
     A run folder's records are read back with :func:`read_records` (``read_records("runs/main/results.json")``).
 
@@ -223,12 +263,15 @@ class RunRecord:
     train: TrainingSummary | None = None
     temperature_scaled: TemperatureScaled | None = None
     fidelity: dict[str, dict[str, list[float]]] = field(default_factory=dict)
+    per_example: dict[str, list[float]] = field(default_factory=dict)
+    hyperparameters: dict[str, Any] = field(default_factory=dict)
+    tuned: bool = False
 
     def to_dict(self) -> dict[str, Any]:
         """The record as plain, strict JSON data (nested dicts and lists), the layout of ``results.json``: every field
         of the dataclasses, a non-finite number as ``None`` with its reason under ``"undefined"``."""
         undefined: dict[str, str] = {}
-        data = _strict(dataclasses.asdict(self), "", undefined)
+        data = strict_json(dataclasses.asdict(self), "", undefined)
         if undefined:
             data["undefined"] = undefined
         return data
@@ -240,7 +283,7 @@ class RunRecord:
         :raises ValueError: Naming the entry that is missing, unexpected or of the wrong type.
         """
         where = "record"
-        data = _mapping(data, where)
+        data = as_mapping(data, where)
         missing = [key for key in ("task", "attention", "seed", "metrics") if key not in data]
         unknown = sorted(set(data) - {entry.name for entry in dataclasses.fields(cls)} - {"undefined"})
         if missing or unknown:
@@ -252,36 +295,48 @@ class RunRecord:
         train = data.get("train")
         scaled = data.get("temperature_scaled")
         if scaled is not None:
-            scaled = _mapping(scaled, "record.temperature_scaled")
+            scaled = as_mapping(scaled, "record.temperature_scaled")
             scaled_bins = scaled.get("reliability")
             scaled = TemperatureScaled(
-                temperature=_number(scaled.get("temperature"), "record.temperature_scaled.temperature"),
+                temperature=as_number(scaled.get("temperature"), "record.temperature_scaled.temperature"),
                 metrics=_run_metrics(scaled.get("metrics"), "record.temperature_scaled.metrics"),
                 reliability=None if scaled_bins is None else _reliability(scaled_bins),
+                per_example=_per_example(scaled.get("per_example", {}), "record.temperature_scaled.per_example"),
             )
+        tuned = data.get("tuned", False)
+        if not isinstance(tuned, bool):
+            raise ValueError(f"{where}: expected 'tuned' to be true or false, got {tuned!r}")
         return cls(
             task=data["task"],
             attention=data["attention"],
-            seed=_integer(data["seed"], "record.seed"),
+            seed=as_integer(data["seed"], "record.seed"),
             metrics=_run_metrics(data["metrics"], "record.metrics"),
             reliability=None if reliability is None else _reliability(reliability),
             ood_scores={
-                name: _numbers(scores, f"record.ood_scores.{name}")
-                for name, scores in _mapping(data.get("ood_scores", {}), "record.ood_scores").items()
+                name: as_numbers(scores, f"record.ood_scores.{name}")
+                for name, scores in as_mapping(data.get("ood_scores", {}), "record.ood_scores").items()
             },
             spectra={
-                layer: [_numbers(head, f"record.spectra.{layer}") for head in _list(heads, f"record.spectra.{layer}")]
-                for layer, heads in _mapping(data.get("spectra", {}), "record.spectra").items()
+                layer: [
+                    as_numbers(head, f"record.spectra.{layer}") for head in as_list(heads, f"record.spectra.{layer}")
+                ]
+                for layer, heads in as_mapping(data.get("spectra", {}), "record.spectra").items()
             },
-            train=None if train is None else _fields(TrainingSummary, train, "record.train"),
+            train=None if train is None else read_fields(TrainingSummary, train, "record.train"),
             temperature_scaled=scaled,
             fidelity={
                 layer: {
-                    name: _numbers(values, f"record.fidelity.{layer}.{name}")
-                    for name, values in _mapping(fields_, f"record.fidelity.{layer}").items()
+                    name: as_numbers(values, f"record.fidelity.{layer}.{name}")
+                    for name, values in as_mapping(fields_, f"record.fidelity.{layer}").items()
                 }
-                for layer, fields_ in _mapping(data.get("fidelity", {}), "record.fidelity").items()
+                for layer, fields_ in as_mapping(data.get("fidelity", {}), "record.fidelity").items()
             },
+            per_example=_per_example(data.get("per_example", {}), "record.per_example"),
+            hyperparameters={
+                name: as_scalar(value, f"record.hyperparameters.{name}")
+                for name, value in as_mapping(data.get("hyperparameters", {}), "record.hyperparameters").items()
+            },
+            tuned=tuned,
         )
 
 
@@ -298,130 +353,72 @@ def read_records(path: str | os.PathLike) -> list[RunRecord]:
     return [RunRecord.from_dict(record) for record in content["records"]]
 
 
+def _per_example(value: Any, where: str) -> dict[str, list[float]]:
+    values = as_mapping(value, where)
+    unknown = sorted(set(values) - set(PER_EXAMPLE_FIELDS))
+    if unknown:
+        raise ValueError(f"{where}: unexpected entries {unknown}; expected some of {list(PER_EXAMPLE_FIELDS)}")
+    lists = {name: as_numbers(values[name], f"{where}.{name}") for name in PER_EXAMPLE_FIELDS if name in values}
+    if len({len(entries) for entries in lists.values()}) > 1:
+        lengths = {name: len(entries) for name, entries in lists.items()}
+        raise ValueError(f"{where}: expected one value per test example in every entry, got lengths {lengths}")
+    return lists
+
+
 def _run_metrics(value: Any, where: str) -> RunMetrics:
-    metrics = _mapping(value, where)
+    metrics = as_mapping(value, where)
     if "test" not in metrics:
         raise ValueError(f"{where}: missing the entry 'test'")
-    shift = _mapping(metrics.get("shift", {}), f"{where}.shift")
-    ood = _mapping(metrics.get("ood", {}), f"{where}.ood")
+    shift = as_mapping(metrics.get("shift", {}), f"{where}.shift")
+    ood = as_mapping(metrics.get("ood", {}), f"{where}.ood")
     return RunMetrics(
-        test=_fields(ClassificationMetrics, metrics["test"], f"{where}.test"),
+        test=read_fields(ClassificationMetrics, metrics["test"], f"{where}.test"),
         shift={
             kind: {
-                str(severity): _fields(ShiftMetrics, values, f"{where}.shift.{kind}.{severity}")
-                for severity, values in _mapping(levels, f"{where}.shift.{kind}").items()
+                str(severity): read_fields(ShiftMetrics, values, f"{where}.shift.{kind}.{severity}")
+                for severity, values in as_mapping(levels, f"{where}.shift.{kind}").items()
             }
             for kind, levels in shift.items()
         },
-        ood={name: _fields(OODMetrics, values, f"{where}.ood.{name}") for name, values in ood.items()},
+        ood={name: read_fields(OODMetrics, values, f"{where}.ood.{name}") for name, values in ood.items()},
     )
-
-
-# -- writing strict JSON ---------------------------------------------------------------------------------------------
-#: why a metric can be undefined (NaN), by field name; any other non-finite number is reported as such
-UNDEFINED_REASONS = {
-    "auroc": "needs both correct and wrong test predictions (all were correct or all wrong)",
-    "fpr95": "needs both correct and wrong test predictions (all were correct or all wrong)",
-    "eaurc": "needs both correct and wrong test predictions (all were correct or all wrong)",
-    "auroc_max_prob": "needs both in-distribution and OOD inputs",
-    "auroc_entropy": "needs both in-distribution and OOD inputs",
-    "aupr_max_prob": "needs both in-distribution and OOD inputs",
-    "aupr_out_max_prob": "needs both in-distribution and OOD inputs",
-    "fpr95_max_prob": "needs both in-distribution and OOD inputs",
-}
-
-
-def _strict(value: Any, where: str, undefined: dict[str, str]) -> Any:
-    """``value`` with every non-finite float replaced by ``None``, its dotted path and reason added to
-    ``undefined``."""
-    if isinstance(value, dict):
-        return {key: _strict(item, f"{where}.{key}" if where else str(key), undefined) for key, item in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_strict(item, f"{where}.{index}", undefined) for index, item in enumerate(value)]
-    if isinstance(value, float) and not math.isfinite(value):
-        name = where.rsplit(".", 1)[-1]
-        undefined[where] = f"{value}: {UNDEFINED_REASONS.get(name, 'not a finite number')}"
-        return None
-    return value
-
-
-# -- reading JSON values ---------------------------------------------------------------------------------------------
-def _mapping(value: Any, where: str) -> Mapping[str, Any]:
-    if not isinstance(value, Mapping):
-        raise ValueError(f"{where}: expected a dict, got {type(value).__name__}")
-    return value
-
-
-def _list(value: Any, where: str) -> list[Any]:
-    if not isinstance(value, (list, tuple)):
-        raise ValueError(f"{where}: expected a list, got {type(value).__name__}")
-    return list(value)
-
-
-def _number(value: Any, where: str) -> float:
-    # JSON has no NaN of its own: None (null) stands for it
-    if value is None:
-        return math.nan
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise ValueError(f"{where}: expected a number, got {value!r}")
-    return float(value)
-
-
-def _numbers(values: Any, where: str) -> list[float]:
-    return [_number(value, where) for value in _list(values, where)]
-
-
-def _integer(value: Any, where: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise ValueError(f"{where}: expected an integer, got {value!r}")
-    return int(value)
-
-
-def _fields(cls: type[Fields], values: Any, where: str) -> Fields:
-    """A flat dataclass of numbers (int fields stay integers) from a dict with exactly its fields."""
-    values = _mapping(values, where)
-    names = [entry.name for entry in dataclasses.fields(cls)]
-    # a field with a default (added after the first release) may be missing: records written before it read back
-    optional = {entry.name for entry in dataclasses.fields(cls) if entry.default is not dataclasses.MISSING}
-    missing = [name for name in names if name not in values and name not in optional]
-    unknown = sorted(set(values) - set(names))
-    if missing or unknown:
-        raise ValueError(f"{where}: missing entries {missing}, unexpected entries {unknown}")
-    converted = {}
-    for entry in dataclasses.fields(cls):
-        if entry.name not in values:
-            continue
-        value = values[entry.name]
-        convert = _integer if entry.type == "int" else _number
-        converted[entry.name] = convert(value, f"{where}.{entry.name}")
-    return cls(**converted)
 
 
 def _reliability(values: Any) -> ReliabilityBins:
     where = "record.reliability"
-    values = _mapping(values, where)
-    bins = {name: _list(values.get(name), f"{where}.{name}") for name in ("confidence", "accuracy", "count")}
+    values = as_mapping(values, where)
+    bins = {name: as_list(values.get(name), f"{where}.{name}") for name in ("confidence", "accuracy", "count")}
     optional = {
-        name: [None if value is None else _number(value, f"{where}.{name}") for value in bins[name]]
+        name: [None if value is None else as_number(value, f"{where}.{name}") for value in bins[name]]
         for name in ("confidence", "accuracy")
     }
-    return ReliabilityBins(**optional, count=[_integer(value, f"{where}.count") for value in bins["count"]])
+    return ReliabilityBins(**optional, count=[as_integer(value, f"{where}.count") for value in bins["count"]])
 
 
 # -- atomic files ----------------------------------------------------------------------------------------------------
 def write_text_atomically(path: str | os.PathLike, text: str) -> Path:
     """Write ``text`` to ``path`` through a temporary file in the same folder and :func:`os.replace`: the file is
-    either the complete new text or untouched (an interruption leaves no half-written file)."""
+    either the complete new text or untouched (an interruption leaves no half-written file). The file gets the mode
+    of any newly created file (``0o666`` less the process's umask, e.g. ``0o644``), as the figures and tables do.
+
+    :raises OSError: The folder cannot be written (a full disk, no permission, ...): the error names ``path`` and says
+        that it is unchanged; the temporary file is removed.
+    """
     path = Path(path)
-    handle, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    temporary = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
     try:
-        with os.fdopen(handle, "w") as stream:
+        # os.open with 0o666 applies the umask, as open() does (tempfile.mkstemp would make the file 0o600)
+        with os.fdopen(os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666), "w") as stream:
             stream.write(text)
             stream.flush()
             os.fsync(stream.fileno())
         os.replace(temporary, path)
-    except BaseException:
-        Path(temporary).unlink(missing_ok=True)
+    except BaseException as error:
+        with contextlib.suppress(OSError):  # e.g. a read-only file system, where even unlink fails
+            temporary.unlink(missing_ok=True)
+        if isinstance(error, OSError):
+            reason = error.strerror or str(error)
+            raise OSError(error.errno, f"cannot write {path} ({reason}); it is unchanged") from error
         raise
     return path
 

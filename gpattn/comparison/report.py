@@ -1,10 +1,13 @@
-"""The comparison's report: one flat row per run (:func:`flat_rows`, ``results.csv``), the markdown table of means
-± std with n, the published reference accuracies and the paired differences of KEP-SVGP against every other row with
-95 % paired-t intervals (:func:`markdown_table`, ``table.md``), and the run folder's files (:func:`write_outputs`)."""
+"""The comparison's report: ``table.md`` (:func:`table_text`: the headline of the declared endpoints first,
+:func:`~gpattn.comparison.headline.headline_text`, then the full tables of :func:`markdown_table`), ``results.csv``
+(:func:`~gpattn.comparison.table_rows.flat_rows`) and ``results.json`` (the settings, the records and the
+``environment``), written by :func:`write_outputs`; :data:`OUTPUT_FILES` names them.
+"""
 
 from __future__ import annotations
 
 import csv
+import inspect
 import io
 import math
 import statistics
@@ -12,18 +15,33 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+from ..models import fit_temperature
 from .config import CompareConfig
-from .evaluation import DEFAULT_ECE_BINS
+from .environment import run_environment
+from .headline import MIN_SEEDS_FOR_INTERVALS, headline_text
 from .records import RunRecord, write_json_atomically, write_text_atomically
 from .statistics import paired_difference
+from .table_rows import (
+    POOLED,
+    TS_SUFFIX,
+    flat_rows,
+    group_rows,
+    missing_reason,
+    ood_sets,
+    pooled_ood_set,
+    seed_values,
+    with_temperature_scaled,
+)
 from .tasks import PUBLISHED_ACCURACIES
 
 __all__ = [
     "FIDELITY_COLUMNS",
+    "MAIN_COLUMNS",
     "MIN_SEEDS_FOR_INTERVALS",
+    "OUTPUT_FILES",
     "PAIRED_COLUMNS",
     "REFERENCE_ROW",
-    "TABLE_METRICS",
+    "TEMPERATURE_BOUNDS",
     "flat_rows",
     "format_difference",
     "markdown_table",
@@ -34,163 +52,210 @@ __all__ = [
     "write_outputs",
 ]
 
-#: the in-distribution columns of the table; "confidence" (mean top-label probability) next to the accuracy shows the
-#: sign of the miscalibration: over-confident when above it, under-confident when below
-TABLE_METRICS = ("accuracy", "confidence", "nll", "ece", "classwise_ece", "brier", "aurc", "auroc", "fpr95")
-#: The KSVD-fidelity summaries in the table (fields of :class:`~gpattn.features.KSVDFidelity`).
-FIDELITY_COLUMNS = ("relative_objective", "left_cosine", "right_cosine", "energy")
-#: The reference row of the paired differences in the table.
+#: The files :func:`write_outputs` writes into a run folder (the figures are
+#: :func:`gpattn.plotting.comparison_figure_names`).
+OUTPUT_FILES = ("results.json", "results.csv", "table.md")
+#: The columns of each task's main table: (flat-row column, header, percent). ``ood_auroc`` / ``ood_auroc_mi`` stand
+#: for the task's pooled OOD set (:func:`~gpattn.comparison.table_rows.pooled_ood_set`).
+MAIN_COLUMNS = (
+    ("test_accuracy", "accuracy", True),
+    ("test_nll", "NLL", False),
+    ("test_ece", "ECE", True),
+    ("test_debiased_ce", "debiased CE", True),
+    ("test_gap", "conf − acc", True),
+    ("test_brier", "Brier", True),
+    ("shift_nll", "shift NLL", False),
+    ("shift_brier", "shift Brier", True),
+    ("shift_ece", "shift ECE", True),
+    ("ood_auroc", "OOD AUROC", True),
+    ("ood_auroc_mi", "OOD AUROC (MI)", True),
+    ("temperature", "T", False),
+)
+#: The KSVD-fidelity summaries in the table (fields of :func:`~gpattn.comparison.model_fidelity`: the trained model,
+#: ``initial_*`` the model at initialisation, ``random_*`` random subspaces; every field is in ``results.csv``).
+FIDELITY_COLUMNS = (
+    "relative_objective",
+    "left_cosine",
+    "initial_left_cosine",
+    "random_left_cosine",
+    "kernel_error",
+    "initial_kernel_error",
+    "optimal_error",
+    "kernel_scale",
+    "effective_rank",
+)
+#: The reference row of the paired tables (its ``+ts`` variant in the temperature-scaled one).
 REFERENCE_ROW = "kep_svgp"
-#: The columns of the paired differences: (flat_rows column, header, percent).
+#: The columns of the paired differences: (flat-row column, header, percent).
 PAIRED_COLUMNS = (
     ("test_accuracy", "accuracy", True),
-    ("test_nll", "nll", False),
-    ("test_ece", "ece", True),
-    ("test_brier", "brier", True),
-    ("shift_accuracy", "shift_accuracy", True),
-    ("shift_ece", "shift_ece", True),
-    ("ood_held_out_auroc", "ood_held_out_auroc", True),
-    ("ood_noise_auroc", "ood_noise_auroc", True),
+    ("test_nll", "NLL", False),
+    ("test_ece", "ECE", True),
+    ("test_debiased_ce", "debiased CE", True),
+    ("test_brier", "Brier", True),
+    ("shift_nll", "shift NLL", False),
+    ("shift_ece", "shift ECE", True),
+    ("ood_auroc", "OOD AUROC", True),
 )
-#: Fewest seeds from which the table forms a paired interval.
-MIN_SEEDS_FOR_INTERVALS = 5
+#: The search interval of the ``+ts`` rows' temperature (:func:`~gpattn.models.fit_temperature`'s default).
+TEMPERATURE_BOUNDS: tuple[float, float] = inspect.signature(fit_temperature).parameters["bounds"].default
 
 
-def with_temperature_scaled(records: list[RunRecord]) -> list[RunRecord]:
-    """The records with, after each one that has a temperature-scaled variant, that variant as a record of its own
-    (attention ``"<attention>+ts"``, the same seed and training; no spectra or fidelity): the rows of the table, and
-    what the figures take to draw the ``+ts`` rows."""
-    expanded = []
-    for record in records:
-        expanded.append(record)
-        scaled = record.temperature_scaled
-        if scaled is not None:
-            expanded.append(
-                RunRecord(
-                    task=record.task,
-                    attention=f"{record.attention}+ts",
-                    seed=record.seed,
-                    metrics=scaled.metrics,
-                    reliability=scaled.reliability,
-                    train=record.train,
-                )
-            )
-    return expanded
+def _digits(column: str) -> int:
+    return 3 if column.endswith("nll") else 2
 
 
-def _mean_shift(record: RunRecord, key: str, shuffled: bool = False) -> float | None:
-    values = [
-        getattr(entry, key)
-        for kind, levels in record.metrics.shift.items()
-        if (kind == "shuffled") == shuffled
-        for entry in levels.values()
-    ]
-    return statistics.fmean(values) if values else None
+def _resolved(column: str, ood_set: str | None) -> str:
+    # the main and paired tables' "ood_auroc" columns are the task's pooled OOD set
+    if column.startswith("ood_auroc"):
+        return f"ood_{ood_set or POOLED}_auroc{column[len('ood_auroc') :]}"  # no such set: n/a with the reason
+    return column
 
 
-def _fidelity_means(record: RunRecord) -> dict[str, float]:
-    # mean over layers and heads of every fidelity field
-    values: dict[str, list[float]] = {}
-    for fields_ in record.fidelity.values():
-        for name, heads in fields_.items():
-            values.setdefault(name, []).extend(heads)
-    return {name: statistics.fmean(entries) for name, entries in values.items() if entries}
-
-
-def flat_rows(records: list[RunRecord]) -> list[dict[str, Any]]:
-    """One flat row per run and per temperature-scaled variant (:func:`with_temperature_scaled`): test metrics, shift
-    means over kinds and severities (the shuffled MNIST-1D apart), OOD AUROC/AUPR-In/AUPR-Out/FPR95, the fitted
-    temperature, the KSVD fidelity means over layers and heads (for CSV)."""
-    rows = []
-    for record in records:
-        variants = [(record, None)]
-        if record.temperature_scaled is not None:
-            variants.append((with_temperature_scaled([record])[1], record.temperature_scaled.temperature))
-        for variant, temperature in variants:
-            row = {"task": variant.task, "attention": variant.attention, "seed": variant.seed}
-            row.update({f"test_{key}": value for key, value in asdict(variant.metrics.test).items()})
-            for key in ("accuracy", "nll", "ece", "brier"):
-                row[f"shift_{key}"] = _mean_shift(variant, key)
-            if "shuffled" in variant.metrics.shift:
-                row["shuffled_accuracy"] = _mean_shift(variant, "accuracy", shuffled=True)
-                row["shuffled_ece"] = _mean_shift(variant, "ece", shuffled=True)
-            for name, values in variant.metrics.ood.items():
-                row[f"ood_{name}_auroc"] = values.auroc_max_prob
-                row[f"ood_{name}_aupr_in"] = values.aupr_max_prob
-                row[f"ood_{name}_aupr_out"] = values.aupr_out_max_prob
-                row[f"ood_{name}_fpr95"] = values.fpr95_max_prob
-            row["temperature"] = temperature
-            row.update({f"fidelity_{name}": value for name, value in _fidelity_means(variant).items()})
-            row["train_seconds"] = None if variant.train is None else variant.train.seconds
-            rows.append(row)
-    return rows
-
-
-def _finite(values: list[Any]) -> list[float]:
-    return [float(value) for value in values if value is not None and value == value]
-
-
-def _mean_std(values: list[float], percent: bool) -> str:
-    # n with every cell: a metric may be defined on fewer seeds than the group has; one value has no spread
+def _mean_std(values: list[float], percent: bool, digits: int) -> str:
     scale = 100.0 if percent else 1.0
     mean = statistics.fmean(values) * scale
     if len(values) == 1:
-        return f"{mean:.2f} (n=1)"
-    return f"{mean:.2f} ± {statistics.stdev(values) * scale:.2f} (n={len(values)})"
+        return f"{mean:.{digits}f}"
+    return f"{mean:.{digits}f} ± {statistics.stdev(values) * scale:.{digits}f}"
 
 
-def format_difference(reference: dict[int, float], other: dict[int, float], percent: bool) -> str:
-    """``"+d [low, high] *"``: the paired difference ``reference - other`` over the seeds both have, with its 95 %
-    paired-t interval (:func:`~gpattn.comparison.paired_difference`); ``*`` when the interval excludes 0.
-    Fewer than :data:`MIN_SEEDS_FOR_INTERVALS` paired seeds: the mean difference and ``(n = k < 5, no interval)``."""
+def _at_bound(temperatures: list[float]) -> str:
+    # the test of fit_temperature's warning: within a relative 1e-6 of a bound
+    low, high = TEMPERATURE_BOUNDS
+    lower = sum(value <= low * (1 + 1e-6) for value in temperatures)
+    upper = sum(value >= high * (1 - 1e-6) for value in temperatures)
+    notes = [f"{count} of {len(temperatures)} at the fit's {side} bound {bound:g}"
+             for count, side, bound in ((lower, "lower", low), (upper, "upper", high)) if count]  # fmt: skip
+    return f" ({'; '.join(notes)})" if notes else ""
+
+
+def _cell(group: list[dict[str, Any]], column: str, percent: bool) -> str:
+    if column == "temperature" and not group[0]["attention"].endswith(TS_SUFFIX):
+        return "1 (as trained)"
+    values = list(seed_values(group, column).values())
+    if not values:
+        return f"n/a: {missing_reason(group, column)}"
+    text = _mean_std(values, percent, _digits(column))
+    if len(values) < len(group):
+        text += f" (n={len(values)})"
+    return text + (_at_bound(values) if column == "temperature" else "")
+
+
+def _row(cells: list[str]) -> str:
+    return "| " + " | ".join(cells) + " |"
+
+
+def _table(header: list[str], rows: list[list[str]]) -> list[str]:
+    return [_row(header), "|" + "---|" * len(header), *(_row(cells) for cells in rows)]
+
+
+def _task_groups(rows: list[dict[str, Any]], task: str) -> dict[str, list[dict[str, Any]]]:
+    return {attention: group for (name, attention), group in group_rows(rows).items() if name == task}
+
+
+def _main_table(rows: list[dict[str, Any]], task: str) -> list[str]:
+    groups = _task_groups(rows, task)
+    ood_set = pooled_ood_set([row for group in groups.values() for row in group])
+    header = ["row", "n"] + [name for _, name, _ in MAIN_COLUMNS]
+    body = [
+        [attention, str(len(group))]
+        + [_cell(group, _resolved(column, ood_set), percent) for column, _, percent in MAIN_COLUMNS]
+        for attention, group in groups.items()
+    ]
+    return _table(header, body)
+
+
+def _ood_tables(rows: list[dict[str, Any]], task: str) -> list[str]:
+    groups = _task_groups(rows, task)
+    names = ood_sets([row for group in groups.values() for row in group])
+    if len(names) < 2:
+        return []  # the main table's OOD column is the only set
+    lines = []
+    for suffix, score in (("", "maximum probability"), ("_mi", "mutual information")):
+        lines += ["", f"OOD AUROC per set, {score} (percent):", ""]
+        body = [
+            [attention, str(len(group))] + [_cell(group, f"ood_{name}_auroc{suffix}", True) for name in names]
+            for attention, group in groups.items()
+        ]
+        lines += _table(["row", "n", *names], body)
+    return lines
+
+
+def format_difference(reference: dict[int, float], other: dict[int, float], percent: bool, digits: int = 2) -> str:
+    """``"+d [low, high]"``: the paired difference ``reference - other`` over the seeds both have, with its 95 %
+    paired-t interval (:func:`~gpattn.comparison.paired_difference`), in percentage points when ``percent``; not a
+    test (no multiplicity correction: the declared tests are the headline's). Fewer than
+    :data:`MIN_SEEDS_FOR_INTERVALS` paired seeds: the mean difference and ``(n = k < 5, no interval)``; none: ``"-"``.
+    """
     scale = 100.0 if percent else 1.0
     paired = [seed for seed in reference if seed in other]
     if not paired:
         return "-"
     if len(paired) < MIN_SEEDS_FOR_INTERVALS:
         mean = statistics.fmean(reference[seed] - other[seed] for seed in paired) * scale
-        return f"{mean:+.2f} (n = {len(paired)} < {MIN_SEEDS_FOR_INTERVALS}, no interval)"
+        return f"{mean:+.{digits}f} (n = {len(paired)} < {MIN_SEEDS_FOR_INTERVALS}, no interval)"
     difference = paired_difference(reference, other, min_pairs=MIN_SEEDS_FOR_INTERVALS)
-    mark = " *" if difference.significant else ""
-    return f"{difference.mean * scale:+.2f} [{difference.low * scale:+.2f}, {difference.high * scale:+.2f}]{mark}"
+    low, high = difference.low * scale, difference.high * scale
+    return f"{difference.mean * scale:+.{digits}f} [{low:+.{digits}f}, {high:+.{digits}f}]"
 
 
-def _is_percent(column: str) -> bool:
-    return not (column.endswith("nll") or column in ("train_seconds", "temperature") or column.startswith("fidelity"))
-
-
-def _groups(rows: list[dict[str, Any]]) -> dict[tuple[str, str], list[dict[str, Any]]]:
-    groups: dict[tuple[str, str], list[dict[str, Any]]] = {}
-    for row in rows:
-        groups.setdefault((row["task"], row["attention"]), []).append(row)
-    return groups
-
-
-def paired_table(records: list[RunRecord], reference: str = REFERENCE_ROW) -> str:
-    """The paired differences ``reference - row`` over seeds of every other row of each task (``+ts`` rows
-    included), one column per :data:`PAIRED_COLUMNS` entry (:func:`format_difference`); ``""`` when no task has the
-    reference row."""
-    groups = _groups(flat_rows(records))
-    lines = []
-    for task in dict.fromkeys(task for task, _ in groups):
-        if (task, reference) not in groups:
+def paired_table(records: list[RunRecord], task: str, scaled: bool, reference: str = REFERENCE_ROW) -> list[str]:
+    """The paired differences ``reference - row`` over seeds on ``task``, like for like: the untempered rows against
+    ``reference`` (``scaled=False``), or the ``+ts`` rows against ``reference+ts`` (``scaled=True``); one column per
+    :data:`PAIRED_COLUMNS` entry (:func:`format_difference`). ``[]`` without the reference row."""
+    rows = flat_rows(records)
+    groups = _task_groups(rows, task)
+    name = reference + (TS_SUFFIX if scaled else "")
+    if name not in groups:
+        return []
+    ood_set = pooled_ood_set([row for group in groups.values() for row in group])
+    columns = [(_resolved(c, ood_set), header, percent) for c, header, percent in PAIRED_COLUMNS]
+    columns = [entry for entry in columns if seed_values(groups[name], entry[0])]
+    body = []
+    for attention, group in groups.items():
+        if attention == name or attention.endswith(TS_SUFFIX) != scaled:
             continue
-        columns = [c for c in PAIRED_COLUMNS if any(row.get(c[0]) is not None for row in groups[(task, reference)])]
-        base = {row["seed"]: row for row in groups[(task, reference)]}
-        header = ["task", f"{reference} − row", "n"] + [name for _, name, _ in columns]
-        lines += ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-        for (row_task, attention), group in groups.items():
-            if row_task != task or attention == reference:
-                continue
-            other = {row["seed"]: row for row in group}
-            cells = [task, attention, str(len([seed for seed in base if seed in other]))]
-            for column, _, percent in columns:
-                left = {seed: row[column] for seed, row in base.items() if _finite([row.get(column)])}
-                right = {seed: row[column] for seed, row in other.items() if _finite([row.get(column)])}
-                cells.append(format_difference(left, right, percent))
-            lines.append("| " + " | ".join(cells) + " |")
-        lines.append("")
-    return "\n".join(lines)
+        paired = [seed for seed in seed_values(groups[name], "test_nll") if seed in seed_values(group, "test_nll")]
+        cells = [attention, str(len(paired))]
+        for column, _, percent in columns:
+            left, right = seed_values(groups[name], column), seed_values(group, column)
+            cells.append(format_difference(left, right, percent, _digits(column)) if right else "n/a")
+        body.append(cells)
+    return _table([f"{name} − row", "n", *(header for _, header, _ in columns)], body) if body else []
+
+
+def _fidelity_table(rows: list[dict[str, Any]], task: str) -> list[str]:
+    groups = {a: g for a, g in _task_groups(rows, task).items() if seed_values(g, f"fidelity_{FIDELITY_COLUMNS[0]}")}
+    body = [
+        [attention, str(len(group))] + [_cell(group, f"fidelity_{name}", False) for name in FIDELITY_COLUMNS]
+        for attention, group in groups.items()
+    ]
+    return _table(["row", "n", *FIDELITY_COLUMNS], body) if body else []
+
+
+def _training_table(records: list[RunRecord], task: str) -> list[str]:
+    body = []
+    for attention in dict.fromkeys(r.attention for r in records if r.task == task):
+        group = [r for r in records if r.task == task and r.attention == attention]
+        trained = [r.train for r in group if r.train is not None]
+        if not trained:
+            body.append([attention, str(len(group))] + ["n/a: not recorded"] * 4 + [_tuned(group)])
+            continue
+        seconds = statistics.fmean(t.seconds for t in trained)
+        best = statistics.fmean(t.best_epoch for t in trained)
+        epochs = sorted({t.epochs for t in trained})
+        body.append(
+            [attention, str(len(group)), "/".join(map(str, epochs)), f"{best:.1f}",
+             str(trained[0].num_parameters), f"{seconds:.1f}", _tuned(group)]
+        )  # fmt: skip
+    header = ["row", "n", "epochs", "best epoch (mean)", "parameters", "train seconds (mean)", "configuration"]
+    return _table(header, body) if body else []
+
+
+def _tuned(group: list[RunRecord]) -> str:
+    tuned = {record.tuned for record in group}
+    return "tuned" if tuned == {True} else ("default" if tuned == {False} else "mixed")
 
 
 def published_table(tasks: list[str]) -> str:
@@ -206,72 +271,64 @@ def published_table(tasks: list[str]) -> str:
     return "\n".join(lines)
 
 
-def markdown_table(records: list[RunRecord]) -> str:
-    """The comparison's report: mean ± std over seeds (n shown) per task and row (the ``+ts`` rows after their
-    model), percent for the rates, plain numbers for NLL, temperature and fidelity; then the published reference
-    accuracies, the paired differences of KEP-SVGP against every other row with 95 % paired-t intervals
-    (:func:`paired_table`) and a legend."""
-    rows = flat_rows(records)
-    present = {key for row in rows for key in row if row[key] is not None}
-    columns = [f"test_{key}" for key in TABLE_METRICS] + ["shift_accuracy", "shift_ece", "shift_nll"]
-    columns += [c for c in ("shuffled_accuracy", "shuffled_ece") if c in present]
-    columns += sorted(
-        key for key in present if key.startswith("ood_") and key.endswith(("_auroc", "_aupr_in", "_aupr_out"))
-    )
-    columns += [c for c in ("temperature",) if c in present]
-    columns += [f"fidelity_{name}" for name in FIDELITY_COLUMNS if f"fidelity_{name}" in present]
-    columns += ["train_seconds"]
-    header = ["task", "attention", "n"] + [column.replace("test_", "") for column in columns]
-    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    for (task, attention), group in _groups(rows).items():
-        cells = [task, attention, str(len(group))]
-        for column in columns:
-            values = _finite([row.get(column) for row in group])
-            cells.append(_mean_std(values, _is_percent(column)) if values else "-")
-        lines.append("| " + " | ".join(cells) + " |")
-    tasks = list(dict.fromkeys(row["task"] for row in rows))
-    legend = " ".join(
+def _legend(tasks: list[str]) -> str:
+    low, high = TEMPERATURE_BOUNDS
+    return " ".join(
         [
-            "\nRates (accuracy, confidence, ECE, classwise ECE, Brier, AURC, AUROC, AUPR, FPR95) in percent",
-            "(Brier: sum over classes x 100), NLL in nats, train_seconds in seconds; mean ± std over the n seeds where",
-            "the metric is defined (n=1: the value alone).",
-            f"ECE: {_bins(records)} equal-width bins, top-label; classwise_ece: Kull et al. 2019.",
-            "shift_*: mean over the shift kinds at severities 1-5 (digits: noise, rotation, blur; mnist1d: i.i.d.",
-            "noise, correlated noise, shear, translation, scale); shuffled_*: the spatially shuffled MNIST-1D test",
-            "split. ood_*: maximum-probability AUROC, AUPR-In (in-distribution positive) and AUPR-Out against",
-            "held-out classes / noise. `+ts` rows: the same trained models, temperature-scaled (temperature fitted",
-            "by NLL on the validation split; column temperature). softmax_mc_dropout: softmax trained with dropout,",
-            "dropout on at test time. fidelity_*: KSVD fidelity of the KEP/Primal layers on test sequences (mean",
-            "over sequences, layers and heads): relative_objective |J| over its terms (0 at a stationary point),",
-            "left/right_cosine of the principal angles to the exact top-s singular subspaces (1: the same),",
-            "energy the share of ||K||_F^2 in the top s exact singular values.",
+            "Legend. Rates (accuracy, ECE, debiased CE, conf − acc, Brier, AUROC) in percent (Brier: the sum over",
+            "classes x 100), NLL in nats; mean ± standard deviation over the n seeds of the row, with (n=k) where a",
+            "value is defined on fewer seeds; one seed: the value alone. ECE: 15 equal-width bins, top label;",
+            "debiased CE: Kumar et al. 2019's debiased estimate on 15 equal-mass bins (top label); conf − acc: mean",
+            "confidence minus accuracy on the clean test set (positive: over-confident). shift_*: mean over the shift",
+            "kinds at severities 1-5 (MNIST-1D's shuffled split apart). OOD AUROC: in-distribution test set against",
+            "the pooled OOD set (every family; older records of a task with one OOD set: that set), by the maximum",
+            "probability; (MI): by the mutual information of the Monte Carlo samples, defined for stochastic rows.",
+            "`+ts` rows: the same trained models, temperature-scaled (T fitted by NLL on the validation split, in",
+            f"[{low:g}, {high:g}]; a T at a bound means the validation NLL was still falling there, so the fit is not",
+            "an optimum: say so before reading the row). n/a: the value does not exist, with the reason. Paired",
+            "tables: mean difference [95 % paired-t interval] over the paired seeds, like for like (untempered against",
+            "untempered, +ts against +ts); descriptive, not corrected for multiplicity: the declared tests are the",
+            "headline's. deep_ensemble has no +ts row.",
         ]
     )
-    text = "\n".join(lines) + "\n" + legend + "\n"
+
+
+def markdown_table(records: list[RunRecord]) -> str:
+    """The full tables, per task: the main table (n once per row, then the metrics of :data:`MAIN_COLUMNS`, n/a
+    with its reason where a value does not exist), the OOD AUROC per set (tasks with several OOD sets), the paired
+    differences of :data:`REFERENCE_ROW` (untempered) and of its ``+ts`` row against the others like for like
+    (:func:`paired_table`), the KSVD fidelity, the training; then the published reference accuracies and a
+    legend."""
+    rows = flat_rows(records)
+    tasks = list(dict.fromkeys(row["task"] for row in rows))
+    lines: list[str] = []
+    for task in tasks:
+        lines += [f"### {task}", "", *_main_table(rows, task), *_ood_tables(rows, task)]
+        for scaled in (False, True):
+            paired = paired_table(records, task, scaled)
+            if paired:
+                title = f"{REFERENCE_ROW}{TS_SUFFIX if scaled else ''} − every other {'+ts ' if scaled else ''}row"
+                lines += ["", f"Paired differences, {title} (same units):", "", *paired]
+        fidelity = _fidelity_table(rows, task)
+        if fidelity:
+            lines += ["", "KSVD fidelity on test sequences (mean over layers and heads):", "", *fidelity]
+        training = _training_table(records, task)
+        if training:
+            lines += ["", "Training:", "", *training]
+        lines.append("")
+    text = "\n".join(lines) + "\n" + _legend(tasks) + "\n"
     published = published_table(tasks)
     if published:
         text += (
             "\nPublished reference numbers (MNIST-1D README, github.com/greydanus/mnist1d; other models, the same"
             " standard split of all ten classes; not measured here):\n\n" + published + "\n"
         )
-    paired = paired_table(records)
-    if paired:
-        text += (
-            f"\nPaired differences {REFERENCE_ROW} − row over seeds (same units as above; for accuracy and AUROC a"
-            " positive difference favours kep_svgp, for NLL, ECE and Brier a negative one), mean [95 % paired-t"
-            " interval]; * = the interval excludes 0. Intervals only from n >= "
-            f"{MIN_SEEDS_FOR_INTERVALS} paired seeds.\n\n" + paired
-        )
     return text
 
 
-def _bins(records: list[RunRecord]) -> int:
-    counts = {len(record.reliability.count) for record in records if record.reliability is not None}
-    return counts.pop() if len(counts) == 1 else DEFAULT_ECE_BINS
-
-
 def table_text(records: list[RunRecord], config: CompareConfig) -> str:
-    """``table.md``: a title that says what was run (a smoke test for ``--quick``), then :func:`markdown_table`."""
+    """``table.md``: a title that says what was run (a smoke test for ``--quick``), the settings, the headline of the
+    declared endpoints (:func:`~gpattn.comparison.headline.headline_text`), then :func:`markdown_table`."""
     seeds = len(config.seeds)
     title = f"# gpattn compare: {len(records)} runs, {seeds} seed{'s' if seeds > 1 else ''}"
     if config.smoke_test:
@@ -280,21 +337,26 @@ def table_text(records: list[RunRecord], config: CompareConfig) -> str:
             " is not learned in this budget; these numbers compare nothing."
         )
     settings = f"threads {config.threads} per run, jobs {config.jobs}, device {config.device}"
-    return f"{title}\n\n{settings}\n\n{markdown_table(records)}"
+    return f"{title}\n\n{settings}\n\n{headline_text(records)}\n## Full tables\n\n{markdown_table(records)}"
 
 
 def write_outputs(records: list[RunRecord], config: CompareConfig, out: str | Path) -> list[Path]:
-    """Write ``results.json`` (config + records, :meth:`~gpattn.comparison.RunRecord.to_dict`; strict JSON: an
-    undefined metric is ``null`` with its reason), ``results.csv`` (:func:`flat_rows`) and ``table.md``
-    (:func:`table_text`) into ``out`` (created if missing), each through a temporary file and an atomic rename. The
-    figures are :func:`gpattn.plotting.write_comparison_figures`'s (``gpattn compare`` writes both).
+    """Write :data:`OUTPUT_FILES` into ``out`` (created if missing), each through a temporary file and an atomic
+    rename: ``results.json`` (``config``, ``environment``: :func:`~gpattn.comparison.environment.run_environment`,
+    and the records, :meth:`~gpattn.comparison.RunRecord.to_dict`; strict JSON: an undefined metric is ``null`` with
+    its reason), ``results.csv`` (:func:`flat_rows`) and ``table.md`` (:func:`table_text`). The figures are
+    :func:`gpattn.plotting.write_comparison_figures`'s (``gpattn compare`` writes both).
 
     :return: The three paths.
     """
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    written = [out / "results.json", out / "results.csv", out / "table.md"]
-    content = {"config": asdict(config), "records": [record.to_dict() for record in records]}
+    written = [out / name for name in OUTPUT_FILES]
+    content = {
+        "config": asdict(config),
+        "environment": run_environment(),
+        "records": [record.to_dict() for record in records],
+    }
     write_json_atomically(written[0], content)
     rows = flat_rows(records)
     fieldnames = list(dict.fromkeys(key for row in rows for key in row))

@@ -5,12 +5,14 @@
 * runs them one after the other in this process (``config.jobs == 1``) or in ``config.jobs`` worker processes
   (``spawn`` start method), each with ``torch.set_num_threads(config.threads)``. A run's numbers depend on its
   arguments and on the thread count only (torch's reductions are split differently with another thread count), so
-  for a given ``threads`` the records are identical whatever ``jobs`` is;
+  for a given ``threads`` the records are identical whatever ``jobs`` is. On CUDA every process running runs uses
+  deterministic kernels (:func:`run_environment`), so that the workers sharing one GPU give the records of the runs
+  made one by one;
 * writes each finished run's record at once to ``<out>/runs/<task>-<attention>-<seed>.json`` (strict JSON, through
-  a temporary file and :func:`os.replace`, so a file is either complete or absent), together with the settings that
-  determine its numbers;
-* with ``resume=True`` reads the finished runs back instead of training them again, after checking that they were
-  made with the same settings;
+  a temporary file and :func:`os.replace`, so a file is either complete or absent), together with the run's identity
+  (task, row, seed) and the settings that determine its numbers, with their SHA-256 (:func:`run_file_content`);
+* with ``resume=True`` reads the finished runs back instead of training them again, after checking that each file is
+  the run its name says, made with the same settings (:func:`read_run_file`);
 * prints one line per finished run (name, seconds, test accuracy) on standard error, and a live bar on a terminal.
 
 Ctrl-C stops the workers and raises :class:`RunsInterrupted`; every run that finished is on disk.
@@ -19,11 +21,13 @@ Ctrl-C stops the workers and raises :class:`RunsInterrupted`; every run that fin
 from __future__ import annotations
 
 import concurrent.futures
+import hashlib
 import json
 import multiprocessing
 import os
 import signal
 import sys
+import tempfile
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -41,16 +45,24 @@ from .tasks import TaskData, load_task
 
 __all__ = [
     "RESULT_INDEPENDENT_FIELDS",
+    "RUN_FILE_FORMAT",
     "RunFailedError",
     "RunsInterrupted",
+    "check_writable_folder",
     "execute_runs",
-    "run_comparison",
+    "read_run_file",
+    "run_environment",
     "result_settings",
+    "run_comparison",
+    "run_file_content",
     "run_name",
+    "settings_hash",
 ]
 
 #: CompareConfig fields that do not change a run's numbers: which runs there are, how they are scheduled and shown
 RESULT_INDEPENDENT_FIELDS = ("attentions", "tasks", "seeds", "progress", "jobs", "smoke_test")
+#: The format of a run file (``out/runs/<name>.json`` of ``gpattn compare``, ``OUT/run.json`` of ``gpattn train``)
+RUN_FILE_FORMAT = "gpattn-run/1"
 
 
 QUIET_TRACKER = "ignore:resource_tracker:UserWarning"
@@ -95,45 +107,182 @@ def torch_threads(threads: int) -> Iterator[None]:
 
 
 # -- one run ---------------------------------------------------------------------------------------------------------
-_DATA: dict[str, TaskData] = {}  # per process: each task's data is loaded once
+# per process: each (task, seed)'s data is loaded once (its validation split depends on the seed; load_task caches the
+# test, shifted and OOD sets, which do not, so that another seed loads its training and validation splits only)
+_DATA: dict[tuple[str, int], TaskData] = {}
 
 
 def _run_one(config: CompareConfig, task: str, attention: str, seed: int) -> tuple[RunRecord, float]:
-    if task not in _DATA:
-        _DATA[task] = load_task(task)
+    if (task, seed) not in _DATA:
+        _DATA[(task, seed)] = load_task(task, seed)
     start = time.perf_counter()
     # looked up at call time: the function may be replaced (tests)
-    record = run_module.train_and_evaluate(config, task, attention, seed, data=_DATA[task])
+    record = run_module.train_and_evaluate(config, task, attention, seed, data=_DATA[(task, seed)])
     return record, time.perf_counter() - start
 
 
-def _start_worker(threads: int) -> None:
+def _start_worker(threads: int, device: str) -> None:
     # Ctrl-C goes to the whole process group: the parent alone handles it (and stops the workers), so that a worker
     # prints no traceback
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     torch.set_num_threads(threads)
+    _deterministic_cuda(device)
+
+
+def _deterministic_cuda(device: str) -> bool:
+    """On a CUDA device: deterministic kernels (cuBLAS with a fixed workspace, set before the process's first cuBLAS
+    call; PyTorch's deterministic algorithms, with a warning for an operator that has none) and the run's device made
+    current, so that a run gives the same record in any process, alone or beside others on the GPU. The parent of the
+    workers never touches CUDA (spawned workers start without its state). Returns whether it changed anything."""
+    target = torch.device(device)
+    if target.type != "cuda":
+        return False
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    if target.index is not None:
+        torch.cuda.set_device(target)
+    return True
+
+
+@contextmanager
+def run_environment(config: CompareConfig) -> Iterator[None]:
+    """The settings of the runs in this process, the previous ones restored after the block: ``config.threads``
+    torch threads and, on CUDA, deterministic kernels (as in every worker process)."""
+    previous = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
+    with torch_threads(config.threads):
+        changed = _deterministic_cuda(config.device)
+        try:
+            yield
+        finally:
+            if changed:
+                torch.use_deterministic_algorithms(previous[0], warn_only=previous[1])
 
 
 # -- the records on disk ---------------------------------------------------------------------------------------------
-def _stored_record(path: Path, settings: dict[str, Any]) -> RunRecord:
+def settings_hash(settings: dict[str, Any]) -> str:
+    """The SHA-256 (hex) of ``settings`` as canonical JSON (sorted keys, no spaces): what a run file stores beside
+    its settings, so that a settings entry edited by hand is found."""
+    text = json.dumps(settings, sort_keys=True, separators=(",", ":"), allow_nan=False)
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def run_file_content(
+    run: tuple[str, str, int], settings: dict[str, Any], record: RunRecord | None = None
+) -> dict[str, Any]:
+    """The content of a run file: its format, the run's identity ``{"task", "row", "seed"}``, the settings that
+    determine its numbers (:func:`result_settings`), their :func:`settings_hash` and, once the run finished, its
+    record (:meth:`~gpattn.comparison.RunRecord.to_dict`)::
+
+        {"format": "gpattn-run/1", "identity": {"task": "digits", "row": "softmax", "seed": 0},
+         "settings": {...}, "settings_sha256": "...", "record": {...}}
+
+    :param run: ``(task, row, seed)``.
+    :param settings: :func:`result_settings` of the run's configuration.
+    :param record: The finished run's record, or ``None`` (a run in progress: ``gpattn train`` writes its identity
+        and settings before it trains).
+    """
+    task, row, seed = run
+    content = {
+        "format": RUN_FILE_FORMAT,
+        "identity": {"task": task, "row": row, "seed": seed},
+        "settings": settings,
+        "settings_sha256": settings_hash(settings),
+    }
+    if record is not None:
+        content["record"] = record.to_dict()
+    return content
+
+
+def _differences(stored: dict[str, Any], current: dict[str, Any], label: str) -> str:
+    changed = sorted(key for key in set(stored) | set(current) if stored.get(key) != current.get(key))
+    return ", ".join(f"{key}: {label} {stored.get(key)!r}, now {current.get(key)!r}" for key in changed)
+
+
+def read_run_file(
+    path: str | os.PathLike, run: tuple[str, str, int], settings: dict[str, Any], *, record: bool = True
+) -> RunRecord | None:
+    """Read a run file (:func:`run_file_content`) back for ``--resume``, after checking that it is the run ``run``
+    made with ``settings``: its identity is ``run`` (a file copied or renamed from another run's is refused), its
+    record's task, row and seed are that identity (``<row>_ens<K>`` for an ensemble), its settings match their stored
+    hash (not edited) and equal ``settings``.
+
+    :param path: The file (``out/runs/<task>-<row>-<seed>.json``, or ``OUT/run.json`` of ``gpattn train``).
+    :param run: ``(task, row, seed)``: the run the caller expects (the one the file name says).
+    :param settings: :func:`result_settings` of the current configuration.
+    :param record: Expect a finished run's record (``False``: a file written before training, without one).
+    :return: The stored :class:`~gpattn.comparison.RunRecord`, or ``None`` with ``record=False``.
+    :raises ValueError: Naming the file and what disagrees (and what to do).
+    """
+    path = Path(path)
+    task, row, seed = run
+    expected = {"task": task, "row": row, "seed": seed}
     try:
         content = json.loads(path.read_text())
     except (OSError, ValueError) as error:
-        raise ValueError(f"{path}: cannot be read back as a run record ({error}); delete it to run it again") from None
-    if not isinstance(content, dict) or "record" not in content or "settings" not in content:
-        raise ValueError(f"{path}: expected a run record with 'settings' and 'record' entries")
-    stored = content["settings"]
-    if stored != settings:
-        changed = sorted(key for key in set(stored) | set(settings) if stored.get(key) != settings.get(key))
-        details = ", ".join(f"{key}: stored {stored.get(key)!r}, now {settings.get(key)!r}" for key in changed)
+        raise ValueError(f"{path}: cannot be read back as a run file ({error}); delete it to run it again") from None
+    entries = ("format", "identity", "settings", "settings_sha256") + (("record",) if record else ())
+    if not isinstance(content, dict) or any(key not in content for key in entries):
+        missing = [key for key in entries if not isinstance(content, dict) or key not in content]
         raise ValueError(
-            f"{path} was made with other settings ({details}); --resume continues a run with the same settings: "
-            "use the original options, or another --out"
+            f"{path}: expected a run file with the entries {list(entries)}, missing {missing} (written by an older "
+            "gpattn, or not by gpattn); delete it to run it again"
         )
+    if content["format"] != RUN_FILE_FORMAT:
+        raise ValueError(f"{path}: expected the format {RUN_FILE_FORMAT!r}, got {content['format']!r}")
+    identity = content["identity"]
+    if identity != expected:
+        if isinstance(identity, dict):
+            stored_run = run_name(*(identity.get(key) for key in expected))
+            shown = f"{stored_run} ({_differences(identity, expected, 'stored')})"
+        else:
+            shown = repr(identity)
+        raise ValueError(
+            f"{path} holds the run {shown}, not {run_name(*run)}: a run file is only read back as its own run (one "
+            "copied or renamed from another run is refused); resume with that run's options, or delete the file to "
+            "run this one again"
+        )
+    stored = content["settings"]
+    if not isinstance(stored, dict) or settings_hash(stored) != content["settings_sha256"]:
+        raise ValueError(
+            f"{path}: its settings do not match their stored SHA-256 (edited after the run was written); delete it "
+            "to run it again"
+        )
+    if stored != settings:
+        raise ValueError(
+            f"{path} was made with other settings ({_differences(stored, settings, 'stored')}); --resume continues a "
+            "run with the same settings: use the original options, or another --out"
+        )
+    if not record:
+        return None
     try:
-        return RunRecord.from_dict(content["record"])
+        result = RunRecord.from_dict(content["record"])
     except ValueError as error:
         raise ValueError(f"{path}: {error}") from None
+    ensemble = settings.get("ensemble", 1)
+    attention = row if ensemble == 1 else f"{row}_ens{ensemble}"  # as train_and_evaluate names it
+    if (result.task, result.attention, result.seed) != (task, attention, seed):
+        raise ValueError(
+            f"{path}: its record is of the run {run_name(result.task, result.attention, result.seed)}, not "
+            f"{run_name(task, attention, seed)} (the file was edited); delete it to run it again"
+        )
+    return result
+
+
+def check_writable_folder(folder: str | os.PathLike) -> Path:
+    """Create ``folder`` (and its parents) if missing and check that a file can be written in it, before any run
+    trains: a folder that cannot hold the records is found at once, not after the first run.
+
+    :raises OSError: Naming the folder and the reason (the message of a one-line error).
+    """
+    folder = Path(folder)
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=folder):
+            pass
+    except OSError as error:
+        reason = error.strerror or str(error)
+        raise OSError(error.errno, f"cannot create or write the folder {folder} ({reason})") from None
+    return folder
 
 
 def _line(done: int, total: int, name: str, seconds: float, record: RunRecord) -> str:
@@ -152,28 +301,38 @@ def execute_runs(
     :param out: Run folder: each finished record goes to ``out/runs/<name>.json`` at once (``None``: memory only).
     :param resume: Read the records already in ``out/runs`` instead of running them again.
     :raises RunsInterrupted: On Ctrl-C, after stopping the workers (the finished records are on disk).
-    :raises RunFailedError: When a run raises (the other workers are stopped; the finished records are on disk).
-    :raises ValueError: A stored record that was made with other settings, or cannot be read.
+    :raises RunFailedError: When a run raises, or its record cannot be written (the other workers are stopped; the
+        finished records are on disk).
+    :raises OSError: ``out/runs`` cannot be created or written (checked before any run).
+    :raises ValueError: A stored run file that cannot be read, is not the run its name says (copied or renamed from
+        another run), or was made with other settings (:func:`read_run_file`).
     """
     settings = result_settings(config)
     folder = None if out is None else Path(out) / "runs"
     if folder is not None:
-        folder.mkdir(parents=True, exist_ok=True)
+        check_writable_folder(folder)
     records: dict[tuple[str, str, int], RunRecord] = {}
     if resume and folder is not None:
         for run in runs:
             path = folder / f"{run_name(*run)}.json"
             if path.exists():
-                records[run] = _stored_record(path, settings)
+                records[run] = read_run_file(path, run, settings)
     pending = [run for run in runs if run not in records]
     total = len(runs)
     show = config.progress
     bar = tqdm(total=total, initial=len(records), desc="compare", file=sys.stderr, disable=None if show else True)
 
     def finish(run: tuple[str, str, int], record: RunRecord, seconds: float) -> None:
-        records[run] = record
         if folder is not None:
-            write_json_atomically(folder / f"{run_name(*run)}.json", {"settings": settings, "record": record.to_dict()})
+            try:
+                write_json_atomically(folder / f"{run_name(*run)}.json", run_file_content(run, settings, record))
+            except OSError as error:
+                raise RunFailedError(
+                    f"run {run_name(*run)} finished but its record could not be written: {error}; the "
+                    f"{len(records)} runs finished before it are kept in {folder}; make room (or fix the folder) and "
+                    "run the same command with --resume"
+                ) from error
+        records[run] = record
         if show:
             tqdm.write(_line(len(records), total, run_name(*run), seconds, record), file=sys.stderr)
         bar.update()
@@ -182,7 +341,7 @@ def execute_runs(
         tqdm.write(f"resuming: {len(records)} of {total} runs already finished in {folder}", file=sys.stderr)
     try:
         if config.jobs == 1 or len(pending) <= 1:
-            with torch_threads(config.threads):
+            with run_environment(config):
                 for run in pending:
                     bar.set_postfix_str(run_name(*run))
                     try:
@@ -211,7 +370,7 @@ def _run_in_parallel(config: CompareConfig, pending: list[tuple[str, str, int]],
         max_workers=min(config.jobs, len(pending)),
         mp_context=context,
         initializer=_start_worker,
-        initargs=(config.threads,),
+        initargs=(config.threads, config.device),
     )
     futures = {executor.submit(_run_one, config, *run): run for run in pending}
     clean = False

@@ -8,9 +8,12 @@ once into a :class:`~gpattn.methods.MethodSpec` (:func:`~gpattn.methods.resolve_
 below reads those two: a small :class:`~gpattn.models.Transformer` (the last ``gp_layers`` blocks use the row's
 attention, the others softmax, as in the papers), or the row's ensemble of them
 (:func:`~gpattn.training.train_ensemble`), is trained with :func:`~gpattn.training.train_model` under the row's
-recipe and evaluated as the row predicts with :math:`T` Monte Carlo samples: accuracy, NLL, ECE/MCE, Brier,
-AURC/E-AURC and misclassification AUROC/FPR95 on the test set; under shift and against OOD sets where the task has
-them. Everything a figure needs goes into the run's :class:`~gpattn.comparison.RunRecord`.
+recipe and evaluated as the row predicts (:attr:`~gpattn.methods.Predictive.kind`: its own Monte Carlo samples, MC
+dropout, or a last-layer Laplace approximation fitted on the training split after training,
+:class:`~gpattn.models.LastLayerLaplace`) with :math:`T` Monte Carlo samples: accuracy, NLL, ECE/MCE, debiased and
+sweep calibration errors, Brier, AURC/E-AURC and misclassification AUROC/FPR95 on the test set, and every test
+example's prediction; under shift and against OOD sets where the task has them. Everything a figure or a statistic
+needs goes into the run's :class:`~gpattn.comparison.RunRecord`, with the hyperparameters it used.
 
 The attentions, their order and the arguments each takes come from the attention registry
 (:mod:`gpattn.attention.registry`), the rows from the row registry (:mod:`gpattn.methods.registry`), so a newly
@@ -28,15 +31,17 @@ import torch
 
 from ..attention import build_attention
 from ..methods import Hyperparameters, MethodSpec, get_method, resolve_method
-from ..models import Transformer
-from ..training import Callback, TrainConfig, train_ensemble
+from ..models import LastLayerLaplace, Transformer
+from ..training import Callback, TrainConfig, dataset_inputs, dataset_labels, member_seed, train_ensemble
 from .config import CompareConfig
-from .evaluation import evaluate_models, model_fidelity
+from .evaluation import evaluate_models
+from .fidelity import model_fidelity
 from .records import RunRecord, TrainingSummary
-from .tasks import TaskData, load_task
+from .tasks import TASK_DEFAULTS, TaskData, load_task
 
 __all__ = [
     "build_model",
+    "compile_model",
     "layer_arguments",
     "learned_spectra",
     "make_train_config",
@@ -102,6 +107,17 @@ def make_train_config(
     )
 
 
+def compile_model(model: torch.nn.Module, device: str | torch.device) -> torch.nn.Module:
+    """``model.compile`` in place (its parameters and state dict unchanged): mode ``"reduce-overhead"`` on CUDA, whose
+    CUDA graphs replay a step's many small kernels as one launch, the default mode elsewhere (on CPU the compiler
+    fuses the elementwise passes). Compilation happens at the first call of each input shape.
+
+    :return: ``model``.
+    """
+    model.compile(mode="reduce-overhead" if torch.device(device).type == "cuda" else "default")
+    return model
+
+
 def plan_runs(config: CompareConfig) -> list[tuple[str, str, int]]:
     """The ``(task, row, seed)`` runs of ``config`` in the nesting order of the tables, after checking once, before
     any training, that the attention layer of every (task, row) accepts its arguments (one layer of each distinct kind
@@ -114,7 +130,7 @@ def plan_runs(config: CompareConfig) -> list[tuple[str, str, int]]:
     for task in config.tasks:
         for row in config.attentions:
             method = get_method(row)
-            hyperparameters = config.hyperparameters(task, method)
+            hyperparameters = config.hyperparameters(task, method, TASK_DEFAULTS[task])
             arguments = layer_arguments(method, hyperparameters)
             key = (method.attention, hyperparameters.embed_dim, hyperparameters.num_heads, repr(sorted(arguments)))
             if key in checked:
@@ -146,7 +162,8 @@ def train_and_evaluate(
 ) -> RunRecord:
     """Train one row on ``task`` with ``seed`` (one model, or the row's ensemble, or an ensemble of
     ``config.ensemble`` members recorded as ``"<row>_ens<K>"``) and return its record. The result depends on the
-    arguments only (every random stream is seeded from ``seed``).
+    arguments only (every random stream is seeded from ``seed``: the validation split's draw, the training, and each
+    evaluated set's Monte Carlo draws, :func:`~gpattn.comparison.random_stream`).
 
     The record holds the metrics of the model as trained, of its temperature-scaled variant (``+ts``:
     :func:`~gpattn.comparison.evaluate_models`, temperature fitted on the validation split, when
@@ -155,7 +172,8 @@ def train_and_evaluate(
     an ensemble).
 
     :param method: The row: a name of :func:`~gpattn.methods.method_names` or a :class:`~gpattn.methods.MethodSpec`.
-    :param data: The task's data (:func:`~gpattn.comparison.load_task`), to share it between runs.
+    :param data: The task's data for ``seed`` (:func:`~gpattn.comparison.load_task` ``(task, seed)``), to share the
+        loading between runs.
     :param checkpoint_dir: Where the run writes ``best.pt``/``last.pt`` (``member_<k>/`` for ensembles).
     :param resume: Continue an interrupted run from ``last.pt`` (bit-identical on CPU).
     :param callbacks: :class:`~gpattn.training.Callback` s told about the training of every member (e.g.
@@ -163,28 +181,45 @@ def train_and_evaluate(
     :return: The :class:`~gpattn.comparison.RunRecord`.
     """
     method = resolve_method(method)
-    data = load_task(task) if data is None else data
-    hyperparameters = config.hyperparameters(task, method, data.num_inducing)
+    data = load_task(task, seed) if data is None else data
+    if data.name != task or data.seed != seed:
+        raise ValueError(
+            f"train_and_evaluate: the data are those of task {data.name!r} with validation seed {data.seed}, but the "
+            f"run is {task!r} with seed {seed}; load them with load_task({task!r}, {seed})"
+        )
+    hyperparameters = config.hyperparameters(task, method, data.defaults)
     train_config = make_train_config(config, method, hyperparameters, seed, checkpoint_dir)
     size = method.predictive.members if config.ensemble == 1 else config.ensemble
 
     def make_model(member: int) -> Transformer:
-        return build_model(method, hyperparameters, data.num_classes, data.model_kwargs).to(config.device)
+        model = build_model(method, hyperparameters, data.num_classes, data.model_kwargs).to(config.device)
+        return compile_model(model, config.device) if config.compile else model
 
     start = time.perf_counter()
     members = train_ensemble(make_model, data.train, data.val, train_config, size, resume, callbacks=callbacks)
     seconds = time.perf_counter() - start
     models = [model for model, _ in members]
-    torch.manual_seed(seed)  # Monte Carlo evaluation noise
+    predictors = models
+    if method.predictive.laplace:  # post hoc, on the trained weights: deterministic given them
+        inputs, mask = dataset_inputs(data.train)
+        labels = dataset_labels(data.train)
+        mask = None if mask is None else mask.to(config.device)
+        predictors = [LastLayerLaplace(model).fit(inputs.to(config.device), labels, mask) for model in models]
     evaluation = evaluate_models(
-        models,
+        predictors,
         data,
         config.eval_samples,
         num_bins=config.ece_bins,
         mc_dropout=method.predictive.mc_dropout,
         temperature_scaling=config.temperature_scaling and method.temperature_scaled,
+        seed=seed,
     )
-    fidelity = model_fidelity(models[0], data.test, config.fidelity_sequences) if config.fidelity_sequences else {}
+    fidelity = {}
+    if config.fidelity_sequences:  # the first member against itself as train_ensemble built it, before training
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(member_seed(train_config.seed, 0, size))
+            initial = make_model(0)
+        fidelity = model_fidelity(models[0], data.test, config.fidelity_sequences, initial)
     return RunRecord(
         task=task,
         attention=method.name if config.ensemble == 1 else f"{method.name}_ens{config.ensemble}",
@@ -202,4 +237,7 @@ def train_and_evaluate(
         ),
         temperature_scaled=evaluation.temperature_scaled,
         fidelity=fidelity,
+        per_example=evaluation.per_example,
+        hyperparameters=hyperparameters.to_dict(),
+        tuned=config.is_tuned(task, method),
     )

@@ -22,6 +22,15 @@ Intervals (confidence level :math:`1 - \alpha`, 95 % by default):
 A difference is *significant* only when its interval excludes 0. No interval is formed from fewer than 2 paired
 seeds (``min_pairs``, at least 2; a runner that demands 5 passes ``min_pairs=5``), and every result carries its
 :math:`n`.
+
+Two more tools serve the comparison's declared endpoints:
+
+* :func:`hierarchical_difference`: the interval of a per-example metric (e.g. the NLL of every test example) over
+  seeds *and* test examples, so that it also reflects the finite test set, which the seed intervals above hold
+  fixed.
+* :func:`paired_p_value` and :func:`holm_adjusted`: the paired :math:`t` test's p-value of each test of a family
+  (the secondary endpoints) and Holm's adjustment of the family, which controls the probability of any false
+  rejection among them.
 """
 
 from __future__ import annotations
@@ -40,7 +49,10 @@ __all__ = [
     "PairedDifference",
     "SeedSummary",
     "compare_to_reference",
+    "hierarchical_difference",
+    "holm_adjusted",
     "paired_difference",
+    "paired_p_value",
     "summarize_seeds",
 ]
 
@@ -71,7 +83,8 @@ class PairedDifference:
     :ivar high: Upper end of the interval.
     :ivar n: Number of paired seeds.
     :ivar confidence: Confidence level, e.g. 0.95.
-    :ivar method: ``"t"`` or ``"bootstrap"``.
+    :ivar method: ``"t"`` or ``"bootstrap"`` (:func:`paired_difference`), ``"hierarchical"``
+        (:func:`hierarchical_difference`).
     :ivar seeds: The paired seeds (positions ``0 .. n-1`` for sequences), in order.
     """
 
@@ -212,3 +225,174 @@ def compare_to_reference(
         for name, values in results.items()
         if name != reference
     }
+
+
+def paired_p_value(reference: SeedValues, other: SeedValues) -> float:
+    r"""The two-sided p-value of the paired :math:`t` test of ``reference - other`` over the seeds both hold
+    (``scipy.stats.ttest_rel``): with :math:`t = \bar d / (s_d / \sqrt n)`, the probability of a :math:`|t|` at
+    least as large under no true difference (normal differences, :math:`n - 1` degrees of freedom). It is below
+    :math:`1 - c` exactly when the :math:`t` interval of :func:`paired_difference` at confidence :math:`c` excludes 0.
+
+    .. note:: Cost O(n).
+
+    :param reference: One value per seed of the reference method: a sequence, or ``{seed: value}``.
+    :param other: The other method's values, paired as in :func:`paired_difference`.
+    :return: A float in :math:`[0, 1]`: 1 when every difference is 0 (no evidence of one; scipy's NaN there), 0 for
+        the same non-zero difference on every seed (a zero-width interval that excludes 0), NaN for fewer than 2
+        paired seeds (no test).
+    :raises ValueError: NaN or infinite values, or sequences of different lengths.
+    """
+    left, right, _ = _pairs(reference, other)
+    differences = left - right
+    if differences.size < 2:
+        return math.nan
+    if np.all(differences == 0.0):
+        return 1.0
+    if np.all(differences == differences[0]):  # no spread: t is infinite
+        return 0.0
+    return float(stats.ttest_rel(left, right).pvalue)
+
+
+def holm_adjusted(p_values: Sequence[float]) -> list[float]:
+    r"""Holm's step-down adjustment of a family of :math:`m` p-values (Holm 1979), which controls the family-wise
+    error rate (the probability of rejecting any true hypothesis of the family) under any dependence between the
+    tests. With the p-values sorted, :math:`p_{(1)} \le \dots \le p_{(m)}`,
+
+    .. math:: \tilde p_{(k)} = \min\Big(1,\ \max_{j \le k}\, (m - j + 1)\, p_{(j)}\Big),
+
+    returned in the input order: the smallest level :math:`\alpha` at which Holm's procedure (reject
+    :math:`H_{(1)}, H_{(2)}, \dots` while :math:`p_{(k)} \le \alpha / (m - k + 1)`) rejects that hypothesis. A
+    hypothesis is rejected at level :math:`\alpha` iff :math:`\tilde p \le \alpha`. A NaN p-value (no test) stays NaN
+    and does not count in :math:`m`.
+
+    .. note:: Cost O(m log m).
+
+    :param p_values: The family's p-values.
+    :return: The adjusted p-values, in the order given.
+    :raises ValueError: A p-value outside :math:`[0, 1]`, or not a flat sequence.
+    """
+    try:
+        values = np.asarray(p_values, dtype=np.float64)
+    except (TypeError, ValueError) as error:
+        raise InputTypeError(f"holm_adjusted: expected a sequence of p-values, got {p_values!r}") from error
+    if values.ndim != 1:
+        raise ValueError(f"holm_adjusted: expected a flat sequence of p-values, got shape {values.shape}")
+    tested = np.flatnonzero(~np.isnan(values))
+    if np.any((values[tested] < 0.0) | (values[tested] > 1.0)):
+        raise ValueError(f"holm_adjusted: expected p-values in [0, 1] (or NaN for no test), got {values.tolist()}")
+    adjusted = np.full_like(values, np.nan)
+    order = tested[np.argsort(values[tested], kind="stable")]
+    running = 0.0
+    for rank, index in enumerate(order):
+        running = max(running, min(1.0, (order.size - rank) * values[index]))
+        adjusted[index] = running
+    return adjusted.tolist()
+
+
+def _per_example_differences(
+    reference: Mapping[Hashable, Sequence[float] | np.ndarray],
+    other: Mapping[Hashable, Sequence[float] | np.ndarray],
+    min_pairs: int,
+    where: str,
+) -> tuple[np.ndarray, tuple[Hashable, ...]]:
+    if not isinstance(reference, Mapping) or not isinstance(other, Mapping):
+        raise InputTypeError(f"{where}: expected reference and other as {{seed: per-example values}} mappings")
+    seeds = tuple(key for key in reference if key in other)
+    if len(seeds) < min_pairs:
+        raise ValueError(f"{where}: {len(seeds)} paired seed(s) {list(seeds)}, fewer than min_pairs={min_pairs}")
+    rows = []
+    for key in seeds:
+        try:
+            left = np.asarray(reference[key], dtype=np.float64)
+            right = np.asarray(other[key], dtype=np.float64)
+        except (TypeError, ValueError) as error:
+            raise InputTypeError(f"{where}: seed {key!r}: expected per-example numbers") from error
+        if left.ndim != 1 or left.shape != right.shape or left.size == 0:
+            raise ValueError(
+                f"{where}: seed {key!r} has per-example values of shapes {left.shape} and {right.shape}; expected one "
+                "value per test example, the same examples for both methods"
+            )
+        rows.append(_finite(f"seed {key!r}", left) - _finite(f"seed {key!r}", right))
+    if len({row.size for row in rows}) != 1:
+        sizes = {key: row.size for key, row in zip(seeds, rows, strict=True)}
+        raise ValueError(f"{where}: expected the same test examples for every seed, got sizes {sizes}")
+    return np.stack(rows), seeds
+
+
+def _draw_counts(generator: np.random.Generator, size: int, count: int) -> np.ndarray:
+    """How often each of ``count`` items is drawn in each of ``size`` resamples of ``count`` draws with replacement:
+    shape ``(size, count)``, every row summing to ``count``."""
+    drawn = generator.integers(0, count, size=(size, count)) + count * np.arange(size)[:, None]
+    return np.bincount(drawn.ravel(), minlength=size * count).reshape(size, count).astype(np.float64)
+
+
+def hierarchical_difference(
+    reference: Mapping[Hashable, Sequence[float] | np.ndarray],
+    other: Mapping[Hashable, Sequence[float] | np.ndarray],
+    *,
+    confidence: float = 0.95,
+    num_resamples: int = 10000,
+    min_pairs: int = 2,
+    seed: int = 0,
+) -> PairedDifference:
+    r"""The mean difference ``reference - other`` of a per-example metric (e.g. the NLL of every test example) over
+    seeds and test examples, with a percentile bootstrap interval that resamples both.
+
+    With :math:`D_{si}` the difference on test example :math:`i` in the runs of seed :math:`s` (every seed is
+    evaluated on the same :math:`n` test examples), the estimate is the difference of the metric's means,
+    :math:`\bar D = \frac{1}{Sn} \sum_{s,i} D_{si}`. Seeds and examples are *crossed*, not nested: a new test set
+    would be the same for every seed, and an example that is hard for one model is hard on every seed. So each
+    resample draws :math:`S` seeds and, independently, :math:`n` examples, both with replacement, and takes the mean
+    of the :math:`S \times n` block they index (Owen's pigeonhole bootstrap, Ann. Appl. Stat. 2007):
+    :math:`\bar D^* = w^\top D v` with :math:`w, v` the multinomial resampling weights of seeds and examples. Its
+    variance is exactly
+
+    .. math:: \operatorname{Var}^*(\bar D^*) = \frac{\hat\sigma^2_{\text{seed}}}{S}
+        + \frac{\hat\sigma^2_{\text{example}}}{n} + \frac{\|D_c\|_F^2}{S^2 n^2},
+
+    with :math:`\hat\sigma^2` the plug-in variances (divisor :math:`S`, :math:`n`) of the seed means and of the
+    example means and :math:`D_c` the doubly centred :math:`D`: the seed and test-set components of the variance of
+    :math:`\bar D`, and the interaction counted about three times (mildly conservative). Resampling the examples of
+    each seed independently instead (a nested bootstrap) would divide the test-set component by :math:`S`, too
+    narrow whenever the per-example differences correlate across seeds. Like every percentile bootstrap, the seed
+    component is somewhat narrow for few seeds (the plug-in variance and a normal quantile, where the :math:`t`
+    interval of :func:`paired_difference` widens); report both.
+
+    With the same difference on every example of a seed, the interval is the percentile bootstrap over seeds
+    (:func:`paired_difference` with ``method="bootstrap"``); with the same difference everywhere, a point.
+
+    .. note:: Cost O(``num_resamples`` (S + n) + ``num_resamples`` S n) time (one matrix product per block of
+        resamples), O(S n + 1000 n) memory.
+
+    :param reference: ``{seed: per-example values}`` of the reference method, the same test examples in the same
+        order for every seed.
+    :param other: The same for the other method (paired on the seeds both hold, in the reference's order).
+    :param confidence: Confidence level in ``(0, 1)``.
+    :param num_resamples: Bootstrap resamples.
+    :param min_pairs: Fewest paired seeds (at least 2).
+    :param seed: Seed of the bootstrap's ``numpy.random.Generator``.
+    :return: A :class:`PairedDifference` with ``method="hierarchical"`` (``n``: the paired seeds).
+    :raises ValueError: Fewer than ``min_pairs`` paired seeds, per-example values of different lengths or not finite,
+        or bad settings.
+    """
+    where = "hierarchical_difference"
+    check_float("confidence", confidence, 0.0, 1.0, strict_minimum=True, strict_maximum=True, where=where)
+    check_int("num_resamples", num_resamples, where=where)
+    check_int("min_pairs", min_pairs, minimum=2, where=where)
+    check_int("seed", seed, minimum=0, where=where)
+    differences, seeds = _per_example_differences(reference, other, min_pairs, where)  # shape: (S, n)
+    num_seeds, num_examples = differences.shape
+    mean = float(differences.mean())
+    centred = differences - mean  # resampled around the estimate: a constant difference gives exactly a point
+    generator = np.random.default_rng(seed)
+    means = np.empty(num_resamples)
+    block = 1000
+    for start in range(0, num_resamples, block):
+        size = min(block, num_resamples - start)
+        seed_weights = _draw_counts(generator, size, num_seeds) / num_seeds
+        example_weights = _draw_counts(generator, size, num_examples)
+        # w^T D v for every resample of the block: (size, S) @ (S, n) -> (size, n), times (size, n), summed over n
+        means[start : start + size] = ((seed_weights @ centred) * example_weights).sum(axis=1) / num_examples
+    alpha = 1.0 - confidence
+    low, high = mean + np.quantile(means, [alpha / 2, 1.0 - alpha / 2])
+    return PairedDifference(mean, float(low), float(high), num_seeds, float(confidence), "hierarchical", seeds)

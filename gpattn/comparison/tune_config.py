@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,8 +29,8 @@ class TuneConfig:
     :class:`~gpattn.comparison.CompareConfig`'s (:meth:`compare_config`).
 
     :ivar tasks: Tasks (:data:`~gpattn.comparison.tasks.TASKS`); default MNIST-1D and digits.
-    :ivar rows: Rows to tune (:func:`~gpattn.methods.method_names`, single models only: an ensemble row uses its
-        attention row's configuration); default :data:`~gpattn.comparison.tuning_space.TUNED_ROWS`.
+    :ivar rows: Rows to tune (:func:`~gpattn.methods.method_names`, single models only: an ensemble row, or the
+        Laplace row, uses its attention row's configuration); default :data:`~gpattn.comparison.TUNED_ROWS`.
     :ivar trials: Finished trials per study (:data:`DEFAULT_TRIALS`).
     :ivar seed: The tuning seed (model initialisation, batch order, noise of every trial; Optuna's sampler seeds
         derive from it): not an evaluation seed (0-9).
@@ -70,10 +71,11 @@ class TuneConfig:
                 check_choice(label, value, choices, where=where)
         for row in self.rows:
             method = get_method(row)
-            if method.predictive.members > 1:
+            if method.predictive.members > 1 or method.predictive.laplace:
                 raise ValueError(
-                    f"{where}: the row {row!r} is an ensemble of {method.predictive.members} {method.attention!r} "
-                    f"models and uses the tuned configuration of the row {method.attention!r}; tune that row instead"
+                    f"{where}: the row {row!r} wraps {method.attention!r} models (an ensemble, or a post-hoc "
+                    f"predictive) and uses the tuned configuration of the row {method.attention!r}; tune that row "
+                    "instead"
                 )
         names = ("trials", "pointer_epochs", "digits_epochs", "mnist1d_epochs", "patience", "eval_samples", "threads")
         for name in (*names, "jobs"):
@@ -110,12 +112,13 @@ class TuneConfig:
         )
 
     def trial_hyperparameters(
-        self, task: str, method: MethodSpec, parameters: dict[str, Any], num_inducing: int | None = None
+        self, task: str, method: MethodSpec, parameters: dict[str, Any], defaults: Mapping[str, Any] | None = None
     ) -> Hyperparameters:
         """The :class:`~gpattn.methods.Hyperparameters` of a trial of ``method`` on ``task``: the shared settings
-        (:meth:`compare_config`, with the task's ``num_inducing``), this config's epochs and patience, and the trial's
+        (:meth:`compare_config`, with the task's ``defaults``, :attr:`~gpattn.comparison.TaskData.defaults`), this
+        config's epochs and patience, and the trial's
         ``parameters`` (:func:`~gpattn.comparison.tuning_space.hyperparameter_values`)."""
-        shared = self.compare_config().hyperparameters(task, method, num_inducing)
+        shared = self.compare_config().hyperparameters(task, method, defaults)
         return shared.updated({**self.fixed_hyperparameters(task), **hyperparameter_values(parameters)})
 
     def fixed_hyperparameters(self, task: str) -> dict[str, int]:

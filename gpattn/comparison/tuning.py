@@ -176,14 +176,15 @@ def run_trial(config: TuneConfig, data: TaskData, row: str, parameters: dict[str
 
 
 # -- the workers -------------------------------------------------------------------------------------------------------
-_DATA: dict[str, TaskData] = {}  # per process: each task's tuning data is loaded once
+_DATA: dict[tuple[str, int], TaskData] = {}  # per process: each task's tuning data is loaded once
 
 
-def _data(task: str) -> TaskData:
-    if task not in _DATA:
+def _data(task: str, seed: int) -> TaskData:
+    """The tuning data of ``task``: its validation split drawn with the tuning ``seed``, the test split sealed."""
+    if (task, seed) not in _DATA:
         # the first test sequence only (the shifted sets are then not generated), sealed at once
-        _DATA[task] = tuning_data(load_task(task, test_size=1))
-    return _DATA[task]
+        _DATA[task, seed] = tuning_data(load_task(task, seed, test_size=1))
+    return _DATA[task, seed]
 
 
 _DEFERRED = {"depth": 0, "pending": False}  # per process: inside _signals_deferred, and a signal came meanwhile
@@ -237,7 +238,7 @@ def _work(
     """Claim and run trials of every study in order until none is waiting (or, in a worker process, until its parent
     is gone: ``orphaned()``)."""
     for task in config.tasks:
-        data = _data(task)
+        data = _data(task, config.seed)
         for row in config.rows:
             name = study_name(task, row)
             space = search_space(row, len(data.train))
@@ -367,7 +368,7 @@ def tune(
     lock = StudyLock(url)
     studies = {}
     for task in config.tasks:
-        data = _data(task)
+        data = _data(task, config.seed)
         check_search_space(config, task, data)
         for row in config.rows:
             base = config.trial_hyperparameters(task, get_method(row), {}, data.num_inducing)

@@ -24,6 +24,7 @@ from .mnist1d import (
     make_mnist1d_shifted_test_sets,
     make_mnist1d_shuffled_test_set,
     make_mnist1d_signals,
+    mnist1d_noise_families,
     signals_to_tokens,
 )
 from .toy_regression import RegressionData, make_asymmetric_regression_1d, make_asymmetric_regression_2d
@@ -55,6 +56,7 @@ __all__ = [
     "make_mnist1d_shifted_test_sets",
     "make_mnist1d_shuffled_test_set",
     "make_mnist1d_signals",
+    "mnist1d_noise_families",
     "make_noise_ood",
     "make_pointer_task",
     "make_shifted_test_sets",

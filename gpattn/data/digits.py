@@ -120,23 +120,32 @@ def load_digits_splits(
     val_fraction: float = 0.15,
     test_fraction: float = 0.25,
     held_out_classes: tuple[int, ...] | None = DEFAULT_HELD_OUT_CLASSES,
+    val_seed: int | None = None,
 ) -> ImageSplits:
     """Stratified train / validation / test splits of scikit-learn's 8 x 8 digits, with held-out OOD classes.
 
     Within every kept class the images are permuted by ``numpy.random.default_rng(seed)``; the first
     ``round(test_fraction n_c)`` go to test, the next ``round(val_fraction n_c)`` to validation, the rest to
-    training; each split is then shuffled. The held-out classes are removed from all three splits, the kept digits
-    are re-indexed ``0 .. K-1`` in increasing order (``label_map``), and every image of a held-out class goes to
-    ``ood_classes`` (labels ``0 .. len(held_out_classes) - 1`` in the given order).
+    training; each split is then shuffled. With ``val_seed`` the images of a class that are not test images are
+    permuted again, by ``numpy.random.default_rng(val_seed)`` (one generator for all classes), before the first
+    ``round(val_fraction n_c)`` of them go to validation: the test split (its images and their order) is that of
+    ``seed`` whatever ``val_seed`` is, and the validation split varies with ``val_seed``. The held-out classes are
+    removed from all three splits, the kept digits are re-indexed ``0 .. K-1`` in increasing order (``label_map``),
+    and every image of a held-out class goes to ``ood_classes`` (labels ``0 .. len(held_out_classes) - 1`` in the
+    given order).
 
     :param seed: Seed of the local generator.
     :param val_fraction: Fraction of every kept class for validation.
     :param test_fraction: Fraction of every kept class for test.
     :param held_out_classes: Digits to hold out as OOD (default ``(8, 9)``, leaving 8 classes); ``None`` or ``()``
         for the full 10-class problem.
+    :param val_seed: Seed of the validation split's draw from the images that are not test images; ``None``
+        (default): the permutation of ``seed`` decides it too.
     :return: The splits, the OOD set and the label mapping.
     """
     _check_seed(seed)
+    if val_seed is not None:
+        check_int("val_seed", val_seed, minimum=0, where="load_digits_splits")
     for name, value in (("val_fraction", val_fraction), ("test_fraction", test_fraction)):
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < 1:
             raise ValueError(f"expected {name} in [0, 1), got {value!r}")
@@ -153,14 +162,16 @@ def load_digits_splits(
     kept = [c for c in range(10) if c not in held]
     label_map = {digit: index for index, digit in enumerate(kept)}
     rng = np.random.default_rng(seed)
+    val_rng = None if val_seed is None else np.random.default_rng(val_seed)
     parts: tuple[list[np.ndarray], list[np.ndarray], list[np.ndarray]] = ([], [], [])
     for digit in kept:
         members = rng.permutation(np.flatnonzero(digits == digit))
         n_test = round(test_fraction * len(members))
         n_val = round(val_fraction * len(members))
         parts[2].append(members[:n_test])
-        parts[1].append(members[n_test : n_test + n_val])
-        parts[0].append(members[n_test + n_val :])
+        rest = members[n_test:] if val_rng is None else val_rng.permutation(members[n_test:])
+        parts[1].append(rest[:n_val])
+        parts[0].append(rest[n_val:])
 
     class_names = tuple(str(c) for c in kept)
     lookup = np.full(10, -1, dtype=np.int64)
@@ -169,13 +180,14 @@ def load_digits_splits(
     datasets = []
     for name, chunks in zip(("train", "val", "test"), parts, strict=True):
         indices = rng.permutation(np.concatenate(chunks))
+        seeds = f"seed {seed}" if val_seed is None or name == "test" else f"seed {seed}, validation seed {val_seed}"
         datasets.append(
             ImageDataset(
                 torch.from_numpy(images[indices]).unsqueeze(1),
                 torch.from_numpy(lookup[digits[indices]]),
                 len(kept),
                 class_names,
-                f"sklearn 8x8 digits, {name} split (seed {seed}){held_text}; labels index class_names",
+                f"sklearn 8x8 digits, {name} split ({seeds}){held_text}; labels index class_names",
             )
         )
 

@@ -48,7 +48,8 @@ The calls into ``mnist1d`` (the standard data set, regenerated sequences, the st
 * :func:`make_mnist1d_shuffled_test_set`: the spatially shuffled variant, the test split of ``make_dataset`` with
   ``shuffle_seq=True`` (one fixed permutation of the 40 positions, shared by all sequences): a separate shift that
   keeps every value and destroys the spatial order.
-* :func:`make_mnist1d_noise_ood`: sequences without a digit (see there).
+* :func:`make_mnist1d_noise_ood`: sequences without a digit (see there), and :func:`mnist1d_noise_families`:
+  them by family, one OOD set each.
 
 Randomness: the validation split uses a local ``numpy.random.Generator``; the regenerated sequences use ``mnist1d``'s
 own transformations, which draw from NumPy's global generator, so they run with that generator seeded and restore
@@ -62,6 +63,7 @@ as they were.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -98,6 +100,7 @@ __all__ = [
     "make_mnist1d_shifted_test_sets",
     "make_mnist1d_shuffled_test_set",
     "make_mnist1d_signals",
+    "mnist1d_noise_families",
     "signals_to_tokens",
 ]
 
@@ -352,3 +355,26 @@ def make_mnist1d_noise_ood(
         f"MNIST-1D-like sequences without a digit (background, random template, smooth noise), seed {seed}; "
         f"label k is family MNIST1D_NOISE_FAMILIES[k]",
     )
+
+
+def mnist1d_noise_families(ood: SequenceDataset) -> dict[str, SequenceDataset]:
+    """The sequences of :func:`make_mnist1d_noise_ood` split by family, one OOD set per family.
+
+    :param ood: From :func:`make_mnist1d_noise_ood` (its label is the family's index in ``MNIST1D_NOISE_FAMILIES``).
+    :return: ``MNIST1D_NOISE_FAMILIES[k]`` -> the sequences of label ``k``, in their order (every label keeps its
+        value ``k``, so that the families pooled again are the labels of ``ood``); a family without a sequence (fewer
+        than 3 sequences) is left out.
+    """
+    if not isinstance(ood, SequenceDataset) or ood.num_classes != len(MNIST1D_NOISE_FAMILIES):
+        raise InputTypeError(
+            f"expected the SequenceDataset of make_mnist1d_noise_ood ({len(MNIST1D_NOISE_FAMILIES)} families), got "
+            f"{type(ood).__name__}"
+        )
+    families = {}
+    for label, name in enumerate(MNIST1D_NOISE_FAMILIES):
+        rows = ood.labels == label
+        if rows.any():
+            families[name] = dataclasses.replace(
+                ood, tokens=ood.tokens[rows], labels=ood.labels[rows], description=f"{ood.description}; family {name}"
+            )
+    return families

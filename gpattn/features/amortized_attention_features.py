@@ -6,7 +6,6 @@ import torch
 from torch import Tensor
 
 from ..ksvd import ksvd_objective
-from ..ksvd.ksvd_objective import ksvd_objective_from_sums
 from ..validation import all_finite
 from .amortized_scores import AmortizedSelfScores
 from .kernel_eigen_scores import KernelEigenScores
@@ -63,19 +62,15 @@ class AmortizedAttentionFeatures(LearnedAttentionFeatures):
 
     def takes_fused_path(self, queries: Tensor, keys: Tensor, causal: bool, kernel_diag: bool) -> bool:
         """Whether a call takes the fused path: self-attention (``keys is queries``), no causal mask, no kernel
-        diagonals (the residual needs them), untied maps (one map for both branches has no paired layout) and no
-        autocast (the fused pass runs in the tokens' dtype; autocast takes the general path).
+        diagonals (the residual needs them) and untied maps (one map for both branches has no paired layout). Under
+        autocast the fused pass runs its products in the autocast dtype and :math:`J` in float32.
 
         :param queries: ``(B, N, C)``.
         :param keys: ``(B, M, C)``.
         :param causal: The call is causal.
         :param kernel_diag: The call asks for the kernel diagonals.
         """
-        return (
-            queries is keys
-            and not (causal or kernel_diag or self.tie_qk)
-            and not torch.is_autocast_enabled(queries.device.type)
-        )
+        return queries is keys and not (causal or kernel_diag or self.tie_qk)
 
     def _scores(
         self, queries: Tensor, keys: Tensor, key_mask: Tensor | None, causal: bool, objective: bool, kernel_diag: bool
@@ -115,40 +110,30 @@ class AmortizedAttentionFeatures(LearnedAttentionFeatures):
         return left, right, objective_value
 
     def _fused_self_attention(self, tokens: Tensor, mask: Tensor | None, objective: bool) -> KernelEigenScores:
-        r"""The self-attention scores by :class:`~gpattn.features.amortized_scores.AmortizedSelfScores`: one projection
-        GEMM for :math:`[P_q; P_k]` (``(B, 2, H, p, N)``), one for the values :math:`[A_r(X)^\top; A_e(X)^\top]` and
-        the scores' products with a hand-written backward pass (a padding-masked query is treated as in the general
-        path: the same :math:`1/|V|` weights). :math:`J` comes from the function's token sums of the squared scores
-        (:func:`~gpattn.ksvd.ksvd_objective.ksvd_objective_from_sums`), and both branches are the halves of the
-        ``(B, 2, H, s, N)`` tensor :attr:`~gpattn.features.KernelEigenScores.stacked`."""
+        r"""The self-attention scores and :math:`J` by :class:`~gpattn.features.amortized_scores.AmortizedSelfScores`,
+        one autograd function from the tokens and the parameters (two projection GEMMs, for :math:`[P_q; P_k]` of
+        shape ``(B, 2, H, p, N)`` and the values :math:`[A_r(X)^\top; A_e(X)^\top]`, the scores' products and
+        :math:`J` from their token sums, with a hand-written backward pass; a padding-masked query is treated as in
+        the general path: the same :math:`1/|V|` weights). Both branches are the halves of the ``(B, 2, H, s, N)``
+        tensor :attr:`~gpattn.features.KernelEigenScores.stacked`. One finiteness check per call: squared norms
+        that overflow are formed again by the rescaled path, scores that do not are refused with
+        :meth:`_check_magnitude`."""
         kernel = self.kernel
-        lifted = kernel.lift(tokens)
-        batch, heads, rank = tokens.shape[0], self.num_heads, self.num_inducing
-        projection = torch.stack([kernel.query_weight, kernel.key_projection])  # (2, H, p, D)
-        columns = torch.bmm(projection.flatten(0, 2).expand(batch, -1, -1), lifted.mT)
-        columns = columns.view(batch, 2, heads, -1, columns.shape[-1])  # [P_q; P_k]: (B, 2, H, p, N)
-        maps = torch.stack([self.right_map, self.left_map]).mT  # (2, H, s, C)
-        values = torch.bmm(maps.flatten(0, 2).expand(batch, -1, -1), tokens.mT)  # (B, 2 H s, N)
-        # the bias added in place to the GEMM's own output (not to a view of it, whose in-place update would make
-        # autograd copy the whole gradient)
-        values = values.add_(torch.stack([self.right_bias, self.left_bias]).reshape(-1, 1))
-        values = values.view(batch, 2, heads, rank, -1)  # [a_r; a_e]: (B, 2, H, s, N)
         weights = self._token_weights(tokens, mask)
         if torch.is_tensor(weights):
             weights = weights.unsqueeze(1)  # (B, 1, 1, 1, N)
-        else:
-            weights = torch.full((1, 1, 1, 1, 1), weights, dtype=columns.dtype, device=columns.device)
-        root_scale = kernel.outputscale.sqrt()[:, None, None]
-        square_mask = None if mask is None else mask[:, None, None, None, :].to(columns.dtype)
-        scores, score_weights, squares = AmortizedSelfScores.apply(
-            columns, values, weights, root_scale, objective, square_mask
-        )
-        if not torch.compiler.is_compiling() and not all_finite(scores):
-            self._check_magnitude(tokens, tokens)
+        square_mask = None if mask is None else mask[:, None, None, None, :].to(tokens.dtype)
         singular_values = self.singular_values
-        objective_value = None
-        if objective:  # J from the fused pass's token sums of e^2 and r^2 (masked tokens left out) and Tr(W_e^T W_r)
-            coupling = (score_weights[:, 0] * score_weights[:, 1]).sum((-2, -1))
-            objective_value = ksvd_objective_from_sums(squares.sum(1), coupling, singular_values)
-        left, right = scores.unbind(1)
-        return KernelEigenScores(left.mT, right.mT, singular_values, objective_value, stacked=scores)
+        parameters = (kernel.query_weight, kernel.key_projection, self.right_map, self.left_map)
+        parameters += (self.right_bias, self.left_bias, weights, kernel.outputscale)
+        lifted = kernel.lift(tokens)
+        lifted = None if lifted is tokens else lifted
+        arguments = (lifted, tokens, *parameters, singular_values if objective else None, square_mask)
+        scores, objective_value, finite = AmortizedSelfScores.apply(*arguments)
+        if finite.numel() and not bool(finite):
+            scores, objective_value, finite = AmortizedSelfScores.apply(*arguments, True)  # overflowing norms
+            if not all_finite(scores):
+                self._check_magnitude(tokens, tokens)
+        left, right = scores.mT.unbind(1)  # e, r: (B, H, N, s) views
+        objective_value = objective_value if objective else None
+        return KernelEigenScores(left, right, singular_values, objective_value, stacked=scores)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import Tensor
 
@@ -51,6 +53,8 @@ class AttentionKernelEigenFeatures(KernelEigenFeaturesBase):
     :param ksvd_weight: :math:`\eta \geq 0` of the KSVD penalty.
     :param ksvd_form: ``"sum"`` (:math:`\eta \operatorname{mean}_b \sum_h J_{bh}^2` with the token-sum :math:`J`) or
         ``"official"`` (``"primal_tokens"`` only), see :func:`~gpattn.ksvd.ksvd_objective`.
+    :param options: The mode's own keyword arguments (:attr:`options`; e.g. ``rank_multiple`` and ``padding`` of
+        :class:`~gpattn.features.PrimalTokensAttentionFeatures`); another name is refused.
 
     Example:
         >>> from gpattn.features import ATTENTION_FEATURES
@@ -66,6 +70,7 @@ class AttentionKernelEigenFeatures(KernelEigenFeaturesBase):
     :ivar supports_padding_mask: A padding mask is accepted.
     :ivar kernels: The kernels the mode accepts.
     :ivar ksvd_forms: The forms of the KSVD penalty the mode accepts.
+    :ivar options: The names of the mode's own keyword arguments.
     """
 
     supports_causal: bool = False
@@ -73,6 +78,7 @@ class AttentionKernelEigenFeatures(KernelEigenFeaturesBase):
     supports_padding_mask: bool = True
     kernels: tuple[str, ...] = ("cosine",)
     ksvd_forms: tuple[str, ...] = ("sum",)
+    options: tuple[str, ...] = ()
     #: the calls the mode accepts, for the error raised on any other
     supported_calls: str = ""
 
@@ -87,6 +93,7 @@ class AttentionKernelEigenFeatures(KernelEigenFeaturesBase):
         max_len: int | None = None,
         ksvd_weight: float = 1.0,
         ksvd_form: str = "sum",
+        **options: Any,
     ):
         super().__init__()
         where = type(self).__name__
@@ -106,6 +113,10 @@ class AttentionKernelEigenFeatures(KernelEigenFeaturesBase):
                 f"{where}: ksvd_form={ksvd_form!r} reads the raw per-position weights of the official "
                 f"parametrisation: it needs features='primal_tokens', not {self.mode!r}"
             )
+        unknown = sorted(set(options) - set(self.options))
+        if unknown:
+            offered = f"its options are {list(self.options)}" if self.options else "it has none"
+            raise ValueError(f"{where}: features={self.mode!r} takes no option {unknown}; {offered}")
         check_int("embed_dim", embed_dim, where=where)
         check_int("num_heads", num_heads, where=where)
         feature_dim = embed_dim // num_heads if feature_dim is None else feature_dim
@@ -127,10 +138,11 @@ class AttentionKernelEigenFeatures(KernelEigenFeaturesBase):
             self.kernel = CosineFeatureKernel(embed_dim, feature_dim, tie=tie_qk, batch_shape=heads)
         else:
             self.kernel = ExponentialDotProductKernel(embed_dim, feature_dim, tie=tie_qk, batch_shape=heads)
-        self._build(max_len)
+        self._build(max_len, **options)
 
     def _build(self, max_len: int | None) -> None:
-        """The mode's own checks of its arguments and its parameters, after the kernel (called once by ``__init__``)."""
+        """The mode's own checks of its arguments (and its :attr:`options`) and its parameters, after the kernel (called
+        once by ``__init__``)."""
 
     def forward(
         self,
@@ -160,14 +172,25 @@ class AttentionKernelEigenFeatures(KernelEigenFeaturesBase):
         """
         keys = queries if keys is None else keys
         self._check_call(queries, keys, key_mask, causal)
+        queries, keys = self._watched(queries, keys)
         scores = self._scores(queries, keys, key_mask, causal, objective, kernel_diag)
-        return self._penalised(scores, self._official_objective(scores, key_mask) if objective else None)
+        official = self._official_objective(scores, key_mask) if objective else None
+        self._check_scores(scores, official, queries, keys)
+        return self._penalised(scores, official)
 
     def _scores(
         self, queries: Tensor, keys: Tensor, key_mask: Tensor | None, causal: bool, objective: bool, kernel_diag: bool
     ) -> KernelEigenScores:
         """The mode's scores of a checked call (see :meth:`forward`; ``keys`` is ``queries`` in self-attention)."""
         raise NotImplementedError
+
+    def _watched(self, queries: Tensor, keys: Tensor) -> tuple[Tensor, Tensor]:
+        """The tokens the scores are computed from (a mode may wrap them to watch their gradients; ``keys`` stays
+        ``queries`` in self-attention)."""
+        return queries, keys
+
+    def _check_scores(self, scores: KernelEigenScores, official: Tensor | None, queries: Tensor, keys: Tensor) -> None:
+        """The mode's checks of a call's results against the magnitude of its tokens (nothing by default)."""
 
     def _official_objective(self, scores: KernelEigenScores, key_mask: Tensor | None) -> Tensor | None:
         """The official code's KSVD number of a call when the penalty takes that form, else ``None`` (sum form)."""

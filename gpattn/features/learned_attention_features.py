@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 from torch import Tensor
 
 from ..ksvd import ksvd_objective
-from ..validation import all_finite
+from ..validation import all_finite, check_overflow, check_token_magnitude, square_limit
 from .attention_kernel_eigen_features import AttentionKernelEigenFeatures
 from .kernel_eigen_scores import KernelEigenScores
 from .sequence_sums import unit_quadratic_form
@@ -16,6 +17,35 @@ from .sequence_sums import unit_quadratic_form
 #: the feature columns of one call: P_q (B, H, p, N), nu_q (B, H, 1, N), P_k (B, H, p, M), nu_k (B, H, 1, M) and
 #: sqrt(sigma_f) (H, 1, 1)
 Columns = tuple[Tensor, Tensor, Tensor, Tensor, Tensor]
+
+#: what overflows, for the magnitude guard's messages, and the power of |x| it grows like
+SCORES_GROWTH = (
+    "the weights W_e|X and the scores grow like |x| and their squares (the KSVD objective J, the variances of the "
+    "draws and of the posterior) like |x|^2"
+)
+PENALTY_GROWTH = "the KSVD penalty eta J^2 grows like |x|^4"
+GRADIENT_GROWTH = "the gradients of the KSVD penalty grow like |x|^5"
+
+
+class _GradientGuard(torch.autograd.Function):
+    """The identity on the tokens whose backward pass checks their gradient: a non-finite gradient from tokens beyond
+    :func:`~gpattn.validation.token_magnitude_limit` of power 5 raises the magnitude guard's ``ValueError`` (the
+    forward pass cannot see it coming: the penalty is finite when its gradients overflow). ``anchor`` (a parameter)
+    makes the output require a gradient whenever the features' parameters do, so that the check runs also for tokens
+    that need none."""
+
+    @staticmethod
+    def forward(ctx, tokens: Tensor, anchor: Tensor, where: str) -> Tensor:
+        ctx.save_for_backward(tokens)
+        ctx.where = where
+        return tokens.view_as(tokens)
+
+    @staticmethod
+    def backward(ctx, gradient: Tensor) -> tuple[Tensor, None, None]:
+        if not all_finite(gradient):
+            (tokens,) = ctx.saved_tensors
+            check_token_magnitude(tokens, GRADIENT_GROWTH, ctx.where, power=5)
+        return gradient, None, None
 
 
 class LearnedAttentionFeatures(AttentionKernelEigenFeatures):
@@ -43,9 +73,17 @@ class LearnedAttentionFeatures(AttentionKernelEigenFeatures):
     :attr:`KernelEigenScores.objective` is always the sum-form :math:`J` per sequence and head. The arguments are
     those of :class:`~gpattn.features.AttentionKernelEigenFeatures`.
 
-    :raises ValueError: When the scores of inputs of very large magnitude (about :math:`\sqrt{\text{finfo.max}}`,
-        :math:`1.8 \cdot 10^{19}` in float32) are not finite: the weights :math:`W_{e|X}` grow like :math:`|x|` and
-        the product with the unnormalised projections like :math:`|x|^2`.
+    :raises ValueError: The magnitude guard (:func:`~gpattn.validation.check_overflow`), whose limits
+        (:func:`~gpattn.validation.token_magnitude_limit`) cover every quantity a call forms from the tokens, so that
+        a result is either finite or this error, never a silent NaN: scores that are not finite or beyond
+        :func:`~gpattn.validation.square_limit` (where their squares, i.e. :math:`J`, the variances of the draws and
+        of the posterior, overflow) from tokens beyond :math:`\sqrt{\text{finfo.max}} / 10^3`
+        (:math:`1.8 \cdot 10^{16}` in float32), in every mode; in training, a KSVD objective :math:`J` beyond that
+        bound (the penalty :math:`\eta J^2` grows like
+        :math:`|x|^4`) from tokens beyond the limit of power 4 (:math:`1.4 \cdot 10^8` in float32,
+        :math:`3.7 \cdot 10^{75}` in float64), and, raised by the backward pass, non-finite gradients (they grow like
+        :math:`|x|^5`) from tokens beyond the limit of power 5 (:math:`3.2 \cdot 10^6` in float32, 0.58 in float16).
+        Within those ranges every result and gradient is finite for parameters of ordinary size.
 
     .. note:: Without a causal mask the features stay in the column layout of
         :meth:`~gpattn.kernels.CosineFeatureKernel.feature_columns` and their normalisation, the output scale and the
@@ -56,8 +94,8 @@ class LearnedAttentionFeatures(AttentionKernelEigenFeatures):
 
     learns_spectrum = True
 
-    def _build(self, max_len: int | None) -> None:
-        self._build_weights(max_len)
+    def _build(self, max_len: int | None, **options: Any) -> None:
+        self._build_weights(max_len, **options)
         # Lambda = softplus(0) = log 2 for every head at initialisation
         self._register_singular_values(torch.full((self.num_heads, self.num_inducing), math.log(2.0)))
 
@@ -95,8 +133,6 @@ class LearnedAttentionFeatures(AttentionKernelEigenFeatures):
                     right_weights,
                     singular_values.unsqueeze(0),
                 )
-        if not (all_finite(left) and all_finite(right)):
-            self._check_magnitude(queries, keys)
         left_diag = right_diag = None
         if kernel_diag:
             # k_e(x_i, x_i) = sum_j kappa(x_i, z_j)^2 = sigma^2 sum_j <unit q_i, unit k_j>^2; k_r likewise
@@ -150,16 +186,28 @@ class LearnedAttentionFeatures(AttentionKernelEigenFeatures):
         raise NotImplementedError
 
     def _check_magnitude(self, queries: Tensor, keys: Tensor) -> None:
-        # called when the learned scores are not finite: inputs of magnitude ~sqrt(finfo.max) overflow W^T P ~ |x|^2
-        magnitude = float(max(queries.detach().abs().amax(), keys.detach().abs().amax()))
-        limit = torch.finfo(queries.dtype).max ** 0.5
-        if magnitude > limit / 1e3:
-            raise ValueError(
-                f"{type(self).__name__} (features={self.mode!r}): the input tokens reach |x| = {magnitude:.3g}, too "
-                f"large for {queries.dtype}: the weights W_e|X grow like |x| and their product with the unnormalised "
-                f"projections like |x|^2, which overflows beyond about sqrt(finfo.max) = {limit:.3g}; rescale the "
-                "inputs (e.g. a LayerNorm before the layer) or use float64"
-            )
+        # scores that overflowed: refuse tokens of magnitude ~sqrt(finfo.max) / 1e3, whose W^T P grows like |x|^2
+        check_token_magnitude((queries, keys), SCORES_GROWTH, self._where())
+
+    def _where(self) -> str:
+        return f"{type(self).__name__} (features={self.mode!r})"
+
+    def _watched(self, queries: Tensor, keys: Tensor) -> tuple[Tensor, Tensor]:
+        # in training, the tokens' gradients are watched (_GradientGuard); not while compiling (its check is a branch)
+        anchor = self.raw_singular_values
+        if not (self.training and torch.is_grad_enabled()) or torch.compiler.is_compiling():
+            return queries, keys
+        watched = _GradientGuard.apply(queries, anchor, self._where())
+        return watched, (watched if keys is queries else _GradientGuard.apply(keys, anchor, self._where()))
+
+    def _check_scores(self, scores: KernelEigenScores, official: Tensor | None, queries: Tensor, keys: Tensor) -> None:
+        # one reduction over the scores (their squares must not overflow), and over J when it was computed (J^2)
+        bound = square_limit(queries.dtype)
+        tokens, where = (queries, keys), self._where()
+        results = [scores.stacked] if scores.stacked is not None else [scores.left_scores, scores.right_scores]
+        check_overflow(results, tokens, SCORES_GROWTH, where, bound=bound)
+        penalised = scores.objective if official is None else official  # the J whose square is the penalty
+        check_overflow((penalised,), tokens, PENALTY_GROWTH, where, bound=bound, power=4)
 
     @staticmethod
     def _zero_masked(scores: Tensor, mask: Tensor | None) -> Tensor:

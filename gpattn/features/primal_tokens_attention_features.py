@@ -6,18 +6,21 @@ import torch
 from torch import Tensor
 
 from ..ksvd import ksvd_objective
-from ..validation import check_int
+from ..validation import check_choice, check_int
 from .kernel_eigen_scores import KernelEigenScores
 from .learned_attention_features import Columns, LearnedAttentionFeatures
 
-#: ``features="primal_tokens"`` uses at most ``PRIMAL_TOKENS_MULTIPLE * s`` evenly spaced tokens (the official code's
-#: ``rank_multi = 10``)
+#: ``features="primal_tokens"`` uses at most ``rank_multiple * s`` evenly spaced tokens; the default is the official
+#: CIFAR and IMDB layers' ``rank_multi = 10`` (the official CoLA layer uses 2)
 PRIMAL_TOKENS_MULTIPLE = 10
+#: how a padding mask enters the weights: ``"excluded"`` (gpattn) or ``"included"`` (the official CoLA layer)
+PADDINGS = ("excluded", "included")
 
 
 class PrimalTokensAttentionFeatures(LearnedAttentionFeatures):
     r"""``features="primal_tokens"``: the parametrisation of the official KEP-SVGP and Primal-Attention code (the
-    equivalence tests in ``tests/attention/test_paper_equivalence.py`` check it against a transcription of that code):
+    equivalence tests in ``tests/attention/test_paper_equivalence.py`` check it against float64 transcriptions of the
+    official CIFAR and CoLA layers):
 
     .. math::
 
@@ -28,15 +31,28 @@ class PrimalTokensAttentionFeatures(LearnedAttentionFeatures):
     tokens the attention receives, i.e. after the block's LayerNorm, with no projection and no normalisation; the
     official ``gen_weights`` reshapes the input channels into heads), and :math:`\tilde W_e, \tilde W_r \in
     \mathbb R^{N' \times s}` are learned per position (orthogonal initialisation, as there). :math:`N' =
-    \min(\text{max\_len}, 10 s)`: with ``max_len <= 10 s`` all tokens (position ``i`` uses row ``i``; a sequence
-    shorter than ``max_len`` uses the first rows, which equals padding it with masked tokens), else :math:`N' = 10 s`
-    evenly spaced tokens ``linspace(0, N - 1, N')`` (truncated to integers) of the sequence. Hence the feature
-    dimension must be the head width, :math:`p = C / H`. A padding mask zeroes the padded rows of :math:`\tilde X_h`
-    (a gpattn extension: the official code has no masks); no causal mask (the weights would read future tokens),
+    \min(\text{max\_len}, m s)` with :math:`m` = ``rank_multiple`` (the official ``rank_multi``): with
+    ``max_len <= m s`` all tokens (position ``i`` uses row ``i``; a sequence shorter than ``max_len`` uses the first
+    rows, which equals padding it with masked tokens), else :math:`N' = m s` evenly spaced tokens
+    ``linspace(0, N - 1, N')`` (integer ``linspace``, as the official code) of the sequence. Hence the feature
+    dimension must be the head width, :math:`p = C / H`. No causal mask (the weights would read future tokens),
     self-attention only. ``max_len`` (required) is the longest sequence.
 
+    A padding mask (``padding``):
+
+    * ``"excluded"`` (default): :math:`\tilde X` is formed from each sequence's real tokens only, in order, as if its
+      padding were not there: the evenly spaced tokens are ``linspace(0, n - 1, N')`` of its :math:`n` real tokens
+      (all its real tokens, row ``i`` for the ``i``-th, when ``max_len <= m s``). A real token's output does not depend
+      on how much padding its batch has, and a sequence without padding gives the official numbers;
+    * ``"included"``: the official CoLA layer (``inputs_mask``): :math:`\tilde X` samples the padded sequence as it
+      is, padded tokens included (``linspace(0, N - 1, N')`` of the padded length :math:`N`), and the padded tokens'
+      projections are zeroed before the normalisation, so their scores vanish and the official KSVD number averages
+      over every position. A real token's output then depends on the padded length of its batch and on the padding
+      tokens: use it to reproduce the official numbers (``rank_multiple=2`` for CoLA), not for new work.
+
     The KSVD penalty may take the official code's form (``ksvd_form="official"``, :meth:`official_objective`). The
-    arguments are those of :class:`~gpattn.features.AttentionKernelEigenFeatures`.
+    arguments are those of :class:`~gpattn.features.AttentionKernelEigenFeatures` and the options
+    ``rank_multiple`` (a positive integer, default :data:`PRIMAL_TOKENS_MULTIPLE`) and ``padding`` (:data:`PADDINGS`).
 
     Example:
         >>> torch.manual_seed(0)  # doctest: +ELLIPSIS
@@ -46,19 +62,26 @@ class PrimalTokensAttentionFeatures(LearnedAttentionFeatures):
         torch.Size([2, 9, 3])
         >>> features(torch.randn(4, 9, 16)).right_scores.shape
         torch.Size([4, 2, 9, 3])
+        >>> cola = PrimalTokensAttentionFeatures(16, 2, 3, max_len=100, rank_multiple=2, padding="included")
+        >>> cola.left_token_weights.shape  # the official CoLA layer: N' = 2 s rows
+        torch.Size([2, 6, 3])
 
-    .. note:: Cost O(N' C s + N p s) per sequence and head.
+    .. note:: Cost O(N' C s + N p s) per sequence and head; a padding mask with ``padding="excluded"`` adds a sort of
+        the mask, O(N log N), per sequence.
     """
 
     mode = "primal_tokens"
     supports_cross_attention = False
     ksvd_forms = ("sum", "official")
+    options = ("rank_multiple", "padding")
     supported_calls = (
         "self-attention only, with or without a padding mask (no causal mask, no context): its weights read every "
         "token of the sequence"
     )
 
-    def _build_weights(self, max_len: int | None) -> None:
+    def _build_weights(
+        self, max_len: int | None, rank_multiple: int = PRIMAL_TOKENS_MULTIPLE, padding: str = "excluded"
+    ) -> None:
         where, heads, rank, width = type(self).__name__, self.num_heads, self.num_inducing, self.kernel.feature_dim
         if self.embed_dim % heads or width != self.embed_dim // heads:
             raise ValueError(
@@ -69,7 +92,9 @@ class PrimalTokensAttentionFeatures(LearnedAttentionFeatures):
             raise ValueError(f"{where}: features='primal_tokens' needs max_len (its longest sequence)")
         # W_e|X = X~^T W~ has rank <= min(N', C/H) whatever s is, as in the official code
         check_int("max_len (the longest sequence of features='primal_tokens')", max_len, where=where)
-        positions = min(max_len, PRIMAL_TOKENS_MULTIPLE * rank)
+        self.rank_multiple = check_int("rank_multiple (the official rank_multi)", rank_multiple, where=where)
+        self.padding = check_choice("padding", padding, PADDINGS, where=where)
+        positions = min(max_len, rank_multiple * rank)
         # the official initialisation: torch's orthogonal_ on (H, N', s), i.e. orthonormal flattened heads
         self.left_token_weights = torch.nn.Parameter(torch.nn.init.orthogonal_(torch.empty(heads, positions, rank)))
         if not self.tie_qk:
@@ -77,36 +102,55 @@ class PrimalTokensAttentionFeatures(LearnedAttentionFeatures):
                 torch.nn.init.orthogonal_(torch.empty(heads, positions, rank))
             )
 
-    def sampled_positions(self, length: int) -> Tensor | None:
-        r"""The positions of the :math:`N'` tokens that form :math:`\tilde X` in a sequence of ``length`` tokens, or
-        ``None`` when all are used (``max_len <= 10 s``; then ``length <= max_len``).
+    @property
+    def samples_tokens(self) -> bool:
+        r"""Whether :math:`\tilde X` holds :math:`N' = m s` evenly spaced tokens (``max_len > m s``) rather than one row
+        per position."""
+        return self.left_token_weights.shape[-2] != self.max_len
 
-        :return: ``linspace(0, length - 1, N')`` truncated to integers (the official code's even sampling), shape
-            ``(N',)``.
+    def sampled_positions(self, length: int) -> Tensor | None:
+        r"""The positions of the :math:`N'` tokens that form :math:`\tilde X` in a sequence of ``length`` tokens
+        without padding, or ``None`` when all are used (``max_len <= m s``; then ``length <= max_len``).
+
+        :return: ``linspace(0, length - 1, N')`` as integers (the official code's even sampling, ``dtype=int``),
+            shape ``(N',)``.
         """
-        positions = self.left_token_weights.shape[-2]
-        if positions == self.max_len:
+        if not self.samples_tokens:
             return None
-        return torch.linspace(0, length - 1, positions, device=self.left_token_weights.device).to(torch.long)
+        rows, device = self.left_token_weights.shape[-2], self.left_token_weights.device
+        return torch.linspace(0, length - 1, rows, dtype=torch.long, device=device)
+
+    def _real_token_positions(self, mask: Tensor) -> tuple[Tensor, Tensor]:
+        r"""``padding="excluded"``: the positions of the tokens of :math:`\tilde X`, ``(B, N')`` (or ``(B, N)``, one row
+        per position), read from each sequence's real tokens in order, and which of them are real tokens ``(B, N')``
+        (a row past a sequence's real tokens, or of a sequence without any, reads nothing)."""
+        counts = mask.sum(-1)  # shape: (B,)
+        order = torch.argsort((~mask).to(torch.uint8), dim=-1, stable=True)  # the real positions first, in order
+        if not self.samples_tokens:  # row i <- the i-th real token
+            return order, torch.arange(mask.shape[-1], device=mask.device) < counts[:, None]
+        rows = torch.empty(mask.shape[0], self.left_token_weights.shape[-2], dtype=torch.long, device=mask.device)
+        for count in counts.unique().tolist():  # one linspace per distinct number of real tokens
+            rows[counts == count] = self.sampled_positions(max(count, 1))
+        return order.gather(-1, rows), (counts > 0)[:, None].expand_as(rows)
 
     def token_primal_weights(self, tokens: Tensor, mask: Tensor | None = None) -> tuple[Tensor, Tensor]:
         r""":math:`W_{e|X} = \tilde X_h^\top \tilde W_e` and :math:`W_{r|X} = \tilde X_h^\top \tilde W_r` of every
         sequence and head (see the class docstring), each ``(B, H, C/H, s)``.
 
         :param tokens: The layer's input tokens ``(B, N, C)``.
-        :param mask: ``(B, N)`` bool padding mask (padded rows of :math:`\tilde X` are zeroed), or ``None``.
+        :param mask: ``(B, N)`` bool padding mask, read as ``padding`` says, or ``None``.
 
         .. note:: Cost O(N' C s).
         """
         batch, length, width = tokens.shape
-        positions = self.sampled_positions(length)
-        if positions is None:  # all tokens, position i <-> row i
-            selected, rows = tokens, slice(0, length)
-        else:
-            selected, rows = tokens[:, positions], slice(None)
-            mask = None if mask is None else mask[:, positions]
-        if mask is not None:
-            selected = selected * mask.unsqueeze(-1).to(selected.dtype)
+        rows = slice(0, length) if not self.samples_tokens else slice(None)
+        if mask is None or self.padding == "included":  # the tokens as they are (official)
+            positions = self.sampled_positions(length)
+            selected = tokens if positions is None else tokens[:, positions]
+        else:  # each sequence's real tokens, in order
+            positions, real = self._real_token_positions(mask)
+            selected = tokens.gather(1, positions.unsqueeze(-1).expand(-1, -1, width))
+            selected = selected * real.unsqueeze(-1).to(selected.dtype)
         # X~_h^T: the head's channel block, (B, H, C/H, N')
         head_tokens = selected.mT.unflatten(1, (self.num_heads, width // self.num_heads))
         left = head_tokens @ self.left_token_weights[:, rows]
@@ -116,24 +160,23 @@ class PrimalTokensAttentionFeatures(LearnedAttentionFeatures):
     def official_objective(self, scores: KernelEigenScores, mask: Tensor | None = None) -> Tensor:
         r"""The official code's KSVD objective of one call, a scalar: :math:`J_{\mathrm{off}} = \tfrac12
         \operatorname{mean}_{b,h,i} e_i^\top \Lambda^{-1} e_i + \tfrac12 \operatorname{mean}_{b,h,j} r_j^\top
-        \Lambda^{-1} r_j - \operatorname{Tr}(\operatorname{mean}_h \tilde W_e^\top \tilde W_r)` over the real tokens:
-        means over tokens and the trace of the raw per-position weights, which ignores :math:`\tilde X^\top \tilde X`
-        (see :func:`~gpattn.ksvd.ksvd_objective`, ``form="official"``)."""
+        \Lambda^{-1} r_j - \operatorname{Tr}(\operatorname{mean}_h \tilde W_e^\top \tilde W_r)`: means over tokens and
+        the trace of the raw per-position weights, which ignores :math:`\tilde X^\top \tilde X` (see
+        :func:`~gpattn.ksvd.ksvd_objective`, ``form="official"``). The means run over the real tokens
+        (``padding="excluded"``) or, as in the official CoLA layer, over every position with the padded tokens' scores
+        zero (``"included"``)."""
         right_raw = self.left_token_weights if self.tie_qk else self.right_token_weights
+        left, right = scores.left_scores, scores.right_scores
+        if mask is not None and self.padding == "included":  # the official CoLA layer zeroes q and k there
+            left, right, mask = self._zero_masked(left, mask), self._zero_masked(right, mask), None
         return ksvd_objective(
-            scores.left_scores,
-            scores.right_scores,
-            self.left_token_weights,
-            right_raw,
-            scores.singular_values,
-            form="official",
-            mask=mask,
+            left, right, self.left_token_weights, right_raw, scores.singular_values, form="official", mask=mask
         )
 
     def _check_call(self, queries: Tensor, keys: Tensor, key_mask: Tensor | None, causal: bool) -> None:
         super()._check_call(queries, keys, key_mask, causal)
         length = queries.shape[-2]
-        if length > self.max_len and self.sampled_positions(length) is None:
+        if length > self.max_len and not self.samples_tokens:
             raise ValueError(
                 "features='primal_tokens' has one weight row per position: sequences of at most "
                 f"max_len={self.max_len} tokens, got {length}"

@@ -88,6 +88,15 @@ METHODS: dict[str, MethodSpec] = {
             paper="Gal & Ghahramani, ICML 2016",
         ),
         MethodSpec(
+            "laplace",
+            "softmax",
+            predictive=Predictive("laplace"),
+            description="last-layer Laplace: the softmax Transformer, then laplace-torch's Kronecker-factored GGN of "
+            "its classification head fitted on the training split, prior precision by the marginal likelihood, "
+            "predicting with Monte Carlo samples of the GLM predictive's logits",
+            paper="Daxberger et al., NeurIPS 2021",
+        ),
+        MethodSpec(
             "deep_ensemble",
             "softmax",
             predictive=Predictive(members=5),
@@ -105,8 +114,8 @@ def method_names() -> list[str]:
 
     Example:
         >>> names = method_names()
-        >>> names[:3], names[-2:]
-        (['kep_svgp', 'kep_svgp_sym', 'sgpa'], ['softmax_mc_dropout', 'deep_ensemble'])
+        >>> names[:3], names[-3:]
+        (['kep_svgp', 'kep_svgp_sym', 'sgpa'], ['softmax_mc_dropout', 'laplace', 'deep_ensemble'])
     """
     attentions = attention_names()
     return attentions + [name for name in METHODS if name not in attentions]

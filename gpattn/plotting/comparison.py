@@ -1,19 +1,18 @@
-"""Figures of the attention comparison: reliability diagrams (with counts per bin), shift curves, OOD histograms
-and KSVD spectra.
+"""Figures of the attention comparison: reliability diagrams (with counts per bin), OOD histograms and KSVD spectra,
+the shift figures of :mod:`gpattn.plotting.shift`, and the writer of every figure of a run folder
+(:func:`write_comparison_figures`, whose file names :func:`comparison_figure_names` lists).
 
 Every function takes the runner's list of :class:`~gpattn.comparison.RunRecord` s, one per ``(task, attention,
 seed)`` (:func:`~gpattn.comparison.run_comparison`, or :func:`~gpattn.comparison.read_records` of a
 ``results.json``). A record lacking the data of a figure (no shift, no OOD scores, no spectra, ...) is skipped by that
-figure. Seeds are pooled (reliability bins, OOD scores) or averaged (metrics, spectra). Attentions appear in registry
-order (:func:`~gpattn.attention.attention_names`), and each keeps its colour across all figures.
+figure. Seeds are pooled (reliability bins, OOD scores) or averaged (metrics, spectra). Rows appear in registry
+order (:func:`~gpattn.attention.attention_names`), a ``+ts`` row after its row, and each keeps its colour across all
+figures.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import math
-import os
-import re
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
@@ -22,97 +21,54 @@ import matplotlib.pyplot as plt
 import numpy as np
 from matplotlib.figure import Figure
 
-from ..attention import attention_names
-from ..comparison.records import RunRecord, ShiftMetrics
-from ..validation import InputTypeError, check_choice
+from ..comparison.records import RunRecord
+from ._records import (
+    DPI,
+    attention_order,
+    colour,
+    grid,
+    mean_std,
+    natural_key,
+    panel_name,
+    save,
+    seeds_text,
+    spread_text,
+    task_records,
+    unique,
+    validate,
+    values_array,
+)
 from .fidelity import write_fidelity_figure
+from .shift import plot_gap_vs_shift_ece, plot_shift_curves, shift_records
 
-#: The metrics a shift curve can show (those of :class:`~gpattn.comparison.ShiftMetrics`).
-SHIFT_METRICS = tuple(entry.name for entry in dataclasses.fields(ShiftMetrics))
 OOD_SETS = {"in": "in-distribution (test)", "held_out": "held-out classes", "noise": "noise"}
-DPI = 110
+#: The OOD set that pools every family: its scores are the families' together, so the histograms leave it out.
+POOLED = "pooled"
+
+#: The figure files :func:`write_comparison_figures` writes, ``{task}`` standing for each task with the data.
+RELIABILITY_FILE = "reliability_{task}.png"
+SHIFT_FILE = "shift_{task}.png"
+GAP_FILE = "gap_vs_shift_ece_{task}.png"
+OOD_FILE = "ood_histograms_{task}.png"
+SPECTRA_FILE = "spectra.png"
+FIDELITY_FILE = "fidelity.png"  # gpattn.plotting.fidelity.write_fidelity_figure's
+FIGURE_FILES = (RELIABILITY_FILE, SHIFT_FILE, GAP_FILE, OOD_FILE, SPECTRA_FILE, FIDELITY_FILE)
+#: Figures earlier versions wrote into a run folder (one figure for every task), replaced by the files above.
+FORMER_FIGURE_FILES = ("shift.png", "ood_histograms.png")
+#: The metrics of the shift figures.
+SHIFT_FIGURE_METRICS = ("accuracy", "nll", "brier", "ece")
 
 __all__ = [
+    "DPI",
+    "FIGURE_FILES",
+    "FORMER_FIGURE_FILES",
+    "comparison_figure_names",
     "plot_ood_histograms",
     "plot_reliability_diagrams",
-    "plot_shift_curves",
     "plot_spectra",
+    "pool_reliability",
     "write_comparison_figures",
 ]
-
-
-# ----------------------------------------------------------------------------------------------------------- helpers
-def _validate(records) -> list[RunRecord]:
-    if isinstance(records, (str, bytes, dict)) or not isinstance(records, Sequence):
-        raise InputTypeError(f"records must be a non-empty list of RunRecords, got {type(records).__name__}")
-    if len(records) == 0:
-        raise ValueError("records must be a non-empty list of RunRecords, got an empty list")
-    for index, record in enumerate(records):
-        if not isinstance(record, RunRecord):
-            raise InputTypeError(
-                f"record {index} is a {type(record).__name__}, expected a RunRecord (read the dicts of a "
-                f"results.json with gpattn.comparison.read_records or RunRecord.from_dict)"
-            )
-    return list(records)
-
-
-def _unique(values: Iterable) -> list:
-    return list(dict.fromkeys(values))
-
-
-def _attention_order(attentions: Iterable[str]) -> list[str]:
-    # registered attentions in registry order, then the others (e.g. ensembles "<name>_ens<K>") as they come
-    present, registered = _unique(attentions), attention_names()
-    return [a for a in registered if a in present] + [a for a in present if a not in registered]
-
-
-def _colour(attention: str) -> str:
-    registered = attention_names()
-    if attention in registered:
-        return f"C{registered.index(attention) % 10}"
-    return f"C{(len(registered) + sum(map(ord, attention))) % 10}"
-
-
-def _values(values: Iterable[float | None]) -> np.ndarray:
-    """Floats with ``None`` (an empty reliability bin) as NaN."""
-    return np.asarray([math.nan if value is None else value for value in values], dtype=np.float64)
-
-
-def _mean_std(values: Iterable[float]) -> tuple[float, float, int]:
-    """Mean, sample standard deviation (0 for one value) and number of the finite values."""
-    finite = np.asarray([v for v in values if math.isfinite(v)], dtype=np.float64)
-    if finite.size == 0:
-        return math.nan, math.nan, 0
-    std = float(finite.std(ddof=1)) if finite.size > 1 else 0.0
-    return float(finite.mean()), std, int(finite.size)
-
-
-def _grid(count: int, panel_width: float, panel_height: float, max_columns: int = 3):
-    """A figure with exactly ``count`` axes on a grid of at most ``max_columns`` columns (unused cells removed)."""
-    columns = min(count, max_columns)
-    rows = math.ceil(count / columns)
-    figure, axes = plt.subplots(
-        rows, columns, figsize=(panel_width * columns, panel_height * rows), squeeze=False, layout="constrained"
-    )
-    flat = list(axes.ravel())
-    for axis in flat[count:]:
-        figure.delaxes(axis)
-    return figure, flat[:count]
-
-
-def _severity_key(severity: str):
-    try:
-        return (0, float(severity))
-    except ValueError:
-        return (1, severity)
-
-
-def _natural_key(name: str):
-    return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", name)]
-
-
-def _panel_name(task: str, attention: str, tasks: Sequence[str]) -> str:
-    return attention if len(tasks) == 1 else f"{task}: {attention}"
 
 
 # ------------------------------------------------------------------------------------------------------ reliability
@@ -137,7 +93,7 @@ def pool_reliability(records: Sequence[RunRecord]) -> tuple[np.ndarray, np.ndarr
     accuracy_sum = np.zeros(size)
     for record in records:
         n = np.asarray(record.reliability.count, dtype=np.float64)
-        conf, acc = _values(record.reliability.confidence), _values(record.reliability.accuracy)
+        conf, acc = values_array(record.reliability.confidence), values_array(record.reliability.accuracy)
         filled = n > 0
         count += n
         confidence_sum += np.where(filled, n * np.nan_to_num(conf), 0.0)
@@ -155,25 +111,25 @@ def plot_reliability_diagrams(records: list[RunRecord], task: str) -> Figure:
     give the gap to the bin's mean confidence (above the bar: over-confident, below: under-confident); dashed: the
     diagonal of perfect calibration. Lower panel (label ``"count"``): the number of test predictions in each bin
     (seeds summed), so that a bin of 2 predictions is not read like one holding most of them. One legend for the
-    figure. Panel titles give the ECE (mean ± std over the n seeds, in percent).
+    figure. Panel titles give the ECE in percent (mean ± std over the seeds; one seed: the value, said so).
 
     :param records: The comparison records.
     :param task: The task whose records are drawn.
     :return: The figure, two panels per attention (``figure.axes`` alternates reliability and count panels).
     """
-    records = _validate(records)
+    records = validate(records)
     selected = _reliability_records(records, task)
     if not selected:
         raise ValueError(f"no reliability data for task {task!r}")
-    attentions = _attention_order(r.attention for r in selected)
+    attentions = attention_order(r.attention for r in selected)
     columns = min(len(attentions), 3)
     rows = math.ceil(len(attentions) / columns)
     figure = plt.figure(figsize=(3.6 * columns, 4.6 * rows), layout="constrained")
-    grid = figure.add_gridspec(2 * rows, columns, height_ratios=[3, 1] * rows)
+    panels = figure.add_gridspec(2 * rows, columns, height_ratios=[3, 1] * rows)
     for position, attention in enumerate(attentions):
         row, column = divmod(position, columns)
-        axis = figure.add_subplot(grid[2 * row, column], label="reliability")
-        counts_axis = figure.add_subplot(grid[2 * row + 1, column], sharex=axis, label="count")
+        axis = figure.add_subplot(panels[2 * row, column], label="reliability")
+        counts_axis = figure.add_subplot(panels[2 * row + 1, column], sharex=axis, label="count")
         group = [r for r in selected if r.attention == attention]
         confidence, accuracy, count = pool_reliability(group)
         size = len(count)
@@ -181,7 +137,7 @@ def plot_reliability_diagrams(records: list[RunRecord], task: str) -> Figure:
         filled = count > 0
         left, width = edges[:-1][filled], np.diff(edges)[filled]
         axis.bar(
-            left, accuracy[filled], width=width, align="edge", color=_colour(attention), edgecolor="k",
+            left, accuracy[filled], width=width, align="edge", color=colour(attention), edgecolor="k",
             linewidth=0.6, alpha=0.85, label="accuracy (bar colour: the attention)", gid="accuracy",
         )  # fmt: skip
         axis.bar(
@@ -194,12 +150,8 @@ def plot_reliability_diagrams(records: list[RunRecord], task: str) -> Figure:
         axis.set_ylim(0, 1)
         axis.set_ylabel("accuracy")
         axis.tick_params(labelbottom=False)
-        ece, ece_std, seeds = _mean_std(r.metrics.test.ece for r in group)
-        if seeds > 1:
-            ece_text = f"ECE {100 * ece:.2f} ± {100 * ece_std:.2f}% (n={seeds})"
-        else:
-            ece_text = f"ECE {100 * ece:.2f}% (n=1)" if seeds else "ECE n/a"
-        axis.set_title(f"{attention}\n{ece_text}", fontsize=10)
+        ece_text = spread_text((r.metrics.test.ece for r in group), scale=100.0, unit="%")
+        axis.set_title(f"{attention}\nECE {ece_text}", fontsize=10)
         counts_axis.bar(
             edges[:-1], count, width=np.diff(edges), align="edge", color="0.55", edgecolor="k", linewidth=0.4,
             gid="count",
@@ -215,131 +167,73 @@ def plot_reliability_diagrams(records: list[RunRecord], task: str) -> Figure:
     return figure
 
 
-# ------------------------------------------------------------------------------------------------------------ shift
-def _shift_records(records: list[RunRecord]) -> list[RunRecord]:
-    return [r for r in records if r.metrics.shift]
-
-
-def _shifted(record: RunRecord, kind: str, severity: str, metric: str) -> float:
-    entry = record.metrics.shift.get(kind, {}).get(severity)
-    return math.nan if entry is None else getattr(entry, metric)
-
-
-def plot_shift_curves(records: list[RunRecord], metrics: Sequence[str] = ("accuracy", "ece", "nll")) -> Figure:
-    """Metrics under distribution shift against severity, one line per attention (mean ± std band over seeds).
-
-    Severity 0 is the clean test set (``metrics.test``). Records without shift data are skipped.
-
-    :param records: The comparison records.
-    :param metrics: Metric names among :data:`SHIFT_METRICS`, one row each.
-    :return: The figure: rows = metrics, columns = shift kinds, one legend for the figure.
-    """
-    records = _validate(records)
-    metrics = [metrics] if isinstance(metrics, str) else list(metrics)
-    if not metrics:
-        raise ValueError("metrics must name at least one metric")
-    for metric in metrics:
-        check_choice("metrics", metric, SHIFT_METRICS)
-    selected = _shift_records(records)
-    if not selected:
-        raise ValueError("no records with shift data")
-    kinds = _unique(kind for r in selected for kind in r.metrics.shift)
-    tasks = _unique(r.task for r in selected)
-    groups = [(t, a) for t in tasks for a in _attention_order(r.attention for r in selected if r.task == t)]
-    figure, axes = plt.subplots(
-        len(metrics), len(kinds), figsize=(3.8 * len(kinds) + 1.8, 2.9 * len(metrics)), squeeze=False,
-        sharex=True, layout="constrained",
-    )  # fmt: skip
-    linestyles = ("-", "--", ":", "-.")
-    for column, kind in enumerate(kinds):
-        severities = sorted(
-            _unique(s for r in selected for s in r.metrics.shift.get(kind, {}) if s != "0"), key=_severity_key
-        )
-        x = np.asarray([0.0] + [_severity_key(s)[1] if _severity_key(s)[0] == 0 else np.nan for s in severities])
-        for row, metric in enumerate(metrics):
-            axis = axes[row, column]
-            for task, attention in groups:
-                group = [r for r in selected if r.task == task and r.attention == attention]
-                per_seed = np.asarray(
-                    [
-                        [getattr(r.metrics.test, metric)] + [_shifted(r, kind, s, metric) for s in severities]
-                        for r in group
-                    ]
-                )
-                stats = [_mean_std(per_seed[:, j]) for j in range(per_seed.shape[1])]
-                mean = np.asarray([m for m, _, _ in stats])
-                std = np.asarray([s for _, s, _ in stats])
-                colour = _colour(attention)
-                label = _panel_name(task, attention, tasks) + f" (n={len(group)})"
-                style = linestyles[tasks.index(task) % len(linestyles)]
-                axis.plot(x, mean, marker="o", ms=3, color=colour, ls=style, lw=1.6, label=label)
-                axis.fill_between(x, mean - std, mean + std, color=colour, alpha=0.18, lw=0)
-            axis.set_title(f"{kind.replace('_', ' ')}: {metric}", fontsize=10)
-            axis.set_xlabel("severity (0 = clean)")
-            axis.set_ylabel(metric)
-            axis.set_xticks(x[np.isfinite(x)])
-            axis.grid(alpha=0.3)
-    handles, labels = axes[0, 0].get_legend_handles_labels()
-    figure.legend(handles, labels, loc="outside right upper", fontsize=8, title="attention")
-    figure.suptitle(f"Metrics under distribution shift on {', '.join(tasks)} (mean ± std over seeds)")
-    return figure
-
-
 # -------------------------------------------------------------------------------------------------------------- OOD
 def _ood_records(records: list[RunRecord]) -> list[RunRecord]:
     return [r for r in records if r.ood_scores.get("in")]
 
 
-def _task_attention_panels(records, select, what: str):
-    # the records with the data a figure needs, their (task, attention) groups and one panel per group
-    records = _validate(records)
-    selected = select(records)
-    if not selected:
-        raise ValueError(f"no records with {what}")
-    tasks = _unique(r.task for r in selected)
-    groups = [(t, a) for t in tasks for a in _attention_order(r.attention for r in selected if r.task == t)]
-    figure, axes = _grid(len(groups), 4.0, 3.2)
-    return selected, tasks, groups, figure, axes
+def _task_attention_panels(selected: list[RunRecord]):
+    # the (task, attention) groups of the selected records and one panel per group
+    tasks = unique(r.task for r in selected)
+    groups = [(t, a) for t in tasks for a in attention_order(r.attention for r in selected if r.task == t)]
+    figure, axes = grid(len(groups), 4.0, 3.2)
+    return tasks, groups, figure, axes
 
 
-def plot_ood_histograms(records: list[RunRecord]) -> Figure:
-    """Densities of the maximum predicted probability on in-distribution, held-out-class and noise inputs.
+def _auroc_lines(group: list[RunRecord]) -> list[str]:
+    # the pooled set's AUROCs when there is one (the families' are in table.md), else every set's
+    names = unique(name for r in group for name in r.metrics.ood)
+    names = [POOLED] if POOLED in names else names
+    lines = []
+    for name in names:
+        short = {"held_out": "held-out"}.get(name, name)
+        for field, score in (("auroc_max_prob", ""), ("auroc_mutual_information", ", MI")):
+            values = [getattr(r.metrics.ood[name], field) for r in group if name in r.metrics.ood]
+            mean, std, count = mean_std(values)
+            if count == 0 and score:
+                continue  # no mutual information: a deterministic row (or an older record)
+            text = "n/a" if count == 0 else (f"{mean:.3f} ± {std:.3f}" if count > 1 else f"{mean:.3f}")
+            lines.append(f"AUROC ({short}{score}) {text}")
+    return lines
+
+
+def plot_ood_histograms(records: list[RunRecord], task: str | None = None) -> Figure:
+    """Densities of the maximum predicted probability on the in-distribution test inputs and on each OOD set (the
+    held-out classes and every noise family; the pooled set, their union, is left out).
 
     Scores are pooled over seeds; the density axis is logarithmic (most scores sit near 1, where a linear axis hides
-    the rest). The panel title gives the AUROC of the maximum probability against every OOD set (held-out classes and
-    noise: mean ± std over the n seeds of ``metrics.ood.<set>.auroc_max_prob``). Records without OOD scores are
-    skipped.
+    the rest). The panel title gives the AUROC against the pooled OOD set (else against every OOD set) by the maximum
+    probability and, where the record has it, by the mutual information (MI): the mean ± std over the seeds of
+    ``metrics.ood.<set>``. Records without OOD scores are skipped.
 
     :param records: The comparison records.
-    :return: The figure, one panel per attention (per task and attention when several tasks have OOD scores).
+    :param task: The task to draw; ``None``: every task with OOD scores (a panel per task and row).
+    :return: The figure, one panel per row (per task and row for several tasks).
     """
-    selected, tasks, groups, figure, axes = _task_attention_panels(records, _ood_records, "OOD scores")
+    records = validate(records)
+    if task is None:
+        selected = _ood_records(records)
+        if not selected:
+            raise ValueError("no records with OOD scores")
+    else:
+        task, selected = task_records(records, task, _ood_records, "OOD scores")
+    tasks, groups, figure, axes = _task_attention_panels(selected)
     bins = np.linspace(0.0, 1.0, 41)
-    colours = {"in": "C0", "held_out": "C3", "noise": "C7"}
-    for axis, (task, attention) in zip(axes, groups, strict=True):
-        group = [r for r in selected if r.task == task and r.attention == attention]
-        names = _unique(name for r in group for name in r.ood_scores)
+    for axis, (name_of_task, attention) in zip(axes, groups, strict=True):
+        group = [r for r in selected if r.task == name_of_task and r.attention == attention]
+        names = [n for n in unique(name for r in group for name in r.ood_scores) if n != POOLED]
         names = [n for n in OOD_SETS if n in names] + [n for n in names if n not in OOD_SETS]
         for index, name in enumerate(names):
             scores = np.asarray([v for r in group for v in r.ood_scores.get(name, [])], dtype=np.float64)
             scores = scores[np.isfinite(scores)]
             if scores.size == 0:
                 continue
-            colour = colours.get(name, f"C{(index + 4) % 10}")
-            label = f"{OOD_SETS.get(name, name)} (n={scores.size})"
-            axis.hist(scores, bins=bins, density=True, color=colour, alpha=0.3, label=label)
-            axis.hist(scores, bins=bins, density=True, color=colour, histtype="step", lw=1.2)
-        aurocs = []
-        for name in [n for n in names if n != "in"]:
-            values = [r.metrics.ood[name].auroc_max_prob for r in group if name in r.metrics.ood]
-            auroc, auroc_std, seeds = _mean_std(values)
-            short = {"held_out": "held-out"}.get(name, name)
-            if seeds > 1:
-                aurocs.append(f"AUROC ({short}) {auroc:.3f} ± {auroc_std:.3f}")
-            else:
-                aurocs.append(f"AUROC ({short}) {auroc:.3f}" if seeds else f"AUROC ({short}) n/a")
-        seeds_text = f" (n={len(group)})"
-        axis.set_title(f"{_panel_name(task, attention, tasks)}{seeds_text}\n" + "\n".join(aurocs), fontsize=9)
+            shade = "C0" if name == "in" else f"C{(index + 2) % 10}"
+            label = f"{OOD_SETS.get(name, name.replace('_', ' '))} ({scores.size} inputs)"
+            axis.hist(scores, bins=bins, density=True, color=shade, alpha=0.25 if name == "in" else 0.15, label=label)
+            axis.hist(scores, bins=bins, density=True, color=shade, histtype="step", lw=1.2)
+        title = f"{panel_name(name_of_task, attention, tasks)} ({seeds_text(len(group))})"
+        axis.set_title(title + "\n" + "\n".join(_auroc_lines(group)), fontsize=9)
         axis.set_xlim(0, 1)
         axis.set_yscale("log")  # most scores sit near 1: a linear axis hides everything below 0.95
         axis.set_xlabel("max probability")
@@ -363,11 +257,14 @@ def plot_spectra(records: list[RunRecord]) -> Figure:
     :param records: The comparison records.
     :return: The figure, one panel per attention (per task and attention when several tasks have spectra).
     """
-    selected, tasks, groups, figure, axes = _task_attention_panels(records, _spectra_records, "spectra")
+    selected = _spectra_records(validate(records))
+    if not selected:
+        raise ValueError("no records with spectra")
+    tasks, groups, figure, axes = _task_attention_panels(selected)
     top = 0.0
     for axis, (task, attention) in zip(axes, groups, strict=True):
         group = [r for r in selected if r.task == task and r.attention == attention]
-        layers = sorted(_unique(layer for r in group for layer in r.spectra), key=_natural_key)
+        layers = sorted(unique(layer for r in group for layer in r.spectra), key=natural_key)
         lines = 0
         for layer_index, layer in enumerate(layers):
             num_heads = max(len(r.spectra.get(layer, [])) for r in group)
@@ -389,7 +286,7 @@ def plot_spectra(records: list[RunRecord]) -> Figure:
                 lines += 1
                 finite = mean[np.isfinite(mean)]
                 top = max(top, float(finite.max()) if finite.size else 0.0)
-        axis.set_title(f"{_panel_name(task, attention, tasks)} (n={len(group)})", fontsize=10)
+        axis.set_title(f"{panel_name(task, attention, tasks)} ({seeds_text(len(group))})", fontsize=10)
         axis.set_xlabel("index i")
         axis.set_ylabel(r"singular value $\lambda_i$")
         axis.grid(alpha=0.3, which="both")
@@ -397,44 +294,48 @@ def plot_spectra(records: list[RunRecord]) -> Figure:
             axis.legend(fontsize=7, loc="lower left", framealpha=0.8)
     for axis in axes:  # one scale for every panel, from 0
         axis.set_ylim(0.0, 1.05 * top if top > 0 else 1.0)
-    figure.suptitle(f"Learned KSVD singular values on {', '.join(tasks)} (mean over the n seeds; one scale, from 0)")
+    figure.suptitle(f"Learned KSVD singular values on {', '.join(tasks)} (mean over the seeds; one scale, from 0)")
     return figure
 
 
 # ----------------------------------------------------------------------------------------------------------- writing
-def write_comparison_figures(records: list[RunRecord], out_dir: str | Path) -> list[Path]:
-    """Write every comparison figure for which the records have data, as PNG at 110 dpi.
+def comparison_figure_names(tasks: Iterable[str]) -> list[str]:
+    """Every file name :func:`write_comparison_figures` can write for records of ``tasks`` (each
+    :data:`FIGURE_FILES` entry, ``{task}`` filled in per task), then :data:`FORMER_FIGURE_FILES`: what a run folder
+    may hold from an earlier run, and ``gpattn compare --overwrite`` deletes."""
+    tasks = list(tasks)
+    names = [name.format(task=task) for name in FIGURE_FILES for task in (tasks if "{task}" in name else [None])]
+    return unique([*names, *FORMER_FIGURE_FILES])
 
-    Files: ``reliability_<task>.png`` per task with reliability data, ``shift.png``, ``ood_histograms.png``,
-    ``spectra.png`` and ``fidelity.png`` (:func:`~gpattn.plotting.fidelity.write_fidelity_figure`). Figures are
-    closed after writing.
+
+def write_comparison_figures(records: list[RunRecord], out_dir: str | Path) -> list[Path]:
+    """Write every comparison figure for which the records have data, as PNG at 110 dpi, each through a temporary
+    file and a rename.
+
+    Files (:data:`FIGURE_FILES`), per task with the data: ``reliability_<task>.png`` (the rows as trained),
+    ``shift_<task>.png`` (accuracy, NLL, Brier and ECE against severity, the ``+ts`` rows dashed),
+    ``gap_vs_shift_ece_<task>.png`` (:func:`~gpattn.plotting.shift.plot_gap_vs_shift_ece`) and
+    ``ood_histograms_<task>.png``; then ``spectra.png`` and ``fidelity.png``
+    (:func:`~gpattn.plotting.fidelity.write_fidelity_figure`) for every task together. Figures are closed after
+    writing.
 
     :param records: The comparison records.
     :param out_dir: Output directory (created if missing).
     :return: The paths written, in that order.
     """
-    records = _validate(records)
+    records = validate(records)
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     jobs = []
-    for task in _unique(r.task for r in records):
+    for task in unique(r.task for r in records):
         if _reliability_records(records, task):
-            jobs.append((f"reliability_{task}.png", lambda task=task: plot_reliability_diagrams(records, task)))
-    if _shift_records(records):
-        jobs.append(("shift.png", lambda: plot_shift_curves(records)))
-    if _ood_records(records):
-        jobs.append(("ood_histograms.png", lambda: plot_ood_histograms(records)))
+            jobs.append((RELIABILITY_FILE, task, lambda t: plot_reliability_diagrams(records, t)))
+        if any(r.task == task for r in shift_records(records)):
+            jobs.append((SHIFT_FILE, task, lambda t: plot_shift_curves(records, SHIFT_FIGURE_METRICS, t, scaled=True)))
+            jobs.append((GAP_FILE, task, lambda t: plot_gap_vs_shift_ece(records, t)))
+        if any(r.task == task for r in _ood_records(records)):
+            jobs.append((OOD_FILE, task, lambda t: plot_ood_histograms(records, t)))
     if _spectra_records(records):
-        jobs.append(("spectra.png", lambda: plot_spectra(records)))
-    written = []
-    for name, make in jobs:
-        figure = make()
-        try:
-            path = out_dir / name
-            temporary = out_dir / f".{name}.tmp"  # written whole, then renamed: never a half-written figure
-            figure.savefig(temporary, dpi=DPI, format="png")
-            os.replace(temporary, path)
-            written.append(path)
-        finally:
-            plt.close(figure)
-    return written + write_fidelity_figure(records, out_dir)  # fidelity.png (gpattn.plotting.fidelity)
+        jobs.append((SPECTRA_FILE, None, lambda _: plot_spectra(records)))
+    written = [save(make(task), out_dir / name.format(task=task)) for name, task, make in jobs]
+    return written + write_fidelity_figure(records, out_dir)  # FIDELITY_FILE

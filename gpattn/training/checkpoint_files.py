@@ -16,6 +16,7 @@ Cost: SHA-256 over the serialised state (about 1 GB/s), once per file written or
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import io
 import json
@@ -144,7 +145,8 @@ def save_run_checkpoints(
     """Write ``last.pt`` (and ``best.pt`` when ``best`` is given) to ``directory`` as one atomic step: both files go
     to ``<name>.tmp`` (synced), then the manifest ``checkpoints.json`` naming their SHA-256 and epochs replaces the old
     one (the commit), then the files are renamed. A kill at any moment leaves a consistent pair: the previous one
-    before the commit, the new one after it (completed by :func:`recover` on the next read)."""
+    before the commit, the new one after it (completed by :func:`recover` on the next read). A write that fails before
+    the commit (e.g. a full disk) removes its temporary files and raises the ``OSError``: the previous pair stands."""
     directory = Path(directory)
     try:
         manifest = read_manifest(directory)
@@ -155,15 +157,21 @@ def save_run_checkpoints(
     previous = manifest["files"] if earlier else {}
     files = {name: entry for name, entry in previous.items() if best is None or name != "best.pt"}
     written = []
-    for name, checkpoint in (("best.pt", best), ("last.pt", last)):
-        if checkpoint is None:
-            continue
-        data = _serialise(checkpoint)
-        _write_synced(directory / f"{name}.tmp", data)
-        files[name] = {"sha256": sha256(data), "bytes": len(data), "epoch": checkpoint["epoch"]}
-        written.append(name)
     content = {"format": MANIFEST_FORMAT, "epoch": last["epoch"], "best_epoch": last["best_epoch"], "files": files}
-    _write_synced(directory / f"{MANIFEST}.tmp", json.dumps(content, indent=1).encode())
+    try:
+        for name, checkpoint in (("best.pt", best), ("last.pt", last)):
+            if checkpoint is None:
+                continue
+            data = _serialise(checkpoint)
+            written.append(name)
+            _write_synced(directory / f"{name}.tmp", data)
+            files[name] = {"sha256": sha256(data), "bytes": len(data), "epoch": checkpoint["epoch"]}
+        _write_synced(directory / f"{MANIFEST}.tmp", json.dumps(content, indent=1).encode())
+    except OSError:  # e.g. a full disk, before the commit: the previous pair stands; its space is given back
+        for name in (*written, MANIFEST):
+            with contextlib.suppress(OSError):
+                (directory / f"{name}.tmp").unlink(missing_ok=True)
+        raise
     os.replace(directory / f"{MANIFEST}.tmp", directory / MANIFEST)  # the commit
     _sync_directory(directory)
     for name in written:

@@ -36,6 +36,7 @@ __all__ = [
     "CHECKPOINT_KEYS",
     "RESUMABLE_CHANGES",
     "RNG_KEYS",
+    "WARNED_CHANGES",
     "check_pair",
     "check_resumable",
     "check_state_fits",
@@ -63,7 +64,18 @@ CHECKPOINT_KEYS = (
 RNG_KEYS = ("torch", "batch_generator", "cuda")
 #: Settings that may differ between an interrupted run and its resumption: they change neither the trained model
 #: nor the recorded metrics (``epochs`` only when the schedule horizon stays the same and no completed epoch is cut).
-RESUMABLE_CHANGES = ("epochs", "schedule_epochs", "progress", "checkpoint_dir", "eval_batch_size", "device")
+RESUMABLE_CHANGES = (
+    "epochs",
+    "schedule_epochs",
+    "progress",
+    "checkpoint_dir",
+    "eval_batch_size",
+    "device",
+    "threads",
+)
+#: Allowed changes that still make the resumed run differ from an uninterrupted one (warned about): the device, and
+#: the torch thread count (torch splits its reductions by threads on the CPU)
+WARNED_CHANGES = ("device", "threads")
 
 
 # -- reading ---------------------------------------------------------------------------------------------------------
@@ -196,14 +208,15 @@ def check_resumable(saved: dict[str, Any], current: dict[str, Any], epoch: int, 
     one, or ``epochs`` below the epoch already trained raises :class:`~gpattn.training.CheckpointError` naming what
     differs.
 
-    :return: Descriptions of the allowed changes worth a warning (the device).
+    :return: Descriptions of the allowed changes worth a warning (:data:`WARNED_CHANGES`: the device, the thread
+        count).
     """
     changed = [
         f"{name} ({saved[name]!r} in the checkpoint, {value!r} now)"
         for name, value in current.items()
         if name not in RESUMABLE_CHANGES and name in saved and saved[name] != value
     ]
-    missing = [name for name in current if name not in saved]
+    missing = [name for name in current if name not in saved and name not in RESUMABLE_CHANGES]
     saved_horizon = saved.get("schedule_epochs") or saved.get("epochs")
     horizon = current.get("schedule_epochs") or current["epochs"]
     if saved_horizon != horizon:
@@ -223,8 +236,8 @@ def check_resumable(saved: dict[str, Any], current: dict[str, Any], epoch: int, 
         )
     return [
         f"{name} ({saved[name]!r} -> {current[name]!r})"
-        for name in ("device",)
-        if name in saved and saved[name] != current[name]
+        for name in WARNED_CHANGES
+        if name in saved and name in current and saved[name] != current[name]
     ]
 
 

@@ -89,6 +89,12 @@ class TrainConfig:
             raise ValueError(f"{where}: expected progress to be a bool, got {self.progress!r}")
         if self.checkpoint_dir is not None and not isinstance(self.checkpoint_dir, (str, os.PathLike)):
             raise ValueError(f"{where}: expected checkpoint_dir to be a path or None, got {self.checkpoint_dir!r}")
+        if self.checkpoint_dir is not None and Path(self.checkpoint_dir).exists():
+            if not Path(self.checkpoint_dir).is_dir():
+                raise ValueError(
+                    f"{where}: expected checkpoint_dir to be a folder (created if missing), got the existing file "
+                    f"{str(self.checkpoint_dir)!r}"
+                )
 
     @property
     def horizon_epochs(self) -> int:

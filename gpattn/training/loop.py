@@ -100,7 +100,9 @@ def train_model(
         >>> from gpattn.data import make_pointer_task
         >>> from gpattn.models import Transformer
         >>> from gpattn.training import TrainConfig, train_model
+        >>> import torch
         >>> data = make_pointer_task(256, 64, 64, length=8, seed=0, vocab_size=8)
+        >>> _ = torch.manual_seed(0)  # the model's initial parameters (the loop seeds everything after)
         >>> model = Transformer(2, embed_dim=16, depth=1, num_heads=2, vocab_size=8, max_len=8)
         >>> result = train_model(model, data.train, data.val, TrainConfig(epochs=2, seed=0, progress=False))
         >>> len(result.history), result.best_epoch  # epochs trained; the one of the lowest validation NLL
@@ -148,7 +150,11 @@ class _Loop:
         self.val_labels = dataset_labels(val)
         self.directory = None if config.checkpoint_dir is None else Path(config.checkpoint_dir)
         if self.directory is not None:
-            self.directory.mkdir(parents=True, exist_ok=True)
+            try:
+                self.directory.mkdir(parents=True, exist_ok=True)
+            except OSError as error:  # a file in its place, or above it; no permission
+                reason = error.strerror or str(error)
+                raise OSError(error.errno, f"cannot create the checkpoint folder {self.directory} ({reason})") from None
         model.to(self.device)
         self.forward = strategy.wrap(model)
         self.num_data = self.train_labels.shape[0]
@@ -172,7 +178,7 @@ class _Loop:
     def run(self, resume: bool) -> TrainResult:
         if resume:
             state = (self.model, self.optimizer, self.scheduler, self.generator)
-            checkpoint, best = restore_run(self.directory, *state, self.config.to_dict(), self.device)
+            checkpoint, best = restore_run(self.directory, *state, self._settings(), self.device)
             start_epoch = checkpoint["epoch"]
             self.result = TrainResult(list(checkpoint["history"]), checkpoint["best_epoch"], checkpoint["best_val_nll"])
             best = _state_copy(self.model) if best is None else best
@@ -301,9 +307,27 @@ class _Loop:
             "history": self.result.history,
             "best_epoch": self.result.best_epoch,
             "best_val_nll": self.result.best_val_nll,
-            "config": self.config.to_dict(),
+            "config": self._settings(),
         }
-        save_run_checkpoints(self.directory, checkpoint, checkpoint if improved else None)
+        try:
+            save_run_checkpoints(self.directory, checkpoint, checkpoint if improved else None)
+        except OSError as error:  # a full disk, a folder that became unwritable: say what is still there
+            reason = error.strerror or str(error)
+            kept = (
+                f"it still holds the checkpoints of epoch {self.epoch - 1}, the last complete pair"
+                if self.epoch > 1
+                else "it holds no checkpoint of this run"
+            )
+            raise OSError(
+                error.errno,
+                f"cannot write the checkpoints of epoch {self.epoch} to {self.directory} ({reason}); {kept}; make "
+                "room and resume from it (resume=True, or --resume of gpattn train)",
+            ) from error
+
+    def _settings(self) -> dict[str, Any]:
+        """The run's settings as the checkpoints store them: the config and the torch thread count (the numbers on
+        the CPU depend on it; a resumed run with another count is warned about)."""
+        return {**self.config.to_dict(), "threads": torch.get_num_threads()}
 
     # -- divergence ---------------------------------------------------------------------------------------------------
     def _parameters_finite(self) -> bool:

@@ -10,7 +10,9 @@ from torch import Tensor
 
 from ..features import KernelEigenScores
 from ..validation import check_choice, check_float
+from .cholesky_prior_kl import CholeskyPriorKL
 from .kernel_eigen_variational_strategy import KernelEigenVariationalStrategy
+from .linear_output import LinearOutput
 from .structured_covariance import low_rank_plus_diag, reparameterised_draw
 
 
@@ -26,11 +28,13 @@ class KernelEigenReadout:
 
     * :meth:`predictive`: the strategy's :math:`q(f)` of one branch at the call's inputs (mean, covariance root and
       residual: the algebra of the strategy's ``forward``);
-    * :meth:`inducing_draw` and :meth:`linear_coefficients`: the mean of :math:`q(u)` or a joint reparameterised draw
-      :math:`u = m + L \varepsilon`, folded with the maps into ``(s, C)`` coefficients :math:`\Lambda^{-1} \sum_c
-      u_c C_c` (then one output GEMM over the stacked scores, :meth:`~gpattn.features.KernelEigenScores.columns`);
+    * :meth:`linear_output`: the output under the mean of :math:`q(u)` or a joint reparameterised draw
+      :math:`u = m + L \varepsilon` per sequence (:meth:`inducing_draw`'s), the maps folded into ``(s, C)``
+      coefficients :math:`\Lambda^{-1} \sum_c u_c C_c` and one output GEMM over the stacked scores
+      (:meth:`~gpattn.features.KernelEigenScores.columns`);
     * :meth:`token_noise`: per-input noise (the official code's "marginal" sampling, the residual);
     * :meth:`output_variance`: :math:`\operatorname{Var}(y)` of :math:`q(f)` through the maps;
+    * :meth:`kl_divergence`: the KL summed over :math:`q(u)`'s batch, the layer's KL term;
     * :meth:`initialize_at_prior_draw`: the layer's starting :math:`q(u)`.
 
     The layout is the attention layers': :math:`q(u)` of batch ``(H, d_out)`` (``(H, d_out, 2 or 1)`` for a pair:
@@ -114,37 +118,79 @@ class KernelEigenReadout:
         )
         return reparameterised_draw(variational.mean, variational.lazy_covariance_matrix, noise)
 
-    def linear_coefficients(
-        self, inducing_values: Tensor, maps: list[Tensor], scores: KernelEigenScores, sides: tuple[str, ...]
+    def linear_output(
+        self,
+        columns: Tensor,
+        bias: Tensor,
+        maps: Tensor,
+        scores: KernelEigenScores,
+        sides: tuple[str, ...],
+        batch: int | None = None,
     ) -> Tensor:
-        r"""The coefficients of the linear maps of the outputs of the branches ``sides``, stacked in the layout of
-        :meth:`~gpattn.features.KernelEigenScores.columns`: with :math:`F_c(x) = e(x) \Lambda^{-1} u_c` over the output
-        dimension :math:`c` and a map :math:`C^b` per branch,
+        r"""The output :math:`y = b + \sum_b \sum_c F^b_c C^b_c` of the linear maps :math:`C^b` of the GP outputs of the
+        branches ``sides``, under the mean of :math:`q(u)` (``batch=None``) or one joint draw
+        :math:`u = m + L \varepsilon` per sequence (``batch = B``; the noise drawn as :meth:`inducing_draw` draws it):
+        with :math:`F_c(x) = e(x) \Lambda^{-1} u_c` over the output dimension :math:`c`,
 
         .. math::
 
             \sum_c F^b_c(x) C^b_c = e^b(x)\, A^b, \qquad A^b = \Lambda^{-1} \textstyle\sum_c u^b_c C^b_c
             \quad (\text{whitened: } \textstyle\sum_c u^b_c C^b_c),
 
-        so that the outputs are never formed: ``(*sample, B or 1, branches H, s, C)`` coefficients (an inactive
-        direction's are zero, as its interpolation column is), then one GEMM with the stacked scores. O(d_out s C) per
-        branch, head and sequence.
+        so that the outputs are never formed: ``(s, C)`` coefficients per branch, head and draw (an inactive
+        direction's are zero, as its interpolation column is), then one GEMM with the stacked scores. A Cholesky
+        :math:`q(u)` takes one autograd function for the draw, the coefficients and the GEMM
+        (:class:`~gpattn.variational.linear_output.LinearOutput`); another draws through :meth:`inducing_draw`.
 
-        :param inducing_values: :meth:`inducing_draw` (mean or draws), ``(*sample, H, d_out[, branches], s)``.
-        :param maps: :math:`C^b` of each side, ``(H, d_out, C)``.
+        :param columns: The stacked scores :math:`[e^\top; r^\top]` of ``sides`` as ``(B, branches H s, N)``
+            (:meth:`~gpattn.features.KernelEigenScores.columns` flattened).
+        :param bias: :math:`b`, broadcastable to ``(B, N, C)``.
+        :param maps: :math:`C`: one map ``(H, d_out, C)`` for every branch, or one per side,
+            ``(branches, H, d_out, C)``.
         :param scores: The features of the call (its :math:`\Lambda` and active directions).
-        :param sides: The branches.
+        :param sides: The branches, ``("left", "right")`` or a leading part of the strategy's.
+        :param batch: The number of sequences to draw for, or ``None`` (the mean).
+        :return: ``(B, N, C)``.
+
+        .. note:: Cost O(d_out s C) per branch, head and draw, O(d_out s^2) per draw for :math:`L \varepsilon`,
+            O(N branches H s C) per sequence for the GEMM.
         """
         strategy = self.strategy
-        singular_values, active = scores.singular_values, scores.active
-        coefficients = []
-        for side, weights in zip(sides, maps, strict=True):
-            values = strategy._select_branch(inducing_values, side, 1)  # (*sample, H, d_out, s)
-            branch = values.mT @ weights  # sum_c u_c C_c; (*sample, H, s, C)
-            if not strategy.whiten:
-                branch = branch / singular_values.unsqueeze(-1)
-            coefficients.append(branch if active is None else torch.where(active.unsqueeze(-1), branch, 0.0))
-        return torch.stack(coefficients, dim=-4).flatten(-4, -3)
+        if tuple(sides) != strategy._branch_sides[: len(sides)]:
+            raise ValueError(
+                f"{type(self).__name__}: expected the sides {strategy._branch_sides} or a leading part of them, got "
+                f"{tuple(sides)}"
+            )
+        distribution = strategy._variational_distribution
+        if type(distribution) is CholeskyVariationalDistribution:
+            mean, factor, noise = distribution.variational_mean, None, None
+            if batch is not None:  # the noise as inducing_draw draws it: (B, *q_batch, s)
+                factor = distribution.chol_variational_covar
+                noise = torch.randn((batch, *mean.shape), dtype=mean.dtype, device=mean.device)
+        else:
+            draw = self.inducing_draw(None if batch is None else torch.Size([batch]))
+            mean, factor, noise = (draw if batch is None else draw.movedim(0, -1)), None, None
+        if len(strategy._branch_sides) == 1:  # one q(u): a branch dimension of size 1
+            mean, factor = mean.unsqueeze(2), None if factor is None else factor.unsqueeze(2)
+            noise = None if noise is None else noise.unsqueeze(3)
+        singular_values = None if strategy.whiten else scores.singular_values
+        parts = (mean, factor, noise, singular_values, scores.active, maps, len(sides))
+        return LinearOutput.apply(columns, bias, *parts)
+
+    def kl_divergence(self) -> Tensor:
+        r"""The strategy's :math:`\mathrm{KL}(q(u) \| p(u))` (against the features' own :math:`\Lambda`) summed over
+        :math:`q(u)`'s batch (heads, outputs, branches), a scalar: one autograd function for a Cholesky :math:`q(u)`
+        (:class:`~gpattn.variational.cholesky_prior_kl.CholeskyPriorKL`), else the strategy's KL summed.
+
+        .. note:: Cost O(s^2) per element of :math:`q(u)`'s batch, forward and backward.
+        """
+        strategy = self.strategy
+        distribution = strategy._variational_distribution
+        if type(distribution) is CholeskyVariationalDistribution:
+            mean, factor = distribution.variational_mean, distribution.chol_variational_covar
+            scales = strategy._prior_scales(aligned=False)  # aligned inside the function: no view in the graph
+            return CholeskyPriorKL.apply(mean, factor, scales, True, strategy._aligned_dims)
+        return strategy.kl_divergence().sum()
 
     def initialize_at_prior_draw(self, singular_values: Tensor, covariance_scale: float = 0.1) -> None:
         r"""Set :math:`q(u) = \mathcal N(m_0, c^2 \Lambda^2)` with a draw :math:`m_0 \sim \mathcal N(0, \Lambda^2)` of

@@ -7,13 +7,14 @@ from gpytorch.distributions import MultivariateNormal
 from gpytorch.models import ApproximateGP
 from gpytorch.module import Module
 from gpytorch.utils.memoize import clear_cache_hook
-from gpytorch.variational import _VariationalDistribution
+from gpytorch.variational import CholeskyVariationalDistribution, _VariationalDistribution
 from gpytorch.variational._variational_strategy import _VariationalStrategy
 from linear_operator.operators import DiagLinearOperator, LinearOperator
 from torch import Tensor
 
-from ..features import KernelEigenFeatures, KernelEigenFeaturesBase, KernelEigenScores, prior_variances
+from ..features import KernelEigenFeatures, KernelEigenFeaturesBase, KernelEigenScores
 from ..validation import check_choice, check_int
+from .cholesky_prior_kl import CholeskyPriorKL
 from .structured_covariance import diagonal_prior_kl, low_rank_plus_diag, times_covariance_root
 
 SIDES = ("left", "right")
@@ -199,7 +200,11 @@ class KernelEigenVariationalStrategy(_VariationalStrategy):
         :return: shape ``(*batch)``, with the batch of the call's :math:`\Lambda` in front when it has one (e.g.
             ``(B, *q_batch)`` for exact attention features).
         """
-        variational = self.variational_distribution
+        distribution = self._variational_distribution
+        if type(distribution) is CholeskyVariationalDistribution:  # from its parameters, by one fused function
+            mean, factor = distribution.variational_mean, distribution.chol_variational_covar
+            return CholeskyPriorKL.apply(mean, factor, self._prior_scales(scores))
+        variational = distribution()
         return diagonal_prior_kl(variational.mean, variational.lazy_covariance_matrix, self._prior_variances(scores))
 
     def __call__(self, x: Tensor, prior: bool = False, **kwargs) -> MultivariateNormal:
@@ -257,23 +262,34 @@ class KernelEigenVariationalStrategy(_VariationalStrategy):
         check_choice("side", side, self._branch_sides, where=type(self).__name__)
         return covariance
 
+    @property
+    def _aligned_dims(self) -> int:
+        # the singleton dimensions that align Lambda with q(u)'s batch: the outputs (and the branches of a pair)
+        return self.num_output_dims + (len(self._branch_sides) > 1)
+
     def _aligned(self, tensor: Tensor) -> Tensor:
         # Lambda (or its active directions) of the features, (*batch_f, s), with singleton dimensions for the outputs
         # (and the branches of a pair) so that it broadcasts against q(u)'s batch shape
-        extra = self.num_output_dims + (len(self._branch_sides) > 1)
-        return tensor.reshape(*tensor.shape[:-1], *(1,) * extra, tensor.shape[-1])
+        return tensor.reshape(*tensor.shape[:-1], *(1,) * self._aligned_dims, tensor.shape[-1])
 
-    def _prior_variances(self, scores: KernelEigenScores | None = None) -> Tensor:
-        # the prior variances Lambda^2 (1 for an inactive direction, all 1 when whitened) broadcast to q(u)'s batch,
-        # from a call's scores or from the features
+    def _prior_scales(self, scores: KernelEigenScores | None = None, aligned: bool = True) -> Tensor:
+        # the prior standard deviations Lambda (1 for an inactive direction, all 1 when whitened), from a call's scores
+        # or from the features; aligned with q(u)'s batch (broadcastable to it), or in Lambda's shape
         if scores is None:
             singular_values, active = self.features.singular_values, self.features.active_inducing
         else:
             singular_values, active = scores.singular_values, scores.active
-        variances = prior_variances(self._aligned(singular_values), None if active is None else self._aligned(active))
+        if self.whiten:
+            scales = torch.ones_like(singular_values)
+        else:
+            scales = singular_values if active is None else torch.where(active, singular_values, 1.0)
+        return self._aligned(scales) if aligned else scales
+
+    def _prior_variances(self, scores: KernelEigenScores | None = None) -> Tensor:
+        # the prior variances Lambda^2 (1 for an inactive direction, all 1 when whitened) broadcast to q(u)'s batch
+        variances = self._prior_scales(scores).pow(2)
         batch_shape = torch.broadcast_shapes(variances.shape[:-1], self._variational_distribution.batch_shape)
-        variances = variances.expand(*batch_shape, variances.shape[-1])
-        return torch.ones_like(variances) if self.whiten else variances
+        return variances.expand(*batch_shape, variances.shape[-1])
 
     def _prior_mean(self, x: Tensor) -> Tensor | float:
         # mu(x) from model.mean_module (0 when the model has none), shape (*batch, N)

@@ -137,8 +137,16 @@ def _load_features(layer: KEPSVGPAttention | PrimalAttention, params: dict[str, 
         features.raw_singular_values.copy_(constraint.inverse_transform(lam))
 
 
-def gpattn_kep(params: dict[str, Tensor], merge: str, shared: bool, ksvd_form: str = "official") -> KEPSVGPAttention:
-    """A gpattn KEP-SVGP layer holding the official weights: the paper's configuration (primal_tokens, d_out = s)."""
+def gpattn_kep(
+    params: dict[str, Tensor],
+    merge: str,
+    shared: bool,
+    ksvd_form: str = "official",
+    max_len: int | None = None,
+    **options,
+) -> KEPSVGPAttention:
+    """A gpattn KEP-SVGP layer holding the official weights: the paper's configuration (primal_tokens, d_out = s;
+    ``max_len`` default the reference's length; ``options``: the features' options, e.g. the CoLA layer's)."""
     rank, length = params["we"].shape[-1], params["embed_len_weight"].shape[0]
     layer = KEPSVGPAttention(
         C,
@@ -149,8 +157,9 @@ def gpattn_kep(params: dict[str, Tensor], merge: str, shared: bool, ksvd_form: s
         shared_posterior=shared,
         sampling="marginal",
         num_outputs="num_inducing",
-        max_len=length,
+        max_len=length if max_len is None else max_len,
         ksvd_form=ksvd_form,
+        feature_options=options,
     ).to(DTYPE)
     _load_features(layer, params, 1.0 / official_lambda_inverse(params))
     q = layer.strategy._variational_distribution
@@ -226,6 +235,146 @@ def test_primal_tokens_padding_mask_zeroes_the_padded_rows():
     short = layer.features(x[:1, :4], objective=False, kernel_diag=False)
     padded = layer.features(x[:1], key_mask=mask[:1], objective=False, kernel_diag=False)
     torch.testing.assert_close(short.left_scores, padded.left_scores[:, :, :4], atol=TOL, rtol=0)
+
+
+# -- the official CoLA layer: masked q and k, rank_multi = 2 (issue 24, item 7) ------------------------------------
+COLA_RANK, COLA_MULTIPLE, COLA_MAX_LEN = 3, 2, 100  # N' = 6 weight rows, sampled from any padded length
+
+
+def official_cola_scores(params: dict[str, Tensor], x: Tensor, inputs_mask: Tensor) -> dict[str, Tensor]:
+    """The official CoLA layer's scores (``KEP_SVGPAttention.gen_weights`` and ``forward(x, inputs_mask)``): X~ = the
+    input's channel blocks at ``linspace(0, N - 1, s rank_multi, dtype=int)`` of the **padded** sequence, padded tokens
+    included; q and k multiplied by the mask before ``F.normalize`` (a padded token's scores are zero)."""
+    batch, length, _ = x.shape
+    index = torch.linspace(0, length - 1, params["we"].shape[1], dtype=int)
+    sampled = x.reshape(batch, length, H, HD).permute(0, 2, 1, 3)[:, :, index]  # X~_h: (B, H, N', hd)
+    we, wr = sampled.mT @ params["we"], sampled.mT @ params["wr"]
+    mask = inputs_mask.to(x.dtype)[:, None, :, None]
+    q = (x @ params["qk"][:C].T).reshape(batch, length, H, HD).permute(0, 2, 1, 3) * mask
+    k = (x @ params["qk"][C:].T).reshape(batch, length, H, HD).permute(0, 2, 1, 3) * mask
+    phi_q, phi_k = torch.nn.functional.normalize(q, dim=-1), torch.nn.functional.normalize(k, dim=-1)
+    return {"e": phi_q @ we, "r": phi_k @ wr, "we": we, "wr": wr}
+
+
+def official_cola_mean(params: dict[str, Tensor], x: Tensor, inputs_mask: Tensor) -> Tensor:
+    """The official CoLA layer's output with the noise left out: (e + r) Lambda^{-1} m_u, final_weight, (B, N, C)."""
+    scores = official_cola_scores(params, x, inputs_mask)
+    lam_inv = official_lambda_inverse(params)[None, :, None, :]
+    out = ((scores["e"] + scores["r"]) * lam_inv) @ params["m_u"] @ params["final_weight"].T + params["final_bias"]
+    return out.permute(0, 2, 1, 3).reshape(x.shape[0], x.shape[1], C)
+
+
+def _padded_batch(lengths: tuple[int, ...], padded_length: int, seed: int) -> tuple[Tensor, Tensor]:
+    """Sequences of ``lengths`` real tokens padded to ``padded_length`` with tokens of their own (as an embedded
+    padding token is: not zero), and the mask."""
+    x = _randn(len(lengths), padded_length, C, seed=seed)
+    mask = torch.arange(padded_length)[None, :] < torch.tensor(lengths)[:, None]
+    return x, mask
+
+
+def _cola_layer(params: dict[str, Tensor], padding: str, ksvd_form: str = "official") -> KEPSVGPAttention:
+    options = {"rank_multiple": COLA_MULTIPLE, "padding": padding}
+    return gpattn_kep(params, "sum", shared=True, ksvd_form=ksvd_form, max_len=COLA_MAX_LEN, **options)
+
+
+def test_the_official_cola_layer_is_reproduced_with_its_padding():
+    """``feature_options={"rank_multiple": 2, "padding": "included"}`` against the transcription on a padded batch:
+    the scores and the mean at the real tokens, zero scores at the padded ones, the official KSVD loss (means over every
+    position, the padded scores zero)."""
+    params = official_parameters(COLA_RANK, N, seed=11, positions=COLA_RANK * COLA_MULTIPLE)
+    x, mask = _padded_batch((9, 5), 9, seed=111)
+    layer = _cola_layer(params, "included")
+    reference = official_cola_scores(params, x, mask)
+    scores = layer.features(x, key_mask=mask, objective=False, kernel_diag=False)
+    real = mask[:, None, :, None]
+    torch.testing.assert_close(scores.left_scores * real, reference["e"], atol=TOL, rtol=0)
+    torch.testing.assert_close(scores.right_scores * real, reference["r"], atol=TOL, rtol=0)
+    assert reference["e"][1, :, 5:].abs().max() == 0  # the official code's padded scores are zero
+    expected = official_cola_mean(params, x, mask)
+    torch.testing.assert_close(layer.eval()(x, mask=mask)[mask], expected[mask], atol=TOL, rtol=0)
+    layer.train()(x, mask=mask)
+    loss = official_ksvd_loss(
+        reference["e"], reference["r"], official_lambda_inverse(params), params["we"], params["wr"]
+    )
+    torch.testing.assert_close(_ksvd_loss(layer), loss, atol=TOL, rtol=TOL)
+
+
+def test_without_padding_both_paddings_are_the_official_cola_layer():
+    params = official_parameters(COLA_RANK, N, seed=12, positions=COLA_RANK * COLA_MULTIPLE)
+    x, mask = _padded_batch((13, 13), 13, seed=112)
+    expected = official_cola_mean(params, x, mask)
+    for padding in ("included", "excluded"):
+        layer = _cola_layer(params, padding).eval()
+        torch.testing.assert_close(layer(x), expected, atol=TOL, rtol=0)
+        torch.testing.assert_close(layer(x, mask=mask), expected, atol=TOL, rtol=0)
+
+
+@pytest.mark.parametrize("max_len", [COLA_MAX_LEN, 20], ids=["sampled rows (N' = 2 s)", "one row per position"])
+def test_padding_excluded_gives_every_real_token_the_output_of_its_unpadded_sequence(max_len: int):
+    """The default ``padding="excluded"``: X~ from the real tokens, so a real token's output (mean, KSVD number) does
+    not change with the padding of its batch and is the official layer's on the unpadded sequence."""
+    multiple = COLA_MULTIPLE if max_len == COLA_MAX_LEN else 10  # 10 s = 30 > max_len: one row per position
+    params = official_parameters(COLA_RANK, N, seed=13, positions=min(max_len, COLA_RANK * multiple))
+    layer = gpattn_kep(params, "sum", shared=True, max_len=max_len, rank_multiple=multiple).eval()
+    x, _ = _padded_batch((7,), 15, seed=113)
+    unpadded = x[:, :7]
+    official = official_cola_mean(params, unpadded, torch.ones(1, 7, dtype=torch.bool)) if max_len > 20 else None
+    alone = layer(unpadded)
+    if official is not None:
+        torch.testing.assert_close(alone, official, atol=TOL, rtol=0)
+    for padded_length in (8, 11, 15):
+        padded, mask = x[:, :padded_length], torch.arange(padded_length)[None, :] < 7
+        torch.testing.assert_close(layer(padded, mask=mask)[:, :7], alone, atol=TOL, rtol=0)
+        layer.train()
+        layer(padded, mask=mask)
+        number = _ksvd_loss(layer)
+        layer(unpadded)
+        torch.testing.assert_close(number, _ksvd_loss(layer), atol=TOL, rtol=TOL)
+        layer.eval()
+    # and in a batch with sequences of other lengths, each its own
+    batch, mask = _padded_batch((7, 3, 15), 15, seed=113)
+    for index, length in enumerate((7, 3, 15)):
+        together = layer(batch, mask=mask)[index, :length]
+        torch.testing.assert_close(together, layer(batch[index : index + 1, :length])[0], atol=TOL, rtol=0)
+
+
+def test_the_paper_row_does_not_depend_on_padding():
+    """``kep_svgp_paper`` with the registry's max_len = 512 (10 s sampled rows): before, a real token's output changed
+    with the padded length of its batch (by as much as the output itself)."""
+    from gpattn.attention import build_attention
+
+    torch.manual_seed(0)
+    layer = build_attention("kep_svgp_paper", C, H, num_inducing=3).to(DTYPE).eval()
+    x, _ = _padded_batch((12,), 40, seed=114)
+    alone = layer(x[:, :12])
+    for padded_length in (13, 25, 40):
+        mask = torch.arange(padded_length)[None, :] < 12
+        torch.testing.assert_close(layer(x[:, :padded_length], mask=mask)[:, :12], alone, atol=TOL, rtol=0)
+
+
+def test_padding_included_depends_on_the_padded_length_as_the_official_layer():
+    """The official CoLA layer's outputs change with the padding (documented): the transcription and gpattn agree."""
+    params = official_parameters(COLA_RANK, N, seed=14, positions=COLA_RANK * COLA_MULTIPLE)
+    layer = _cola_layer(params, "included").eval()
+    x, _ = _padded_batch((7,), 15, seed=115)
+    outputs = []
+    for padded_length in (7, 15):
+        mask = torch.arange(padded_length)[None, :] < 7
+        output = layer(x[:, :padded_length], mask=mask)[:, :7]
+        torch.testing.assert_close(
+            output, official_cola_mean(params, x[:, :padded_length], mask)[:, :7], atol=TOL, rtol=0
+        )
+        outputs.append(output)
+    assert (outputs[0] - outputs[1]).abs().max() > 1e-2
+
+
+def test_feature_options_are_checked():
+    with pytest.raises(ValueError, match=r"features='amortized' takes no option \['padding'\]; it has none"):
+        KEPSVGPAttention(C, H, feature_options={"padding": "included"})
+    with pytest.raises(ValueError, match=r"expected padding to be one of \['excluded', 'included'\], got 'all'"):
+        KEPSVGPAttention(C, H, features="primal_tokens", max_len=8, feature_options={"padding": "all"})
+    with pytest.raises(ValueError, match="expected rank_multiple"):
+        PrimalAttention(C, H, features="primal_tokens", max_len=8, feature_options={"rank_multiple": 0})
 
 
 # -- KEP-SVGP: output mean and KSVD loss ---------------------------------------------------------------------------

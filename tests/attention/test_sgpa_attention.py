@@ -300,25 +300,28 @@ def test_default_dtype_then_double_and_deepcopy():
     assert SGPAAttention.is_stochastic
 
 
+class _Classifier(torch.nn.Module):
+    """A linear head on the mean of one SGPA layer's output, with the layer's KL (for AttentionELBO)."""
+
+    def __init__(self, layer):
+        super().__init__()
+        self.layer = layer
+        self.head = torch.nn.Linear(EMBED, 3).to(DTYPE)
+
+    def forward(self, x, mask=None):
+        return self.head(self.layer(x, mask=mask).mean(1))
+
+    def kl_divergence(self):
+        return self.layer.kl_divergence()
+
+
 def test_sgpa_loss_weights_each_sequence_kl_once_and_the_global_kl_by_one_over_n():
     """The SGPA objective (Chen & Li 2023; the official code's loss with its global part divided by n):
     mean_b CE_b + beta / n KL_global + beta mean_b KL_vg,b, against the dense per-head transcription."""
     from gpattn.mlls import AttentionELBO
 
-    class Classifier(torch.nn.Module):
-        def __init__(self, layer):
-            super().__init__()
-            self.layer = layer
-            self.head = torch.nn.Linear(EMBED, 3).to(DTYPE)
-
-        def forward(self, x, mask=None):
-            return self.head(self.layer(x, mask=mask).mean(1))
-
-        def kl_divergence(self):
-            return self.layer.kl_divergence()
-
     layer = make_layer().eval()
-    model = Classifier(layer)
+    model = _Classifier(layer)
     x, mask, _ = make_inputs("padding")
     targets = torch.tensor([0, 2])
     beta, num_data = 0.8, 500
@@ -341,20 +344,8 @@ def test_official_kl_weighting_adds_the_whole_kl_to_every_sequence():
     global part at weight beta rather than beta / n, against the dense per-head transcription."""
     from gpattn.mlls import AttentionELBO
 
-    class Classifier(torch.nn.Module):
-        def __init__(self, layer):
-            super().__init__()
-            self.layer = layer
-            self.head = torch.nn.Linear(EMBED, 3).to(DTYPE)
-
-        def forward(self, x, mask=None):
-            return self.head(self.layer(x, mask=mask).mean(1))
-
-        def kl_divergence(self):
-            return self.layer.kl_divergence()
-
     layer = make_layer(kl_weighting="official").eval()
-    model = Classifier(layer)
+    model = _Classifier(layer)
     x, mask, _ = make_inputs("padding")
     targets = torch.tensor([0, 2])
     beta, num_data = 0.8, 500

@@ -1,5 +1,6 @@
 """Evaluation of the comparison's runs: the metrics of a prediction and of a run, temperature scaling, MC dropout,
-ensembles and the KSVD fidelity (the predictions by batches and the validation NLL: tests/training/test_predictions.py).
+ensembles, the Laplace predictive, OOD families with mutual information, per-example predictions, separate random
+streams and the KSVD fidelity (the predictions by batches and the validation NLL: tests/training/test_predictions.py).
 """
 
 from __future__ import annotations
@@ -12,16 +13,15 @@ import torch
 from sklearn.metrics import average_precision_score, roc_auc_score
 
 from gpattn import metrics
-from gpattn.comparison import TaskData, load_task
+from gpattn.comparison import TaskData, load_task, random_stream, stream_seed
 from gpattn.comparison.evaluation import (
     classification_metrics,
     ensemble_logits,
     evaluate_models,
     evaluate_run,
-    model_fidelity,
+    per_example_predictions,
 )
-from gpattn.features import ksvd_fidelity
-from gpattn.models import Transformer
+from gpattn.models import LastLayerLaplace, Transformer, fit_temperature
 from gpattn.training import TrainConfig, ensemble_probabilities, train_model
 
 
@@ -52,6 +52,29 @@ def test_classification_metrics_of_a_prediction():
     assert result.auroc == pytest.approx(roc_auc_score(correct, p.max(1)), rel=1e-12)
     assert result.ece == metrics.expected_calibration_error(probabilities, labels)
     assert result.fpr95 == metrics.fpr_at_95_tpr(probabilities, labels)
+    assert result.debiased_ce == metrics.debiased_calibration_error(probabilities, labels, 15) > 0
+    assert result.sweep_ece == metrics.sweep_calibration_error(probabilities, labels) > 0
+    assert classification_metrics(probabilities, labels, 5).debiased_ce == metrics.debiased_calibration_error(
+        probabilities, labels, 5
+    )  # as many equal-mass bins as the ECE has bins
+
+
+def test_per_example_predictions_average_to_the_metrics():
+    generator = torch.Generator().manual_seed(1)
+    probabilities = torch.softmax(3 * torch.randn(300, 5, generator=generator, dtype=torch.float64), dim=-1)
+    probabilities[0] = torch.tensor([1.0, 0.0, 0.0, 0.0, 0.0], dtype=torch.float64)  # a zero on the label: the floor
+    labels = torch.randint(0, 5, (300,), generator=generator)
+    labels[0] = 1
+    examples = per_example_predictions(probabilities, labels)
+    assert list(examples) == ["test_nll", "test_correct", "test_confidence"]
+    assert all(len(values) == 300 and isinstance(values[0], float) for values in examples.values())
+    assert examples["test_nll"][0] == pytest.approx(-np.log(1e-12), rel=1e-15)
+    # the means are the recorded metrics: the NLL exactly
+    assert float(np.mean(examples["test_nll"])) == metrics.negative_log_likelihood(probabilities, labels)
+    assert float(np.mean(examples["test_correct"])) == metrics.accuracy(probabilities, labels)
+    p = probabilities.numpy()
+    np.testing.assert_array_equal(examples["test_confidence"], p.max(1))
+    np.testing.assert_array_equal(examples["test_nll"][1:], -np.log(p[np.arange(1, 300), labels.numpy()[1:]]))
 
 
 # -- a run's metrics -------------------------------------------------------------------------------------------------
@@ -138,15 +161,17 @@ def test_temperature_scaling_lowers_the_validation_nll_and_scales_the_test_logit
     )
 
 
+def _dropout_model(seed: int = 0) -> Transformer:
+    torch.manual_seed(seed)
+    return Transformer(8, embed_dim=16, depth=1, num_heads=2, attention="softmax", input="patches", image_size=8,
+                       patch_size=2, in_channels=1, dropout=0.3).eval()  # fmt: skip
+
+
 def test_mc_dropout_averages_dropout_passes(digits):
-    torch.manual_seed(0)
-    model = Transformer(8, embed_dim=16, depth=1, num_heads=2, attention="softmax", input="patches", image_size=8,
-                        patch_size=2, in_channels=1, dropout=0.3).eval()  # fmt: skip
-    torch.manual_seed(5)
-    evaluation = evaluate_models(model, digits, num_samples=3, mc_dropout=True, temperature_scaling=False)
-    torch.manual_seed(5)  # the same masks: test inputs first, three passes over one batch of 256 ...
+    model = _dropout_model()
+    evaluation = evaluate_models(model, digits, num_samples=3, mc_dropout=True, temperature_scaling=False, seed=5)
     model.train()  # every dropout module on (the model has nothing else that depends on the mode)
-    with torch.no_grad():
+    with random_stream(5, "test"), torch.no_grad():  # the same masks: the test set's stream, passes by 256 inputs
         parts = [torch.stack([model(chunk).softmax(-1) for _ in range(3)]).mean(0) for chunk in
                  digits.test.images.split(256)]  # fmt: skip
     expected = classification_metrics(torch.cat(parts).double(), digits.test.labels)
@@ -178,6 +203,117 @@ def test_classwise_ece_aupr_out_and_bins(digits):
     assert ood.aupr_max_prob == pytest.approx(average_precision_score(1 - is_out, -scores), abs=1e-9)
 
 
+# -- separate random streams ------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def trained_dropout(digits) -> Transformer:
+    """A digits model with dropout 0.3 trained for 4 epochs (an interior temperature under MC dropout)."""
+    model = _dropout_model().train()
+    config = TrainConfig(epochs=4, batch_size=64, lr=1e-2, warmup_epochs=1, eval_samples=1, progress=False)
+    train_model(model, digits.train, digits.val, config)
+    return model.eval()
+
+
+def test_the_temperature_depends_on_the_validation_split_and_the_seed_only(digits, trained_dropout):
+    """Issue 24 item 6: dropping test sequences (or every shifted and OOD set) leaves the temperature bit-identical,
+    for a row whose predictions are random (MC dropout); another seed draws other validation masks."""
+    model = trained_dropout
+    scaled = evaluate_models(model, digits, num_samples=3, mc_dropout=True, seed=2).temperature_scaled
+    fewer = dataclasses.replace(digits, test=_first(digits.test, len(digits.test) - 1), shifted={}, ood={})
+    again = evaluate_models(model, fewer, num_samples=3, mc_dropout=True, seed=2).temperature_scaled
+    assert again.temperature == scaled.temperature
+    other = evaluate_models(model, fewer, num_samples=3, mc_dropout=True, seed=3).temperature_scaled
+    assert 0.1 < scaled.temperature < 10  # an interior optimum, which the validation draws move:
+    assert abs(other.temperature - scaled.temperature) > 1e-4  # the check above could fail
+    with random_stream(2, "val"):  # the temperature is fitted on the validation set's own stream
+        logits = ensemble_logits([model], digits.val, 3, mc_dropout=True)
+    assert scaled.temperature == fit_temperature(logits.flatten(0, 1), digits.val.labels)
+
+
+def _first(dataset, size: int):
+    return type(dataset)(**{**vars(dataset), "images": dataset.images[:size], "labels": dataset.labels[:size]})
+
+
+def test_every_set_draws_from_its_own_stream(digits):
+    model = _dropout_model()
+    full = evaluate_models(model, digits, num_samples=2, mc_dropout=True, temperature_scaling=False, seed=4)
+    alone = evaluate_models(
+        model, dataclasses.replace(digits, shifted={}, ood={}), 2, mc_dropout=True, temperature_scaling=False, seed=4
+    )
+    assert alone.metrics.test == full.metrics.test  # without the other sets: the same test draws
+    state = torch.get_rng_state()
+    with random_stream(4, "shift/blur/2"):
+        torch.rand(3)
+    assert torch.equal(torch.get_rng_state(), state)  # the caller's generator is restored
+    assert len({stream_seed(4, name) for name in ("val", "test", "ood/noise", "shift/blur/2")}) == 4
+    assert stream_seed(4, "test") != stream_seed(5, "test") and 0 <= stream_seed(4, "test") < 2**63
+
+
+# -- OOD families, mutual information, the Laplace predictive -------------------------------------------------------
+def test_ood_per_family_and_pooled_with_the_mutual_information_of_the_stored_samples(digits):
+    model = _dropout_model()
+    evaluation = evaluate_models(model, digits, num_samples=4, mc_dropout=True, seed=1)
+    assert list(evaluation.metrics.ood) == ["held_out", "noise", "pooled"]
+    assert list(evaluation.ood_scores) == ["in", "held_out", "noise"]
+
+    def samples(name, dataset, temperature=1.0):  # the run's draws, again: (K T, n, C) probabilities
+        with random_stream(1, name):
+            return (ensemble_logits([model], dataset, 4, mc_dropout=True) / temperature).softmax(-1).flatten(0, 1)
+
+    for variant, temperature in ((evaluation, 1.0), (evaluation.temperature_scaled, None)):
+        temperature = temperature or evaluation.temperature_scaled.temperature
+        test = samples("test", digits.test, temperature)
+        families = {name: samples(f"ood/{name}", dataset, temperature) for name, dataset in digits.ood.items()}
+        families["pooled"] = torch.cat([families["held_out"], families["noise"]], dim=1)
+        for name, family in families.items():
+            recorded = variant.metrics.ood[name]
+            expected = metrics.ood_auroc_mutual_information(test, family)
+            assert recorded.auroc_mutual_information == pytest.approx(expected, abs=1e-12)
+            assert recorded.auroc_max_prob == pytest.approx(metrics.ood_auroc(test.mean(0), family.mean(0)), abs=1e-12)
+        assert 0.0 < variant.metrics.ood["pooled"].auroc_mutual_information < 1.0
+    # the pooled set is the union: its AUROC is the size-weighted mean of the families' (one positive set)
+    sizes = {name: len(dataset) for name, dataset in digits.ood.items()}
+    weighted = sum(sizes[n] * evaluation.metrics.ood[n].auroc_mutual_information for n in sizes) / sum(sizes.values())
+    assert evaluation.metrics.ood["pooled"].auroc_mutual_information == pytest.approx(weighted, abs=1e-12)
+
+
+def test_a_deterministic_row_has_no_mutual_information(digits):
+    evaluation = evaluate_models(_digits_model(0), digits, num_samples=4)
+    for variant in (evaluation, evaluation.temperature_scaled):
+        assert all(np.isnan(ood.auroc_mutual_information) for ood in variant.metrics.ood.values())
+        assert all(0 <= ood.auroc_max_prob <= 1 for ood in variant.metrics.ood.values())
+    ensemble = evaluate_models([_digits_model(0), _digits_model(1)], digits, num_samples=4, temperature_scaling=False)
+    assert all(0 < ood.auroc_mutual_information < 1 for ood in ensemble.metrics.ood.values())  # two members vary
+
+
+def test_per_example_predictions_of_a_run(digits, trained):
+    evaluation = evaluate_models(trained, digits, num_samples=1)
+    for variant, examples in ((evaluation, evaluation.per_example), (evaluation.temperature_scaled, None)):
+        examples = examples or variant.per_example
+        assert all(len(values) == len(digits.test) for values in examples.values())
+        assert float(np.mean(examples["test_nll"])) == variant.metrics.test.nll  # exactly
+        assert float(np.mean(examples["test_correct"])) == variant.metrics.test.accuracy
+        assert float(np.mean(examples["test_confidence"])) == pytest.approx(variant.metrics.test.confidence, rel=1e-12)
+    assert evaluation.per_example["test_correct"] == evaluation.temperature_scaled.per_example["test_correct"]
+    assert evaluation.per_example["test_nll"] != evaluation.temperature_scaled.per_example["test_nll"]
+
+
+def test_a_laplace_member_predicts_by_its_glm_samples(digits, trained):
+    laplace = LastLayerLaplace(trained).fit(digits.train.images, digits.train.labels)
+    with random_stream(0, "test"):
+        logits = ensemble_logits([laplace], digits.test, num_samples=5, batch_size=100)
+    with random_stream(0, "test"):
+        expected = torch.cat(
+            [laplace.sample_logits(chunk, num_samples=5) for chunk in digits.test.images.split(100)], 1
+        )
+    assert logits.shape == (1, 5, len(digits.test), 8) and torch.equal(logits[0], expected)
+    evaluation = evaluate_models(laplace, digits, num_samples=5, seed=0)
+    assert all(0 < ood.auroc_mutual_information < 1 for ood in evaluation.metrics.ood.values())
+    mean, _ = laplace.predictive_moments(digits.test.images)
+    assert evaluation.metrics.test.accuracy == pytest.approx(  # the samples scatter around the trained logits
+        metrics.accuracy(mean.softmax(-1), digits.test.labels), abs=0.03
+    )
+
+
 def test_ensemble_logits_give_the_ensemble_probabilities(digits):
     members = [_digits_model(0), _digits_model(1)]
     logits = ensemble_logits(members, digits.test, num_samples=4)
@@ -185,24 +321,3 @@ def test_ensemble_logits_give_the_ensemble_probabilities(digits):
     torch.testing.assert_close(
         logits.softmax(-1).mean((0, 1)), ensemble_probabilities(members, digits.test, 4).double(), rtol=0, atol=1e-6
     )
-
-
-def test_model_fidelity_is_ksvd_fidelity_on_the_tokens_the_layer_receives():
-    torch.manual_seed(0)
-    model = Transformer(3, embed_dim=16, depth=2, num_heads=2, attention="kep_svgp", input="vectors", input_dim=4,
-                        max_len=10, num_inducing=4).double().eval()  # fmt: skip
-    data = type("Inputs", (), {})()
-    data.inputs = torch.randn(7, 10, 4, dtype=torch.float64)
-    data.labels = torch.zeros(7, dtype=torch.long)
-    fidelity = model_fidelity(model, data, max_sequences=5)
-    assert list(fidelity) == ["layer_2"]  # the first block is softmax attention
-    with torch.no_grad():  # the second block's attention input, by hand: LN(block_1(embed(x)))
-        tokens = model.blocks[0](model.embed(data.inputs[:5]), None)
-        expected = ksvd_fidelity(model.blocks[1].attention, model.blocks[1].attention_norm(tokens))
-    for name, per_head in fidelity["layer_2"].items():
-        assert len(per_head) == 2
-        np.testing.assert_allclose(per_head, getattr(expected, name).mean(0).numpy(), rtol=1e-10, atol=1e-12)
-    assert fidelity["layer_2"]["relative_objective"][0] > 1e-3  # random weights: not a KSVD
-    softmax = Transformer(3, embed_dim=16, depth=1, num_heads=2, attention="softmax", input="vectors", input_dim=4,
-                          max_len=10)  # fmt: skip
-    assert model_fidelity(softmax.double(), data) == {}

@@ -50,10 +50,17 @@ def _same(first: RunRecord, second: RunRecord) -> bool:
 def test_to_dict_is_the_documented_layout():
     data = _record().to_dict()
     fields = ["task", "attention", "seed", "metrics", "reliability", "ood_scores", "spectra", "train"]
-    assert list(data) == [*fields, "temperature_scaled", "fidelity", "undefined"]  # the record has one NaN
+    later = ["temperature_scaled", "fidelity", "per_example", "hyperparameters", "tuned"]
+    assert list(data) == [*fields, *later, "undefined"]  # the record has NaNs
     assert list(data["metrics"]) == ["test", "shift", "ood"]
-    assert {k: v for k, v in data["metrics"]["test"].items() if k != "classwise_ece"} == TEST
-    assert data["metrics"]["shift"]["blur"]["1"] == {"accuracy": 0.8, "nll": 0.5, "ece": 0.1, "brier": 0.3}
+    added = ("classwise_ece", "debiased_ce", "sweep_ece")  # the fields with a default (NaN)
+    assert {k: v for k, v in data["metrics"]["test"].items() if k not in added} == TEST
+    assert list(data["metrics"]["test"])[-3:] == list(added)
+    assert data["metrics"]["shift"]["blur"]["1"] == {
+        "accuracy": 0.8, "nll": 0.5, "ece": 0.1, "brier": 0.3, "debiased_ce": None
+    }  # fmt: skip
+    assert data["undefined"]["metrics.test.sweep_ece"] == "nan: not in records written before it existed"
+    assert (data["per_example"], data["hyperparameters"], data["tuned"]) == ({}, {}, False)
     assert data["metrics"]["ood"]["noise"]["aupr_max_prob"] == 0.95
     assert data["reliability"] == {"confidence": [None, 0.55, 0.95], "accuracy": [None, 0.5, 1.0], "count": [0, 4, 6]}
     assert data["train"] == {"seconds": 1.5, "epochs": 3, "best_epoch": 2, "num_parameters": 1234, "ensemble": 1}
@@ -67,9 +74,13 @@ def test_to_dict_is_strict_json_with_a_reason_for_each_undefined_metric():
     import dataclasses
 
     record = _record()  # every metric defined but one (the fields added later default to NaN: set them)
-    test = dataclasses.replace(record.metrics.test, classwise_ece=0.07)
-    ood = {"noise": dataclasses.replace(record.metrics.ood["noise"], aupr_out_max_prob=0.9)}
-    record = dataclasses.replace(record, metrics=dataclasses.replace(record.metrics, test=test, ood=ood))
+    test = dataclasses.replace(record.metrics.test, classwise_ece=0.07, debiased_ce=0.04, sweep_ece=0.03)
+    ood = {
+        "noise": dataclasses.replace(record.metrics.ood["noise"], aupr_out_max_prob=0.9, auroc_mutual_information=0.8)
+    }
+    shift = {"blur": {key: dataclasses.replace(m, debiased_ce=0.1) for key, m in record.metrics.shift["blur"].items()}}
+    metrics = dataclasses.replace(record.metrics, test=test, ood=ood, shift=shift)
+    record = dataclasses.replace(record, metrics=metrics)
     data = record.to_dict()
     text = json.dumps(data, allow_nan=False)  # raises on NaN or Inf
     assert json.loads(text, parse_constant=_refuse) == data
@@ -78,6 +89,10 @@ def test_to_dict_is_strict_json_with_a_reason_for_each_undefined_metric():
     assert RunRecord.from_dict(data).to_dict() == data  # read back (null -> NaN) and written again: the same
     no_misclassification = RunRecord.from_dict({**data, "metrics": {"test": {**TEST, "auroc": math.nan}}}).to_dict()
     assert no_misclassification["undefined"]["metrics.test.auroc"].startswith("nan: needs both correct and wrong")
+    deterministic = copy.deepcopy(data)
+    deterministic["metrics"]["ood"]["noise"]["auroc_mutual_information"] = None
+    reason = RunRecord.from_dict(deterministic).to_dict()["undefined"]["metrics.ood.noise.auroc_mutual_information"]
+    assert reason.startswith("nan: deterministic: the row's predictions do not vary")
 
 
 def test_json_round_trip_gives_the_same_record(tmp_path):
@@ -133,6 +148,44 @@ def test_temperature_scaled_and_fidelity_round_trip_and_old_records_read_back():
         RunRecord.from_dict({**data, "fidelity": {"layer_2": {"energy": 0.9}}})
 
 
+def test_per_example_hyperparameters_and_tuned_round_trip_and_old_records_read_back():
+    examples = {"test_nll": [0.1, 2.3], "test_correct": [1.0, 0.0], "test_confidence": [0.9, 0.6]}
+    scaled = TemperatureScaled(
+        temperature=0.8,
+        metrics=RunMetrics(test=ClassificationMetrics(**TEST, debiased_ce=0.02, sweep_ece=0.01)),
+        per_example={**examples, "test_nll": [0.2, 2.0]},
+    )
+    hyperparameters = {"epochs": 60, "lr": 3e-3, "num_inducing": None, "dropout": 0.1}
+    full = dataclasses.replace(
+        _record(), per_example=examples, hyperparameters=hyperparameters, tuned=True, temperature_scaled=scaled
+    )
+    data = json.loads(json.dumps(full.to_dict(), allow_nan=False))
+    assert data["per_example"] == examples and data["hyperparameters"] == hyperparameters and data["tuned"] is True
+    assert data["temperature_scaled"]["per_example"]["test_nll"] == [0.2, 2.0]
+    again = RunRecord.from_dict(data)
+    assert _same(again, full) and again.temperature_scaled == full.temperature_scaled
+    assert isinstance(again.hyperparameters["epochs"], int) and again.tuned is True
+    # a record written before them: empty, False and NaN
+    old = _record().to_dict()
+    for key in ("per_example", "hyperparameters", "tuned"):
+        old.pop(key)
+    for entry in (old["metrics"]["test"], old["metrics"]["shift"]["blur"]["1"]):
+        for name in ("debiased_ce", "sweep_ece"):
+            entry.pop(name, None)
+    old["metrics"]["ood"]["noise"].pop("auroc_mutual_information")
+    old["temperature_scaled"] = {"temperature": 1.2, "metrics": {"test": TEST}}
+    read = RunRecord.from_dict(old)
+    assert (read.per_example, read.hyperparameters, read.tuned, read.temperature_scaled.per_example) == (
+        {},
+        {},
+        False,
+        {},
+    )
+    assert math.isnan(read.metrics.test.debiased_ce) and math.isnan(read.metrics.test.sweep_ece)
+    assert math.isnan(read.metrics.shift["blur"]["1"].debiased_ce)
+    assert math.isnan(read.metrics.ood["noise"].auroc_mutual_information)
+
+
 def _broken(edit) -> dict:
     data = copy.deepcopy(_record().to_dict())
     edit(data)
@@ -154,6 +207,10 @@ def _broken(edit) -> dict:
         (lambda d: d["reliability"]["count"].pop(), r"differ in length \(ragged bins\)"),
         (lambda d: d.update(spectra={"layer_1": 3.0}), r"record.spectra.layer_1: expected a list"),
         (lambda d: d.update(ood_scores=[]), r"record.ood_scores: expected a dict, got list"),
+        (lambda d: d.update(tuned=1), r"record: expected 'tuned' to be true or false, got 1"),
+        (lambda d: d.update(hyperparameters={"lr": [1]}), r"record.hyperparameters.lr: expected a number, a string"),
+        (lambda d: d.update(per_example={"test_nll": [1.0], "test_correct": []}), r"one value per test example"),
+        (lambda d: d.update(per_example={"nll": [1.0]}), r"record.per_example: unexpected entries \['nll'\]"),
     ],
     ids=[
         "no-metrics",
@@ -168,6 +225,10 @@ def _broken(edit) -> dict:
         "ragged",
         "spectra",
         "ood-scores",
+        "tuned",
+        "hyperparameters",
+        "per-example-ragged",
+        "per-example-name",
     ],  # fmt: skip
 )
 def test_malformed_records_are_refused_naming_the_entry(edit, match):

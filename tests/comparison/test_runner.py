@@ -9,7 +9,7 @@ import math
 import pytest
 
 import gpattn.comparison.runs as runs
-from gpattn.comparison import CompareConfig, RunRecord
+from gpattn.comparison import ClassificationMetrics, CompareConfig, RunMetrics, RunRecord
 from gpattn.comparison.records import write_json_atomically
 from gpattn.comparison.runner import (
     RunFailedError,
@@ -17,6 +17,7 @@ from gpattn.comparison.runner import (
     result_settings,
     run_comparison,
     run_name,
+    settings_hash,
 )
 
 TINY = dict(attentions=("softmax", "kep_svgp"), tasks=("pointer",), pointer_epochs=1, eval_samples=2, progress=False)
@@ -102,6 +103,28 @@ def test_a_failed_run_names_itself_and_keeps_the_finished_ones(tmp_path, monkeyp
     assert len(list((tmp_path / "runs").glob("*.json"))) == 1
 
 
+def test_each_run_gets_the_data_of_its_seed_and_the_shared_sets_are_loaded_once(monkeypatch) -> None:
+    seen = []
+
+    def record_data(config, task, attention, seed, data=None, **kwargs):
+        seen.append((task, seed, data))
+        return RunRecord.from_dict({"task": task, "attention": attention, "seed": seed, "metrics": {"test": TEST}})
+
+    monkeypatch.setattr(runs, "train_and_evaluate", record_data)
+    config = CompareConfig(seeds=(0, 1), attentions=("softmax", "kep_svgp"), tasks=("digits",), progress=False)
+    run_comparison(config)
+    assert [(task, seed, data.seed) for task, seed, data in seen] == [
+        ("digits", 0, 0), ("digits", 1, 1), ("digits", 0, 0), ("digits", 1, 1)
+    ]  # fmt: skip
+    assert seen[0][2] is seen[2][2] and seen[1][2] is seen[3][2]  # loaded once per (task, seed) ...
+    assert seen[0][2].test is seen[1][2].test and seen[0][2].ood["noise"] is seen[1][2].ood["noise"]  # ... sharing
+    assert not seen[0][2].val.images.equal(seen[1][2].val.images)
+
+
+TEST = dict(accuracy=0.9, confidence=0.85, nll=0.3, ece=0.05, mce=0.2, brier=0.15, aurc=0.02, eaurc=0.01,
+            auroc=0.8, fpr95=0.6)  # fmt: skip
+
+
 def test_one_progress_line_per_finished_run(capsys) -> None:
     run_comparison(CompareConfig(seeds=(0,), **{**TINY, "attentions": ("softmax",), "progress": True}))
     lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("[")]
@@ -128,3 +151,112 @@ def test_threads_and_jobs_are_validated() -> None:
         CompareConfig(threads=0)
     with pytest.raises(ValueError, match="jobs"):
         CompareConfig(jobs=0)
+
+
+# -- run identity (issue 24, item 1) and what a failed write keeps (item 9) -------------------------------------------
+def _fake_record(task: str, attention: str, seed: int) -> RunRecord:
+    test = ClassificationMetrics(**dict.fromkeys(ClassificationMetrics.__dataclass_fields__, 0.5))
+    return RunRecord(task, attention, seed, RunMetrics(test=test))
+
+
+class _FakeRuns:
+    """Replaces runs.train_and_evaluate with an instant run whose record names the run; lists the runs started."""
+
+    def __init__(self) -> None:
+        self.started = []
+
+    def __call__(self, config, task, attention, seed, **kwargs):
+        self.started.append(run_name(task, attention, seed))
+        return _fake_record(task, attention, seed)
+
+
+def test_resume_refuses_a_run_file_copied_from_another_run(tmp_path, monkeypatch) -> None:
+    monkeypatch.setattr(runs, "train_and_evaluate", _FakeRuns())
+    config = CompareConfig(seeds=(0,), **TINY)  # softmax and kep_svgp
+    run_comparison(config, out=tmp_path)
+    folder = tmp_path / "runs"
+    stored = json.loads((folder / "pointer-softmax-0.json").read_text())
+    assert stored["identity"] == {"task": "pointer", "row": "softmax", "seed": 0}
+    assert stored["settings_sha256"] == settings_hash(result_settings(config)) == settings_hash(stored["settings"])
+    # the issue's probe: another run's file under this run's name is refused, naming the file and both runs
+    (folder / "pointer-kep_svgp-0.json").write_text((folder / "pointer-softmax-0.json").read_text())
+    message = r"pointer-kep_svgp-0\.json holds the run pointer-softmax-0 \(row: stored 'softmax', now 'kep_svgp'\), not"
+    with pytest.raises(ValueError, match=message):
+        run_comparison(config, out=tmp_path, resume=True)
+
+
+@pytest.mark.parametrize(
+    ("edit", "message"),
+    [
+        (lambda content: content["settings"].update(eval_samples=3), "do not match their stored SHA-256"),
+        (lambda content: content["record"].update(seed=7), r"its record is of the run pointer-softmax-7, not pointer-"),
+        (lambda content: content.pop("identity"), r"missing \['identity'\]"),
+        (lambda content: content.update(identity=["pointer", "softmax", 0]), "holds the run"),
+    ],
+)
+def test_resume_refuses_a_run_file_whose_content_was_edited(edit, message, tmp_path, monkeypatch) -> None:
+    monkeypatch.setattr(runs, "train_and_evaluate", _FakeRuns())
+    config = CompareConfig(seeds=(0,), **{**TINY, "attentions": ("softmax",)})
+    run_comparison(config, out=tmp_path)
+    path = tmp_path / "runs" / "pointer-softmax-0.json"
+    content = json.loads(path.read_text())
+    edit(content)
+    path.write_text(json.dumps(content))
+    with pytest.raises(ValueError, match=message) as refused:
+        run_comparison(config, out=tmp_path, resume=True)
+    assert str(path) in str(refused.value)
+
+
+def test_an_unwritable_runs_folder_is_found_before_any_run(tmp_path, monkeypatch) -> None:
+    import os
+
+    fake = _FakeRuns()
+    monkeypatch.setattr(runs, "train_and_evaluate", fake)
+    (tmp_path / "runs").mkdir()
+    real_open = os.open
+
+    def refuse(path, *args, **kwargs):  # a folder without write permission (chmod does not bind root)
+        if os.fspath(path).startswith(os.fspath(tmp_path / "runs")):
+            raise PermissionError(13, "Permission denied", os.fspath(path))
+        return real_open(path, *args, **kwargs)
+
+    monkeypatch.setattr(os, "open", refuse)
+    with pytest.raises(OSError, match=r"cannot create or write the folder .*runs \(Permission denied\)"):
+        run_comparison(CompareConfig(seeds=(0,), **TINY), out=tmp_path)
+    assert fake.started == []
+
+
+def test_a_full_disk_names_the_file_and_what_was_kept(tmp_path, monkeypatch) -> None:
+    import errno
+    import os
+
+    monkeypatch.setattr(runs, "train_and_evaluate", _FakeRuns())
+    config = CompareConfig(seeds=(0, 1), **{**TINY, "attentions": ("softmax",)})
+    real_fsync, calls = os.fsync, []
+
+    def fill_up(descriptor):  # the second record meets a full disk
+        calls.append(descriptor)
+        if len(calls) == 2:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_fsync(descriptor)
+
+    monkeypatch.setattr(os, "fsync", fill_up)
+    with pytest.raises(RunFailedError) as failed:
+        run_comparison(config, out=tmp_path)
+    message = str(failed.value)
+    assert f"cannot write {tmp_path / 'runs' / 'pointer-softmax-1.json'} (No space left on device)" in message
+    assert f"the 1 runs finished before it are kept in {tmp_path / 'runs'}" in message and "--resume" in message
+    assert sorted(path.name for path in (tmp_path / "runs").iterdir()) == ["pointer-softmax-0.json"]  # no temporary
+
+
+def test_atomic_files_get_the_mode_of_new_files(tmp_path) -> None:
+    import os
+
+    umask = os.umask(0o022)
+    try:
+        path = write_json_atomically(tmp_path / "results.json", {"x": 1})
+        other = tmp_path / "table.md"
+        other.write_text("plain")
+    finally:
+        os.umask(umask)
+    assert oct(path.stat().st_mode & 0o777) == oct(other.stat().st_mode & 0o777) == "0o644"

@@ -6,8 +6,10 @@ from __future__ import annotations
 import csv
 import dataclasses
 import json
+import math
 from dataclasses import asdict
 
+import numpy as np
 import pytest
 import torch
 from torch import Tensor
@@ -27,9 +29,10 @@ from gpattn.comparison import (
     run_comparison,
     train_and_evaluate,
 )
-from gpattn.comparison.evaluation import evaluate_run
-from gpattn.comparison.report import flat_rows, markdown_table
+from gpattn.comparison.evaluation import evaluate_models, evaluate_run
 from gpattn.methods import MethodSpec, TrainingRecipe, get_method, method_names, register_method, unregister_method
+from gpattn.models import LastLayerLaplace
+from gpattn.training import train_ensemble
 
 TINY = dict(pointer_epochs=1, digits_epochs=1, eval_samples=2, seeds=(0,), progress=False)
 BOTH = ("pointer", "digits")
@@ -56,7 +59,7 @@ def test_one_record_per_task_attention_seed(records) -> None:
     for record in records:
         test = asdict(record.metrics.test)
         expected = {"accuracy", "confidence", "nll", "ece", "mce", "brier", "aurc", "eaurc", "auroc", "fpr95"}
-        expected.add("classwise_ece")
+        expected.update({"classwise_ece", "debiased_ce", "sweep_ece"})
         assert set(test) == expected
         assert 0.0 <= test["accuracy"] <= 1.0 and test["nll"] > 0
         reliability = record.reliability
@@ -72,7 +75,7 @@ def test_digits_records_hold_shift_ood_and_spectra(records) -> None:
         shift = record.metrics.shift
         assert set(shift) == {"gaussian_noise", "rotation", "blur"}
         assert all(set(levels) == {"1", "2", "3", "4", "5"} for levels in shift.values())
-        assert set(record.metrics.ood) == {"held_out", "noise"}
+        assert list(record.metrics.ood) == ["held_out", "noise", "pooled"]
         ood = record.metrics.ood["held_out"]
         # the stored AUROC is the metric of the stored scores (max probability), recomputed independently here
         scores_in, scores_out = record.ood_scores["in"], record.ood_scores["held_out"]
@@ -87,39 +90,6 @@ def test_digits_records_hold_shift_ood_and_spectra(records) -> None:
 def test_same_config_same_numbers(records) -> None:
     again = run_comparison(CompareConfig(attentions=("kep_svgp", "softmax"), tasks=BOTH, **TINY))
     assert [r.metrics for r in again] == [r.metrics for r in records]
-
-
-def test_table_and_rows(records) -> None:
-    rows = flat_rows(records)
-    assert rows[0]["test_accuracy"] == records[0].metrics.test.accuracy
-    assert rows[4]["shift_accuracy"] == pytest.approx(  # rows: every run followed by its +ts row
-        sum(v.accuracy for kind in records[2].metrics.shift.values() for v in kind.values()) / 15
-    )
-    table = markdown_table(records)
-    main_table = table.split("Paired differences")[0]
-    assert main_table.count("\n| digits |") == 4 and "ood_held_out_auroc" in table  # two rows and their +ts rows
-    assert table.split("Paired differences")[1].count("\n| digits |") == 3  # kep_svgp against the three others
-    percent = f"| {100 * records[0].metrics.test.accuracy:.2f} (n=1) |"  # one seed: the value and n, no "± 0.00"
-    assert percent in table and "±" not in main_table.split("\n\n")[0]
-    # the +ts row of each run follows it, with the fitted temperature
-    assert rows[1]["attention"] == "kep_svgp+ts" and rows[1]["temperature"] == records[0].temperature_scaled.temperature
-    assert rows[1]["test_nll"] == records[0].temperature_scaled.metrics.test.nll
-
-
-def test_table_shows_n_for_every_mean_and_std(records) -> None:
-    import dataclasses
-
-    first = records[0]
-    second = dataclasses.replace(first, seed=1)
-    undefined = dataclasses.replace(first.metrics.test, auroc=float("nan"))
-    third = dataclasses.replace(first, seed=2, metrics=dataclasses.replace(first.metrics, test=undefined))
-    lines = markdown_table([first, second, third]).splitlines()
-    header = [cell.strip() for cell in lines[0].strip("|").split("|")]
-    row = next(line for line in lines if line.startswith(f"| {first.task} | {first.attention} |"))
-    cells = dict(zip(header, (cell.strip() for cell in row.strip("|").split("|")), strict=True))
-    accuracy = 100 * first.metrics.test.accuracy
-    assert cells["accuracy"] == f"{accuracy:.2f} ± 0.00 (n=3)"  # three equal values: a real zero spread, with its n
-    assert cells["auroc"] == f"{100 * first.metrics.test.auroc:.2f} ± 0.00 (n=2)"  # undefined on one of three seeds
 
 
 def test_ece_agrees_with_the_stored_reliability_bins(records) -> None:
@@ -179,15 +149,15 @@ def test_cli_compare_writes_the_run_folder(tmp_path, capsys) -> None:
         "results.csv",
         "table.md",
         "reliability_digits.png",
-        "shift.png",
-        "ood_histograms.png",
+        "shift_digits.png",
+        "ood_histograms_digits.png",
     } <= names
     assert "spectra.png" in names  # primal has learned singular values
     saved = json.loads((out / "results.json").read_text(), parse_constant=_refuse)  # strict JSON: no NaN token
     assert saved["config"]["attentions"] == ["softmax", "primal"] and len(saved["records"]) == 4
     with (out / "results.csv").open() as handle:
         assert len(list(csv.DictReader(handle))) == 8  # each run and its +ts row
-    assert "| pointer | primal |" in capsys.readouterr().out
+    assert "### pointer" in (printed := capsys.readouterr().out) and "| primal | 1 |" in printed
 
 
 def _refuse(token: str) -> float:
@@ -206,7 +176,11 @@ def test_cli_train_resume_after_an_interruption_gives_the_same_numbers(tmp_path,
 
     faulty_elbo.interrupt_at = 30  # digits: 866 images / 64 = 14 steps per epoch, so this is inside epoch 3
     assert main([*arguments, "--out", str(tmp_path / "cut")]) == 130  # Ctrl-C: one line, exit status 130
-    assert capsys.readouterr().err.endswith("gpattn train: interrupted\n")
+    checkpoints = tmp_path / "cut" / "checkpoints"
+    assert capsys.readouterr().err.endswith(  # what was kept, and how to go on
+        f"gpattn train: interrupted; the checkpoints of epoch 2 of 4 are kept in {checkpoints}; the same command with "
+        "--resume continues\n"
+    )
     faulty_elbo.interrupt_at = None
     assert not (tmp_path / "cut" / "record.json").exists()
     assert main([*arguments, "--out", str(tmp_path / "cut"), "--resume"]) == 0
@@ -322,7 +296,7 @@ def test_a_registered_attention_runs_through_gpattn_compare(uniform_attention, t
     argv = ["compare", "--quick", "--attentions", uniform_attention, "--tasks", "pointer", "--num-inducing", "5"]
     assert main([*argv, "--out", str(out), "--no-progress"]) == 0
     printed = capsys.readouterr().out
-    assert "| pointer | uniform |" in printed and (out / "table.md").read_text() in printed
+    assert "| uniform | 1 |" in printed and (out / "table.md").read_text() in printed
     saved = json.loads((out / "results.json").read_text(), parse_constant=_refuse)  # strict JSON: no NaN token
     assert saved["config"]["attentions"] == ["uniform"] and saved["config"]["num_inducing"] == 5
     (record,) = read_records(out / "results.json")
@@ -336,45 +310,7 @@ def test_a_registered_attention_runs_through_gpattn_compare(uniform_attention, t
         assert (out / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and (out / name).stat().st_size > 10_000
 
 
-# -- the table's statistics, the baselines' rows ----------------------------------------------------------------------
-def test_format_difference_is_the_paired_t_interval() -> None:
-    from scipy import stats
-
-    from gpattn.comparison.report import format_difference
-
-    reference = {0: 0.90, 1: 0.85, 2: 0.88, 3: 0.91, 4: 0.87}
-    other = {0: 0.80, 1: 0.82, 2: 0.79, 3: 0.85, 4: 0.81}
-    differences = [reference[s] - other[s] for s in reference]
-    interval = stats.ttest_rel(list(reference.values()), list(other.values())).confidence_interval(0.95)
-    mean = sum(differences) / 5
-    assert format_difference(reference, other, True) == (
-        f"{100 * mean:+.2f} [{100 * interval.low:+.2f}, {100 * interval.high:+.2f}] *"
-    )
-    noisy = {0: 0.95, 1: 0.70, 2: 0.90, 3: 0.80, 4: 0.90}  # differences of both signs: not significant
-    assert not format_difference(reference, noisy, True).endswith("*")
-    four = {seed: value for seed, value in reference.items() if seed < 4}
-    assert format_difference(four, other, False).endswith("(n = 4 < 5, no interval)")
-    assert format_difference({7: 1.0}, other, False) == "-"
-
-
-def test_table_has_published_numbers_and_paired_differences() -> None:
-    def record(attention: str, seed: int, accuracy: float) -> RunRecord:
-        test = dict(accuracy=accuracy, confidence=0.8, nll=0.5, ece=0.1, mce=0.2, brier=0.3, aurc=0.1, eaurc=0.05,
-                    auroc=0.7, fpr95=0.5, classwise_ece=0.02)  # fmt: skip
-        return RunRecord.from_dict({"task": "mnist1d", "attention": attention, "seed": seed, "metrics": {"test": test}})
-
-    records = [record(name, seed, 0.8 + 0.01 * seed + (0.05 if name == "kep_svgp" else 0.0))
-               for name in ("kep_svgp", "softmax") for seed in range(5)]  # fmt: skip
-    table = markdown_table(records)
-    assert "| mnist1d | CNN | 94 |" in table and "| mnist1d | human | 96 |" in table
-    assert "Published reference numbers" in table and "not measured here" in table
-    # kep_svgp is 5 points better on every seed: the difference +5.00 with a zero-width interval, significant
-    assert "| mnist1d | softmax | 5 | +5.00 [+5.00, +5.00] * |" in table
-    assert "| mnist1d | kep_svgp | 5 | 87.00 ± 1.58 (n=5) |" in table
-    short = markdown_table(records[:3] + records[5:8])
-    assert "(n = 3 < 5, no interval)" in short and "[+" not in short
-
-
+# -- the baselines' rows (the table's statistics: tests/comparison/test_report.py) -------------------------------------
 def test_mc_dropout_row_trains_softmax_with_dropout_and_samples_it() -> None:
     config = CompareConfig(attentions=("softmax_mc_dropout",), tasks=("digits",), mc_dropout=0.2, **TINY)
     data = load_task("digits")
@@ -395,16 +331,81 @@ def test_ksvd_rows_record_their_fidelity_and_mnist1d_uses_rank_5() -> None:
     from gpattn.comparison.tasks import TaskData
 
     digits = load_task("digits")
-    small = TaskData("mnist1d", digits.train, digits.val, digits.test, digits.model_kwargs, num_inducing=5)
+    small = TaskData("digits", digits.train, digits.val, digits.test, digits.model_kwargs, defaults={"num_inducing": 5})
     config = CompareConfig(attentions=("kep_svgp",), fidelity_sequences=16, tasks=("digits",), **TINY)
     record = train_and_evaluate(config, "digits", "kep_svgp", 0, data=small)
     assert [len(head) for head in record.spectra["layer_2"]] == [5, 5]  # the task's rank reached the layer
     fidelity = record.fidelity["layer_2"]
-    assert set(fidelity) == {"relative_objective", "left_cosine", "right_cosine", "max_angle",
-                             "singular_value_error", "energy"}  # fmt: skip
+    # trained, initial and chance-level fields (each one: tests/comparison/test_fidelity.py)
+    assert {"relative_objective", "kernel_error", "initial_kernel_error", "random_left_cosine"} <= set(fidelity)
     assert all(len(heads) == 2 for heads in fidelity.values())
     assert all(0.0 < value <= 1.0 + 1e-9 for value in fidelity["energy"])
     assert train_and_evaluate(config, "digits", "softmax", 0, data=small).fidelity == {}
+
+
+def test_a_record_holds_its_hyperparameters_and_every_test_example(records) -> None:
+    config = CompareConfig(attentions=("kep_svgp", "softmax"), tasks=BOTH, **TINY)
+    for record in records:
+        method = get_method(record.attention)
+        expected = config.hyperparameters(record.task, method, load_task(record.task).defaults)
+        assert record.hyperparameters == expected.to_dict() and record.tuned is False
+        assert record.hyperparameters["epochs"] == 1 and record.train.epochs == 1
+        for variant in (record, record.temperature_scaled):
+            examples = variant.per_example
+            assert [len(values) for values in examples.values()] == [len(load_task(record.task).test)] * 3
+            assert float(np.mean(examples["test_nll"])) == variant.metrics.test.nll  # exactly, also read back:
+        again = RunRecord.from_dict(json.loads(json.dumps(record.to_dict())))
+        assert float(np.mean(again.per_example["test_nll"])) == record.metrics.test.nll
+
+
+def test_a_run_reads_the_data_of_its_own_seed() -> None:
+    config = CompareConfig(attentions=("softmax",), tasks=("digits",), **TINY)
+    with pytest.raises(ValueError, match=r"validation seed 0, but the run is 'digits' with seed 1; load them with"):
+        train_and_evaluate(config, "digits", "softmax", 1, data=load_task("digits", 0))
+    with pytest.raises(ValueError, match=r"task 'pointer'"):
+        train_and_evaluate(config, "digits", "softmax", 0, data=load_task("pointer", 0))
+
+
+def test_the_laplace_row_is_the_softmax_model_with_a_laplace_predictive() -> None:
+    config = CompareConfig(attentions=("laplace", "softmax"), tasks=("digits",), **{**TINY, "digits_epochs": 3})
+    data = load_task("digits")
+    laplace = train_and_evaluate(config, "digits", "laplace", 0, data=data)
+    softmax = train_and_evaluate(config, "digits", "softmax", 0, data=data)
+    assert (laplace.attention, laplace.hyperparameters) == ("laplace", softmax.hyperparameters)
+    assert laplace.train.best_epoch == softmax.train.best_epoch  # the same trained Transformer ...
+    # ... with a last-layer Laplace fitted on the training split, evaluated on the run's streams: by hand
+    method = get_method("softmax")
+    hyperparameters = config.hyperparameters("digits", method, data.defaults)
+    train_config = make_train_config(config, method, hyperparameters, 0)
+    ((model, _),) = train_ensemble(
+        lambda k: build_model(method, hyperparameters, data.num_classes, data.model_kwargs),
+        data.train,
+        data.val,
+        train_config,
+        1,
+    )
+    predictor = LastLayerLaplace(model).fit(data.train.images, data.train.labels)
+    expected = evaluate_models(predictor, data, config.eval_samples, seed=0)
+    assert (
+        laplace.metrics == expected.metrics
+        and laplace.temperature_scaled.metrics == expected.temperature_scaled.metrics
+    )
+    assert evaluate_models(model, data, config.eval_samples, seed=0).metrics == softmax.metrics
+    # its Monte Carlo samples vary: the mutual information is defined (NaN for the deterministic softmax row)
+    assert all(0.0 < ood.auroc_mutual_information < 1.0 for ood in laplace.metrics.ood.values())
+    assert all(math.isnan(ood.auroc_mutual_information) for ood in softmax.metrics.ood.values())
+    assert laplace.metrics.test.nll != softmax.metrics.test.nll
+
+
+def test_every_row_of_the_main_table_runs_through_gpattn_compare(tmp_path) -> None:
+    rows = ["softmax", "softmax_mc_dropout", "deep_ensemble", "laplace", "sgpa", "kep_svgp", "kep_svgp_paper",
+            "primal", "primal_paper"]  # fmt: skip
+    argv = ["compare", "--quick", "--tasks", "pointer", "--pointer-epochs", "1", "--eval-samples", "2"]
+    assert main([*argv, "--attentions", *rows, "--no-progress", "--out", str(tmp_path)]) == 0
+    records = read_records(tmp_path / "results.json")
+    assert [record.attention for record in records] == rows
+    assert [record.temperature_scaled is None for record in records] == [row == "deep_ensemble" for row in rows]
+    assert all(0.0 <= record.metrics.test.accuracy <= 1.0 and record.hyperparameters for record in records)
 
 
 def test_each_run_trains_with_its_rows_kl_recipe():

@@ -1,4 +1,5 @@
-"""The comparison's tasks: fixed splits, shifted and OOD sets, the Transformer input."""
+"""The comparison's tasks: the validation split drawn with the run's seed, fixed test, shifted and OOD sets (loaded
+once per process), the Transformer input and the task's hyperparameters."""
 
 from __future__ import annotations
 
@@ -8,9 +9,10 @@ import numpy as np
 import pytest
 import torch
 
-from gpattn.comparison import DEFAULT_TASKS, PUBLISHED_ACCURACIES, TASKS, load_task, tasks
+from gpattn.comparison import DEFAULT_TASKS, PUBLISHED_ACCURACIES, TASK_DEFAULTS, TASKS, load_task, tasks
 from gpattn.data import load_digits_splits
-from gpattn.data.mnist1d import MNIST1D_SHIFT_KINDS, load_mnist1d
+from gpattn.data.mnist1d import MNIST1D_NOISE_FAMILIES, MNIST1D_SHIFT_KINDS, load_mnist1d
+from gpattn.models import Transformer
 
 
 def test_pointer_task():
@@ -25,8 +27,10 @@ def test_pointer_task():
 
 def test_digits_task():
     task = load_task("digits")
-    splits = load_digits_splits(seed=0)
+    splits = load_digits_splits(seed=0, val_seed=0)
     assert torch.equal(task.test.images, splits.test.images) and task.num_classes == 8
+    assert torch.equal(task.val.images, splits.val.images) and torch.equal(task.train.labels, splits.train.labels)
+    assert task.seed == 0 and task.defaults == {} and task.num_inducing is None
     assert sorted(task.shifted) == sorted(
         (kind, s) for kind in ("blur", "gaussian_noise", "rotation") for s in range(1, 6)
     )
@@ -37,26 +41,64 @@ def test_digits_task():
 
 
 @functools.cache
-def _loaded(task: str, test_size: int | None = None):
+def _loaded(task: str, test_size: int | None = None, seed: int = 0):
     # MNIST-1D's 25 shifted test sets take seconds to generate: once per test module, and on 100 sequences
-    return load_task(task, test_size)
+    return load_task(task, seed, test_size)
+
+
+@pytest.mark.parametrize("task", ["digits", "mnist1d"])
+def test_the_validation_split_varies_with_the_seed_and_nothing_else_does(task):
+    size = 100 if task == "mnist1d" else None
+    first, second = _loaded(task, size, 0), _loaded(task, size, 1)
+    assert (first.seed, second.seed) == (0, 1)
+    assert not torch.equal(_inputs(first.val), _inputs(second.val))
+    assert len(first.val) == len(second.val) and torch.equal(
+        first.val.labels.bincount(), second.val.labels.bincount()
+    )  # stratified: as many of every class
+    # the training and validation splits share out the same examples
+    pooled = [torch.cat([_inputs(t.train), _inputs(t.val)]).flatten(1) for t in (first, second)]
+    assert torch.equal(*(p[torch.from_numpy(np.lexsort(p.numpy().T[::-1]))] for p in pooled))
+    # the test, shifted and OOD sets are those of every seed: the very same objects (built once per process)
+    assert second.test is first.test
+    assert second.shifted.keys() == first.shifted.keys()
+    assert all(second.shifted[key] is first.shifted[key] for key in first.shifted)
+    assert all(second.ood[name] is first.ood[name] for name in first.ood)
+    with pytest.raises(ValueError, match="seed"):
+        load_task(task, -1)
+
+
+def _inputs(dataset):
+    return dataset.tokens if hasattr(dataset, "tokens") else dataset.images
+
+
+def test_another_seed_generates_no_shifted_set_again(monkeypatch):
+    _loaded("mnist1d", 100, 0)
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the shifted sets were generated again")
+
+    monkeypatch.setattr(tasks, "make_mnist1d_shifted_test_sets", refuse)
+    assert len(load_task("mnist1d", 5, test_size=100).shifted) == 26
 
 
 def test_mnist1d_task(monkeypatch):
     task = _loaded("mnist1d", 100)
     assert (len(task.train), len(task.val), len(task.test)) == (3601, 399, 100) and task.num_classes == 10
-    # the standard data: the test split is make_dataset's x_test in order, as 10 tokens of 4 values
+    # the standard data: the test split is make_dataset's x_test in order, as signals of 40 values
     from mnist1d.data import get_dataset_args, make_dataset
 
     standard = make_dataset(get_dataset_args())
-    np.testing.assert_array_equal(
-        task.test.tokens.reshape(100, 40).numpy(), standard["x_test"][:100].astype(np.float32)
-    )
+    assert task.test.tokens.shape == (100, 40, 1)
+    np.testing.assert_array_equal(task.test.tokens[..., 0].numpy(), standard["x_test"][:100].astype(np.float32))
     np.testing.assert_array_equal(task.test.labels.numpy(), standard["y_test"][:100])
-    splits = load_mnist1d(seed=0, val_fraction=0.1, patch_size=4)
+    splits = load_mnist1d(seed=0, val_fraction=0.1, patch_size=1)
     assert torch.equal(task.train.tokens, splits.train.tokens) and torch.equal(task.val.labels, splits.val.labels)
-    assert task.model_kwargs == {"input": "vectors", "input_dim": 4, "max_len": 10}
-    assert task.num_inducing == 5  # a KSVD rank below the 10 tokens
+    # the convolutional stem of the protocol: kernel 5, stride 2, 2 layers -> 20 tokens
+    assert task.model_kwargs == {"input": "signal", "input_dim": 1, "max_len": 40}
+    model = Transformer(10, embed_dim=32, depth=2, num_heads=2, attention="softmax", **task.model_kwargs)
+    assert model.max_len == 20 and model(task.test.tokens[:3]).shape == (3, 10)
+    assert task.defaults == TASK_DEFAULTS["mnist1d"] == {"dropout": 0.1, "num_inducing": 5}
+    assert task.num_inducing == 5  # a KSVD rank well below the 20 tokens
     expected = {(kind, s) for kind in MNIST1D_SHIFT_KINDS for s in range(1, 6)} | {("shuffled", 1)}
     assert set(task.shifted) == expected
     assert all(torch.equal(shifted.labels, task.test.labels) for shifted in task.shifted.values())
@@ -64,12 +106,19 @@ def test_mnist1d_task(monkeypatch):
     # the same values per sequence, in another order
     torch.testing.assert_close(shuffled.sort(-1).values, task.test.tokens.reshape(100, 40).sort(-1).values)
     assert not torch.equal(shuffled, task.test.tokens.reshape(100, 40))
-    assert set(task.ood) == {"noise"} and len(task.ood["noise"]) == 100
-    assert task.ood["noise"].tokens.shape == (100, 10, 4)
+    # OOD: the noise sequences, one set per family (sequence i of the 100 is of family i mod 3)
+    assert list(task.ood) == list(MNIST1D_NOISE_FAMILIES)
+    assert [len(family) for family in task.ood.values()] == [34, 33, 33]
+    assert all(torch.all(family.labels == k) for k, family in enumerate(task.ood.values()))
+    assert all(family.tokens.shape[1:] == (40, 1) for family in task.ood.values())
     # without test_size: the whole standard test split (shift generation stubbed out: its sets are checked above)
     monkeypatch.setattr(tasks, "make_mnist1d_shifted_test_sets", lambda splits, seed: {})
-    full = load_task("mnist1d")
-    assert len(full.test) == len(full.ood["noise"]) == len(full.shifted[("shuffled", 1)]) == 1000
+    tasks._fixed_sets.cache_clear()  # the stub's sets must not stay in the process's cache
+    try:
+        full = load_task("mnist1d")
+    finally:
+        tasks._fixed_sets.cache_clear()
+    assert len(full.test) == sum(map(len, full.ood.values())) == len(full.shifted[("shuffled", 1)]) == 1000
     np.testing.assert_array_equal(full.test.labels.numpy(), standard["y_test"])
 
 
@@ -88,6 +137,7 @@ def test_unknown_task():
 @pytest.mark.parametrize("task", TASKS)
 def test_test_size_keeps_the_first_test_sequences(task):
     small, full = load_task(task, test_size=50), _loaded(task, None if task != "mnist1d" else 100)
+    assert small.test is not full.test and small.seed == full.seed == 0
     assert len(small.test) == 50 and torch.equal(small.train.labels, full.train.labels)
     assert torch.equal(small.test.labels, full.test.labels[:50])
     for key, dataset in small.shifted.items():
@@ -99,6 +149,9 @@ def test_test_size_keeps_the_first_test_sequences(task):
         if inputs is None:
             inputs, expected = dataset.images, full.shifted[key].images
         assert torch.equal(inputs, expected[:50])
-    assert all(len(dataset) == min(50, len(full.ood[name])) for name, dataset in small.ood.items())
+    if task == "mnist1d":  # the families of 50 noise sequences
+        assert [len(dataset) for dataset in small.ood.values()] == [17, 17, 16]
+    else:
+        assert all(len(dataset) == min(50, len(full.ood[name])) for name, dataset in small.ood.items())
     with pytest.raises(ValueError, match="test_size"):
         load_task(task, test_size=0)

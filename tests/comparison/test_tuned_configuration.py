@@ -57,7 +57,7 @@ def test_a_tuned_file_changes_the_hyperparameters_compare_uses(tuned_dir):
     tuned = CompareConfig(attentions=rows, tasks=("digits",), tuned_dir=str(tuned_dir))
     untuned = CompareConfig(attentions=rows, tasks=("digits",), tuned_dir=str(tuned_dir), tuned=False)
     for row in ("softmax", "deep_ensemble"):  # deep_ensemble inherits softmax's configuration
-        hyperparameters = tuned.hyperparameters("digits", get_method(row), 5)
+        hyperparameters = tuned.hyperparameters("digits", get_method(row), {"num_inducing": 5})
         assert {name: getattr(hyperparameters, name) for name in TUNED} == TUNED
         assert hyperparameters.num_inducing == 5 and hyperparameters.batch_size == untuned.batch_size
     assert tuned.tuned_source("digits", "deep_ensemble") == "softmax" and tuned.is_tuned("digits", "deep_ensemble")

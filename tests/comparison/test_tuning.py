@@ -132,8 +132,8 @@ def test_the_sealed_test_split_refuses_every_access():
 
 
 def test_permuted_test_labels_leave_the_tuning_bit_identical(reference, tmp_path, monkeypatch):
-    def permuted(task, test_size=None):
-        data = load_task(task)  # the whole test split, whatever the tuner asks for
+    def permuted(task, seed=0, test_size=None):
+        data = load_task(task, seed)  # the whole test split, whatever the tuner asks for
         labels = data.test.labels[torch.randperm(len(data.test), generator=torch.Generator().manual_seed(1))]
         assert not torch.equal(labels, data.test.labels)
         return dataclasses.replace(data, test=dataclasses.replace(data.test, labels=labels))

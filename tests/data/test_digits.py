@@ -111,6 +111,30 @@ def test_deterministic_without_the_global_rng():
     assert overlap <= 2  # the digits contain a handful of exact duplicate images
 
 
+def test_val_seed_draws_the_validation_split_and_leaves_the_test_split(splits):
+    drawn = {seed: load_digits_splits(seed=0, val_seed=seed) for seed in (0, 1)}
+    for other in drawn.values():  # the test split of seed 0, image for image and in order
+        assert torch.equal(other.test.images, splits.test.images) and torch.equal(other.test.labels, splits.test.labels)
+        assert other.test.description == splits.test.description
+        # the same images between training and validation, as many of each class in validation
+        pool = torch.cat([other.train.images, other.val.images]).flatten(1)
+        expected = torch.cat([splits.train.images, splits.val.images]).flatten(1)
+        assert torch.equal(pool[_order(pool)], expected[_order(expected)])
+        assert torch.equal(other.val.labels.bincount(minlength=8), splits.val.labels.bincount(minlength=8))
+    assert not torch.equal(drawn[0].val.images, drawn[1].val.images)
+    assert not torch.equal(drawn[0].val.images, splits.val.images)  # val_seed=None: the permutation of seed
+    again = load_digits_splits(seed=0, val_seed=1)
+    assert torch.equal(again.val.images, drawn[1].val.images) and "validation seed 1" in again.val.description
+    with pytest.raises(ValueError, match="val_seed"):
+        load_digits_splits(seed=0, val_seed=-1)
+
+
+def _order(rows: torch.Tensor) -> torch.Tensor:
+    """Indices that sort the rows of ``rows`` lexicographically."""
+    keys = [tuple(row.tolist()) for row in rows]
+    return torch.tensor(sorted(range(len(keys)), key=keys.__getitem__))
+
+
 @pytest.mark.parametrize(
     "kwargs",
     [

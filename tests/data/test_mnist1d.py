@@ -22,6 +22,7 @@ from gpattn.data import (
     make_mnist1d_shifted_test_sets,
     make_mnist1d_shuffled_test_set,
     make_mnist1d_signals,
+    mnist1d_noise_families,
     signals_to_tokens,
 )
 from gpattn.data.mnist1d import MNIST1D_SHIFT_ARGUMENTS
@@ -241,6 +242,20 @@ def test_noise_ood_sequences() -> None:
     assert len(make_mnist1d_noise_ood(0)) == 0
 
 
+def test_noise_ood_families() -> None:
+    ood = make_mnist1d_noise_ood(31, seed=2, patch_size=1)
+    families = mnist1d_noise_families(ood)
+    assert list(families) == list(MNIST1D_NOISE_FAMILIES) == ["background", "random_template", "smooth_noise"]
+    for label, (name, family) in enumerate(families.items()):
+        rows = np.flatnonzero(np.arange(31) % 3 == label)  # sequence i is of family i mod 3, in order
+        assert torch.equal(family.tokens, ood.tokens[rows]) and torch.equal(family.labels, ood.labels[rows])
+        assert family.num_classes == 3 and family.description.endswith(f"family {name}")
+    assert [len(family) for family in families.values()] == [11, 10, 10]
+    assert list(mnist1d_noise_families(make_mnist1d_noise_ood(2, seed=2))) == ["background", "random_template"]
+    with pytest.raises(TypeError, match="expected the SequenceDataset of make_mnist1d_noise_ood"):
+        mnist1d_noise_families(load_mnist1d(patch_size=4).test)
+
+
 def test_signals_to_tokens_round_trip() -> None:
     signals = torch.arange(24.0).reshape(2, 12)
     tokens = signals_to_tokens(signals, 3)
@@ -332,6 +347,7 @@ def test_public_names_survive_the_split_into_two_modules() -> None:
         "make_mnist1d_shifted_test_sets",
         "make_mnist1d_shuffled_test_set",
         "make_mnist1d_signals",
+        "mnist1d_noise_families",
         "signals_to_tokens",
     }
     assert set(mnist1d_module.__all__) == names

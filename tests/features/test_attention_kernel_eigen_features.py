@@ -476,19 +476,21 @@ def test_constructor_errors():
 # -- extreme input magnitudes (issue 14) -------------------------------------------------------------------------------
 @pytest.mark.parametrize("mode", ["amortized", "primal_tokens"])
 def test_float32_inputs_of_huge_magnitude_are_correct_or_a_clear_error(mode: str):
-    """In float32 the learned scores multiply weights that grow like |x| with unnormalised projections (|x|^2): up to
-    about sqrt(finfo.max) = 1.8e19 the scores equal float64's to float32 rounding, beyond it the call names the cause
-    instead of returning NaN or the bias alone."""
+    """In float32 the learned scores multiply weights that grow like |x| with unnormalised projections (|x|^2), and
+    their squares (J, the variances of the draws) like |x|^2 again: up to about sqrt(finfo.max) / 1e3 = 1.8e16 the
+    scores equal float64's to float32 rounding; scores whose squares would overflow (beyond sqrt(finfo.max / 1e3) =
+    5.8e17, reached at 1e19, where the draws of kep_svgp_paper were NaN, issue 24) name the cause instead of returning
+    NaN or the bias alone."""
     module = _features(num_inducing=3, seed=70, mode=mode, max_len=6).float()
     reference = _features(num_inducing=3, seed=70, mode=mode, max_len=6)
     x = _randn(2, 6, C, seed=71)
-    for scale in (1.0, 1e15, 1e19):
+    for scale in (1.0, 1e15, 1e16):
         scores = module((x * scale).float(), objective=False, kernel_diag=False)
         expected = reference(x * scale, objective=False, kernel_diag=False)
         for got, want in ((scores.left_scores, expected.left_scores), (scores.right_scores, expected.right_scores)):
             assert torch.isfinite(got).all()
             assert (got.double() - want).abs().max() < 1e-5 * want.abs().max()  # float32 rounding only
-    for scale in (1e21, 1e30):
+    for scale in (1e19, 1e21, 1e30):
         with pytest.raises(ValueError, match=r"input tokens reach \|x\| = .*too large for torch.float32.*\|x\|\^2"):
             module((x * scale).float(), objective=False, kernel_diag=False)
     # float64 has the room: the same inputs give finite scores

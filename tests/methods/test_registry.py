@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from gpattn.attention import AttentionLayer, SoftmaxAttention, attention_names, register_attention, unregister_attention
-from gpattn.comparison import CompareConfig, plan_runs
+from gpattn.comparison import TASK_DEFAULTS, CompareConfig, plan_runs
 from gpattn.methods import (
     METHODS,
     Hyperparameters,
@@ -39,7 +39,7 @@ def echo():
 def test_every_registered_attention_is_a_row_then_the_other_rows():
     names = method_names()
     assert names[: len(attention_names())] == attention_names()
-    assert names[len(attention_names()) :] == ["softmax_mc_dropout", "deep_ensemble"]
+    assert names[len(attention_names()) :] == ["softmax_mc_dropout", "laplace", "deep_ensemble"]
     for name in attention_names():
         assert get_method(name).attention == name
 
@@ -135,18 +135,48 @@ def test_specs_are_frozen_and_validated():
     with pytest.raises(ValueError, match="kl_anneal_fraction"):
         TrainingRecipe(kl_anneal_fraction=1.5)
     with pytest.raises(ValueError, match="kind to be one of"):
-        Predictive("laplace")
+        Predictive("probit")
     with pytest.raises(ValueError, match="members"):
         Predictive(members=0)
     assert TrainingRecipe(0.5).kl_anneal_epochs(40) == 20.0
 
 
+def test_the_laplace_and_ensemble_rows_are_the_softmax_transformer_predicting_otherwise():
+    laplace, ensemble, softmax = get_method("laplace"), get_method("deep_ensemble"), get_method("softmax")
+    assert (laplace.attention, laplace.predictive, laplace.temperature_scaled) == (
+        "softmax",
+        Predictive("laplace"),
+        True,
+    )
+    assert laplace.predictive.laplace and not laplace.predictive.mc_dropout and laplace.predictive.members == 1
+    assert (ensemble.attention, ensemble.predictive.members, ensemble.temperature_scaled) == ("softmax", 5, False)
+    config = CompareConfig()
+    for task in ("digits", "mnist1d"):  # the same hyperparameters as the softmax row: the same trained model
+        defaults = TASK_DEFAULTS[task]
+        assert config.hyperparameters(task, laplace, defaults) == config.hyperparameters(task, softmax, defaults)
+
+
 def test_hyperparameters_take_tuned_values_as_data():
     config = CompareConfig(num_inducing=None, mc_dropout=0.2)
-    base = config.hyperparameters("digits", get_method("softmax"), num_inducing=5)
+    base = config.hyperparameters("digits", get_method("softmax"), {"num_inducing": 5})
     assert (base.epochs, base.lr, base.weight_decay, base.num_inducing, base.dropout) == (40, 3e-3, 0.01, 5, 0.0)
     assert config.hyperparameters("mnist1d", get_method("softmax_mc_dropout")).dropout == 0.2
-    assert CompareConfig(num_inducing=8).hyperparameters("digits", get_method("sgpa"), 5).num_inducing == 8
+    assert (
+        CompareConfig(num_inducing=8).hyperparameters("digits", get_method("sgpa"), {"num_inducing": 5}).num_inducing
+        == 8
+    )
+    # the task's defaults: MNIST-1D's base model (dropout 0.1 for every row, s = 5, 60 epochs)
+    mnist1d = CompareConfig().hyperparameters("mnist1d", get_method("kep_svgp"), TASK_DEFAULTS["mnist1d"])
+    assert (mnist1d.epochs, mnist1d.dropout, mnist1d.num_inducing, mnist1d.embed_dim, mnist1d.depth) == (
+        60,
+        0.1,
+        5,
+        32,
+        2,
+    )
+    assert (mnist1d.num_heads, mnist1d.lr, mnist1d.weight_decay, mnist1d.batch_size) == (2, 3e-3, 0.01, 64)
+    assert CompareConfig.quick().hyperparameters("mnist1d", get_method("softmax")).epochs == 4  # --quick: few epochs
+    assert not CompareConfig().is_tuned("mnist1d", get_method("kep_svgp"))
     tuned = base.updated({"lr": 1e-3, "beta": 0.1, "epochs": 60})
     assert (tuned.lr, tuned.beta, tuned.epochs, tuned.depth) == (1e-3, 0.1, 60, base.depth)
     assert tuned.to_dict() == {**base.to_dict(), "lr": 1e-3, "beta": 0.1, "epochs": 60}

@@ -13,6 +13,8 @@ import pytest
 
 from gpattn.experiments import RunRecord
 from gpattn.plotting import (
+    comparison_figure_names,
+    plot_gap_vs_shift_ece,
     plot_ood_histograms,
     plot_reliability_diagrams,
     plot_shift_curves,
@@ -133,7 +135,7 @@ def test_reliability_panels_pool_seeds(records) -> None:
         np.testing.assert_allclose([p.get_y() + p.get_height() for p in gaps], expected_confidence)
         ece = np.mean([r.metrics.test.ece for r in group])
         assert attention in axis.get_title() and f"ECE {100 * ece:.2f}" in axis.get_title()
-        assert "(n=2)" in axis.get_title()
+        assert "(2 seeds)" in axis.get_title() and "n=" not in axis.get_title()
         # the count panel: one bar per bin with the pooled number of predictions (empty bins: height 0)
         count_bars = sorted(_bars(counts, "count"), key=lambda p: p.get_x())
         np.testing.assert_allclose([p.get_height() for p in count_bars], count)
@@ -194,9 +196,9 @@ def test_ood_histograms(records) -> None:
             values = [r.metrics.ood[name].auroc_max_prob for r in group]
             expected = f"AUROC ({short}) {np.mean(values):.3f} ± {np.std(values, ddof=1):.3f}"
             assert expected in axis.get_title()
-        assert attention in axis.get_title() and "(n=2)" in axis.get_title()
+        assert attention in axis.get_title() and "(2 seeds)" in axis.get_title()
         texts = [text.get_text() for text in axis.get_legend().get_texts()]
-        assert len(texts) == 3 and texts[0].startswith("in-distribution") and "(n=120)" in texts[0]
+        assert len(texts) == 3 and texts[0].startswith("in-distribution") and "(120 inputs)" in texts[0]
         assert axis.get_xlabel() == "max probability" and axis.get_ylabel() == "density (log)"
         assert axis.get_yscale() == "log"
 
@@ -222,13 +224,15 @@ def test_spectra_share_one_linear_scale_from_zero(records) -> None:
 def test_write_comparison_figures(records, tmp_path) -> None:
     paths = write_comparison_figures(records, tmp_path / "figures")
     names = [p.name for p in paths]
-    assert names == [
+    assert names == [  # per task with the data, then the figures of every task
         "reliability_digits.png",
+        "shift_digits.png",
+        "gap_vs_shift_ece_digits.png",
+        "ood_histograms_digits.png",
         "reliability_pointer.png",
-        "shift.png",
-        "ood_histograms.png",
         "spectra.png",
     ]
+    assert set(names) <= set(comparison_figure_names(["digits", "pointer"]))
     for path in paths:
         assert path.is_file() and path.stat().st_size > 10_000
         assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -285,5 +289,88 @@ def test_attentions_come_in_registry_order(records) -> None:
 
 
 def test_shift_metrics_must_be_known(records) -> None:
-    with pytest.raises(ValueError, match=r"expected metrics to be one of \['accuracy', 'nll', 'ece', 'brier'\]"):
+    known = r"\['accuracy', 'nll', 'ece', 'brier', 'debiased_ce'\]"  # the fields of ShiftMetrics
+    with pytest.raises(ValueError, match=rf"expected metrics to be one of {known}"):
         plot_shift_curves(records, metrics=("mce",))
+
+
+# -- one shift figure per task, the +ts rows, the gap against the shift ECE, the list of figure files ------------------
+def _scaled(record: RunRecord, factor: float) -> RunRecord:
+    """The record with a temperature-scaled variant whose clean and shifted ECEs are ``factor`` times its own."""
+    from gpattn.comparison import TemperatureScaled
+
+    metrics = record.metrics
+    shift = {kind: {level: dataclasses.replace(values, ece=factor * values.ece) for level, values in levels.items()}
+             for kind, levels in metrics.shift.items()}  # fmt: skip
+    test = dataclasses.replace(metrics.test, ece=factor * metrics.test.ece)
+    scaled = TemperatureScaled(1.5, dataclasses.replace(metrics, test=test, shift=shift))
+    return dataclasses.replace(record, temperature_scaled=scaled)
+
+
+def test_shift_curves_one_task_with_the_ts_rows(records) -> None:
+    two_tasks = [*records, *(dataclasses.replace(r, task="mnist1d") for r in records if r.task == "digits")]
+    with pytest.raises(ValueError, match="several tasks.*pass task="):
+        plot_shift_curves(two_tasks)
+    scaled = [_scaled(r, 0.5) for r in two_tasks]
+    figure = plot_shift_curves(scaled, metrics=("ece",), task="mnist1d", scaled=True)
+    lines = figure.axes[0].get_lines()
+    labels = [line.get_label() for line in lines]
+    assert labels == ["kep_svgp (2 seeds)", "kep_svgp+ts (2 seeds)", "softmax (2 seeds)", "softmax+ts (2 seeds)"]
+    assert [line.get_linestyle() for line in lines] == ["-", "--", "-", "--"]
+    assert lines[0].get_color() == lines[1].get_color() != lines[2].get_color()  # a +ts row in its row's colour
+    # the +ts curve is the scaled records' mean: half the row's ECE at every severity (no point of another task)
+    np.testing.assert_allclose(lines[1].get_ydata(), 0.5 * lines[0].get_ydata())
+    group = [r for r in scaled if r.task == "mnist1d" and r.attention == "kep_svgp"]
+    expected = [np.mean([r.metrics.test.ece for r in group])] + [
+        np.mean([r.metrics.shift["gaussian_noise"][str(s)].ece for r in group]) for s in range(1, 6)
+    ]
+    np.testing.assert_allclose(lines[0].get_ydata(), expected)
+    assert "mnist1d" in figure.get_suptitle() and "digits" not in figure.get_suptitle()
+
+
+def test_one_seed_figures_say_so_without_a_zero_spread(records) -> None:
+    single = [r for r in records if r.seed == 0]
+    figures = [plot_shift_curves(single), plot_reliability_diagrams(single, "digits"), plot_ood_histograms(single)]
+    titles = [figure.get_suptitle() for figure in figures]
+    titles += [axis.get_title() for figure in figures for axis in figure.axes]
+    assert "Metrics under distribution shift on digits (1 seed)" in titles
+    assert not any("± 0.00" in title or "± 0.000" in title or "n=1" in title for title in titles)
+    assert any("(1 seed)" in title for title in titles[1:])
+    assert all(not axis.collections for axis in figures[0].axes)  # no band for one seed
+
+
+def test_gap_against_shift_ece_is_the_rows_means_with_their_rank_correlation(records) -> None:
+    from scipy import stats
+
+    scaled = [_scaled(r, 0.5) for r in records]
+    figure = plot_gap_vs_shift_ece(scaled)
+    (axis,) = figure.axes
+    points = {}
+    for container in axis.containers:  # one errorbar per row: (marker line, caps, bars)
+        label = container.get_label()
+        x, y = container.lines[0].get_data()
+        points[label.split(" (")[0]] = (float(x[0]), float(y[0]))
+    assert list(points) == ["kep_svgp", "kep_svgp+ts", "softmax", "softmax+ts"]
+    for name, (x, y) in points.items():
+        group = [r for r in records if r.task == "digits" and r.attention == name.removesuffix("+ts")]
+        factor = 0.5 if name.endswith("+ts") else 1.0
+        gap = np.mean([100 * (r.metrics.test.confidence - r.metrics.test.accuracy) for r in group])
+        shift = np.mean([100 * factor * np.mean([e.ece for kind in r.metrics.shift.values() for e in kind.values()])
+                         for r in group])  # fmt: skip
+        assert (x, y) == pytest.approx((gap, shift), rel=1e-12)
+    rho = stats.spearmanr([x for x, _ in points.values()], [y for _, y in points.values()]).statistic
+    assert f"Spearman {rho:+.2f} over 4 rows" in axis.get_title() and "digits" in axis.get_title()
+
+
+def test_figure_names_cover_everything_the_writers_write(records, tmp_path) -> None:
+    from gpattn.comparison import TASKS
+    from gpattn.plotting import write_fidelity_figure
+
+    names = comparison_figure_names(TASKS)
+    assert len(names) == len(set(names)) and {"shift.png", "ood_histograms.png"} <= set(names)  # earlier versions'
+    every_task = [dataclasses.replace(r, task=task) for task in TASKS for r in records if r.task == "digits"]
+    written = write_comparison_figures([_scaled(r, 0.5) for r in every_task], tmp_path / "all")
+    assert {path.name for path in written} == set(names) - {"fidelity.png", "shift.png", "ood_histograms.png"}
+    fidelity = dataclasses.replace(records[0], fidelity={"layer_2": {"relative_objective": [0.5], "energy": [0.9]}})
+    assert [path.name for path in write_fidelity_figure([fidelity], tmp_path / "fidelity")] == ["fidelity.png"]
+    assert "fidelity.png" in names

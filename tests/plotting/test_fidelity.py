@@ -1,4 +1,5 @@
-"""The KSVD-fidelity figure, from records whose fidelity values are known."""
+"""The KSVD-fidelity figure, from records whose fidelity values are known: trained, initialisation and random
+subspaces per layer, and the references (exact KSVD, Eckart-Young optimum, rank s)."""
 
 from __future__ import annotations
 
@@ -21,8 +22,16 @@ def _record(attention: str, seed: int, fidelity: dict) -> RunRecord:
     )
 
 
-def _fields(offset: float) -> dict[str, list[float]]:
-    return {name: [offset + 0.1, offset + 0.2] for name, _, _ in FIDELITY_PANELS}  # two heads
+def _fields(offset: float, initial: bool = True) -> dict[str, list[float]]:
+    # two heads; the initial model offset by 10, the random subspaces by 20 (cosines, angles, kernel error only)
+    fields = {name: [offset + 0.1, offset + 0.2] for name, _, _ in FIDELITY_PANELS}
+    fields |= {"optimal_error": [offset + 0.05, offset + 0.05], "energy": [0.64, 0.64], "rank": [5.0, 5.0]}
+    if initial:
+        fields |= {f"initial_{name}": [offset + 10.1, offset + 10.2] for name, _, _ in FIDELITY_PANELS}
+        fields |= {"initial_optimal_error": [offset + 10.0, offset + 10.0], "initial_energy": [0.36, 0.36]}
+        for name in ("left_cosine", "right_cosine", "max_angle", "kernel_error"):
+            fields[f"random_{name}"] = [offset + 20.1, offset + 20.3]
+    return fields
 
 
 @pytest.fixture
@@ -30,29 +39,68 @@ def records() -> list[RunRecord]:
     return [
         _record("kep_svgp", 0, {"layer_2": _fields(0.0)}),
         _record("kep_svgp", 1, {"layer_2": _fields(0.4)}),
-        _record("primal", 0, {"layer_2": _fields(1.0)}),
+        _record("primal", 0, {"layer_1": _fields(1.0, initial=False), "layer_2": _fields(2.0, initial=False)}),
         _record("softmax", 0, {}),
     ]
 
 
-def test_values_pool_seeds_layers_and_heads(records):
+def test_values_pool_seeds_and_heads_per_layer(records):
     values = fidelity_values(records)
-    assert list(values) == [("mnist1d", "kep_svgp"), ("mnist1d", "primal")]  # softmax has none
-    np.testing.assert_allclose(values[("mnist1d", "kep_svgp")]["energy"], [0.1, 0.2, 0.5, 0.6])
+    assert list(values) == [  # softmax has none; one group per layer
+        ("mnist1d", "kep_svgp", "layer_2"),
+        ("mnist1d", "primal", "layer_1"),
+        ("mnist1d", "primal", "layer_2"),
+    ]
+    np.testing.assert_allclose(values[("mnist1d", "kep_svgp", "layer_2")]["kernel_error"], [0.1, 0.2, 0.5, 0.6])
+    kep = values[("mnist1d", "kep_svgp", "layer_2")]
+    np.testing.assert_allclose(kep["initial_kernel_error"], [10.1, 10.2, 10.5, 10.6])
+    assert "initial_kernel_error" not in values[("mnist1d", "primal", "layer_1")]
 
 
-def test_figure_draws_every_point_and_the_mean(records):
+def _means(axis) -> list[tuple[float, float]]:
+    # (x centre, y) of every horizontal bar of a panel
+    bars = []
+    for collection in axis.collections:
+        if hasattr(collection, "get_segments"):
+            for (x0, y), (x1, _) in collection.get_segments():
+                bars.append((round((x0 + x1) / 2, 6), round(y, 6)))
+    return sorted(bars)
+
+
+def test_figure_draws_trained_initial_and_random_per_layer(records):
     assert matplotlib.get_backend().lower() == "agg"
     figure = plot_fidelity(records)
     try:
         axes = figure.axes
-        assert [axis.get_title() for axis in axes] == [label for _, label, _ in FIDELITY_PANELS]
-        first = axes[0]
-        points = np.concatenate([collection.get_offsets()[:, 1] for collection in first.collections[:1]])
-        np.testing.assert_allclose(np.sort(points), [0.1, 0.2, 0.5, 0.6])  # kep_svgp: 2 seeds x 2 heads
-        means = sorted(line.get_segments()[0][0][1] for line in first.collections if hasattr(line, "get_segments"))
-        np.testing.assert_allclose(means, [0.35, 1.15])  # the bars at the means of kep_svgp and primal
-        assert [tick.get_text() for tick in first.get_xticklabels()] == ["mnist1d\nkep_svgp", "mnist1d\nprimal"]
+        assert [axis.get_title() for axis in axes] == [label for _, label, _ in FIDELITY_PANELS]  # 8 panels
+        cosine = axes[1]  # left_cosine: kep_svgp layer 2 has all three variants, primal only the trained values
+        assert _means(cosine) == [(-0.27, 0.35), (0.0, 10.35), (0.27, 20.4), (0.73, 1.15), (1.73, 2.15)]
+        points = np.sort(cosine.collections[0].get_offsets()[:, 1])
+        np.testing.assert_allclose(points, [0.1, 0.2, 0.5, 0.6])  # kep_svgp trained: 2 seeds x 2 heads
+        objective = axes[0]  # no random baseline of the objective
+        assert _means(objective) == [(-0.27, 0.35), (0.0, 10.35), (0.73, 1.15), (1.73, 2.15)]
+        kernel = axes[5]  # kernel_error: the bars, then the Eckart-Young optimum of the trained and initial kernels
+        bars = _means(kernel)
+        # the optima: means of 0.05, 0.45 (trained) and 10.0, 10.4 (initial); the random bar
+        assert (-0.27, 0.25) in bars and (0.0, 10.2) in bars and (0.27, 20.4) in bars
+        assert (-0.27, 0.35) in bars and (0.73, 1.05) in bars
+        scale = axes[6]  # kernel_scale against the size of K_s, sqrt(energy): 0.8 trained, 0.6 initial
+        assert (-0.27, 0.8) in _means(scale) and (0.0, 0.6) in _means(scale)
+        rank = axes[7]  # effective_rank against s = 5 for every variant that is drawn
+        assert sum(y == 5.0 for _, y in _means(rank)) == 4  # kep_svgp trained + initial, primal layers 1 and 2
+        labels = [tick.get_text() for tick in cosine.get_xticklabels()]
+        assert labels == ["mnist1d\nkep_svgp\nlayer_2", "mnist1d\nprimal\nlayer_1", "mnist1d\nprimal\nlayer_2"]
+        (legend,) = figure.legends
+        legend = [text.get_text() for text in legend.get_texts()]
+        assert legend == [
+            "trained",
+            "initialisation",
+            "random subspaces",
+            "exact KSVD",
+            "Eckart-Young optimum",
+            "size of K_s: sqrt(energy)",
+            "rank s",
+        ]
     finally:
         plt.close(figure)
 

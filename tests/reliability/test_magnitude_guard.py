@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from gpattn.attention import CGPTAttention, SGPAAttention, SoftmaxAttention
-from gpattn.validation import check_overflow, check_token_magnitude, token_magnitude_limit
+from gpattn.validation import check_overflow, check_token_magnitude, square_limit, token_magnitude_limit
 
 GROWTH = "the scores grow like |x|^2"
 
@@ -65,3 +65,101 @@ def test_layers_refuse_tokens_beyond_the_range_of_their_dtype(name, training, dt
     layer_name = type(layer).__name__
     with pytest.raises(ValueError, match=rf"{layer_name}.*: the input tokens reach .*too large for {dtype}.*rescale"):
         layer(tokens)
+
+
+# -- the KEP and Primal layers: the penalty, its gradients and the draws (issue 24, item 5) ---------------------------
+KSVD_ROWS = ("kep_svgp", "kep_svgp_sym", "kep_svgp_paper", "primal", "primal_paper")
+
+
+def _ksvd_layer(name: str, dtype: torch.dtype = torch.float32):
+    from gpattn.attention import build_attention
+
+    torch.manual_seed(0)
+    extra = {"max_len": 5} if name.endswith("_paper") else {}
+    return build_attention(name, 16, 2, num_inducing=3, **extra).to(dtype)
+
+
+def _training_step(layer, tokens):
+    """Output, loss (output, KSVD penalty and KL) and the gradients of one training step."""
+    layer.train()
+    output = layer(tokens)
+    loss = output.square().mean() + sum(term.loss() for term in layer.features.added_loss_terms())
+    loss = loss + layer.kl_divergence()
+    loss.backward()
+    return output, loss, [parameter.grad for parameter in layer.parameters() if parameter.grad is not None]
+
+
+def test_limits_of_the_penalty_and_its_gradients():
+    assert token_magnitude_limit(torch.float32, power=4) == pytest.approx((3.4028234663852886e38 / 1e6) ** 0.25)
+    assert token_magnitude_limit(torch.float32, power=5) == pytest.approx(3.21e6, rel=0.01)
+    assert token_magnitude_limit(torch.float64, power=5) == pytest.approx(2.82e60, rel=0.01)
+    assert square_limit(torch.float32) == pytest.approx(5.83e17, rel=0.01) and square_limit(torch.float16) > 8
+
+
+@pytest.mark.parametrize("name", KSVD_ROWS)
+def test_a_penalty_that_overflows_is_refused_in_the_forward_pass(name):
+    """x * 1e10 in float32: before, a finite output with an infinite KSVD penalty (the loop called it divergence)."""
+    tokens = 1e10 * torch.randn(2, 5, 16, generator=torch.Generator().manual_seed(1))
+    with pytest.raises(ValueError, match=r"reach \|x\| = .*float32: the KSVD penalty eta J\^2 grows like \|x\|\^4"):
+        _training_step(_ksvd_layer(name), tokens)
+
+
+@pytest.mark.parametrize("name", ("kep_svgp", "primal"))
+def test_gradients_that_overflow_are_refused_by_the_backward_pass(name):
+    """x * 1e8 in float32: the output and the penalty are finite, their gradients are not (before: NaN and Inf in
+    the projections' gradients, which the loop called divergence)."""
+    tokens = 1e8 * torch.randn(2, 5, 16, generator=torch.Generator().manual_seed(1))
+    layer = _ksvd_layer(name).train()
+    output = layer(tokens)
+    loss = output.square().mean() + sum(term.loss() for term in layer.features.added_loss_terms())
+    assert torch.isfinite(output).all() and torch.isfinite(loss)
+    with pytest.raises(ValueError, match=r"gradients of the KSVD penalty grow like \|x\|\^5"):
+        loss.backward()
+
+
+def test_paper_draws_beyond_the_range_are_refused():
+    """kep_svgp_paper at x * 1e19 in float32: before, a finite mean and NaN draws."""
+    from gpattn.attention import sample_attention
+
+    layer = _ksvd_layer("kep_svgp_paper").eval()
+    tokens = 1e19 * torch.randn(2, 5, 16, generator=torch.Generator().manual_seed(1))
+    with pytest.raises(ValueError, match=r"PrimalTokensAttentionFeatures.*reach .*the variances of the draws"):
+        with sample_attention(layer):
+            layer(tokens)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16])
+@pytest.mark.parametrize("name", KSVD_ROWS)
+def test_every_magnitude_gives_finite_numbers_or_the_guard(name, dtype):
+    """From 1 to far beyond the range, in training (output, loss, gradients) and in sampling: finite, or the guard's
+    ValueError; the eval mean, where finite, is float64's to the dtype's rounding."""
+    from gpattn.attention import sample_attention
+
+    largest = torch.finfo(dtype).max
+    scales = [10.0**k for k in range(0, int(math.log10(largest)) + 2, 3 if dtype != torch.float64 else 15)]
+    base = torch.randn(2, 5, 16, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    reference = _ksvd_layer(name, torch.float64).eval()
+    tolerance = {torch.float32: 1e-4, torch.float64: 1e-10, torch.float16: 2e-2}[dtype]
+    for scale in scales:
+        tokens = (base * scale).to(dtype)
+        if not torch.isfinite(tokens).all():
+            continue
+        try:
+            output, loss, gradients = _training_step(_ksvd_layer(name, dtype), tokens)
+            assert torch.isfinite(output).all() and torch.isfinite(loss), (scale, "training")
+            assert all(torch.isfinite(gradient).all() for gradient in gradients), (scale, "gradients")
+        except ValueError as error:
+            assert "too large for" in str(error), error
+        layer = _ksvd_layer(name, dtype).eval()
+        try:
+            with torch.no_grad():
+                mean = layer(tokens)
+                with sample_attention(layer):
+                    draw = layer(tokens)
+        except ValueError as error:
+            assert "too large for" in str(error), error
+            continue
+        assert torch.isfinite(mean).all() and torch.isfinite(draw).all(), (scale, "eval")
+        with torch.no_grad():
+            expected = reference(tokens.double())
+        assert (mean.double() - expected).abs().max() <= tolerance * expected.abs().max() + tolerance, scale

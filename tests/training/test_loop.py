@@ -237,6 +237,49 @@ def test_resume_errors_name_the_problem(data, tmp_path, small_model, small_confi
         train_model(model, data.train, data.val, small_config(checkpoint_dir=tmp_path), resume=True)
 
 
+def test_resuming_with_another_thread_count_warns(data, tmp_path, small_model, small_config):
+    # the numbers on the CPU depend on torch's thread count: the checkpoints store it, a resumed run says it changed
+    previous = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        train_model(small_model(), data.train, data.val, small_config(epochs=2, checkpoint_dir=tmp_path))
+        assert load_checkpoint(tmp_path / "last.pt")["config"]["threads"] == 1
+        torch.set_num_threads(2)
+        config = small_config(epochs=3, schedule_epochs=2, checkpoint_dir=tmp_path)
+        with pytest.warns(UserWarning, match=r"changed settings \['threads \(1 -> 2\)'\]: the run will not match"):
+            train_model(small_model(), data.train, data.val, config, resume=True)
+    finally:
+        torch.set_num_threads(previous)
+
+
+def test_a_checkpoint_dir_that_is_a_file_is_a_clear_error(tmp_path, small_config):
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(ValueError, match=r"expected checkpoint_dir to be a folder \(created if missing\), got the exi"):
+        small_config(checkpoint_dir=tmp_path / "file")
+
+
+def test_a_full_disk_keeps_the_last_pair_and_says_so(data, tmp_path, small_model, small_config, monkeypatch):
+    import errno
+    import os
+
+    real_fsync, calls = os.fsync, []
+
+    def fill_up(descriptor):  # epoch 1 writes best.pt, last.pt and the manifest; epoch 2 meets a full disk
+        calls.append(descriptor)
+        if len(calls) > 3:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_fsync(descriptor)
+
+    monkeypatch.setattr(os, "fsync", fill_up)
+    with pytest.raises(OSError, match="cannot write the checkpoints of epoch 2 to .*No space left on device.*still ho"):
+        train_model(small_model(), data.train, data.val, small_config(epochs=2, checkpoint_dir=tmp_path))
+    monkeypatch.setattr(os, "fsync", real_fsync)
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["best.pt", "checkpoints.json", "last.pt"]
+    assert load_checkpoint(tmp_path / "last.pt")["epoch"] == 1
+    result = train_model(small_model(), data.train, data.val, small_config(epochs=2, checkpoint_dir=tmp_path), True)
+    assert [record["epoch"] for record in result.history] == [1, 2]  # room again: the run goes on from epoch 1
+
+
 # -- schedule and clipping -------------------------------------------------------------------------------------------
 def _closed_form(step, total, warmup, peak, floor):
     if step < warmup:

@@ -1,0 +1,447 @@
+"""The GPU check of issue 25 in one run (about 5 minutes on one H100 or H200), written to one JSON file.
+
+1. ``environment``: the device's name, capability and driver, the torch, CUDA and Triton versions.
+2. ``equivalence``: every registry attention (and the KEP variants of ``attention_scaling.py``) on the CPU and on the
+   device in float64: the predictive mean and the gradients of every parameter and of the input within 1e-10; one
+   float32 and one bfloat16-autocast training step on the device, finite; KEP-SVGP's Triton kernels against its
+   PyTorch path on the device (float32, the benchmark's sizes).
+3. ``counts``: operators (top-level aten calls) and kernel launches of one training step per row.
+4. ``scaling``: forward + backward of one training step at N = 256 ... 16384 (B = 16, C = 128, 4 heads, s = 10) for
+   softmax, the floor, KEP-SVGP (Triton kernels and, as ``kep_svgp_pytorch``, its PyTorch path), the official-style
+   row, SGPA (up to ``--max-sgpa-length``) and, with ``--official-path``, the official layer; bfloat16 autocast rows
+   for softmax and KEP-SVGP; ``torch.compile`` (``mode="reduce-overhead"``, CUDA graphs) rows at ``--compile-lengths``.
+   Medians of interleaved repetitions, CUDA events through synchronisation, every ratio from the same run.
+5. ``mnist1d``: one MNIST-1D run (``--mnist1d-epochs``) per row of the comparison on the device and on one CPU thread
+   of the same machine; then ``--jobs`` runs at once on the device against the same runs one by one (the records must
+   be identical: deterministic kernels, :func:`gpattn.comparison.runner.run_environment`).
+
+Every section records its errors instead of stopping the script; the summary is printed last.
+
+Usage, from the repository root::
+
+    python benchmarks/gpu_check.py --out benchmarks/results/gpu_check.json
+    python benchmarks/gpu_check.py --official-path ~/src/KEP-SVGP          # with the official layer
+    python benchmarks/gpu_check.py --device cpu --smoke                     # the whole script at tiny sizes
+
+On a machine whose Python lacks some of gpattn's dependencies (an image with torch, gpytorch and Triton but without
+``pyro-ppl``, ``pyro-api`` and ``mnist1d``), download their wheels where the network is reachable, into a folder that
+travels with the repository, and install them next to it before the check::
+
+    python -m pip download --no-deps --only-binary=:all: --python-version 3.12 -d .wheels \\
+        pyro-ppl==1.9.2 pyro-api==0.1.2 mnist1d==0.0.2.post1
+    python -m pip install -q --no-index --no-deps --target .site .wheels/*.whl
+    PYTHONPATH=$PWD/.site:$PWD python benchmarks/gpu_check.py --out gpu_check.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import copy
+import dataclasses
+import importlib.util
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+import traceback
+from pathlib import Path
+
+os.environ.setdefault("KINETO_LOG_LEVEL", "5")  # keep the profiler's start/stop lines out of the output
+import torch  # noqa: E402
+
+from gpattn.attention import attention_names, build_attention, select_arguments  # noqa: E402
+from gpattn.fused import triton_scores  # noqa: E402
+
+SCALING_SCRIPT = Path(__file__).resolve().with_name("attention_scaling.py")
+#: the layers of the float64 CPU-vs-device check: the registry plus the KEP variants of attention_scaling.py
+VARIANT_ROWS = ("kep_svgp_marginal", "kep_svgp_exact", "kep_svgp_official_style")
+#: the rows of the scaling table and of the counts
+TABLE_ROWS = ("softmax", "floor", "kep_svgp", "kep_svgp_official_style", "sgpa")
+COMPILED_ROWS = ("floor", "kep_svgp")  # the target: compiled KEP within 1.2x of the compiled floor
+AUTOCAST_ROWS = ("softmax", "kep_svgp")
+#: the comparison's rows timed on MNIST-1D (all of its default rows)
+MNIST1D_ROWS = ("kep_svgp", "sgpa", "softmax", "softmax_mc_dropout", "primal")
+
+
+def _bench():
+    spec = importlib.util.spec_from_file_location("attention_scaling_for_gpu_check", SCALING_SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+BENCH = _bench()
+
+
+@contextlib.contextmanager
+def pytorch_path(enabled: bool = True):
+    """KEP-SVGP's fused scores by their PyTorch code instead of the Triton kernels inside the block."""
+    previous = os.environ.get(triton_scores.TRITON_VARIABLE)
+    if enabled:
+        os.environ[triton_scores.TRITON_VARIABLE] = "0"
+    try:
+        yield
+    finally:
+        if previous is None:
+            os.environ.pop(triton_scores.TRITON_VARIABLE, None)
+        else:
+            os.environ[triton_scores.TRITON_VARIABLE] = previous
+
+
+def _load() -> float:
+    return os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
+
+
+# -- 1. environment --------------------------------------------------------------------------------------------------
+def environment(device: torch.device) -> dict:
+    info = {
+        "device": str(device),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "triton": getattr(triton_scores.triton, "__version__", None),
+        "python": platform.python_version(),
+        "cpu_count": os.cpu_count(),
+        "load_average": _load(),
+        "gpattn_revision": _git_revision(),
+    }
+    if device.type == "cuda":
+        properties = torch.cuda.get_device_properties(device)
+        info.update(
+            name=properties.name,
+            capability=f"{properties.major}.{properties.minor}",
+            memory_gib=round(properties.total_memory / 2**30, 1),
+            multiprocessors=properties.multi_processor_count,
+            driver=_nvidia_smi("driver_version"),
+        )
+    else:
+        info["name"] = platform.processor() or platform.machine()
+    return info
+
+
+def _nvidia_smi(field: str) -> str | None:
+    try:
+        result = subprocess.run(
+            ["nvidia-smi", f"--query-gpu={field}", "--format=csv,noheader"], capture_output=True, text=True, timeout=30
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return result.stdout.strip().splitlines()[0] if result.returncode == 0 and result.stdout.strip() else None
+
+
+def _git_revision() -> str | None:
+    try:
+        result = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return result.stdout.strip() or None
+
+
+# -- 2. equivalence --------------------------------------------------------------------------------------------------
+def _small_layer(name: str, length: int, dtype: torch.dtype) -> torch.nn.Module:
+    torch.manual_seed(0)
+    if name in BENCH.VARIANTS and name not in attention_names():
+        layer = BENCH._build(name, 16, 2, 4, torch.device("cpu"), length=length)
+    else:
+        layer = build_attention(name, 16, 2, **select_arguments(name, num_inducing=4, max_len=length))
+    return layer.to(dtype)
+
+
+def _mean_and_gradients(layer: torch.nn.Module, x: torch.Tensor, probe: torch.Tensor) -> list[torch.Tensor]:
+    layer.eval().zero_grad(set_to_none=True)
+    x = x.detach().clone().requires_grad_()
+    output = layer(x)
+    loss = (output * probe).sum() + layer.kl_divergence()  # zero for deterministic layers
+    loss.backward()
+    gradients = [parameter.grad for parameter in layer.parameters() if parameter.grad is not None]
+    return [output.detach(), x.grad, *gradients]
+
+
+def _difference(reference: list[torch.Tensor], other: list[torch.Tensor]) -> float:
+    """The largest entry of |other - reference| / max(1, |reference|) over the tensors."""
+    worst = 0.0
+    for want, got in zip(reference, other, strict=True):
+        got = got.detach().to(want.device, want.dtype)
+        scale = want.abs().clamp_min(1.0)
+        worst = max(worst, float(((got - want).abs() / scale).max()))
+    return worst
+
+
+def _training_steps_finite(layer: torch.nn.Module, x: torch.Tensor, device: torch.device) -> dict:
+    results = {}
+    for label, enabled in (("float32", False), ("bfloat16", True)):
+        layer.train().zero_grad(set_to_none=True)
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=enabled):
+            output = layer(x)
+            loss = output.float().square().mean() + layer.kl_divergence().float()
+            for term in getattr(layer, "added_loss_terms", tuple)():
+                loss = loss + term.loss()
+        loss.backward()
+        grads = [p.grad for p in layer.parameters() if p.grad is not None]
+        results[label] = bool(torch.isfinite(loss)) and all(bool(torch.isfinite(g).all()) for g in grads)
+    return results
+
+
+def equivalence(device: torch.device, smoke: bool) -> dict:
+    """CPU against ``device`` in float64 for every layer; finite float32/bfloat16 steps; Triton against PyTorch."""
+    length, results = 12, {}
+    x = torch.randn(2, length, 16, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    probe = torch.randn(2, length, 16, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
+    for name in (*attention_names(), *VARIANT_ROWS):
+        try:
+            layer = _small_layer(name, length, torch.float64)
+            moved = copy.deepcopy(layer).to(device)  # before a call leaves per-call tensors on the layer
+            reference = _mean_and_gradients(layer, x, probe)
+            other = _mean_and_gradients(moved, x.to(device), probe.to(device))
+            difference = _difference(reference, other)
+            finite = _training_steps_finite(moved.float(), x.float().to(device), device)
+            results[name] = {"float64_difference": difference, "ok": difference <= 1e-10, "steps_finite": finite}
+        except Exception as error:  # noqa: BLE001 (recorded: the check goes on with the next layer)
+            results[name] = {"error": f"{type(error).__name__}: {error}"}
+    results["kep_svgp_triton_vs_pytorch"] = _triton_against_pytorch(device, smoke)
+    return results
+
+
+def _triton_against_pytorch(device: torch.device, smoke: bool) -> dict:
+    """The KEP layer's float32 predictive mean and gradients through the Triton kernels and through the PyTorch code
+    on ``device`` (at the benchmark's sizes): the relative difference, and whether the kernels ran."""
+    batch, length, width = (2, 16, 16) if smoke else (16, 256, 128)
+    torch.manual_seed(0)
+    layer = build_attention("kep_svgp", width, 2 if smoke else 4, num_inducing=4 if smoke else 10).to(device)
+    x = torch.randn(batch, length, width, device=device)
+    probe = torch.randn(batch, length, width, device=device)
+    probe_columns = torch.empty(1, 2, 1, 1, 1, device=device)
+    with pytorch_path():
+        reference = _mean_and_gradients(layer, x, probe)
+    kernels = _mean_and_gradients(layer, x, probe)
+    worst = 0.0
+    for want, got in zip(reference, kernels, strict=True):
+        worst = max(worst, float((got - want).norm() / want.norm().clamp_min(1e-30)))
+    return {"relative_difference": worst, "kernels_ran": triton_scores.runs_triton(probe_columns), "ok": worst < 1e-4}
+
+
+# -- 3. counts -------------------------------------------------------------------------------------------------------
+def _counts(step, device: torch.device) -> dict:
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    step()
+    BENCH._synchronize(device)
+    with profile(activities=activities) as profiler:
+        step()
+        BENCH._synchronize(device)
+    operators = 0
+    launches = 0
+    for event in profiler.events():
+        if "LaunchKernel" in event.name or event.name == "cudaGraphLaunch":
+            launches += 1
+        if not event.name.startswith("aten::"):
+            continue
+        parent = event.cpu_parent
+        while parent is not None and not parent.name.startswith("aten::"):
+            parent = parent.cpu_parent
+        operators += parent is None
+    return {"operators": operators, "kernel_launches": launches if device.type == "cuda" else None}
+
+
+def counts(device: torch.device, args: argparse.Namespace) -> dict:
+    x = torch.randn(args.batch, args.lengths[0], args.embed_dim, device=device)
+    results = {}
+    for row, layer, context in _rows(device, args, args.lengths[0], compiled=False):
+        results[row] = _counts(lambda layer=layer, context=context: _step(layer, x, context), device)
+    return results
+
+
+# -- 4. scaling ------------------------------------------------------------------------------------------------------
+def _step(layer, x, context) -> None:
+    with context():
+        BENCH._step(layer, x)
+
+
+def _autocast(device: torch.device):
+    return lambda: torch.autocast(device.type, dtype=torch.bfloat16)
+
+
+def _rows(device: torch.device, args: argparse.Namespace, length: int, compiled: bool):
+    """``(row, layer, context)`` of one length: the eager rows, their bfloat16 and PyTorch-path variants, and with
+    ``compiled`` the CUDA-graph rows."""
+    plain = contextlib.nullcontext
+    for name in TABLE_ROWS:
+        if name == "sgpa" and length > args.max_sgpa_length:
+            continue
+        layer = BENCH._build(name, args.embed_dim, args.num_heads, args.rank, device, length=length)
+        yield name, layer, plain
+        if name == "kep_svgp":
+            yield "kep_svgp_pytorch", layer, pytorch_path
+        if name in AUTOCAST_ROWS:
+            yield f"{name}_bf16", layer, _autocast(device)
+        if compiled and name in COMPILED_ROWS:
+            mode = "reduce-overhead" if device.type == "cuda" else "default"
+            yield f"{name}_compiled", torch.compile(layer, mode=mode), plain
+
+
+def scaling(device: torch.device, args: argparse.Namespace, deadline: float) -> dict:
+    official = BENCH.load_official(args.official_path) if args.official_path else None
+    timing = argparse.Namespace(warmup=2, min_reps=3, max_reps=args.max_reps, budget_s=args.budget_s)
+    table = {}
+    for length in args.lengths:
+        if time.perf_counter() > deadline:
+            table[length] = {"skipped": "time budget"}
+            continue
+        x = torch.randn(args.batch, length, args.embed_dim, device=device)
+        steps = {}
+        for row, layer, context in _rows(device, args, length, compiled=length in args.compile_lengths):
+            steps[row] = lambda layer=layer, context=context, x=x: _step(layer, x, context)
+        if official is not None:
+            step = BENCH.OfficialStep(official, args.embed_dim, args.num_heads, length, args.rank, device)
+            steps[BENCH.OFFICIAL] = lambda step=step, x=x: step(x)
+        load = _load()
+        try:
+            table[length] = {"times_ms": BENCH._interleaved_medians(steps, timing, device), "load": [load, _load()]}
+        except Exception as error:  # noqa: BLE001 (an out-of-memory row ends this length, not the check)
+            table[length] = {"error": f"{type(error).__name__}: {error}"}
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        print(f"N={length}: {table[length]}", flush=True)
+    return {"table": table, "ratios": _ratios(table)}
+
+
+RATIOS = (
+    ("kep_svgp / floor", "kep_svgp", "floor"),
+    ("kep_svgp / softmax", "kep_svgp", "softmax"),
+    ("kep_svgp / kep_svgp_pytorch", "kep_svgp", "kep_svgp_pytorch"),
+    ("compiled kep_svgp / compiled floor", "kep_svgp_compiled", "floor_compiled"),
+    ("official-style / official", "kep_svgp_official_style", BENCH.OFFICIAL),
+    ("bf16 kep_svgp / bf16 softmax", "kep_svgp_bf16", "softmax_bf16"),
+    ("bf16 kep_svgp / kep_svgp", "kep_svgp_bf16", "kep_svgp"),
+)
+
+
+def _ratios(table: dict) -> dict:
+    ratios = {}
+    for length, entry in table.items():
+        times = entry.get("times_ms", {})
+        ratios[length] = {label: times[a] / times[b] for label, a, b in RATIOS if a in times and b in times}
+    return ratios
+
+
+# -- 5. MNIST-1D -----------------------------------------------------------------------------------------------------
+def _metrics(record) -> dict:
+    content = record.to_dict()
+    content["train"].pop("seconds", None)
+    return content
+
+
+def mnist1d(device: torch.device, args: argparse.Namespace, deadline: float) -> dict:
+    from gpattn.comparison import CompareConfig, load_task, train_and_evaluate
+    from gpattn.comparison.runner import execute_runs, run_environment
+
+    data = load_task("mnist1d")
+    settings = dict(
+        mnist1d_epochs=args.mnist1d_epochs, eval_samples=2, fidelity_sequences=0, temperature_scaling=False,
+        progress=False, seeds=(0,), tasks=("mnist1d",), threads=1,
+    )  # fmt: skip
+    runs = {}
+    for row in args.mnist1d_rows:
+        for where in (str(device), "cpu") if device.type == "cuda" else ("cpu",):
+            if time.perf_counter() > deadline:
+                runs.setdefault(row, {})[where] = "skipped: time budget"
+                continue
+            config = CompareConfig(attentions=(row,), device=where, **settings)
+            with run_environment(config):
+                start = time.perf_counter()
+                record = train_and_evaluate(config, "mnist1d", row, 0, data=data)
+            seconds = time.perf_counter() - start
+            runs.setdefault(row, {})[where] = {"seconds": seconds, "test_accuracy": record.metrics.test.accuracy}
+    identity = None
+    if time.perf_counter() < deadline:
+        rows, seeds = args.mnist1d_rows[:2], (0,) if args.smoke else (0, 1)  # up to two rows and two seeds
+        plan = [("mnist1d", row, seed) for row in rows for seed in seeds]
+        config = CompareConfig(attentions=tuple(rows), device=str(device), jobs=1, **{**settings, "seeds": seeds})
+        start = time.perf_counter()
+        alone = execute_runs(config, plan)
+        middle = time.perf_counter()
+        together = execute_runs(dataclasses.replace(config, jobs=args.jobs), plan)
+        end = time.perf_counter()
+        identity = {
+            "runs": len(plan),
+            "jobs": args.jobs,
+            "seconds_one_by_one": middle - start,
+            "seconds_together": end - middle,
+            "identical_records": all(_metrics(a) == _metrics(b) for a, b in zip(alone, together, strict=True)),
+        }
+    return {"runs": runs, "jobs_identity": identity}
+
+
+# -- main ------------------------------------------------------------------------------------------------------------
+def _section(results: dict, name: str, function, *arguments) -> None:
+    start = time.perf_counter()
+    try:
+        results[name] = function(*arguments)
+    except Exception as error:  # noqa: BLE001 (recorded: the next section still runs)
+        results[name] = {"error": f"{type(error).__name__}: {error}", "traceback": traceback.format_exc()}
+    results.setdefault("seconds", {})[name] = time.perf_counter() - start
+    print(f"[{name}] {time.perf_counter() - start:.1f} s", flush=True)
+
+
+def summary(results: dict) -> str:
+    """The lines printed last: what passed, the ratios per length, the MNIST-1D times."""
+    lines = [f"device: {results['environment'].get('name')} ({results['environment'].get('device')})"]
+    equivalence_results = results.get("equivalence", {})
+    failed = [name for name, entry in equivalence_results.items() if isinstance(entry, dict) and not entry.get("ok")]
+    lines.append(f"equivalence: {len(equivalence_results) - len(failed)} ok, not ok: {failed or 'none'}")
+    for row, entry in results.get("counts", {}).items():
+        if isinstance(entry, dict) and "operators" in entry:
+            lines.append(f"counts {row}: {entry['operators']} operators, {entry['kernel_launches']} launches")
+    for length, ratios in results.get("scaling", {}).get("ratios", {}).items():
+        lines.append(f"N={length}: " + ", ".join(f"{label} {value:.2f}" for label, value in ratios.items()))
+    for row, entry in results.get("mnist1d", {}).get("runs", {}).items():
+        lines.append(f"mnist1d {row}: {entry}")
+    lines.append(f"jobs identity: {results.get('mnist1d', {}).get('jobs_identity')}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--device", default="cuda", help="cuda (default) or cpu")
+    parser.add_argument("--smoke", action="store_true", help="tiny sizes, every section: checks the script itself")
+    parser.add_argument("--official-path", metavar="DIR", help="a checkout of the official KEP-SVGP code")
+    parser.add_argument("--out", default="benchmarks/results/gpu_check.json")
+    parser.add_argument("--lengths", type=int, nargs="+", default=[256, 1024, 4096, 16384])
+    parser.add_argument("--compile-lengths", type=int, nargs="*", default=[1024], help="lengths with compiled rows")
+    parser.add_argument("--max-sgpa-length", type=int, default=4096, help="SGPA's N x N matrices stop there")
+    parser.add_argument("--batch", type=int, default=16)
+    parser.add_argument("--embed-dim", type=int, default=128)
+    parser.add_argument("--num-heads", type=int, default=4)
+    parser.add_argument("--rank", type=int, default=10)
+    parser.add_argument("--max-reps", type=int, default=30)
+    parser.add_argument("--budget-s", type=float, default=6.0, help="seconds of repetitions per length")
+    parser.add_argument("--mnist1d-epochs", type=int, default=3)
+    parser.add_argument("--mnist1d-rows", nargs="+", default=list(MNIST1D_ROWS))
+    parser.add_argument("--jobs", type=int, default=4, help="runs at once on the device in the identity check")
+    parser.add_argument("--minutes", type=float, default=5.5, help="later sections are skipped past this")
+    args = parser.parse_args(argv)
+    if args.smoke:  # every section at tiny sizes; no compiled rows (a cold compile takes minutes on a CPU) and one
+        # job in the identity check (worker processes cost seconds each to start; tests/comparison covers them)
+        args.lengths, args.compile_lengths, args.batch, args.embed_dim, args.num_heads = [16, 32], [], 2, 16, 2
+        args.rank, args.max_reps, args.budget_s, args.mnist1d_epochs, args.jobs = 4, 3, 0.2, 1, 1
+        args.mnist1d_rows = ["kep_svgp"]
+    device = torch.device(args.device)
+    deadline = time.perf_counter() + 60 * args.minutes
+    results: dict = {"config": vars(args), "environment": environment(device)}
+    _section(results, "equivalence", equivalence, device, args.smoke)
+    _section(results, "counts", counts, device, args)
+    _section(results, "scaling", scaling, device, args, deadline)
+    _section(results, "mnist1d", mnist1d, device, args, deadline)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(results, indent=2, default=str))
+    print(summary(results))
+    print(f"wrote {out}")
+    return results
+
+
+if __name__ == "__main__":
+    sys.exit(0 if main() else 1)

@@ -1,0 +1,68 @@
+"""``gpattn report``: the headline and tables of one or more run folders, the results page generated from them, and
+the check that the primary verdict holds in another run (e.g. one that differs only in float rounding)."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from .options import CommandError
+
+__all__ = ["add_report", "run_report"]
+
+
+def _folder(text: str) -> str:
+    if not (Path(text) / "results.json").is_file():
+        raise argparse.ArgumentTypeError(f"expected a run folder of gpattn compare (with results.json), got {text!r}")
+    return text
+
+
+def add_report(commands) -> None:
+    """Add the ``report`` command to the subparsers ``commands``."""
+    report = commands.add_parser(
+        "report",
+        help="the headline and tables of run folders; the results page; the primary verdict's robustness check",
+        description="Read the results.json of one or more run folders of gpattn compare (their records merged: a run "
+        "held by several folders must be the same in each) and print the headline of the declared endpoints and the "
+        "full tables. --page writes the results page (markdown, every number from the records) and its figures "
+        "beside it, in <page stem>_figures/. --same-verdict compares the primary verdict with that of other run "
+        "folders (e.g. the same run with --threads 2) and exits with status 1 when it differs or cannot be checked (a "
+        "run without the primary pair).",
+    )
+    report.add_argument("runs", nargs="+", type=_folder, metavar="RUN", help="run folders (with results.json)")
+    report.add_argument(
+        "--page", type=Path, default=None, help="write the results page there (e.g. docs/guide/results.md)"
+    )
+    report.add_argument(
+        "--same-verdict",
+        nargs="+",
+        type=_folder,
+        default=None,
+        metavar="OTHER",
+        help="run folders whose primary verdict must be the same: exit status 0 when it holds, 1 otherwise",
+    )
+
+
+def run_report(args: argparse.Namespace) -> int:
+    """Run ``gpattn report``; returns the exit status."""
+    from ..comparison.headline import headline_text
+    from ..comparison.records import write_text_atomically
+    from ..comparison.report import markdown_table
+    from ..comparison.results_page import compare_verdicts, read_run_folders, results_page
+    from ..plotting import write_comparison_figures
+
+    runs = read_run_folders(args.runs)
+    if not runs.records:
+        raise CommandError(f"no records in {', '.join(args.runs)}")
+    if args.same_verdict is not None:
+        holds, lines = compare_verdicts(runs, read_run_folders(args.same_verdict))
+        print("\n".join(lines))
+        return 0 if holds else 1
+    if args.page is None:
+        print(headline_text(runs.records) + "\n## Full tables\n\n" + markdown_table(runs.records))
+        return 0
+    figures_dir = args.page.parent / f"{args.page.stem}_figures"
+    figures = write_comparison_figures(runs.records, figures_dir)
+    write_text_atomically(args.page, results_page(runs, [f"{figures_dir.name}/{path.name}" for path in figures]))
+    print(f"wrote {args.page} and {len(figures)} figures in {figures_dir}")
+    return 0

@@ -1,0 +1,154 @@
+"""The comparison's endpoints, declared before any run (issue 23's protocol): the primary endpoint, the family of
+secondary endpoints whose p-values are Holm-adjusted together, and the differences reported without a test.
+
+An :class:`Endpoint` is one paired difference ``reference - other`` of one metric on one task; its per-seed values
+come from the flat rows of the records (:func:`~gpattn.comparison.table_rows.flat_rows`), so that the headline and
+the tables read the same numbers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+import textwrap
+from dataclasses import dataclass
+from typing import Any
+
+from .table_rows import group_rows, pooled_ood_set, seed_values
+
+__all__ = [
+    "BEST_OOD_SCORE",
+    "DESCRIPTIVE_ENDPOINTS",
+    "PRIMARY_ENDPOINT",
+    "SECONDARY_ENDPOINTS",
+    "Endpoint",
+    "declaration_text",
+]
+
+#: The ``column`` of an endpoint on each row's best OOD score (:meth:`Endpoint.seed_values`).
+BEST_OOD_SCORE = "ood_best_auroc"
+
+
+@dataclass(frozen=True)
+class Endpoint:
+    """A declared paired difference: ``reference - other`` of the metric ``column`` on ``task``, paired by seed.
+
+    :ivar label: What it measures, in words (``"test NLL"``).
+    :ivar column: The flat-row column (:func:`~gpattn.comparison.table_rows.flat_rows`), e.g. ``"test_nll"``, or
+        :data:`BEST_OOD_SCORE`: the AUROC on the task's pooled OOD set of each row's best score, the maximum
+        probability or, for a stochastic row, the mutual information, whichever has the higher mean AUROC over the
+        row's seeds (issue 23: "each row's best score").
+    :ivar reference: The reference row (``"kep_svgp+ts"``).
+    :ivar other: The row it is compared with (``"softmax+ts"``).
+    :ivar task: The task.
+    :ivar percent: Shown in percentage points (rates), else in the metric's own unit.
+    :ivar higher_is_better: Whether a positive difference favours the reference.
+    :ivar unit: The unit of a shown difference (``"nats"``, ``"points"``).
+
+    Example:
+        >>> from gpattn.comparison.endpoints import PRIMARY_ENDPOINT
+        >>> PRIMARY_ENDPOINT.describe()
+        'test NLL of kep_svgp+ts minus softmax+ts on mnist1d'
+        >>> PRIMARY_ENDPOINT.on_task("digits").describe()
+        'test NLL of kep_svgp+ts minus softmax+ts on digits'
+    """
+
+    label: str
+    column: str
+    reference: str
+    other: str
+    task: str = "mnist1d"
+    percent: bool = False
+    higher_is_better: bool = False
+    unit: str = ""
+
+    def describe(self) -> str:
+        """``"<label> of <reference> minus <other> on <task>"``."""
+        return f"{self.label} of {self.reference} minus {self.other} on {self.task}"
+
+    def on_task(self, task: str) -> Endpoint:
+        """The same difference on another task (descriptive: the declared endpoints are on their own task)."""
+        return dataclasses.replace(self, task=task)
+
+    def scale(self) -> float:
+        """100 for a rate shown in percentage points, else 1."""
+        return 100.0 if self.percent else 1.0
+
+    def seed_values(self, rows: list[dict[str, Any]]) -> tuple[dict[int, float], dict[int, float], str]:
+        """The per-seed values of the reference and the other row on the endpoint's task, and a note on how they
+        were read (for :data:`BEST_OOD_SCORE`: which set and which score each row uses; else ``""``).
+
+        :param rows: Flat rows of the records (:func:`~gpattn.comparison.table_rows.flat_rows`).
+        :return: ``({seed: value} of the reference, {seed: value} of the other row, note)``; empty mappings for a
+            row that is not in the rows.
+        """
+        groups = group_rows(rows)
+        reference = groups.get((self.task, self.reference), [])
+        other = groups.get((self.task, self.other), [])
+        if self.column != BEST_OOD_SCORE:
+            return seed_values(reference, self.column), seed_values(other, self.column), ""
+        ood_set = pooled_ood_set([row for (task, _), group in groups.items() if task == self.task for row in group])
+        if ood_set is None:
+            return {}, {}, "no pooled OOD set"
+        chosen = [_best_score(group, ood_set) for group in (reference, other)]
+        note = f"{ood_set} OOD set; " + ", ".join(
+            f"{name}: {score}" for name, (_, score) in zip((self.reference, self.other), chosen, strict=True)
+        )
+        return chosen[0][0], chosen[1][0], note
+
+
+def _best_score(group: list[dict[str, Any]], ood_set: str) -> tuple[dict[int, float], str]:
+    # the score with the higher mean AUROC over the row's seeds; the mutual information only where it is defined
+    maximum = seed_values(group, f"ood_{ood_set}_auroc")
+    information = seed_values(group, f"ood_{ood_set}_auroc_mi")
+    if information and (not maximum or statistics.fmean(information.values()) > statistics.fmean(maximum.values())):
+        return information, "mutual information"
+    return maximum, "max probability"
+
+
+_PAIR = ("kep_svgp+ts", "softmax+ts")
+
+#: The primary endpoint: does GP attention add anything once both models are calibrated?
+PRIMARY_ENDPOINT = Endpoint("test NLL", "test_nll", *_PAIR, unit="nats")
+
+#: The secondary endpoints, one family for Holm's adjustment (issue 23's list: the untempered NLL, then the primary
+#: pair's accuracy, ECE, shift NLL, shift ECE and OOD AUROC).
+SECONDARY_ENDPOINTS = (
+    Endpoint("test NLL, untempered", "test_nll", "kep_svgp", "softmax", unit="nats"),
+    Endpoint("accuracy", "test_accuracy", *_PAIR, percent=True, higher_is_better=True, unit="points"),
+    Endpoint("ECE (15 bins)", "test_ece", *_PAIR, percent=True, unit="points"),
+    Endpoint("shift NLL", "shift_nll", *_PAIR, unit="nats"),
+    Endpoint("shift ECE", "shift_ece", *_PAIR, percent=True, unit="points"),
+    Endpoint("OOD AUROC (best score)", BEST_OOD_SCORE, *_PAIR, percent=True, higher_is_better=True, unit="points"),
+)
+
+#: Differences of the primary pair reported beside the tests, without a p-value (not in the Holm family).
+DESCRIPTIVE_ENDPOINTS = (
+    Endpoint("shift Brier", "shift_brier", *_PAIR, percent=True, unit="points"),
+    Endpoint("debiased calibration error", "test_debiased_ce", *_PAIR, percent=True, unit="points"),
+    Endpoint("confidence - accuracy", "test_gap", *_PAIR, percent=True, unit="points"),
+)
+
+
+def declaration_text() -> str:
+    """The declared endpoints in words (markdown paragraphs wrapped at 120 characters), as ``table.md`` and the
+    results page state them before any number."""
+    primary = PRIMARY_ENDPOINT
+    secondaries = "; ".join(
+        f"{endpoint.label} ({endpoint.reference} − {endpoint.other})" for endpoint in SECONDARY_ENDPOINTS
+    )
+    paragraphs = [
+        f"**Primary endpoint** (declared before the run): the {primary.label} of {primary.reference} minus "
+        f"{primary.other} on clean {primary.task} test data, in {primary.unit} (like for like: does GP attention add "
+        f"anything once both models are calibrated?); negative favours {primary.reference}. Estimated with its 95 % "
+        "paired-t interval over the seeds and a 95 % seeds-and-examples bootstrap interval (the test examples "
+        "resampled too). The protocol runs the primary pair with 10 seeds and every other row with 5.",
+        f"**Secondary endpoints**, on {primary.task}, each a paired-t test over the seeds with its p-value "
+        f"Holm-adjusted over the family of {len(SECONDARY_ENDPOINTS)}: {secondaries}. The OOD AUROC is on the pooled "
+        "OOD set, with each row's best score (the maximum probability, or for a stochastic row the mutual "
+        "information, whichever has the higher mean AUROC).",
+        "**Verdict rule**: a difference is stated when every interval of the primary endpoint excludes 0 on the same "
+        "side; otherwise no difference is detected, and the hull of the intervals bounds the differences the run "
+        "excludes. A secondary difference is stated when its Holm-adjusted p-value is at most 0.05.",
+    ]
+    return "\n\n".join(textwrap.fill(paragraph, 120, break_on_hyphens=False) for paragraph in paragraphs)

@@ -1,0 +1,103 @@
+"""The machine and software a comparison's report was written on: the ``environment`` block of ``results.json``
+(:func:`run_environment`), beside the settings that determine the numbers (``config``, threads included).
+
+Float rounding, and with it the last digits of every number, depends on the CPU, the BLAS library and the number of
+threads; the block records them so that a reader can tell whether two run folders could give the same digits.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import re
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from .. import __version__
+
+__all__ = ["environment_lines", "run_environment"]
+
+_PACKAGE_ROOT = Path(__file__).resolve().parents[2]
+
+
+def _cpu_model() -> str:
+    """The CPU's model name (Linux: ``/proc/cpuinfo``; elsewhere :func:`platform.processor`), ``"unknown"`` if
+    neither says."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        text = ""
+    match = re.search(r"^model name\s*:\s*(.+)$", text, flags=re.MULTILINE)
+    return match.group(1).strip() if match else (platform.processor() or "unknown")
+
+
+def _blas() -> str:
+    """The BLAS/LAPACK torch was built with (``torch.__config__.show()``: its ``BLAS_INFO`` and ``LAPACK_INFO``)."""
+    shown = torch.__config__.show()
+    found = [f"{key}={value}" for key, value in re.findall(r"\b(BLAS_INFO|LAPACK_INFO)=([^,\s]+)", shown)]
+    return ", ".join(found) or "not reported by torch.__config__.show()"
+
+
+def _git_commit() -> str | None:
+    """The commit of the source tree gpattn is imported from (with ``+dirty`` for uncommitted changes), or ``None``
+    outside a git checkout (an installed wheel) or without git."""
+    if not (_PACKAGE_ROOT / ".git").exists():
+        return None
+    try:
+        commit = subprocess.run(
+            ["git", "rev-parse", "HEAD"], cwd=_PACKAGE_ROOT, capture_output=True, text=True, timeout=10, check=True
+        ).stdout.strip()
+        status = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"],
+            cwd=_PACKAGE_ROOT,
+            capture_output=True,
+            text=True,
+            timeout=10,
+            check=True,
+        ).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return commit + ("+dirty" if status else "")
+
+
+def run_environment() -> dict[str, Any]:
+    """The ``environment`` block of ``results.json``: this machine and the software the report is written with.
+
+    Keys: ``machine`` (``platform``, ``cpu``, ``cores``: :func:`os.cpu_count`), ``python``, ``torch``, ``numpy``,
+    ``blas`` (torch's BLAS/LAPACK build), ``threads`` (``torch.get_num_threads()`` and
+    ``torch.get_num_interop_threads()`` of this process; each run's own count is ``config.threads``),
+    ``parallel_info`` (``torch.__config__.parallel_info()``: OpenMP/MKL threads), ``gpattn`` (its version) and
+    ``git_commit`` (``None`` outside a git checkout).
+
+    .. note:: Cost: two ``git`` calls (well under a second); no computation.
+    """
+    return {
+        "machine": {"platform": platform.platform(), "cpu": _cpu_model(), "cores": os.cpu_count()},
+        "python": sys.version.split()[0],
+        "torch": torch.__version__,
+        "numpy": np.__version__,
+        "blas": _blas(),
+        "threads": {"intra_op": torch.get_num_threads(), "inter_op": torch.get_num_interop_threads()},
+        "parallel_info": torch.__config__.parallel_info().strip(),
+        "gpattn": __version__,
+        "git_commit": _git_commit(),
+    }
+
+
+def environment_lines(environment: dict[str, Any]) -> list[str]:
+    """The block as markdown bullet lines (the ``parallel_info`` text left out: it is in ``results.json``)."""
+    machine = environment.get("machine", {})
+    threads = environment.get("threads", {})
+    return [
+        f"* machine: {machine.get('platform', '?')}; CPU {machine.get('cpu', '?')}, {machine.get('cores', '?')} cores",
+        f"* python {environment.get('python', '?')}, torch {environment.get('torch', '?')}, numpy "
+        f"{environment.get('numpy', '?')}; {environment.get('blas', '?')}",
+        f"* threads of the process that wrote the report: {threads.get('intra_op', '?')} intra-op, "
+        f"{threads.get('inter_op', '?')} inter-op",
+        f"* gpattn {environment.get('gpattn', '?')}, git commit {environment.get('git_commit') or 'unknown'}",
+    ]

@@ -1,0 +1,261 @@
+"""The headline of a comparison: the declared endpoints (:mod:`gpattn.comparison.endpoints`) estimated from the
+records, the primary endpoint's verdict by the declared rule, and the secondaries with Holm-adjusted p-values
+(:func:`headline_text`, the top of ``table.md`` and of the results page).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+
+from .endpoints import DESCRIPTIVE_ENDPOINTS, PRIMARY_ENDPOINT, SECONDARY_ENDPOINTS, Endpoint, declaration_text
+from .records import RunRecord
+from .statistics import PairedDifference, hierarchical_difference, holm_adjusted, paired_difference, paired_p_value
+from .table_rows import flat_rows, group_rows, missing_reason, with_temperature_scaled
+
+__all__ = [
+    "FAMILY_WISE_LEVEL",
+    "MIN_SEEDS_FOR_INTERVALS",
+    "EndpointEstimate",
+    "estimate_endpoint",
+    "estimate_secondaries",
+    "headline_text",
+    "verdict",
+]
+
+#: Fewest paired seeds from which the report forms an interval.
+MIN_SEEDS_FOR_INTERVALS = 5
+#: The family-wise error rate at which a secondary difference is stated.
+FAMILY_WISE_LEVEL = 0.05
+#: Flat-row columns with per-example values (``RunRecord.per_example``) for the seeds-and-examples interval.
+PER_EXAMPLE = {"test_nll": "test_nll"}
+
+
+@dataclass(frozen=True)
+class EndpointEstimate:
+    """An :class:`~gpattn.comparison.endpoints.Endpoint` estimated from a comparison's records.
+
+    :ivar endpoint: The endpoint.
+    :ivar mean: The mean paired difference ``reference - other`` (NaN without paired seeds).
+    :ivar n: Paired seeds.
+    :ivar t: The 95 % paired-t interval, or ``None`` (fewer than :data:`MIN_SEEDS_FOR_INTERVALS` paired seeds).
+    :ivar hierarchical: The 95 % seeds-and-examples bootstrap interval
+        (:func:`~gpattn.comparison.hierarchical_difference`) where the records hold per-example values, else ``None``.
+    :ivar examples: Test examples per seed of ``hierarchical`` (0 without it).
+    :ivar p_value: The paired-t test's two-sided p-value (NaN: no test).
+    :ivar holm: The Holm-adjusted p-value within the secondary family (NaN: not in it, or no test).
+    :ivar note: How the values were read (e.g. the OOD scores used), ``""`` if nothing to say.
+    :ivar missing: Why there is no estimate, ``""`` when there is one.
+    """
+
+    endpoint: Endpoint
+    mean: float
+    n: int
+    t: PairedDifference | None = None
+    hierarchical: PairedDifference | None = None
+    examples: int = 0
+    p_value: float = math.nan
+    holm: float = math.nan
+    note: str = ""
+    missing: str = ""
+
+    def intervals(self) -> list[PairedDifference]:
+        """The intervals there are: the paired t, then the seeds-and-examples one."""
+        return [interval for interval in (self.t, self.hierarchical) if interval is not None]
+
+
+def _per_example(records: list[RunRecord], task: str, row: str, key: str) -> dict[int, list[float]]:
+    return {
+        record.seed: record.per_example[key]
+        for record in records
+        if record.task == task and record.attention == row and record.per_example.get(key)
+    }
+
+
+def _missing(rows: list[dict], endpoint: Endpoint, values: tuple[dict, dict], note: str) -> str:
+    # a row without runs on the task; else the note of the values' reading (no pooled OOD set); else each row's reason
+    groups = group_rows(rows)
+    pair = (endpoint.reference, endpoint.other)
+    absent = [f"no {row} runs on {endpoint.task}" for row in pair if (endpoint.task, row) not in groups]
+    if absent or note:
+        return "; ".join(absent) or note
+    return "; ".join(
+        dict.fromkeys(
+            f"{row}: {missing_reason(groups[(endpoint.task, row)], endpoint.column)}"
+            for row, found in zip(pair, values, strict=True)
+            if not found
+        )
+    )
+
+
+def estimate_endpoint(
+    records: list[RunRecord], endpoint: Endpoint, *, hierarchical: bool = True, num_resamples: int = 10000
+) -> EndpointEstimate:
+    """The endpoint's paired difference over seeds with its 95 % paired-t interval and p-value and, where the records
+    hold per-example values of the metric and ``hierarchical``, the 95 % seeds-and-examples interval.
+
+    .. note:: Cost: O(seeds) for the t interval; O(``num_resamples`` seeds examples) for the bootstrap.
+
+    :param records: The comparison's records (the ``+ts`` variants inside them are rows of their own).
+    :param endpoint: The endpoint.
+    :param hierarchical: Form the seeds-and-examples interval where possible.
+    :param num_resamples: Resamples of that interval (seed 0: the same records give the same interval).
+    """
+    expanded = with_temperature_scaled(records)
+    rows = flat_rows(records)
+    reference, other, note = endpoint.seed_values(rows)
+    seeds = [seed for seed in reference if seed in other]
+    if not reference or not other:
+        return EndpointEstimate(endpoint, math.nan, 0, missing=_missing(rows, endpoint, (reference, other), note))
+    mean = math.fsum(reference[seed] - other[seed] for seed in seeds) / len(seeds) if seeds else math.nan
+    p_value = paired_p_value(reference, other)
+    if len(seeds) < MIN_SEEDS_FOR_INTERVALS:
+        reason = f"{len(seeds)} paired seed(s), fewer than {MIN_SEEDS_FOR_INTERVALS}: no interval"
+        return EndpointEstimate(endpoint, mean, len(seeds), p_value=p_value, note=note, missing=reason)
+    interval = paired_difference(reference, other, min_pairs=MIN_SEEDS_FOR_INTERVALS)
+    bootstrap, examples = None, 0
+    key = PER_EXAMPLE.get(endpoint.column)
+    if hierarchical and key is not None:
+        left = _per_example(expanded, endpoint.task, endpoint.reference, key)
+        right = _per_example(expanded, endpoint.task, endpoint.other, key)
+        if all(seed in left and seed in right for seed in seeds):
+            left, right = {seed: left[seed] for seed in seeds}, {seed: right[seed] for seed in seeds}
+            bootstrap = hierarchical_difference(left, right, num_resamples=num_resamples)
+            examples = len(left[seeds[0]])
+        else:
+            note = (
+                note + "; " if note else ""
+            ) + "no per-example values in these records: no seeds-and-examples interval"
+    return EndpointEstimate(endpoint, mean, len(seeds), interval, bootstrap, examples, p_value, note=note)
+
+
+def estimate_secondaries(records: list[RunRecord]) -> list[EndpointEstimate]:
+    """The secondary endpoints (:data:`~gpattn.comparison.endpoints.SECONDARY_ENDPOINTS`), each with its paired-t
+    p-value Holm-adjusted over the family (:func:`~gpattn.comparison.holm_adjusted`; an endpoint without a test does
+    not count)."""
+    estimates = [estimate_endpoint(records, endpoint, hierarchical=False) for endpoint in SECONDARY_ENDPOINTS]
+    adjusted = holm_adjusted([estimate.p_value for estimate in estimates])
+    return [dataclasses.replace(estimate, holm=holm) for estimate, holm in zip(estimates, adjusted, strict=True)]
+
+
+def _value(estimate: EndpointEstimate, value: float, sign: bool = True) -> str:
+    digits = 2 if estimate.endpoint.percent else 3
+    return f"{value * estimate.endpoint.scale():{'+' if sign else ''}.{digits}f}"
+
+
+def _interval(estimate: EndpointEstimate, interval: PairedDifference) -> str:
+    return f"[{_value(estimate, interval.low)}, {_value(estimate, interval.high)}]"
+
+
+def verdict(estimate: EndpointEstimate) -> tuple[str, str]:
+    """The declared verdict rule applied to an estimate: ``(kind, sentence)``.
+
+    ``kind`` is ``"lower"`` / ``"higher"`` (every interval excludes 0 on that side: the reference's metric is lower /
+    higher), ``"none"`` (an interval holds 0: no difference detected; the sentence gives the hull of the intervals,
+    the differences the run excludes) or ``"missing"`` (no interval).
+    """
+    endpoint, unit = estimate.endpoint, estimate.endpoint.unit
+    intervals = estimate.intervals()
+    if not intervals:
+        return "missing", f"Not measured: {estimate.missing}."
+    names = ["paired t"] + (["seeds and examples"] if estimate.hierarchical is not None else [])
+    shown = "; ".join(f"{_interval(estimate, i)} {name}" for i, name in zip(intervals, names, strict=True))
+    value = _value(estimate, estimate.mean)
+    difference = f"{endpoint.reference} − {endpoint.other} = {value} {unit} ({shown}, n = {estimate.n} seeds)"
+    below, above = all(i.high < 0 for i in intervals), all(i.low > 0 for i in intervals)
+    if below or above:
+        kind = "lower" if below else "higher"
+        size = _value(estimate, abs(estimate.mean), sign=False)
+        return kind, f"{difference}: {endpoint.reference} has the {kind} {endpoint.label}, by {size} {unit}."
+    low, high = min(i.low for i in intervals), max(i.high for i in intervals)
+    bound = _value(estimate, max(abs(low), abs(high)), sign=False)
+    partial = [name for i, name in zip(intervals, names, strict=True) if i.significant]
+    aside = f" (only the {partial[0]} interval excludes 0)" if partial else ""
+    return "none", (
+        f"No difference detected{aside}: {difference}; the intervals exclude differences larger than {bound} {unit} "
+        "in either direction."
+    )
+
+
+def _p(value: float) -> str:
+    return "n/a" if math.isnan(value) else ("< 0.0001" if value < 1e-4 else f"{value:.4f}")
+
+
+def _secondary_rows(estimates: list[EndpointEstimate], tested: bool) -> list[str]:
+    lines = []
+    for estimate in estimates:
+        endpoint = estimate.endpoint
+        name = f"{endpoint.label} ({endpoint.reference} − {endpoint.other}), {endpoint.unit}"
+        if estimate.note:
+            name += f"; {estimate.note}"
+        mean = "n/a" if math.isnan(estimate.mean) else _value(estimate, estimate.mean)
+        interval = _interval(estimate, estimate.t) if estimate.t is not None else f"n/a: {estimate.missing}"
+        cells = [name, mean, interval, str(estimate.n)]
+        if tested:
+            stated = "n/a" if math.isnan(estimate.holm) else ("yes" if estimate.holm <= FAMILY_WISE_LEVEL else "no")
+            cells += [_p(estimate.p_value), _p(estimate.holm), stated]
+        lines.append("| " + " | ".join(cells) + " |")
+    return lines
+
+
+def headline_text(records: list[RunRecord], num_resamples: int = 10000, declaration: bool = True) -> str:
+    """The headline block (markdown): the declared endpoints in words (unless ``declaration`` is false: a page that
+    states them earlier), the primary estimate with both intervals and its verdict, the secondaries with paired-t and
+    Holm-adjusted p-values, the differences reported without a test, and the primary difference on the other tasks
+    of the records (descriptive)."""
+    primary = estimate_endpoint(records, PRIMARY_ENDPOINT, num_resamples=num_resamples)
+    lines = ["## Headline", "", *([declaration_text(), ""] if declaration else []), "### Primary endpoint", ""]
+    if primary.t is not None:
+        lines += ["| interval | difference | 95 % interval | over |", "|---|---|---|---|"]
+        lines.append(
+            f"| paired t | {_value(primary, primary.mean)} {primary.endpoint.unit} | {_interval(primary, primary.t)} | "
+            f"{primary.n} seeds |"
+        )
+        if primary.hierarchical is not None:
+            lines.append(
+                f"| seeds-and-examples bootstrap | {_value(primary, primary.hierarchical.mean)} "
+                f"{primary.endpoint.unit} | {_interval(primary, primary.hierarchical)} | {primary.n} seeds x "
+                f"{primary.examples} test examples |"
+            )
+        lines.append("")
+    if primary.note:
+        lines += [f"Note: {primary.note}.", ""]
+    lines += [f"**Verdict**: {verdict(primary)[1]}", ""]
+    secondaries = estimate_secondaries(records)
+    tests = sum(not math.isnan(estimate.p_value) for estimate in secondaries)
+    lines += [
+        f"### Secondary endpoints (Holm-adjusted over m = {tests} tests)",
+        "",
+        "| endpoint | difference | 95 % paired-t interval | n | p | p (Holm) | stated at 5 % |",
+        "|---|---|---|---|---|---|---|",
+        *_secondary_rows(secondaries, tested=True),
+        "",
+        f"p: the two-sided paired-t test over the seeds; p (Holm): Holm-adjusted over the m = {tests} secondary tests "
+        "that have a p-value, so that the chance of any false statement among them is at most 5 %; stated: p (Holm) "
+        "<= 0.05. The interval beside it is the unadjusted 95 % paired-t interval.",
+        "",
+        "### Reported without a test",
+        "",
+        "| difference | value | 95 % paired-t interval | n |",
+        "|---|---|---|---|",
+        *_secondary_rows([estimate_endpoint(records, e, hierarchical=False) for e in DESCRIPTIVE_ENDPOINTS], False),
+        "",
+    ]
+    others = [task for task in dict.fromkeys(r.task for r in records) if task != PRIMARY_ENDPOINT.task]
+    estimates = [estimate_endpoint(records, PRIMARY_ENDPOINT.on_task(task), hierarchical=False) for task in others]
+    estimates = [estimate for estimate in estimates if estimate.n]
+    if estimates:
+        lines += [
+            "### The primary difference on the other tasks (descriptive, not an endpoint)",
+            "",
+            "| task | difference, nats | 95 % paired-t interval | n |",
+            "|---|---|---|---|",
+        ]
+        for estimate in estimates:
+            interval = _interval(estimate, estimate.t) if estimate.t is not None else f"n/a: {estimate.missing}"
+            lines.append(
+                f"| {estimate.endpoint.task} | {_value(estimate, estimate.mean)} | {interval} | {estimate.n} |"
+            )
+        lines.append("")
+    return "\n".join(lines)

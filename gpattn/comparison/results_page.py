@@ -1,0 +1,212 @@
+"""The results page (``docs/guide/results.md``), generated from the records of one or more run folders
+(:func:`results_page`; ``gpattn report --page`` writes it with its figures), and the check that a run's verdicts
+survive a perturbation that changes only float rounding (:func:`compare_verdicts`, ``gpattn report --same-verdict``).
+
+No number on the page is typed by hand: it states the declared endpoints, then the headline, the full tables, the
+figures and the machine, all read from the folders' ``results.json``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from .endpoints import PRIMARY_ENDPOINT, declaration_text
+from .environment import environment_lines
+from .headline import (
+    FAMILY_WISE_LEVEL,
+    EndpointEstimate,
+    estimate_endpoint,
+    estimate_secondaries,
+    headline_text,
+    verdict,
+)
+from .records import RunRecord
+from .report import markdown_table
+
+__all__ = ["RunFolders", "compare_verdicts", "read_run_folders", "results_page"]
+
+#: Settings of a run folder's ``config`` that say how the runs were scheduled and shown, not what they computed.
+SCHEDULING = ("progress", "jobs")
+
+
+@dataclass(frozen=True)
+class RunFolders:
+    """The records of one or more run folders, merged by ``(task, row, seed)`` (:func:`read_run_folders`).
+
+    :ivar names: The folders, as shown on a page (relative to the working directory, else by name).
+    :ivar records: The merged records, in folder and file order.
+    :ivar configs: Each folder's ``config`` entry.
+    :ivar environments: Each folder's ``environment`` entry (``{}`` for a folder written before it existed).
+    """
+
+    names: list[str]
+    records: list[RunRecord]
+    configs: list[dict[str, Any]]
+    environments: list[dict[str, Any]]
+
+
+def _display(folder: str | os.PathLike) -> str:
+    # a folder below the working directory by its relative path, another one by its name (no machine paths on a page)
+    path = Path(folder).resolve()
+    try:
+        return str(path.relative_to(Path.cwd()))
+    except ValueError:
+        return path.name
+
+
+def read_run_folders(folders: list[str | os.PathLike]) -> RunFolders:
+    """Read the ``results.json`` of every folder and merge their records: a ``(task, row, seed)`` in several folders
+    must hold the same record in each (e.g. ``make main``'s runs inside the full run), and is kept once.
+
+    :raises ValueError: A folder without a readable ``results.json``, or two different records of one run.
+    """
+    if not folders:
+        raise ValueError("expected at least one run folder")
+    merged: dict[tuple[str, str, int], tuple[RunRecord, dict, str]] = {}
+    configs, environments = [], []
+    for folder in folders:
+        path = Path(folder) / "results.json"
+        try:
+            content = json.loads(path.read_text())
+        except (OSError, ValueError) as error:
+            raise ValueError(f"{path}: cannot be read as a run folder's results.json ({error})") from None
+        if not isinstance(content, dict) or not isinstance(content.get("records"), list):
+            raise ValueError(f"{path}: expected a results.json with a list of 'records'")
+        configs.append(content.get("config", {}))
+        environments.append(content.get("environment", {}))
+        for entry in content["records"]:
+            record = RunRecord.from_dict(entry)
+            key = (record.task, record.attention, record.seed)
+            data = record.to_dict()
+            if key in merged and merged[key][1] != data:
+                raise ValueError(
+                    f"run {'-'.join(map(str, key))} differs between {merged[key][2]} and {folder}: merge run folders "
+                    "made with the same settings only"
+                )
+            merged.setdefault(key, (record, data, str(folder)))
+    names = [_display(folder) for folder in folders]
+    return RunFolders(names, [record for record, _, _ in merged.values()], configs, environments)
+
+
+def _runs_summary(runs: RunFolders) -> list[str]:
+    lines = []
+    for name, config in zip(runs.names, runs.configs, strict=True):
+        count = sum(1 for _ in config.get("seeds", [])) if config else 0
+        settings = ", ".join(f"{key}={value}" for key, value in config.items() if key not in SCHEDULING)
+        lines.append(f"* `{name}`: {count} seeds per row at most; settings `{settings}`")
+    tasks = list(dict.fromkeys(record.task for record in runs.records))
+    for task in tasks:
+        rows = list(dict.fromkeys(r.attention for r in runs.records if r.task == task))
+        described = []
+        for row in rows:
+            group = [r for r in runs.records if r.task == task and r.attention == row]
+            tuned = {r.tuned for r in group}
+            kind = "tuned" if tuned == {True} else ("default configuration" if tuned == {False} else "mixed")
+            described.append(f"{row} ({len(group)} seeds, {kind})")
+        lines.append(f"* {task}: " + ", ".join(described))
+    seconds = math.fsum(r.train.seconds for r in runs.records if r.train is not None)
+    lines.append(
+        f"* training time of the {len(runs.records)} runs, summed: {seconds / 60:.1f} min (each run's wall time; runs "
+        "trained side by side overlap)"
+    )
+    return lines
+
+
+def results_page(runs: RunFolders, figures: list[str]) -> str:
+    """The results page (markdown): the declared endpoints first, then what was run, the headline, the full tables,
+    the figures (``figures``: paths relative to the page) and the machine of each folder."""
+    machines = []
+    for name, environment, config in zip(runs.names, runs.environments, runs.configs, strict=True):
+        lines = environment_lines(environment) if environment else ["* not recorded (a run folder of an older gpattn)"]
+        lines.append(
+            f"* torch threads per run: {config.get('threads', '?')}, runs at a time: {config.get('jobs', '?')}"
+        )
+        machines += [f"`{name}`:", "", *lines, ""]
+    caveats = [
+        "* One model size (a small Transformer) on two small tasks; the rows' hyperparameters are the tuned or "
+        "default configurations listed above, and another budget can reorder them.",
+        "* The paired-t intervals treat the test set as fixed (they reflect the seeds only); the seeds-and-examples "
+        "interval of the primary endpoint also resamples the test examples and, like every percentile bootstrap, is "
+        "somewhat narrow for few seeds.",
+        f"* The secondaries are stated at a family-wise error rate of {100 * FAMILY_WISE_LEVEL:g} % (Holm); the "
+        "paired differences of the full tables are descriptive (not corrected for the many comparisons).",
+        "* The shift and OOD sets are synthetic (generated noise, shifts and held-out classes): they say nothing "
+        "about natural distribution shift.",
+        "* A verdict that changes with float rounding is not a conclusion: `gpattn report RUN_A --same-verdict "
+        "RUN_B` compares two runs that differ only in rounding (e.g. `--threads 1` and `--threads 2`).",
+    ]
+    figure_lines = [f"![{Path(path).stem}]({path})" for path in figures] or ["No figures (no data to draw)."]
+    sources = " ".join(runs.names)
+    parts = [
+        "# Results: what the measured comparison shows",
+        "",
+        f"Generated by `gpattn report {sources} --page PAGE` from the run folders' `results.json`: no number on this "
+        "page is typed by hand. Regenerate it with `make results`.",
+        "",
+        "## The question, declared before the run",
+        "",
+        declaration_text(),
+        "",
+        "## What was run",
+        "",
+        *_runs_summary(runs),
+        "",
+        headline_text(runs.records, declaration=False),
+        "## Full tables",
+        "",
+        markdown_table(runs.records),
+        "## Figures",
+        "",
+        *[line for figure in figure_lines for line in (figure, "")],
+        "## Machine",
+        "",
+        *machines,
+        "## What it does not show",
+        "",
+        *caveats,
+        "",
+    ]
+    return "\n".join(parts)
+
+
+def compare_verdicts(first: RunFolders, second: RunFolders) -> tuple[bool, list[str]]:
+    """Whether the primary verdict of two runs is the same (:func:`~gpattn.comparison.headline.verdict`'s kind:
+    lower, higher, no difference), e.g. for two runs that differ only in float rounding (``--threads 1`` and ``2``).
+
+    :return: ``(holds, lines)``: the lines give both verdicts, each secondary's decision at the family-wise level in
+        both runs (informative: the check is on the primary), and the settings in which the runs' configs differ.
+    """
+    kinds, lines = [], []
+    for runs in (first, second):
+        kind, sentence = verdict(estimate_endpoint(runs.records, PRIMARY_ENDPOINT))
+        kinds.append(kind)
+        lines.append(f"{', '.join(runs.names)}: {sentence}")
+    holds = kinds[0] == kinds[1] and "missing" not in kinds
+    state = "holds" if holds else ("cannot be checked" if "missing" in kinds else "differs")
+    lines.insert(0, f"The primary verdict {state} ({kinds[0]} / {kinds[1]}).")
+    secondaries = [estimate_secondaries(runs.records) for runs in (first, second)]
+    for estimate, other in zip(*secondaries, strict=True):
+        left, right = _stated(estimate), _stated(other)
+        mark = "same" if left == right else "DIFFERS"
+        lines.append(f"secondary {estimate.endpoint.label}: {left} / {right} ({mark})")
+    changed = _changed_settings(first.configs, second.configs)
+    lines.append("settings that differ: " + (", ".join(changed) if changed else "none"))
+    return holds, lines
+
+
+def _stated(estimate: EndpointEstimate) -> str:
+    if math.isnan(estimate.holm):
+        return "no test"
+    return "stated" if estimate.holm <= FAMILY_WISE_LEVEL else "not stated"
+
+
+def _changed_settings(first: list[dict], second: list[dict]) -> list[str]:
+    left = {key: value for config in first for key, value in config.items() if key not in SCHEDULING}
+    right = {key: value for config in second for key, value in config.items() if key not in SCHEDULING}
+    return [f"{key}: {left.get(key)!r} / {right.get(key)!r}" for key in sorted(set(left) | set(right))
+            if left.get(key) != right.get(key)]  # fmt: skip

@@ -1,0 +1,192 @@
+"""The comparison's records as flat rows: one per run and per temperature-scaled variant (:func:`flat_rows`, the
+rows of ``results.csv`` and of every table), grouped by task and row, with the reason a value is missing.
+
+Every table, endpoint and statistic of the report reads its numbers from these rows, so that one column means one
+thing everywhere (e.g. ``shift_nll``: the mean over the shift kinds and severities, the shuffled MNIST-1D split
+apart).
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from dataclasses import asdict
+from typing import Any
+
+from .records import RunRecord
+
+__all__ = [
+    "NOT_RECORDED",
+    "POOLED",
+    "TS_SUFFIX",
+    "flat_rows",
+    "group_rows",
+    "missing_reason",
+    "ood_sets",
+    "pooled_ood_set",
+    "seed_values",
+    "with_temperature_scaled",
+]
+
+#: The suffix of the temperature-scaled variant of a row (``kep_svgp+ts``).
+TS_SUFFIX = "+ts"
+#: The reason of a value a record does not hold because it was written before the field existed.
+NOT_RECORDED = "not recorded (an older record)"
+#: The name of the OOD set that pools every OOD family of a task (issue 23's protocol).
+POOLED = "pooled"
+
+
+def with_temperature_scaled(records: list[RunRecord]) -> list[RunRecord]:
+    """The records with, after each one that has a temperature-scaled variant, that variant as a record of its own
+    (attention ``"<attention>+ts"``, the same seed, training, hyperparameters and per-example data of the scaled
+    predictions; no spectra, fidelity or OOD scores): the rows of the tables, and what the figures take to draw the
+    ``+ts`` rows."""
+    expanded = []
+    for record in records:
+        expanded.append(record)
+        scaled = record.temperature_scaled
+        if scaled is not None:
+            expanded.append(
+                RunRecord(
+                    task=record.task,
+                    attention=f"{record.attention}{TS_SUFFIX}",
+                    seed=record.seed,
+                    metrics=scaled.metrics,
+                    reliability=scaled.reliability,
+                    train=record.train,
+                    per_example=scaled.per_example,
+                    hyperparameters=record.hyperparameters,
+                    tuned=record.tuned,
+                )
+            )
+    return expanded
+
+
+def _mean_shift(record: RunRecord, key: str, shuffled: bool = False) -> float | None:
+    # NaN when a kind lacks the field (older records): fmean propagates it
+    values = [
+        getattr(entry, key)
+        for kind, levels in record.metrics.shift.items()
+        if (kind == "shuffled") == shuffled
+        for entry in levels.values()
+    ]
+    return statistics.fmean(values) if values else None
+
+
+def _fidelity_means(record: RunRecord) -> dict[str, float]:
+    # mean over layers and heads of every fidelity field
+    values: dict[str, list[float]] = {}
+    for fields_ in record.fidelity.values():
+        for name, heads in fields_.items():
+            values.setdefault(name, []).extend(heads)
+    return {name: statistics.fmean(entries) for name, entries in values.items() if entries}
+
+
+def flat_rows(records: list[RunRecord]) -> list[dict[str, Any]]:
+    """One flat row per run and per temperature-scaled variant (:func:`with_temperature_scaled`), the columns of
+    ``results.csv``:
+
+    * ``task``, ``attention`` (the row), ``seed``, ``tuned``, ``test_examples`` (the number of per-example values;
+      ``None`` in records without them);
+    * ``test_<metric>`` for every field of :class:`~gpattn.comparison.ClassificationMetrics`, and ``test_gap`` =
+      confidence - accuracy (positive: over-confident);
+    * ``shift_<metric>`` (accuracy, NLL, ECE, Brier, debiased CE): the mean over the shift kinds and severities, the
+      spatially shuffled MNIST-1D split apart (``shuffled_accuracy``, ``shuffled_ece``); ``None`` without shifts;
+    * ``ood_<set>_auroc`` (maximum probability), ``ood_<set>_auroc_mi`` (mutual information), ``_aupr_in``,
+      ``_aupr_out``, ``_fpr95`` per OOD set;
+    * ``temperature`` (the ``+ts`` rows' fitted temperature, ``None`` for the others), ``fidelity_<field>`` (KSVD
+      fidelity, mean over layers and heads), ``train_seconds``.
+    """
+    rows = []
+    for record in records:
+        variants = [(record, None)]
+        if record.temperature_scaled is not None:
+            variants.append((with_temperature_scaled([record])[1], record.temperature_scaled.temperature))
+        for variant, temperature in variants:
+            examples = variant.per_example.get("test_nll")
+            row = {
+                "task": variant.task,
+                "attention": variant.attention,
+                "seed": variant.seed,
+                "tuned": variant.tuned,
+                "test_examples": None if examples is None else len(examples),
+            }
+            row.update({f"test_{key}": value for key, value in asdict(variant.metrics.test).items()})
+            row["test_gap"] = variant.metrics.test.confidence - variant.metrics.test.accuracy
+            for key in ("accuracy", "nll", "ece", "brier", "debiased_ce"):
+                row[f"shift_{key}"] = _mean_shift(variant, key)
+            if "shuffled" in variant.metrics.shift:
+                row["shuffled_accuracy"] = _mean_shift(variant, "accuracy", shuffled=True)
+                row["shuffled_ece"] = _mean_shift(variant, "ece", shuffled=True)
+            for name, values in variant.metrics.ood.items():
+                row[f"ood_{name}_auroc"] = values.auroc_max_prob
+                row[f"ood_{name}_auroc_mi"] = values.auroc_mutual_information
+                row[f"ood_{name}_aupr_in"] = values.aupr_max_prob
+                row[f"ood_{name}_aupr_out"] = values.aupr_out_max_prob
+                row[f"ood_{name}_fpr95"] = values.fpr95_max_prob
+            row["temperature"] = temperature
+            row.update({f"fidelity_{name}": value for name, value in _fidelity_means(variant).items()})
+            row["train_seconds"] = None if variant.train is None else variant.train.seconds
+            rows.append(row)
+    return rows
+
+
+def group_rows(rows: list[dict[str, Any]]) -> dict[tuple[str, str], list[dict[str, Any]]]:
+    """``(task, row) -> its flat rows`` (one per seed), in the order the rows come."""
+    groups: dict[tuple[str, str], list[dict[str, Any]]] = {}
+    for row in rows:
+        groups.setdefault((row["task"], row["attention"]), []).append(row)
+    return groups
+
+
+def _finite(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def seed_values(group: list[dict[str, Any]], column: str) -> dict[int, float]:
+    """``{seed: value}`` of ``column`` over a group's rows, the seeds where it is a finite number."""
+    return {row["seed"]: float(row[column]) for row in group if _finite(row.get(column))}
+
+
+def ood_sets(rows: list[dict[str, Any]]) -> list[str]:
+    """The OOD set names of the rows, ``pooled`` last (from their ``ood_<set>_auroc`` columns)."""
+    names = list(
+        dict.fromkeys(key[4:-6] for row in rows for key in row if key.startswith("ood_") and key.endswith("_auroc"))
+    )
+    return [name for name in names if name != POOLED] + [name for name in names if name == POOLED]
+
+
+def pooled_ood_set(rows: list[dict[str, Any]]) -> str | None:
+    """The OOD set of a task's headline column: ``pooled`` (every OOD family together), else the task's only OOD
+    set (older MNIST-1D records: ``noise``), else ``None``."""
+    names = ood_sets(rows)
+    if POOLED in names:
+        return POOLED
+    return names[0] if len(names) == 1 else None
+
+
+def missing_reason(group: list[dict[str, Any]], column: str) -> str:
+    """Why ``column`` holds no finite value in any row of ``group`` (one task and row): the task has no such sets,
+    the records are older than the field, the row is deterministic (mutual information), or the metric is undefined
+    on every seed."""
+    present = [row.get(column) for row in group if column in row and row.get(column) is not None]
+    older = all(row.get("test_examples") is None for row in group)
+    if column.startswith("shift_") and all(row.get("shift_accuracy") is None for row in group):
+        return "no shift sets"
+    if column.startswith("ood_") and not any(key.startswith("ood_") for row in group for key in row):
+        return "no OOD sets"
+    if column.startswith("ood_") and not present:
+        return (
+            "no pooled OOD set (the sets are in the per-set tables)"
+            if column.startswith(f"ood_{POOLED}_")
+            else "no such OOD set"
+        )
+    if column.endswith("_auroc_mi"):
+        return NOT_RECORDED if older else "deterministic"
+    if column in ("test_debiased_ce", "test_sweep_ece", "shift_debiased_ce") and older:
+        return NOT_RECORDED
+    if column == "temperature":
+        return "no +ts fit"
+    if column.startswith("fidelity_"):
+        return "no KSVD layer"
+    return "undefined on every seed"

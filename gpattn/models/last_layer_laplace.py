@@ -1,0 +1,188 @@
+"""A last-layer Laplace approximation of a trained classifier with laplace-torch, predicting by Monte Carlo samples of
+its linearised (GLM) predictive logits."""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from ..validation import check_int, check_tensor
+
+__all__ = ["LastLayerLaplace"]
+
+
+class LastLayerLaplace(torch.nn.Module):
+    r"""The last-layer Laplace approximation (Daxberger et al., "Laplace Redux", NeurIPS 2021) of a trained
+    classifier whose last layer is a linear map :math:`f(x) = W \phi(x) + b` of its features :math:`\phi(x)`, fitted
+    with laplace-torch and predicting with :math:`T` Monte Carlo samples of the linearised (GLM) predictive's logits.
+
+    :meth:`fit` runs ``laplace.Laplace(head, "classification", subset_of_weights="last_layer",
+    hessian_structure="kron")`` on the training features, then ``optimize_prior_precision(method="marglik")``: the
+    posterior over :math:`\theta = (\operatorname{vec} W, b)` is
+    :math:`\mathcal N(\theta_{\mathrm{MAP}}, \Sigma)` with
+    :math:`\Sigma^{-1} = \sum_i J_i^\top \Lambda_i J_i + \delta I` Kronecker-factored (K-FAC of the generalised
+    Gauss-Newton matrix, :math:`\Lambda_i = \operatorname{diag}(p_i) - p_i p_i^\top` the softmax Hessian at the
+    trained weights) and the scalar prior precision :math:`\delta` maximising the Laplace marginal likelihood. The
+    trained weights are the MAP (no retraining). The GLM predictive of the logits of an input is
+
+    .. math::
+
+        f(x) \sim \mathcal N\big(f_{\theta_{\mathrm{MAP}}}(x),\; J(x) \Sigma J(x)^\top\big),
+        \qquad J(x) = \big[\phi(x)^\top \otimes I_C,\; I_C\big],
+
+    and :meth:`sample_logits` draws :math:`f^{(t)}(x) = \mu(x) + L(x) \varepsilon^{(t)}` with
+    :math:`L L^\top` the covariance's Cholesky factor and :math:`\varepsilon^{(t)} \sim \mathcal N(0, I_C)`
+    independent across inputs and samples (from the global torch RNG), so that the mean of
+    :math:`\operatorname{softmax}(f^{(t)}(x))` is laplace-torch's ``la(x, pred_type="glm", link_approx="mc")``.
+    laplace-torch's own ``functional_samples`` shares one :math:`\varepsilon^{(t)}` across a batch; the samples here
+    do not, so that every input's Monte Carlo error is independent, as for the other sampled predictives.
+
+    Laplace is given the classification head alone, fed the features that the model computes (captured by a forward
+    pre-hook on the last layer): the same approximation as ``Laplace(model, ..., last_layer_name=last_layer)`` on the
+    whole model, which laplace-torch calls with the inputs alone, so that it could not pass a padding mask.
+
+    :param model: The trained classifier: ``model(inputs, mask=mask)`` gives logits ``(B, C)``, and its submodule
+        ``last_layer`` is the :class:`torch.nn.Linear` that maps the features to them (its last operation).
+    :param last_layer: Name of that submodule (``"head"`` for :class:`~gpattn.models.Transformer`).
+
+    Example:
+        >>> import torch
+        >>> from gpattn.models import LastLayerLaplace, Transformer
+        >>> model = Transformer(3, embed_dim=8, depth=1, num_heads=2, attention="softmax", vocab_size=5, max_len=4)
+        >>> inputs, labels = torch.randint(0, 5, (32, 4)), torch.randint(0, 3, (32,))
+        >>> laplace = LastLayerLaplace(model).fit(inputs, labels)
+        >>> laplace.sample_logits(inputs[:6], num_samples=7).shape
+        torch.Size([7, 6, 3])
+
+    .. note:: Cost: :meth:`fit` is one forward pass over the training inputs, the K-FAC factors of the head
+        (:math:`O(n (D^2 + C^2))` for :math:`D` features) and 100 steps of the marginal likelihood on their
+        eigendecompositions; :meth:`sample_logits` one forward pass plus :math:`O(B C (D + C^2) + T B C^2)`.
+    """
+
+    def __init__(self, model: torch.nn.Module, last_layer: str = "head"):
+        super().__init__()
+        if not isinstance(model, torch.nn.Module):
+            raise TypeError(f"LastLayerLaplace: expected model to be a torch.nn.Module, got {type(model).__name__}")
+        try:
+            layer = model.get_submodule(last_layer)
+        except AttributeError:
+            layer = None
+        if not isinstance(layer, torch.nn.Linear):
+            found = "nothing" if layer is None else type(layer).__name__
+            raise ValueError(
+                f"LastLayerLaplace: expected the submodule {last_layer!r} of the model to be its last layer, a "
+                f"torch.nn.Linear, found {found}; name the linear layer that gives the logits with last_layer="
+            )
+        self.model = model
+        self.last_layer = last_layer
+        self.laplace: Any = None  # laplace-torch's KronLLLaplace after fit()
+
+    def forward(self, inputs: Tensor, mask: Tensor | str | None = None) -> Tensor:
+        """The model's logits at the trained weights, shape ``(B, C)``: the GLM predictive's mean."""
+        return self.model(inputs, mask=mask)
+
+    @torch.no_grad()
+    def features(self, inputs: Tensor, mask: Tensor | str | None = None, batch_size: int | None = None) -> Tensor:
+        r"""The last layer's inputs :math:`\phi(x)` ``(B, D)``, from one eval-mode pass of the model (by batches of
+        ``batch_size`` inputs, all at once for ``None``); the model's training mode is restored."""
+        check_tensor("inputs", inputs, where="LastLayerLaplace")
+        if batch_size is not None:
+            check_int("batch_size", batch_size, where="LastLayerLaplace")
+        captured: list[Tensor] = []
+        handle = self.model.get_submodule(self.last_layer).register_forward_pre_hook(
+            lambda module, args: captured.append(args[0].detach())
+        )
+        was_training = self.model.training
+        self.model.eval()
+        step = inputs.shape[0] if batch_size is None else batch_size
+        try:
+            for start in range(0, inputs.shape[0], step):
+                batch_mask = mask[start : start + step] if isinstance(mask, Tensor) else mask
+                self.model(inputs[start : start + step], mask=batch_mask)
+        finally:
+            handle.remove()
+            self.model.train(was_training)
+        return torch.cat(captured)
+
+    def fit(
+        self, inputs: Tensor, labels: Tensor, mask: Tensor | str | None = None, batch_size: int = 256
+    ) -> LastLayerLaplace:
+        """Fit the approximation on the training data (see the class docstring) and return ``self``.
+
+        :param inputs: The training inputs, as the model takes them.
+        :param labels: Their integer labels ``(n,)``.
+        :param mask: The model's mask argument (a tensor is cut into batches with ``inputs``).
+        :param batch_size: Inputs per forward pass and per curvature batch.
+        :raises ImportError: laplace-torch is not installed (``pip install 'gpattn[laplace]'``).
+        """
+        check_int("batch_size", batch_size, where="LastLayerLaplace.fit")
+        check_tensor("labels", labels, where="LastLayerLaplace.fit")
+        if labels.dim() != 1 or labels.shape[0] != inputs.shape[0] or labels.is_floating_point():
+            raise ValueError(
+                f"LastLayerLaplace.fit: expected integer labels of shape ({inputs.shape[0]},), got "
+                f"{labels.dtype} {tuple(labels.shape)}"
+            )
+        # laplace-torch is an optional dependency, and imports torchmetrics, which imports torchvision: imported here,
+        # through gpattn.integrations (which makes a torchvision built for another torch importable), not by every
+        # import of gpattn.models
+        from ..integrations import import_torchvision
+
+        import_torchvision()
+        try:
+            from laplace import Laplace
+        except ImportError as error:
+            raise ImportError(
+                "LastLayerLaplace needs laplace-torch: pip install 'gpattn[laplace]' (or laplace-torch)"
+            ) from error
+        features = self.features(inputs, mask, batch_size)
+        head = torch.nn.Sequential(self.model.get_submodule(self.last_layer))
+        laplace = Laplace(
+            head, "classification", subset_of_weights="last_layer", hessian_structure="kron", last_layer_name="0"
+        )
+        data = torch.utils.data.TensorDataset(features, labels.to(features.device))
+        laplace.fit(torch.utils.data.DataLoader(data, batch_size=batch_size))
+        with warnings.catch_warnings():  # its reminder of the link approximation concerns a grid search on validation
+            warnings.filterwarnings("ignore", message="By default `link_approx` is `probit`")
+            laplace.optimize_prior_precision(method="marglik")
+        self.laplace = laplace
+        return self
+
+    def _fitted(self) -> Any:
+        if self.laplace is None:
+            raise RuntimeError("LastLayerLaplace: call fit() on the training data before predicting")
+        return self.laplace
+
+    @torch.no_grad()
+    def predictive_moments(
+        self, inputs: Tensor, mask: Tensor | str | None = None, batch_size: int | None = None
+    ) -> tuple[Tensor, Tensor]:
+        r"""The GLM predictive of the logits: mean :math:`f_{\theta_{\mathrm{MAP}}}(x)` ``(B, C)`` and covariance
+        :math:`J(x) \Sigma J(x)^\top` ``(B, C, C)``, from laplace-torch's last-layer Jacobians and functional
+        variance, in the model's dtype."""
+        laplace = self._fitted()
+        jacobians, mean = laplace.backend.last_layer_jacobians(self.features(inputs, mask, batch_size))
+        return mean, laplace.functional_variance(jacobians)
+
+    @torch.no_grad()
+    def sample_logits(
+        self,
+        inputs: Tensor,
+        mask: Tensor | str | None = None,
+        num_samples: int = 10,
+        batch_size: int | None = None,
+    ) -> Tensor:
+        """:math:`T` = ``num_samples`` draws of the GLM predictive's logits (see the class docstring), shape
+        ``(T, B, C)``, in float64 (the Cholesky factor of the covariance is taken in float64)."""
+        check_int("num_samples", num_samples, where="LastLayerLaplace.sample_logits")
+        parts = []
+        step = inputs.shape[0] if batch_size is None else check_int("batch_size", batch_size)
+        for start in range(0, inputs.shape[0], step):
+            batch_mask = mask[start : start + step] if isinstance(mask, Tensor) else mask
+            mean, covariance = self.predictive_moments(inputs[start : start + step], batch_mask)
+            mean, factor = mean.double(), torch.linalg.cholesky(covariance.double())
+            noise = torch.randn(num_samples, *mean.shape, dtype=torch.float64, device=mean.device)  # (T, B, C)
+            parts.append(mean + torch.einsum("bij,tbj->tbi", factor, noise))
+        return torch.cat(parts, dim=1)

@@ -1,0 +1,167 @@
+r"""The output of a kernel-eigen readout through linear maps, :math:`y = b + \sum_b S_b^\top A^b` with the
+coefficients :math:`A^b = \Lambda^{-1} \sum_c u^b_c C^b_c` of the mean or a joint draw of :math:`q(u)`, as one
+autograd function with a hand-written backward pass.
+
+An attention layer's output is linear in its GP outputs :math:`F^b_c(x) = e^b(x) \Lambda^{-1} u^b_c`, so with a map
+:math:`C^b` per branch (``(H, d_out, C)``) and the bias :math:`b` it is (docs/math.md section 3)
+
+.. math::
+
+    y = b + \sum_b e^b(X) A^b, \qquad A^b = \Lambda^{-1} \textstyle\sum_c u^b_c C^b_c, \qquad
+    u = m + L \varepsilon \quad (\text{or } u = m),
+
+with one ``(s, C)`` matrix :math:`A^b` per sequence (per draw), branch and head: the GP outputs are never formed.
+Autograd through the draw, the branch selections, the divisions by :math:`\Lambda`, the per-branch products and the
+output GEMM visits about sixty small operators, forward and backward. Here the forward pass is one batched GEMM for
+every draw (:math:`L \varepsilon + m` over every head, output and branch), one scaling by :math:`\Lambda^{-1}`, one
+contraction with the maps for both branches and every draw, and one output GEMM of inner dimension
+:math:`K = \text{branches} \cdot H s` over the stacked scores :math:`S` (``(B, K, N)``,
+:meth:`~gpattn.features.KernelEigenScores.columns`); the backward pass is the same few products:
+
+.. math::
+
+    \bar S = A \bar y^\top, \quad \bar A = S \bar y, \quad \bar b = \textstyle\sum \bar y, \quad
+    \bar U = C \bar A^\top \Lambda^{-1}, \quad \bar m = \textstyle\sum_{\text{draws}} \bar U, \quad
+    \bar L = \operatorname{tril}(\bar U \varepsilon^\top), \quad \bar C = (U \Lambda^{-1})^\top \bar A, \quad
+    \bar\Lambda = -\Lambda^{-2} \textstyle\sum \bar U \circ U,
+
+the scores' gradient :math:`\bar S` in their own ``(B, K, N)`` layout (autograd through a transposed view would hand
+it back transposed, and every elementwise pass over it downstream would read it with a stride of :math:`K`).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from ..fused import autocast_state, restored_autocast
+
+
+class LinearOutput(torch.autograd.Function):
+    r""":math:`y = b + S^\top A` with the readout coefficients :math:`A` of ``branches`` branches (see the module
+    docstring).
+
+    Inputs:
+
+    * ``columns`` :math:`S` ``(B, K, N)``: the stacked scores, :math:`K = \text{branches} \cdot H s` rows ordered
+      (branch, head, direction); ``bias`` :math:`b`, broadcastable to ``(B, N, C)``;
+    * ``mean`` :math:`m` ``(H, d_out, Q, s)``: the stacked :math:`q(u)` of ``Q`` branches (``Q = 1``: one :math:`q(u)`
+      shared by every branch); or draws of :math:`u` made elsewhere, ``(H, d_out, Q, s, B)`` (with ``factor`` and
+      ``noise`` ``None``);
+    * ``factor`` the Cholesky parameter ``(H, d_out, Q, s, s)`` (its lower triangle :math:`L` is read) and ``noise``
+      :math:`\varepsilon` ``(B, H, d_out, Q, s)``, one joint draw :math:`u = m + L \varepsilon` per sequence; or both
+      ``None``: the mean :math:`u = m`;
+    * ``singular_values`` :math:`\Lambda` ``(H, s)`` or ``(B, H, s)`` (a spectrum per sequence), or ``None``
+      (whitened: no :math:`\Lambda^{-1}`); ``active``: ``None`` or a boolean of the shape of :math:`\Lambda`, false
+      where a direction is numerically zero (its coefficients are zero);
+    * ``maps`` :math:`C`: one map ``(H, d_out, C)`` for every branch, or one per branch ``(branches, H, d_out, C)``;
+    * ``branches``: the number of branches read, ``Q`` or, with ``Q = 2``, 1 (the first branch alone).
+
+    Output: ``(B, N, C)``.
+
+    .. note:: Cost per head: O(d_out s^2 B) for the draws and O(branches d_out s B C) for the coefficients (B = 1 for
+        the mean), forward and backward; O(N K C) per sequence for the output GEMM and twice that backward.
+    """
+
+    @staticmethod
+    def forward(
+        ctx,
+        columns: Tensor,
+        bias: Tensor,
+        mean: Tensor,
+        factor: Tensor | None,
+        noise: Tensor | None,
+        singular_values: Tensor | None,
+        active: Tensor | None,
+        maps: Tensor,
+        branches: int,
+    ) -> Tensor:
+        ctx.autocast = autocast_state(columns.device.type)  # the backward pass runs its products in the same dtype
+        stacked = mean.shape[2]
+        drawn = mean.dim() == 5
+        if factor is None:  # u = m (H, d_out, Q, s, 1), or draws given (H, d_out, Q, s, B)
+            lower, draws = None, mean if drawn else mean.unsqueeze(-1)
+        else:  # u = m + L eps for every sequence: one (s, s) x (s, B) product per head, output and branch
+            lower = factor.tril()
+            draws = torch.einsum("hdqij,bhdqj->hdqib", lower, noise).add_(mean.unsqueeze(-1))
+        # the branches read: every branch from the one shared q(u), or the first `branches` of the stack
+        if stacked == 1:
+            draws = draws.expand(-1, -1, branches, -1, -1)
+        elif branches < stacked:
+            draws = draws[:, :, :branches]
+        inverse = _inverse_scales(singular_values, active, mean.dtype)  # Lambda^{-1}: (H, s) or (B, H, s), or None
+        letters = _letters(inverse, maps)
+        operands = (draws, maps) if inverse is None else (draws, inverse, maps)
+        coefficients = torch.einsum(f"{letters['draws']},{letters['maps']}->bqhsc", *operands)  # (B, br, H, s, C)
+        coefficients = coefficients.reshape(coefficients.shape[0], -1, coefficients.shape[-1])  # (B or 1, K, C)
+        if coefficients.shape[0] != columns.shape[0]:  # one coefficient matrix for every sequence
+            coefficients = coefficients.expand(columns.shape[0], -1, -1)
+        output = torch.baddbmm(bias, columns.mT, coefficients)
+        ctx.save_for_backward(columns, coefficients, lower, noise, draws, inverse, maps, singular_values)
+        ctx.stacked, ctx.drawn, ctx.bias_shape = stacked, drawn, bias.shape
+        return output
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        with restored_autocast(ctx.autocast):
+            return _backward(ctx, grad)
+
+
+def _backward(ctx, grad: Tensor) -> tuple:
+    columns, coefficients, lower, noise, draws, inverse, maps, singular_values = ctx.saved_tensors
+    needs = ctx.needs_input_grad
+    heads, outputs, branches, rank, samples = draws.shape
+    samples = max(samples, 1 if inverse is None or inverse.dim() == 2 else inverse.shape[0])
+    if not grad.is_contiguous():  # e.g. the expanded gradient of output.sum(): one copy, not one per sequence in bmm
+        grad = grad.contiguous()
+    grad_bias = grad.sum_to_size(ctx.bias_shape) if needs[1] else None
+    grad_columns = torch.bmm(coefficients, grad.mT) if needs[0] else None
+    if not any(needs[2:]):
+        return grad_columns, grad_bias, None, None, None, None, None, None, None
+    grad_coefficients = torch.bmm(columns, grad)  # (B, K, C)
+    if samples == 1:  # one coefficient matrix for every sequence
+        grad_coefficients = grad_coefficients.sum(0, keepdim=True)
+    grad_coefficients = grad_coefficients.view(samples, branches, heads, rank, -1)
+    letters = _letters(inverse, maps)
+    scaling = () if inverse is None else (inverse,)
+    scale = "" if inverse is None else f",{letters['inverse']}"
+    draws_letters = letters["draws"].split(",")[0]
+    grad_maps = grad_mean = grad_factor = grad_singular_values = None
+    if needs[7]:  # (U Lambda^{-1})^T dA, summed over the branches of a shared map
+        equation = f"{draws_letters}{scale},bqhsc->{letters['maps']}"
+        grad_maps = torch.einsum(equation, draws, *scaling, grad_coefficients)
+    if inverse is not None and needs[5]:  # d Lambda = -Lambda^{-2} d(Lambda^{-1}) = -Lambda^{-2} sum dU U
+        equation = f"bqhsc,{letters['maps']},{draws_letters}{scale}{scale}->{letters['inverse']}"
+        grad_singular_values = torch.einsum(equation, grad_coefficients, maps, draws, inverse, inverse).neg_()
+    if needs[2] or needs[3]:  # dU = C dA^T Lambda^{-1}, summed over the branches that read one q(u)
+        equation = f"bqhsc,{letters['maps']}{scale}->hdqsb"
+        grad_draws = torch.einsum(equation, grad_coefficients, maps, *scaling)  # (H, d_out, branches, s, B)
+        if ctx.stacked == 1:  # one q(u) read by every branch
+            grad_draws = grad_draws.sum(2, keepdim=True)
+        elif branches < ctx.stacked:  # branches not read get no gradient
+            grad_draws = torch.cat([grad_draws, grad_draws.new_zeros(heads, outputs, 1, rank, samples)], dim=2)
+        grad_mean = grad_draws if ctx.drawn else grad_draws.sum(-1)  # (H, d_out, Q, s[, B])
+        if lower is not None and needs[3]:  # dL = tril(dU eps^T)
+            grad_factor = torch.einsum("hdqib,bhdqj->hdqij", grad_draws, noise).tril()
+    return grad_columns, grad_bias, grad_mean, grad_factor, None, grad_singular_values, None, grad_maps, None
+
+
+def _letters(inverse: Tensor | None, maps: Tensor) -> dict[str, str]:
+    # the einsum subscripts of the draws (H, d_out, branches, s, B), Lambda^{-1} ((H, s), or (B, H, s) per sequence)
+    # and the maps ((H, d_out, C) shared by every branch, or (branches, H, d_out, C))
+    inverse_letters = "" if inverse is None else ("hs" if inverse.dim() == 2 else "bhs")
+    return {
+        "draws": "hdqsb" if inverse is None else f"hdqsb,{inverse_letters}",
+        "inverse": inverse_letters,
+        "maps": "hdc" if maps.dim() == 3 else "qhdc",
+    }
+
+
+def _inverse_scales(singular_values: Tensor | None, active: Tensor | None, dtype: torch.dtype) -> Tensor | None:
+    # Lambda^{-1} (1 when whitened; 0 for an inactive direction), (H, s) or (B, H, s); None when nothing scales
+    if singular_values is None and active is None:
+        return None
+    if singular_values is None:
+        return active.to(dtype)
+    inverse = singular_values.reciprocal()
+    return inverse if active is None else torch.where(active, inverse, 0.0)

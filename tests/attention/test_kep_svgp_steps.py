@@ -1,0 +1,71 @@
+"""One default KEP-SVGP training step (issue 25): the number of operators it runs (the profiler's top-level aten
+calls, forward and backward, as benchmarks/attention_scaling.py --count-ops counts them) and its bfloat16 autocast
+output against float32 on the benchmark's inputs (B = 16, N = 256, C = 128, 4 heads, s = 10)."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+import torch
+
+from gpattn.attention import build_attention
+
+SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "attention_scaling.py"
+#: the operators of one step before issue 25 (amortised features, joint sampling, KL, KSVD penalty, backward)
+OPERATORS_BEFORE = 402
+
+
+@pytest.fixture(scope="module")
+def bench():
+    spec = importlib.util.spec_from_file_location("attention_scaling_for_steps", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _step(layer: torch.nn.Module, x: torch.Tensor, autocast: bool = False) -> torch.Tensor:
+    layer.zero_grad(set_to_none=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        output = layer(x)
+        loss = output.float().sum() + layer.kl_divergence()
+        for term in layer.added_loss_terms():
+            loss = loss + term.loss()
+    loss.backward()
+    return output
+
+
+def test_a_training_step_runs_at_most_half_the_operators_of_before(bench):
+    """The count does not depend on the sizes: a small layer stands for the benchmark's."""
+    torch.manual_seed(0)
+    layer = build_attention("kep_svgp", 16, 4, num_inducing=3).train()
+    x = torch.randn(2, 8, 16)
+    _step(layer, x)  # first call: lazy initialisations out of the count
+    operators = bench.count_ops(lambda: bench._step(layer, x))
+    assert operators <= OPERATORS_BEFORE // 2, operators
+
+
+def test_bfloat16_autocast_step_against_float32_on_the_benchmark_inputs():
+    """Under CPU autocast the output is bfloat16 within 2e-2 (relative, in norm and in the largest entry) of the float32
+    output under the same draw; the KL and the KSVD penalty stay float32 and close to float32's; every gradient is
+    finite."""
+    torch.manual_seed(0)
+    layer = build_attention("kep_svgp", 128, 4, num_inducing=10).train()
+    x = torch.randn(16, 256, 128)
+    results = {}
+    for autocast in (False, True):
+        torch.manual_seed(5)  # the same joint draw
+        output = _step(layer, x, autocast)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            kl, penalty = layer.kl_divergence(), sum(term.loss() for term in layer.added_loss_terms())
+        grads = [p.grad for p in layer.parameters() if p.grad is not None]
+        results[autocast] = (output.detach(), kl.detach(), penalty.detach(), grads)
+    (reference, ref_kl, ref_penalty, _), (low, kl, penalty, grads) = results[False], results[True]
+    assert low.dtype == torch.bfloat16 and kl.dtype == penalty.dtype == torch.float32
+    difference = low.float() - reference
+    assert difference.norm() / reference.norm() < 2e-2
+    assert difference.abs().max() / reference.abs().max() < 2e-2
+    torch.testing.assert_close(kl, ref_kl, rtol=1e-6, atol=0)  # the KL never sees the tokens: float32 throughout
+    torch.testing.assert_close(penalty, ref_penalty, rtol=2e-2, atol=0)
+    assert grads and all(torch.isfinite(grad).all() for grad in grads)

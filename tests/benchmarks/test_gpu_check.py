@@ -1,0 +1,44 @@
+"""benchmarks/gpu_check.py end to end on CPU at tiny sizes (``--device cpu --smoke``): every section runs, the JSON
+holds the environment, the float64 equivalence of every layer, the counts, the scaling table with its ratios and
+the MNIST-1D runs with the identity of their records. What it measures on a GPU is not tested here (CI has none)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "gpu_check.py"
+
+
+@pytest.fixture(scope="module")
+def check():
+    spec = importlib.util.spec_from_file_location("gpu_check_under_test", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_smoke_run_on_cpu(check, tmp_path, capsys):
+    out = tmp_path / "gpu_check.json"
+    check.main(["--device", "cpu", "--smoke", "--out", str(out)])
+    results = json.loads(out.read_text())
+    assert {"config", "environment", "equivalence", "counts", "scaling", "mnist1d", "seconds"} <= results.keys()
+    assert results["environment"]["torch"] and results["environment"]["device"] == "cpu"
+    equivalence = results["equivalence"]
+    layers = [name for name in equivalence if name != "kep_svgp_triton_vs_pytorch"]
+    assert {"kep_svgp", "softmax", "sgpa", "kep_svgp_exact", "kep_svgp_official_style"} <= set(layers)
+    for name in layers:  # CPU against CPU: identical, and finite float32 and bfloat16 training steps
+        assert equivalence[name]["ok"] and equivalence[name]["float64_difference"] == 0.0, (name, equivalence[name])
+        assert equivalence[name]["steps_finite"] == {"float32": True, "bfloat16": True}, name
+    assert equivalence["kep_svgp_triton_vs_pytorch"]["ok"]
+    assert results["counts"]["kep_svgp"]["operators"] <= 201  # half of the 402 before issue 25
+    table = results["scaling"]["table"]
+    assert set(table) == {"16", "32"} and "kep_svgp_bf16" in table["16"]["times_ms"]
+    assert "kep_svgp / floor" in results["scaling"]["ratios"]["16"]
+    mnist1d = results["mnist1d"]
+    assert mnist1d["runs"]["kep_svgp"]["cpu"]["seconds"] > 0
+    assert mnist1d["jobs_identity"]["identical_records"] is True
+    assert "jobs identity" in capsys.readouterr().out

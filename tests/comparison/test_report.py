@@ -1,0 +1,430 @@
+"""The comparison's report from synthetic records built here: the flat rows, the full tables (n once per row, n/a with
+its reason, the temperature at its bound, like-for-like paired differences), the headline of the declared endpoints
+(the primary estimate against scipy and the seeds-and-examples bootstrap, the verdict rule, Holm over the
+secondaries), results.json's environment, the results page, the verdict check between two run folders and the run
+folder's outputs that ``--overwrite`` replaces."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import statistics
+
+import numpy as np
+import pytest
+import torch
+from scipy import stats
+
+from gpattn.cli import main
+from gpattn.comparison import (
+    CompareConfig,
+    RunRecord,
+    hierarchical_difference,
+    holm_adjusted,
+    paired_difference,
+    read_records,
+)
+from gpattn.comparison.endpoints import PRIMARY_ENDPOINT, SECONDARY_ENDPOINTS, declaration_text
+from gpattn.comparison.headline import estimate_endpoint, estimate_secondaries, headline_text, verdict
+from gpattn.comparison.report import (
+    TEMPERATURE_BOUNDS,
+    format_difference,
+    markdown_table,
+    table_text,
+    write_outputs,
+)
+from gpattn.comparison.results_page import compare_verdicts, read_run_folders, results_page
+from gpattn.comparison.table_rows import flat_rows
+
+EXAMPLES = 40
+FAMILIES = ("flat", "smooth_noise", "pooled")
+
+
+def _record(
+    task: str,
+    row: str,
+    seed: int,
+    *,
+    nll_shift: float = 0.0,
+    deterministic: bool = False,
+    temperature: float = 1.5,
+    old: bool = False,
+) -> RunRecord:
+    """A record whose numbers are functions of (task, row, seed): per-example NLLs, their mean the test NLL (and
+    0.9 times both for the +ts variant), shifts on two kinds, OOD families with the mutual information unless
+    ``deterministic``; ``old``: as written before the protocol's fields."""
+    rng = np.random.default_rng([seed, len(row), sum(map(ord, row + task))])
+    nll = rng.gamma(2.0, 0.2, EXAMPLES) + nll_shift
+    accuracy = 0.85 + 0.01 * seed + (0.02 if row.startswith("kep") else 0.0)
+    test = dict(accuracy=accuracy, confidence=accuracy - 0.03, nll=float(nll.mean()), ece=0.02 + 0.001 * seed,
+                mce=0.1, brier=0.2, aurc=0.05, eaurc=0.01, auroc=0.8, fpr95=0.4, classwise_ece=0.01)  # fmt: skip
+    if not old:
+        test.update(debiased_ce=0.015 + 0.002 * seed, sweep_ece=0.02)
+    shift = {
+        kind: {str(level): dict(accuracy=0.7, nll=0.8 + 0.1 * level + nll_shift, ece=0.1 + 0.01 * level + 0.002 * seed,
+                                brier=0.3 + 0.01 * level, **({} if old else {"debiased_ce": 0.05}))
+               for level in range(1, 6)}
+        for kind in ("iid_noise", "shear")
+    }  # fmt: skip
+    sets = ("noise",) if old else FAMILIES
+    ood = {
+        name: dict(auroc_max_prob=0.7 + 0.01 * seed, auroc_entropy=0.7, aupr_max_prob=0.8, fpr95_max_prob=0.5,
+                   aupr_out_max_prob=0.6, **({} if old or deterministic else {"auroc_mutual_information": 0.8}))
+        for name in sets
+    }  # fmt: skip
+    data = {
+        "task": task,
+        "attention": row,
+        "seed": seed,
+        "metrics": {"test": test, "shift": shift, "ood": ood},
+        "train": {"seconds": 2.0, "epochs": 60, "best_epoch": 30, "num_parameters": 1000, "ensemble": 1},
+        "temperature_scaled": {
+            "temperature": temperature,
+            "metrics": {"test": {**test, "nll": 0.9 * float(nll.mean())}, "shift": shift, "ood": ood},
+            **({} if old else {"per_example": {"test_nll": (0.9 * nll).tolist()}}),
+        },
+    }
+    if not old:
+        correct = [1.0] * EXAMPLES
+        data.update(
+            per_example={"test_nll": nll.tolist(), "test_correct": correct, "test_confidence": correct},
+            hyperparameters={"lr": 0.003, "epochs": 60, "num_inducing": None},
+            tuned=True,
+        )
+    return RunRecord.from_dict(json.loads(json.dumps(data)))
+
+
+def _records(kep_shift: float = -0.1, old: bool = False, seeds: int = 10) -> list[RunRecord]:
+    records = []
+    for task in ("mnist1d", "digits"):
+        for row, shift, deterministic in (("kep_svgp", kep_shift, False), ("softmax", 0.0, True)):
+            records += [
+                _record(task, row, s, nll_shift=shift, deterministic=deterministic, old=old) for s in range(seeds)
+            ]
+        records += [_record(task, "sgpa", s, temperature=TEMPERATURE_BOUNDS[1] if s == 0 else 2.0) for s in range(5)]
+    return records
+
+
+def _cells(table: str, row: str, task: str = "mnist1d") -> dict[str, str]:
+    """The cells of ``row`` in the main table of ``task``, by header."""
+    section = table.split(f"### {task}\n\n")[1]
+    lines = section.splitlines()
+    header = [cell.strip() for cell in lines[0].strip("|").split("|")]
+    line = next(line for line in lines if line.startswith(f"| {row} |"))
+    return dict(zip(header, (cell.strip() for cell in line.strip("|").split("|")), strict=True))
+
+
+@pytest.fixture(scope="module")
+def records() -> list[RunRecord]:
+    return _records()
+
+
+# -- records and flat rows -------------------------------------------------------------------------------------------
+def test_protocol_fields_round_trip_and_old_records_read_back() -> None:
+    record = _record("mnist1d", "kep_svgp", 3)
+    again = RunRecord.from_dict(json.loads(json.dumps(record.to_dict(), allow_nan=False)))
+    assert again.per_example == record.per_example and len(again.per_example["test_nll"]) == EXAMPLES
+    assert again.temperature_scaled.per_example["test_nll"] == record.temperature_scaled.per_example["test_nll"]
+    assert again.hyperparameters == {"lr": 0.003, "epochs": 60, "num_inducing": None} and again.tuned is True
+    assert again.metrics.ood["pooled"].auroc_mutual_information == 0.8
+    assert again.metrics.test.debiased_ce == pytest.approx(0.021)
+    old = _record("mnist1d", "kep_svgp", 3, old=True)
+    assert old.per_example == {} and old.hyperparameters == {} and old.tuned is False
+    assert math.isnan(old.metrics.test.debiased_ce) and math.isnan(old.metrics.ood["noise"].auroc_mutual_information)
+    softmax = _record("mnist1d", "softmax", 0, deterministic=True).to_dict()
+    assert softmax["undefined"]["metrics.ood.pooled.auroc_mutual_information"].startswith("nan: deterministic")
+
+
+def test_flat_rows(records) -> None:
+    rows = flat_rows(records[:1])
+    record = records[0]
+    plain, scaled = rows
+    assert (plain["attention"], scaled["attention"]) == ("kep_svgp", "kep_svgp+ts")
+    assert plain["test_gap"] == pytest.approx(record.metrics.test.confidence - record.metrics.test.accuracy)
+    shifted = [entry for levels in record.metrics.shift.values() for entry in levels.values()]
+    assert plain["shift_nll"] == pytest.approx(statistics.fmean(entry.nll for entry in shifted), abs=1e-15)
+    assert plain["shift_brier"] == pytest.approx(statistics.fmean(entry.brier for entry in shifted), abs=1e-15)
+    assert plain["ood_pooled_auroc_mi"] == 0.8 and plain["test_examples"] == EXAMPLES and plain["tuned"] is True
+    assert scaled["test_nll"] == pytest.approx(0.9 * plain["test_nll"]) and scaled["temperature"] == 1.5
+    assert plain["temperature"] is None
+
+
+# -- the full tables -------------------------------------------------------------------------------------------------
+def test_main_table_has_n_once_per_row_and_the_means(records) -> None:
+    table = markdown_table(records)
+    cells = _cells(table, "kep_svgp")
+    group = [r for r in records if r.task == "mnist1d" and r.attention == "kep_svgp"]
+    accuracy = [100 * r.metrics.test.accuracy for r in group]
+    assert (
+        cells["n"] == "10"
+        and cells["accuracy"] == f"{statistics.fmean(accuracy):.2f} ± {statistics.stdev(accuracy):.2f}"
+    )
+    nll = [r.metrics.test.nll for r in group]
+    assert cells["NLL"] == f"{statistics.fmean(nll):.3f} ± {statistics.stdev(nll):.3f}"
+    gap = [100 * (r.metrics.test.confidence - r.metrics.test.accuracy) for r in group]
+    assert cells["conf − acc"] == f"{statistics.fmean(gap):.2f} ± {statistics.stdev(gap):.2f}"
+    assert cells["T"] == "1 (as trained)" and _cells(table, "kep_svgp+ts")["T"] == "1.50 ± 0.00"
+    assert "(n=" not in table.split("### mnist1d")[1].split("OOD AUROC per set")[0]  # every value on every seed
+    header = table.split("### mnist1d\n\n")[1].splitlines()[0]
+    assert header.count("|") == 15  # row, n and 12 metrics
+
+
+def test_missing_values_say_why(records) -> None:
+    table = markdown_table(records)
+    assert _cells(table, "softmax")["OOD AUROC (MI)"] == "n/a: deterministic"
+    assert _cells(table, "kep_svgp")["OOD AUROC (MI)"] == "80.00 ± 0.00"
+    old = markdown_table(_records(old=True, seeds=5)[:5] + records[10:15])  # old kep_svgp records, new softmax ones
+    assert _cells(old, "kep_svgp")["debiased CE"] == "n/a: not recorded (an older record)"
+    assert _cells(old, "kep_svgp")["OOD AUROC"].startswith("n/a: no pooled OOD set")  # its only set: noise
+    # a task without shifts or OOD sets, a value on fewer seeds than the row has
+    bare = [dataclasses.replace(r, metrics=dataclasses.replace(r.metrics, shift={}, ood={})) for r in records[:3]]
+    undefined = dataclasses.replace(bare[2].metrics.test, auroc=math.nan, ece=math.nan)
+    bare[2] = dataclasses.replace(bare[2], metrics=dataclasses.replace(bare[2].metrics, test=undefined))
+    cells = _cells(markdown_table(bare), "kep_svgp")
+    assert cells["shift NLL"] == "n/a: no shift sets" and cells["OOD AUROC"] == "n/a: no OOD sets"
+    ece = [100 * r.metrics.test.ece for r in bare[:2]]
+    assert cells["ECE"] == f"{statistics.fmean(ece):.2f} ± {statistics.stdev(ece):.2f} (n=2)"
+    assert " |  |" not in markdown_table(bare) and "| - |" not in markdown_table(bare)  # never a silent blank
+
+
+def test_temperature_at_its_bound_is_noted(records) -> None:
+    cell = _cells(markdown_table(records), "sgpa+ts")["T"]
+    assert cell.endswith("(1 of 5 at the fit's upper bound 100)")
+    single = [r for r in records if r.attention == "sgpa" and r.seed == 0]
+    assert _cells(markdown_table(single), "sgpa+ts")["T"] == "100.00 (1 of 1 at the fit's upper bound 100)"
+    low = [dataclasses.replace(single[0], temperature_scaled=dataclasses.replace(single[0].temperature_scaled,
+                                                                                 temperature=0.01))]  # fmt: skip
+    assert "at the fit's lower bound 0.01" in _cells(markdown_table(low), "sgpa+ts")["T"]
+    assert TEMPERATURE_BOUNDS == (0.01, 100.0)
+
+
+def test_paired_tables_are_like_for_like(records) -> None:
+    table = markdown_table(records).split("### digits")[0]
+    untempered = table.split("Paired differences, kep_svgp − every other row")[1].split("\n\n", 2)[1]
+    scaled = table.split("Paired differences, kep_svgp+ts − every other +ts row")[1].split("\n\n", 2)[1]
+    assert [line.split(" |")[0] for line in untempered.splitlines()[2:]] == ["| softmax", "| sgpa"]
+    assert [line.split(" |")[0] for line in scaled.splitlines()[2:]] == ["| softmax+ts", "| sgpa+ts"]
+    # kep_svgp+ts - softmax+ts NLL: the paired t interval of the scaled NLLs over the 10 seeds
+    left = {
+        r.seed: r.temperature_scaled.metrics.test.nll
+        for r in records
+        if (r.task, r.attention) == ("mnist1d", "kep_svgp")
+    }
+    right = {
+        r.seed: r.temperature_scaled.metrics.test.nll
+        for r in records
+        if (r.task, r.attention) == ("mnist1d", "softmax")
+    }
+    expected = paired_difference(left, right)
+    row = next(line for line in scaled.splitlines() if line.startswith("| softmax+ts |"))
+    assert f"{expected.mean:+.3f} [{expected.low:+.3f}, {expected.high:+.3f}]" in row and "| 10 |" in row
+    assert "*" not in table  # descriptive: no significance marks
+
+
+def test_format_difference_is_the_paired_t_interval() -> None:
+    reference = {0: 0.90, 1: 0.85, 2: 0.88, 3: 0.91, 4: 0.87}
+    other = {0: 0.80, 1: 0.82, 2: 0.79, 3: 0.85, 4: 0.81}
+    interval = stats.ttest_rel(list(reference.values()), list(other.values())).confidence_interval(0.95)
+    mean = statistics.fmean(reference[s] - other[s] for s in reference)
+    assert format_difference(reference, other, True) == (
+        f"{100 * mean:+.2f} [{100 * interval.low:+.2f}, {100 * interval.high:+.2f}]"
+    )
+    four = {seed: value for seed, value in reference.items() if seed < 4}
+    assert format_difference(four, other, False).endswith("(n = 4 < 5, no interval)")
+    assert format_difference({7: 1.0}, other, False) == "-"
+
+
+def test_published_numbers_are_listed(records) -> None:
+    table = markdown_table(records)
+    assert "| mnist1d | CNN | 94 |" in table and "| mnist1d | human | 96 |" in table and "not measured here" in table
+
+
+# -- the headline ----------------------------------------------------------------------------------------------------
+def _per_seed(records, row: str, scaled: bool, task: str = "mnist1d") -> dict[int, list[float]]:
+    return {
+        r.seed: (r.temperature_scaled.per_example if scaled else r.per_example)["test_nll"]
+        for r in records
+        if r.task == task and r.attention == row
+    }
+
+
+def test_primary_estimate_against_scipy_and_the_bootstrap(records) -> None:
+    estimate = estimate_endpoint(records, PRIMARY_ENDPOINT, num_resamples=2000)
+    left = {
+        r.seed: r.temperature_scaled.metrics.test.nll
+        for r in records
+        if (r.task, r.attention) == ("mnist1d", "kep_svgp")
+    }
+    right = {
+        r.seed: r.temperature_scaled.metrics.test.nll
+        for r in records
+        if (r.task, r.attention) == ("mnist1d", "softmax")
+    }
+    differences = [left[s] - right[s] for s in left]
+    interval = stats.ttest_rel(list(left.values()), list(right.values())).confidence_interval(0.95)
+    assert estimate.mean == pytest.approx(statistics.fmean(differences), abs=1e-14) and estimate.n == 10
+    assert (estimate.t.low, estimate.t.high) == pytest.approx((interval.low, interval.high), abs=1e-12)
+    assert estimate.p_value == pytest.approx(stats.ttest_rel(list(left.values()), list(right.values())).pvalue)
+    bootstrap = hierarchical_difference(_per_seed(records, "kep_svgp", True), _per_seed(records, "softmax", True),
+                                        num_resamples=2000)  # fmt: skip
+    assert (estimate.hierarchical.low, estimate.hierarchical.high) == (bootstrap.low, bootstrap.high)
+    assert estimate.examples == EXAMPLES and estimate.hierarchical.mean == pytest.approx(estimate.mean, abs=1e-12)
+
+
+def test_verdict_rule() -> None:
+    better = estimate_endpoint(_records(kep_shift=-0.1), PRIMARY_ENDPOINT, num_resamples=2000)
+    kind, sentence = verdict(better)
+    assert kind == "lower" and better.t.high < 0 and better.hierarchical.high < 0
+    assert sentence.startswith("kep_svgp+ts − softmax+ts = ") and "has the lower test NLL, by" in sentence
+    assert f"{abs(better.mean):.3f} nats" in sentence
+    tie = estimate_endpoint(_records(kep_shift=0.0), PRIMARY_ENDPOINT, num_resamples=2000)
+    kind, sentence = verdict(tie)
+    hull = max(abs(min(tie.t.low, tie.hierarchical.low)), abs(max(tie.t.high, tie.hierarchical.high)))
+    assert kind == "none" and sentence.startswith("No difference detected")
+    assert f"exclude differences larger than {hull:.3f} nats in either direction" in sentence
+    worse = estimate_endpoint(_records(kep_shift=0.1), PRIMARY_ENDPOINT, num_resamples=2000)
+    assert verdict(worse)[0] == "higher"
+    few = estimate_endpoint(_records(seeds=3), PRIMARY_ENDPOINT)
+    assert verdict(few) == ("missing", "Not measured: 3 paired seed(s), fewer than 5: no interval.")
+    absent = estimate_endpoint([r for r in _records() if r.attention != "softmax"], PRIMARY_ENDPOINT)
+    assert verdict(absent)[1] == "Not measured: no softmax+ts runs on mnist1d."
+    # the intervals disagree: no difference is stated, and the sentence says which one excludes 0
+    from gpattn.comparison import PairedDifference
+    from gpattn.comparison.headline import EndpointEstimate
+
+    t = PairedDifference(-0.02, -0.03, -0.01, 10, 0.95, "t", tuple(range(10)))
+    wide = PairedDifference(-0.02, -0.045, 0.01, 10, 0.95, "hierarchical", tuple(range(10)))
+    kind, sentence = verdict(EndpointEstimate(PRIMARY_ENDPOINT, -0.02, 10, t, wide, EXAMPLES))
+    assert kind == "none" and "(only the paired t interval excludes 0)" in sentence
+    assert "exclude differences larger than 0.045 nats in either direction" in sentence
+
+
+def test_secondaries_are_holm_adjusted_over_the_family(records) -> None:
+    estimates = estimate_secondaries(records)
+    assert [e.endpoint for e in estimates] == list(SECONDARY_ENDPOINTS)
+    p_values = []
+    for estimate in estimates:
+        column = estimate.endpoint.column
+        rows = [row for row in flat_rows(records) if row["task"] == "mnist1d"]
+        if column == "ood_best_auroc":  # kep_svgp+ts: the mutual information (higher), softmax+ts: the max probability
+            assert estimate.note == "pooled OOD set; kep_svgp+ts: mutual information, softmax+ts: max probability"
+            left = [row["ood_pooled_auroc_mi"] for row in rows if row["attention"] == "kep_svgp+ts"]
+            right = [row["ood_pooled_auroc"] for row in rows if row["attention"] == "softmax+ts"]
+        else:
+            left = [row[column] for row in rows if row["attention"] == estimate.endpoint.reference]
+            right = [row[column] for row in rows if row["attention"] == estimate.endpoint.other]
+        expected = stats.ttest_rel(left, right).pvalue if np.std(np.subtract(left, right)) > 0 else None
+        if expected is not None:
+            assert estimate.p_value == pytest.approx(expected, rel=1e-9)
+        p_values.append(estimate.p_value)
+    assert [e.holm for e in estimates] == holm_adjusted(p_values)
+    text = headline_text(records, num_resamples=500)
+    assert "### Secondary endpoints (Holm-adjusted over m = 6 tests)" in text
+    assert "Holm-adjusted over the m = 6 secondary tests" in text
+
+
+def test_table_states_the_endpoint_before_any_number(records) -> None:
+    text = table_text(records, CompareConfig(seeds=tuple(range(10))))
+    declared = text.index(declaration_text().split("\n")[0])
+    assert declared < text.index("### Primary endpoint") < text.index("**Verdict**") < text.index("## Full tables")
+    numbers = text.index("| paired t |")
+    assert declared < numbers and text.index("### Secondary endpoints") > numbers
+    assert "### The primary difference on the other tasks" in text and "| digits |" in text
+
+
+def test_old_records_give_a_t_interval_only() -> None:
+    estimate = estimate_endpoint(_records(old=True), PRIMARY_ENDPOINT)
+    assert estimate.t is not None and estimate.hierarchical is None
+    assert "no per-example values in these records" in estimate.note
+
+
+# -- results.json, the page, the verdict check, --overwrite -----------------------------------------------------------
+def test_results_json_records_the_environment(records, tmp_path) -> None:
+    config = CompareConfig(seeds=tuple(range(10)), threads=1)
+    written = write_outputs(records, config, tmp_path)
+    assert [path.name for path in written] == ["results.json", "results.csv", "table.md"]
+    saved = json.loads((tmp_path / "results.json").read_text())
+    environment = saved["environment"]
+    assert environment["torch"] == torch.__version__ and environment["numpy"] == np.__version__
+    assert environment["machine"]["cores"] == os.cpu_count() and environment["machine"]["cpu"]
+    assert environment["threads"]["intra_op"] == torch.get_num_threads()
+    assert "BLAS_INFO=" in environment["blas"] and "get_num_threads" in environment["parallel_info"]
+    assert environment["gpattn"] and "git_commit" in environment
+    assert len(read_records(tmp_path / "results.json")) == len(records)
+
+
+def test_results_page_and_verdict_check(records, tmp_path) -> None:
+    config = CompareConfig(seeds=tuple(range(10)))
+    write_outputs(records, config, tmp_path / "one")
+    write_outputs(records[:10], dataclasses.replace(config, threads=2), tmp_path / "part")
+    merged = read_run_folders([tmp_path / "one", tmp_path / "part"])  # the same runs in both: kept once
+    assert len(merged.records) == len(records)
+    page = results_page(merged, ["results_figures/shift_mnist1d.png"])
+    assert page.index("## The question, declared before the run") < page.index("## Headline")
+    assert page.index(declaration_text()) < page.index("| paired t |") < page.index("## Machine")
+    assert "![shift_mnist1d](results_figures/shift_mnist1d.png)" in page and "CPU " in page
+    assert "mnist1d: kep_svgp (10 seeds, tuned)" in page
+    # the verdict check: the same records hold; a run where kep_svgp is worse differs
+    holds, lines = compare_verdicts(merged, read_run_folders([tmp_path / "one"]))
+    assert holds and lines[0] == "The primary verdict holds (lower / lower)."
+    write_outputs(_records(kep_shift=0.1), config, tmp_path / "worse")
+    holds, lines = compare_verdicts(read_run_folders([tmp_path / "one"]), read_run_folders([tmp_path / "worse"]))
+    assert not holds and lines[0] == "The primary verdict differs (lower / higher)."
+    changed = dataclasses.replace(
+        records[0], metrics=dataclasses.replace(records[0].metrics, test=records[1].metrics.test)
+    )
+    write_outputs([changed], config, tmp_path / "clash")
+    with pytest.raises(ValueError, match="differs between"):
+        read_run_folders([tmp_path / "one", tmp_path / "clash"])
+
+
+def test_gpattn_report_command(records, tmp_path, capsys) -> None:
+    config = CompareConfig(seeds=tuple(range(10)))
+    records = [r for r in records if r.task == "mnist1d"]  # fewer figures to draw
+    write_outputs(records, config, tmp_path / "a")
+    write_outputs(records, dataclasses.replace(config, threads=2), tmp_path / "b")
+    assert main(["report", str(tmp_path / "a"), "--same-verdict", str(tmp_path / "b")]) == 0
+    printed = capsys.readouterr().out
+    assert printed.startswith("The primary verdict holds") and "settings that differ: threads: 1 / 2" in printed
+    page = tmp_path / "docs" / "results.md"
+    page.parent.mkdir()
+    assert main(["report", str(tmp_path / "a"), "--page", str(page)]) == 0
+    figures = sorted(path.name for path in (tmp_path / "docs" / "results_figures").iterdir())
+    assert "shift_mnist1d.png" in figures and "gap_vs_shift_ece_mnist1d.png" in figures
+    assert all(f"(results_figures/{name})" in page.read_text() for name in figures)
+    assert main(["report", str(tmp_path / "a")]) == 0 and "**Verdict**" in capsys.readouterr().out
+    with pytest.raises(SystemExit):  # not a run folder: a usage error
+        main(["report", str(tmp_path / "docs")])
+
+
+def test_overwrite_deletes_every_output_the_writers_can_write(tmp_path) -> None:
+    from gpattn.cli.compare import run_folder_outputs
+
+    out = tmp_path / "run"
+    out.mkdir()
+    outputs = run_folder_outputs()
+    for name in (*outputs[1:], "notes.txt"):
+        (out / name).write_text("stale")
+    (out / "runs").mkdir()
+    (out / "runs" / "pointer-softmax-0.json").write_text("stale")
+    assert {"fidelity.png", "reliability_mnist1d.png", "shift_digits.png", "gap_vs_shift_ece_mnist1d.png",
+            "ood_histograms_mnist1d.png", "shift.png", "ood_histograms.png"} <= set(outputs)  # fmt: skip
+    argv = ["compare", "--out", str(out), "--overwrite", "--attentions", "softmax", "--tasks", "pointer"]
+    assert main([*argv, "--seeds", "0", "--pointer-epochs", "1", "--eval-samples", "2", "--no-progress"]) == 0
+    left = {path.name for path in out.iterdir() if path.is_file() and path.read_text(errors="ignore") == "stale"}
+    assert left == {"notes.txt"}  # every output replaced or deleted; another file kept
+    assert {"reliability_pointer.png", "table.md", "results.json"} <= {path.name for path in out.iterdir()}
+
+
+def test_the_results_page_states_the_declared_endpoints() -> None:
+    # docs/guide/results.md, written by hand before the protocol's run and by gpattn report after it, declares the
+    # endpoints in the words the report uses
+    from pathlib import Path
+
+    page = Path(__file__).resolve().parents[2] / "docs" / "guide" / "results.md"
+    text = page.read_text()
+    assert declaration_text() in text
+    numbers = [position for position in (text.find("**Verdict**"), text.find("\n| ")) if position >= 0]
+    assert text.index(declaration_text()) < min(numbers, default=len(text))  # before the first verdict or table

@@ -1,0 +1,50 @@
+"""The Triton kernels of the fused amortised scores (gpattn.fused.triton_scores): the predicate that decides when they
+run, and their interpreter cases (tests/fused/triton_interpreter_cases.py, against the PyTorch code) in a fresh
+process with ``TRITON_INTERPRET=1``. Skipped where Triton is not installed (the ``gpu`` extra)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from gpattn.fused import triton_scores
+
+CASES = Path(__file__).with_name("triton_interpreter_cases.py")
+
+
+def test_the_predicate(monkeypatch):
+    """CUDA tensors of float32/bfloat16/float16 take the kernels (float64 stays on PyTorch's path on a GPU), CPU
+    tensors only under the interpreter when asked for, nothing when GPATTN_TRITON=0 or without Triton."""
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.delenv(triton_scores.TRITON_VARIABLE, raising=False)
+
+    def cuda(dtype):  # the predicate reads the device and the dtype only
+        return SimpleNamespace(is_cuda=True, dtype=dtype)
+
+    monkeypatch.setattr(triton_scores, "triton", triton_scores.triton or object())  # as if installed
+    assert all(triton_scores.runs_triton(cuda(dtype)) for dtype in (torch.float32, torch.bfloat16, torch.float16))
+    assert not triton_scores.runs_triton(cuda(torch.float64))
+    assert not triton_scores.runs_triton(torch.empty(1))  # CPU without the interpreter
+    monkeypatch.setenv(triton_scores.TRITON_VARIABLE, "0")
+    assert not triton_scores.runs_triton(cuda(torch.float32))
+    monkeypatch.setenv(triton_scores.TRITON_VARIABLE, "1")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert triton_scores.runs_triton(torch.empty(1, dtype=torch.float64))
+    monkeypatch.setattr(triton_scores, "triton", None)  # not installed
+    assert not triton_scores.runs_triton(cuda(torch.float32)) and not triton_scores.triton_available()
+
+
+def test_kernels_under_the_interpreter():
+    """The interpreter cases in a fresh process (about a minute on 2 cores)."""
+    pytest.importorskip("triton")
+    environment = {**os.environ, "TRITON_INTERPRET": "1", triton_scores.TRITON_VARIABLE: "1"}
+    command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(CASES)]
+    result = subprocess.run(command, env=environment, capture_output=True, text=True, timeout=1200)
+    assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-3000:]
+    assert " passed" in result.stdout and "skipped" not in result.stdout.splitlines()[-1], result.stdout[-2000:]

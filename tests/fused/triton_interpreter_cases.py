@@ -1,0 +1,127 @@
+"""The Triton kernels of the fused amortised scores (gpattn.fused.triton_scores) on CPU under Triton's interpreter,
+against the PyTorch code of the same autograd function (its reference and CPU path): values and every gradient in
+float64 and float32, bfloat16 under autocast, finite differences through the kernels.
+
+Triton's interpreter must be on when Triton is first imported (its standard library is decorated then), so these cases
+run in a fresh process started by ``tests/fused/test_triton_scores.py`` with ``TRITON_INTERPRET=1``; run directly
+they are skipped unless that variable is set."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+if os.environ.get("TRITON_INTERPRET") != "1":
+    pytest.skip("needs TRITON_INTERPRET=1 before Triton is imported", allow_module_level=True)
+pytest.importorskip("triton")
+
+from gpattn.features import AmortizedAttentionFeatures  # noqa: E402
+from gpattn.features.amortized_scores import AmortizedSelfScores  # noqa: E402
+from gpattn.fused import triton_scores  # noqa: E402
+
+NAMES = ("tokens", "lifted", "query_weight", "key_weight", "right_map", "left_map", "right_bias", "left_bias")
+
+
+@pytest.fixture
+def interpreter(monkeypatch):
+    """Triton's interpreter on, the kernels asked for (GPATTN_TRITON=1); both restored after the test."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setenv(triton_scores.TRITON_VARIABLE, "1")
+
+
+def _inputs(dtype: torch.dtype, lift_dim: int | None, seed: int = 0) -> dict:
+    """B = 2, N = 70 (two tiles of 64, the second partial), C = 6, H = 2, p = 5, s = 3 (neither a power of two)."""
+    generator = torch.Generator().manual_seed(seed)
+
+    def leaf(*shape: int, positive: bool = False) -> torch.Tensor:
+        value = torch.randn(*shape, generator=generator, dtype=dtype)
+        return (value.abs() + 0.5 if positive else value).requires_grad_()
+
+    width = 6 if lift_dim is None else lift_dim
+    return {
+        "tokens": leaf(2, 70, 6),
+        "lifted": None if lift_dim is None else leaf(2, 70, lift_dim),
+        "query_weight": leaf(2, 5, width),
+        "key_weight": leaf(2, 5, width),
+        "right_map": leaf(2, 6, 3),
+        "left_map": leaf(2, 6, 3),
+        "right_bias": leaf(2, 3),
+        "left_bias": leaf(2, 3),
+        "outputscale": leaf(2, positive=True),
+        "singular_values": leaf(2, 3, positive=True),
+    }
+
+
+def _apply(inputs: dict, masked: bool, objective: bool):
+    mask = (torch.arange(70) < torch.tensor([70, 41])[:, None]).to(inputs["tokens"].dtype)
+    weights = (mask / mask.sum(-1, keepdim=True))[:, None, None, None] if masked else 1.0 / 70
+    arguments = [inputs["lifted"], *(inputs[name] for name in NAMES if name != "lifted")]
+    singular_values = inputs["singular_values"] if objective else None
+    square_mask = mask[:, None, None, None] if masked else None
+    return AmortizedSelfScores.apply(*arguments, weights, inputs["outputscale"], singular_values, square_mask)
+
+
+def _run(monkeypatch, inputs: dict, kernels: bool, masked: bool, objective: bool, uses_scores: bool = True):
+    """Values and gradients of a loss of both outputs through the kernels or the PyTorch code."""
+    monkeypatch.setenv(triton_scores.TRITON_VARIABLE, "1" if kernels else "0")
+    leaves = [value for name, value in inputs.items() if value is not None and (objective or name != "singular_values")]
+    scores, value, finite = _apply(inputs, masked, objective)
+    assert bool(finite)
+    loss = (scores * scores.cos()).sum() if uses_scores else 0.0
+    if objective:
+        loss = loss + value.square().sum()
+    return scores.detach(), value.detach(), torch.autograd.grad(loss, leaves)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["float64", "float32"])
+@pytest.mark.parametrize(
+    ("masked", "objective", "lift_dim", "uses_scores"),
+    [(False, True, None, True), (True, True, None, True), (True, False, 4, True), (False, True, 4, False)],
+    ids=["plain", "padding", "lifted-no-objective", "objective-alone"],
+)
+def test_kernels_equal_the_pytorch_code(interpreter, monkeypatch, dtype, masked, objective, lift_dim, uses_scores):
+    inputs = _inputs(dtype, lift_dim)
+    assert triton_scores.runs_triton(torch.empty(1, dtype=dtype))
+    reference = _run(monkeypatch, inputs, False, masked, objective, uses_scores)
+    kernels = _run(monkeypatch, inputs, True, masked, objective, uses_scores)
+    tolerance = {"rtol": 1e-11, "atol": 1e-12} if dtype == torch.float64 else {"rtol": 1e-4, "atol": 1e-5}
+    torch.testing.assert_close(kernels[0], reference[0], **tolerance)
+    torch.testing.assert_close(kernels[1], reference[1], **tolerance)
+    for got, expected in zip(kernels[2], reference[2], strict=True):
+        torch.testing.assert_close(got, expected, **tolerance)
+
+
+def test_kernels_against_finite_differences(interpreter):
+    inputs = _inputs(torch.float64, None, seed=3)
+    leaves = [name for name, value in inputs.items() if value is not None]
+
+    def function(*values):
+        return _apply(dict(inputs, **dict(zip(leaves, values, strict=True))), masked=True, objective=True)[:2]
+
+    assert torch.autograd.gradcheck(function, [inputs[name] for name in leaves], fast_mode=True)
+
+
+def test_kernels_under_bfloat16_autocast(interpreter, monkeypatch):
+    """The layer's features under CPU autocast through the kernels (bfloat16 loads and stores; the interpreter
+    multiplies in float32) against the PyTorch autocast path: scores within bfloat16 rounding, J float32, gradients
+    close."""
+    torch.manual_seed(7)
+    features = AmortizedAttentionFeatures(32, 2, num_inducing=4)
+    x = torch.randn(3, 70, 32)
+    results = {}
+    for kernels in ("0", "1"):
+        monkeypatch.setenv(triton_scores.TRITON_VARIABLE, kernels)
+        features.zero_grad(set_to_none=True)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            scores = features(x, objective=True, kernel_diag=False)
+        assert scores.stacked.dtype == torch.bfloat16 and scores.objective.dtype == torch.float32
+        (scores.stacked.float().square().mean() + scores.objective.square().mean()).backward()
+        grads = {name: value.grad.clone() for name, value in features.named_parameters()}
+        results[kernels] = (scores.stacked.float(), scores.objective.detach(), grads)
+    (reference, reference_objective, reference_grads), (got, objective, grads) = results["0"], results["1"]
+    assert (got - reference).norm() / reference.norm() < 2e-2
+    torch.testing.assert_close(objective, reference_objective, rtol=2e-2, atol=1e-3)
+    for name, value in reference_grads.items():
+        assert (grads[name] - value).norm() <= 3e-2 * value.norm(), name

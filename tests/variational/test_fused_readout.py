@@ -1,0 +1,142 @@
+"""The readout's fused autograd functions against direct computations (float64): the KL of a Cholesky q(u) against a
+diagonal prior (CholeskyPriorKL, against torch.distributions) and the linear output y = b + S^T A with the
+coefficients A = Lambda^{-1} sum_c u_c C_c of the mean or a joint draw (LinearOutput, against the formula written
+here); their hand-written backward passes against finite differences (gradcheck)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.distributions import MultivariateNormal, kl_divergence
+
+from gpattn.variational.cholesky_prior_kl import CholeskyPriorKL
+from gpattn.variational.linear_output import LinearOutput
+
+DTYPE = torch.float64
+H, D_OUT, S, C, B, N = 2, 3, 4, 5, 3, 6
+
+
+def _randn(*shape: int, seed: int, positive: bool = False) -> torch.Tensor:
+    value = torch.randn(*shape, generator=torch.Generator().manual_seed(seed), dtype=DTYPE)
+    return (value.abs() + 0.5 if positive else value).requires_grad_()
+
+
+# -- CholeskyPriorKL -------------------------------------------------------------------------------------------------
+def _factor(seed: int) -> torch.Tensor:
+    """A full (not triangular) Cholesky parameter (H, d_out, s, s) with a diagonal away from zero: only its lower
+    triangle may enter."""
+    value = torch.randn(H, D_OUT, S, S, generator=torch.Generator().manual_seed(seed), dtype=DTYPE)
+    return (value + 3.0 * torch.eye(S, dtype=DTYPE)).requires_grad_()
+
+
+@pytest.mark.parametrize("total", [False, True], ids=["per-batch", "total"])
+@pytest.mark.parametrize("aligned", [True, False], ids=["aligned-scales", "scales-per-head"])
+def test_cholesky_prior_kl_against_torch_distributions(total: bool, aligned: bool):
+    """sigma aligned with q(u)'s batch, (H, 1, s), or of Lambda's shape (H, s): the singleton dimension inserted."""
+    mean, factor, scales = _randn(H, D_OUT, S, seed=1), _factor(2), _randn(H, S, seed=3, positive=True)
+    scales = scales.unsqueeze(1) if aligned else scales
+    kl = CholeskyPriorKL.apply(mean, factor, scales, total, 0 if aligned else 1)
+    variances = (scales if aligned else scales.unsqueeze(1)).square().expand_as(mean)
+    q = MultivariateNormal(mean, scale_tril=factor.tril())
+    p = MultivariateNormal(torch.zeros_like(mean), covariance_matrix=torch.diag_embed(variances))
+    expected = kl_divergence(q, p)
+    torch.testing.assert_close(kl, expected.sum() if total else expected, rtol=1e-12, atol=1e-12)
+
+
+def test_cholesky_prior_kl_gradients():
+    """gradcheck of every input; the upper triangle of the parameter gets a zero gradient."""
+    inputs = (_randn(H, D_OUT, S, seed=4), _factor(5), _randn(H, 1, S, seed=6, positive=True))
+    per_head = (*inputs[:2], _randn(H, S, seed=7, positive=True))  # sigma of Lambda's shape (H, s)
+    for total in (False, True):
+        for arguments, singletons in ((inputs, 0), (per_head, 1)):
+            function = lambda m, f, s, t=total, n=singletons: CholeskyPriorKL.apply(m, f, s, t, n)  # noqa: E731
+            assert torch.autograd.gradcheck(function, arguments)
+    (grad,) = torch.autograd.grad(CholeskyPriorKL.apply(*inputs, True), inputs[1])
+    assert torch.equal(grad.triu(1), torch.zeros_like(grad))
+
+
+# -- LinearOutput ----------------------------------------------------------------------------------------------------
+def _expected_output(columns, bias, mean, factor, noise, singular_values, active, maps, branches):
+    """y = b + sum_branch S_branch^T A_branch with A = Lambda^{-1} sum_c u_c C_c, written per sequence, branch and
+    head with explicit loops (u = m + L eps, or the draws given as a 5-dimensional mean)."""
+    stacked = mean.shape[2]
+    output = bias.expand(columns.shape[0], columns.shape[-1], -1).clone()
+    for b in range(columns.shape[0]):
+        for q in range(branches):
+            source = 0 if stacked == 1 else q
+            for h in range(H):
+                if mean.dim() == 5:
+                    u = mean[h, :, source, :, b]  # (d_out, s)
+                elif factor is None:
+                    u = mean[h, :, source]
+                else:
+                    u = mean[h, :, source] + (factor[h, :, source].tril() @ noise[b, h, :, source, :, None])[..., 0]
+                weights = maps[h] if maps.dim() == 3 else maps[q, h]  # (d_out, C)
+                coefficients = u.mT @ weights  # (s, C)
+                if singular_values is not None:
+                    lam = singular_values[h] if singular_values.dim() == 2 else singular_values[b, h]
+                    coefficients = coefficients / lam[:, None]
+                if active is not None:
+                    on = active[h] if active.dim() == 2 else active[b, h]
+                    coefficients = coefficients * on[:, None].to(DTYPE)
+                rows = columns[b, (q * H + h) * S : (q * H + h + 1) * S]  # (s, N)
+                output[b] = output[b] + rows.mT @ coefficients
+    return output
+
+
+CASES = {
+    # name: (stacked Q, branches read, joint draw, maps per branch, Lambda per sequence, whitened, draws given)
+    "pair-joint": (2, 2, True, False, False, False, False),
+    "pair-mean": (2, 2, False, False, False, False, False),
+    "concat-maps": (2, 2, True, True, False, False, False),
+    "shared-posterior": (1, 2, True, False, False, False, False),
+    "cross-attention": (2, 1, True, False, False, False, False),
+    "single-branch": (1, 1, True, False, False, False, False),
+    "spectrum-per-sequence": (2, 2, False, False, True, False, False),
+    "spectrum-per-sequence-joint": (2, 2, True, False, True, False, False),
+    "whitened": (2, 2, True, False, False, True, False),
+    "draws-given": (2, 2, False, False, False, False, True),
+}
+
+
+def _linear_output_inputs(case: str, seed: int = 10) -> tuple:
+    stacked, branches, joint, per_branch, per_sequence, whitened, drawn = CASES[case]
+    columns = _randn(B, branches * H * S, N, seed=seed)
+    bias = _randn(C, seed=seed + 1)
+    mean = _randn(H, D_OUT, stacked, S, *((B,) if drawn else ()), seed=seed + 2)
+    factor = noise = None
+    if joint:
+        factor = _randn(H, D_OUT, stacked, S, S, seed=seed + 3)
+        noise = torch.randn(B, H, D_OUT, stacked, S, generator=torch.Generator().manual_seed(seed + 4), dtype=DTYPE)
+    singular_values = _randn(*((B,) if per_sequence else ()), H, S, seed=seed + 5, positive=True)
+    active = None
+    if per_sequence:  # the last direction of one sequence is numerically zero
+        active = torch.ones(B, H, S, dtype=torch.bool)
+        active[1, :, -1] = False
+    if whitened:
+        singular_values, active = None, torch.tensor([[True] * (S - 1) + [False]] * H)
+    maps = _randn(*((branches,) if per_branch else ()), H, D_OUT, C, seed=seed + 6)
+    return columns, bias, mean, factor, noise, singular_values, active, maps, branches
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_linear_output_against_the_formula(case: str):
+    inputs = _linear_output_inputs(case)
+    torch.testing.assert_close(LinearOutput.apply(*inputs), _expected_output(*inputs), rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_linear_output_gradients(case: str):
+    """gradcheck of every differentiable input: the columns, the bias, the mean (or the draws), the Cholesky
+    parameter, the singular values and the maps."""
+    columns, bias, mean, factor, noise, singular_values, active, maps, branches = _linear_output_inputs(case)
+    names = ["columns", "bias", "mean", "factor", "singular_values", "maps"]
+    values = dict(zip(names, (columns, bias, mean, factor, singular_values, maps), strict=True))
+    present = [name for name in names if values[name] is not None]
+
+    def function(*tensors):
+        given = values | dict(zip(present, tensors, strict=True))
+        arguments = (given["mean"], given["factor"], noise, given["singular_values"], active, given["maps"])
+        return LinearOutput.apply(given["columns"], given["bias"], *arguments, branches)
+
+    assert torch.autograd.gradcheck(function, [values[name] for name in present])
