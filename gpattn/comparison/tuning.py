@@ -125,7 +125,7 @@ def check_search_space(config: TuneConfig, task: str, data: TaskData) -> None:
     for row in config.rows:
         method = get_method(row)
         for architecture in ARCHITECTURES:
-            sizes = config.trial_hyperparameters(task, method, {"architecture": architecture}, data.num_inducing)
+            sizes = config.trial_hyperparameters(task, method, {"architecture": architecture}, data.defaults)
             with torch.random.fork_rng(devices=[]):
                 try:
                     build_attention(
@@ -148,7 +148,7 @@ def run_trial(config: TuneConfig, data: TaskData, row: str, parameters: dict[str
         ``cpu_seconds``, ``parameters`` and the run's ``hyperparameters``.
     """
     method = get_method(row)
-    hyperparameters = config.trial_hyperparameters(data.name, method, parameters, data.num_inducing)
+    hyperparameters = config.trial_hyperparameters(data.name, method, parameters, data.defaults)
     train_config = dataclasses.replace(
         make_train_config(config.compare_config(), method, hyperparameters, config.seed),
         patience=hyperparameters.patience,
@@ -371,7 +371,7 @@ def tune(
         data = _data(task, config.seed)
         check_search_space(config, task, data)
         for row in config.rows:
-            base = config.trial_hyperparameters(task, get_method(row), {}, data.num_inducing)
+            base = config.trial_hyperparameters(task, get_method(row), {}, data.defaults)
             space = search_space(row, len(data.train))
             settings = {
                 "task": task,

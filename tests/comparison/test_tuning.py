@@ -29,6 +29,7 @@ from gpattn.comparison.tuning_space import (
     architecture_sizes,
     search_space,
 )
+from gpattn.methods import get_method
 from gpattn.models import Transformer
 
 ROWS = ("softmax", "kep_svgp")
@@ -240,3 +241,12 @@ def test_two_tune_processes_on_one_sqlite_study_finish_the_budget_without_duplic
     numbers = [int(path.stem.rsplit("-", 1)[1]) for name in "ab" for path in (tmp_path / name / "trials").glob("*")]
     assert sorted(numbers) == list(range(6))  # each trial ran once, in one of the processes
     assert len({json.dumps(trial.params, sort_keys=True) for trial in trials}) == 6
+
+
+def test_mnist1d_trials_use_the_tuning_seeds_validation_split_and_the_tasks_defaults():
+    data = tuning_module._data("mnist1d", 100)
+    assert data.seed == 100 and not torch.equal(data.val.labels, load_task("mnist1d", 0).val.labels)
+    config = TuneConfig(tasks=("mnist1d",))
+    tuning_module.check_search_space(config, "mnist1d", data)  # every row's layer in every architecture
+    hyperparameters = config.trial_hyperparameters("mnist1d", get_method("kep_svgp"), {"lr": 1e-3}, data.defaults)
+    assert (hyperparameters.num_inducing, hyperparameters.epochs, hyperparameters.patience) == (5, 60, 15)
