@@ -2,7 +2,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 PYTEST_ARGS ?=
 
-.PHONY: all env test test-fast lint main quick regression results bench docs notebooks clean
+.PHONY: all env test test-fast lint main quick tune regression results bench docs notebooks clean
 
 all: test
 
@@ -31,6 +31,12 @@ main: env
 # short for two workers' start-up to pay off: --jobs 2 was no faster in measurements)
 quick: env
 	$(VENV)/bin/gpattn compare --quick --out runs/quick $(ARGS)
+
+# the tuning of every row on validation (docs/guide/tuning.md): 20 trials per (task, row), two trial workers with one
+# torch thread each; writes the tuned configurations into the package (gpattn/comparison/tuned/<task>.json, to review
+# and commit) and keeps the studies in runs/tune/study.db (make tune ARGS=--resume continues an interrupted tuning)
+tune: env
+	$(VENV)/bin/gpattn tune --jobs 2 --out runs/tune --write-tuned $(ARGS)
 
 regression: env
 	$(VENV)/bin/gpattn regression --out runs/regression $(ARGS)

@@ -1,6 +1,7 @@
-"""Command line interface: ``gpattn compare`` (every row on MNIST-1D and digits), ``gpattn train`` (one model, with
-checkpoints and ``--resume``), ``gpattn regression`` (KEP-SVGP against the exact GP on the 1-D toy data) and
-``gpattn report`` (the headline, tables and results page of run folders); one module per command.
+"""Command line interface: ``gpattn compare`` (every row on MNIST-1D and digits), ``gpattn tune`` (every row's
+hyperparameters on validation, with Optuna), ``gpattn train`` (one model, with checkpoints and ``--resume``),
+``gpattn regression`` (KEP-SVGP against the exact GP on the 1-D toy data) and ``gpattn report`` (the headline,
+tables and results page of run folders); one module per command.
 
 Exit status: 0 on success; 2 for a bad option (the message names it) before anything runs; 1 for a failure while
 running (a diverged training, a damaged checkpoint, a folder that cannot be written, ...), printed as one line
@@ -19,6 +20,7 @@ from .options import CommandError, CommandInterrupted, prepare_out
 from .regression import add_regression, run_regression
 from .report import add_report, run_report
 from .train import add_train, run_train
+from .tune import add_tune, run_tune
 
 __all__ = ["CommandError", "build_parser", "main", "prepare_out"]
 
@@ -30,6 +32,7 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True)
     add_regression(commands)
     add_compare(commands)
+    add_tune(commands)
     add_train(commands)
     add_report(commands)
     return parser
@@ -38,7 +41,13 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     """Run ``gpattn`` with ``argv`` (default: the process's arguments) and return the exit status."""
     args = build_parser().parse_args(argv)
-    runners = {"compare": run_compare, "train": run_train, "regression": run_regression, "report": run_report}
+    runners = {
+        "compare": run_compare,
+        "tune": run_tune,
+        "train": run_train,
+        "regression": run_regression,
+        "report": run_report,
+    }
     run = runners[args.command]
     prefix = f"gpattn {args.command}"
     try:

@@ -108,6 +108,19 @@ def add_compare(commands) -> None:
     compare.add_argument(
         "--no-temperature-scaling", action="store_true", help="leave out the temperature-scaled +ts rows"
     )
+    compare.add_argument(
+        "--untuned",
+        action="store_true",
+        help="train every row with the shared settings above; by default a (task, row) with a tuned configuration "
+        "(gpattn tune; the package's gpattn/comparison/tuned/<task>.json) uses it in their place (--quick: always "
+        "the shared settings)",
+    )
+    compare.add_argument(
+        "--tuned-dir",
+        default=None,
+        help="the folder of the tuned configurations <task>.json (e.g. OUT/tuned of a gpattn tune run; default: the "
+        "package's)",
+    )
     compare.add_argument("--device", type=device, default="cpu", help="cpu or cuda (default: %(default)s)")
     compare.add_argument(
         "--jobs",
@@ -154,6 +167,10 @@ def run_compare(args: argparse.Namespace) -> int:
     overrides = {name: getattr(args, name) for name in OVERRIDES if getattr(args, name) is not None}
     if args.no_temperature_scaling:
         overrides["temperature_scaling"] = False
+    if args.untuned:
+        overrides["tuned"] = False
+    if args.tuned_dir is not None:
+        overrides["tuned_dir"] = args.tuned_dir
     overrides.update(device=args.device, progress=not args.no_progress, threads=args.threads, jobs=args.jobs)
     overrides.update(compile=args.compile)
     try:

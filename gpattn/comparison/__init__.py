@@ -1,6 +1,8 @@
 """The comparison (``gpattn compare``): its tasks, settings and runs, their evaluation (with separate random streams)
 and typed records (JSON/CSV), statistics over seeds (paired differences with intervals), the report, the scheduling
-of the runs, and the toy regression fit (exact GP vs KEP-SVGP via VariationalELBO and Pyro SVI).
+of the runs, the tuned configurations and the settings and search space of ``gpattn tune`` (its Optuna studies:
+:mod:`gpattn.comparison.tuning`, which needs the ``tune`` extra), and the toy regression fit (exact GP vs KEP-SVGP
+via VariationalELBO and Pyro SVI).
 
 Data flows one way: the comparison resolves each row once (:mod:`gpattn.methods`) and trains it with the loop of
 :mod:`gpattn.training`, which never imports this package.
@@ -54,16 +56,23 @@ from .toy_regression import (
     format_result,
     run_toy_regression,
 )
+from .tune_config import DEFAULT_TRIALS, TuneConfig
+from .tuned_configuration import TunedRow, read_tuned, write_tuned
+from .tuning_space import ARCHITECTURES, TUNED_ROWS, TUNING_SEED, SearchParameter, search_space
 
 __all__ = [
+    "ARCHITECTURES",
     "DEFAULT_ATTENTIONS",
     "DEFAULT_ECE_BINS",
     "DEFAULT_TASKS",
+    "DEFAULT_TRIALS",
     "INTERVAL_METHODS",
     "POOLED_OOD",
     "PUBLISHED_ACCURACIES",
     "TASKS",
     "TASK_DEFAULTS",
+    "TUNED_ROWS",
+    "TUNING_SEED",
     "ClassificationMetrics",
     "CompareConfig",
     "Evaluation",
@@ -74,12 +83,15 @@ __all__ = [
     "RunMetrics",
     "RunRecord",
     "RunsInterrupted",
+    "SearchParameter",
     "SeedSummary",
     "ShiftMetrics",
     "TaskData",
     "TemperatureScaled",
     "ToyRegressionConfig",
     "ToyRegressionResult",
+    "TuneConfig",
+    "TunedRow",
     "TrainingSummary",
     "build_model",
     "classification_metrics",
@@ -106,12 +118,15 @@ __all__ = [
     "plan_runs",
     "random_stream",
     "read_records",
+    "read_tuned",
     "run_comparison",
     "run_toy_regression",
     "stream_seed",
+    "search_space",
     "summarize_seeds",
     "table_text",
     "train_and_evaluate",
     "with_temperature_scaled",
+    "write_tuned",
     "write_outputs",
 ]

@@ -1,9 +1,12 @@
-"""The settings of ``gpattn compare`` (:class:`CompareConfig`) and the hyperparameters each run reads from them."""
+"""The settings of ``gpattn compare`` (:class:`CompareConfig`) and the hyperparameters each run reads from them: the
+shared settings, replaced for a (task, row) by its tuned configuration (:mod:`gpattn.comparison.tuned_configuration`)
+when there is one."""
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from ..methods import Hyperparameters, MethodSpec, get_method, method_names
@@ -11,7 +14,8 @@ from ..training import TrainConfig
 from ..training.config import DEVICE_TYPES
 from ..validation import check_choice, check_device, check_float, check_int
 from .evaluation import DEFAULT_ECE_BINS
-from .tasks import DEFAULT_TASKS, TASKS
+from .tasks import DEFAULT_TASKS, TASK_DEFAULTS, TASKS
+from .tuned_configuration import TunedRow, read_tuned, tuned_path, tuned_source
 
 __all__ = ["DEFAULT_ATTENTIONS", "CompareConfig"]
 
@@ -70,6 +74,11 @@ class CompareConfig:
     :ivar smoke_test: Set by :meth:`quick`: a smoke test, labelled as such in ``table.md``.
     :ivar compile: ``torch.compile`` every model (``gpattn.comparison.runs.compile_model``: CUDA graphs on
         CUDA); its numbers equal eager's up to float rounding (a field of the records' settings).
+    :ivar tuned: Use the tuned configuration of every (task, row) that has one (``gpattn tune``; the files
+        ``<tuned_dir>/<task>.json``) in place of the shared settings above (:meth:`hyperparameters`); ``False``
+        (``gpattn compare --untuned``): the shared settings for every row.
+    :ivar tuned_dir: The folder of the tuned files (e.g. ``<out>/tuned`` of a ``gpattn tune`` run); ``None``: the
+        package's (:data:`~gpattn.comparison.tuned_configuration.TUNED_DIRECTORY`).
     """
 
     attentions: tuple[str, ...] = DEFAULT_ATTENTIONS
@@ -99,6 +108,8 @@ class CompareConfig:
     jobs: int = 1
     smoke_test: bool = False
     compile: bool = False
+    tuned: bool = True
+    tuned_dir: str | None = None
 
     def __post_init__(self) -> None:
         where = "CompareConfig"
@@ -140,13 +151,29 @@ class CompareConfig:
         check_device("device", self.device, where=where, types=DEVICE_TYPES)
         check_int("threads", self.threads, where=where)
         check_int("jobs", self.jobs, where=where)
+        if not isinstance(self.tuned, bool):
+            raise ValueError(f"{where}: expected tuned to be a bool, got {self.tuned!r}")
+        if self.tuned_dir is not None:
+            self.tuned_dir = str(self.tuned_dir)
+            if not Path(self.tuned_dir).is_dir():
+                raise ValueError(f"{where}: expected tuned_dir to be a folder of tuned files, got {self.tuned_dir!r}")
+        # read once (not a field: the settings stay the options given); a malformed file fails here, before any run
+        self._tuned = {task: read_tuned(task, self.tuned_dir) for task in self.tasks} if self.tuned else {}
+        for task in self.tasks:
+            for row in self.attentions:
+                if self.tuned_entry(task, row) is not None:
+                    try:
+                        self.hyperparameters(task, get_method(row), TASK_DEFAULTS[task])
+                    except ValueError as error:
+                        raise ValueError(f"{tuned_path(task, self.tuned_dir)}, row {row!r}: {error}") from None
 
     def hyperparameters(
         self, task: str, method: MethodSpec, defaults: Mapping[str, Any] | None = None
     ) -> Hyperparameters:
         """The :class:`~gpattn.methods.Hyperparameters` of a run of the row ``method`` on ``task``: these settings,
         the same for every row (the task's epochs; the MC-dropout rate for the rows that predict with dropout, the
-        task's dropout for the others; AdamW's weight decay of :class:`~gpattn.training.TrainConfig`).
+        task's dropout for the others; AdamW's weight decay of :class:`~gpattn.training.TrainConfig`), with the values
+        of the row's tuned configuration (:meth:`tuned_entry`) in their place when :attr:`tuned` and there is one.
 
         :param task: One of :data:`~gpattn.comparison.tasks.TASKS`.
         :param method: The row.
@@ -156,7 +183,7 @@ class CompareConfig:
         """
         check_choice("task", task, TASKS, where="CompareConfig.hyperparameters")
         defaults = {} if defaults is None else defaults
-        return Hyperparameters(
+        shared = Hyperparameters(
             epochs=getattr(self, f"{task}_epochs"),
             lr=self.lr,
             weight_decay=TrainConfig.weight_decay,
@@ -170,12 +197,33 @@ class CompareConfig:
             ksvd_weight=self.ksvd_weight,
             dropout=self.mc_dropout if method.predictive.mc_dropout else defaults.get("dropout", 0.0),
         )
+        entry = self.tuned_entry(task, method.name)
+        return shared if entry is None else shared.updated(entry.hyperparameters)
 
-    def is_tuned(self, task: str, method: MethodSpec) -> bool:
-        """Whether :meth:`hyperparameters` of ``(task, method)`` come from a tuned configuration (recorded as
-        :attr:`~gpattn.comparison.RunRecord.tuned`): ``False``, these settings are the defaults."""
+    def tuned_entry(self, task: str, row: str) -> TunedRow | None:
+        """The tuned configuration the row ``row`` uses on ``task`` (its own, or the one it inherits:
+        :meth:`tuned_source`), or ``None``: the shared settings (no entry, or :attr:`tuned` is ``False``)."""
+        source = self.tuned_source(task, row)
+        return None if source is None else self._tuned[task][source]
+
+    def tuned_source(self, task: str, row: str) -> str | None:
+        """The row whose tuned configuration the row ``row`` uses on ``task``: ``row`` itself, the row it inherits
+        from (``deep_ensemble`` and the Laplace row: ``"softmax"``), or ``None`` for the shared settings
+        (:func:`~gpattn.comparison.tuned_configuration.tuned_source`)."""
+        return tuned_source(row, self._tuned[task]) if task in self._tuned else None
+
+    def is_tuned(self, task: str, method: MethodSpec | str) -> bool:
+        """Whether :meth:`hyperparameters` of ``(task, method)`` come from a tuned configuration, the row's own or an
+        inherited one (recorded as :attr:`~gpattn.comparison.RunRecord.tuned`).
+
+        Example:
+            >>> CompareConfig(tasks=("pointer",)).is_tuned("pointer", "softmax")  # no tuned file for the pointer task
+            False
+
+        :param method: The row, or its name.
+        """
         check_choice("task", task, TASKS, where="CompareConfig.is_tuned")
-        return False
+        return self.tuned_source(task, method if isinstance(method, str) else method.name) is not None
 
     def attention_arguments(self, row: str) -> dict[str, Any]:
         """The keyword arguments of the attention layer of the row ``row`` under these settings: ``num_inducing`` and
@@ -191,8 +239,9 @@ class CompareConfig:
     @classmethod
     def quick(cls, **overrides: Any) -> CompareConfig:
         """A smoke test (``smoke_test=True``, labelled so in ``table.md``): the pointer task and digits, one seed, few
-        epochs, fewer Monte Carlo samples. It checks that everything runs; the pointer task is not learned in 2 epochs
-        (every attention stays near chance there), so its numbers compare nothing."""
+        epochs (the shared settings: ``tuned=False``), fewer Monte Carlo samples. It checks that everything runs; the
+        pointer task is not learned in 2 epochs (every attention stays near chance there), so its numbers compare
+        nothing."""
         settings = {"tasks": ("pointer", "digits"), "seeds": (0,), "pointer_epochs": 2, "digits_epochs": 10}
-        settings.update(mnist1d_epochs=4, eval_samples=4, smoke_test=True)
+        settings.update(mnist1d_epochs=4, eval_samples=4, smoke_test=True, tuned=False)
         return cls(**{**settings, **overrides})

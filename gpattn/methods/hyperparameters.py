@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..validation import check_float, check_int
+from .recipe import TrainingRecipe
 
 __all__ = ["Hyperparameters"]
 
@@ -15,9 +16,10 @@ __all__ = ["Hyperparameters"]
 class Hyperparameters:
     r"""The hyperparameters of one run of a row on a task: every number the run's model and training read.
 
-    ``gpattn compare`` takes them from its settings, the same for every row
-    (:meth:`~gpattn.comparison.CompareConfig.hyperparameters`); a configuration tuned per (task, row) is a mapping of
-    some of these names to values, applied with :meth:`updated`, so that the run reads it as data.
+    ``gpattn compare`` takes them from its settings, the same for every row, and replaces some by the configuration
+    tuned for the (task, row) (:meth:`~gpattn.comparison.CompareConfig.hyperparameters`): a tuned configuration
+    (``gpattn tune``, :mod:`gpattn.comparison.tuning`) is a mapping of some of these names to values, applied with
+    :meth:`updated`, so that the run reads it as data.
 
     :ivar epochs: Training epochs.
     :ivar lr: Peak AdamW learning rate.
@@ -33,6 +35,11 @@ class Hyperparameters:
     :ivar ksvd_weight: :math:`\eta` of the KSVD penalty :math:`\eta J^2` of the KSVD layers.
     :ivar dropout: Dropout rate of the model (on the embeddings, every attention output and the MLPs); the MC-dropout
         rows train and predict with it.
+    :ivar patience: Early stopping on the validation NLL after ``patience`` epochs without improvement
+        (:attr:`~gpattn.training.TrainConfig.patience`); ``None`` (default): all ``epochs``.
+    :ivar kl_anneal_fraction: The fraction of the run's epochs over which the KL weight rises to :math:`\beta`,
+        replacing the row's recipe (:attr:`~gpattn.methods.TrainingRecipe.kl_anneal_fraction`); ``None`` (default):
+        the recipe's (:meth:`kl_anneal_epochs`).
 
     Example:
         >>> base = Hyperparameters(epochs=20, lr=3e-3, weight_decay=0.01, batch_size=64, embed_dim=32, depth=2,
@@ -53,6 +60,8 @@ class Hyperparameters:
     beta: float
     ksvd_weight: float
     dropout: float
+    patience: int | None = None
+    kl_anneal_fraction: float | None = None
 
     def __post_init__(self) -> None:
         where = "Hyperparameters"
@@ -67,6 +76,10 @@ class Hyperparameters:
         for name in ("weight_decay", "beta", "ksvd_weight"):
             check_float(name, getattr(self, name), 0.0, where=where)
         check_float("dropout", self.dropout, 0.0, 1.0, strict_maximum=True, where=where)
+        if self.patience is not None:
+            check_int("patience", self.patience, where=where)
+        if self.kl_anneal_fraction is not None:
+            check_float("kl_anneal_fraction", self.kl_anneal_fraction, 0.0, 1.0, where=where)
 
     def updated(self, values: dict[str, Any]) -> Hyperparameters:
         """These hyperparameters with ``values`` (name -> value, e.g. a tuned configuration) replacing some.
@@ -78,6 +91,22 @@ class Hyperparameters:
         if unknown:
             raise ValueError(f"Hyperparameters: unknown names {unknown}; expected some of {names}")
         return dataclasses.replace(self, **values)
+
+    def kl_anneal_epochs(self, recipe: TrainingRecipe) -> float:
+        """The KL annealing length in epochs of a run with these hyperparameters and the row's ``recipe``: the
+        fraction :attr:`kl_anneal_fraction` (or the recipe's, when ``None``) times :attr:`epochs`.
+
+        Example:
+            >>> base = Hyperparameters(epochs=60, lr=3e-3, weight_decay=0.01, batch_size=64, embed_dim=32, depth=2,
+            ...                        num_heads=2, gp_layers=1, num_inducing=None, beta=1.0, ksvd_weight=1.0,
+            ...                        dropout=0.0)
+            >>> base.kl_anneal_epochs(TrainingRecipe(0.5)), base.updated({"kl_anneal_fraction": 0.25}).kl_anneal_epochs(
+            ...     TrainingRecipe(0.5))
+            (30.0, 15.0)
+        """
+        if self.kl_anneal_fraction is None:
+            return recipe.kl_anneal_epochs(self.epochs)
+        return TrainingRecipe(self.kl_anneal_fraction).kl_anneal_epochs(self.epochs)
 
     def to_dict(self) -> dict[str, Any]:
         """The values by name (plain numbers, as a tuned configuration file holds them)."""

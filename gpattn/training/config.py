@@ -43,6 +43,12 @@ class TrainConfig:
     :ivar schedule_epochs: Horizon of the cosine schedule in epochs (default ``epochs``). Set it to the planned total
         when a run is deliberately split into stages (``epochs=2`` now, ``epochs=4, resume=True`` later), so that
         the staged run follows the same schedule as an uninterrupted one.
+    :ivar patience: Early stopping on the validation NLL: training stops once ``patience`` epochs have passed without
+        a lower validation NLL than the best one (epoch :math:`e` is the last when :math:`e - e^\\star \\ge`
+        ``patience``, :math:`e^\\star` the best epoch), and the model keeps the best state as always; ``None``
+        (default) trains all ``epochs``. The cosine schedule still spans ``epochs`` (or ``schedule_epochs``), so a
+        run that stops early equals the first epochs of the full one, and a resumed run stops where the
+        uninterrupted one did.
     """
 
     epochs: int = 10
@@ -62,12 +68,13 @@ class TrainConfig:
     progress: bool = True
     checkpoint_dir: str | Path | None = None
     schedule_epochs: int | None = None
+    patience: int | None = None
 
     def __post_init__(self) -> None:
         where = "TrainConfig"
         for name in ("epochs", "batch_size", "eval_samples", "eval_batch_size"):
             check_int(name, getattr(self, name), where=where)
-        for name in ("warmup_steps", "schedule_epochs"):
+        for name in ("warmup_steps", "schedule_epochs", "patience"):
             if getattr(self, name) is not None:
                 check_int(name, getattr(self, name), minimum=0 if name == "warmup_steps" else 1, where=where)
         check_int("seed", self.seed, minimum=None, where=where)

@@ -7,7 +7,8 @@ during the warm-up and then follows a cosine down to ``min_lr`` (:func:`~gpattn.
 updated every optimiser step); gradients are clipped by their global norm. After every epoch the model is evaluated on
 the validation set with :math:`T` Monte Carlo samples (:func:`~gpattn.training.evaluate`), and the state with the
 lowest validation NLL (:func:`~gpattn.metrics.negative_log_likelihood`, the NLL the comparison reports) is kept (in
-memory and, with ``checkpoint_dir``, in ``best.pt``); it is loaded into the model at the end.
+memory and, with ``checkpoint_dir``, in ``best.pt``); it is loaded into the model at the end. With
+``config.patience``, training stops early once that many epochs have passed without a lower validation NLL.
 
 The loop is a few helpers, one per level: a step (forward, loss, backward, clip, optimiser and schedule steps, with
 the divergence checks), an epoch (the steps over one permutation of the training set), the validation and the
@@ -191,6 +192,8 @@ class _Loop:
         try:
             self.callbacks.on_train_begin(context)
             for epoch in range(start_epoch + 1, self.config.epochs + 1):
+                if self._patience_exhausted():
+                    break
                 self.epoch = epoch
                 self._epoch(context)
             self.strategy.finish(self.model, self.best_state)
@@ -272,6 +275,16 @@ class _Loop:
         record.update(val_accuracy=val_accuracy, val_nll=val_nll, lr=lr, seconds=time.perf_counter() - started)
         self.result.history.append(record)
         return record
+
+    def _patience_exhausted(self) -> bool:
+        """Early stopping: ``config.patience`` epochs trained since the best one (decided by the main process, which
+        holds the history; after a resume from the restored history, so that a resumed run stops where the
+        uninterrupted one did)."""
+        patience = self.config.patience
+        if patience is None:
+            return False
+        history = self.result.history
+        return self.strategy.any(bool(history) and history[-1]["epoch"] - self.result.best_epoch >= patience)
 
     def _select(self, record: dict[str, float]) -> bool:
         """Keep the epoch's state when its validation NLL is the lowest so far (ties keep the earlier epoch)."""

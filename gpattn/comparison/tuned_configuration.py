@@ -1,0 +1,156 @@
+"""The tuned configurations of the comparison: one reviewed JSON file per task, ``gpattn/comparison/tuned/<task>.json``
+(package data), written by ``gpattn tune --write-tuned`` and read by ``gpattn compare``
+(:meth:`~gpattn.comparison.CompareConfig.hyperparameters`).
+
+A file holds, per tuned row, the :class:`TunedRow`: the hyperparameters ``gpattn compare`` applies, the trial
+parameters they come from, the best validation NLL, the number of trials, the search space, and the study's record
+(tuning seed, wall time, load, date, gpattn version and commit, machine)::
+
+    {"format": 1, "task": "mnist1d", "rows": {"softmax": {"hyperparameters": {...}, "parameters": {...},
+     "best_val_nll": 0.31, "best_trial": 12, "trials": 20, "search_space": {...}, "study": {...}}, ...}}
+
+A row without an entry of its own uses the entry of the row named after its attention (``deep_ensemble`` and the
+last-layer Laplace row: softmax's), or the shared settings when there is none (:func:`tuned_source`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ..methods import Hyperparameters, get_method, method_names
+from .records import write_json_atomically
+
+__all__ = ["TUNED_DIRECTORY", "TUNED_FORMAT", "TunedRow", "read_tuned", "tuned_path", "tuned_source", "write_tuned"]
+
+#: The package's folder of tuned configurations (``<task>.json``).
+TUNED_DIRECTORY = Path(__file__).resolve().parent / "tuned"
+#: The version of the file layout.
+TUNED_FORMAT = 1
+_HYPERPARAMETERS = tuple(entry.name for entry in dataclasses.fields(Hyperparameters))
+
+
+@dataclass(frozen=True)
+class TunedRow:
+    """One row's tuned configuration on one task (an entry of ``tuned/<task>.json``).
+
+    :ivar hyperparameters: :class:`~gpattn.methods.Hyperparameters` name -> value: what ``gpattn compare`` applies
+        (:meth:`~gpattn.methods.Hyperparameters.updated`), the epochs and patience of the tuning included.
+    :ivar parameters: The best trial's parameters as searched (:func:`~gpattn.comparison.tuning_space.search_space`).
+    :ivar best_val_nll: That trial's best validation NLL (the objective).
+    :ivar best_trial: Its Optuna trial number.
+    :ivar trials: Finished trials of the study.
+    :ivar search_space: Parameter name -> ``{kind: [low, high]}`` or ``{"choice": [...]}``.
+    :ivar study: The study's record: ``tuning_seed``, ``sampler``, ``wall_seconds`` (first trial's start to last
+        trial's end), ``trial_seconds`` and ``trial_cpu_seconds`` (summed over the finished trials), ``failed_trials``,
+        ``jobs`` and ``threads`` (of the process that wrote it), ``load_average`` (mean 1-minute load at the trials'
+        ends), ``date``, ``gpattn``, ``commit``, ``machine``, ``label``.
+    """
+
+    hyperparameters: dict[str, Any]
+    parameters: dict[str, Any]
+    best_val_nll: float
+    best_trial: int
+    trials: int
+    search_space: dict[str, Any]
+    study: dict[str, Any]
+
+    @classmethod
+    def from_dict(cls, data: Any, where: str) -> TunedRow:
+        """The entry ``data`` read from a file; ``where`` names it in errors.
+
+        :raises ValueError: A missing or extra key, a value of the wrong type, or a hyperparameter name that
+            :class:`~gpattn.methods.Hyperparameters` does not have.
+        """
+        names = [entry.name for entry in dataclasses.fields(cls)]
+        if not isinstance(data, dict) or set(data) != set(names):
+            got = sorted(data) if isinstance(data, dict) else type(data).__name__
+            raise ValueError(f"{where}: expected an entry with the keys {names}, got {got}")
+        for name in ("hyperparameters", "parameters", "search_space", "study"):
+            if not isinstance(data[name], dict):
+                raise ValueError(f"{where}: expected {name} to be a mapping, got {data[name]!r}")
+        unknown = sorted(set(data["hyperparameters"]) - set(_HYPERPARAMETERS))
+        if unknown:
+            raise ValueError(f"{where}: unknown hyperparameters {unknown}; expected some of {list(_HYPERPARAMETERS)}")
+        value = data["best_val_nll"]
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            raise ValueError(f"{where}: expected best_val_nll to be a finite number, got {value!r}")
+        for name in ("best_trial", "trials"):
+            if isinstance(data[name], bool) or not isinstance(data[name], int) or data[name] < 0:
+                raise ValueError(f"{where}: expected {name} to be a non-negative integer, got {data[name]!r}")
+        return cls(**{name: data[name] for name in names})
+
+    def to_dict(self) -> dict[str, Any]:
+        """The entry as JSON data (what :meth:`from_dict` reads)."""
+        return dataclasses.asdict(self)
+
+
+def tuned_path(task: str, directory: str | os.PathLike | None = None) -> Path:
+    """``<directory>/<task>.json``; ``directory=None``: the package's :data:`TUNED_DIRECTORY`."""
+    return Path(TUNED_DIRECTORY if directory is None else directory) / f"{task}.json"
+
+
+def read_tuned(task: str, directory: str | os.PathLike | None = None) -> dict[str, TunedRow]:
+    """The tuned rows of ``task``: row -> :class:`TunedRow` from :func:`tuned_path`; ``{}`` when there is no file.
+
+    :raises ValueError: A file that is not valid JSON, or not a tuned file of ``task`` (wrong format, task, or an
+        unknown row, whose message lists the rows), or a malformed entry (:meth:`TunedRow.from_dict`); the message
+        names the file.
+    """
+    path = tuned_path(task, directory)
+    if not path.is_file():
+        return {}
+    try:
+        content = json.loads(path.read_text())
+    except (OSError, ValueError) as error:
+        raise ValueError(f"{path}: cannot be read as a tuned configuration file ({error})") from None
+    expected = {"format", "task", "rows"}
+    if not isinstance(content, dict) or set(content) != expected:
+        got = sorted(content) if isinstance(content, dict) else type(content).__name__
+        raise ValueError(f"{path}: expected a tuned configuration file with the keys {sorted(expected)}, got {got}")
+    if content["format"] != TUNED_FORMAT:
+        raise ValueError(f"{path}: expected format {TUNED_FORMAT}, got {content['format']!r}")
+    if content["task"] != task:
+        raise ValueError(f"{path}: expected the tuned configurations of the task {task!r}, got {content['task']!r}")
+    if not isinstance(content["rows"], dict):
+        raise ValueError(f"{path}: expected rows to map row names to entries, got {content['rows']!r}")
+    rows = {}
+    for row, entry in content["rows"].items():
+        if row not in method_names():
+            raise ValueError(f"{path}: unknown row {row!r}; expected rows of {method_names()}")
+        rows[row] = TunedRow.from_dict(entry, f"{path}, row {row!r}")
+    return rows
+
+
+def write_tuned(task: str, rows: Mapping[str, TunedRow], directory: str | os.PathLike | None = None) -> Path:
+    """Write the tuned ``rows`` of ``task`` to :func:`tuned_path` (atomically), keeping the entries of the other rows
+    already in the file; rows are stored in the order of :func:`~gpattn.methods.method_names`.
+
+    :return: The file's path.
+    """
+    merged = {**read_tuned(task, directory), **rows}
+    order = {name: index for index, name in enumerate(method_names())}
+    ordered = {row: merged[row].to_dict() for row in sorted(merged, key=lambda row: order.get(row, len(order)))}
+    path = tuned_path(task, directory)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    return write_json_atomically(path, {"format": TUNED_FORMAT, "task": task, "rows": ordered})
+
+
+def tuned_source(row: str, tuned: Mapping[str, TunedRow]) -> str | None:
+    """The row whose entry of ``tuned`` (a task's :func:`read_tuned`) the row ``row`` uses: its own, else the one of
+    the row named after its attention (``deep_ensemble`` -> ``softmax``), else ``None`` (the shared settings).
+
+    Example:
+        >>> tuned_source("deep_ensemble", {"softmax": None}), tuned_source("sgpa", {"softmax": None})
+        ('softmax', None)
+    """
+    if row in tuned:
+        return row
+    attention = get_method(row).attention
+    return attention if attention in tuned else None

@@ -1,0 +1,437 @@
+"""``gpattn tune``: a hyperparameter search per (task, row) with Optuna (:func:`tune`), on validation only.
+
+Each (task, row) is one Optuna study (``<task>-<row>``, :mod:`gpattn.comparison.studies`) of exactly
+``config.trials`` trials, the same for every row. A trial (:func:`run_trial`) draws the row's parameters from its
+search space (:func:`~gpattn.comparison.tuning_space.search_space`), trains one model with the tuning seed under the
+comparison's training loop (at most the task's epochs, early stopping on the validation NLL) and reports the run's
+best validation NLL, the objective. The tuned configuration of a study is its best trial's
+(:class:`~gpattn.comparison.tuned_configuration.TunedRow`), written to ``<out>/tuned/<task>.json``.
+
+**The test split is never read.** The tuner's data (:func:`tuning_data`) has no shifted or OOD sets, and its test
+split is a :class:`SealedSplit`, which raises on any access: a trial that touched it would fail.
+
+**Workers.** ``config.jobs`` processes with ``config.threads`` torch threads each work through the studies in order,
+sharing each study through its storage; several ``gpattn tune`` processes (on one machine with the SQLite file, on
+several with a server database) share a study the same way. Every finished trial is in the study at once, and its
+record in ``<out>/trials/<task>-<row>-<number>.json``; Ctrl-C marks the trials in flight failed and keeps the others,
+and ``resume=True`` runs only the missing ones.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import multiprocessing
+import os
+import queue
+import signal
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import optuna
+import torch
+from tqdm import tqdm
+
+from ..attention import build_attention
+from ..methods import get_method
+from ..training import TrainingDivergedError, train_ensemble
+from .records import write_json_atomically
+from .runner import torch_threads
+from .runs import build_model, layer_arguments, make_train_config
+from .studies import (
+    StudyLock,
+    claim_trial,
+    fail_trial,
+    finish_trial,
+    open_storage,
+    prepare_study,
+    release_trials,
+    study_counts,
+    summarize_study,
+    worker_name,
+)
+from .tasks import TaskData, load_task
+from .tune_config import TuneConfig
+from .tuned_configuration import TunedRow, write_tuned
+from .tuning_space import ARCHITECTURES, search_space
+
+__all__ = [
+    "SealedSplit",
+    "TuningFailedError",
+    "TuningInterrupted",
+    "check_search_space",
+    "run_trial",
+    "study_name",
+    "tune",
+    "tuning_data",
+]
+
+
+class SealedSplit:
+    """The test split as the tuner holds it: any access (an attribute, its length, an item, iteration) raises
+    ``RuntimeError``, so that no trial can read it.
+
+    :param task: The task's name (for the message).
+    """
+
+    def __init__(self, task: str) -> None:
+        object.__setattr__(self, "_task", task)
+
+    def _refuse(self, *args: Any) -> None:
+        raise RuntimeError(f"the tuner never reads the test split of {object.__getattribute__(self, '_task')!r}")
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("__"):  # copy/pickle protocol lookups
+            raise AttributeError(name)
+        self._refuse()
+
+    __len__ = __iter__ = __getitem__ = __setattr__ = _refuse
+
+
+class TuningInterrupted(KeyboardInterrupt):
+    """Ctrl-C during :func:`tune`: ``finished`` of ``total`` trials are finished and kept in the studies."""
+
+    def __init__(self, finished: int, total: int) -> None:
+        super().__init__(f"{finished} of {total} trials finished")
+        self.finished, self.total = finished, total
+
+
+class TuningFailedError(RuntimeError):
+    """A trial raised (other than by diverging): the message names the study, the trial and the error."""
+
+
+def study_name(task: str, row: str) -> str:
+    """``"<task>-<row>"``: the name of the study of ``row`` on ``task``."""
+    return f"{task}-{row}"
+
+
+def tuning_data(data: TaskData) -> TaskData:
+    """``data`` as the tuner sees it: the training and validation splits only (the test split a
+    :class:`SealedSplit`, no shifted or OOD sets)."""
+    return dataclasses.replace(data, test=SealedSplit(data.name), shifted={}, ood={})
+
+
+def check_search_space(config: TuneConfig, task: str, data: TaskData) -> None:
+    """Build the attention layer of every row of ``config`` in every architecture candidate once, before any trial
+    (without touching the caller's RNG), so that no trial fails on a layer's arguments.
+
+    :raises ValueError: A layer refuses its arguments (the message names the row and the architecture).
+    """
+    for row in config.rows:
+        method = get_method(row)
+        for architecture in ARCHITECTURES:
+            sizes = config.trial_hyperparameters(task, method, {"architecture": architecture}, data.defaults)
+            with torch.random.fork_rng(devices=[]):
+                try:
+                    build_attention(
+                        method.attention, sizes.embed_dim, sizes.num_heads, **layer_arguments(method, sizes)
+                    )
+                except (ValueError, TypeError) as error:
+                    raise ValueError(
+                        f"the row {row!r} on {task!r} with the architecture {architecture}: {error}"
+                    ) from None
+
+
+def run_trial(config: TuneConfig, data: TaskData, row: str, parameters: dict[str, Any]) -> dict[str, Any]:
+    """Train one model of ``row`` on ``data`` (:func:`tuning_data`) with the trial's ``parameters`` and the tuning
+    seed, as a comparison run trains it (:func:`~gpattn.comparison.build_model`,
+    :func:`~gpattn.comparison.make_train_config`, :func:`~gpattn.training.train_ensemble`), with early stopping.
+
+    :return: The trial's record (JSON data): ``value`` (the run's best validation NLL; ``None`` when training
+        diverged, with the reason in ``diverged``), ``best_epoch``, ``epochs`` trained, the per-epoch ``history``
+        (training loss, validation NLL and accuracy), the wall and CPU time of this process ``seconds`` and
+        ``cpu_seconds``, ``parameters`` and the run's ``hyperparameters``.
+    """
+    method = get_method(row)
+    hyperparameters = config.trial_hyperparameters(data.name, method, parameters, data.defaults)
+    train_config = dataclasses.replace(
+        make_train_config(config.compare_config(), method, hyperparameters, config.seed),
+        patience=hyperparameters.patience,
+        kl_anneal_epochs=hyperparameters.kl_anneal_epochs(method.recipe),
+    )
+    record: dict[str, Any] = {"parameters": parameters, "hyperparameters": hyperparameters.to_dict()}
+
+    def make_model(member: int) -> torch.nn.Module:
+        return build_model(method, hyperparameters, data.num_classes, data.model_kwargs)
+
+    start, cpu = time.perf_counter(), time.process_time()
+    try:
+        [(_, result)] = train_ensemble(make_model, data.train, data.val, train_config, 1)
+    except TrainingDivergedError as error:
+        record.update(value=None, diverged=str(error), best_epoch=error.best_epoch, epochs=error.epoch, history=[])
+    else:
+        history = [
+            {key: entry[key] for key in ("epoch", "loss", "val_nll", "val_accuracy")} for entry in result.history
+        ]
+        record.update(
+            value=result.best_val_nll, diverged="", best_epoch=result.best_epoch, epochs=len(history), history=history
+        )
+    record.update(seconds=time.perf_counter() - start, cpu_seconds=time.process_time() - cpu)
+    return record
+
+
+# -- the workers -------------------------------------------------------------------------------------------------------
+_DATA: dict[tuple[str, int], TaskData] = {}  # per process: each task's tuning data is loaded once
+
+
+def _data(task: str, seed: int) -> TaskData:
+    """The tuning data of ``task``: its validation split drawn with the tuning ``seed``, the test split sealed."""
+    if (task, seed) not in _DATA:
+        # the first test sequence only (the shifted sets are then not generated), sealed at once
+        _DATA[task, seed] = tuning_data(load_task(task, seed, test_size=1))
+    return _DATA[task, seed]
+
+
+_DEFERRED = {"depth": 0, "pending": False}  # per process: inside _signals_deferred, and a signal came meanwhile
+
+
+def _interrupt(signum: int, frame: Any) -> None:
+    """The handler of Ctrl-C (SIGINT) and of a worker's SIGTERM while trials run: ``KeyboardInterrupt``, at once or,
+    inside :func:`_signals_deferred`, at its end."""
+    if _DEFERRED["depth"]:
+        _DEFERRED["pending"] = True
+    else:
+        raise KeyboardInterrupt
+
+
+@contextmanager
+def _signals_deferred() -> Iterator[None]:
+    """A study write (a claim with its slot and owner, a trial's result) that :func:`_interrupt` never cuts in half:
+    the ``KeyboardInterrupt`` of a signal that comes meanwhile is raised after it. A trial claimed before it is then
+    still running and marked failed by :func:`~gpattn.comparison.studies.release_trials`."""
+    _DEFERRED["depth"] += 1
+    try:
+        yield
+    finally:
+        _DEFERRED["depth"] -= 1
+        if not _DEFERRED["depth"] and _DEFERRED["pending"]:
+            _DEFERRED["pending"] = False
+            raise KeyboardInterrupt
+
+
+@contextmanager
+def _handler(signum: int) -> Iterator[None]:
+    """:func:`_interrupt` handles ``signum`` inside the block (in the main thread; elsewhere Python's handlers stay)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signum, _interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signum, previous)
+
+
+def _work(
+    config: TuneConfig,
+    storage: Any,
+    lock: StudyLock,
+    out: Path | None,
+    report: Callable[..., None],
+    orphaned: Callable[[], bool] = lambda: False,
+) -> None:
+    """Claim and run trials of every study in order until none is waiting (or, in a worker process, until its parent
+    is gone: ``orphaned()``)."""
+    for task in config.tasks:
+        data = _data(task, config.seed)
+        for row in config.rows:
+            name = study_name(task, row)
+            space = search_space(row, len(data.train))
+            while not orphaned():
+                with _signals_deferred():
+                    claimed = claim_trial(storage, lock, name, space, config.seed)
+                if claimed is None:
+                    break
+                study, trial, parameters = claimed
+                try:
+                    record = run_trial(config, data, row, parameters)
+                except BaseException as error:
+                    with _signals_deferred():
+                        fail_trial(study, trial, lock, f"{type(error).__name__}: {error}")
+                    if isinstance(error, Exception):
+                        raise TuningFailedError(f"trial {trial.number} of {name} failed: {error}") from error
+                    raise
+                value = math.inf if record["value"] is None else record["value"]
+                attributes = {key: record[key] for key in ("hyperparameters", "best_epoch", "epochs", "diverged")}
+                load = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
+                attributes.update(seconds=record["seconds"], cpu_seconds=record["cpu_seconds"], load_average=load)
+                with _signals_deferred():
+                    best = finish_trial(study, trial, lock, value, attributes)
+                if out is not None:
+                    write_json_atomically(out / "trials" / f"{name}-{trial.number}.json", {"study": name, **record})
+                report(task, row, trial.number, record, best)
+
+
+def _worker_main(config: TuneConfig, url: str, out: Path | None, messages: Any) -> None:
+    """A worker process: Ctrl-C goes to the parent (which terminates the workers: SIGTERM stops the trial in
+    flight, which is marked failed); a worker whose parent is gone claims no further trial."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, _interrupt)
+    torch.set_num_threads(config.threads)
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    parent = os.getppid()
+    try:
+        storage, lock = open_storage(url), StudyLock(url)
+        _work(
+            config,
+            storage,
+            lock,
+            out,
+            lambda *message: messages.put(("trial", *message)),
+            lambda: os.getppid() != parent,
+        )
+    except KeyboardInterrupt:
+        pass
+    except BaseException as error:
+        messages.put(("error", str(error)))
+    finally:
+        messages.put(("exit",))
+
+
+def _run_in_parallel(
+    config: TuneConfig, url: str, out: Path | None, report: Callable[..., None], storage: Any, lock: StudyLock
+) -> None:
+    context = multiprocessing.get_context("spawn")
+    messages = context.Queue()
+    workers = [context.Process(target=_worker_main, args=(config, url, out, messages)) for _ in range(config.jobs)]
+    for worker in workers:
+        worker.start()
+    running, clean = len(workers), False
+    try:
+        while running:
+            try:
+                message = messages.get(timeout=1.0)
+            except queue.Empty:
+                stopped = [worker.exitcode for worker in workers if worker.exitcode not in (None, 0)]
+                if stopped:
+                    raise TuningFailedError(f"a trial worker stopped with exit code {stopped[0]}") from None
+                continue
+            if message[0] == "trial":
+                report(*message[1:])
+            elif message[0] == "error":
+                raise TuningFailedError(message[1])
+            else:
+                running -= 1
+        clean = True
+    finally:
+        if not clean:  # Ctrl-C or a failed trial: stop the trials in flight
+            for worker in workers:
+                worker.terminate()
+        for worker in workers:
+            worker.join(timeout=30)
+        messages.close()
+        if not clean:
+            _release(config, storage, lock, {worker_name(worker.pid) for worker in workers})
+
+
+def _release(config: TuneConfig, storage: Any, lock: StudyLock, workers: set[str]) -> None:
+    """Mark failed the trials that ``workers`` claimed and did not finish (stopped between a claim and the trial's
+    end), so that ``--resume`` runs them again."""
+    names = [study_name(task, row) for task in config.tasks for row in config.rows]
+    release_trials(storage, lock, names, workers, "interrupted")
+
+
+# -- the whole search --------------------------------------------------------------------------------------------------
+def tune(
+    config: TuneConfig, out: str | os.PathLike | None = None, storage: str | None = None, resume: bool = False
+) -> dict[tuple[str, str], TunedRow | None]:
+    """Tune every row of ``config`` on every task: one Optuna study per (task, row) with ``config.trials`` trials.
+
+    Before any training, the storage is opened, every study created or joined (its settings checked) and every
+    row's layer built in every architecture (:func:`check_search_space`).
+
+    :param config: The settings.
+    :param out: Run folder: trial records in ``out/trials/``, the tuned configurations in ``out/tuned/<task>.json``,
+        and by default the studies in ``out/study.db``.
+    :param storage: An Optuna RDB URL (default ``sqlite:///<out>/study.db``).
+    :param resume: Continue interrupted studies: their trials left running are marked failed and as many trials as
+        are missing run.
+    :return: ``(task, row)`` -> the tuned configuration, or ``None`` for a study whose trials are not all finished
+        (trials still running in another process, or failed: ``resume=True`` completes it).
+    :raises ~gpattn.comparison.studies.StorageError: The storage cannot be opened.
+    :raises ValueError: A study exists with other settings, or a layer refuses an architecture.
+    :raises TuningInterrupted: On Ctrl-C (finished trials are kept).
+    :raises TuningFailedError: A trial raised (the other trials are kept).
+    """
+    if out is None and storage is None:
+        raise ValueError("tune needs an out folder or a storage URL (the studies' storage), got neither")
+    out = None if out is None else Path(out)
+    if out is not None:
+        (out / "trials").mkdir(parents=True, exist_ok=True)
+    url = storage or f"sqlite:///{out / 'study.db'}"
+    database = open_storage(url)
+    lock = StudyLock(url)
+    studies = {}
+    for task in config.tasks:
+        data = _data(task, config.seed)
+        check_search_space(config, task, data)
+        for row in config.rows:
+            base = config.trial_hyperparameters(task, get_method(row), {}, data.defaults)
+            space = search_space(row, len(data.train))
+            settings = {
+                "task": task,
+                "row": row,
+                "trials": config.trials,
+                "seed": config.seed,
+                "threads": config.threads,
+                "eval_samples": config.eval_samples,
+                "device": config.device,
+                "search_space": {parameter.name: parameter.describe() for parameter in space},
+                "hyperparameters": base.to_dict(),
+            }
+            prepare_study(database, lock, study_name(task, row), settings, resume)
+            studies[task, row] = space
+    total = config.trials * len(studies)
+    finished = sum(study_counts(database, study_name(*key))["complete"] for key in studies)
+    bar = tqdm(total=total, initial=finished, desc="tune", file=sys.stderr, disable=None if config.progress else True)
+    done = [finished]
+
+    def report(task: str, row: str, number: int, record: dict[str, Any], best: float) -> None:
+        done[0] += 1
+        bar.update()
+        if config.progress:
+            value = "diverged" if record["value"] is None else f"{record['value']:.4f}"
+            tqdm.write(
+                f"[{done[0]}/{total}] {task}/{row} trial {number}: val NLL {value} (best {best:.4f}), "
+                f"{record['epochs']} epochs, {record['seconds']:.1f} s",
+                file=sys.stderr,
+            )
+
+    if config.progress and finished:
+        tqdm.write(f"resuming: {finished} of {total} trials already finished", file=sys.stderr)
+    try:
+        if config.jobs == 1:
+            with torch_threads(config.threads), _handler(signal.SIGINT):
+                _work(config, database, lock, out, report)
+        else:
+            _run_in_parallel(config, url, out, report, database, lock)
+    except KeyboardInterrupt:
+        _release(config, database, lock, {worker_name()})
+        raise TuningInterrupted(done[0], total) from None
+    except TuningFailedError:
+        _release(config, database, lock, {worker_name()})
+        raise
+    finally:
+        bar.close()
+    return _summaries(config, database, studies, out)
+
+
+def _summaries(
+    config: TuneConfig, database: Any, studies: dict[tuple[str, str], Any], out: Path | None
+) -> dict[tuple[str, str], TunedRow | None]:
+    record = {"tuning_seed": config.seed, "jobs": config.jobs, "threads": config.threads, "label": config.label}
+    summaries = {}
+    for (task, row), space in studies.items():
+        fixed = config.fixed_hyperparameters(task)
+        summaries[task, row] = summarize_study(database, study_name(task, row), space, fixed, record)
+    if out is not None:
+        for task in config.tasks:
+            rows = {row: summaries[task, row] for row in config.rows if summaries[task, row] is not None}
+            if rows:
+                write_tuned(task, rows, out / "tuned")
+    return summaries

@@ -1,0 +1,149 @@
+"""``gpattn tune`` on the command line: the help states the defaults, the search space and the cost; bad options and
+an unreachable storage are one line before any training; a run writes the tuned files; Ctrl-C says what was kept."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from collections import Counter
+
+import optuna
+import pytest
+
+import gpattn.comparison.tuned_configuration as tuned_module
+import gpattn.comparison.tuning as tuning_module
+from gpattn.cli import main
+from gpattn.comparison.tuning_space import ARCHITECTURES, TUNED_ROWS
+
+TINY = ["tune", "--tasks", "pointer", "--rows", "softmax", "--trials", "2", "--pointer-epochs", "1"]
+TINY += ["--eval-samples", "2", "--no-progress"]
+
+
+@pytest.fixture
+def no_training(monkeypatch):
+    def refuse(*args, **kwargs):
+        raise AssertionError("a trial was trained")
+
+    monkeypatch.setattr(tuning_module, "run_trial", refuse)
+
+
+def test_help_states_the_defaults_the_search_space_and_the_cost():
+    completed = subprocess.run(
+        [sys.executable, "-m", "gpattn.cli", "tune", "--help"], capture_output=True, text=True, check=True
+    )
+    text = "".join(completed.stdout.split())  # argparse wraps lines, also at hyphens
+    for stated in (
+        "the same for every row (default: 20)",
+        f"(default: {' '.join(TUNED_ROWS)})",
+        "lr log-uniform [0.0003, 0.01]",
+        "beta log-uniform [0.01, n] for sgpa, kep_svgp, kep_svgp_paper",
+        " ".join(ARCHITECTURES),
+        "patience 15",
+        "Cost, measured with one torch thread per trial",
+        "about 5 CPU-hours",
+        "sqlite:///OUT/study.db",
+    ):
+        assert "".join(stated.split()) in text, stated
+
+
+@pytest.mark.parametrize(
+    "storage",
+    ["postgresql+nonexistentdriver://nobody@127.0.0.1:1/none", "sqlite:////nonexistent-folder/study.db", "nonsense"],
+)
+def test_an_unreachable_storage_is_one_line_before_any_training(storage, tmp_path, capsys, no_training):
+    assert main([*TINY, "--out", str(tmp_path), "--storage", storage]) == 1
+    error = capsys.readouterr().err
+    assert error.startswith(f"gpattn tune: error: cannot open the study storage {storage!r}: ")
+    assert error.count("\n") == 1 and "Traceback" not in error
+
+
+@pytest.mark.parametrize(
+    ("argument", "message"),
+    [
+        (["--rows", "nope"], "expected rows to be one of"),
+        (["--rows", "deep_ensemble"], "uses the tuned configuration of the row 'softmax'"),
+        (["--seed", "3"], "must not be an evaluation seed (0-9), got 3"),
+        (["--trials", "0"], "--trials: expected the value to be a positive integer"),
+    ],
+)
+def test_bad_options_are_one_line_with_status_2(argument, message, tmp_path, capsys, no_training):
+    try:
+        status = main([*TINY, "--out", str(tmp_path), *argument])
+    except SystemExit as exit:  # a value the parser refuses
+        status = exit.code
+    error = capsys.readouterr().err
+    assert status == 2 and message in error and "Traceback" not in error
+    assert not (tmp_path / "study.db").exists()
+
+
+def test_a_run_writes_the_tuned_files_and_resume_adds_nothing(tmp_path, capsys, monkeypatch):
+    package = tmp_path / "package"
+    monkeypatch.setattr(tuned_module, "TUNED_DIRECTORY", package)
+    out = tmp_path / "run"
+    assert main([*TINY, "--out", str(out), "--write-tuned", "--label", "a smoke run"]) == 0
+    printed = capsys.readouterr().out
+    assert "pointer/softmax: best validation NLL" in printed and "(trial " in printed and "of 2)" in printed
+    written = json.loads((out / "tuned" / "pointer.json").read_text())
+    assert written == json.loads((package / "pointer.json").read_text())
+    entry = written["rows"]["softmax"]
+    assert entry["trials"] == 2 and entry["study"]["label"] == "a smoke run" and entry["study"]["tuning_seed"] == 100
+    assert sorted(path.name for path in (out / "trials").iterdir()) == [
+        "pointer-softmax-0.json",
+        "pointer-softmax-1.json",
+    ]
+
+    assert main([*TINY, "--out", str(out)]) == 1  # an earlier run is not replaced silently
+    assert "already holds files" in capsys.readouterr().err
+
+    monkeypatch.setattr(tuning_module, "run_trial", None)  # nothing is left to train
+    assert main([*TINY, "--out", str(out), "--resume"]) == 0
+    assert (
+        json.loads((out / "tuned" / "pointer.json").read_text())["rows"]["softmax"]["best_val_nll"]
+        == entry["best_val_nll"]
+    )
+
+
+def test_ctrl_c_keeps_the_finished_trials_and_says_how_to_continue(tmp_path, capsys, monkeypatch):
+    calls = []
+    real = tuning_module.run_trial
+
+    def interrupted(*args):
+        calls.append(None)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return real(*args)
+
+    monkeypatch.setattr(tuning_module, "run_trial", interrupted)
+    assert main([*TINY, "--out", str(tmp_path)]) == 130
+    error = capsys.readouterr().err.strip().splitlines()[-1]
+    assert error == (
+        f"gpattn tune: interrupted; 1 of 2 trials finished, kept in {tmp_path / 'study.db'}; the same command with "
+        "--resume continues"
+    )
+
+
+def test_sigint_during_jobs_2_fails_the_trials_in_flight_and_resume_completes_the_budget(tmp_path):
+    """A real Ctrl-C (SIGINT to the process group) while two trial workers run, then ``--resume``."""
+    argv = [sys.executable, "-m", "gpattn.cli", *TINY[:6], "6", *TINY[7:-1], "--jobs", "2", "--out", str(tmp_path)]
+    process = subprocess.Popen(argv, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    first = process.stderr.readline()
+    assert first.startswith("[1/6] pointer/softmax trial "), first
+    os.killpg(process.pid, signal.SIGINT)
+    rest = process.stderr.read()
+    assert process.wait(timeout=60) == 130
+    assert "Traceback" not in rest and rest.splitlines()[-1].startswith("gpattn tune: interrupted; ")
+    storage = f"sqlite:///{tmp_path / 'study.db'}"
+    states = Counter(
+        trial.state.name for trial in optuna.load_study(study_name="pointer-softmax", storage=storage).trials
+    )
+    assert states["RUNNING"] == 0 and 1 <= states["COMPLETE"] < 6  # the trials in flight were marked failed
+
+    resumed = subprocess.run([*argv, "--resume", "--jobs", "1"], capture_output=True, text=True, timeout=300)
+    assert resumed.returncode == 0, resumed.stderr
+    trials = optuna.load_study(study_name="pointer-softmax", storage=storage).trials
+    complete = [trial for trial in trials if trial.state.name == "COMPLETE"]
+    assert len(complete) == 6 and {trial.state.name for trial in trials} <= {"COMPLETE", "FAIL"}
+    assert len({json.dumps(trial.params, sort_keys=True) for trial in complete}) == 6  # no configuration twice
