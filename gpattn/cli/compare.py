@@ -42,7 +42,7 @@ OVERRIDES = (
 def add_compare(commands) -> None:
     """Add the ``compare`` command to the subparsers ``commands``."""
     from ..attention import attention_names
-    from ..comparison import DEFAULT_ATTENTIONS, DEFAULT_TASKS, TASKS, CompareConfig
+    from ..comparison import DEFAULT_ATTENTIONS, DEFAULT_TASKS, MAIN_TABLE_ROWS, TASKS, CompareConfig
     from ..methods import method_names
 
     defaults = CompareConfig()
@@ -58,11 +58,24 @@ def add_compare(commands) -> None:
         "others); at the end writes results.json, results.csv, table.md and figures into OUT.",
     )
     compare.add_argument("--out", type=out_dir, default=None, help="run folder (default: runs/compare-<date>-<time>)")
-    compare.add_argument(
+    preset = compare.add_mutually_exclusive_group()
+    preset.add_argument(
         "--quick",
         action="store_true",
         help="a smoke test (labelled so in table.md): one seed, few epochs, to check that everything runs; the "
         "pointer task is not learned in this budget",
+    )
+    preset.add_argument(
+        "--main",
+        action="store_true",
+        help="the protocol's main job (make main): the primary pair kep_svgp and softmax (and their +ts rows) on "
+        "mnist1d, seeds 0-9, tuned configurations",
+    )
+    preset.add_argument(
+        "--full",
+        action="store_true",
+        help="the protocol's full grid: every main-table row (" + " ".join(MAIN_TABLE_ROWS) + ") on mnist1d and "
+        "digits, seeds 0-4, and seeds 5-9 for the primary pair; the other options override a preset's settings",
     )
     others = " and ".join(name for name in method_names() if name not in attention_names())
     papers = " / ".join(name for name in attention_names() if name.endswith("_paper"))
@@ -174,7 +187,8 @@ def run_compare(args: argparse.Namespace) -> int:
     overrides.update(device=args.device, progress=not args.no_progress, threads=args.threads, jobs=args.jobs)
     overrides.update(compile=args.compile)
     try:
-        config = CompareConfig.quick(**overrides) if args.quick else CompareConfig(**overrides)
+        presets = ((args.quick, CompareConfig.quick), (args.main, CompareConfig.main), (args.full, CompareConfig.full))
+        config = next((make for chosen, make in presets if chosen), CompareConfig)(**overrides)
         runs = plan_runs(config)  # every layer's own checks, once, before any folder is made or run started
     except ValueError as error:
         print(f"gpattn compare: error: {error}", file=sys.stderr)

@@ -8,7 +8,7 @@ Data flows one way: the comparison resolves each row once (:mod:`gpattn.methods`
 :mod:`gpattn.training`, which never imports this package.
 """
 
-from .config import DEFAULT_ATTENTIONS, CompareConfig
+from .config import DEFAULT_ATTENTIONS, MAIN_TABLE_ROWS, PRIMARY_ROWS, CompareConfig
 from .evaluation import (
     DEFAULT_ECE_BINS,
     POOLED_OOD,
@@ -63,6 +63,8 @@ from .tuning_space import ARCHITECTURES, TUNED_ROWS, TUNING_SEED, SearchParamete
 __all__ = [
     "ARCHITECTURES",
     "DEFAULT_ATTENTIONS",
+    "MAIN_TABLE_ROWS",
+    "PRIMARY_ROWS",
     "DEFAULT_ECE_BINS",
     "DEFAULT_TASKS",
     "DEFAULT_TRIALS",

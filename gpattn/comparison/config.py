@@ -17,12 +17,20 @@ from .evaluation import DEFAULT_ECE_BINS
 from .tasks import DEFAULT_TASKS, TASK_DEFAULTS, TASKS
 from .tuned_configuration import TunedRow, read_tuned, tuned_path, tuned_source
 
-__all__ = ["DEFAULT_ATTENTIONS", "CompareConfig"]
+__all__ = ["DEFAULT_ATTENTIONS", "MAIN_TABLE_ROWS", "PRIMARY_ROWS", "CompareConfig"]
 
 #: The rows of the main job (``gpattn compare`` without ``--attentions``), each also with its ``+ts`` row: KEP-SVGP,
 #: the GP baseline SGPA, softmax, MC dropout and Primal-Attention (the other KSVD layer, for the fidelity). The
 #: symmetric SVGP, CGPT, the symmetric KEP ablation and Deep Ensembles cost 2-5 times as much and run on request.
 DEFAULT_ATTENTIONS = ("kep_svgp", "sgpa", "softmax", "softmax_mc_dropout", "primal")
+#: The rows of the primary endpoint (:data:`~gpattn.comparison.endpoints.PRIMARY_ENDPOINT`, with their ``+ts`` rows):
+#: the protocol runs them with 10 seeds, ``make main`` runs only them.
+PRIMARY_ROWS = ("kep_svgp", "softmax")
+#: Every row of the protocol's main table (:meth:`CompareConfig.full`), each with its ``+ts`` row where it has one.
+MAIN_TABLE_ROWS = (
+    "kep_svgp", "kep_svgp_paper", "sgpa", "primal", "primal_paper",
+    "softmax", "softmax_mc_dropout", "deep_ensemble", "laplace",
+)  # fmt: skip
 
 
 @dataclass
@@ -35,10 +43,14 @@ class CompareConfig:
 
     :ivar attentions: Rows to compare (:func:`~gpattn.methods.method_names`: every registered attention,
         ``softmax_mc_dropout``, ``deep_ensemble``, ...); default :data:`DEFAULT_ATTENTIONS`.
-    :ivar tasks: ``"mnist1d"`` (MNIST-1D as 10 tokens of 4 values), ``"digits"`` (8x8 images as 2x2 patches) and/or
+    :ivar tasks: ``"mnist1d"`` (MNIST-1D's 40-value signals through a convolutional stem: 20 tokens), ``"digits"``
+        (8x8 images as 2x2 patches) and/or
         ``"pointer"`` (directed toy sequences, solved by every attention: only in ``--quick`` and the tests);
         default :data:`~gpattn.comparison.tasks.DEFAULT_TASKS`.
-    :ivar seeds: Model seeds (the data splits are fixed); paired intervals need at least 5.
+    :ivar seeds: Model seeds of every row (a seed also draws the run's validation split); paired intervals need at
+        least 5.
+    :ivar primary_seeds: Further seeds of the :data:`PRIMARY_ROWS` only (the protocol runs the primary pair with 10
+        seeds and every other row with 5: :meth:`full`); default none.
     :ivar pointer_epochs: Training epochs per run on the pointer task (2048 sequences: 32 steps an epoch).
     :ivar digits_epochs: Training epochs per run on digits (866 images: 14 steps an epoch).
     :ivar mnist1d_epochs: Training epochs per run on MNIST-1D (3601 sequences: 57 steps an epoch; 60, the protocol's
@@ -84,6 +96,7 @@ class CompareConfig:
     attentions: tuple[str, ...] = DEFAULT_ATTENTIONS
     tasks: tuple[str, ...] = DEFAULT_TASKS
     seeds: tuple[int, ...] = (0, 1, 2, 3, 4)
+    primary_seeds: tuple[int, ...] = ()
     pointer_epochs: int = 8
     digits_epochs: int = 40
     mnist1d_epochs: int = 60
@@ -114,6 +127,7 @@ class CompareConfig:
     def __post_init__(self) -> None:
         where = "CompareConfig"
         self.attentions, self.tasks, self.seeds = tuple(self.attentions), tuple(self.tasks), tuple(self.seeds)
+        self.primary_seeds = tuple(self.primary_seeds)
         if not self.attentions:
             raise ValueError(f"{where}: expected attentions among {method_names()}, got none")
         for name in self.attentions:
@@ -126,6 +140,13 @@ class CompareConfig:
             raise ValueError(f"{where}: expected distinct seeds, got {list(self.seeds)}")
         for seed in self.seeds:
             check_int("seeds", seed, minimum=0, where=where)
+        for seed in self.primary_seeds:
+            check_int("primary_seeds", seed, minimum=0, where=where)
+        if len(set(self.primary_seeds)) != len(self.primary_seeds) or set(self.primary_seeds) & set(self.seeds):
+            raise ValueError(
+                f"{where}: expected distinct primary_seeds, none of them among seeds {list(self.seeds)}, got "
+                f"{list(self.primary_seeds)}"
+            )
         check_int("ensemble size", self.ensemble, where=where)
         ensembles = [name for name in self.attentions if get_method(name).predictive.members > 1]
         if self.ensemble > 1 and ensembles:
@@ -235,6 +256,31 @@ class CompareConfig:
             {'num_inducing': 8}
         """
         return get_method(row).layer_arguments(num_inducing=self.num_inducing, ksvd_weight=self.ksvd_weight)
+
+    def row_seeds(self, row: str) -> tuple[int, ...]:
+        """The seeds of ``row``: :attr:`seeds`, and :attr:`primary_seeds` too for a row of :data:`PRIMARY_ROWS`.
+
+        Example:
+            >>> config = CompareConfig.full()
+            >>> config.row_seeds("kep_svgp"), config.row_seeds("sgpa")
+            ((0, 1, 2, 3, 4, 5, 6, 7, 8, 9), (0, 1, 2, 3, 4))
+        """
+        return self.seeds + (self.primary_seeds if row in PRIMARY_ROWS else ())
+
+    @classmethod
+    def main(cls, **overrides: Any) -> CompareConfig:
+        """The protocol's main job (``make main``): the primary pair (:data:`PRIMARY_ROWS`, each with its ``+ts``
+        row) on MNIST-1D with seeds 0-9, in the tuned configurations."""
+        settings = {"attentions": PRIMARY_ROWS, "tasks": ("mnist1d",), "seeds": tuple(range(10))}
+        return cls(**{**settings, **overrides})
+
+    @classmethod
+    def full(cls, **overrides: Any) -> CompareConfig:
+        """The protocol's full grid (``gpattn compare --full``): every row of :data:`MAIN_TABLE_ROWS` on MNIST-1D and
+        digits, seeds 0-4, and seeds 5-9 too for the primary pair, in the tuned configurations."""
+        settings = {"attentions": MAIN_TABLE_ROWS, "tasks": ("mnist1d", "digits"), "seeds": tuple(range(5))}
+        settings["primary_seeds"] = tuple(range(5, 10))
+        return cls(**{**settings, **overrides})
 
     @classmethod
     def quick(cls, **overrides: Any) -> CompareConfig:

@@ -9,7 +9,6 @@ the tables read the same numbers.
 from __future__ import annotations
 
 import dataclasses
-import statistics
 import textwrap
 from dataclasses import dataclass
 from typing import Any

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from ..models import fit_temperature
-from .config import CompareConfig
+from .config import PRIMARY_ROWS, CompareConfig
 from .environment import run_environment
 from .headline import MIN_SEEDS_FOR_INTERVALS, headline_text
 from .records import RunRecord, write_json_atomically, write_text_atomically
@@ -331,6 +331,8 @@ def table_text(records: list[RunRecord], config: CompareConfig) -> str:
     declared endpoints (:func:`~gpattn.comparison.headline.headline_text`), then :func:`markdown_table`."""
     seeds = len(config.seeds)
     title = f"# gpattn compare: {len(records)} runs, {seeds} seed{'s' if seeds > 1 else ''}"
+    if config.primary_seeds:
+        title += f" ({seeds + len(config.primary_seeds)} for {' and '.join(PRIMARY_ROWS)})"
     if config.smoke_test:
         title += (
             "\n\n**Smoke test (`--quick`)**: one seed and a few epochs, to check that everything runs. The pointer task"

@@ -60,7 +60,7 @@ __all__ = [
 ]
 
 #: CompareConfig fields that do not change a run's numbers: which runs there are, how they are scheduled and shown
-RESULT_INDEPENDENT_FIELDS = ("attentions", "tasks", "seeds", "progress", "jobs", "smoke_test")
+RESULT_INDEPENDENT_FIELDS = ("attentions", "tasks", "seeds", "primary_seeds", "progress", "jobs", "smoke_test")
 #: The format of a run file (``out/runs/<name>.json`` of ``gpattn compare``, ``OUT/run.json`` of ``gpattn train``)
 RUN_FILE_FORMAT = "gpattn-run/1"
 

@@ -146,7 +146,7 @@ def plan_runs(config: CompareConfig) -> list[tuple[str, str, int]]:
                         f"the row {row!r}: the attention {method.attention!r} with {given} does not fit the head "
                         f"width embed_dim / num_heads = {head_width}: {error}"
                     ) from error
-    return [(task, row, seed) for task in config.tasks for row in config.attentions for seed in config.seeds]
+    return [(task, row, seed) for task in config.tasks for row in config.attentions for seed in config.row_seeds(row)]
 
 
 def train_and_evaluate(

@@ -308,7 +308,7 @@ def test_secondaries_are_holm_adjusted_over_the_family(records) -> None:
     for estimate in estimates:
         column = estimate.endpoint.column
         rows = [row for row in flat_rows(records) if row["task"] == "mnist1d"]
-        if column == "ood_declared_auroc":  # kep_svgp+ts (stochastic): the mutual information, softmax+ts: max probability
+        if column == "ood_declared_auroc":  # kep_svgp+ts (stochastic): mutual information, softmax+ts: max probability
             assert estimate.note == "pooled OOD set; kep_svgp+ts: mutual information, softmax+ts: max probability"
             left = [row["ood_pooled_auroc_mi"] for row in rows if row["attention"] == "kep_svgp+ts"]
             right = [row["ood_pooled_auroc"] for row in rows if row["attention"] == "softmax+ts"]

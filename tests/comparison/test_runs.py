@@ -164,6 +164,30 @@ def _refuse(token: str) -> float:
     raise ValueError(f"results.json is not strict JSON: {token}")
 
 
+def test_the_protocol_presets_plan_the_declared_grid() -> None:
+    """make main: the primary pair on MNIST-1D, seeds 0-9; --full: every main-table row on both tasks, seeds 0-4, and
+    5-9 for the primary pair (the rows of the primary endpoint, without their +ts suffix)."""
+    from gpattn.comparison import MAIN_TABLE_ROWS, PRIMARY_ROWS
+    from gpattn.comparison.endpoints import PRIMARY_ENDPOINT
+
+    assert PRIMARY_ROWS == (PRIMARY_ENDPOINT.reference.removesuffix("+ts"), PRIMARY_ENDPOINT.other.removesuffix("+ts"))
+    main_runs = plan_runs(CompareConfig.main())
+    assert main_runs == [("mnist1d", row, seed) for row in PRIMARY_ROWS for seed in range(10)]
+    full_runs = plan_runs(CompareConfig.full())
+    expected = [
+        (task, row, seed)
+        for task in ("mnist1d", "digits")
+        for row in MAIN_TABLE_ROWS
+        for seed in range(10 if row in PRIMARY_ROWS else 5)
+    ]
+    assert full_runs == expected and len(full_runs) == 2 * (2 * 10 + 7 * 5)
+    assert CompareConfig.full(tasks=("digits",)).tasks == ("digits",)  # options override a preset
+    with pytest.raises(ValueError, match="none of them among seeds"):
+        CompareConfig(seeds=(0, 1), primary_seeds=(1, 2))
+    with pytest.raises(ValueError, match="primary_seeds"):
+        CompareConfig(primary_seeds=(-1,))
+
+
 def test_cli_compare_rejects_bad_values(capsys) -> None:
     assert main(["compare", "--seeds", "1", "1", "--no-progress"]) == 2
     assert "distinct seeds" in capsys.readouterr().err
