@@ -27,10 +27,8 @@ import os
 import queue
 import signal
 import sys
-import threading
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -41,6 +39,7 @@ from tqdm import tqdm
 from ..attention import build_attention
 from ..methods import get_method
 from ..training import TrainingDivergedError, train_ensemble
+from .deferred_interrupts import interrupt, interrupt_handler, signals_deferred
 from .local_executor import TaskFailedError, torch_threads
 from .records import write_json_atomically
 from .runs import build_model, layer_arguments, make_train_config
@@ -188,46 +187,6 @@ def _data(task: str, seed: int) -> TaskData:
     return _DATA[task, seed]
 
 
-_DEFERRED = {"depth": 0, "pending": False}  # per process: inside _signals_deferred, and a signal came meanwhile
-
-
-def _interrupt(signum: int, frame: Any) -> None:
-    """The handler of Ctrl-C (SIGINT) and of a worker's SIGTERM while trials run: ``KeyboardInterrupt``, at once or,
-    inside :func:`_signals_deferred`, at its end."""
-    if _DEFERRED["depth"]:
-        _DEFERRED["pending"] = True
-    else:
-        raise KeyboardInterrupt
-
-
-@contextmanager
-def _signals_deferred() -> Iterator[None]:
-    """A study write (a claim with its slot and owner, a trial's result) that :func:`_interrupt` never cuts in half:
-    the ``KeyboardInterrupt`` of a signal that comes meanwhile is raised after it. A trial claimed before it is then
-    still running and marked failed by :func:`~gpattn.comparison.studies.release_trials`."""
-    _DEFERRED["depth"] += 1
-    try:
-        yield
-    finally:
-        _DEFERRED["depth"] -= 1
-        if not _DEFERRED["depth"] and _DEFERRED["pending"]:
-            _DEFERRED["pending"] = False
-            raise KeyboardInterrupt
-
-
-@contextmanager
-def _handler(signum: int) -> Iterator[None]:
-    """:func:`_interrupt` handles ``signum`` inside the block (in the main thread; elsewhere Python's handlers stay)."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    previous = signal.signal(signum, _interrupt)
-    try:
-        yield
-    finally:
-        signal.signal(signum, previous)
-
-
 def _work(
     config: TuneConfig,
     storage: Any,
@@ -244,7 +203,7 @@ def _work(
             name = study_name(task, row)
             space = search_space(row, len(data.train))
             while not orphaned():
-                with _signals_deferred():
+                with signals_deferred():
                     claimed = claim_trial(storage, lock, name, space, config.seed)
                 if claimed is None:
                     break
@@ -252,7 +211,7 @@ def _work(
                 try:
                     record = run_trial(config, data, row, parameters)
                 except BaseException as error:
-                    with _signals_deferred():
+                    with signals_deferred():
                         fail_trial(study, trial, lock, f"{type(error).__name__}: {error}")
                     if isinstance(error, Exception):
                         raise TuningFailedError(f"trial {trial.number} of {name} failed: {error}") from error
@@ -269,7 +228,7 @@ def _keep(
     attributes = {key: record[key] for key in ("hyperparameters", "best_epoch", "epochs", "diverged")}
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
     attributes.update(seconds=record["seconds"], cpu_seconds=record["cpu_seconds"], load_average=load)
-    with _signals_deferred():
+    with signals_deferred():
         best = finish_trial(study, trial, lock, value, attributes)
     name = study.study_name
     if out is not None:
@@ -296,7 +255,7 @@ def _run_on_executor(
             while current is not None and executor.pending < executor.capacity:
                 task, row = current
                 space = search_space(row, len(_data(task, config.seed).train))
-                with _signals_deferred():
+                with signals_deferred():
                     trial = claim_trial(storage, lock, study_name(task, row), space, config.seed)
                 if trial is None:
                     current = next(studies, None)
@@ -309,7 +268,7 @@ def _run_on_executor(
                 key, record = executor.next_result()
             except TaskFailedError as error:
                 study, trial, _ = claimed.pop(error.key)
-                with _signals_deferred():
+                with signals_deferred():
                     fail_trial(study, trial, lock, f"{type(error.cause).__name__}: {error.cause}")
                 raise TuningFailedError(f"trial {trial.number} of {study.study_name} failed: {error.cause}") from None
             study, trial, _ = claimed.pop(key)
@@ -320,7 +279,7 @@ def _worker_main(config: TuneConfig, url: str, out: Path | None, messages: Any) 
     """A worker process: Ctrl-C goes to the parent (which terminates the workers: SIGTERM stops the trial in
     flight, which is marked failed); a worker whose parent is gone claims no further trial."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, _interrupt)
+    signal.signal(signal.SIGTERM, interrupt)
     torch.set_num_threads(config.threads)
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     parent = os.getppid()
@@ -462,10 +421,10 @@ def tune(
         tqdm.write(f"resuming: {finished} of {total} trials already finished", file=sys.stderr)
     try:
         if executor is not None:
-            with _handler(signal.SIGINT):
+            with interrupt_handler(signal.SIGINT):
                 _run_on_executor(config, executor, database, lock, out, report)
         elif config.jobs == 1:
-            with torch_threads(config.threads), _handler(signal.SIGINT):
+            with torch_threads(config.threads), interrupt_handler(signal.SIGINT):
                 _work(config, database, lock, out, report)
         else:
             _run_in_parallel(config, url, out, report, database, lock)
