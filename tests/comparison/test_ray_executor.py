@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import socket
+import sys
 import time
 
 import pytest
@@ -213,3 +214,11 @@ def test_the_address_forms(monkeypatch):
 def test_ray_address_without_the_ray_executor_is_a_bad_option(capsys):
     assert main(["compare", "--quick", "--ray-address", "127.0.0.1:6379"]) == 2
     assert "--ray-address needs --executor ray" in capsys.readouterr().err
+
+
+def test_without_ray_the_ray_executor_names_the_extra(monkeypatch, tmp_path, capsys):
+    monkeypatch.setitem(sys.modules, "ray", None)  # import ray fails, as without the extra
+    assert main(["compare", "--quick", "--executor", "ray", "--out", str(tmp_path / "o")]) == 1
+    error = capsys.readouterr().err
+    assert error.count("\n") == 1 and error.endswith("pip install 'gpattn[ray]'\n")
+    assert not (tmp_path / "o").exists()
