@@ -10,7 +10,9 @@ from .options import (
     CommandError,
     CommandInterrupted,
     add_common,
+    add_executor,
     device,
+    make_executor,
     non_negative_float,
     non_negative_int,
     out_dir,
@@ -142,6 +144,7 @@ def add_compare(commands) -> None:
         help="runs trained at the same time in worker processes (default: %(default)s; about cores / threads: 2 on a "
         "2-core machine). The results are identical whatever --jobs is, for a given --threads",
     )
+    add_executor(compare, "run")
     compare.add_argument(
         "--compile",
         action="store_true",
@@ -190,6 +193,7 @@ def run_compare(args: argparse.Namespace) -> int:
         presets = ((args.quick, CompareConfig.quick), (args.main, CompareConfig.main), (args.full, CompareConfig.full))
         config = next((make for chosen, make in presets if chosen), CompareConfig)(**overrides)
         runs = plan_runs(config)  # every layer's own checks, once, before any folder is made or run started
+        executor = make_executor(args)  # a Ray cluster's address checked, before any folder is made
     except ValueError as error:
         print(f"gpattn compare: error: {error}", file=sys.stderr)
         return 2
@@ -201,7 +205,7 @@ def run_compare(args: argparse.Namespace) -> int:
     ) as out:
         start = time.perf_counter()
         try:
-            records = execute_runs(config, runs, out=out, resume=args.resume)
+            records = execute_runs(config, runs, out=out, resume=args.resume, executor=executor)
         except KeyboardInterrupt as interrupt:
             finished = getattr(interrupt, "finished", None)
             done = "" if finished is None else f"{finished} of {interrupt.total} runs finished, "
@@ -216,6 +220,7 @@ def run_compare(args: argparse.Namespace) -> int:
                 "the same command with --resume to write the results"
             ) from error
     print(table_text(records, config))
-    print(f"{len(records)} runs in {time.perf_counter() - start:.0f} s (jobs {config.jobs}, threads {config.threads})")
+    where = f"executor {args.executor}, jobs {config.jobs}, threads {config.threads}"
+    print(f"{len(records)} runs in {time.perf_counter() - start:.0f} s ({where})")
     print("wrote " + ", ".join(str(path) for path in written))
     return 0

@@ -29,7 +29,9 @@ __all__ = [
     "CommandError",
     "CommandInterrupted",
     "add_common",
+    "add_executor",
     "device",
+    "make_executor",
     "non_negative_float",
     "non_negative_int",
     "out_dir",
@@ -105,6 +107,41 @@ def add_common(parser: argparse.ArgumentParser, resume: str | None) -> None:
         help="replace the results of an earlier run in OUT (without it, an OUT that holds files is refused"
         + (f"; --resume {resume})" if resume else ")"),
     )
+
+
+def add_executor(parser: argparse.ArgumentParser, what: str) -> None:
+    """Add ``--executor`` and ``--ray-address`` (``what``: the unit of work, e.g. ``"run"``)."""
+    parser.add_argument(
+        "--executor",
+        choices=("local", "ray"),
+        default="local",
+        help=f"where each {what} trains: local (--jobs worker processes of this machine) or ray (each {what} a Ray "
+        "task with --threads CPUs, and 1/--jobs of a GPU with --device cuda, retried once if it fails; the results "
+        "come back here and are written here; needs pip install 'gpattn[ray]') (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--ray-address",
+        default=None,
+        help="with --executor ray: the Ray cluster, host:port (its GCS, e.g. the head node's 10.0.0.1:6379), "
+        "ray://host:10001 (Ray Client) or auto (RAY_ADDRESS, else the cluster started on this machine); checked "
+        "before anything trains (default: a new local Ray instance of --jobs x --threads CPUs)",
+    )
+
+
+def make_executor(args: argparse.Namespace) -> Any:
+    """The executor that ``--executor`` names: ``None`` for ``local`` (the command's own worker processes), or a
+    :class:`~gpattn.comparison.ray_executor.RayExecutor` whose address was checked.
+
+    :raises ValueError: ``--ray-address`` without ``--executor ray``, a malformed address, a device with an index.
+    :raises ~gpattn.comparison.ray_executor.RayUnavailableError: Ray is missing, or nothing answers at the address.
+    """
+    if args.executor == "local":
+        if args.ray_address is not None:
+            raise ValueError("--ray-address needs --executor ray")
+        return None
+    from ..comparison.ray_executor import RayExecutor
+
+    return RayExecutor(args.jobs, args.threads, args.device, args.ray_address)
 
 
 #: The lock file that :func:`prepare_out` holds in a run folder while a command writes to it.

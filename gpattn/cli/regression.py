@@ -43,8 +43,8 @@ def add_regression(commands) -> None:
 def run_regression(args: argparse.Namespace) -> int:
     """Run ``gpattn regression``; returns the exit status."""
     from .. import comparison
+    from ..comparison.local_executor import torch_threads
     from ..comparison.records import write_text_atomically
-    from ..comparison.runner import torch_threads
 
     if args.num_inducing > args.landmarks:
         message = f"--num-inducing ({args.num_inducing}) must not exceed --landmarks ({args.landmarks})"

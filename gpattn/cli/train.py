@@ -67,8 +67,9 @@ def run_train(args: argparse.Namespace) -> int:
     """Run ``gpattn train``; returns the exit status."""
     from ..comparison import CompareConfig, plan_runs
     from ..comparison import runs as run_module
+    from ..comparison.local_executor import torch_threads
     from ..comparison.records import write_json_atomically
-    from ..comparison.runner import read_run_file, result_settings, run_file_content, torch_threads
+    from ..comparison.runner import read_run_file, result_settings, run_file_content
     from ..training import EpochLog
 
     out = Path(args.out or f"runs/train-{args.task}-{args.attention}-{args.seed}")

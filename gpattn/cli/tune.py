@@ -10,7 +10,9 @@ from .options import (
     CommandError,
     CommandInterrupted,
     add_common,
+    add_executor,
     device,
+    make_executor,
     non_negative_int,
     out_dir,
     positive_int,
@@ -83,6 +85,7 @@ def add_tune(commands) -> None:
         help="trial workers (processes with --threads torch threads each) sharing the studies (default: %(default)s; "
         "about cores / threads). The budget stays exactly --trials finished trials per study",
     )
+    add_executor(tune, "trial")
     tune.add_argument(
         "--storage",
         default=None,
@@ -133,6 +136,7 @@ def run_tune(args: argparse.Namespace) -> int:
     settings.update(device=args.device, threads=args.threads, jobs=args.jobs, progress=not args.no_progress)
     try:
         config = TuneConfig(**settings)
+        executor = make_executor(args)  # a Ray cluster's address checked, before any folder is made
     except ValueError as error:
         print(f"gpattn tune: error: {error}", file=sys.stderr)
         return 2
@@ -145,7 +149,7 @@ def run_tune(args: argparse.Namespace) -> int:
     ) as out:
         start = time.perf_counter()
         try:
-            summaries = tuning.tune(config, out, storage=args.storage, resume=args.resume)
+            summaries = tuning.tune(config, out, storage=args.storage, resume=args.resume, executor=executor)
         except KeyboardInterrupt as interrupt:
             finished = getattr(interrupt, "finished", None)
             done = "" if finished is None else f"{finished} of {interrupt.total} trials finished, "
@@ -170,7 +174,8 @@ def run_tune(args: argparse.Namespace) -> int:
                 f"{summary.trials}), {summary.parameters}"
             )
     seconds = time.perf_counter() - start
-    print(f"{len(summaries)} studies in {seconds:.0f} s (jobs {config.jobs}, threads {config.threads})")
+    where = f"executor {args.executor}, jobs {config.jobs}, threads {config.threads}"
+    print(f"{len(summaries)} studies in {seconds:.0f} s ({where})")
     if written:
         print("wrote " + ", ".join(str(path) for path in written))
     return 0

@@ -1,8 +1,8 @@
 """The comparison (``gpattn compare``): its tasks, settings and runs, their evaluation (with separate random streams)
 and typed records (JSON/CSV), statistics over seeds (paired differences with intervals), the report, the scheduling
-of the runs, the tuned configurations and the settings and search space of ``gpattn tune`` (its Optuna studies:
-:mod:`gpattn.comparison.tuning`, which needs the ``tune`` extra), and the toy regression fit (exact GP vs KEP-SVGP
-via VariationalELBO and Pyro SVI).
+of the runs (in local processes, or as Ray tasks with the ``ray`` extra), the tuned configurations and the settings
+and search space of ``gpattn tune`` (its Optuna studies: :mod:`gpattn.comparison.tuning`, which needs the ``tune``
+extra), and the toy regression fit (exact GP vs KEP-SVGP via VariationalELBO and Pyro SVI).
 
 Data flows one way: the comparison resolves each row once (:mod:`gpattn.methods`) and trains it with the loop of
 :mod:`gpattn.training`, which never imports this package.
@@ -20,6 +20,8 @@ from .evaluation import (
     per_example_predictions,
 )
 from .fidelity import model_fidelity
+from .local_executor import LocalExecutor
+from .ray_executor import RayExecutor
 from .records import (
     ClassificationMetrics,
     OODMetrics,
@@ -61,6 +63,8 @@ from .tuned_configuration import TunedRow, read_tuned, write_tuned
 from .tuning_space import ARCHITECTURES, TUNED_ROWS, TUNING_SEED, SearchParameter, search_space
 
 __all__ = [
+    "LocalExecutor",
+    "RayExecutor",
     "ARCHITECTURES",
     "DEFAULT_ATTENTIONS",
     "MAIN_TABLE_ROWS",

@@ -2,12 +2,14 @@
 
 :func:`~gpattn.comparison.run_comparison` hands its ``(task, attention, seed)`` runs to :func:`execute_runs`, which
 
-* runs them one after the other in this process (``config.jobs == 1``) or in ``config.jobs`` worker processes
-  (``spawn`` start method), each with ``torch.set_num_threads(config.threads)``. A run's numbers depend on its
-  arguments and on the thread count only (torch's reductions are split differently with another thread count), so
-  for a given ``threads`` the records are identical whatever ``jobs`` is. On CUDA every process running runs uses
-  deterministic kernels (:func:`run_environment`), so that the workers sharing one GPU give the records of the runs
-  made one by one;
+* hands them to an executor: by default a :class:`~gpattn.comparison.local_executor.LocalExecutor`, which runs
+  them one after the other in this process (``config.jobs == 1``) or in ``config.jobs`` worker processes (``spawn``
+  start method), or a :class:`~gpattn.comparison.ray_executor.RayExecutor` (each run a Ray task, on this machine or a
+  cluster), each run with ``torch.set_num_threads(config.threads)``. A run's numbers depend on its arguments and on
+  the thread count only (torch's reductions are split differently with another thread count), so for a given
+  ``threads`` the records are identical whatever ``jobs`` or the executor is. On CUDA every process running runs
+  uses deterministic kernels (:func:`run_environment`), so that the workers sharing one GPU give the records of the
+  runs made one by one;
 * writes each finished run's record at once to ``<out>/runs/<task>-<attention>-<seed>.json`` (strict JSON, through
   a temporary file and :func:`os.replace`, so a file is either complete or absent), together with the run's identity
   (task, row, seed) and the settings that determine its numbers, with their SHA-256 (:func:`run_file_content`);
@@ -15,17 +17,15 @@
   the run its name says, made with the same settings (:func:`read_run_file`);
 * prints one line per finished run (name, seconds, test accuracy) on standard error, and a live bar on a terminal.
 
-Ctrl-C stops the workers and raises :class:`RunsInterrupted`; every run that finished is on disk.
+The records come back to this process, which alone writes the run files. Ctrl-C stops the workers and raises
+:class:`RunsInterrupted`; every run that finished is on disk.
 """
 
 from __future__ import annotations
 
-import concurrent.futures
 import hashlib
 import json
-import multiprocessing
 import os
-import signal
 import sys
 import tempfile
 import time
@@ -35,11 +35,11 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-import torch
 from tqdm import tqdm
 
 from . import runs as run_module
 from .config import CompareConfig
+from .local_executor import LocalExecutor, TaskFailedError, worker_environment
 from .records import RunRecord, write_json_atomically
 from .tasks import TaskData, load_task
 
@@ -63,9 +63,6 @@ __all__ = [
 RESULT_INDEPENDENT_FIELDS = ("attentions", "tasks", "seeds", "primary_seeds", "progress", "jobs", "smoke_test")
 #: The format of a run file (``out/runs/<name>.json`` of ``gpattn compare``, ``OUT/run.json`` of ``gpattn train``)
 RUN_FILE_FORMAT = "gpattn-run/1"
-
-
-QUIET_TRACKER = "ignore:resource_tracker:UserWarning"
 
 
 class RunsInterrupted(KeyboardInterrupt):
@@ -95,17 +92,6 @@ def result_settings(config: CompareConfig) -> dict[str, Any]:
     return json.loads(json.dumps(settings))  # tuples -> lists, as read back from a file
 
 
-@contextmanager
-def torch_threads(threads: int) -> Iterator[None]:
-    """``torch.set_num_threads(threads)`` inside the block, the previous count restored after it."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(previous)
-
-
 # -- one run ---------------------------------------------------------------------------------------------------------
 # per process: each (task, seed)'s data is loaded once (its validation split depends on the seed; load_task caches the
 # test, shifted and OOD sets, which do not, so that another seed loads its training and validation splits only)
@@ -121,41 +107,12 @@ def _run_one(config: CompareConfig, task: str, attention: str, seed: int) -> tup
     return record, time.perf_counter() - start
 
 
-def _start_worker(threads: int, device: str) -> None:
-    # Ctrl-C goes to the whole process group: the parent alone handles it (and stops the workers), so that a worker
-    # prints no traceback
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    torch.set_num_threads(threads)
-    _deterministic_cuda(device)
-
-
-def _deterministic_cuda(device: str) -> bool:
-    """On a CUDA device: deterministic kernels (cuBLAS with a fixed workspace, set before the process's first cuBLAS
-    call; PyTorch's deterministic algorithms, with a warning for an operator that has none) and the run's device made
-    current, so that a run gives the same record in any process, alone or beside others on the GPU. The parent of the
-    workers never touches CUDA (spawned workers start without its state). Returns whether it changed anything."""
-    target = torch.device(device)
-    if target.type != "cuda":
-        return False
-    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-    torch.use_deterministic_algorithms(True, warn_only=True)
-    if target.index is not None:
-        torch.cuda.set_device(target)
-    return True
-
-
 @contextmanager
 def run_environment(config: CompareConfig) -> Iterator[None]:
     """The settings of the runs in this process, the previous ones restored after the block: ``config.threads``
-    torch threads and, on CUDA, deterministic kernels (as in every worker process)."""
-    previous = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
-    with torch_threads(config.threads):
-        changed = _deterministic_cuda(config.device)
-        try:
-            yield
-        finally:
-            if changed:
-                torch.use_deterministic_algorithms(previous[0], warn_only=previous[1])
+    torch threads and, on CUDA, deterministic kernels (as in every worker process; :func:`worker_environment`)."""
+    with worker_environment(config.threads, config.device):
+        yield
 
 
 # -- the records on disk ---------------------------------------------------------------------------------------------
@@ -294,15 +251,19 @@ def execute_runs(
     runs: Sequence[tuple[str, str, int]],
     out: str | os.PathLike | None = None,
     resume: bool = False,
+    executor: Any = None,
 ) -> list[RunRecord]:
     """Train and evaluate ``runs`` (``(task, attention, seed)`` triples) under ``config`` (its ``threads``, ``jobs``
     and ``progress`` included) and return their records in the order of ``runs``.
 
     :param out: Run folder: each finished record goes to ``out/runs/<name>.json`` at once (``None``: memory only).
     :param resume: Read the records already in ``out/runs`` instead of running them again.
+    :param executor: Where the runs execute: a :class:`~gpattn.comparison.local_executor.LocalExecutor` (default:
+        ``config.jobs`` processes of this machine) or a :class:`~gpattn.comparison.ray_executor.RayExecutor` (each
+        run a Ray task). The records are written here, by this process, whichever it is.
     :raises RunsInterrupted: On Ctrl-C, after stopping the workers (the finished records are on disk).
-    :raises RunFailedError: When a run raises, or its record cannot be written (the other workers are stopped; the
-        finished records are on disk).
+    :raises RunFailedError: When a run raises (on Ray: twice, the task is retried once), or its record cannot be
+        written (the runs in flight are stopped; the finished records are on disk).
     :raises OSError: ``out/runs`` cannot be created or written (checked before any run).
     :raises ValueError: A stored run file that cannot be read, is not the run its name says (copied or renamed from
         another run), or was made with other settings (:func:`read_run_file`).
@@ -339,20 +300,18 @@ def execute_runs(
 
     if show and len(records):
         tqdm.write(f"resuming: {len(records)} of {total} runs already finished in {folder}", file=sys.stderr)
+    if executor is None:
+        executor = LocalExecutor(config.jobs, config.threads, config.device)
     try:
-        if config.jobs == 1 or len(pending) <= 1:
-            with run_environment(config):
-                for run in pending:
-                    bar.set_postfix_str(run_name(*run))
-                    try:
-                        record, seconds = _run_one(config, *run)
-                    except (KeyboardInterrupt, RunFailedError):
-                        raise
-                    except Exception as error:
-                        raise RunFailedError(f"run {run_name(*run)} failed: {error}") from error
-                    finish(run, record, seconds)
-        else:
-            _run_in_parallel(config, pending, finish)
+        with executor:
+            for run in pending:
+                executor.submit(run, _run_one, config, *run)
+            while executor.pending:
+                try:
+                    run, (record, seconds) = executor.next_result()
+                except TaskFailedError as error:
+                    raise RunFailedError(f"run {run_name(*error.key)} failed: {error.cause}") from error.cause
+                finish(run, record, seconds)
     except KeyboardInterrupt:
         raise RunsInterrupted(len(records), total) from None
     finally:
@@ -360,43 +319,9 @@ def execute_runs(
     return [records[run] for run in runs]
 
 
-def _run_in_parallel(config: CompareConfig, pending: list[tuple[str, str, int]], finish) -> None:
-    context = multiprocessing.get_context("spawn")
-    # multiprocessing's resource tracker starts with this interpreter's -W options: after Ctrl-C it would warn about
-    # the pool's locks of the stopped workers (which it then unlinks itself), a traceback-like message for nothing
-    if QUIET_TRACKER not in sys.warnoptions:
-        sys.warnoptions.append(QUIET_TRACKER)
-    executor = concurrent.futures.ProcessPoolExecutor(
-        max_workers=min(config.jobs, len(pending)),
-        mp_context=context,
-        initializer=_start_worker,
-        initargs=(config.threads, config.device),
-    )
-    futures = {executor.submit(_run_one, config, *run): run for run in pending}
-    clean = False
-    try:
-        for future in concurrent.futures.as_completed(futures):
-            run = futures[future]
-            try:
-                record, seconds = future.result()
-            except Exception as error:
-                raise RunFailedError(f"run {run_name(*run)} failed: {error}") from error
-            finish(run, record, seconds)
-        clean = True
-    finally:
-        if clean:
-            executor.shutdown(wait=True)
-        else:  # Ctrl-C or a failed run: stop the runs in flight, start no other
-            processes = list((getattr(executor, "_processes", None) or {}).values())
-            executor.shutdown(wait=False, cancel_futures=True)
-            for process in processes:
-                process.terminate()
-            for process in processes:
-                process.join(timeout=10)
-            executor.shutdown(wait=True)  # the pool, broken now, releases its queues (no leaked semaphore)
-
-
-def run_comparison(config: CompareConfig, out: str | Path | None = None, resume: bool = False) -> list[RunRecord]:
+def run_comparison(
+    config: CompareConfig, out: str | Path | None = None, resume: bool = False, executor: Any = None
+) -> list[RunRecord]:
     """Train and evaluate every (task, row, seed) and return one :class:`~gpattn.comparison.RunRecord` per run, in
     that nesting order (all numbers are fractions, not percent): the runs of
     :func:`~gpattn.comparison.plan_runs` (which first checks every layer's arguments), ``config.jobs`` at once in
@@ -406,6 +331,7 @@ def run_comparison(config: CompareConfig, out: str | Path | None = None, resume:
         ``out/runs/<task>-<attention>-<seed>.json``.
     :param resume: Read the runs already finished in ``out/runs`` (made with the same settings) instead of training
         them again.
+    :param executor: Where the runs execute (:func:`execute_runs`; default: ``config.jobs`` local processes).
     :raises ~gpattn.comparison.runner.RunsInterrupted: On Ctrl-C (the finished runs are kept in ``out/runs``).
     """
-    return execute_runs(config, run_module.plan_runs(config), out=out, resume=resume)
+    return execute_runs(config, run_module.plan_runs(config), out=out, resume=resume, executor=executor)

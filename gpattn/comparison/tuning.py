@@ -11,7 +11,8 @@ best validation NLL, the objective. The tuned configuration of a study is its be
 split is a :class:`SealedSplit`, which raises on any access: a trial that touched it would fail.
 
 **Workers.** ``config.jobs`` processes with ``config.threads`` torch threads each work through the studies in order,
-sharing each study through its storage; several ``gpattn tune`` processes (on one machine with the SQLite file, on
+sharing each study through its storage (or, with a Ray executor, this process claims the trials and each runs as a
+Ray task, retried once if it fails); several ``gpattn tune`` processes (on one machine with the SQLite file, on
 several with a server database) share a study the same way. Every finished trial is in the study at once, and its
 record in ``<out>/trials/<task>-<row>-<number>.json``; Ctrl-C marks the trials in flight failed and keeps the others,
 and ``resume=True`` runs only the missing ones.
@@ -26,10 +27,8 @@ import os
 import queue
 import signal
 import sys
-import threading
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -40,8 +39,9 @@ from tqdm import tqdm
 from ..attention import build_attention
 from ..methods import get_method
 from ..training import TrainingDivergedError, train_ensemble
+from .deferred_interrupts import interrupt, interrupt_handler, signals_deferred
+from .local_executor import TaskFailedError, torch_threads
 from .records import write_json_atomically
-from .runner import torch_threads
 from .runs import build_model, layer_arguments, make_train_config
 from .studies import (
     StudyLock,
@@ -187,46 +187,6 @@ def _data(task: str, seed: int) -> TaskData:
     return _DATA[task, seed]
 
 
-_DEFERRED = {"depth": 0, "pending": False}  # per process: inside _signals_deferred, and a signal came meanwhile
-
-
-def _interrupt(signum: int, frame: Any) -> None:
-    """The handler of Ctrl-C (SIGINT) and of a worker's SIGTERM while trials run: ``KeyboardInterrupt``, at once or,
-    inside :func:`_signals_deferred`, at its end."""
-    if _DEFERRED["depth"]:
-        _DEFERRED["pending"] = True
-    else:
-        raise KeyboardInterrupt
-
-
-@contextmanager
-def _signals_deferred() -> Iterator[None]:
-    """A study write (a claim with its slot and owner, a trial's result) that :func:`_interrupt` never cuts in half:
-    the ``KeyboardInterrupt`` of a signal that comes meanwhile is raised after it. A trial claimed before it is then
-    still running and marked failed by :func:`~gpattn.comparison.studies.release_trials`."""
-    _DEFERRED["depth"] += 1
-    try:
-        yield
-    finally:
-        _DEFERRED["depth"] -= 1
-        if not _DEFERRED["depth"] and _DEFERRED["pending"]:
-            _DEFERRED["pending"] = False
-            raise KeyboardInterrupt
-
-
-@contextmanager
-def _handler(signum: int) -> Iterator[None]:
-    """:func:`_interrupt` handles ``signum`` inside the block (in the main thread; elsewhere Python's handlers stay)."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    previous = signal.signal(signum, _interrupt)
-    try:
-        yield
-    finally:
-        signal.signal(signum, previous)
-
-
 def _work(
     config: TuneConfig,
     storage: Any,
@@ -243,7 +203,7 @@ def _work(
             name = study_name(task, row)
             space = search_space(row, len(data.train))
             while not orphaned():
-                with _signals_deferred():
+                with signals_deferred():
                     claimed = claim_trial(storage, lock, name, space, config.seed)
                 if claimed is None:
                     break
@@ -251,27 +211,75 @@ def _work(
                 try:
                     record = run_trial(config, data, row, parameters)
                 except BaseException as error:
-                    with _signals_deferred():
+                    with signals_deferred():
                         fail_trial(study, trial, lock, f"{type(error).__name__}: {error}")
                     if isinstance(error, Exception):
                         raise TuningFailedError(f"trial {trial.number} of {name} failed: {error}") from error
                     raise
-                value = math.inf if record["value"] is None else record["value"]
-                attributes = {key: record[key] for key in ("hyperparameters", "best_epoch", "epochs", "diverged")}
-                load = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
-                attributes.update(seconds=record["seconds"], cpu_seconds=record["cpu_seconds"], load_average=load)
-                with _signals_deferred():
-                    best = finish_trial(study, trial, lock, value, attributes)
-                if out is not None:
-                    write_json_atomically(out / "trials" / f"{name}-{trial.number}.json", {"study": name, **record})
-                report(task, row, trial.number, record, best)
+                _keep(study, trial, lock, out, (task, row), record, report)
+
+
+def _keep(
+    study: Any, trial: Any, lock: StudyLock, out: Path | None, run: tuple[str, str], record: dict, report: Callable
+) -> None:
+    """Record the finished ``trial`` of ``run = (task, row)`` in its study (value and attributes), write its record
+    file and report it."""
+    value = math.inf if record["value"] is None else record["value"]
+    attributes = {key: record[key] for key in ("hyperparameters", "best_epoch", "epochs", "diverged")}
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
+    attributes.update(seconds=record["seconds"], cpu_seconds=record["cpu_seconds"], load_average=load)
+    with signals_deferred():
+        best = finish_trial(study, trial, lock, value, attributes)
+    name = study.study_name
+    if out is not None:
+        write_json_atomically(out / "trials" / f"{name}-{trial.number}.json", {"study": name, **record})
+    report(*run, trial.number, record, best)
+
+
+def _remote_trial(config: TuneConfig, task: str, row: str, parameters: dict[str, Any]) -> dict[str, Any]:
+    """A trial as an executor's task (in any process): :func:`run_trial` on the task's tuning data."""
+    return run_trial(config, _data(task, config.seed), row, parameters)
+
+
+def _run_on_executor(
+    config: TuneConfig, executor: Any, storage: Any, lock: StudyLock, out: Path | None, report: Callable
+) -> None:
+    """Trials as an executor's tasks (:class:`~gpattn.comparison.ray_executor.RayExecutor`): this process claims
+    each trial (so the workers never open the storage), keeps ``executor.capacity`` trials in flight, and records
+    each finished one; a failed trial is marked failed and raises :class:`TuningFailedError`."""
+    studies = iter([(task, row) for task in config.tasks for row in config.rows])
+    current = next(studies, None)
+    claimed: dict[int, tuple] = {}
+    with executor:
+        while True:
+            while current is not None and executor.pending < executor.capacity:
+                task, row = current
+                space = search_space(row, len(_data(task, config.seed).train))
+                with signals_deferred():
+                    trial = claim_trial(storage, lock, study_name(task, row), space, config.seed)
+                if trial is None:
+                    current = next(studies, None)
+                    continue
+                claimed[trial[1].number, task, row] = trial
+                executor.submit((trial[1].number, task, row), _remote_trial, config, task, row, trial[2])
+            if not executor.pending:
+                return
+            try:
+                key, record = executor.next_result()
+            except TaskFailedError as error:
+                study, trial, _ = claimed.pop(error.key)
+                with signals_deferred():
+                    fail_trial(study, trial, lock, f"{type(error.cause).__name__}: {error.cause}")
+                raise TuningFailedError(f"trial {trial.number} of {study.study_name} failed: {error.cause}") from None
+            study, trial, _ = claimed.pop(key)
+            _keep(study, trial, lock, out, key[1:], record, report)
 
 
 def _worker_main(config: TuneConfig, url: str, out: Path | None, messages: Any) -> None:
     """A worker process: Ctrl-C goes to the parent (which terminates the workers: SIGTERM stops the trial in
     flight, which is marked failed); a worker whose parent is gone claims no further trial."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, _interrupt)
+    signal.signal(signal.SIGTERM, interrupt)
     torch.set_num_threads(config.threads)
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     parent = os.getppid()
@@ -338,7 +346,11 @@ def _release(config: TuneConfig, storage: Any, lock: StudyLock, workers: set[str
 
 # -- the whole search --------------------------------------------------------------------------------------------------
 def tune(
-    config: TuneConfig, out: str | os.PathLike | None = None, storage: str | None = None, resume: bool = False
+    config: TuneConfig,
+    out: str | os.PathLike | None = None,
+    storage: str | None = None,
+    resume: bool = False,
+    executor: Any = None,
 ) -> dict[tuple[str, str], TunedRow | None]:
     """Tune every row of ``config`` on every task: one Optuna study per (task, row) with ``config.trials`` trials.
 
@@ -351,6 +363,9 @@ def tune(
     :param storage: An Optuna RDB URL (default ``sqlite:///<out>/study.db``).
     :param resume: Continue interrupted studies: their trials left running are marked failed and as many trials as
         are missing run.
+    :param executor: ``None``: ``config.jobs`` local trial workers; or a
+        :class:`~gpattn.comparison.ray_executor.RayExecutor`: each trial a Ray task (this process claims the trials
+        and records them, the workers need no access to the storage).
     :return: ``(task, row)`` -> the tuned configuration, or ``None`` for a study whose trials are not all finished
         (trials still running in another process, or failed: ``resume=True`` completes it).
     :raises ~gpattn.comparison.studies.StorageError: The storage cannot be opened.
@@ -405,8 +420,11 @@ def tune(
     if config.progress and finished:
         tqdm.write(f"resuming: {finished} of {total} trials already finished", file=sys.stderr)
     try:
-        if config.jobs == 1:
-            with torch_threads(config.threads), _handler(signal.SIGINT):
+        if executor is not None:
+            with interrupt_handler(signal.SIGINT):
+                _run_on_executor(config, executor, database, lock, out, report)
+        elif config.jobs == 1:
+            with torch_threads(config.threads), interrupt_handler(signal.SIGINT):
                 _work(config, database, lock, out, report)
         else:
             _run_in_parallel(config, url, out, report, database, lock)

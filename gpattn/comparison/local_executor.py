@@ -1,0 +1,174 @@
+"""Where the comparison's runs execute on this machine (:class:`LocalExecutor`): in this process or in worker processes.
+
+An *executor* is the small strategy object that :func:`~gpattn.comparison.execute_runs` hands its runs to; this one
+and :class:`~gpattn.comparison.ray_executor.RayExecutor` share one interface:
+
+* ``with executor:`` starts it (and stops the calls in flight when the block ends by an error or Ctrl-C);
+* ``executor.submit(key, fn, *args)`` queues the call ``fn(*args)`` (``fn`` and ``args`` picklable);
+* ``executor.next_result()`` waits for a call to finish and returns ``(key, result)``, or raises
+  :class:`TaskFailedError` naming the call's ``key``;
+* ``executor.pending`` is the number of calls submitted and not yet returned by ``next_result``.
+
+Every process that runs calls uses ``threads`` torch threads and, on CUDA, deterministic kernels
+(:func:`worker_environment`), so that a call gives the same result in any process.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import multiprocessing
+import os
+import signal
+import sys
+from collections.abc import Callable, Hashable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+
+__all__ = ["LocalExecutor", "TaskFailedError", "deterministic_cuda", "torch_threads", "worker_environment"]
+
+QUIET_TRACKER = "ignore:resource_tracker:UserWarning"
+
+
+class TaskFailedError(RuntimeError):
+    """A call submitted to an executor raised (or its worker died): ``key`` is the call's key, ``cause`` the error."""
+
+    def __init__(self, key: Hashable, cause: BaseException) -> None:
+        super().__init__(f"{key}: {cause}")
+        self.key, self.cause = key, cause
+
+
+@contextmanager
+def torch_threads(threads: int) -> Iterator[None]:
+    """``torch.set_num_threads(threads)`` inside the block, the previous count restored after it."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(previous)
+
+
+def deterministic_cuda(device: str) -> bool:
+    """On a CUDA device: deterministic kernels (cuBLAS with a fixed workspace, set before the process's first cuBLAS
+    call; PyTorch's deterministic algorithms, with a warning for an operator that has none) and the run's device made
+    current, so that a run gives the same record in any process, alone or beside others on the GPU. The parent of the
+    workers never touches CUDA (spawned workers start without its state). Returns whether it changed anything."""
+    target = torch.device(device)
+    if target.type != "cuda":
+        return False
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    if target.index is not None:
+        torch.cuda.set_device(target)
+    return True
+
+
+@contextmanager
+def worker_environment(threads: int, device: str) -> Iterator[None]:
+    """The settings of the calls in this process, the previous ones restored after the block: ``threads`` torch
+    threads and, on CUDA, deterministic kernels (as in every worker process)."""
+    previous = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
+    with torch_threads(threads):
+        changed = deterministic_cuda(device)
+        try:
+            yield
+        finally:
+            if changed:
+                torch.use_deterministic_algorithms(previous[0], warn_only=previous[1])
+
+
+def _start_worker(threads: int, device: str) -> None:
+    # Ctrl-C goes to the whole process group: the parent alone handles it (and stops the workers), so that a worker
+    # prints no traceback
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    torch.set_num_threads(threads)
+    deterministic_cuda(device)
+
+
+class LocalExecutor:
+    """Calls on this machine: one after the other in this process (``jobs == 1``, or a single call) or ``jobs`` at
+    once in worker processes (``spawn`` start method; as many as there are calls when fewer), each with ``threads``
+    torch threads. A call's result depends on its arguments and the thread count only, not on ``jobs``.
+
+    :param jobs: Calls at the same time (worker processes).
+    :param threads: Torch threads per call.
+    :param device: ``"cpu"`` or ``"cuda[:index]"``: on CUDA, deterministic kernels in every process.
+    """
+
+    def __init__(self, jobs: int = 1, threads: int = 1, device: str = "cpu") -> None:
+        self.jobs, self.threads, self.device = jobs, threads, device
+        self._queued: list[tuple[Hashable, Callable[..., Any], tuple]] = []
+        self._futures: dict[concurrent.futures.Future, Hashable] = {}
+        self._pool: concurrent.futures.ProcessPoolExecutor | None = None
+
+    @property
+    def pending(self) -> int:
+        """Calls submitted and not yet returned by :meth:`next_result`."""
+        return len(self._queued) + len(self._futures)
+
+    def __enter__(self) -> LocalExecutor:
+        return self
+
+    def submit(self, key: Hashable, fn: Callable[..., Any], *args: Any) -> None:
+        """Queue ``fn(*args)`` under ``key`` (in a worker process once the pool runs)."""
+        if self._pool is not None:
+            self._futures[self._pool.submit(fn, *args)] = key
+        else:
+            self._queued.append((key, fn, args))
+
+    def next_result(self) -> tuple[Hashable, Any]:
+        """Wait for a call to finish (in this process: run the next one) and return ``(key, result)``.
+
+        :raises TaskFailedError: The call raised an ``Exception`` (Ctrl-C propagates as it is).
+        """
+        if self._pool is None and self.jobs > 1 and len(self._queued) > 1:
+            self._start_pool()
+        if self._pool is None:
+            key, fn, args = self._queued.pop(0)
+            with worker_environment(self.threads, self.device):
+                try:
+                    return key, fn(*args)
+                except Exception as error:
+                    raise TaskFailedError(key, error) from error
+        done, _ = concurrent.futures.wait(self._futures, return_when=concurrent.futures.FIRST_COMPLETED)
+        future = next(iter(done))
+        key = self._futures.pop(future)
+        try:
+            return key, future.result()
+        except Exception as error:
+            raise TaskFailedError(key, error) from error
+
+    def _start_pool(self) -> None:
+        # multiprocessing's resource tracker starts with this interpreter's -W options: after Ctrl-C it would warn
+        # about the pool's locks of the stopped workers (which it then unlinks itself), a traceback-like message for
+        # nothing
+        if QUIET_TRACKER not in sys.warnoptions:
+            sys.warnoptions.append(QUIET_TRACKER)
+        self._pool = concurrent.futures.ProcessPoolExecutor(
+            max_workers=min(self.jobs, len(self._queued)),
+            mp_context=multiprocessing.get_context("spawn"),
+            initializer=_start_worker,
+            initargs=(self.threads, self.device),
+        )
+        queued, self._queued = self._queued, []
+        for key, fn, args in queued:
+            self.submit(key, fn, *args)
+
+    def __exit__(self, exc_type: Any, *exc_info: Any) -> None:
+        pool, self._pool = self._pool, None
+        self._queued, self._futures = [], {}
+        if pool is None:
+            return
+        if exc_type is None:
+            pool.shutdown(wait=True)
+            return
+        # Ctrl-C or a failed call: stop the calls in flight, start no other
+        processes = list((getattr(pool, "_processes", None) or {}).values())
+        pool.shutdown(wait=False, cancel_futures=True)
+        for process in processes:
+            process.terminate()
+        for process in processes:
+            process.join(timeout=10)
+        pool.shutdown(wait=True)  # the pool, broken now, releases its queues (no leaked semaphore)

@@ -1,0 +1,224 @@
+"""Runs and tuning trials as Ray tasks (gpattn/comparison/ray_executor.py), on one local Ray instance of 2 CPUs
+started once for the module: the records equal those of local runs bit for bit, a task whose worker dies is retried
+and the grid completes, a task that fails twice is named and the finished runs are kept, ``--resume`` after an
+interrupted Ray grid trains only the missing runs, and an unreachable ``--ray-address`` is one line, exit status 1,
+before anything trains."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import sys
+import time
+
+import pytest
+
+from gpattn.cli import main
+from gpattn.comparison import CompareConfig
+from gpattn.comparison.ray_executor import RayExecutor, RayUnavailableError, check_ray_address
+from gpattn.comparison.runner import RunFailedError, RunsInterrupted, run_comparison, run_name
+
+ray = pytest.importorskip("ray")
+
+TINY = dict(tasks=("pointer",), pointer_epochs=1, eval_samples=2, fidelity_sequences=0, progress=False)
+GRID = CompareConfig(attentions=("softmax", "kep_svgp"), seeds=(0, 1), **TINY)
+SMALL = CompareConfig(attentions=("softmax",), seeds=(0, 1), **TINY)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def local_ray():
+    """One local Ray instance for the module (starting one costs seconds); every executor here joins it."""
+    ray.init(address="local", num_cpus=2, include_dashboard=False, logging_level="ERROR")
+    yield
+    ray.shutdown()
+
+
+def _run_files(folder) -> dict[str, dict]:
+    """The run files of ``folder/runs``, without the wall time (which depends on the machine's load)."""
+    files = {}
+    for path in sorted((folder / "runs").glob("*.json")):
+        content = json.loads(path.read_text())
+        content["record"]["train"].pop("seconds")
+        files[path.name] = content
+    return files
+
+
+@pytest.fixture(scope="module")
+def local_grid(tmp_path_factory):
+    """The run files of GRID trained in this process, one run after the other."""
+    out = tmp_path_factory.mktemp("local")
+    run_comparison(GRID, out=out)
+    return _run_files(out)
+
+
+def test_ray_records_equal_local_records_bit_for_bit(local_grid, tmp_path):
+    run_comparison(GRID, out=tmp_path, executor=RayExecutor(jobs=2))
+    ray_files = _run_files(tmp_path)
+    assert sorted(ray_files) == sorted(f"{run_name(*run)}.json" for run in _grid_runs(GRID))
+    assert ray_files == local_grid  # every number of every record, the identity and the settings
+
+
+def _grid_runs(config: CompareConfig) -> list[tuple[str, str, int]]:
+    return [(task, row, seed) for task in config.tasks for row in config.attentions for seed in config.seeds]
+
+
+class _Wrapped(RayExecutor):
+    """A RayExecutor whose tasks run ``self.wrap(key, fn)`` in place of ``fn`` (a closure, pickled by value into
+    the Ray worker), and which lists the keys submitted."""
+
+    def __init__(self, wrap=None, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.wrap, self.submitted = wrap, []
+
+    def submit(self, key, fn, *args):
+        self.submitted.append(key)
+        super().submit(key, fn if self.wrap is None else self.wrap(key, fn), *args)
+
+
+def test_a_task_whose_worker_dies_is_retried_and_the_grid_completes(local_grid, tmp_path):
+    marker = tmp_path / "crashed"
+
+    def crash_first_attempt(key, fn):
+        def run(*args):
+            if key == ("pointer", "softmax", 1) and not marker.exists():
+                marker.touch()
+                os._exit(1)  # the worker process dies mid-run, as a killed process does
+            return fn(*args)
+
+        return run
+
+    run_comparison(SMALL, out=tmp_path / "out", executor=_Wrapped(crash_first_attempt, jobs=2))
+    assert marker.exists()  # the first attempt did die
+    assert _run_files(tmp_path / "out") == {name: local_grid[name] for name in _run_files(tmp_path / "out")}
+    assert len(_run_files(tmp_path / "out")) == 2
+
+
+def test_a_task_failing_twice_is_named_and_the_finished_runs_are_kept(tmp_path):
+    attempts, out = tmp_path / "attempts", tmp_path / "out"
+    finished = out / "runs" / "pointer-softmax-0.json"
+
+    def fail(key, fn):
+        def run(*args):
+            if key != ("pointer", "softmax", 1):
+                return fn(*args)
+            with open(attempts, "a") as handle:
+                handle.write("attempt\n")
+            deadline = time.monotonic() + 120
+            while not finished.exists() and time.monotonic() < deadline:  # fail once the other run is written
+                time.sleep(0.1)
+            raise ValueError("boom")
+
+        return run
+
+    with pytest.raises(RunFailedError, match=r"^run pointer-softmax-1 failed: boom$"):
+        run_comparison(SMALL, out=out, executor=_Wrapped(fail, jobs=2))
+    assert attempts.read_text().count("attempt") == 2  # retried once
+    assert sorted(path.name for path in (out / "runs").glob("*.json")) == ["pointer-softmax-0.json"]
+
+
+class _InterruptedAfter(_Wrapped):
+    """Ctrl-C in the driver once ``after`` runs came back."""
+
+    def __init__(self, after: int, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.after, self.returned = after, 0
+
+    def next_result(self):
+        if self.returned == self.after:
+            raise KeyboardInterrupt
+        self.returned += 1
+        return super().next_result()
+
+
+def test_resume_after_an_interrupted_ray_grid_trains_only_the_missing_runs(local_grid, tmp_path):
+    with pytest.raises(RunsInterrupted) as interrupted:
+        run_comparison(SMALL, out=tmp_path, executor=_InterruptedAfter(1, jobs=2))
+    assert (interrupted.value.finished, interrupted.value.total) == (1, 2)
+    kept = {path.stem for path in (tmp_path / "runs").glob("*.json")}
+    assert len(kept) == 1
+    resumed = _Wrapped(jobs=2)
+    run_comparison(SMALL, out=tmp_path, resume=True, executor=resumed)
+    missing = [run for run in _grid_runs(SMALL) if run_name(*run) not in kept]
+    assert resumed.submitted == missing and len(missing) == 1  # the missing run only, once
+    files = _run_files(tmp_path)
+    assert files == {name: local_grid[name] for name in files} and len(files) == 2
+
+
+TUNE = ["tune", "--tasks", "pointer", "--rows", "softmax", "--trials", "2", "--pointer-epochs", "1"]
+TUNE += ["--eval-samples", "2", "--no-progress"]
+
+
+def _trial_files(folder) -> dict[str, dict]:
+    files = {}
+    for path in sorted((folder / "trials").glob("*.json")):
+        content = json.loads(path.read_text())
+        del content["seconds"], content["cpu_seconds"]
+        files[path.name] = content
+    return files
+
+
+def test_tune_trials_as_ray_tasks_equal_local_trials(tmp_path, capsys):
+    """Two trials in flight on Ray draw the parameters that one local worker draws (TPE's random start-up trials are
+    seeded by the trial's slot), and train the same numbers."""
+    assert main([*TUNE, "--out", str(tmp_path / "local")]) == 0
+    assert main([*TUNE, "--out", str(tmp_path / "ray"), "--executor", "ray", "--jobs", "2"]) == 0
+    assert "(executor ray, jobs 2, threads 1)" in capsys.readouterr().out
+    local, remote = _trial_files(tmp_path / "local"), _trial_files(tmp_path / "ray")
+    assert sorted(remote) == ["pointer-softmax-0.json", "pointer-softmax-1.json"]
+    assert remote == local
+    tuned = [json.loads((tmp_path / name / "tuned" / "pointer.json").read_text()) for name in ("local", "ray")]
+    assert tuned[0]["rows"]["softmax"]["best_val_nll"] == tuned[1]["rows"]["softmax"]["best_val_nll"]
+
+
+# -- the address, checked before anything trains ------------------------------------------------------------------
+def _closed_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]  # free once closed: nothing listens there
+
+
+@pytest.mark.parametrize("command", [["compare", "--tasks", "pointer", "--quick"], TUNE])
+def test_an_unreachable_ray_address_is_one_line_and_status_1_before_anything(command, tmp_path, capsys):
+    port = _closed_port()
+    start = time.perf_counter()
+    status = main([*command, "--executor", "ray", "--ray-address", f"127.0.0.1:{port}", "--out", str(tmp_path / "o")])
+    seconds = time.perf_counter() - start
+    error = capsys.readouterr().err
+    assert status == 1 and seconds < 10
+    assert error.count("\n") == 1 and f"no Ray cluster answers at 127.0.0.1:{port}" in error
+    assert error.startswith(f"gpattn {command[0]}: error: --ray-address 127.0.0.1:{port}: ")
+    assert not (tmp_path / "o").exists()  # no folder made, nothing trained
+
+
+def test_the_address_forms(monkeypatch):
+    with socket.socket() as server:
+        server.bind(("127.0.0.1", 0))
+        server.listen()
+        port = server.getsockname()[1]
+        assert check_ray_address(f"127.0.0.1:{port}") == ("127.0.0.1", port)
+        assert check_ray_address(f"ray://127.0.0.1:{port}") == ("127.0.0.1", port)
+        monkeypatch.setenv("RAY_ADDRESS", f"127.0.0.1:{port}")
+        assert check_ray_address("auto") == ("127.0.0.1", port)
+    closed = _closed_port()
+    monkeypatch.setenv("RAY_ADDRESS", f"127.0.0.1:{closed}")
+    with pytest.raises(RayUnavailableError, match=rf"^--ray-address auto \(127\.0\.0\.1:{closed}\): no Ray cluster"):
+        check_ray_address("auto")
+    with pytest.raises(RayUnavailableError, match=r"answers at 127\.0\.0\.1:10001 "):
+        check_ray_address("ray://127.0.0.1")  # Ray Client's default port
+    for malformed in ("http://head:6379", "head:port", ":6379"):
+        with pytest.raises(ValueError, match="expected host:port, ray://host:port or auto"):
+            check_ray_address(malformed)
+
+
+def test_ray_address_without_the_ray_executor_is_a_bad_option(capsys):
+    assert main(["compare", "--quick", "--ray-address", "127.0.0.1:6379"]) == 2
+    assert "--ray-address needs --executor ray" in capsys.readouterr().err
+
+
+def test_without_ray_the_ray_executor_names_the_extra(monkeypatch, tmp_path, capsys):
+    monkeypatch.setitem(sys.modules, "ray", None)  # import ray fails, as without the extra
+    assert main(["compare", "--quick", "--executor", "ray", "--out", str(tmp_path / "o")]) == 1
+    error = capsys.readouterr().err
+    assert error.count("\n") == 1 and error.endswith("pip install 'gpattn[ray]'\n")
+    assert not (tmp_path / "o").exists()
