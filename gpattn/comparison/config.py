@@ -237,11 +237,12 @@ class CompareConfig:
         """Whether :meth:`hyperparameters` of ``(task, method)`` come from a tuned configuration, the row's own or an
         inherited one (recorded as :attr:`~gpattn.comparison.RunRecord.tuned`).
 
+        :param task: One of :data:`~gpattn.comparison.tasks.TASKS`.
+        :param method: The row, or its name.
+
         Example:
             >>> CompareConfig(tasks=("pointer",)).is_tuned("pointer", "softmax")  # no tuned file for the pointer task
             False
-
-        :param method: The row, or its name.
         """
         check_choice("task", task, TASKS, where="CompareConfig.is_tuned")
         return self.tuned_source(task, method if isinstance(method, str) else method.name) is not None
