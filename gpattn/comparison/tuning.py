@@ -43,6 +43,7 @@ from .deferred_interrupts import interrupt, interrupt_handler, signals_deferred
 from .local_executor import TaskFailedError, torch_threads
 from .records import write_json_atomically
 from .runs import build_model, layer_arguments, make_train_config
+from .sealed_split import SealedSplit, tuning_data
 from .studies import (
     StudyLock,
     claim_trial,
@@ -61,36 +62,13 @@ from .tuned_configuration import TunedRow, write_tuned
 from .tuning_space import ARCHITECTURES, search_space
 
 __all__ = [
-    "SealedSplit",
     "TuningFailedError",
     "TuningInterrupted",
     "check_search_space",
     "run_trial",
     "study_name",
     "tune",
-    "tuning_data",
 ]
-
-
-class SealedSplit:
-    """The test split as the tuner holds it: any access (an attribute, its length, an item, iteration) raises
-    ``RuntimeError``, so that no trial can read it.
-
-    :param task: The task's name (for the message).
-    """
-
-    def __init__(self, task: str) -> None:
-        object.__setattr__(self, "_task", task)
-
-    def _refuse(self, *args: Any) -> None:
-        raise RuntimeError(f"the tuner never reads the test split of {object.__getattribute__(self, '_task')!r}")
-
-    def __getattr__(self, name: str) -> Any:
-        if name.startswith("__"):  # copy/pickle protocol lookups
-            raise AttributeError(name)
-        self._refuse()
-
-    __len__ = __iter__ = __getitem__ = __setattr__ = _refuse
 
 
 class TuningInterrupted(KeyboardInterrupt):
@@ -108,12 +86,6 @@ class TuningFailedError(RuntimeError):
 def study_name(task: str, row: str) -> str:
     """``"<task>-<row>"``: the name of the study of ``row`` on ``task``."""
     return f"{task}-{row}"
-
-
-def tuning_data(data: TaskData) -> TaskData:
-    """``data`` as the tuner sees it: the training and validation splits only (the test split a
-    :class:`SealedSplit`, no shifted or OOD sets)."""
-    return dataclasses.replace(data, test=SealedSplit(data.name), shifted={}, ood={})
 
 
 def check_search_space(config: TuneConfig, task: str, data: TaskData) -> None:

@@ -20,8 +20,9 @@ from optuna.trial import TrialState
 
 from gpattn.comparison import load_task
 from gpattn.comparison import tuning as tuning_module
+from gpattn.comparison.sealed_split import SealedSplit, tuning_data
 from gpattn.comparison.tune_config import TuneConfig
-from gpattn.comparison.tuning import SealedSplit, TuningInterrupted, run_trial, study_name, tune, tuning_data
+from gpattn.comparison.tuning import TuningInterrupted, run_trial, study_name, tune
 from gpattn.comparison.tuning_space import (
     ARCHITECTURES,
     PARAMETER_BUDGET,
