@@ -156,8 +156,9 @@ class AttentionLayer(Module):
         return tokens.transpose(1, 2).reshape(batch, length, heads * width)
 
     def head_projection(self) -> Tensor:
-        """The head blocks :math:`P_h^\\top` of ``out_proj`` (``y = b + sum_h o_h P_h^T``), shape ``(H, C / H, C)``."""
-        return self.out_proj.weight.mT.reshape(self.num_heads, self.head_dim, self.embed_dim)
+        """The head blocks :math:`P_h^\\top` of ``out_proj`` (``y = b + sum_h o_h P_h^T``), shape ``(H, C / H, C)``: a
+        view of the weight (each block a transposed, column-major matrix, which batched GEMMs read without a copy)."""
+        return self.out_proj.weight.view(self.embed_dim, self.num_heads, self.head_dim).permute(1, 2, 0)
 
     @staticmethod
     def accumulate_heads(output: Tensor, head_values: Tensor, coefficients: Tensor) -> Tensor:

@@ -184,7 +184,7 @@ class KEPSVGPAttention(AttentionLayer):
         block of rows per branch, ``(branches, H, d_out, C)``."""
         projection = self.head_projection()  # (H, hd, C)
         if self.merge != "concat":
-            return self.output_weight @ projection
+            return torch.bmm(self.output_weight, projection)  # (H, d_out, C); bmm: fewer operators than matmul
         rows = self.output_weight[:, : branches * self.num_outputs]  # a block of rows per branch
         return rows.unflatten(1, (branches, self.num_outputs)).movedim(1, 0) @ projection
 

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import Tensor
 
 from ..ksvd import ksvd_objective
-from ..validation import all_finite
+from ..validation import all_finite, square_limit
 from .amortized_scores import AmortizedSelfScores
 from .kernel_eigen_scores import KernelEigenScores
 from .learned_attention_features import Columns, LearnedAttentionFeatures
@@ -115,9 +117,13 @@ class AmortizedAttentionFeatures(LearnedAttentionFeatures):
         shape ``(B, 2, H, p, N)`` and the values :math:`[A_r(X)^\top; A_e(X)^\top]`, the scores' products and
         :math:`J` from their token sums, with a hand-written backward pass; a padding-masked query is treated as in
         the general path: the same :math:`1/|V|` weights). Both branches are the halves of the ``(B, 2, H, s, N)``
-        tensor :attr:`~gpattn.features.KernelEigenScores.stacked`. One finiteness check per call: squared norms
-        that overflow are formed again by the rescaled path, scores that do not are refused with
-        :meth:`_check_magnitude`."""
+        tensor :attr:`~gpattn.features.KernelEigenScores.stacked`. The magnitude guard reads one number per call
+        (one synchronisation): squared norms that overflow are formed again by the rescaled path, scores that do
+        not are refused with :meth:`_check_magnitude`, and the check of the scores and :math:`J` against
+        :func:`~gpattn.validation.square_limit` (:meth:`_check_scores`) runs only when that number does not already
+        bound them (padding masks, no :math:`J`, large values). In training the backward pass checks the gradients
+        itself (the ``guard`` of :class:`~gpattn.features.amortized_scores.AmortizedSelfScores`), with the message
+        of the other paths' token guard."""
         kernel = self.kernel
         weights = self._token_weights(tokens, mask)
         if torch.is_tensor(weights):
@@ -129,11 +135,28 @@ class AmortizedAttentionFeatures(LearnedAttentionFeatures):
         lifted = kernel.lift(tokens)
         lifted = None if lifted is tokens else lifted
         arguments = (lifted, tokens, *parameters, singular_values if objective else None, square_mask)
-        scores, objective_value, finite = AmortizedSelfScores.apply(*arguments)
-        if finite.numel() and not bool(finite):
-            scores, objective_value, finite = AmortizedSelfScores.apply(*arguments, True)  # overflowing norms
+        guard = self._where() if self._watches_gradients() else None
+        scores, objective_value, magnitude = AmortizedSelfScores.apply(*arguments, False, guard)
+        magnitude = float(magnitude) if magnitude.numel() else 0.0  # empty while compiling: nothing to read
+        if not math.isfinite(magnitude):
+            scores, objective_value, _ = AmortizedSelfScores.apply(*arguments, True, guard)  # overflowing norms
             if not all_finite(scores):
                 self._check_magnitude(tokens, tokens)
         left, right = scores.mT.unbind(1)  # e, r: (B, H, N, s) views
         objective_value = objective_value if objective else None
-        return KernelEigenScores(left, right, singular_values, objective_value, stacked=scores)
+        result = KernelEigenScores(left, right, singular_values, objective_value, stacked=scores)
+        # with J and no padding mask the magnitude is at least every squared score and every |J|
+        if not (objective and mask is None and magnitude <= square_limit(tokens.dtype)):
+            super()._check_scores(result, None, tokens, tokens)
+        return result
+
+    def _watched(self, queries: Tensor, keys: Tensor, causal: bool, kernel_diag: bool) -> tuple[Tensor, Tensor]:
+        # the fused path's backward pass checks the gradients itself
+        if self.takes_fused_path(queries, keys, causal, kernel_diag):
+            return queries, keys
+        return super()._watched(queries, keys, causal, kernel_diag)
+
+    def _check_scores(self, scores: KernelEigenScores, official: Tensor | None, queries: Tensor, keys: Tensor) -> None:
+        # the fused path (its scores stacked) checked its results itself (_fused_self_attention)
+        if scores.stacked is None:
+            super()._check_scores(scores, official, queries, keys)

@@ -50,6 +50,8 @@ from torch import Tensor
 from ..fused import autocast_state, full_precision, restored_autocast
 from ..fused.triton_scores import runs_triton, scores_backward, scores_forward
 from ..kernels.cosine_feature_kernel import inverse_norms
+from ..validation import check_token_magnitude, within_bound
+from .learned_attention_features import GRADIENT_GROWTH
 
 #: the norm below which a feature column is not normalised further (as torch.nn.functional.normalize)
 NORM_FLOOR = 1e-12
@@ -105,7 +107,8 @@ def _torch_forward(ctx, columns, values, outputscale, token_weights, rescaled) -
     weights = paired.flip(1)  # [W_e^T; W_r^T], the weights of the scores [e; r]
     scores = (weights @ columns).mul_(scale)  # [e^T; r^T] = c [W_e^T P_q; W_r^T P_k] nu
     # alpha is saved as the buffer's half (no version check: the backward pass writes the other half)
-    return scores, paired, squared, (inverse, active, scale, factor, *(() if ctx.operand is not None else (alpha,)))
+    sweep = (inverse, active, scale, factor, weights)
+    return scores, paired, squared, (*sweep, *(() if ctx.operand is not None else (alpha,)))
 
 
 class AmortizedSelfScores(torch.autograd.Function):
@@ -123,12 +126,22 @@ class AmortizedSelfScores(torch.autograd.Function):
     * ``singular_values`` :math:`\Lambda` ``(H, s)``, or ``None`` (no objective: the second output is empty);
     * ``square_mask``: ``None`` (every token in :math:`S`, :math:`m = 1`) or the padding mask :math:`m` as a float
       ``(B, 1, 1, 1, N)`` tensor of zeros and ones (no gradient);
-    * ``rescaled``: form the norms by the overflow-safe (slower) path.
+    * ``rescaled``: form the norms by the overflow-safe (slower) path;
+    * ``guard``: ``None``, or the layer's name for the magnitude guard's message: the backward pass then checks the
+      gradients it returns (those of the tokens when they need one, else those of the projections' weights, through
+      which every large gradient passes) and, when one is not finite, refuses tokens beyond
+      :func:`~gpattn.validation.token_magnitude_limit` of power 5 (the gradients of the KSVD penalty grow like
+      :math:`|x|^5`).
 
     Outputs: the scores ``(B, 2, H, s, N)`` (:math:`[e^\top; r^\top]`, their halves the two branches), :math:`J`
-    ``(B, H)`` (empty without ``singular_values``) and a 0-dimensional boolean, false when the squared norms or the
-    scores are not all finite (the caller then retries with ``rescaled=True``; one check per call, empty while
-    compiling). Every product runs over the ``B * 2 * H`` contiguous blocks of the feature columns at once.
+    ``(B, H)`` (empty without ``singular_values``) and a 0-dimensional magnitude for the caller's checks (one
+    synchronisation per call; empty while compiling): the sum of the squared norms, of the scores (without
+    ``singular_values``) or of the token sums :math:`S_k` (with them) and of :math:`|J|`. It is not finite when a term
+    is not (or the sum overflows): the caller then retries with ``rescaled=True``. With ``singular_values`` and
+    without ``square_mask`` it is at least every squared score (to its rounding) and every :math:`|J|` (a
+    floating-point sum of non-negative terms is at least each term), so that a magnitude at most :math:`b \geq 2`
+    puts every score and every :math:`J` within :math:`b`. Every product runs over the ``B * 2 * H`` contiguous
+    blocks of the feature columns at once.
 
     .. note:: Cost: forward two projection GEMMs of O(N (C + D)(p + s)) per sequence and head, two batched GEMMs of
         O(N p s) per block, one pass over the feature columns for the norms and one reduction over the scores for
@@ -152,6 +165,7 @@ class AmortizedSelfScores(torch.autograd.Function):
         singular_values: Tensor | None = None,
         square_mask: Tensor | None = None,
         rescaled: bool = False,
+        guard: str | None = None,
     ):
         batch, length, heads, rank = tokens.shape[0], tokens.shape[1], right_map.shape[0], right_map.shape[-1]
         ctx.autocast = autocast_state(tokens.device.type)  # the backward pass runs its products in the same dtype
@@ -195,21 +209,24 @@ class AmortizedSelfScores(torch.autograd.Function):
                 coupling = paired.prod(1).sum((-2, -1))  # Tr(W_e^T W_r)
                 objective = torch.einsum("bqhs,hs->bh", sums, half_inverse).sub_(coupling)
         if torch.compiler.is_compiling():
-            finite = scores.new_empty(0, dtype=torch.bool)
-        else:  # one check of the squared norms and the scores together (a sum is finite iff every term is)
-            finite = torch.isfinite(squared.sum() + (scores.sum() if sums is None else sums.sum()))
-        ctx.square_mask, ctx.token_weights = square_mask, token_weights
+            magnitude = scores.new_empty(0)
+        else:  # one number for the caller's checks (see the docstring)
+            magnitude = squared.sum() + (scores.sum() if sums is None else sums.sum())
+            if singular_values is not None:
+                magnitude = magnitude.add_(torch.linalg.vector_norm(objective, 1, dtype=magnitude.dtype))
+        ctx.square_mask, ctx.token_weights, ctx.guard = square_mask, token_weights, guard
         saved = (lifted, tokens, projection, value_weight, values, columns, outputscale, paired, scores, half_inverse)
         ctx.save_for_backward(*saved, sums, *sweep)
-        ctx.mark_non_differentiable(finite)
         ctx.set_materialize_grads(False)  # an unused output's gradient is None, not zeros
         if objective is None:
             objective = scores.new_empty(0)
-            ctx.mark_non_differentiable(objective)
-        return scores, objective, finite
+            ctx.mark_non_differentiable(objective, magnitude)  # one call: a second one replaces the first
+        else:
+            ctx.mark_non_differentiable(magnitude)
+        return scores, objective, magnitude
 
     @staticmethod
-    def backward(ctx, grad_scores, grad_objective, grad_finite):
+    def backward(ctx, grad_scores, grad_objective, grad_magnitude):
         with restored_autocast(ctx.autocast):
             return _backward(ctx, grad_scores, grad_objective)
 
@@ -243,17 +260,17 @@ def _backward(ctx, grad_scores, grad_objective):
             grad_outputscale = total.div_(2.0 * outputscale)
         if ctx.needs_input_grad[10] and with_objective:  # dJ / d lambda_k = -S_k / (2 lambda_k^2)
             grad_singular_values = torch.einsum("bhs,bqhs,hs->hs", sums_factor, sums, half_inverse).mul_(-2.0)
-    return *large, None, grad_outputscale, grad_singular_values, None, None
+    return *large, None, grad_outputscale, grad_singular_values, None, None, None
 
 
 def _torch_backward(ctx, columns, values, paired, scores, sweep, grad_scores, grad_objective, sums_factor) -> tuple:
     # the PyTorch sweep of the backward pass: the gradients of the columns and the values, the total gradient of
     # [W_r^T; W_e^T] and the sum over every token of sum_k d beta_k e_k / (c nu) per head (the output scale's)
-    inverse, active, scale, factor, *compiled = sweep
+    inverse, active, scale, factor, weights, *compiled = sweep
     operand, square_mask = ctx.operand, ctx.square_mask
     batch, _, heads, rank, _ = scores.shape
-    alpha = compiled[0] if operand is None else operand[..., rank:, :]
-    weights = paired.flip(1)
+    if weights.dtype != paired.dtype:  # under autocast: [W_e^T; W_r^T] in J's dtype, as paired
+        weights = paired.flip(1)
     # eager and not differentiable (no create_graph): the (s, N) gradients are written into the first half of
     # the forward pass's buffer, which then serves as the right operand of the columns' GEMM and as scratch
     in_place = operand is not None and not torch.is_grad_enabled()
@@ -275,6 +292,7 @@ def _torch_backward(ctx, columns, values, paired, scores, sweep, grad_scores, gr
     else:  # compiled, or differentiable (create_graph): no writes into buffers
         total = torch.addcmul(grad_scores, masked, sums_factor, value=2.0) if with_objective else grad_scores
         grad_beta = total * scale
+        alpha = compiled[0] if operand is None else operand[..., rank:, :]
         right_operand = torch.cat([grad_beta, alpha], dim=-2)  # (B, 2, H, 2s, N)
     # the total gradient of [W_r^T; W_e^T] = alpha columns^T: through the scores, and -dJ [W_e^T; W_r^T] from the
     # trace Tr(W_e^T W_r)
@@ -322,6 +340,7 @@ def _projection_gradients(ctx, lifted, tokens, projection, value_weight, grad_co
         grad_tokens = grad_lifted if grad_tokens is None else grad_tokens.add_(grad_lifted)
         grad_lifted = None
     grad_query = grad_key = grad_right = grad_left = grad_right_bias = grad_left_bias = None
+    grad_projection = grad_maps = None
     if needs[2] or needs[3]:
         grad_projection = torch.bmm(grad_columns, lifted).sum(0)  # (2 H p, D)
         grad_query, grad_key = grad_projection.view(2, heads, -1, lifted.shape[-1]).unbind(0)
@@ -330,4 +349,18 @@ def _projection_gradients(ctx, lifted, tokens, projection, value_weight, grad_co
         grad_right, grad_left = grad_maps.mT.contiguous().unbind(0)  # the maps' (H, C, s) layout
     if grad_bias is not None:
         grad_right_bias, grad_left_bias = grad_bias.unbind(0)
+    if ctx.guard is not None:
+        watched = (grad_tokens, grad_lifted) if grad_tokens is not None else (grad_projection, grad_maps)
+        _check_gradients(watched, tokens, ctx.guard)
     return grad_lifted, grad_tokens, grad_query, grad_key, grad_right, grad_left, grad_right_bias, grad_left_bias
+
+
+def _check_gradients(gradients: tuple[Tensor | None, ...], tokens: Tensor, where: str) -> None:
+    # the magnitude guard of the backward pass: one reduction per gradient and one synchronisation while they are
+    # finite; a sum that is not finite is settled by within_bound (finite entries whose sum overflows pass)
+    total = None
+    for gradient in gradients:
+        if gradient is not None:
+            total = gradient.sum() if total is None else total + gradient.sum()
+    if total is not None and not bool(torch.isfinite(total)) and not within_bound(gradients):
+        check_token_magnitude(tokens, GRADIENT_GROWTH, where, power=5)

@@ -172,7 +172,7 @@ class AttentionKernelEigenFeatures(KernelEigenFeaturesBase):
         """
         keys = queries if keys is None else keys
         self._check_call(queries, keys, key_mask, causal)
-        queries, keys = self._watched(queries, keys)
+        queries, keys = self._watched(queries, keys, causal, kernel_diag)
         scores = self._scores(queries, keys, key_mask, causal, objective, kernel_diag)
         official = self._official_objective(scores, key_mask) if objective else None
         self._check_scores(scores, official, queries, keys)
@@ -184,9 +184,9 @@ class AttentionKernelEigenFeatures(KernelEigenFeaturesBase):
         """The mode's scores of a checked call (see :meth:`forward`; ``keys`` is ``queries`` in self-attention)."""
         raise NotImplementedError
 
-    def _watched(self, queries: Tensor, keys: Tensor) -> tuple[Tensor, Tensor]:
-        """The tokens the scores are computed from (a mode may wrap them to watch their gradients; ``keys`` stays
-        ``queries`` in self-attention)."""
+    def _watched(self, queries: Tensor, keys: Tensor, causal: bool, kernel_diag: bool) -> tuple[Tensor, Tensor]:
+        """The tokens the scores of a call (``causal``, ``kernel_diag``: see :meth:`forward`) are computed from (a mode
+        may wrap them to watch their gradients; ``keys`` stays ``queries`` in self-attention)."""
         return queries, keys
 
     def _check_scores(self, scores: KernelEigenScores, official: Tensor | None, queries: Tensor, keys: Tensor) -> None:

@@ -32,7 +32,8 @@ class _GradientGuard(torch.autograd.Function):
     :func:`~gpattn.validation.token_magnitude_limit` of power 5 raises the magnitude guard's ``ValueError`` (the
     forward pass cannot see it coming: the penalty is finite when its gradients overflow). ``anchor`` (a parameter)
     makes the output require a gradient whenever the features' parameters do, so that the check runs also for tokens
-    that need none."""
+    that need none. The fused amortised path checks its gradients in its own backward pass instead (the ``guard`` of
+    :class:`~gpattn.features.amortized_scores.AmortizedSelfScores`)."""
 
     @staticmethod
     def forward(ctx, tokens: Tensor, anchor: Tensor, where: str) -> Tensor:
@@ -192,10 +193,14 @@ class LearnedAttentionFeatures(AttentionKernelEigenFeatures):
     def _where(self) -> str:
         return f"{type(self).__name__} (features={self.mode!r})"
 
-    def _watched(self, queries: Tensor, keys: Tensor) -> tuple[Tensor, Tensor]:
-        # in training, the tokens' gradients are watched (_GradientGuard); not while compiling (its check is a branch)
+    def _watches_gradients(self) -> bool:
+        # in training the gradients from the tokens are checked; not while compiling (the check is a branch)
+        return self.training and torch.is_grad_enabled() and not torch.compiler.is_compiling()
+
+    def _watched(self, queries: Tensor, keys: Tensor, causal: bool, kernel_diag: bool) -> tuple[Tensor, Tensor]:
+        # the tokens' gradients checked by _GradientGuard
         anchor = self.raw_singular_values
-        if not (self.training and torch.is_grad_enabled()) or torch.compiler.is_compiling():
+        if not self._watches_gradients():
             return queries, keys
         watched = _GradientGuard.apply(queries, anchor, self._where())
         return watched, (watched if keys is queries else _GradientGuard.apply(keys, anchor, self._where()))

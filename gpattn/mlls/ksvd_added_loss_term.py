@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 from gpytorch.mlls import AddedLossTerm
 from torch import Tensor
 
@@ -35,7 +37,7 @@ class KSVDAddedLossTerm(AddedLossTerm):
 
         :return: :math:`\\eta\\, \\mathrm{mean}_{data} \\sum_{rest} J^2`, a scalar.
         """
-        squared = self.objective.pow(2)
-        if self.num_averaged_dims:
-            squared = squared.flatten(0, self.num_averaged_dims - 1).mean(0)
-        return self.weight * squared.sum()
+        # the mean over the data dimensions as one division of the sum: three operators forward, five backward
+        averaged = math.prod(self.objective.shape[: self.num_averaged_dims])
+        scale = self.weight / averaged if averaged else math.nan  # no data: NaN, as a mean over nothing
+        return self.objective.pow(2).sum() * scale

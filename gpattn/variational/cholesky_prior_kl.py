@@ -54,7 +54,7 @@ class CholeskyPriorKL(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: Tensor):
-        mean, lower, scales, inverse, ratio = ctx.saved_tensors
+        mean, lower, scales, inverse, ratio, diagonal = ctx.saved_tensors
         grad = grad if ctx.total else grad.unsqueeze(-1)  # broadcast against (*batch, s)
         scale = grad * inverse  # dKL / sigma_i^2, (*batch, s)
         grad_mean = grad_factor = grad_scales = None
@@ -62,7 +62,6 @@ class CholeskyPriorKL(torch.autograd.Function):
             grad_mean = mean * scale
         if ctx.needs_input_grad[1]:
             grad_factor = lower * scale.unsqueeze(-1)  # zero above the diagonal, as the lower triangle is
-            diagonal = lower.diagonal(dim1=-2, dim2=-1)
             grad_factor = grad_factor - torch.diag_embed(grad / diagonal)
         if ctx.needs_input_grad[2]:
             scaled = scale * scales
@@ -85,8 +84,9 @@ def _forward(ctx, mean: Tensor, factor: Tensor, scales: Tensor, total: bool, sin
     inverse = scales.pow(-2)
     ratio = squares * inverse  # n / sigma^2
     # n / (2 sigma^2) + log (sigma / |L_ii|), summed over i (and the batch), minus s / 2
-    terms = torch.add((scales / lower.diagonal(dim1=-2, dim2=-1)).abs().log(), ratio, alpha=0.5)
-    ctx.save_for_backward(mean, lower, scales, inverse, ratio)
+    diagonal = lower.diagonal(dim1=-2, dim2=-1)  # L_ii, a view saved for the backward pass
+    terms = torch.add((scales / diagonal).abs().log(), ratio, alpha=0.5)
+    ctx.save_for_backward(mean, lower, scales, inverse, ratio, diagonal)
     ctx.total = total
     if total:
         return terms.sum().sub_(0.5 * mean.numel())

@@ -120,23 +120,29 @@ def _dense(inputs: dict, token_weights: torch.Tensor, mask: torch.Tensor | None)
 @pytest.mark.parametrize("lift_dim", [None, 7], ids=["tokens", "lifted"])
 def test_scores_and_objective_against_the_formulas(masked: bool, lift_dim: int | None):
     """The scores and J (with the token sums S_k over the real tokens) against a direct computation of the formulas;
-    the flag says they are finite."""
+    the magnitude is the sum of the squared norms, the token sums and |J|."""
     inputs = _inputs(2, lift_dim)
     token_weights = THIRDS
     mask = torch.stack([PADDED, torch.ones(5, dtype=DTYPE)])[:, None, None, None] if masked else None
-    scores, objective, finite = _apply(inputs, token_weights, mask=mask)
+    scores, objective, magnitude = _apply(inputs, token_weights, mask=mask)
     expected_scores, expected_objective = _dense(inputs, token_weights, mask)
     assert scores.shape == (2, 2, 3, 2, 5) and objective.shape == (2, 3)
     torch.testing.assert_close(scores, expected_scores, rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(objective, expected_objective, rtol=1e-12, atol=1e-12)
-    assert finite.dtype == torch.bool and bool(finite)
+    weights = (inputs["query_weight"], inputs["key_weight"])
+    squared_norms = sum(torch.einsum("hpd,bnd->bhpn", w, inputs["lifted"]).square().sum() for w in weights)
+    token_sums = (expected_scores.square() * (1.0 if mask is None else mask)).sum()
+    expected_magnitude = squared_norms + token_sums + expected_objective.abs().sum()
+    assert magnitude.shape == () and magnitude.dtype == DTYPE and not magnitude.requires_grad
+    torch.testing.assert_close(magnitude, expected_magnitude, rtol=1e-12, atol=0)
     # the rescaled (overflow-safe) norms give the same numbers on ordinary inputs
     rescaled = AmortizedSelfScores.apply(*_arguments(inputs, token_weights, mask), True)
     torch.testing.assert_close(rescaled[0], scores, rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(rescaled[1], objective, rtol=1e-12, atol=1e-12)
     # without the singular values the objective is empty and carries no gradient
-    _, empty, _ = _apply(inputs, token_weights, objective=False)
-    assert empty.numel() == 0 and not empty.requires_grad
+    _, empty, magnitude = _apply(inputs, token_weights, objective=False)
+    assert empty.numel() == 0 and not empty.requires_grad and not magnitude.requires_grad
+    torch.testing.assert_close(magnitude, squared_norms + expected_scores.sum(), rtol=1e-12, atol=1e-12)
 
 
 def _gradcheck(function, inputs: dict) -> bool:

@@ -104,11 +104,24 @@ def test_a_penalty_that_overflows_is_refused_in_the_forward_pass(name):
         _training_step(_ksvd_layer(name), tokens)
 
 
+@pytest.mark.parametrize("masked", [False, True], ids=["every-token", "padding"])
+def test_a_penalty_that_overflows_is_refused_on_the_fused_path_with_a_padding_mask(masked):
+    """The fused amortised path (kep_svgp) with and without a padding mask: the same message as the other paths."""
+    tokens = 1e10 * torch.randn(2, 5, 16, generator=torch.Generator().manual_seed(1))
+    mask = torch.tensor([[True] * 5, [True, True, True, False, False]]) if masked else None
+    layer = _ksvd_layer("kep_svgp").train()
+    with pytest.raises(ValueError, match=r"reach \|x\| = .*float32: the KSVD penalty eta J\^2 grows like \|x\|\^4"):
+        layer(tokens, mask)
+
+
+@pytest.mark.parametrize("tokens_need_gradients", [False, True], ids=["parameters", "tokens"])
 @pytest.mark.parametrize("name", ("kep_svgp", "primal"))
-def test_gradients_that_overflow_are_refused_by_the_backward_pass(name):
+def test_gradients_that_overflow_are_refused_by_the_backward_pass(name, tokens_need_gradients):
     """x * 1e8 in float32: the output and the penalty are finite, their gradients are not (before: NaN and Inf in
-    the projections' gradients, which the loop called divergence)."""
+    the projections' gradients, which the loop called divergence); whether the tokens need a gradient or not (the
+    fused amortised path of kep_svgp then checks the projections' gradients)."""
     tokens = 1e8 * torch.randn(2, 5, 16, generator=torch.Generator().manual_seed(1))
+    tokens.requires_grad_(tokens_need_gradients)
     layer = _ksvd_layer(name).train()
     output = layer(tokens)
     loss = output.square().mean() + sum(term.loss() for term in layer.features.added_loss_terms())
