@@ -128,8 +128,7 @@ class KEPSVGPAttention(AttentionLayer):
         self.supports_causal = kernel_features.supports_causal
         self.supports_cross_attention = kernel_features.supports_cross_attention
         self.num_inducing = num_inducing = kernel_features.num_inducing  # the default resolved there: min(10, p)
-        if num_outputs == "num_inducing":  # the official code's d_out = s
-            num_outputs = num_inducing
+        num_outputs = num_inducing if num_outputs == "num_inducing" else num_outputs  # the official code's d_out = s
         self.num_outputs = check_int("num_outputs", self.head_dim if num_outputs is None else num_outputs, where=where)
         self.merge, self.residual, self.sampling_mode = merge, residual, sampling
         self.joint_sampling = sampling == "joint"
@@ -146,12 +145,10 @@ class KEPSVGPAttention(AttentionLayer):
                 self, None, posterior, shared_posterior=self.shared_posterior, **options
             )
         self.readout = KernelEigenReadout(self.strategy)
-        # m ~ N(0, Lambda^2) so that Lambda^{-1} m acts like a random value projection, S = (0.1 Lambda)^2; features
-        # with a Lambda per sequence only start q(u) at unit scale
-        scale = (
-            kernel_features.singular_values if kernel_features.learns_spectrum else torch.ones(num_heads, num_inducing)
-        )
-        self.readout.initialize_at_prior_draw(scale.detach(), covariance_scale=0.1)
+        # m ~ N(0, Lambda^2) so that Lambda^{-1} m acts like a random value projection, S = (0.1 Lambda)^2
+        learned = kernel_features.learns_spectrum  # features with a Lambda per sequence: q(u) at unit scale
+        scale = kernel_features.singular_values.detach() if learned else torch.ones(num_heads, num_inducing)
+        self.readout.initialize_at_prior_draw(scale, covariance_scale=0.1)
         width = 2 * self.num_outputs if merge == "concat" else self.num_outputs
         bound = width**-0.5
         # per-head output map d_out (or 2 d_out) -> head width; shape (H, width, head_dim)
@@ -206,8 +203,7 @@ class KEPSVGPAttention(AttentionLayer):
             noises = self.readout.token_noise(scores, sides, marginal, sum_sides=marginal and self.merge == "sum")
             for index, (side, output_map) in enumerate(zip(sides, maps.expand(len(sides), -1, -1, -1), strict=True)):
                 if side in noises:  # per-token noise of the GP outputs: (B, H, d_out, N)
-                    noise = noises[side].mT  # (B, H, N, d_out)
-                    noise = blocks[index] @ noise if mixing else noise
+                    noise = blocks[index] @ noises[side].mT if mixing else noises[side].mT  # (B, H, N, d_out)
                     output = output + torch.einsum("bhnd,hdc->bnc", noise, output_map)
         return output
 
@@ -224,17 +220,13 @@ class KEPSVGPAttention(AttentionLayer):
 
     def forward(self, x: Tensor, mask: Tensor | str | None = None, context: Tensor | None = None) -> Tensor:
         scores, is_cross = self._features(x, mask, context)
-        if self.features.spectrum_per_call:  # the KL belongs to this call (the added-loss-term idiom)
-            self._call_kl = self._summed(self.strategy.kl_divergence(scores))
+        if self.features.spectrum_per_call:  # the KL belongs to this call (the added-loss-term idiom), summed over
+            kl = self.strategy.kl_divergence(scores).sum(dim=(-2, -1))  # heads and outputs: (B,), averaged
+            self._call_kl = kl.mean()
         output = self._output(scores, is_cross, sample=self.sampling)
         return self.dropout(output) if self.dropout.p > 0 else output
 
     # -- probabilistic interface -----------------------------------------------------------------------------------
-    @staticmethod
-    def _summed(kl: Tensor) -> Tensor:
-        kl = kl.sum(dim=(-2, -1))  # over heads and outputs: (B,) with a Lambda per sequence, () otherwise
-        return kl.mean() if kl.dim() else kl
-
     def kl_divergence(self) -> Tensor:
         r""":math:`\sum_{h, c, \text{branch}} \mathrm{KL}(q(u) \| \mathcal N(0, \Lambda^2))`, a scalar: the strategy's
         KL summed over heads and outputs. With features whose :math:`\Lambda` belongs to each sequence (exact), the KL
