@@ -88,17 +88,18 @@ def make_train_config(
     seed: int,
     checkpoint_dir: str | Path | None = None,
 ) -> TrainConfig:
-    """The :class:`~gpattn.training.TrainConfig` of one run: the optimisation settings of ``hyperparameters``, the
-    row's KL annealing recipe (:meth:`~gpattn.methods.TrainingRecipe.kl_anneal_epochs` of the run's epochs: SGPA
-    anneals), and ``config``'s evaluation samples and device."""
-    epochs = hyperparameters.epochs
+    """The :class:`~gpattn.training.TrainConfig` of one run: the optimisation settings of ``hyperparameters``, its
+    early stopping (:attr:`~gpattn.methods.Hyperparameters.patience`: a tuned configuration trains as its trials did),
+    the KL annealing length (:meth:`~gpattn.methods.Hyperparameters.kl_anneal_epochs`: a tuned fraction, else the
+    row's recipe: SGPA anneals), and ``config``'s evaluation samples and device."""
     return TrainConfig(
-        epochs=epochs,
+        epochs=hyperparameters.epochs,
         batch_size=hyperparameters.batch_size,
         lr=hyperparameters.lr,
         weight_decay=hyperparameters.weight_decay,
         beta=hyperparameters.beta,
-        kl_anneal_epochs=method.recipe.kl_anneal_epochs(epochs),
+        patience=hyperparameters.patience,
+        kl_anneal_epochs=hyperparameters.kl_anneal_epochs(method.recipe),
         eval_samples=config.eval_samples,
         seed=seed,
         device=config.device,

@@ -20,7 +20,6 @@ and ``resume=True`` runs only the missing ones.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import multiprocessing
 import os
@@ -43,7 +42,7 @@ from .deferred_interrupts import interrupt, interrupt_handler, signals_deferred
 from .local_executor import TaskFailedError, torch_threads
 from .records import write_json_atomically
 from .runs import build_model, layer_arguments, make_train_config
-from .sealed_split import SealedSplit, tuning_data
+from .sealed_split import tuning_data
 from .studies import (
     StudyLock,
     claim_trial,
@@ -121,11 +120,7 @@ def run_trial(config: TuneConfig, data: TaskData, row: str, parameters: dict[str
     """
     method = get_method(row)
     hyperparameters = config.trial_hyperparameters(data.name, method, parameters, data.defaults)
-    train_config = dataclasses.replace(
-        make_train_config(config.compare_config(), method, hyperparameters, config.seed),
-        patience=hyperparameters.patience,
-        kl_anneal_epochs=hyperparameters.kl_anneal_epochs(method.recipe),
-    )
+    train_config = make_train_config(config.compare_config(), method, hyperparameters, config.seed)
     record: dict[str, Any] = {"parameters": parameters, "hyperparameters": hyperparameters.to_dict()}
 
     def make_model(member: int) -> torch.nn.Module:

@@ -188,6 +188,20 @@ def test_the_protocol_presets_plan_the_declared_grid() -> None:
         CompareConfig(primary_seeds=(-1,))
 
 
+def test_a_run_trains_as_its_tuning_trials_did() -> None:
+    """A tuned configuration's early stopping and KL-annealing fraction reach the run's TrainConfig (the trials were
+    scored under them); the shared settings train every epoch with the row's own annealing (SGPA: half the run)."""
+    from gpattn.comparison.tasks import TASK_DEFAULTS
+
+    method = get_method("sgpa")
+    shared = CompareConfig(tuned=False).hyperparameters("mnist1d", method, TASK_DEFAULTS["mnist1d"])
+    untuned = make_train_config(CompareConfig(), method, shared, seed=3)
+    assert untuned.patience is None and untuned.epochs == 60
+    assert untuned.kl_anneal_epochs == pytest.approx(method.recipe.kl_anneal_fraction * 60)
+    tuned = make_train_config(CompareConfig(), method, shared.updated({"patience": 15, "kl_anneal_fraction": 0.25}), 3)
+    assert tuned.patience == 15 and tuned.kl_anneal_epochs == pytest.approx(15.0) and tuned.seed == 3
+
+
 def test_cli_compare_rejects_bad_values(capsys) -> None:
     assert main(["compare", "--seeds", "1", "1", "--no-progress"]) == 2
     assert "distinct seeds" in capsys.readouterr().err
