@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ..methods import get_method
 from .endpoints import PRIMARY_ENDPOINT, declaration_text
 from .environment import environment_lines
 from .headline import (
@@ -27,6 +28,7 @@ from .headline import (
 )
 from .records import RunRecord
 from .report import markdown_table
+from .tuning_space import TUNED_ROWS, search_space
 
 __all__ = ["RunFolders", "compare_verdicts", "read_run_folders", "results_page"]
 
@@ -98,7 +100,10 @@ def _runs_summary(runs: RunFolders) -> list[str]:
     for name, config in zip(runs.names, runs.configs, strict=True):
         count = sum(1 for _ in config.get("seeds", [])) if config else 0
         settings = ", ".join(f"{key}={value}" for key, value in config.items() if key not in SCHEDULING)
-        lines.append(f"* `{name}`: {count} seeds per row at most; settings `{settings}`")
+        lines.append(
+            f"* `{name}`: {count} seeds per row at most; shared settings (of the rows without a tuned configuration) "
+            f"`{settings}`"
+        )
     tasks = list(dict.fromkeys(record.task for record in runs.records))
     for task in tasks:
         rows = list(dict.fromkeys(r.attention for r in runs.records if r.task == task))
@@ -109,12 +114,44 @@ def _runs_summary(runs: RunFolders) -> list[str]:
             kind = "tuned" if tuned == {True} else ("default configuration" if tuned == {False} else "mixed")
             described.append(f"{row} ({len(group)} seeds, {kind})")
         lines.append(f"* {task}: " + ", ".join(described))
+        for row in rows:
+            group = [r for r in runs.records if r.task == task and r.attention == row]
+            lines.append(f"    * {row}: {_hyperparameters_text(row, [r.hyperparameters for r in group])}")
     seconds = math.fsum(r.train.seconds for r in runs.records if r.train is not None)
     lines.append(
         f"* training time of the {len(runs.records)} runs, summed: {seconds / 60:.1f} min (each run's wall time; runs "
         "trained side by side overlap)"
     )
     return lines
+
+
+#: How each recorded hyperparameter is shown (name, format); the others are left out
+_SHOWN = (
+    ("lr", "lr {:.2g}"), ("weight_decay", "weight decay {:.2g}"), ("dropout", "dropout {:.2f}"),
+    ("beta", "KL weight beta {:.3g}"), ("ksvd_weight", "KSVD weight eta {:.3g}"), ("num_inducing", "s = {}"),
+    ("kl_anneal_fraction", "KL annealed over {:.2f} of the run"), ("patience", "early stopping after {} epochs"),
+)  # fmt: skip
+
+
+def _hyperparameters_text(row: str, values: list[dict]) -> str:
+    # a row's hyperparameters as the records hold them, one description when every seed used the same ones; the row
+    # parameters (beta, eta, s, annealing) only for a row whose layer or objective uses them
+    if not values or not values[0]:
+        return "hyperparameters not recorded (older records)"
+    if any(value != values[0] for value in values):
+        return "hyperparameters differ between seeds"
+    value = values[0]
+    arguments = get_method(row).layer_arguments(num_inducing=1, ksvd_weight=1.0)
+    uses = {"num_inducing": "num_inducing" in arguments, "ksvd_weight": "ksvd_weight" in arguments}
+    if row in TUNED_ROWS:  # the rows whose objective has a KL term are the ones the search gives a beta
+        searched = {parameter.name for parameter in search_space(row, 1)}
+        uses.update(beta="beta" in searched, kl_anneal_fraction="kl_anneal_fraction" in searched)
+    parts = []
+    if {"embed_dim", "depth", "num_heads"} <= value.keys():
+        parts.append(f"width {value['embed_dim']} x depth {value['depth']} x {value['num_heads']} heads")
+    parts += [f"at most {value['epochs']} epochs"] if "epochs" in value else []
+    shown = [(name, text) for name, text in _SHOWN if uses.get(name, True) and value.get(name) is not None]
+    return ", ".join(parts + [text.format(value[name]) for name, text in shown])
 
 
 def results_page(runs: RunFolders, figures: list[str]) -> str:

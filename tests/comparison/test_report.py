@@ -383,6 +383,20 @@ def test_results_page_and_verdict_check(records, tmp_path) -> None:
     assert page.index(declaration_text()) < page.index("| paired t |") < page.index("## Machine")
     assert "![shift_mnist1d](results_figures/shift_mnist1d.png)" in page and "CPU " in page
     assert "mnist1d: kep_svgp (10 seeds, tuned)" in page
+    # each row's recorded hyperparameters, the row parameters only where the row uses them (softmax: no s)
+    for row in ("kep_svgp", "softmax"):
+        assert f"    * {row}: at most 60 epochs, lr 0.003\n" in page
+    hyperparameters = dict(embed_dim=64, depth=1, num_heads=2, epochs=60, lr=0.0064, beta=2914.5, ksvd_weight=18.46,
+                           num_inducing=5, dropout=0.29, patience=15)  # fmt: skip
+    tuned = [dataclasses.replace(r, hyperparameters=hyperparameters) for r in records]
+    write_outputs(tuned, config, tmp_path / "tuned")
+    page = results_page(read_run_folders([tmp_path / "tuned"]), [])
+    assert (
+        "    * kep_svgp: width 64 x depth 1 x 2 heads, at most 60 epochs, lr 0.0064, dropout 0.29, KL weight beta "
+        "2.91e+03, KSVD weight eta 18.5, s = 5, early stopping after 15 epochs\n" in page
+    )
+    softmax = "    * softmax: width 64 x depth 1 x 2 heads, at most 60 epochs, lr 0.0064, dropout 0.29, early stopping"
+    assert softmax in page
     # the verdict check: the same records hold; a run where kep_svgp is worse differs
     holds, lines = compare_verdicts(merged, read_run_folders([tmp_path / "one"]))
     assert holds and lines[0] == "The primary verdict holds (lower / lower)."
