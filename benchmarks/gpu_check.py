@@ -339,9 +339,10 @@ def mnist1d(device: torch.device, args: argparse.Namespace, deadline: float) -> 
     from gpattn.comparison.runner import execute_runs, run_environment
 
     data = load_task("mnist1d")
+    # the shared settings (tuned=False): a tuned file would replace --mnist1d-epochs
     settings = dict(
         mnist1d_epochs=args.mnist1d_epochs, eval_samples=2, fidelity_sequences=0, temperature_scaling=False,
-        progress=False, seeds=(0,), tasks=("mnist1d",), threads=1,
+        progress=False, seeds=(0,), tasks=("mnist1d",), threads=1, tuned=False,
     )  # fmt: skip
     runs = {}
     for row in args.mnist1d_rows:

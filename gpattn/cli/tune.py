@@ -25,7 +25,7 @@ __all__ = ["COST", "add_tune", "run_tune"]
 COST = (
     "Cost, measured with one torch thread per trial (docs/guide/tuning.md): a trial trains at most 60 epochs on "
     "MNIST-1D, 60-140 CPU-seconds with the protocol's 40-value signal model (an epoch: softmax 1.0 s, KEP-SVGP 1.8 s, "
-    "SGPA 2.3 s; 30-70 with today's 10-token model), at most 100 epochs on digits, 20-56 CPU-seconds; the default "
+    "SGPA 2.3 s; 30-70 with the earlier 10-token model), at most 100 epochs on digits, 20-56 CPU-seconds; the default "
     "20 trials x 7 rows x 2 tasks is about 5 CPU-hours, about 2.6 hours of wall time with --jobs 2 on an idle "
     "2-core machine (early stopping shortens it)"
 )

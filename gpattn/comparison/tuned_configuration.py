@@ -26,6 +26,7 @@ from typing import Any
 
 from ..methods import Hyperparameters, get_method, method_names
 from .records import write_json_atomically
+from .tuning_space import TUNED_ROWS
 
 __all__ = ["TUNED_DIRECTORY", "TUNED_FORMAT", "TunedRow", "read_tuned", "tuned_path", "tuned_source", "write_tuned"]
 
@@ -143,14 +144,19 @@ def write_tuned(task: str, rows: Mapping[str, TunedRow], directory: str | os.Pat
 
 
 def tuned_source(row: str, tuned: Mapping[str, TunedRow]) -> str | None:
-    """The row whose entry of ``tuned`` (a task's :func:`read_tuned`) the row ``row`` uses: its own, else the one of
-    the row named after its attention (``deep_ensemble`` -> ``softmax``), else ``None`` (the shared settings).
+    """The row whose entry of ``tuned`` (a task's :func:`read_tuned`) the row ``row`` uses: its own, else, for a row
+    that is not searched itself (:data:`~gpattn.comparison.tuning_space.TUNED_ROWS`: the ensembles and post-hoc
+    wrappers), the one of the row named after its attention (``deep_ensemble`` -> ``softmax``), else ``None`` (the
+    shared settings).
 
     Example:
         >>> tuned_source("deep_ensemble", {"softmax": None}), tuned_source("sgpa", {"softmax": None})
         ('softmax', None)
+        >>> tuned_source("softmax_mc_dropout", {"softmax": None})  # searched on its own: not softmax's
     """
     if row in tuned:
         return row
+    if row in TUNED_ROWS:  # a row with a search of its own (softmax_mc_dropout) never borrows another's result
+        return None
     attention = get_method(row).attention
     return attention if attention in tuned else None

@@ -29,7 +29,7 @@ def test_the_option_reaches_the_runs(monkeypatch, tmp_path):
     compiled once."""
     seen = {}
 
-    def execute(config, runs, out=None, resume=False):
+    def execute(config, runs, out=None, resume=False, executor=None):
         seen["config"] = config
         raise KeyboardInterrupt  # stop before training: the command reports the interruption
 

@@ -119,7 +119,7 @@ def test_malformed_tuned_files_are_clear_errors_naming_the_file(tmp_path, conten
 def test_compare_untuned_and_tuned_dir_reach_the_config(tuned_dir, tmp_path, monkeypatch):
     seen = []
 
-    def stop(config, runs, out=None, resume=False):
+    def stop(config, runs, out=None, resume=False, executor=None):
         seen.append(config)
         raise KeyboardInterrupt
 

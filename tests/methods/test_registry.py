@@ -165,8 +165,9 @@ def test_hyperparameters_take_tuned_values_as_data():
         CompareConfig(num_inducing=8).hyperparameters("digits", get_method("sgpa"), {"num_inducing": 5}).num_inducing
         == 8
     )
-    # the task's defaults: MNIST-1D's base model (dropout 0.1 for every row, s = 5, 60 epochs)
-    mnist1d = CompareConfig().hyperparameters("mnist1d", get_method("kep_svgp"), TASK_DEFAULTS["mnist1d"])
+    # the task's defaults: MNIST-1D's base model (dropout 0.1 for every row, s = 5, 60 epochs), the shared settings
+    # (the package's tuned file would replace them: untuned)
+    mnist1d = CompareConfig(tuned=False).hyperparameters("mnist1d", get_method("kep_svgp"), TASK_DEFAULTS["mnist1d"])
     assert (mnist1d.epochs, mnist1d.dropout, mnist1d.num_inducing, mnist1d.embed_dim, mnist1d.depth) == (
         60,
         0.1,
@@ -176,7 +177,8 @@ def test_hyperparameters_take_tuned_values_as_data():
     )
     assert (mnist1d.num_heads, mnist1d.lr, mnist1d.weight_decay, mnist1d.batch_size) == (2, 3e-3, 0.01, 64)
     assert CompareConfig.quick().hyperparameters("mnist1d", get_method("softmax")).epochs == 4  # --quick: few epochs
-    assert not CompareConfig().is_tuned("mnist1d", get_method("kep_svgp"))
+    assert not CompareConfig(tuned=False).is_tuned("mnist1d", get_method("kep_svgp"))
+    assert not CompareConfig().is_tuned("digits", get_method("kep_svgp"))  # no tuned file for digits
     tuned = base.updated({"lr": 1e-3, "beta": 0.1, "epochs": 60})
     assert (tuned.lr, tuned.beta, tuned.epochs, tuned.depth) == (1e-3, 0.1, 60, base.depth)
     assert tuned.to_dict() == {**base.to_dict(), "lr": 1e-3, "beta": 0.1, "epochs": 60}

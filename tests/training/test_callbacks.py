@@ -136,8 +136,8 @@ def test_only_the_main_process_calls_the_hooks(data, small_model, small_config):
 
 
 def test_callbacks_must_be_callbacks():
-    with pytest.raises(TypeError, match="expected every callback to be a Callback, got builtin_function_or_method"):
-        CallbackList([print])
+    with pytest.raises(TypeError, match="expected every callback to be a Callback, got int"):
+        CallbackList([3])
 
 
 # -- the progress callbacks ------------------------------------------------------------------------------------------
