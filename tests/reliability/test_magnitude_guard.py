@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from gpattn.attention import CGPTAttention, SGPAAttention, SoftmaxAttention
+from gpattn.attention import CGPTAttention, SGPAAttention, SoftmaxAttention, SymmetricSVGPAttention
 from gpattn.validation import check_overflow, check_token_magnitude, square_limit, token_magnitude_limit
 
 GROWTH = "the scores grow like |x|^2"
@@ -65,6 +65,19 @@ def test_layers_refuse_tokens_beyond_the_range_of_their_dtype(name, training, dt
     layer_name = type(layer).__name__
     with pytest.raises(ValueError, match=rf"{layer_name}.*: the input tokens reach .*too large for {dtype}.*rescale"):
         layer(tokens)
+
+
+@pytest.mark.parametrize(("dtype", "magnitude"), [(torch.float32, 1e6), (torch.float32, 1e20), (torch.float64, 1e160)])
+def test_the_symmetric_svgp_far_from_its_inducing_points_gives_the_prior(dtype, magnitude):
+    """The symmetric SVGP's stationary RBF kernel (GPyTorch's, centred distances) vanishes far from every inducing
+    point: the eval mean is the prior's (zero GP output, so the output is out_proj's bias) and training draws stay
+    finite: the exact limit, no guard needed."""
+    torch.manual_seed(0)
+    layer = SymmetricSVGPAttention(16, 2, num_inducing=3).to(dtype).eval()
+    tokens = magnitude * torch.randn(2, 5, 16, generator=torch.Generator().manual_seed(1), dtype=dtype)
+    output = layer(tokens)
+    torch.testing.assert_close(output, layer.out_proj.bias.detach().expand_as(output), rtol=0, atol=0)
+    assert torch.isfinite(layer.train()(tokens)).all()
 
 
 # -- the KEP and Primal layers: the penalty, its gradients and the draws (issue 24, item 5) ---------------------------
