@@ -40,7 +40,9 @@ METHODS: dict[str, MethodSpec] = {
             "sgpa",
             recipe=TrainingRecipe(kl_anneal_fraction=0.5),
             description="SGPA: symmetric kernel, decoupled SVGP with amortised and global inducing keys; its KL weight "
-            "annealed from 0 over the first half of the run (its official recipe)",
+            "annealed from 0 over the first half of the run (its official recipe); kl_weighting='elbo' (the layer's "
+            "default: each sequence's KL once and the global KL by 1/n, an ELBO; 'official' adds the whole KL to "
+            "every sequence as the official code does)",
             paper="Chen & Li, ICLR 2023",
         ),
         MethodSpec(

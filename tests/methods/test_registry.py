@@ -227,3 +227,14 @@ def test_hyperparameters_are_validated():
     for bad, match in (({"gp_layers": 3}, "gp_layers"), ({"embed_dim": 15}, "divisible"), ({"epochs": 0}, "epochs")):
         with pytest.raises(ValueError, match=match):
             Hyperparameters(**{**values, **bad})
+
+
+def test_the_sgpa_row_states_its_kl_weighting_and_builds_it():
+    """The comparison says which SGPA objective it runs (issue 24): the row's description names kl_weighting='elbo',
+    and the layer the row builds has it."""
+    from gpattn.attention import build_attention
+
+    spec = get_method("sgpa")
+    assert "kl_weighting='elbo'" in spec.description
+    layer = build_attention(spec.attention, 16, 2, **spec.layer_arguments(num_inducing=4, ksvd_weight=1.0))
+    assert layer.kl_weighting == "elbo"
