@@ -205,15 +205,16 @@ def test_degenerate_gradient_of_a_coupled_loss_has_the_documented_bias():
     assert torch.autograd.gradcheck(truncation_loss, (separated,))
 
 
-def test_kernel_svd_in_half_precision_runs_in_float32():
-    matrix = _with_spectrum(7, 5, [3.0, 2.0, 1.0, 0.5], seed=14, dtype=torch.bfloat16)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_kernel_svd_in_half_precision_runs_in_float32(dtype):
+    matrix = _with_spectrum(7, 5, [3.0, 2.0, 1.0, 0.5], seed=14, dtype=dtype)
     svd = kernel_svd(matrix, 3)
-    assert all(part.dtype == torch.bfloat16 for part in svd)
+    assert all(part.dtype == dtype for part in svd)
     reference = kernel_svd(matrix.float(), 3)
     for part, expected in zip(svd, reference, strict=True):
         torch.testing.assert_close(part.float(), expected, atol=1e-2, rtol=1e-2)
     gradient = _gradient(lambda a: kernel_svd(a, 3), matrix)
-    assert gradient.dtype == torch.bfloat16 and torch.isfinite(gradient).all()
+    assert gradient.dtype == dtype and torch.isfinite(gradient).all()
     with torch.autocast("cpu", dtype=torch.bfloat16):  # the randomised products stay in float32 too
         randomized = kernel_svd(matrix.float(), 3, method="randomized")
     torch.testing.assert_close(randomized.singular_values, reference.singular_values, atol=1e-5, rtol=1e-5)
