@@ -9,11 +9,15 @@ all: test
 env:
 	bash scripts/setup_env.sh
 
+# one worker process per core (pytest-xdist), each test file in one worker (its module fixtures built once); every
+# test runs with one torch thread (tests/conftest.py)
+XDIST := -n auto --dist loadfile
+
 test: env
-	$(PY) -m pytest -q -p no:cacheprovider tests $(PYTEST_ARGS)
+	$(PY) -m pytest -q -p no:cacheprovider $(XDIST) tests $(PYTEST_ARGS)
 
 test-fast: env
-	$(PY) -m pytest -q -p no:cacheprovider -m "not slow" tests $(PYTEST_ARGS)
+	$(PY) -m pytest -q -p no:cacheprovider $(XDIST) -m "not slow" tests $(PYTEST_ARGS)
 
 lint:
 	$(VENV)/bin/ruff check gpattn tests benchmarks
