@@ -127,7 +127,9 @@ def test_ctrl_c_keeps_the_finished_trials_and_says_how_to_continue(tmp_path, cap
 
 def test_sigint_during_jobs_2_fails_the_trials_in_flight_and_resume_completes_the_budget(tmp_path):
     """A real Ctrl-C (SIGINT to the process group) while two trial workers run, then ``--resume``."""
-    argv = [sys.executable, "-m", "gpattn.cli", *TINY[:6], "6", *TINY[7:-1], "--jobs", "2", "--out", str(tmp_path)]
+    # trials of 4 epochs: the signal lands while trials remain, however late this process reads the first line
+    argv = [sys.executable, "-m", "gpattn.cli", *TINY[:6], "6", "--pointer-epochs", "4", "--eval-samples", "2"]
+    argv += ["--jobs", "2", "--out", str(tmp_path)]
     process = subprocess.Popen(argv, stderr=subprocess.PIPE, text=True, start_new_session=True)
     first = process.stderr.readline()
     assert first.startswith("[1/6] pointer/softmax trial "), first
