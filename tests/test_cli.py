@@ -206,7 +206,10 @@ def test_sigint_keeps_the_finished_runs_and_resume_finishes_the_rest(tmp_path) -
     # runs long enough (4 epochs, 6 of them) that the signal lands while runs remain, however late this process reads
     argv += ["--seeds", *map(str, range(6)), "--pointer-epochs", "4", "--eval-samples", "2", "--jobs", "2"]
     argv += ["--out", str(out)]  # progress on: one line per finished run on stderr (no bar: not a terminal)
-    process = subprocess.Popen(argv, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    # SIGINT at its default in the child, also when this suite runs in a background job (which ignores SIGINT,
+    # and a Python started with SIGINT ignored never raises KeyboardInterrupt)
+    restore = lambda: signal.signal(signal.SIGINT, signal.SIG_DFL)  # noqa: E731
+    process = subprocess.Popen(argv, stderr=subprocess.PIPE, text=True, start_new_session=True, preexec_fn=restore)
     first = process.stderr.readline()
     assert first.startswith("[1/6] pointer-softmax-"), first
     os.killpg(process.pid, signal.SIGINT)

@@ -130,7 +130,10 @@ def test_sigint_during_jobs_2_fails_the_trials_in_flight_and_resume_completes_th
     # trials of 4 epochs: the signal lands while trials remain, however late this process reads the first line
     argv = [sys.executable, "-m", "gpattn.cli", *TINY[:6], "6", "--pointer-epochs", "4", "--eval-samples", "2"]
     argv += ["--jobs", "2", "--out", str(tmp_path)]
-    process = subprocess.Popen(argv, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    # SIGINT at its default in the child, also when this suite runs in a background job (which ignores SIGINT,
+    # and a Python started with SIGINT ignored never raises KeyboardInterrupt)
+    restore = lambda: signal.signal(signal.SIGINT, signal.SIG_DFL)  # noqa: E731
+    process = subprocess.Popen(argv, stderr=subprocess.PIPE, text=True, start_new_session=True, preexec_fn=restore)
     first = process.stderr.readline()
     assert first.startswith("[1/6] pointer/softmax trial "), first
     os.killpg(process.pid, signal.SIGINT)
