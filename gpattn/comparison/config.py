@@ -13,6 +13,7 @@ from ..methods import Hyperparameters, MethodSpec, get_method, method_names
 from ..training import TrainConfig
 from ..training.config import DEVICE_TYPES
 from ..validation import check_choice, check_device, check_float, check_int
+from .endpoints import PRIMARY_ENDPOINT
 from .evaluation import DEFAULT_ECE_BINS
 from .tasks import DEFAULT_TASKS, TASK_DEFAULTS, TASKS
 from .tuned_configuration import TunedRow, read_tuned, tuned_path, tuned_source
@@ -23,9 +24,9 @@ __all__ = ["DEFAULT_ATTENTIONS", "MAIN_TABLE_ROWS", "PRIMARY_ROWS", "CompareConf
 #: the GP baseline SGPA, softmax, MC dropout and Primal-Attention (the other KSVD layer, for the fidelity). The
 #: symmetric SVGP, CGPT, the symmetric KEP ablation and Deep Ensembles cost 2-5 times as much and run on request.
 DEFAULT_ATTENTIONS = ("kep_svgp", "sgpa", "softmax", "softmax_mc_dropout", "primal")
-#: The rows of the primary endpoint (:data:`~gpattn.comparison.endpoints.PRIMARY_ENDPOINT`, with their ``+ts`` rows):
-#: the protocol runs them with 10 seeds, ``make main`` runs only them.
-PRIMARY_ROWS = ("kep_svgp", "softmax")
+#: The rows of the primary endpoint (:data:`~gpattn.comparison.endpoints.PRIMARY_ENDPOINT`, without its ``+ts``
+#: suffix): the protocol runs them with 10 seeds, ``make main`` runs only them.
+PRIMARY_ROWS = tuple(row.removesuffix("+ts") for row in (PRIMARY_ENDPOINT.reference, PRIMARY_ENDPOINT.other))
 #: Every row of the protocol's main table (:meth:`CompareConfig.full`), each with its ``+ts`` row where it has one.
 MAIN_TABLE_ROWS = (
     "kep_svgp", "kep_svgp_paper", "sgpa", "primal", "primal_paper",
