@@ -91,7 +91,8 @@ def make_train_config(
     """The :class:`~gpattn.training.TrainConfig` of one run: the optimisation settings of ``hyperparameters``, its
     early stopping (:attr:`~gpattn.methods.Hyperparameters.patience`: a tuned configuration trains as its trials did),
     the KL annealing length (:meth:`~gpattn.methods.Hyperparameters.kl_anneal_epochs`: a tuned fraction, else the
-    row's recipe: SGPA anneals), and ``config``'s evaluation samples and device."""
+    row's recipe: SGPA anneals), the row's validation predictive (MC dropout for an MC-dropout row: it is selected,
+    stopped early and tuned on the predictive it is tested with), and ``config``'s evaluation samples and device."""
     return TrainConfig(
         epochs=hyperparameters.epochs,
         batch_size=hyperparameters.batch_size,
@@ -101,6 +102,7 @@ def make_train_config(
         patience=hyperparameters.patience,
         kl_anneal_epochs=hyperparameters.kl_anneal_epochs(method.recipe),
         eval_samples=config.eval_samples,
+        mc_dropout=method.predictive.mc_dropout,
         seed=seed,
         device=config.device,
         progress=False,

@@ -76,6 +76,9 @@ RESUMABLE_CHANGES = (
 #: Allowed changes that still make the resumed run differ from an uninterrupted one (warned about): the device, and
 #: the torch thread count (torch splits its reductions by threads on the CPU)
 WARNED_CHANGES = ("device", "threads")
+#: settings added to :class:`~gpattn.training.TrainConfig` after checkpoints were first written, with the value that
+#: every run before them had: a checkpoint without the setting resumes when the current value is that one
+LATER_SETTINGS = {"mc_dropout": False}
 
 
 # -- reading ---------------------------------------------------------------------------------------------------------
@@ -216,7 +219,12 @@ def check_resumable(saved: dict[str, Any], current: dict[str, Any], epoch: int, 
         for name, value in current.items()
         if name not in RESUMABLE_CHANGES and name in saved and saved[name] != value
     ]
-    missing = [name for name in current if name not in saved and name not in RESUMABLE_CHANGES]
+    missing = [
+        name
+        for name in current
+        if name not in saved and name not in RESUMABLE_CHANGES
+        and not (name in LATER_SETTINGS and current[name] == LATER_SETTINGS[name])
+    ]  # fmt: skip
     saved_horizon = saved.get("schedule_epochs") or saved.get("epochs")
     horizon = current.get("schedule_epochs") or current["epochs"]
     if saved_horizon != horizon:

@@ -36,6 +36,9 @@ class TrainConfig:
         KL from 0 to 1 (docs/guide/papers.md); the validation NLL that selects the model does not depend on it.
     :ivar eval_samples: Monte Carlo samples :math:`T` of the validation predictions.
     :ivar eval_batch_size: Batch size of the validation predictions.
+    :ivar mc_dropout: Validation predictions with dropout on (the MC-dropout predictive over ``eval_samples`` passes,
+        :func:`~gpattn.training.evaluate`), so that a model used with MC dropout at test time is selected, stopped
+        early and tuned on the predictive it is used with; ``False`` (default): eval mode, dropout off.
     :ivar seed: Seed of the global torch RNG and of the batch order.
     :ivar device: ``"cpu"``, ``"cuda"`` or ``"cuda:<index>"`` (available on this machine).
     :ivar progress: Show a tqdm bar per epoch (only on a terminal).
@@ -63,6 +66,7 @@ class TrainConfig:
     kl_anneal_epochs: float = 0.0
     eval_samples: int = 10
     eval_batch_size: int = 256
+    mc_dropout: bool = False
     seed: int = 0
     device: str = "cpu"
     progress: bool = True
@@ -85,8 +89,9 @@ class TrainConfig:
         if self.grad_clip is not None:
             check_float("grad_clip", self.grad_clip, 0.0, strict_minimum=True, where=where)
         check_device("device", self.device, where=where, types=DEVICE_TYPES)
-        if not isinstance(self.progress, bool):
-            raise ValueError(f"{where}: expected progress to be a bool, got {self.progress!r}")
+        for name in ("progress", "mc_dropout"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{where}: expected {name} to be a bool, got {getattr(self, name)!r}")
         if self.checkpoint_dir is not None and not isinstance(self.checkpoint_dir, (str, os.PathLike)):
             raise ValueError(f"{where}: expected checkpoint_dir to be a path or None, got {self.checkpoint_dir!r}")
         if self.checkpoint_dir is not None and Path(self.checkpoint_dir).exists():

@@ -265,7 +265,11 @@ class _Loop:
         validation runs on the main process (``None`` on the others)."""
         is_main = self.strategy.is_main
         config = self.config
-        probabilities = evaluate(self.model, self.val, config.eval_samples, config.eval_batch_size) if is_main else None
+        probabilities = (
+            evaluate(self.model, self.val, config.eval_samples, config.eval_batch_size, config.mc_dropout)
+            if is_main
+            else None
+        )
         if self.strategy.any(probabilities is not None and not all_finite(probabilities)):
             self._fail(f"non-finite validation predictions after epoch {self.epoch}")  # e.g. Monte Carlo samples
         if not is_main:

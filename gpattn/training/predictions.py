@@ -16,25 +16,32 @@ import torch
 from torch import Tensor
 
 from .. import metrics
-from ..models import predict_probabilities
+from ..models import monte_carlo_logits, predict_probabilities
 from ..validation import check_int
 from .batches import batch_to_device, dataset_inputs
 
 __all__ = ["ensemble_probabilities", "evaluate", "validation_metrics"]
 
 
-def evaluate(model: torch.nn.Module, dataset: Any, num_samples: int = 10, batch_size: int = 256) -> Tensor:
-    """Monte Carlo predictive probabilities of ``model`` on a data set, by batches of
+def evaluate(
+    model: torch.nn.Module, dataset: Any, num_samples: int = 10, batch_size: int = 256, mc_dropout: bool = False
+) -> Tensor:
+    r"""Monte Carlo predictive probabilities of ``model`` on a data set, by batches of
     :func:`~gpattn.models.predict_probabilities` (eval mode, ``num_samples`` samples, no gradients; the global torch RNG
-    drives the samples).
+    drives the samples), or with ``mc_dropout`` the MC-dropout predictive :math:`\frac1T \sum_t
+    \operatorname{softmax}(f^{(t)}(x))` of :func:`~gpattn.models.monte_carlo_logits` (dropout masks drawn in every
+    pass, as the MC-dropout row predicts at test time).
 
     :param model: Maps ``(inputs, mask=mask)`` to logits.
     :param dataset: Has ``.tokens`` (and ``.mask``), ``.images`` or ``.inputs``.
     :param num_samples: :math:`T`.
     :param batch_size: Sequences per forward pass.
+    :param mc_dropout: Keep dropout on (raises ``ValueError`` for a model without dropout).
     :return: Probabilities, shape ``(n, C)``, on the CPU.
     """
     check_int("batch_size", batch_size)
+    if not isinstance(mc_dropout, bool):
+        raise ValueError(f"evaluate: expected mc_dropout to be a bool, got {mc_dropout!r}")
     inputs, mask = dataset_inputs(dataset)
     parameter = next(model.parameters(), None)
     device = torch.device("cpu") if parameter is None else parameter.device
@@ -42,7 +49,11 @@ def evaluate(model: torch.nn.Module, dataset: Any, num_samples: int = 10, batch_
     for start in range(0, inputs.shape[0], batch_size):
         index = torch.arange(start, min(start + batch_size, inputs.shape[0]))
         batch_inputs, batch_mask = batch_to_device(inputs, mask, index, device)
-        parts.append(predict_probabilities(model, batch_inputs, mask=batch_mask, num_samples=num_samples).cpu())
+        if mc_dropout:
+            logits = monte_carlo_logits(model, batch_inputs, batch_mask, num_samples, mc_dropout=True)
+            parts.append(logits.softmax(dim=-1).mean(dim=0).cpu())
+        else:
+            parts.append(predict_probabilities(model, batch_inputs, mask=batch_mask, num_samples=num_samples).cpu())
     return torch.cat(parts)
 
 

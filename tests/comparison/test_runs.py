@@ -199,6 +199,12 @@ def test_a_run_trains_as_its_tuning_trials_did() -> None:
     assert untuned.kl_anneal_epochs == pytest.approx(method.recipe.kl_anneal_fraction * 60)
     tuned = make_train_config(CompareConfig(), method, shared.updated({"patience": 15, "kl_anneal_fraction": 0.25}), 3)
     assert tuned.patience == 15 and tuned.kl_anneal_epochs == pytest.approx(15.0) and tuned.seed == 3
+    assert not tuned.mc_dropout  # validated in eval mode, as it is tested
+    # the MC-dropout row is validated (selected, stopped early, tuned) on its MC-dropout predictive
+    dropout_row = get_method("softmax_mc_dropout")
+    dropout_shared = CompareConfig(tuned=False).hyperparameters("mnist1d", dropout_row, TASK_DEFAULTS["mnist1d"])
+    assert make_train_config(CompareConfig(), dropout_row, dropout_shared, seed=3).mc_dropout
+    assert not make_train_config(CompareConfig(), get_method("softmax"), dropout_shared, seed=3).mc_dropout
 
 
 def test_cli_compare_rejects_bad_values(capsys) -> None:

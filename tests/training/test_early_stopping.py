@@ -4,12 +4,13 @@ and a resumed run stops where the uninterrupted one did, bit for bit."""
 from __future__ import annotations
 
 import copy
+from pathlib import Path
 
 import pytest
 import torch
 
 import gpattn.training.loop as loop_module
-from gpattn.training import TrainConfig, train_model
+from gpattn.training import CheckpointError, TrainConfig, train_model
 
 #: scripted validation NLLs by epoch (from 1): the best is epoch 2, epochs 3-5 do not improve on it, epoch 6 would
 SCRIPT = [1.0, 0.8, 0.9, 0.8, 0.95, 0.5, 0.4, 0.3]
@@ -87,3 +88,29 @@ def test_a_resumed_run_stops_where_the_uninterrupted_one_did(
     assert len(scripted_nll) == calls, "a stopped run was trained further"
     assert _without_time(repeated.history) == _without_time(full.history)
     assert _same_parameters(again, reference)
+
+
+def test_mc_dropout_validation_selects_on_the_mc_dropout_predictive(data, small_config):
+    """``mc_dropout=True``: the same training (an epoch's loss is computed before its validation) and another
+    validation NLL, the MC-dropout predictive's; resuming a checkpoint written before the setting existed works for
+    ``mc_dropout=False`` only."""
+    from gpattn.models import Transformer
+    from gpattn.training.checkpoints import check_resumable
+
+    def model() -> Transformer:
+        torch.manual_seed(0)
+        return Transformer(2, embed_dim=16, depth=1, num_heads=2, attention="softmax", vocab_size=6, max_len=6,
+                           dropout=0.3)  # fmt: skip
+
+    plain = train_model(model(), data.train, data.val, small_config(epochs=1, eval_samples=4))
+    dropout = train_model(model(), data.train, data.val, small_config(epochs=1, eval_samples=4, mc_dropout=True))
+    assert plain.history[0]["loss"] == dropout.history[0]["loss"]
+    assert abs(plain.history[0]["val_nll"] - dropout.history[0]["val_nll"]) > 1e-4
+    with pytest.raises(ValueError, match="mc_dropout to be a bool"):
+        small_config(mc_dropout="yes")
+
+    older = small_config().to_dict()
+    del older["mc_dropout"]
+    assert check_resumable(older, small_config().to_dict(), 1, Path("last.pt")) == []
+    with pytest.raises(CheckpointError, match="mc_dropout"):
+        check_resumable(older, small_config(mc_dropout=True).to_dict(), 1, Path("last.pt"))

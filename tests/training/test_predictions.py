@@ -72,3 +72,30 @@ def test_data_sets_of_the_wrong_kind_are_refused():
         dataset_labels(Inputs(torch.zeros(3, 2), torch.zeros(2, dtype=torch.long)))
     with pytest.raises(ValueError, match="at least one model"):
         ensemble_probabilities([], Inputs(torch.zeros(3, 2), None))
+
+
+def test_evaluate_with_mc_dropout_is_the_mean_of_dropout_passes(digits):
+    """``mc_dropout=True``: the mean softmax of T passes with fresh dropout masks, by hand (eval mode with the dropout
+    modules switched on, the same seed), not the eval-mode prediction; a model without dropout raises."""
+    torch.manual_seed(0)
+    model = Transformer(8, embed_dim=16, depth=1, num_heads=2, attention="softmax", input="patches", image_size=8,
+                        patch_size=2, in_channels=1, dropout=0.3).eval()  # fmt: skip
+    images = digits.images[:40]
+    subset = ImageDataset(images, digits.labels[:40], digits.num_classes, digits.class_names, "digits")
+    torch.manual_seed(5)
+    got = evaluate(model, subset, num_samples=4, batch_size=256, mc_dropout=True)
+    torch.manual_seed(5)
+    with torch.no_grad():
+        for module in model.modules():
+            if isinstance(module, torch.nn.Dropout):
+                module.train(True)
+        expected = torch.stack([model(images).softmax(dim=-1) for _ in range(4)]).mean(dim=0)
+        model.eval()
+    torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-7)
+    deterministic = evaluate(model, subset, num_samples=4)
+    assert (got - deterministic).abs().max() > 1e-3  # the masks change the prediction
+    assert not model.training and all(not module.training for module in model.modules())  # modes restored
+    with pytest.raises(ValueError, match="no dropout"):
+        evaluate(_digits_model(), subset, num_samples=2, mc_dropout=True)
+    with pytest.raises(ValueError, match="mc_dropout to be a bool"):
+        evaluate(model, subset, mc_dropout=1)
