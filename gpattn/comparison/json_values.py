@@ -39,6 +39,7 @@ UNDEFINED_REASONS = {
     "mutual information is 0 for every input",
     "debiased_ce": "not in records written before it existed",
     "sweep_ece": "not in records written before it existed",
+    "epochs_trained": "not in records written before it existed",
 }
 
 

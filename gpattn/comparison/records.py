@@ -186,10 +186,11 @@ class TrainingSummary:
     """How a run was trained.
 
     :ivar seconds: Wall time of the training (every member of an ensemble).
-    :ivar epochs: Epochs per member.
+    :ivar epochs: Epochs per member at most (the configured maximum; early stopping may end a member sooner).
     :ivar best_epoch: Epoch of the lowest validation NLL (of the first member).
     :ivar num_parameters: Parameters of the model (summed over the members).
     :ivar ensemble: Number of members (1: a single model).
+    :ivar epochs_trained: Epochs trained, the mean over the members; NaN in records written before it existed.
     """
 
     seconds: float
@@ -197,6 +198,7 @@ class TrainingSummary:
     best_epoch: int
     num_parameters: int
     ensemble: int
+    epochs_trained: float = math.nan
 
 
 @dataclass(frozen=True)

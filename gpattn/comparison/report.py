@@ -240,17 +240,36 @@ def _training_table(records: list[RunRecord], task: str) -> list[str]:
         group = [r for r in records if r.task == task and r.attention == attention]
         trained = [r.train for r in group if r.train is not None]
         if not trained:
-            body.append([attention, str(len(group))] + ["n/a: not recorded"] * 4 + [_tuned(group)])
+            body.append([attention, str(len(group))] + ["n/a: not recorded"] * 5 + [_tuned(group)])
             continue
         seconds = statistics.fmean(t.seconds for t in trained)
         best = statistics.fmean(t.best_epoch for t in trained)
         epochs = sorted({t.epochs for t in trained})
+        counts = [epochs_trained(r) for r in group if r.train is not None]
+        counted = f"{statistics.fmean(counts):.1f}" if all(c == c for c in counts) else "n/a: not recorded"
         body.append(
-            [attention, str(len(group)), "/".join(map(str, epochs)), f"{best:.1f}",
+            [attention, str(len(group)), "/".join(map(str, epochs)), counted, f"{best:.1f}",
              str(trained[0].num_parameters), f"{seconds:.1f}", _tuned(group)]
         )  # fmt: skip
-    header = ["row", "n", "epochs", "best epoch (mean)", "parameters", "train seconds (mean)", "configuration"]
+    header = ["row", "n", "max epochs", "epochs trained (mean)", "best epoch (mean)", "parameters",
+              "train seconds (mean)", "configuration"]  # fmt: skip
     return _table(header, body) if body else []
+
+
+def epochs_trained(record: RunRecord) -> float:
+    r"""The epochs ``record``'s run trained (the mean over its members): as recorded, or, for a single model recorded
+    before :attr:`~gpattn.comparison.TrainingSummary.epochs_trained` existed, where the training loop stops it,
+    :math:`\min(E, e^\star + P)` (maximum :math:`E`, best epoch :math:`e^\star`, patience :math:`P`; :math:`E`
+    without early stopping); NaN when neither is known (an older ensemble)."""
+    train = record.train
+    if train is None:
+        return math.nan
+    if train.epochs_trained == train.epochs_trained:
+        return train.epochs_trained
+    if train.ensemble != 1 or "patience" not in (record.hyperparameters or {}):
+        return math.nan
+    patience = record.hyperparameters["patience"]
+    return float(train.epochs if patience is None else min(train.epochs, train.best_epoch + patience))
 
 
 def _tuned(group: list[RunRecord]) -> str:

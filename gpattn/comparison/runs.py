@@ -22,6 +22,7 @@ registered attention or row is compared like the built-in ones.
 
 from __future__ import annotations
 
+import statistics
 import time
 from collections.abc import Iterable
 from pathlib import Path
@@ -237,6 +238,7 @@ def train_and_evaluate(
             best_epoch=members[0][1].best_epoch,
             num_parameters=sum(parameter.numel() for model in models for parameter in model.parameters()),
             ensemble=size,
+            epochs_trained=statistics.fmean(len(result.history) for _, result in members),
         ),
         temperature_scaled=evaluation.temperature_scaled,
         fidelity=fidelity,

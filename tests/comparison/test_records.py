@@ -63,7 +63,9 @@ def test_to_dict_is_the_documented_layout():
     assert (data["per_example"], data["hyperparameters"], data["tuned"]) == ({}, {}, False)
     assert data["metrics"]["ood"]["noise"]["aupr_max_prob"] == 0.95
     assert data["reliability"] == {"confidence": [None, 0.55, 0.95], "accuracy": [None, 0.5, 1.0], "count": [0, 4, 6]}
-    assert data["train"] == {"seconds": 1.5, "epochs": 3, "best_epoch": 2, "num_parameters": 1234, "ensemble": 1}
+    assert data["train"] == {"seconds": 1.5, "epochs": 3, "best_epoch": 2, "num_parameters": 1234, "ensemble": 1,
+                             "epochs_trained": None}  # fmt: skip
+    assert data["undefined"]["train.epochs_trained"] == "nan: not in records written before it existed"
 
 
 def _refuse(token: str) -> float:
@@ -80,7 +82,8 @@ def test_to_dict_is_strict_json_with_a_reason_for_each_undefined_metric():
     }
     shift = {"blur": {key: dataclasses.replace(m, debiased_ce=0.1) for key, m in record.metrics.shift["blur"].items()}}
     metrics = dataclasses.replace(record.metrics, test=test, ood=ood, shift=shift)
-    record = dataclasses.replace(record, metrics=metrics)
+    train = dataclasses.replace(record.train, epochs_trained=2.0)
+    record = dataclasses.replace(record, metrics=metrics, train=train)
     data = record.to_dict()
     text = json.dumps(data, allow_nan=False)  # raises on NaN or Inf
     assert json.loads(text, parse_constant=_refuse) == data
@@ -240,3 +243,25 @@ def test_not_a_results_file(tmp_path):
     (tmp_path / "results.json").write_text(json.dumps([1, 2]))
     with pytest.raises(ValueError, match="list of 'records'"):
         read_records(tmp_path / "results.json")
+
+
+def test_epochs_trained_is_recorded_or_derived_where_the_loop_stops():
+    """The report's epochs trained: the recorded mean; for an older single-model record, min(E, best + patience) (the
+    loop stops there: tests/training/test_early_stopping.py), E without early stopping; NaN for an older ensemble."""
+    from gpattn.comparison.report import epochs_trained
+
+    base = _record()
+    older = dataclasses.replace(base, hyperparameters={"patience": 15})
+    assert epochs_trained(older) == 3.0  # min(3, 2 + 15)
+    stopped = dataclasses.replace(
+        base, train=dataclasses.replace(base.train, epochs=60, best_epoch=36), hyperparameters={"patience": 15}
+    )
+    assert epochs_trained(stopped) == 51.0
+    assert epochs_trained(dataclasses.replace(stopped, hyperparameters={"patience": None})) == 60.0
+    assert math.isnan(epochs_trained(base))  # no hyperparameters recorded: unknown
+    ensemble = dataclasses.replace(stopped, train=dataclasses.replace(stopped.train, ensemble=5))
+    assert math.isnan(epochs_trained(ensemble))
+    recorded = dataclasses.replace(ensemble, train=dataclasses.replace(ensemble.train, epochs_trained=47.4))
+    assert epochs_trained(recorded) == 47.4
+    again = RunRecord.from_dict(json.loads(json.dumps(recorded.to_dict())))
+    assert again.train.epochs_trained == 47.4

@@ -345,6 +345,7 @@ def test_a_registered_attention_runs_through_gpattn_compare(uniform_attention, t
     (record,) = read_records(out / "results.json")
     assert (record.task, record.attention, record.seed) == ("pointer", "uniform", 0)
     assert 0.0 <= record.metrics.test.accuracy <= 1.0 and record.train.epochs == 2
+    assert record.train.epochs_trained == 2.0  # no early stopping in --quick: every epoch
     # the size argument reached the layer: 2 heads of 5 values, learned, in descending order
     assert [len(head) for head in record.spectra["layer_2"]] == [5, 5]
     assert all(head == sorted(head, reverse=True) for head in record.spectra["layer_2"])
