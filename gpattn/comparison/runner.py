@@ -37,11 +37,12 @@ from typing import Any
 
 from tqdm import tqdm
 
+from ..methods import get_method
 from . import runs as run_module
 from .config import CompareConfig
 from .local_executor import LocalExecutor, TaskFailedError, worker_environment
 from .records import RunRecord, write_json_atomically
-from .tasks import TaskData, load_task
+from .tasks import TASK_DEFAULTS, TaskData, load_task
 
 __all__ = [
     "RESULT_INDEPENDENT_FIELDS",
@@ -156,17 +157,26 @@ def _differences(stored: dict[str, Any], current: dict[str, Any], label: str) ->
 
 
 def read_run_file(
-    path: str | os.PathLike, run: tuple[str, str, int], settings: dict[str, Any], *, record: bool = True
+    path: str | os.PathLike,
+    run: tuple[str, str, int],
+    settings: dict[str, Any],
+    *,
+    record: bool = True,
+    hyperparameters: dict[str, Any] | None = None,
 ) -> RunRecord | None:
     """Read a run file (:func:`run_file_content`) back for ``--resume``, after checking that it is the run ``run``
     made with ``settings``: its identity is ``run`` (a file copied or renamed from another run's is refused), its
     record's task, row and seed are that identity (``<row>_ens<K>`` for an ensemble), its settings match their stored
-    hash (not edited) and equal ``settings``.
+    hash (not edited) and equal ``settings``, and the hyperparameters its record stores are ``hyperparameters`` (the
+    settings do not hold a tuned configuration's values, which live in a file that may change between two calls;
+    records written before they stored hyperparameters are not checked).
 
     :param path: The file (``out/runs/<task>-<row>-<seed>.json``, or ``OUT/run.json`` of ``gpattn train``).
     :param run: ``(task, row, seed)``: the run the caller expects (the one the file name says).
     :param settings: :func:`result_settings` of the current configuration.
     :param record: Expect a finished run's record (``False``: a file written before training, without one).
+    :param hyperparameters: The :meth:`~gpattn.methods.Hyperparameters.to_dict` the run would train with now, or
+        ``None`` (not checked).
     :return: The stored :class:`~gpattn.comparison.RunRecord`, or ``None`` with ``record=False``.
     :raises ValueError: Naming the file and what disagrees (and what to do).
     """
@@ -222,7 +232,20 @@ def read_run_file(
             f"{path}: its record is of the run {run_name(result.task, result.attention, result.seed)}, not "
             f"{run_name(task, attention, seed)} (the file was edited); delete it to run it again"
         )
+    if hyperparameters is not None and result.hyperparameters and result.hyperparameters != hyperparameters:
+        changed = _differences(result.hyperparameters, hyperparameters, "stored")
+        raise ValueError(
+            f"{path} was trained with other hyperparameters ({changed}): "
+            "the tuned configuration changed since (gpattn/comparison/tuned/<task>.json, or the --tuned-dir folder); "
+            "use another --out, or delete the file to run it again"
+        )
     return result
+
+
+def run_hyperparameters(config: CompareConfig, task: str, row: str) -> dict[str, Any]:
+    """The hyperparameters a run of ``row`` on ``task`` trains with under ``config`` (tuned or shared), as its record
+    stores them."""
+    return config.hyperparameters(task, get_method(row), TASK_DEFAULTS[task]).to_dict()
 
 
 def check_writable_folder(folder: str | os.PathLike) -> Path:
@@ -277,7 +300,8 @@ def execute_runs(
         for run in runs:
             path = folder / f"{run_name(*run)}.json"
             if path.exists():
-                records[run] = read_run_file(path, run, settings)
+                expected = run_hyperparameters(config, run[0], run[1])
+                records[run] = read_run_file(path, run, settings, hyperparameters=expected)
     pending = [run for run in runs if run not in records]
     total = len(runs)
     show = config.progress

@@ -130,3 +130,22 @@ def test_compare_untuned_and_tuned_dir_reach_the_config(tuned_dir, tmp_path, mon
     assert seen[0].is_tuned("digits", "softmax") and seen[0].hyperparameters("digits", get_method("softmax")).lr == 1e-3
     assert not seen[1].is_tuned("digits", "softmax")
     assert main([*argv, "--out", str(tmp_path / "c"), "--tuned-dir", str(tmp_path / "missing")]) == 2
+
+
+def test_resume_refuses_a_run_trained_before_its_tuned_configuration_changed(tmp_path):
+    """The run settings name the tuned folder, not the values in it: a run file whose record stores other
+    hyperparameters than the tuned file gives now is refused on --resume (instead of being reused silently)."""
+    from gpattn.comparison import run_comparison
+
+    folder = tmp_path / "tuned"
+    write_tuned("pointer", {"softmax": _entry(epochs=1, embed_dim=16, depth=1)}, folder)
+    settings = dict(attentions=("softmax",), tasks=("pointer",), seeds=(0,), eval_samples=2, fidelity_sequences=0,
+                    progress=False, tuned_dir=str(folder))  # fmt: skip
+    out = tmp_path / "out"
+    (first,) = run_comparison(CompareConfig(**settings), out=out)
+    (again,) = run_comparison(CompareConfig(**settings), out=out, resume=True)  # unchanged: read back
+    assert again.to_dict() == first.to_dict()
+    write_tuned("pointer", {"softmax": _entry(epochs=1, embed_dim=16, depth=1, lr=2e-3)}, folder)
+    changed = CompareConfig(**settings)  # a later gpattn compare --resume reads the tuned file again
+    with pytest.raises(ValueError, match=r"pointer-softmax-0\.json was trained with other hyperparameters \(lr: "):
+        run_comparison(changed, out=out, resume=True)
