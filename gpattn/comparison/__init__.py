@@ -8,7 +8,7 @@ Data flows one way: the comparison resolves each row once (:mod:`gpattn.methods`
 :mod:`gpattn.training`, which never imports this package.
 """
 
-from .config import DEFAULT_ATTENTIONS, MAIN_TABLE_ROWS, PRIMARY_ROWS, CompareConfig
+from .config import DEFAULT_ATTENTIONS, MAIN_SEEDS, MAIN_TABLE_ROWS, PRIMARY_ROWS, CompareConfig
 from .evaluation import (
     DEFAULT_ECE_BINS,
     POOLED_OOD,
@@ -67,6 +67,7 @@ __all__ = [
     "RayExecutor",
     "ARCHITECTURES",
     "DEFAULT_ATTENTIONS",
+    "MAIN_SEEDS",
     "MAIN_TABLE_ROWS",
     "PRIMARY_ROWS",
     "DEFAULT_ECE_BINS",

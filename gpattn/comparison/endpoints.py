@@ -17,6 +17,7 @@ from .table_rows import group_rows, pooled_ood_set, seed_values
 
 __all__ = [
     "DECLARED_OOD_SCORE",
+    "DECLARED_PRIMARY_SEEDS",
     "DESCRIPTIVE_ENDPOINTS",
     "PRIMARY_ENDPOINT",
     "SECONDARY_ENDPOINTS",
@@ -26,6 +27,8 @@ __all__ = [
 
 #: The ``column`` of an endpoint on each row's declared OOD score (:meth:`Endpoint.seed_values`).
 DECLARED_OOD_SCORE = "ood_declared_auroc"
+#: The seeds the primary endpoint is declared on (``gpattn compare --full`` runs the primary pair with seeds 0-9).
+DECLARED_PRIMARY_SEEDS = 10
 
 
 @dataclass(frozen=True)

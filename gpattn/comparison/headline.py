@@ -9,7 +9,14 @@ import dataclasses
 import math
 from dataclasses import dataclass
 
-from .endpoints import DESCRIPTIVE_ENDPOINTS, PRIMARY_ENDPOINT, SECONDARY_ENDPOINTS, Endpoint, declaration_text
+from .endpoints import (
+    DECLARED_PRIMARY_SEEDS,
+    DESCRIPTIVE_ENDPOINTS,
+    PRIMARY_ENDPOINT,
+    SECONDARY_ENDPOINTS,
+    Endpoint,
+    declaration_text,
+)
 from .records import RunRecord
 from .statistics import PairedDifference, hierarchical_difference, holm_adjusted, paired_difference, paired_p_value
 from .table_rows import flat_rows, group_rows, missing_reason, with_temperature_scaled
@@ -221,6 +228,12 @@ def headline_text(records: list[RunRecord], num_resamples: int = 10000, declarat
         lines.append("")
     if primary.note:
         lines += [f"Note: {primary.note}.", ""]
+    if 0 < primary.n < DECLARED_PRIMARY_SEEDS:
+        lines += [
+            f"Note: {primary.n} paired seeds, fewer than the {DECLARED_PRIMARY_SEEDS} the endpoint is declared on: "
+            "these records are a subset (`make main`); the declared estimate is the one of `gpattn compare --full`.",
+            "",
+        ]
     lines += [f"**Verdict**: {verdict(primary)[1]}", ""]
     secondaries = estimate_secondaries(records)
     tests = sum(not math.isnan(estimate.p_value) for estimate in secondaries)

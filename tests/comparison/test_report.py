@@ -459,3 +459,10 @@ def test_the_results_page_states_the_declared_endpoints() -> None:
     assert declaration_text() in text
     numbers = [position for position in (text.find("**Verdict**"), text.find("\n| ")) if position >= 0]
     assert text.index(declaration_text()) < min(numbers, default=len(text))  # before the first verdict or table
+
+
+def test_a_primary_estimate_on_fewer_seeds_than_declared_says_it_is_a_subset() -> None:
+    """make main runs 7 of the endpoint's 10 seeds: its headline says so and names the declared run; 10 seeds do not."""
+    note = "7 paired seeds, fewer than the 10 the endpoint is declared on"
+    assert note in headline_text(_records(seeds=7), num_resamples=200)
+    assert "fewer than the 10 the endpoint is declared on" not in headline_text(_records(), num_resamples=200)

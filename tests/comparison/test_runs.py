@@ -165,13 +165,14 @@ def _refuse(token: str) -> float:
 
 
 def test_the_protocol_presets_plan_the_declared_grid() -> None:
-    """make main: the primary pair on MNIST-1D, seeds 0-9; --full: every main-table row on both tasks, seeds 0-4, and
-    5-9 for the primary pair (the rows of the primary endpoint, without their +ts suffix)."""
+    """make main: the primary pair on MNIST-1D, seeds 0-6 (a subset of the endpoint's 10); --full: every main-table row
+    on both tasks, seeds 0-4, and 5-9 for the primary pair (the rows of the primary endpoint, without their +ts
+    suffix)."""
     from gpattn.comparison import MAIN_TABLE_ROWS, PRIMARY_ROWS
 
     assert PRIMARY_ROWS == ("kep_svgp", "softmax")  # derived from the declared primary endpoint
     main_runs = plan_runs(CompareConfig.main())
-    assert main_runs == [("mnist1d", row, seed) for row in PRIMARY_ROWS for seed in range(10)]
+    assert main_runs == [("mnist1d", row, seed) for row in PRIMARY_ROWS for seed in range(7)]
     full_runs = plan_runs(CompareConfig.full())
     expected = [
         (task, row, seed)
