@@ -28,12 +28,15 @@ def test_smoke_run_on_cpu(check, tmp_path, capsys):
     assert {"config", "environment", "equivalence", "counts", "scaling", "mnist1d", "seconds"} <= results.keys()
     assert results["environment"]["torch"] and results["environment"]["device"] == "cpu"
     equivalence = results["equivalence"]
-    layers = [name for name in equivalence if name != "kep_svgp_triton_vs_pytorch"]
+    layers = [name for name in equivalence if name != "kep_svgp_triton_vs_pytorch" and "bfloat16" not in name]
     assert {"kep_svgp", "softmax", "sgpa", "kep_svgp_exact", "kep_svgp_official_style"} <= set(layers)
     for name in layers:  # CPU against CPU: identical, and finite float32 and bfloat16 training steps
         assert equivalence[name]["ok"] and equivalence[name]["float64_difference"] == 0.0, (name, equivalence[name])
         assert equivalence[name]["steps_finite"] == {"float32": True, "bfloat16": True}, name
     assert equivalence["kep_svgp_triton_vs_pytorch"]["ok"]
+    for name in ("softmax", "kep_svgp"):  # bfloat16 autocast against float32: small, but not zero (it did cast)
+        error = equivalence[f"{name}_bfloat16_error"]
+        assert error["ok"] and 0.0 < error["norm"] < 2e-2 and 0.0 < error["largest_entry"] < 2e-2
     assert results["counts"]["kep_svgp"]["operators"] <= 201  # half of the 402 before issue 25
     table = results["scaling"]["table"]
     assert set(table) == {"16", "32"} and "kep_svgp_bf16" in table["16"]["times_ms"]
