@@ -307,7 +307,9 @@ def _legend(tasks: list[str]) -> str:
             "an optimum: say so before reading the row). n/a: the value does not exist, with the reason. Paired",
             "tables: mean difference [95 % paired-t interval] over the paired seeds, like for like (untempered against",
             "untempered, +ts against +ts); descriptive, not corrected for multiplicity: the declared tests are the",
-            "headline's. deep_ensemble has no +ts row.",
+            "headline's. deep_ensemble has no +ts row. Training: max epochs is the budget; epochs trained the mean",
+            "over seeds (and ensemble members) of the epochs before early stopping (records written before it was",
+            "recorded: min(max, best epoch + patience), where the loop stops a single model).",
         ]
     )
 
