@@ -98,12 +98,11 @@ def read_run_folders(folders: list[str | os.PathLike]) -> RunFolders:
 def _runs_summary(runs: RunFolders) -> list[str]:
     lines = []
     for name, config in zip(runs.names, runs.configs, strict=True):
-        count = sum(1 for _ in config.get("seeds", [])) if config else 0
+        count = len(config.get("seeds", [])) if config else 0
+        extra = len(config.get("primary_seeds", [])) if config else 0
+        seeds = f"{count} seeds per row" + (f" ({count + extra} for the primary pair)" if extra else "")
         settings = ", ".join(f"{key}={value}" for key, value in config.items() if key not in SCHEDULING)
-        lines.append(
-            f"* `{name}`: {count} seeds per row at most; shared settings (of the rows without a tuned configuration) "
-            f"`{settings}`"
-        )
+        lines.append(f"* `{name}`: {seeds}; shared settings (of the rows without a tuned configuration) `{settings}`")
     tasks = list(dict.fromkeys(record.task for record in runs.records))
     for task in tasks:
         rows = list(dict.fromkeys(r.attention for r in runs.records if r.task == task))
