@@ -61,9 +61,23 @@ def _display(folder: str | os.PathLike) -> str:
         return path.name
 
 
+#: ``train`` entries that may differ between two executions of one run (wall time; the epoch count older records lack)
+TIMING = ("seconds", "epochs_trained")
+
+
+def _numbers(record: RunRecord) -> dict:
+    """What must agree between two copies of one run: the record without its wall time and without the epoch count
+    that records written before it existed lack (the same run trained twice differs in its seconds only)."""
+    data = record.to_dict()
+    data["train"] = {key: value for key, value in (data.get("train") or {}).items() if key not in TIMING}
+    data.pop("undefined", None)  # the reasons follow the values, whose NaN are None in the dict
+    return data
+
+
 def read_run_folders(folders: list[str | os.PathLike]) -> RunFolders:
     """Read the ``results.json`` of every folder and merge their records: a ``(task, row, seed)`` in several folders
-    must hold the same record in each (e.g. ``make main``'s runs inside the full run), and is kept once.
+    must hold the same record in each (e.g. ``make main``'s runs inside the full run), apart from its wall time, and is
+    kept once (the first folder's).
 
     :raises ValueError: A folder without a readable ``results.json``, or two different records of one run.
     """
@@ -84,7 +98,7 @@ def read_run_folders(folders: list[str | os.PathLike]) -> RunFolders:
         for entry in content["records"]:
             record = RunRecord.from_dict(entry)
             key = (record.task, record.attention, record.seed)
-            data = record.to_dict()
+            data = _numbers(record)
             if key in merged and merged[key][1] != data:
                 raise ValueError(
                     f"run {'-'.join(map(str, key))} differs between {merged[key][2]} and {folder}: merge run folders "

@@ -466,3 +466,20 @@ def test_a_primary_estimate_on_fewer_seeds_than_declared_says_it_is_a_subset() -
     note = "7 paired seeds, fewer than the 10 the endpoint is declared on"
     assert note in headline_text(_records(seeds=7), num_resamples=200)
     assert "fewer than the 10 the endpoint is declared on" not in headline_text(_records(), num_resamples=200)
+
+
+def test_two_executions_of_one_run_merge_but_other_numbers_do_not(records, tmp_path) -> None:
+    """make main's runs and --full's, trained separately, differ in their wall time (and older records lack the epoch
+    count): they merge; a run whose numbers differ is refused."""
+    config = CompareConfig(seeds=tuple(range(10)))
+    write_outputs(records[:4], config, tmp_path / "one")
+    timed = [
+        dataclasses.replace(r, train=dataclasses.replace(r.train, seconds=r.train.seconds + 7.0, epochs_trained=3.0))
+        for r in records[:4]
+    ]
+    write_outputs(timed, config, tmp_path / "again")
+    assert len(read_run_folders([tmp_path / "one", tmp_path / "again"]).records) == 4
+    changed = [dataclasses.replace(timed[0], train=dataclasses.replace(timed[0].train, best_epoch=1)), *timed[1:]]
+    write_outputs(changed, config, tmp_path / "other")
+    with pytest.raises(ValueError, match="differs between"):
+        read_run_folders([tmp_path / "one", tmp_path / "other"])
