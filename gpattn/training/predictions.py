@@ -16,7 +16,7 @@ import torch
 from torch import Tensor
 
 from .. import metrics
-from ..models import monte_carlo_logits, predict_probabilities
+from ..models import predict_probabilities
 from ..validation import check_int
 from .batches import batch_to_device, dataset_inputs
 
@@ -28,9 +28,9 @@ def evaluate(
 ) -> Tensor:
     r"""Monte Carlo predictive probabilities of ``model`` on a data set, by batches of
     :func:`~gpattn.models.predict_probabilities` (eval mode, ``num_samples`` samples, no gradients; the global torch RNG
-    drives the samples), or with ``mc_dropout`` the MC-dropout predictive :math:`\frac1T \sum_t
-    \operatorname{softmax}(f^{(t)}(x))` of :func:`~gpattn.models.monte_carlo_logits` (dropout masks drawn in every
-    pass, as the MC-dropout row predicts at test time).
+    drives the samples); with ``mc_dropout`` the MC-dropout predictive :math:`\frac1T \sum_t
+    \operatorname{softmax}(f^{(t)}(x))` (dropout masks drawn in every pass, as the MC-dropout row predicts at test
+    time).
 
     :param model: Maps ``(inputs, mask=mask)`` to logits.
     :param dataset: Has ``.tokens`` (and ``.mask``), ``.images`` or ``.inputs``.
@@ -40,8 +40,6 @@ def evaluate(
     :return: Probabilities, shape ``(n, C)``, on the CPU.
     """
     check_int("batch_size", batch_size)
-    if not isinstance(mc_dropout, bool):
-        raise ValueError(f"evaluate: expected mc_dropout to be a bool, got {mc_dropout!r}")
     inputs, mask = dataset_inputs(dataset)
     parameter = next(model.parameters(), None)
     device = torch.device("cpu") if parameter is None else parameter.device
@@ -49,11 +47,8 @@ def evaluate(
     for start in range(0, inputs.shape[0], batch_size):
         index = torch.arange(start, min(start + batch_size, inputs.shape[0]))
         batch_inputs, batch_mask = batch_to_device(inputs, mask, index, device)
-        if mc_dropout:
-            logits = monte_carlo_logits(model, batch_inputs, batch_mask, num_samples, mc_dropout=True)
-            parts.append(logits.softmax(dim=-1).mean(dim=0).cpu())
-        else:
-            parts.append(predict_probabilities(model, batch_inputs, mask=batch_mask, num_samples=num_samples).cpu())
+        probabilities = predict_probabilities(model, batch_inputs, batch_mask, num_samples, mc_dropout=mc_dropout)
+        parts.append(probabilities.cpu())
     return torch.cat(parts)
 
 

@@ -57,6 +57,24 @@ def test_mc_dropout_samples() -> None:
         monte_carlo_logits(small_model("softmax"), TOKENS, mc_dropout=True)
 
 
+@pytest.mark.parametrize("attention", ["softmax", "kep_svgp"])
+def test_predict_probabilities_with_mc_dropout_is_the_dropout_samples_average(attention: str) -> None:
+    """``predict_probabilities(mc_dropout=True)``: the softmax average of the MC-dropout logit samples (a
+    deterministic attention sampled too), the same draws in the same order; dropout off again afterwards."""
+    model = small_model(attention, dropout=0.3).eval()
+    torch.manual_seed(4)
+    expected = monte_carlo_logits(model, TOKENS, mask=MASK, num_samples=4, mc_dropout=True).softmax(-1).mean(0)
+    torch.manual_seed(4)
+    got = predict_probabilities(model, TOKENS, mask=MASK, num_samples=4, mc_dropout=True)
+    torch.testing.assert_close(got, expected, rtol=0, atol=0)
+    assert (got - predict_probabilities(model, TOKENS, mask=MASK, num_samples=4)).abs().max() > 1e-3
+    assert not any(module.training for module in model.modules())
+    with pytest.raises(ValueError, match="no dropout"):
+        predict_probabilities(small_model("softmax"), TOKENS, mc_dropout=True)
+    with pytest.raises(ValueError, match="mc_dropout to be a bool"):
+        predict_probabilities(model, TOKENS, mc_dropout="yes")
+
+
 def test_bad_arguments() -> None:
     model = small_model("softmax")
     with pytest.raises(TypeError, match="torch.nn.Module"):
