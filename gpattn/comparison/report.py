@@ -246,7 +246,7 @@ def _training_table(records: list[RunRecord], task: str) -> list[str]:
         best = statistics.fmean(t.best_epoch for t in trained)
         epochs = sorted({t.epochs for t in trained})
         counts = [epochs_trained(r) for r in group if r.train is not None]
-        counted = f"{statistics.fmean(counts):.1f}" if all(c == c for c in counts) else "n/a: not recorded"
+        counted = "n/a: not recorded" if any(math.isnan(c) for c in counts) else f"{statistics.fmean(counts):.1f}"
         body.append(
             [attention, str(len(group)), "/".join(map(str, epochs)), counted, f"{best:.1f}",
              str(trained[0].num_parameters), f"{seconds:.1f}", _tuned(group)]
@@ -264,7 +264,7 @@ def epochs_trained(record: RunRecord) -> float:
     train = record.train
     if train is None:
         return math.nan
-    if train.epochs_trained == train.epochs_trained:
+    if not math.isnan(train.epochs_trained):
         return train.epochs_trained
     if train.ensemble != 1 or "patience" not in (record.hyperparameters or {}):
         return math.nan

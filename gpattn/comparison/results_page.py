@@ -62,14 +62,15 @@ def _display(folder: str | os.PathLike) -> str:
 
 
 #: ``train`` entries that may differ between two executions of one run (wall time; the epoch count older records lack)
-TIMING = ("seconds", "epochs_trained")
+UNCOMPARED_TRAIN_ENTRIES = ("seconds", "epochs_trained")
 
 
 def _numbers(record: RunRecord) -> dict:
     """What must agree between two copies of one run: the record without its wall time and without the epoch count
     that records written before it existed lack (the same run trained twice differs in its seconds only)."""
     data = record.to_dict()
-    data["train"] = {key: value for key, value in (data.get("train") or {}).items() if key not in TIMING}
+    train = data.get("train") or {}
+    data["train"] = {key: value for key, value in train.items() if key not in UNCOMPARED_TRAIN_ENTRIES}
     data.pop("undefined", None)  # the reasons follow the values, whose NaN are None in the dict
     return data
 
