@@ -93,7 +93,7 @@ def test_a_run_measures_the_first_member_as_it_was_before_training():
     digits = load_task("digits")
     small = dataclasses.replace(digits, defaults={**digits.defaults, "num_inducing": 5})  # s = 5 < 16 patches
     config = CompareConfig(attentions=("kep_svgp",), fidelity_sequences=16, tasks=("digits",), pointer_epochs=1,
-                           digits_epochs=1, eval_samples=2, seeds=(0,), progress=False)  # fmt: skip
+                           digits_epochs=1, eval_samples=2, seeds=(0,), progress=False, tuned=False)  # fmt: skip
     snapshot = _Snapshot()
     record = train_and_evaluate(config, "digits", "kep_svgp", 0, data=small, callbacks=[snapshot])
     fidelity = record.fidelity["layer_2"]

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from gpattn.attention import AttentionLayer, SoftmaxAttention, attention_names, register_attention, unregister_attention
-from gpattn.comparison import TASK_DEFAULTS, CompareConfig, plan_runs
+from gpattn.comparison import TASK_DEFAULTS, CompareConfig, plan_runs, read_tuned
 from gpattn.methods import (
     METHODS,
     Hyperparameters,
@@ -157,7 +157,8 @@ def test_the_laplace_and_ensemble_rows_are_the_softmax_transformer_predicting_ot
 
 
 def test_hyperparameters_take_tuned_values_as_data():
-    config = CompareConfig(num_inducing=None, mc_dropout=0.2)
+    # the shared settings on digits (the package's tuned file would replace them: untuned)
+    config = CompareConfig(num_inducing=None, mc_dropout=0.2, tuned=False)
     base = config.hyperparameters("digits", get_method("softmax"), {"num_inducing": 5})
     assert (base.epochs, base.lr, base.weight_decay, base.num_inducing, base.dropout) == (40, 3e-3, 0.01, 5, 0.0)
     # the shared settings' MC-dropout rate (the package's tuned file, which has its own, would replace it: untuned)
@@ -180,7 +181,12 @@ def test_hyperparameters_take_tuned_values_as_data():
     assert (mnist1d.num_heads, mnist1d.lr, mnist1d.weight_decay, mnist1d.batch_size) == (2, 3e-3, 0.01, 64)
     assert CompareConfig.quick().hyperparameters("mnist1d", get_method("softmax")).epochs == 4  # --quick: few epochs
     assert not CompareConfig(tuned=False).is_tuned("mnist1d", get_method("kep_svgp"))
-    assert not CompareConfig().is_tuned("digits", get_method("kep_svgp"))  # no tuned file for digits
+    assert not CompareConfig().is_tuned("pointer", get_method("kep_svgp"))  # no tuned file for the pointer task
+    # the package's digits file: its values replace the shared ones, the rest (s) stays the task's
+    entry = read_tuned("digits")["kep_svgp"].hyperparameters
+    digits = CompareConfig().hyperparameters("digits", get_method("kep_svgp"), {"num_inducing": 5})
+    assert CompareConfig().is_tuned("digits", get_method("kep_svgp")) and digits.num_inducing == 5
+    assert {name: getattr(digits, name) for name in entry} == entry
     tuned = base.updated({"lr": 1e-3, "beta": 0.1, "epochs": 60})
     assert (tuned.lr, tuned.beta, tuned.epochs, tuned.depth) == (1e-3, 0.1, 60, base.depth)
     assert tuned.to_dict() == {**base.to_dict(), "lr": 1e-3, "beta": 0.1, "epochs": 60}
@@ -203,7 +209,8 @@ def test_compare_config_builds_no_layer_and_plan_runs_checks_them_once(monkeypat
 
     monkeypatch.setattr(AttentionLayer, "__init__", counting)
     rows = ("kep_svgp", "sgpa", "softmax", "softmax_mc_dropout", "deep_ensemble")
-    config = CompareConfig(attentions=rows, num_inducing=8, tasks=("pointer", "digits"))
+    # the shared settings (tuned files give each task's rows their own architectures, hence more distinct layers)
+    config = CompareConfig(attentions=rows, num_inducing=8, tasks=("pointer", "digits"), tuned=False)
     assert built == []  # validated against the registry only
     state = torch.get_rng_state()
     runs = plan_runs(config)

@@ -847,7 +847,9 @@ def test_file_loaders_reject(tmp_path):
         ({"embed_dim": 30, "num_heads": 4}, ValueError, r"embed_dim \(30\).*num_heads \(4\)"),
         ({"depth": 0}, ValueError, "depth"),
         ({"gp_layers": 3}, ValueError, "gp_layers"),
-        ({"num_inducing": 17}, ValueError, r"num_inducing \(17\).*head width embed_dim / num_heads = 16"),
+        # the shared width 32 with 2 heads, and a tuned one (digits' kep_svgp: 48 wide, 4 heads)
+        ({"num_inducing": 17, "tuned": False}, ValueError, r"num_inducing \(17\).*embed_dim / num_heads = 16"),
+        ({"num_inducing": 13}, ValueError, r"num_inducing \(13\).*head width embed_dim / num_heads = 12"),  # tuned
         ({"num_inducing": 0}, ValueError, "num_inducing"),
         ({"eval_samples": 0}, ValueError, "eval_samples"),
         ({"ensemble": 0}, ValueError, "ensemble size"),
