@@ -149,7 +149,8 @@ _SHOWN = (
 
 def _hyperparameters_text(row: str, values: list[dict]) -> str:
     # a row's hyperparameters as the records hold them, one description when every seed used the same ones; the row
-    # parameters (beta, eta, s, annealing) only for a row whose layer or objective uses them
+    # parameters (beta, eta, s, annealing) only for a row whose layer or objective uses them (a row that wraps models of
+    # a tuned row, Deep Ensembles or the Laplace row, those of that row)
     if not values or not values[0]:
         return "hyperparameters not recorded (older records)"
     if any(value != values[0] for value in values):
@@ -157,8 +158,9 @@ def _hyperparameters_text(row: str, values: list[dict]) -> str:
     value = values[0]
     arguments = get_method(row).layer_arguments(num_inducing=1, ksvd_weight=1.0)
     uses = {"num_inducing": "num_inducing" in arguments, "ksvd_weight": "ksvd_weight" in arguments}
-    if row in TUNED_ROWS:  # the rows whose objective has a KL term are the ones the search gives a beta
-        searched = {parameter.name for parameter in search_space(row, 1)}
+    source = row if row in TUNED_ROWS else get_method(row).attention
+    if source in TUNED_ROWS:  # the rows whose objective has a KL term are the ones the search gives a beta
+        searched = {parameter.name for parameter in search_space(source, 1)}
         uses.update(beta="beta" in searched, kl_anneal_fraction="kl_anneal_fraction" in searched)
     parts = []
     if {"embed_dim", "depth", "num_heads"} <= value.keys():

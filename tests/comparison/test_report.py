@@ -35,7 +35,7 @@ from gpattn.comparison.report import (
     table_text,
     write_outputs,
 )
-from gpattn.comparison.results_page import compare_verdicts, read_run_folders, results_page
+from gpattn.comparison.results_page import _hyperparameters_text, compare_verdicts, read_run_folders, results_page
 from gpattn.comparison.table_rows import flat_rows
 
 EXAMPLES = 40
@@ -370,6 +370,15 @@ def test_results_json_records_the_environment(records, tmp_path) -> None:
     assert "BLAS_INFO=" in environment["blas"] and "get_num_threads" in environment["parallel_info"]
     assert environment["gpattn"] and "git_commit" in environment
     assert len(read_records(tmp_path / "results.json")) == len(records)
+
+
+def test_a_row_that_wraps_softmax_models_is_described_as_softmax() -> None:
+    # Deep Ensembles and the Laplace row train softmax models: no KL weight, KSVD weight or s in their description
+    values = [dict(embed_dim=32, depth=4, num_heads=2, epochs=60, lr=0.0049, beta=1.0, ksvd_weight=1.0, dropout=0.16)]
+    softmax = _hyperparameters_text("softmax", values)
+    assert softmax == "width 32 x depth 4 x 2 heads, at most 60 epochs, lr 0.0049, dropout 0.16"
+    assert _hyperparameters_text("deep_ensemble", values) == _hyperparameters_text("laplace", values) == softmax
+    assert "KL weight beta 1, KSVD weight eta 1" in _hyperparameters_text("kep_svgp", values)
 
 
 def test_results_page_and_verdict_check(records, tmp_path) -> None:
