@@ -170,6 +170,31 @@ def _hyperparameters_text(row: str, values: list[dict]) -> str:
     return ", ".join(parts + [text.format(value[name]) for name, text in shown])
 
 
+def _temperature_caveat(records: list[RunRecord]) -> list[str]:
+    # the +ts rows whose temperature raised the mean clean test NLL by more than 5 %: a temperature fitted on a
+    # validation split with few misclassified examples is noisy, and a sharpened model (T < 1) pays on the test set
+    groups: dict[tuple[str, str], list[RunRecord]] = {}
+    for record in records:
+        if record.temperature_scaled is not None:
+            groups.setdefault((record.task, record.attention), []).append(record)
+    worse = []
+    for (task, row), group in groups.items():
+        untempered = math.fsum(r.metrics.test.nll for r in group) / len(group)
+        tempered = math.fsum(r.temperature_scaled.metrics.test.nll for r in group) / len(group)
+        temperature = math.fsum(r.temperature_scaled.temperature for r in group) / len(group)
+        if tempered > 1.05 * untempered:
+            worse.append(f"{task} {row} ({untempered:.3f} -> {tempered:.3f}, mean T {temperature:.2f})")
+    if not worse:
+        return []
+    return [
+        f"* Temperature scaling raised the mean clean test NLL by more than 5 % for {len(worse)} of {len(groups)} "
+        f"rows: {'; '.join(worse)}. The temperature is fitted by NLL on the validation split: with few "
+        "misclassified validation examples the fit is noisy, and one that sharpens a model (T < 1; towards the "
+        "bound 0.01 when the split has no error at all) makes it over-confident on the test set. Read those +ts "
+        "rows with that in mind."
+    ]
+
+
 def results_page(runs: RunFolders, figures: list[str]) -> str:
     """The results page (markdown): the declared endpoints first, then what was run, the headline, the full tables,
     the figures (``figures``: paths relative to the page) and the machine of each folder."""
@@ -192,6 +217,7 @@ def results_page(runs: RunFolders, figures: list[str]) -> str:
         "about natural distribution shift.",
         "* A verdict that changes with float rounding is not a conclusion: `gpattn report RUN_A --same-verdict "
         "RUN_B` compares two runs that differ only in rounding (e.g. `--threads 1` and `--threads 2`).",
+        *_temperature_caveat(runs.records),
     ]
     figure_lines = [f"![{Path(path).stem}]({path})" for path in figures] or ["No figures (no data to draw)."]
     sources = " ".join(runs.names)

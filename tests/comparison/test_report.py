@@ -35,7 +35,13 @@ from gpattn.comparison.report import (
     table_text,
     write_outputs,
 )
-from gpattn.comparison.results_page import _hyperparameters_text, compare_verdicts, read_run_folders, results_page
+from gpattn.comparison.results_page import (
+    _hyperparameters_text,
+    _temperature_caveat,
+    compare_verdicts,
+    read_run_folders,
+    results_page,
+)
 from gpattn.comparison.table_rows import flat_rows
 
 EXAMPLES = 40
@@ -379,6 +385,28 @@ def test_a_row_that_wraps_softmax_models_is_described_as_softmax() -> None:
     assert softmax == "width 32 x depth 4 x 2 heads, at most 60 epochs, lr 0.0049, dropout 0.16"
     assert _hyperparameters_text("deep_ensemble", values) == _hyperparameters_text("laplace", values) == softmax
     assert "KL weight beta 1, KSVD weight eta 1" in _hyperparameters_text("kep_svgp", values)
+
+
+def test_the_page_names_the_rows_whose_temperature_raised_the_test_nll(records, tmp_path) -> None:
+    assert _temperature_caveat(records) == []  # every +ts row of the fixture lowers the NLL (x 0.9)
+
+    def sharpened(record: RunRecord) -> RunRecord:  # T = 0.5, test NLL x 1.2: what a fit on too few errors does
+        scaled = record.temperature_scaled
+        test = dataclasses.replace(scaled.metrics.test, nll=1.2 * record.metrics.test.nll)
+        metrics = dataclasses.replace(scaled.metrics, test=test)
+        return dataclasses.replace(
+            record, temperature_scaled=dataclasses.replace(scaled, temperature=0.5, metrics=metrics)
+        )
+
+    changed = [sharpened(r) if (r.task, r.attention) == ("digits", "sgpa") else r for r in records]
+    (line,) = _temperature_caveat(changed)
+    untempered = sum(r.metrics.test.nll for r in records if (r.task, r.attention) == ("digits", "sgpa")) / 5
+    expected = f"digits sgpa ({untempered:.3f} -> {1.2 * untempered:.3f}, mean T 0.50)"
+    assert line.startswith(
+        f"* Temperature scaling raised the mean clean test NLL by more than 5 % for 1 of 6 rows: {expected}."
+    )
+    write_outputs(changed, CompareConfig(seeds=tuple(range(10))), tmp_path)
+    assert line in results_page(read_run_folders([tmp_path]), [])
 
 
 def test_results_page_and_verdict_check(records, tmp_path) -> None:
