@@ -28,6 +28,12 @@ import torch  # noqa: E402
 
 SCALING_SCRIPT = Path(__file__).resolve().with_name("attention_scaling.py")
 ROWS = ("softmax", "kep_svgp")
+#: what a competing process runs: a Python loop (pure CPU), or one-thread float32 matrix products (CPU and memory
+#: traffic, like a training run of ``gpattn compare`` or ``gpattn tune`` beside the measurement)
+COMPETITORS = {
+    "python": "while True: pass",
+    "torch": "import torch\ntorch.set_num_threads(1)\na = torch.randn(512, 512)\nwhile True: a = torch.tanh(a @ a)",
+}
 
 
 def _bench():
@@ -47,7 +53,7 @@ def _uptime() -> str:
 def _condition(bench, label: str, threads: int, competitors: int, args: argparse.Namespace) -> dict:
     """Medians (ms) of interleaved steps of every row at ``threads`` torch threads beside ``competitors`` busy
     processes, with the uptime before and after."""
-    busy = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(competitors)]
+    busy = [subprocess.Popen([sys.executable, "-c", COMPETITORS[args.competitor]]) for _ in range(competitors)]
     try:
         time.sleep(args.settle_s)  # let the competitors take their share of the cores
         torch.set_num_threads(threads)
@@ -67,7 +73,9 @@ def _condition(bench, label: str, threads: int, competitors: int, args: argparse
             process.wait()
     ratio = times["kep_svgp"] / times["softmax"]
     cells = ", ".join(f"{row} {ms:.1f} ms" for row, ms in times.items())
-    print(f"{label}: {threads} threads, {competitors} busy processes: {cells}; kep/softmax {ratio:.2f}", flush=True)
+    kind = f" ({args.competitor})" if competitors else ""
+    line = f"{label}: {threads} threads, {competitors} busy processes{kind}: {cells}; kep/softmax {ratio:.2f}"
+    print(line, flush=True)
     print(f"    uptime before: {before}\n    uptime after:  {after}", flush=True)
     uptime = [before, after]
     return {"threads": threads, "competitors": competitors, "times_ms": times, "ratio": ratio, "uptime": uptime}
@@ -82,6 +90,10 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--rank", type=int, default=10)
     parser.add_argument("--threads", type=int, default=2, help="torch threads of the busy condition")
     parser.add_argument("--competitors", type=int, default=1, help="busy processes of the busy condition")
+    parser.add_argument(
+        "--competitor", choices=sorted(COMPETITORS), default="python",
+        help="what each busy process runs: a Python loop, or one-thread torch matrix products (default %(default)s)",
+    )  # fmt: skip
     parser.add_argument("--min-reps", type=int, default=5)
     parser.add_argument("--max-reps", type=int, default=21)
     parser.add_argument("--budget-s", type=float, default=20.0, help="seconds of repetitions per condition")

@@ -1,0 +1,75 @@
+"""The busy-CPU benchmark's own logic (not its timings): both conditions run and are recorded, the ratio is the one
+printed, and the competing processes it starts are gone afterwards."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "busy_cpu.py"
+
+
+@pytest.fixture(scope="module")
+def bench():
+    spec = importlib.util.spec_from_file_location("busy_cpu_under_test", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("competitor", ["python", "torch"])
+def test_both_conditions_are_measured_and_the_competitors_stopped(bench, tmp_path, monkeypatch, competitor):
+    started = []
+    popen = subprocess.Popen
+
+    def recording(*args, **kwargs):
+        process = popen(*args, **kwargs)
+        started.append(process)
+        return process
+
+    monkeypatch.setattr(subprocess, "Popen", recording)
+    threads = torch.get_num_threads()
+    out = tmp_path / "busy.json"
+    argv = ["--length", "8", "--batch", "2", "--embed-dim", "16", "--num-heads", "2", "--rank", "4"]
+    argv += ["--min-reps", "1", "--max-reps", "2", "--budget-s", "0.05", "--settle-s", "0", "--out", str(out)]
+    try:
+        results = bench.main([*argv, "--competitors", "2", "--competitor", competitor])
+    finally:
+        torch.set_num_threads(threads)
+    saved = json.loads(out.read_text())
+    assert saved["busy_over_idle"] == pytest.approx(results["busy"]["ratio"] / results["idle"]["ratio"])
+    assert (saved["idle"]["threads"], saved["idle"]["competitors"]) == (1, 0)
+    assert (saved["busy"]["threads"], saved["busy"]["competitors"]) == (2, 2)
+    for condition in ("idle", "busy"):
+        times = saved[condition]["times_ms"]
+        assert set(times) == {"softmax", "kep_svgp"} and all(value > 0 for value in times.values())
+        assert saved[condition]["ratio"] == pytest.approx(times["kep_svgp"] / times["softmax"])
+    # the script started exactly the two competitors of the busy condition, running its code, and stopped them
+    uptimes = [process for process in started if process.args[0] == "uptime"]
+    competitors = [process for process in started if process not in uptimes]
+    assert len(competitors) == 2 and all(process.args[-1] == bench.COMPETITORS[competitor] for process in competitors)
+    assert all(process.poll() is not None for process in competitors)
+
+
+@pytest.mark.parametrize("competitor", ["python", "torch"])
+def test_a_competitor_keeps_running_until_stopped(bench, competitor):
+    # a competitor that failed at once (an error in its code) would leave the busy condition idle
+    process = subprocess.Popen([sys.executable, "-c", bench.COMPETITORS[competitor]], stderr=subprocess.PIPE)
+    try:
+        with pytest.raises(subprocess.TimeoutExpired):
+            process.wait(timeout=4.0)  # longer than importing torch
+    finally:
+        process.kill()
+        process.wait()
+
+
+def test_an_unknown_competitor_is_a_usage_error(bench, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        bench.main(["--competitor", "fork-bomb"])
+    assert exit_info.value.code == 2 and "fork-bomb" in capsys.readouterr().err
