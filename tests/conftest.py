@@ -3,8 +3,11 @@ each other)."""
 
 from __future__ import annotations
 
+import importlib.util
 import math
 from collections.abc import Callable
+from pathlib import Path
+from types import ModuleType
 
 import pytest
 import torch
@@ -67,3 +70,21 @@ def make_transformer() -> Callable[..., Transformer]:
         )
 
     return build
+
+
+#: the benchmark scripts (not a package: each is loaded from its file)
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+
+
+@pytest.fixture(scope="session")
+def load_benchmark() -> Callable[[str, str], ModuleType]:
+    """``load_benchmark(script, name)``: a fresh module of ``benchmarks/<script>.py`` under the module name ``name``
+    (each test file its own, so that one file's monkeypatching never reaches another's)."""
+
+    def load(script: str, name: str) -> ModuleType:
+        spec = importlib.util.spec_from_file_location(name, BENCHMARKS / f"{script}.py")
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        return module
+
+    return load

@@ -4,25 +4,18 @@ output against float32 on the benchmark's inputs (B = 16, N = 256, C = 128, 4 he
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import pytest
 import torch
 
 from gpattn.attention import build_attention
 
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "attention_scaling.py"
 #: the operators of one step before issue 25 (amortised features, joint sampling, KL, KSVD penalty, backward)
 OPERATORS_BEFORE = 402
 
 
 @pytest.fixture(scope="module")
-def bench():
-    spec = importlib.util.spec_from_file_location("attention_scaling_for_steps", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+def bench(load_benchmark):
+    return load_benchmark("attention_scaling", "attention_scaling_for_steps")
 
 
 def _step(layer: torch.nn.Module, x: torch.Tensor, autocast: bool = False) -> torch.Tensor:

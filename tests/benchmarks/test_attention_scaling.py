@@ -3,23 +3,15 @@ operator count, and ``torch.compile`` of a layer against eager (with its fallbac
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import pytest
 import torch
 
 from gpattn.attention import build_attention
 
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "attention_scaling.py"
-
 
 @pytest.fixture(scope="module")
-def bench():
-    spec = importlib.util.spec_from_file_location("attention_scaling_under_test", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+def bench(load_benchmark):
+    return load_benchmark("attention_scaling", "attention_scaling_under_test")
 
 
 def test_missing_official_path_is_a_clear_error(bench, tmp_path, capsys):

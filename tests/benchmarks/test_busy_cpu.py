@@ -3,24 +3,17 @@ printed, and the competing processes it starts are gone afterwards."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
 
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "busy_cpu.py"
-
 
 @pytest.fixture(scope="module")
-def bench():
-    spec = importlib.util.spec_from_file_location("busy_cpu_under_test", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+def bench(load_benchmark):
+    return load_benchmark("busy_cpu", "busy_cpu_under_test")
 
 
 @pytest.mark.parametrize("competitor", ["python", "torch"])

@@ -4,21 +4,14 @@ the MNIST-1D runs with the identity of their records. What it measures on a GPU 
 
 from __future__ import annotations
 
-import importlib.util
 import json
-from pathlib import Path
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "gpu_check.py"
-
 
 @pytest.fixture(scope="module")
-def check():
-    spec = importlib.util.spec_from_file_location("gpu_check_under_test", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+def check(load_benchmark):
+    return load_benchmark("gpu_check", "gpu_check_under_test")
 
 
 def test_smoke_run_on_cpu(check, tmp_path, capsys):
