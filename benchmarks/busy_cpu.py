@@ -2,8 +2,9 @@
 conditions measured in one run, one after the other:
 
 * ``idle``: 1 torch thread, nothing started beside it;
-* ``busy``: ``--threads`` torch threads (2) beside ``--competitors`` busy processes (1) that this script starts (a
-  Python loop each) and stops.
+* ``busy``: ``--threads`` torch threads (2) beside ``--competitors`` busy processes (1) that this script starts and
+  stops: each runs a Python loop, or with ``--competitor torch`` one-thread matrix products; the timing starts once
+  every competitor has said it is running (after its imports) and ``--settle-s`` more seconds have passed.
 
 With many small operators, every multi-threaded one waits for its worker threads, which a competing process
 deschedules: the ratio KEP / softmax then grows with the operator count. The issue's target is a busy ratio within
@@ -31,9 +32,45 @@ ROWS = ("softmax", "kep_svgp")
 #: what a competing process runs: a Python loop (pure CPU), or one-thread float32 matrix products (CPU and memory
 #: traffic, like a training run of ``gpattn compare`` or ``gpattn tune`` beside the measurement)
 COMPETITORS = {
-    "python": "while True: pass",
-    "torch": "import torch\ntorch.set_num_threads(1)\na = torch.randn(512, 512)\nwhile True: a = torch.tanh(a @ a)",
+    "python": "print('ready', flush=True)\nwhile True: pass",
+    "torch": (
+        "import torch\ntorch.set_num_threads(1)\na = torch.randn(512, 512)\nprint('ready', flush=True)\n"
+        "while True: a = torch.tanh(a @ a)"
+    ),
 }
+
+
+def start_competitors(kind: str, count: int) -> list[subprocess.Popen]:
+    """``count`` processes running ``COMPETITORS[kind]``, returned once each has printed its ready line (after its
+    imports); one that exits before is an error (with its standard error), and the others are stopped."""
+    processes = []
+    try:
+        for _ in range(count):
+            processes.append(
+                subprocess.Popen(
+                    [sys.executable, "-c", COMPETITORS[kind]], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                    text=True,
+                )
+            )  # fmt: skip
+        for process in processes:
+            if process.stdout.readline().strip() != "ready":
+                process.wait()
+                last = (process.stderr.read().strip().splitlines() or ["no message"])[-1]
+                raise RuntimeError(f"a {kind} competitor exited before it ran: {last}")
+    except BaseException:
+        stop_competitors(processes)
+        raise
+    return processes
+
+
+def stop_competitors(processes: list[subprocess.Popen]) -> None:
+    """Kill the competitors and wait for them (their pipes closed)."""
+    for process in processes:
+        process.kill()
+    for process in processes:
+        process.wait()
+        process.stdout.close()
+        process.stderr.close()
 
 
 def _bench():
@@ -53,7 +90,7 @@ def _uptime() -> str:
 def _condition(bench, label: str, threads: int, competitors: int, args: argparse.Namespace) -> dict:
     """Medians (ms) of interleaved steps of every row at ``threads`` torch threads beside ``competitors`` busy
     processes, with the uptime before and after."""
-    busy = [subprocess.Popen([sys.executable, "-c", COMPETITORS[args.competitor]]) for _ in range(competitors)]
+    busy = start_competitors(args.competitor, competitors)
     try:
         time.sleep(args.settle_s)  # let the competitors take their share of the cores
         torch.set_num_threads(threads)
@@ -67,10 +104,7 @@ def _condition(bench, label: str, threads: int, competitors: int, args: argparse
         times = bench._interleaved_medians(steps, timing, torch.device("cpu"))
         after = _uptime()
     finally:
-        for process in busy:
-            process.kill()
-        for process in busy:
-            process.wait()
+        stop_competitors(busy)
     ratio = times["kep_svgp"] / times["softmax"]
     cells = ", ".join(f"{row} {ms:.1f} ms" for row, ms in times.items())
     kind = f" ({args.competitor})" if competitors else ""

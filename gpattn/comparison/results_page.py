@@ -183,15 +183,15 @@ def _temperature_caveat(records: list[RunRecord]) -> list[str]:
         tempered = math.fsum(r.temperature_scaled.metrics.test.nll for r in group) / len(group)
         temperature = math.fsum(r.temperature_scaled.temperature for r in group) / len(group)
         if tempered > 1.05 * untempered:
-            worse.append(f"{task} {row} ({untempered:.3f} -> {tempered:.3f}, mean T {temperature:.2f})")
+            worse.append(f"{task} {row}+ts ({row}: {untempered:.3f}, +ts: {tempered:.3f}, mean T {temperature:.2f})")
     if not worse:
         return []
     return [
         f"* Temperature scaling raised the mean clean test NLL by more than 5 % for {len(worse)} of {len(groups)} "
-        f"rows: {'; '.join(worse)}. The temperature is fitted by NLL on the validation split: with few "
-        "misclassified validation examples the fit is noisy, and one that sharpens a model (T < 1; towards the "
-        "bound 0.01 when the split has no error at all) makes it over-confident on the test set. Read those +ts "
-        "rows with that in mind."
+        f"rows: {'; '.join(worse)}. The temperature is fitted by NLL on the validation split and generalises only as "
+        "far as that split does: a split with few misclassified examples (a small one, or an accurate model) gives "
+        "a noisy fit, and one that sharpens the model (T < 1; towards the bound 0.01 when the split has no error at "
+        "all) makes it over-confident on the test set. Read those +ts rows with that in mind."
     ]
 
 

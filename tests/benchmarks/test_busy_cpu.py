@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 
 import pytest
 import torch
@@ -51,15 +50,29 @@ def test_both_conditions_are_measured_and_the_competitors_stopped(bench, tmp_pat
 
 
 @pytest.mark.parametrize("competitor", ["python", "torch"])
-def test_a_competitor_keeps_running_until_stopped(bench, competitor):
-    # a competitor that failed at once (an error in its code) would leave the busy condition idle
-    process = subprocess.Popen([sys.executable, "-c", bench.COMPETITORS[competitor]], stderr=subprocess.PIPE)
+def test_a_competitor_is_running_when_it_is_returned_and_gone_when_stopped(bench, competitor):
+    (process,) = bench.start_competitors(competitor, 1)  # returns after its ready line: its imports are done
     try:
         with pytest.raises(subprocess.TimeoutExpired):
-            process.wait(timeout=4.0)  # longer than importing torch
+            process.wait(timeout=1.0)
     finally:
-        process.kill()
-        process.wait()
+        bench.stop_competitors([process])
+    assert process.poll() is not None and process.stdout.closed
+
+
+def test_a_competitor_that_fails_is_an_error_with_its_message(bench, monkeypatch):
+    monkeypatch.setitem(bench.COMPETITORS, "broken", "import no_such_module_for_the_benchmark")
+    started = []
+    popen = subprocess.Popen
+    monkeypatch.setattr(
+        subprocess, "Popen", lambda *args, **kwargs: started.append(popen(*args, **kwargs)) or started[-1]
+    )
+    with pytest.raises(
+        RuntimeError,
+        match="broken competitor exited before it ran: ModuleNotFoundError: .*no_such_module_for_the_benchmark",
+    ):
+        bench.start_competitors("broken", 2)
+    assert len(started) == 2 and all(process.poll() is not None for process in started)  # none left running
 
 
 def test_an_unknown_competitor_is_a_usage_error(bench, capsys):

@@ -390,18 +390,21 @@ def test_a_row_that_wraps_softmax_models_is_described_as_softmax() -> None:
 def test_the_page_names_the_rows_whose_temperature_raised_the_test_nll(records, tmp_path) -> None:
     assert _temperature_caveat(records) == []  # every +ts row of the fixture lowers the NLL (x 0.9)
 
-    def sharpened(record: RunRecord) -> RunRecord:  # T = 0.5, test NLL x 1.2: what a fit on too few errors does
+    def sharpened(record: RunRecord, factor: float) -> RunRecord:  # T = 0.5, test NLL x factor
         scaled = record.temperature_scaled
-        test = dataclasses.replace(scaled.metrics.test, nll=1.2 * record.metrics.test.nll)
+        test = dataclasses.replace(scaled.metrics.test, nll=factor * record.metrics.test.nll)
         metrics = dataclasses.replace(scaled.metrics, test=test)
         return dataclasses.replace(
             record, temperature_scaled=dataclasses.replace(scaled, temperature=0.5, metrics=metrics)
         )
 
-    changed = [sharpened(r) if (r.task, r.attention) == ("digits", "sgpa") else r for r in records]
+    # digits' sgpa raised by 6 % (named), mnist1d's by 4 % (under the 5 % threshold: not named)
+    factors = {("digits", "sgpa"): 1.06, ("mnist1d", "sgpa"): 1.04}
+    changed = [sharpened(r, factors[r.task, r.attention]) if (r.task, r.attention) in factors else r for r in records]
     (line,) = _temperature_caveat(changed)
     untempered = sum(r.metrics.test.nll for r in records if (r.task, r.attention) == ("digits", "sgpa")) / 5
-    expected = f"digits sgpa ({untempered:.3f} -> {1.2 * untempered:.3f}, mean T 0.50)"
+    expected = f"digits sgpa+ts (sgpa: {untempered:.3f}, +ts: {1.06 * untempered:.3f}, mean T 0.50)"
+    assert "mnist1d sgpa" not in line
     assert line.startswith(
         f"* Temperature scaling raised the mean clean test NLL by more than 5 % for 1 of 6 rows: {expected}."
     )
