@@ -48,10 +48,12 @@ regression: env
 	$(VENV)/bin/gpattn regression --out runs/regression $(ARGS)
 
 # docs/guide/results.md (and its figures, docs/guide/results_figures/) generated from the records of runs/main and, if
-# it exists, runs/full (gpattn compare --full): no number on the page is typed by hand
+# it exists, runs/full (gpattn compare --full): no number on the page is typed by hand; RESULTS_CHECKS: run folders of
+# the same comparison under a perturbation (--threads 2, another seed block) whose primary verdict the page checks
 RESULTS_RUNS ?= runs/main $(wildcard runs/full)
+RESULTS_CHECKS ?=
 results: env
-	$(VENV)/bin/gpattn report $(RESULTS_RUNS) --page docs/guide/results.md
+	$(VENV)/bin/gpattn report $(RESULTS_RUNS) --page docs/guide/results.md $(if $(RESULTS_CHECKS),--same-verdict $(RESULTS_CHECKS))
 
 # the documentation site (strict: warnings fail) into site/
 docs: env

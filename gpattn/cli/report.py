@@ -25,9 +25,9 @@ def add_report(commands) -> None:
         description="Read the results.json of one or more run folders of gpattn compare (their records merged: a run "
         "held by several folders must be the same in each) and print the headline of the declared endpoints and the "
         "full tables. --page writes the results page (markdown, every number from the records) and its figures "
-        "beside it, in <page stem>_figures/. --same-verdict compares the primary verdict with that of other run "
-        "folders (e.g. the same run with --threads 2) and exits with status 1 when it differs or cannot be checked (a "
-        "run without the primary pair).",
+        "beside it, in <page stem>_figures/. --same-verdict compares the primary verdict with that of each other run "
+        "folder (e.g. the same run with --threads 2, or another seed block) and exits with status 1 when it differs "
+        "or cannot be checked (a run without the primary pair); with --page the checks are a section of the page.",
     )
     report.add_argument("runs", nargs="+", type=_folder, metavar="RUN", help="run folders (with results.json)")
     report.add_argument(
@@ -39,7 +39,8 @@ def add_report(commands) -> None:
         type=_folder,
         default=None,
         metavar="OTHER",
-        help="run folders whose primary verdict must be the same: exit status 0 when it holds, 1 otherwise",
+        help="run folders whose primary verdict must each be the same: exit status 0 when it holds for every one, 1 "
+        "otherwise; with --page, a section of the page",
     )
 
 
@@ -54,15 +55,20 @@ def run_report(args: argparse.Namespace) -> int:
     runs = read_run_folders(args.runs)
     if not runs.records:
         raise CommandError(f"no records in {', '.join(args.runs)}")
-    if args.same_verdict is not None:
-        holds, lines = compare_verdicts(runs, read_run_folders(args.same_verdict))
+    checks, status = [], 0
+    for folder in args.same_verdict or ():
+        other = read_run_folders([folder])
+        holds, lines = compare_verdicts(runs, other)
         print("\n".join(lines))
-        return 0 if holds else 1
+        checks.append((other, lines))
+        status = status if holds else 1
     if args.page is None:
-        print(headline_text(runs.records) + "\n## Full tables\n\n" + markdown_table(runs.records))
-        return 0
+        if not checks:
+            print(headline_text(runs.records) + "\n## Full tables\n\n" + markdown_table(runs.records))
+        return status
     figures_dir = args.page.parent / f"{args.page.stem}_figures"
     figures = write_comparison_figures(runs.records, figures_dir)
-    write_text_atomically(args.page, results_page(runs, [f"{figures_dir.name}/{path.name}" for path in figures]))
+    page = results_page(runs, [f"{figures_dir.name}/{path.name}" for path in figures], checks)
+    write_text_atomically(args.page, page)
     print(f"wrote {args.page} and {len(figures)} figures in {figures_dir}")
-    return 0
+    return status

@@ -470,6 +470,28 @@ def test_gpattn_report_command(records, tmp_path, capsys) -> None:
         main(["report", str(tmp_path / "docs")])
 
 
+def test_each_other_folder_is_checked_and_the_checks_are_a_section_of_the_page(records, tmp_path, capsys) -> None:
+    config = CompareConfig(seeds=tuple(range(10)))
+    write_outputs([r for r in records if r.task == "mnist1d"], config, tmp_path / "a")
+    write_outputs([r for r in records if r.task == "mnist1d"], dataclasses.replace(config, threads=2), tmp_path / "b")
+    write_outputs([r for r in _records(kep_shift=0.1) if r.task == "mnist1d"], config, tmp_path / "worse")
+    page = tmp_path / "results.md"
+    others = [str(tmp_path / "b"), str(tmp_path / "worse")]
+    # one folder whose verdict differs: exit status 1, each folder checked on its own (not merged)
+    assert main(["report", str(tmp_path / "a"), "--page", str(page), "--same-verdict", *others]) == 1
+    printed = capsys.readouterr().out
+    assert printed.count("The primary verdict holds (lower / lower).") == 1
+    assert printed.count("The primary verdict differs (lower / higher).") == 1
+    text = page.read_text()
+    (a,), (b,), (worse,) = (read_run_folders([folder]).names for folder in [tmp_path / "a", *others])  # as shown
+    assert f"`gpattn report {a} --same-verdict {b} {worse} --page PAGE`" in text
+    section = text.split("## The primary verdict on other runs\n")[1].split("## Full tables")[0]
+    assert f"`{b}`: The primary verdict holds (lower / lower)." in section
+    assert f"`{worse}`: The primary verdict differs (lower / higher)." in section
+    assert "* settings that differ: threads: 1 / 2" in section
+    assert main(["report", str(tmp_path / "a"), "--same-verdict", str(tmp_path / "b")]) == 0  # all hold: 0
+
+
 def test_overwrite_deletes_every_output_the_writers_can_write(tmp_path) -> None:
     from gpattn.cli.compare import run_folder_outputs
 
