@@ -166,8 +166,10 @@ def _hyperparameters_text(row: str, values: list[dict]) -> str:
     if {"embed_dim", "depth", "num_heads"} <= value.keys():
         parts.append(f"width {value['embed_dim']} x depth {value['depth']} x {value['num_heads']} heads")
     parts += [f"at most {value['epochs']} epochs"] if "epochs" in value else []
-    shown = [(name, text) for name, text in _SHOWN if uses.get(name, True) and value.get(name) is not None]
-    return ", ".join(parts + [text.format(value[name]) for name, text in shown])
+    shown = [text.format(value[name]) for name, text in _SHOWN if uses.get(name, True) and value.get(name) is not None]
+    if uses["num_inducing"] and "num_inducing" in value and value["num_inducing"] is None:  # recorded as "default"
+        shown.append("s = the layer's default")
+    return ", ".join(parts + shown)
 
 
 def _temperature_caveat(records: list[RunRecord]) -> list[str]:

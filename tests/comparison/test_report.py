@@ -385,6 +385,10 @@ def test_a_row_that_wraps_softmax_models_is_described_as_softmax() -> None:
     assert softmax == "width 32 x depth 4 x 2 heads, at most 60 epochs, lr 0.0049, dropout 0.16"
     assert _hyperparameters_text("deep_ensemble", values) == _hyperparameters_text("laplace", values) == softmax
     assert "KL weight beta 1, KSVD weight eta 1" in _hyperparameters_text("kep_svgp", values)
+    # s recorded as None (the layer's default, e.g. digits): said for the rows whose layer has an s, not for softmax
+    default_s = [{**values[0], "num_inducing": None}]
+    assert _hyperparameters_text("kep_svgp", default_s).endswith("KSVD weight eta 1, s = the layer's default")
+    assert _hyperparameters_text("softmax", default_s) == softmax
 
 
 def test_the_page_names_the_rows_whose_temperature_raised_the_test_nll(records, tmp_path) -> None:
@@ -424,8 +428,8 @@ def test_results_page_and_verdict_check(records, tmp_path) -> None:
     assert "![shift_mnist1d](results_figures/shift_mnist1d.png)" in page and "CPU " in page
     assert "mnist1d: kep_svgp (10 seeds, tuned)" in page
     # each row's recorded hyperparameters, the row parameters only where the row uses them (softmax: no s)
-    for row in ("kep_svgp", "softmax"):
-        assert f"    * {row}: at most 60 epochs, lr 0.003\n" in page
+    assert "    * kep_svgp: at most 60 epochs, lr 0.003, s = the layer's default\n" in page  # recorded s: None
+    assert "    * softmax: at most 60 epochs, lr 0.003\n" in page
     hyperparameters = dict(embed_dim=64, depth=1, num_heads=2, epochs=60, lr=0.0064, beta=2914.5, ksvd_weight=18.46,
                            num_inducing=5, dropout=0.29, patience=15)  # fmt: skip
     tuned = [dataclasses.replace(r, hyperparameters=hyperparameters) for r in records]
