@@ -15,17 +15,23 @@ def bench(load_benchmark):
     return load_benchmark("busy_cpu", "busy_cpu_under_test")
 
 
-@pytest.mark.parametrize("competitor", ["python", "torch"])
-def test_both_conditions_are_measured_and_the_competitors_stopped(bench, tmp_path, monkeypatch, competitor):
-    started = []
+@pytest.fixture
+def started(monkeypatch) -> list[subprocess.Popen]:
+    """Every process started through ``subprocess.Popen`` while the test runs, in order."""
+    processes = []
     popen = subprocess.Popen
 
     def recording(*args, **kwargs):
         process = popen(*args, **kwargs)
-        started.append(process)
+        processes.append(process)
         return process
 
     monkeypatch.setattr(subprocess, "Popen", recording)
+    return processes
+
+
+@pytest.mark.parametrize("competitor", ["python", "torch"])
+def test_both_conditions_are_measured_and_the_competitors_stopped(bench, tmp_path, started, competitor):
     threads = torch.get_num_threads()
     out = tmp_path / "busy.json"
     argv = ["--length", "8", "--batch", "2", "--embed-dim", "16", "--num-heads", "2", "--rank", "4"]
@@ -60,13 +66,8 @@ def test_a_competitor_is_running_when_it_is_returned_and_gone_when_stopped(bench
     assert process.poll() is not None and process.stdout.closed
 
 
-def test_a_competitor_that_fails_is_an_error_with_its_message(bench, monkeypatch):
+def test_a_competitor_that_fails_is_an_error_with_its_message(bench, monkeypatch, started):
     monkeypatch.setitem(bench.COMPETITORS, "broken", "import no_such_module_for_the_benchmark")
-    started = []
-    popen = subprocess.Popen
-    monkeypatch.setattr(
-        subprocess, "Popen", lambda *args, **kwargs: started.append(popen(*args, **kwargs)) or started[-1]
-    )
     with pytest.raises(
         RuntimeError,
         match="broken competitor exited before it ran: ModuleNotFoundError: .*no_such_module_for_the_benchmark",

@@ -162,8 +162,7 @@ def test_hyperparameters_take_tuned_values_as_data():
     base = config.hyperparameters("digits", get_method("softmax"), {"num_inducing": 5})
     assert (base.epochs, base.lr, base.weight_decay, base.num_inducing, base.dropout) == (40, 3e-3, 0.01, 5, 0.0)
     # the shared settings' MC-dropout rate (the package's tuned file, which has its own, would replace it: untuned)
-    untuned = CompareConfig(num_inducing=None, mc_dropout=0.2, tuned=False)
-    assert untuned.hyperparameters("mnist1d", get_method("softmax_mc_dropout")).dropout == 0.2
+    assert config.hyperparameters("mnist1d", get_method("softmax_mc_dropout")).dropout == 0.2
     assert (
         CompareConfig(num_inducing=8).hyperparameters("digits", get_method("sgpa"), {"num_inducing": 5}).num_inducing
         == 8
