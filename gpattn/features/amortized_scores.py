@@ -259,7 +259,8 @@ def _backward(ctx, grad_scores, grad_objective):
             total = score_total + torch.einsum("bqhsp,bqhsp->h", total_paired, paired)
             grad_outputscale = total.div_(2.0 * outputscale)
         if ctx.needs_input_grad[10] and with_objective:  # dJ / d lambda_k = -S_k / (2 lambda_k^2)
-            grad_singular_values = torch.einsum("bhs,bqhs,hs->hs", sums_factor, sums, half_inverse).mul_(-2.0)
+            # two operands: torch.einsum searches a contraction path (opt_einsum) on every call with three
+            grad_singular_values = torch.einsum("bhs,bqhs->hs", sums_factor, sums).mul_(half_inverse).mul_(-2.0)
     return *large, None, grad_outputscale, grad_singular_values, None, None, None
 
 

@@ -42,4 +42,5 @@ def unit_quadratic_form(
         return induced_kernel_diag(unit.mT, other.mT, None if mask is None else mask[:, None, :])
     # one Gram matrix per prefix: (B, H, N, p, p); a causal call has no padding mask
     gram = (other.mT.unsqueeze(-1) * other.mT.unsqueeze(-2)).cumsum(dim=-3)
-    return torch.einsum("bhpn,bhnpq,bhqn->bhn", unit, gram, unit)
+    # two products of two operands: torch.einsum searches a contraction path (opt_einsum) on every call with three
+    return (torch.einsum("bhpn,bhnpq->bhqn", unit, gram) * unit).sum(-2)

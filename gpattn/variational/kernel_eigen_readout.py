@@ -99,7 +99,7 @@ class KernelEigenReadout:
             for b, (_, root_b, _) in enumerate(parts):
                 if a == b or shared:
                     inner = (root_a * root_b).sum(-1)  # (B, H, d_out, N)
-                    variance = variance + torch.einsum("bhcn,hcj,hcj->bnj", inner, maps[a], maps[b])
+                    variance = variance + torch.einsum("bhcn,hcj->bnj", inner, maps[a] * maps[b])
         for (_, _, residual), weight in zip(parts, maps, strict=True):
             if residual is not None:
                 variance = variance + torch.einsum("bhcn,hcj->bnj", residual, weight.pow(2))

@@ -90,14 +90,14 @@ class LinearOutput(torch.autograd.Function):
         elif branches < stacked:
             draws = draws[:, :, :branches]
         inverse = _inverse_scales(singular_values, active, mean.dtype)  # Lambda^{-1}: (H, s) or (B, H, s), or None
-        letters = _letters(inverse, maps)
-        operands = (draws, maps) if inverse is None else (draws, inverse, maps)
-        coefficients = torch.einsum(f"{letters['draws']},{letters['maps']}->bqhsc", *operands)  # (B, br, H, s, C)
+        aligned = None if inverse is None else _aligned(inverse)  # Lambda^{-1} as a factor of the draws
+        scaled = draws if inverse is None else draws * aligned  # U Lambda^{-1}: (H, d_out, br, s, B)
+        coefficients = torch.einsum(f"hdqsb,{_maps_letters(maps)}->bqhsc", scaled, maps)  # (B, br, H, s, C)
         coefficients = coefficients.reshape(coefficients.shape[0], -1, coefficients.shape[-1])  # (B or 1, K, C)
         if coefficients.shape[0] != columns.shape[0]:  # one coefficient matrix for every sequence
             coefficients = coefficients.expand(columns.shape[0], -1, -1)
         output = torch.baddbmm(bias, columns.mT, coefficients)
-        ctx.save_for_backward(columns, coefficients, lower, noise, draws, inverse, maps, singular_values)
+        ctx.save_for_backward(columns, coefficients, lower, noise, scaled, inverse, aligned, maps)
         ctx.stacked, ctx.drawn, ctx.bias_shape = stacked, drawn, bias.shape
         return output
 
@@ -108,10 +108,9 @@ class LinearOutput(torch.autograd.Function):
 
 
 def _backward(ctx, grad: Tensor) -> tuple:
-    columns, coefficients, lower, noise, draws, inverse, maps, singular_values = ctx.saved_tensors
+    columns, coefficients, lower, noise, scaled, inverse, aligned, maps = ctx.saved_tensors
     needs = ctx.needs_input_grad
-    heads, outputs, branches, rank, samples = draws.shape
-    samples = max(samples, 1 if inverse is None or inverse.dim() == 2 else inverse.shape[0])
+    heads, outputs, branches, rank, samples = scaled.shape  # B draws, or B sequences of their own Lambda
     if not grad.is_contiguous():  # e.g. the expanded gradient of output.sum(): one copy, not one per sequence in bmm
         grad = grad.contiguous()
     grad_bias = grad.sum_to_size(ctx.bias_shape) if needs[1] else None
@@ -122,20 +121,18 @@ def _backward(ctx, grad: Tensor) -> tuple:
     if samples == 1:  # one coefficient matrix for every sequence
         grad_coefficients = grad_coefficients.sum(0, keepdim=True)
     grad_coefficients = grad_coefficients.view(samples, branches, heads, rank, -1)
-    letters = _letters(inverse, maps)
-    scaling = () if inverse is None else (inverse,)
-    scale = "" if inverse is None else f",{letters['inverse']}"
-    draws_letters = letters["draws"].split(",")[0]
+    maps_letters = _maps_letters(maps)
     grad_maps = grad_mean = grad_factor = grad_singular_values = None
     if needs[7]:  # (U Lambda^{-1})^T dA, summed over the branches of a shared map
-        equation = f"{draws_letters}{scale},bqhsc->{letters['maps']}"
-        grad_maps = torch.einsum(equation, draws, *scaling, grad_coefficients)
-    if inverse is not None and needs[5]:  # d Lambda = -Lambda^{-2} d(Lambda^{-1}) = -Lambda^{-2} sum dU U
-        equation = f"bqhsc,{letters['maps']},{draws_letters}{scale}{scale}->{letters['inverse']}"
-        grad_singular_values = torch.einsum(equation, grad_coefficients, maps, draws, inverse, inverse).neg_()
+        grad_maps = torch.einsum(f"hdqsb,bqhsc->{maps_letters}", scaled, grad_coefficients)
+    if not (needs[2] or needs[3] or (inverse is not None and needs[5])):
+        return grad_columns, grad_bias, None, None, None, None, None, grad_maps, None
+    grad_scaled = torch.einsum(f"bqhsc,{maps_letters}->hdqsb", grad_coefficients, maps)  # C dA^T: (H, d_out, br, s, B)
+    if inverse is not None and needs[5]:  # d Lambda = -Lambda^{-2} d(Lambda^{-1}) = -Lambda^{-1} sum (C dA^T) U Lambda^{-1}
+        total = torch.einsum(f"hdqsb,hdqsb->{'hs' if inverse.dim() == 2 else 'bhs'}", grad_scaled, scaled)
+        grad_singular_values = total.mul_(inverse).neg_()
     if needs[2] or needs[3]:  # dU = C dA^T Lambda^{-1}, summed over the branches that read one q(u)
-        equation = f"bqhsc,{letters['maps']}{scale}->hdqsb"
-        grad_draws = torch.einsum(equation, grad_coefficients, maps, *scaling)  # (H, d_out, branches, s, B)
+        grad_draws = grad_scaled if inverse is None else grad_scaled * aligned  # (H, d_out, branches, s, B)
         if ctx.stacked == 1:  # one q(u) read by every branch
             grad_draws = grad_draws.sum(2, keepdim=True)
         elif branches < ctx.stacked:  # branches not read get no gradient
@@ -146,15 +143,16 @@ def _backward(ctx, grad: Tensor) -> tuple:
     return grad_columns, grad_bias, grad_mean, grad_factor, None, grad_singular_values, None, grad_maps, None
 
 
-def _letters(inverse: Tensor | None, maps: Tensor) -> dict[str, str]:
-    # the einsum subscripts of the draws (H, d_out, branches, s, B), Lambda^{-1} ((H, s), or (B, H, s) per sequence)
-    # and the maps ((H, d_out, C) shared by every branch, or (branches, H, d_out, C))
-    inverse_letters = "" if inverse is None else ("hs" if inverse.dim() == 2 else "bhs")
-    return {
-        "draws": "hdqsb" if inverse is None else f"hdqsb,{inverse_letters}",
-        "inverse": inverse_letters,
-        "maps": "hdc" if maps.dim() == 3 else "qhdc",
-    }
+def _maps_letters(maps: Tensor) -> str:
+    # the einsum subscripts of the maps: (H, d_out, C) shared by every branch, or one per branch (branches, H, d_out, C)
+    return "hdc" if maps.dim() == 3 else "qhdc"
+
+
+def _aligned(inverse: Tensor) -> Tensor:
+    # Lambda^{-1} ((H, s), or (B, H, s) per sequence) as a factor of the draws (H, d_out, branches, s, B or 1)
+    if inverse.dim() == 2:
+        return inverse.view(inverse.shape[0], 1, 1, inverse.shape[1], 1)
+    return inverse.permute(1, 2, 0).unflatten(0, (inverse.shape[1], 1, 1))
 
 
 def _inverse_scales(singular_values: Tensor | None, active: Tensor | None, dtype: torch.dtype) -> Tensor | None:

@@ -39,6 +39,48 @@ def test_a_training_step_runs_at_most_half_the_operators_of_before(bench):
     assert operators <= OPERATORS_BEFORE // 2, operators
 
 
+@pytest.mark.parametrize(
+    "name, options",
+    [
+        ("kep_svgp", {}),
+        ("kep_svgp", {"sampling": "marginal", "residual": "diag"}),
+        ("kep_svgp", {"merge": "concat"}),
+        ("kep_svgp", {"features": "exact"}),
+        ("kep_svgp", {"features": "primal_features", "max_len": 8}),
+        ("kep_svgp_paper", {"max_len": 8}),
+    ],
+)
+@pytest.mark.parametrize("causal", [False, True])
+def test_a_training_step_searches_no_einsum_contraction_path(bench, monkeypatch, name, options, causal):
+    """``torch.einsum`` with three or more operands asks opt_einsum (installed with pyro-ppl) for a contraction path on
+    every call, about 0.5 ms of Python each: half of a small step's host time before this was checked. Every product
+    of a KEP step has two operands; a path search is counted by wrapping opt_einsum's ``contract_path``."""
+    opt_einsum = pytest.importorskip("opt_einsum")
+    assert torch.backends.opt_einsum.is_available() and torch.backends.opt_einsum.enabled
+    searches = []
+    original = opt_einsum.contract_path
+
+    def counted(*args, **kwargs):
+        searches.append(args[0])
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(opt_einsum, "contract_path", counted)
+    torch.manual_seed(0)
+    layer = build_attention(name, 16, 4, num_inducing=3, **options).train()
+    if causal and not layer.supports_causal:
+        pytest.skip(f"{name} {options} is not causal")
+    x = torch.randn(2, 8, 16)
+    mask = "causal" if causal else None
+    torch.einsum("ij,jk,kl->il", torch.ones(2, 2), torch.ones(2, 2), torch.ones(2, 2))  # the wrapper counts
+    assert len(searches) == 1
+    layer.zero_grad(set_to_none=True)
+    loss = layer(x, mask=mask).sum() + layer.kl_divergence() + sum(term.loss() for term in layer.added_loss_terms())
+    loss.backward()
+    mean, variance = layer.posterior(x, mask=mask)
+    (mean.sum() + variance.sum()).backward()
+    assert searches[1:] == []
+
+
 def test_bfloat16_autocast_step_against_float32_on_the_benchmark_inputs():
     """Under CPU autocast the output is bfloat16 within 2e-2 (relative, in norm and in the largest entry) of the float32
     output under the same draw; the KL and the KSVD penalty stay float32 and close to float32's; every gradient is
