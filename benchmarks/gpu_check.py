@@ -8,7 +8,8 @@
    KEP-SVGP against float32 (largest entry and norm, relative; issue 25's bound 2e-2).
 3. ``counts``: operators (top-level aten calls) and kernel launches of one training step per row.
 4. ``scaling``: forward + backward of one training step at N = 256 ... 16384 (B = 16, C = 128, 4 heads, s = 10) for
-   softmax, the floor, KEP-SVGP (Triton kernels and, as ``kep_svgp_pytorch``, its PyTorch path), the official-style
+   softmax, the floor, KEP-SVGP (its default: the Triton kernels up to ``TRITON_MAX_TOKENS`` tokens; as
+   ``kep_svgp_pytorch`` its PyTorch path, and above that length as ``kep_svgp_triton`` the kernels), the official-style
    row, SGPA (up to ``--max-sgpa-length``) and, with ``--official-path``, the official layer; bfloat16 autocast rows
    for softmax and KEP-SVGP; ``torch.compile`` (``mode="reduce-overhead"``, CUDA graphs) rows at ``--compile-lengths``.
    Medians of interleaved repetitions, CUDA events through synchronisation, every ratio from the same run.
@@ -78,11 +79,11 @@ BENCH = _bench()
 
 
 @contextlib.contextmanager
-def pytorch_path(enabled: bool = True):
-    """KEP-SVGP's fused scores by their PyTorch code instead of the Triton kernels inside the block."""
+def triton_setting(value: str):
+    """``GPATTN_TRITON`` set to ``value`` inside the block: ``"0"`` the PyTorch code of KEP-SVGP's fused scores,
+    ``"1"`` the Triton kernels at any sequence length."""
     previous = os.environ.get(triton_scores.TRITON_VARIABLE)
-    if enabled:
-        os.environ[triton_scores.TRITON_VARIABLE] = "0"
+    os.environ[triton_scores.TRITON_VARIABLE] = value
     try:
         yield
     finally:
@@ -90,6 +91,16 @@ def pytorch_path(enabled: bool = True):
             os.environ.pop(triton_scores.TRITON_VARIABLE, None)
         else:
             os.environ[triton_scores.TRITON_VARIABLE] = previous
+
+
+def pytorch_path():
+    """KEP-SVGP's fused scores by their PyTorch code instead of the Triton kernels inside the block."""
+    return triton_setting("0")
+
+
+def triton_kernels():
+    """KEP-SVGP's fused scores by the Triton kernels inside the block, also above ``TRITON_MAX_TOKENS``."""
+    return triton_setting("1")
 
 
 def _load() -> float:
@@ -297,8 +308,10 @@ def _rows(device: torch.device, args: argparse.Namespace, length: int, compiled:
             continue
         layer = BENCH._build(name, args.embed_dim, args.num_heads, args.rank, device, length=length)
         yield name, layer, plain
-        if name == "kep_svgp":
+        if name == "kep_svgp":  # the default takes the kernels up to TRITON_MAX_TOKENS: the other path beside it
             yield "kep_svgp_pytorch", layer, pytorch_path
+            if length > triton_scores.TRITON_MAX_TOKENS:
+                yield "kep_svgp_triton", layer, triton_kernels
         if name in AUTOCAST_ROWS:
             yield f"{name}_bf16", layer, _autocast(device)
         if compiled and name in COMPILED_ROWS:
@@ -336,6 +349,7 @@ RATIOS = (
     ("kep_svgp / floor", "kep_svgp", "floor"),
     ("kep_svgp / softmax", "kep_svgp", "softmax"),
     ("kep_svgp / kep_svgp_pytorch", "kep_svgp", "kep_svgp_pytorch"),
+    ("kep_svgp_triton / kep_svgp_pytorch", "kep_svgp_triton", "kep_svgp_pytorch"),
     ("compiled kep_svgp / compiled floor", "kep_svgp_compiled", "floor_compiled"),
     ("official-style / official", "kep_svgp_official_style", BENCH.OFFICIAL),
     ("bf16 kep_svgp / bf16 softmax", "kep_svgp_bf16", "softmax_bf16"),

@@ -34,7 +34,7 @@ try:  # optional: pip install gpattn[gpu]
 except ImportError:  # pragma: no cover - exercised where triton is absent
     triton = tl = None
 
-__all__ = ["TRITON_VARIABLE", "runs_triton", "scores_backward", "scores_forward", "triton_available"]
+__all__ = ["TRITON_MAX_TOKENS", "TRITON_VARIABLE", "runs_triton", "scores_backward", "scores_forward", "triton_available"]
 
 #: set to ``0`` to keep the PyTorch path on CUDA (A/B timings), to ``1`` to let the interpreter take it on CPU
 TRITON_VARIABLE = "GPATTN_TRITON"
@@ -42,6 +42,11 @@ TRITON_VARIABLE = "GPATTN_TRITON"
 GPU_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 #: tokens per tile
 BLOCK_N = 64
+#: the longest sequences that take the kernels by default: each of their ``B * H`` programs sweeps all ``N`` tokens
+#: twice, so that long sequences of a small batch leave most of a GPU idle. On one NVIDIA H200 (B = 16, 4 heads, s =
+#: 10, float32, fwd + bwd; docs/guide/benchmarks.md) the kernels took 9.23 / 7.86 / 9.14 ms at N = 256 / 1024 / 4096
+#: against the PyTorch path's 10.14 / 8.61 / 8.87, and 15.21 against 11.85 at N = 16384
+TRITON_MAX_TOKENS = 4096
 
 
 def triton_available() -> bool:
@@ -56,8 +61,9 @@ def _interpreting() -> bool:
 def runs_triton(columns: Tensor) -> bool:
     """Whether the fused scores of ``columns`` (``(B, 2, H, p, N)``) take the Triton kernels: Triton is installed, the
     call is not being compiled by ``torch.compile`` (whose own kernels then fuse the PyTorch code), ``GPATTN_TRITON``
-    is not ``0``, and either the columns are a CUDA tensor of float32, bfloat16 or float16, or Triton's interpreter is
-    on (``TRITON_INTERPRET=1``) and ``GPATTN_TRITON=1`` asks for it (the tests: any device and dtype)."""
+    is not ``0``, and either the columns are a CUDA tensor of float32, bfloat16 or float16 with at most
+    :data:`TRITON_MAX_TOKENS` tokens (``GPATTN_TRITON=1``: any number), or Triton's interpreter is on
+    (``TRITON_INTERPRET=1``) and ``GPATTN_TRITON=1`` asks for it (the tests: any device and dtype)."""
     if triton is None or torch.compiler.is_compiling():
         return False
     setting = os.environ.get(TRITON_VARIABLE, "")
@@ -65,7 +71,8 @@ def runs_triton(columns: Tensor) -> bool:
         return False
     if _interpreting():
         return setting == "1"
-    return columns.is_cuda and columns.dtype in GPU_DTYPES
+    fits = setting == "1" or columns.shape[-1] <= TRITON_MAX_TOKENS
+    return columns.is_cuda and columns.dtype in GPU_DTYPES and fits
 
 
 def _padded(size: int) -> int:

@@ -14,7 +14,10 @@ def check(load_benchmark):
     return load_benchmark("gpu_check", "gpu_check_under_test")
 
 
-def test_smoke_run_on_cpu(check, tmp_path, capsys):
+def test_smoke_run_on_cpu(check, tmp_path, capsys, monkeypatch):
+    from gpattn.fused import triton_scores
+
+    monkeypatch.setattr(triton_scores, "TRITON_MAX_TOKENS", 16)  # N = 32 is then "long": a forced-kernels row
     out = tmp_path / "gpu_check.json"
     check.main(["--device", "cpu", "--smoke", "--out", str(out)])
     results = json.loads(out.read_text())
@@ -33,6 +36,8 @@ def test_smoke_run_on_cpu(check, tmp_path, capsys):
     assert results["counts"]["kep_svgp"]["operators"] <= 201  # half of the 402 before issue 25
     table = results["scaling"]["table"]
     assert set(table) == {"16", "32"} and "kep_svgp_bf16" in table["16"]["times_ms"]
+    assert "kep_svgp_triton" in table["32"]["times_ms"] and "kep_svgp_triton" not in table["16"]["times_ms"]
+    assert "kep_svgp_triton / kep_svgp_pytorch" in results["scaling"]["ratios"]["32"]
     assert "kep_svgp / floor" in results["scaling"]["ratios"]["16"]
     mnist1d = results["mnist1d"]
     assert mnist1d["runs"]["kep_svgp"]["cpu"]["seconds"] > 0

@@ -19,21 +19,26 @@ CASES = Path(__file__).with_name("triton_interpreter_cases.py")
 
 
 def test_the_predicate(monkeypatch):
-    """CUDA tensors of float32/bfloat16/float16 take the kernels (float64 stays on PyTorch's path on a GPU), CPU
-    tensors only under the interpreter when asked for, nothing when GPATTN_TRITON=0 or without Triton."""
+    """CUDA tensors of float32/bfloat16/float16 take the kernels (float64 stays on PyTorch's path on a GPU) up to
+    TRITON_MAX_TOKENS tokens (longer ones when GPATTN_TRITON=1), CPU tensors only under the interpreter when asked for,
+    nothing when GPATTN_TRITON=0 or without Triton."""
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     monkeypatch.delenv(triton_scores.TRITON_VARIABLE, raising=False)
 
-    def cuda(dtype):  # the predicate reads the device and the dtype only
-        return SimpleNamespace(is_cuda=True, dtype=dtype)
+    def cuda(dtype, length=16):  # the predicate reads the device, the dtype and the number of tokens only
+        return SimpleNamespace(is_cuda=True, dtype=dtype, shape=(2, 2, 4, 8, length))
 
     monkeypatch.setattr(triton_scores, "triton", triton_scores.triton or object())  # as if installed
     assert all(triton_scores.runs_triton(cuda(dtype)) for dtype in (torch.float32, torch.bfloat16, torch.float16))
     assert not triton_scores.runs_triton(cuda(torch.float64))
     assert not triton_scores.runs_triton(torch.empty(1))  # CPU without the interpreter
+    longest = triton_scores.TRITON_MAX_TOKENS
+    assert triton_scores.runs_triton(cuda(torch.float32, longest))
+    assert not triton_scores.runs_triton(cuda(torch.float32, longest + 1))  # long sequences: the PyTorch path
     monkeypatch.setenv(triton_scores.TRITON_VARIABLE, "0")
     assert not triton_scores.runs_triton(cuda(torch.float32))
     monkeypatch.setenv(triton_scores.TRITON_VARIABLE, "1")
+    assert triton_scores.runs_triton(cuda(torch.float32, longest + 1))  # asked for: any length
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     assert triton_scores.runs_triton(torch.empty(1, dtype=torch.float64))
     monkeypatch.setattr(triton_scores, "triton", None)  # not installed
