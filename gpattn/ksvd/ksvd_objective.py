@@ -64,19 +64,24 @@ def ksvd_objective(
     .. note:: Cost O((N + M + p) s), or O(N p s) with weights per position.
     """
     check_choice("form", form, FORMS, where="ksvd_objective")
+    if form == "official":
+        # the token sums of the squares per head and direction first, (H, s), then one scaled sum: the divisions by
+        # Lambda and the counts act on (H, s) tensors, not on the (B, H, N, s) scores (fewer, smaller operators, and
+        # fewer again backward)
+        if mask is None:
+            left_sums, right_sums = left_scores.square().sum((0, 2)), right_scores.square().sum((0, 2))
+            left_sums = left_sums / (left_scores.numel() // left_scores.shape[-1])  # mean over (b, h, i)
+            right_sums = right_sums / (right_scores.numel() // right_scores.shape[-1])
+        else:  # the mean over the real tokens of every sequence and head: (B, H, N, s) against a (B, N) mask
+            weight = mask[:, None, :, None].to(left_scores.dtype)
+            count = weight.sum() * left_scores.shape[1]
+            left_sums = (left_scores.square() * weight).sum((0, 2)) / count
+            right_sums = (right_scores.square() * weight).sum((0, 2)) / count
+        trace = (left_weights * right_weights).sum() / left_weights.shape[0]  # Tr(mean_h W~_e^T W~_r)
+        return 0.5 * ((left_sums + right_sums) / singular_values).sum() - trace
     inverse = singular_values.reciprocal().unsqueeze(-2)  # shape: (*batch, 1, s)
     left_weighted = left_scores.pow(2) * inverse  # e_ik^2 / lambda_k: (*batch, N, s)
     right_weighted = right_scores.pow(2) * inverse
-    if form == "official":
-        left_quad, right_quad = left_weighted.sum(-1), right_weighted.sum(-1)  # e_i^T Lambda^{-1} e_i: (*batch, N)
-        if mask is None:
-            left_mean, right_mean = left_quad.mean(), right_quad.mean()
-        else:  # the mean over the real tokens of every sequence and head: (B, H, N) against a (B, N) mask
-            weight = mask[:, None, :].to(left_quad.dtype)
-            count = weight.sum() * left_quad.shape[1]
-            left_mean, right_mean = (left_quad * weight).sum() / count, (right_quad * weight).sum() / count
-        trace = (left_weights * right_weights).sum((-2, -1)).mean()  # Tr(mean_h W~_e^T W~_r)
-        return 0.5 * (left_mean + right_mean) - trace
     coupling = (left_weights * right_weights).sum(dim=(-2, -1))  # Tr(W_e^T W_r)
     if weights_per_position:
         coupling = coupling.mean(-1)

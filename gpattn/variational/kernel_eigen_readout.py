@@ -3,6 +3,8 @@ at the scores of one call, pushed through linear output maps without forming the
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from gpytorch.distributions import MultivariateNormal
 from gpytorch.variational import CholeskyVariationalDistribution, MeanFieldVariationalDistribution
@@ -360,19 +362,16 @@ class KernelEigenReadout:
         output."""
         strategy = self.strategy
         variational = strategy._variational_distribution
-        covariance = strategy.variational_distribution.lazy_covariance_matrix.to_dense()  # (*q_batch, s, s), tiny
+        if type(variational) is CholeskyVariationalDistribution:  # S = L L^T from the parameter: no GPyTorch objects
+            lower = variational.chol_variational_covar.tril()
+            covariance = lower @ lower.mT  # (*q_batch, s, s), tiny
+        else:
+            covariance = strategy.variational_distribution.lazy_covariance_matrix.to_dense()
         size, dims = covariance.shape[-1], strategy.num_output_dims
-        rows, cols = torch.triu_indices(size, size, device=covariance.device)
-        packed = covariance[..., rows, cols] * (2.0 - (rows == cols).to(covariance.dtype))
+        packing, first_selection, second_selection = _triangle_selections(size, covariance.dtype, covariance.device)
+        packed = covariance.flatten(-2) @ packing  # the upper triangle, off-diagonal entries doubled: (*, P)
         end = len(variational.batch_shape) - int(len(strategy._branch_sides) > 1)
         outputs = variational.batch_shape[end - dims : end]
-        # the entries a_i and a_j of the upper triangle by GEMMs with one-hot columns (gathers are several times
-        # slower on CPU, forward and backward)
-        columns = torch.arange(rows.numel(), device=covariance.device)
-        first_selection = covariance.new_zeros(size, rows.numel())
-        second_selection = covariance.new_zeros(size, rows.numel())
-        first_selection[rows, columns] = 1.0
-        second_selection[cols, columns] = 1.0
 
         def forms(first: Tensor, second: Tensor | None, side: str) -> Tensor:
             if second is None:
@@ -390,3 +389,23 @@ class KernelEigenReadout:
             return result.unflatten(-1, outputs).movedim(-1 - dims, -1)
 
         return forms
+
+
+@functools.lru_cache(maxsize=32)
+def _triangle_selections(size: int, dtype: torch.dtype, device: torch.device) -> tuple[Tensor, Tensor, Tensor]:
+    r"""The constant matrices of the symmetric form of :meth:`KernelEigenReadout._quadratic_forms`, for the
+    ``P = s(s+1)/2`` entries :math:`(i, j)`, :math:`i \leq j`, of the upper triangle (row-major, as
+    :func:`torch.triu_indices`): the ``(s^2, P)`` packing whose product with a flattened :math:`S` gives
+    :math:`w_{ij} S_{ij}`, :math:`w_{ij} = 2 - \delta_{ij}`, and the one-hot ``(s, P)`` matrices whose products pick
+    :math:`a_i` and :math:`a_j`: GEMMs, because gathers and index copies are several times slower on CPU (forward
+    and backward) and take index tensors that a GPU would copy over on every call. Built once per size, dtype and
+    device, and never written to."""
+    rows, cols = torch.triu_indices(size, size)
+    columns = torch.arange(rows.numel())
+    packing = torch.zeros(size * size, rows.numel(), dtype=dtype)
+    first_selection = torch.zeros(size, rows.numel(), dtype=dtype)
+    second_selection = torch.zeros(size, rows.numel(), dtype=dtype)
+    packing[rows * size + cols, columns] = 2.0 - (rows == cols).to(dtype)
+    first_selection[rows, columns] = 1.0
+    second_selection[cols, columns] = 1.0
+    return packing.to(device), first_selection.to(device), second_selection.to(device)

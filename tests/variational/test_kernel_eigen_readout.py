@@ -49,6 +49,20 @@ def test_token_noise_moments_equal_the_dense_computation(shared: bool):
         torch.testing.assert_close(value, _dense_token_covariance(layer, scores, first, second), rtol=1e-12, atol=1e-12)
 
 
+def test_token_noise_moments_of_a_cholesky_posterior_equal_the_generic_path(monkeypatch):
+    """A Cholesky q(u) forms S = L L^T from its parameter (no GPyTorch distribution per call); any other q(u) goes
+    through the strategy's variational distribution: both give the same moments (float64)."""
+    from gpattn.variational import kernel_eigen_readout
+
+    layer, scores = _noise_layer(2, shared_posterior=True)
+    fast = layer.readout.token_noise_moments(scores, ("left", "right"))
+    monkeypatch.setattr(kernel_eigen_readout, "CholeskyVariationalDistribution", type("Other", (), {}))
+    generic = layer.readout.token_noise_moments(scores, ("left", "right"))
+    assert set(fast) == set(generic) == {("left", "left"), ("right", "right"), ("left", "right")}
+    for key, value in fast.items():
+        torch.testing.assert_close(value, generic[key], rtol=1e-13, atol=1e-13)
+
+
 def _monte_carlo(layer, scores, num_draws: int, **kwargs) -> dict[str, torch.Tensor]:
     torch.manual_seed(3)
     draws = [layer.readout.token_noise(scores, ("left", "right"), **kwargs) for _ in range(num_draws)]
