@@ -128,7 +128,7 @@ def _backward(ctx, grad: Tensor) -> tuple:
     if not (needs[2] or needs[3] or (inverse is not None and needs[5])):
         return grad_columns, grad_bias, None, None, None, None, None, grad_maps, None
     grad_scaled = torch.einsum(f"bqhsc,{maps_letters}->hdqsb", grad_coefficients, maps)  # C dA^T: (H, d_out, br, s, B)
-    if inverse is not None and needs[5]:  # d Lambda = -Lambda^{-2} d(Lambda^{-1}) = -Lambda^{-1} sum (C dA^T) U Lambda^{-1}
+    if inverse is not None and needs[5]:  # d Lambda = -Lambda^{-2} d(Lambda^{-1}) = -Lambda^{-1} sum (C dA^T) U_scaled
         total = torch.einsum(f"hdqsb,hdqsb->{'hs' if inverse.dim() == 2 else 'bhs'}", grad_scaled, scaled)
         grad_singular_values = total.mul_(inverse).neg_()
     if needs[2] or needs[3]:  # dU = C dA^T Lambda^{-1}, summed over the branches that read one q(u)
