@@ -1,0 +1,150 @@
+"""Issue 25's grid target: ``make main``'s runs on one GPU, with ``--jobs`` worker processes, without and with CUDA MPS.
+
+Worker processes that share one GPU without MPS are time-sliced: each holds its own CUDA context and the GPU runs one
+context's kernels at a time, so runs whose steps are small (the comparison's models: 20 tokens, width 32-64) do not
+run concurrently (on one H200, four runs with ``--jobs 4`` took 37.3 s against 28.9 s one after another). Under the
+Multi-Process Service (MPS) the processes' kernels share the GPU at once. This script times the same slice of the grid
+(``gpattn compare --main --device cuda --jobs J --seeds ...``, one subprocess per variant, each with a fresh CUDA
+context) in the variants asked for:
+
+* ``plain``: the runs as ``gpattn compare`` makes them;
+* ``mps``: the same, after starting an MPS control daemon (``nvidia-cuda-mps-control -d``, with its pipe and log
+  folders in a temporary folder passed to the runs through ``CUDA_MPS_PIPE_DIRECTORY`` and ``CUDA_MPS_LOG_DIRECTORY``),
+  which is stopped afterwards (``quit``); recorded as unavailable where the binary is missing or does not start.
+
+Every variant's records are compared with the first variant's (``identical_records``: the run files without their
+wall times; deterministic kernels make them equal on one device). Writes one JSON: the commands, the wall time of
+each variant, the load average before and after, the device's name.
+
+Usage, from the repository root (on the GPU machine; see gpu_check.py for machines without pyro-ppl or mnist1d)::
+
+    python benchmarks/gpu_grid.py --out benchmarks/results/gpu_grid.json                  # plain and mps, seeds 0-3
+    python benchmarks/gpu_grid.py --device cpu --smoke --variants plain --out /dev/null    # the script itself
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+VARIANTS = ("plain", "mps")
+MPS_CONTROL = "nvidia-cuda-mps-control"
+
+
+def _load() -> float:
+    return os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
+
+
+def _device_name(device: str) -> str | None:
+    if not device.startswith("cuda") or not shutil.which("nvidia-smi"):
+        return None
+    found = subprocess.run(
+        ["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True, text=True, check=False
+    )
+    return found.stdout.strip().splitlines()[0] if found.returncode == 0 and found.stdout.strip() else None
+
+
+@contextlib.contextmanager
+def mps_daemon(folder: Path):
+    """An MPS control daemon for the block, its pipe and log folders under ``folder``: yields the environment variables
+    that make a process its client, or raises ``RuntimeError`` when it cannot start."""
+    if shutil.which(MPS_CONTROL) is None:
+        raise RuntimeError(f"{MPS_CONTROL} is not installed")
+    env = {"CUDA_MPS_PIPE_DIRECTORY": str(folder / "pipe"), "CUDA_MPS_LOG_DIRECTORY": str(folder / "log")}
+    for path in env.values():
+        Path(path).mkdir(parents=True, exist_ok=True)
+    full = {**os.environ, **env}
+    started = subprocess.run([MPS_CONTROL, "-d"], env=full, capture_output=True, text=True, check=False)
+    if started.returncode != 0:
+        raise RuntimeError(f"{MPS_CONTROL} -d failed ({started.returncode}): {started.stderr.strip()}")
+    try:
+        yield env
+    finally:
+        subprocess.run([MPS_CONTROL], input="quit\n", env=full, capture_output=True, text=True, check=False)
+
+
+def _records(folder: Path) -> dict[str, dict]:
+    """The run files of a compare folder without their wall times, by file name."""
+    records = {}
+    for path in sorted((folder / "runs").glob("*.json")):
+        content = json.loads(path.read_text())
+        content.get("record", {}).get("train", {}).pop("seconds", None)
+        records[path.name] = content
+    return records
+
+
+def compare_command(args: argparse.Namespace, out: Path) -> list[str]:
+    command = [sys.executable, "-m", "gpattn.cli", "compare", "--main", "--device", args.device]
+    command += ["--jobs", str(args.jobs), "--seeds", *map(str, args.seeds), "--tasks", *args.tasks]
+    command += ["--out", str(out), "--no-progress", "--overwrite", *args.extra]
+    return command
+
+
+def run_variant(name: str, args: argparse.Namespace, folder: Path) -> dict:
+    out = folder / name
+    command = compare_command(args, out)
+    entry: dict = {"command": command, "load_before": _load()}
+    with contextlib.ExitStack() as stack:
+        env = dict(os.environ)
+        if name == "mps":
+            try:
+                env.update(stack.enter_context(mps_daemon(folder / "mps")))
+            except RuntimeError as error:
+                return {**entry, "unavailable": str(error)}
+        start = time.perf_counter()
+        finished = subprocess.run(command, env=env, capture_output=True, text=True, check=False)
+        entry["seconds"] = time.perf_counter() - start
+    entry.update(returncode=finished.returncode, load_after=_load(), stderr_tail=finished.stderr[-2000:])
+    entry["records"] = _records(out)
+    return entry
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--device", default="cuda", help="cuda (default) or cpu")
+    parser.add_argument("--jobs", type=int, default=8, help="worker processes (default 8)")
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2, 3])
+    parser.add_argument("--tasks", nargs="+", default=["mnist1d"])
+    parser.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS))
+    parser.add_argument("--smoke", action="store_true", help="one seed of the digits task, one epoch, untuned")
+    parser.add_argument("--out", default="benchmarks/results/gpu_grid.json")
+    args = parser.parse_args(argv)
+    args.extra = ["--untuned", "--digits-epochs", "1", "--mnist1d-epochs", "1"] if args.smoke else []
+    if args.smoke:
+        args.seeds, args.tasks, args.jobs = [0], ["digits"], 1
+    results: dict = {"config": {key: value for key, value in vars(args).items()}, "device_name": None}
+    results["device_name"] = _device_name(args.device)
+    with tempfile.TemporaryDirectory(prefix="gpu_grid_") as scratch:
+        variants = {name: run_variant(name, args, Path(scratch)) for name in args.variants}
+    reference = next((entry["records"] for entry in variants.values() if "records" in entry), None)
+    for name, entry in variants.items():
+        records = entry.pop("records", None)
+        if records is not None:
+            entry["runs"] = len(records)
+            entry["identical_records"] = bool(records) and records == reference
+        line = f"{name}: " + (
+            entry["unavailable"]
+            if "unavailable" in entry
+            else f"{entry['runs']} runs in {entry['seconds']:.1f} s (rc {entry['returncode']}, load "
+            f"{entry['load_before']:.2f} -> {entry['load_after']:.2f}), identical records {entry['identical_records']}"
+        )
+        print(line, flush=True)
+    results["variants"] = variants
+    out = Path(args.out)
+    if str(out) != os.devnull:
+        out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(results, indent=2, default=str))
+    return results
+
+
+if __name__ == "__main__":
+    outcome = main()
+    sys.exit(0 if all(entry.get("returncode", 0) == 0 for entry in outcome["variants"].values()) else 1)

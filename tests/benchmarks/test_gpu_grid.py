@@ -1,0 +1,85 @@
+"""benchmarks/gpu_grid.py on CPU: one real smoke run of ``gpattn compare`` (the digits task, one epoch), the MPS
+daemon's start and stop protocol against a stand-in ``nvidia-cuda-mps-control`` on the PATH, and the comparison of
+the variants' records with stand-in compare commands. What it measures on a GPU is not tested here (CI has none)."""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+import sys
+from pathlib import Path
+
+import pytest
+
+
+@pytest.fixture(scope="module")
+def grid(load_benchmark):
+    return load_benchmark("gpu_grid", "gpu_grid_under_test")
+
+
+def _stand_in_mps(folder: Path, exit_code: int = 0) -> Path:
+    """An executable ``nvidia-cuda-mps-control`` that appends its arguments, its standard input and its pipe folder
+    to ``calls.log``."""
+    folder.mkdir(parents=True, exist_ok=True)
+    script = folder / "nvidia-cuda-mps-control"
+    log = folder / "calls.log"
+    script.write_text(
+        "#!/bin/sh\n"
+        'input=""; if [ "$#" -eq 0 ]; then input=$(cat); fi\n'
+        f'echo "args=$* stdin=$input pipe=$CUDA_MPS_PIPE_DIRECTORY" >> "{log}"\n'
+        f"exit {exit_code}\n"
+    )
+    script.chmod(script.stat().st_mode | stat.S_IEXEC)
+    return log
+
+
+def test_smoke_run_on_cpu(grid, tmp_path, capsys):
+    out = tmp_path / "grid.json"
+    results = grid.main(["--device", "cpu", "--smoke", "--variants", "plain", "--out", str(out)])
+    plain = json.loads(out.read_text())["variants"]["plain"]
+    assert plain["returncode"] == 0, plain["stderr_tail"]
+    assert plain["runs"] == 2 and plain["identical_records"] is True  # kep_svgp and softmax, digits, seed 0
+    assert plain["seconds"] > 0 and "--jobs" in plain["command"] and results["device_name"] is None
+    assert "plain: 2 runs in" in capsys.readouterr().out
+
+
+def test_the_mps_daemon_starts_and_quits_with_its_own_folders(grid, tmp_path, monkeypatch):
+    log = _stand_in_mps(tmp_path / "bin")
+    monkeypatch.setenv("PATH", f"{tmp_path / 'bin'}{os.pathsep}{os.environ['PATH']}")
+    with grid.mps_daemon(tmp_path / "mps") as env:
+        assert env["CUDA_MPS_PIPE_DIRECTORY"] == str(tmp_path / "mps" / "pipe")
+        assert Path(env["CUDA_MPS_LOG_DIRECTORY"]).is_dir()
+        started = log.read_text().splitlines()
+    assert started == [f"args=-d stdin= pipe={tmp_path / 'mps' / 'pipe'}"]
+    assert log.read_text().splitlines()[1:] == [f"args= stdin=quit pipe={tmp_path / 'mps' / 'pipe'}"]
+
+
+def test_a_daemon_that_does_not_start_is_an_error(grid, tmp_path, monkeypatch):
+    _stand_in_mps(tmp_path / "bin", exit_code=3)
+    monkeypatch.setenv("PATH", f"{tmp_path / 'bin'}{os.pathsep}{os.environ['PATH']}")
+    with pytest.raises(RuntimeError, match=r"-d failed \(3\)"), grid.mps_daemon(tmp_path / "mps"):
+        pass
+    monkeypatch.setenv("PATH", str(tmp_path / "empty"))
+    with pytest.raises(RuntimeError, match="not installed"), grid.mps_daemon(tmp_path / "mps"):
+        pass
+
+
+@pytest.mark.parametrize("same", [True, False])
+def test_the_variants_records_are_compared_without_their_wall_times(grid, tmp_path, monkeypatch, capsys, same):
+    """Stand-in compare commands write one run file each: its wall time differs between the variants (ignored), its
+    accuracy too unless ``same``; the MPS variant runs as a client of the (stand-in) daemon."""
+    _stand_in_mps(tmp_path / "bin")
+    monkeypatch.setenv("PATH", f"{tmp_path / 'bin'}{os.pathsep}{os.environ['PATH']}")
+    writer = (
+        "import json, os, pathlib, sys, time; out = pathlib.Path(sys.argv[1]) / 'runs'; out.mkdir(parents=True);"
+        "mps = 'CUDA_MPS_PIPE_DIRECTORY' in os.environ;"
+        "record = {'train': {'seconds': time.perf_counter()}, 'accuracy': 0.5 if (mps and not sys.argv[2]) else 0.9};"
+        "(out / 'mnist1d-kep_svgp-0.json').write_text(json.dumps({'record': record, 'mps': False}))"
+    )
+    monkeypatch.setattr(grid, "compare_command", lambda args, out: [sys.executable, "-c", writer, str(out), "1" * same])
+    results = grid.main(["--device", "cpu", "--out", str(tmp_path / "grid.json")])
+    plain, mps = results["variants"]["plain"], results["variants"]["mps"]
+    assert plain["runs"] == mps["runs"] == 1 and plain["identical_records"] is True
+    assert mps["identical_records"] is same
+    assert "mps: 1 runs in" in capsys.readouterr().out
