@@ -93,6 +93,36 @@ def test_kernels_equal_the_pytorch_code(interpreter, monkeypatch, dtype, masked,
         torch.testing.assert_close(got, expected, **tolerance)
 
 
+@pytest.mark.parametrize(
+    ("masked", "objective", "lift_dim", "uses_scores"),
+    [(False, True, None, True), (True, True, None, True), (True, False, 4, True), (False, True, 4, False)],
+    ids=["plain", "padding", "lifted-no-objective", "objective-alone"],
+)
+def test_kernels_with_the_tokens_split(interpreter, monkeypatch, masked, objective, lift_dim, uses_scores):
+    """At most 64 tokens per program: the 70 tokens in two chunks (a whole tile and a partial one), their sums over the
+    tokens written per chunk and reduced between two launches per pass, against the PyTorch code in float64."""
+    monkeypatch.setattr(triton_scores, "TOKENS_PER_PROGRAM", 64)
+    assert triton_scores._chunks(70) == (64, 2) and triton_scores._chunks(64) == (64, 1)
+    inputs = _inputs(torch.float64, lift_dim, seed=5)
+    reference = _run(monkeypatch, inputs, False, masked, objective, uses_scores)
+    kernels = _run(monkeypatch, inputs, True, masked, objective, uses_scores)
+    tolerance = {"rtol": 1e-11, "atol": 1e-12}
+    torch.testing.assert_close(kernels[0], reference[0], **tolerance)
+    torch.testing.assert_close(kernels[1], reference[1], **tolerance)
+    for got, expected in zip(kernels[2], reference[2], strict=True):
+        torch.testing.assert_close(got, expected, **tolerance)
+
+
+def test_chunks_of_long_sequences():
+    """Whole tiles per chunk, every chunk within TOKENS_PER_PROGRAM, the last one shorter, none empty."""
+    limit = triton_scores.TOKENS_PER_PROGRAM
+    for length in (limit, limit + 1, 3 * limit - 7, 4 * limit, 16384, 16384 + 70):
+        per_chunk, chunks = triton_scores._chunks(length)
+        assert per_chunk % triton_scores.BLOCK_N == 0 or chunks == 1
+        assert per_chunk <= max(limit, length if chunks == 1 else 0) and (chunks - 1) * per_chunk < length
+        assert chunks * per_chunk >= length and chunks == -(-length // limit)
+
+
 def test_kernels_against_finite_differences(interpreter):
     inputs = _inputs(torch.float64, None, seed=3)
     leaves = [name for name, value in inputs.items() if value is not None]
