@@ -368,8 +368,10 @@ class KernelEigenReadout:
         else:
             covariance = strategy.variational_distribution.lazy_covariance_matrix.to_dense()
         size, dims = covariance.shape[-1], strategy.num_output_dims
-        packing, first_selection, second_selection = _triangle_selections(size, covariance.dtype, covariance.device)
-        packed = covariance.flatten(-2) @ packing  # the upper triangle, off-diagonal entries doubled: (*, P)
+        rows, cols, weights, first_selection, second_selection = _triangle_selections(
+            size, covariance.dtype, covariance.device
+        )
+        packed = covariance[..., rows, cols] * weights  # the upper triangle, off-diagonal entries doubled: (*, P)
         end = len(variational.batch_shape) - int(len(strategy._branch_sides) > 1)
         outputs = variational.batch_shape[end - dims : end]
 
@@ -391,21 +393,28 @@ class KernelEigenReadout:
         return forms
 
 
+def _triangle_selections(size: int, dtype: torch.dtype, device: torch.device) -> tuple[Tensor, ...]:
+    r"""The constants of the symmetric form of :meth:`KernelEigenReadout._quadratic_forms` for the ``P = s(s+1)/2``
+    entries :math:`(i, j)`, :math:`i \leq j`, of the upper triangle (row-major, as :func:`torch.triu_indices`): their
+    rows and columns (indices on ``device``), the weights :math:`w_{ij} = 2 - \delta_{ij}`, and the one-hot ``(s, P)``
+    matrices whose products pick :math:`a_i` and :math:`a_j` (GEMMs: gathers are several times slower on CPU, forward
+    and backward). Built once per size, dtype and device and never written to; built afresh while compiling."""
+    if torch.compiler.is_compiling():
+        return _build_triangle_selections(size, dtype, device)
+    return _cached_triangle_selections(size, dtype, device)
+
+
 @functools.lru_cache(maxsize=32)
-def _triangle_selections(size: int, dtype: torch.dtype, device: torch.device) -> tuple[Tensor, Tensor, Tensor]:
-    r"""The constant matrices of the symmetric form of :meth:`KernelEigenReadout._quadratic_forms`, for the
-    ``P = s(s+1)/2`` entries :math:`(i, j)`, :math:`i \leq j`, of the upper triangle (row-major, as
-    :func:`torch.triu_indices`): the ``(s^2, P)`` packing whose product with a flattened :math:`S` gives
-    :math:`w_{ij} S_{ij}`, :math:`w_{ij} = 2 - \delta_{ij}`, and the one-hot ``(s, P)`` matrices whose products pick
-    :math:`a_i` and :math:`a_j`: GEMMs, because gathers and index copies are several times slower on CPU (forward
-    and backward) and take index tensors that a GPU would copy over on every call. Built once per size, dtype and
-    device, and never written to."""
-    rows, cols = torch.triu_indices(size, size)
-    columns = torch.arange(rows.numel())
-    packing = torch.zeros(size * size, rows.numel(), dtype=dtype)
-    first_selection = torch.zeros(size, rows.numel(), dtype=dtype)
-    second_selection = torch.zeros(size, rows.numel(), dtype=dtype)
-    packing[rows * size + cols, columns] = 2.0 - (rows == cols).to(dtype)
+def _cached_triangle_selections(size: int, dtype: torch.dtype, device: torch.device) -> tuple[Tensor, ...]:
+    with torch.inference_mode(False):  # normal tensors, usable with autograd, even when first built for inference
+        return _build_triangle_selections(size, dtype, device)
+
+
+def _build_triangle_selections(size: int, dtype: torch.dtype, device: torch.device) -> tuple[Tensor, ...]:
+    rows, cols = torch.triu_indices(size, size, device=device)
+    columns = torch.arange(rows.numel(), device=device)
+    first_selection = torch.zeros(size, rows.numel(), dtype=dtype, device=device)
+    second_selection = torch.zeros(size, rows.numel(), dtype=dtype, device=device)
     first_selection[rows, columns] = 1.0
     second_selection[cols, columns] = 1.0
-    return packing.to(device), first_selection.to(device), second_selection.to(device)
+    return rows, cols, 2.0 - (rows == cols).to(dtype), first_selection, second_selection

@@ -63,6 +63,23 @@ def test_token_noise_moments_of_a_cholesky_posterior_equal_the_generic_path(monk
         torch.testing.assert_close(value, generic[key], rtol=1e-13, atol=1e-13)
 
 
+def test_marginal_noise_trains_after_a_first_call_under_inference_mode():
+    """The constant matrices of the quadratic forms are cached per size, dtype and device: built first under
+    ``torch.inference_mode`` (e.g. a Monte Carlo evaluation), they must still serve a training step's backward pass."""
+    from gpattn.attention import sample_attention
+    from gpattn.variational import kernel_eigen_readout
+
+    kernel_eigen_readout._cached_triangle_selections.cache_clear()
+    torch.manual_seed(0)
+    layer = KEPSVGPAttention(16, 4, num_inducing=3, sampling="marginal")
+    x = torch.randn(2, 8, 16)
+    with torch.inference_mode(), sample_attention(layer.eval()):
+        assert torch.isfinite(layer(x)).all()
+    layer.train()(x).sum().backward()
+    assert all(torch.isfinite(p.grad).all() for p in layer.parameters() if p.grad is not None)
+    assert layer.strategy._variational_distribution.chol_variational_covar.grad.abs().sum() > 0
+
+
 def _monte_carlo(layer, scores, num_draws: int, **kwargs) -> dict[str, torch.Tensor]:
     torch.manual_seed(3)
     draws = [layer.readout.token_noise(scores, ("left", "right"), **kwargs) for _ in range(num_draws)]
