@@ -39,7 +39,8 @@ def test_smoke_run_on_cpu(grid, tmp_path, capsys):
     results = grid.main(["--device", "cpu", "--smoke", "--variants", "plain", "--out", str(out)])
     plain = json.loads(out.read_text())["variants"]["plain"]
     assert plain["returncode"] == 0, plain["stderr_tail"]
-    assert plain["runs"] == 2 and plain["identical_records"] is True  # kep_svgp and softmax, digits, seed 0
+    assert plain["runs"] == 2  # kep_svgp and softmax, digits, seed 0
+    assert grid.succeeded(results)
     assert plain["seconds"] > 0 and "--jobs" in plain["command"] and results["device_name"] is None
     assert "plain: 2 runs in" in capsys.readouterr().out
 
@@ -81,5 +82,15 @@ def test_the_variants_records_are_compared_without_their_wall_times(grid, tmp_pa
     results = grid.main(["--device", "cpu", "--out", str(tmp_path / "grid.json")])
     plain, mps = results["variants"]["plain"], results["variants"]["mps"]
     assert plain["runs"] == mps["runs"] == 1 and plain["identical_records"] is True
-    assert mps["identical_records"] is same
+    assert mps["identical_records"] is same and grid.succeeded(results) is same
     assert "mps: 1 runs in" in capsys.readouterr().out
+
+
+def test_a_variant_that_runs_too_long_is_stopped_and_recorded(grid, tmp_path, monkeypatch):
+    sleeper = [sys.executable, "-c", "import time; time.sleep(30)"]
+    monkeypatch.setattr(grid, "compare_command", lambda args, out: sleeper)
+    out = str(tmp_path / "grid.json")
+    results = grid.main(["--device", "cpu", "--variants", "plain", "--timeout-s", "1", "--out", out])
+    plain = results["variants"]["plain"]
+    assert plain["returncode"] == "timeout" and plain["runs"] == 0 and 1.0 <= plain["seconds"] < 20
+    assert not grid.succeeded(results)
