@@ -142,6 +142,7 @@ def scores_forward(
     weights = token_weights if torch.is_tensor(token_weights) else None
     accumulate, operands = _dtypes(columns.dtype)
     chunk_tokens, chunks = _chunks(length)
+    strides = (paired.numel(), token_sums.numel() if sums else 0, squared.numel())  # one chunk's partial sums apart
 
     def launch(phase: int, paired_out: Tensor, sums_out: Tensor, squared_out: Tensor) -> None:
         _kernels()[0][(batch * heads, chunks if phase else 1)](
@@ -151,8 +152,7 @@ def scores_forward(
             root_scale.to(wide).contiguous(),
             0.0 if weights is not None else float(token_weights), floor,
             heads, length, features, rank, 0 if weights is None or weights.shape[0] == 1 else length,
-            chunk_tokens, paired.numel() if phase else 0, token_sums.numel() if phase and sums else 0,
-            squared.numel() if phase else 0,
+            chunk_tokens, *(stride if phase else 0 for stride in strides),
             P_PAD=_padded(features), S_PAD=_padded(rank), BLOCK_N=BLOCK_N, HAS_WEIGHTS=weights is not None,
             HAS_MASK=square_mask is not None, WITH_SUMS=sums, ACC=accumulate, DOT=operands,
             IEEE=operands == tl.float32, PHASE=phase,
@@ -195,6 +195,7 @@ def scores_backward(
     objective = grad_objective is not None
     accumulate, operands = _dtypes(columns.dtype)
     chunk_tokens, chunks = _chunks(length)
+    strides = (total_paired.numel(), score_sums.numel())  # one chunk's partial sums apart
     grad_scores = columns if grad_scores is None else grad_scores.contiguous()
     grad_objective = paired if not objective else grad_objective.to(wide).contiguous()
     sums_factor = paired if not objective else sums_factor.to(wide).contiguous()
@@ -208,7 +209,7 @@ def scores_backward(
             root_scale.to(wide).contiguous(),
             0.0 if weights is not None else float(token_weights), floor,
             heads, length, features, rank, 0 if weights is None or weights.shape[0] == 1 else length,
-            reduced, chunk_tokens, total_paired.numel() if phase else 0, score_sums.numel() if phase else 0,
+            reduced, chunk_tokens, *(stride if phase else 0 for stride in strides),
             P_PAD=_padded(features), S_PAD=_padded(rank), BLOCK_N=BLOCK_N, HAS_WEIGHTS=weights is not None,
             HAS_MASK=square_mask is not None, HAS_GRAD=grad_scores is not columns, HAS_OBJECTIVE=objective,
             ACC=accumulate, DOT=operands, IEEE=operands == tl.float32, PHASE=phase,
