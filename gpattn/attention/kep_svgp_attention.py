@@ -200,7 +200,11 @@ class KEPSVGPAttention(AttentionLayer):
         output = self.readout.linear_output(columns.flatten(1, 3), self.out_proj.bias, maps, scores, sides, draws)
         if sample and (not self.joint_sampling or self.residual == "diag"):  # drawn after u
             marginal = not self.joint_sampling  # merge="sum": one draw for the sum of the branches
-            noises = self.readout.token_noise(scores, sides, marginal, sum_sides=marginal and self.merge == "sum")
+            summed = marginal and self.merge == "sum"
+            fused = self.readout.summed_noise_output(scores, sides, maps) if summed and not mixing else None
+            if fused is not None:  # the draw of token_noise(..., sum_sides=True) through the map, one function
+                return output + fused
+            noises = self.readout.token_noise(scores, sides, marginal, sum_sides=summed)
             for index, (side, output_map) in enumerate(zip(sides, maps.expand(len(sides), -1, -1, -1), strict=True)):
                 if side in noises:  # per-token noise of the GP outputs: (B, H, d_out, N)
                     noise = blocks[index] @ noises[side].mT if mixing else noises[side].mT  # (B, H, N, d_out)

@@ -11,10 +11,12 @@ from gpytorch.variational import CholeskyVariationalDistribution, MeanFieldVaria
 from torch import Tensor
 
 from ..features import KernelEigenScores
+from ..fused import autocast_state
 from ..validation import check_choice, check_float
 from .cholesky_prior_kl import CholeskyPriorKL
 from .kernel_eigen_variational_strategy import KernelEigenVariationalStrategy
 from .linear_output import LinearOutput
+from .marginal_noise import MarginalNoiseOutput
 from .structured_covariance import low_rank_plus_diag, reparameterised_draw
 
 
@@ -276,6 +278,41 @@ class KernelEigenReadout:
                 extra = self._scaled_normal(self._residual_variance(scores, side))
                 noises[side] = extra if side not in noises else noises[side] + extra
         return noises
+
+    def summed_noise_output(self, scores: KernelEigenScores, sides: tuple[str, ...], maps: Tensor) -> Tensor | None:
+        r"""The per-input noise of the *sum* of the branches' outputs (:meth:`token_noise` with ``marginal=True`` and
+        ``sum_sides=True``, plus the residuals with ``residual="diag"``) mapped by the one output map ``maps``
+        (``(H, d_out, C)``) shared by the summed branches, as one autograd function
+        (:class:`~gpattn.variational.marginal_noise.MarginalNoiseOutput`): ``(B, N, C)``, the same draw as
+        :meth:`token_noise` makes. ``None`` where that function does not apply (a :math:`q(u)` other than a Cholesky
+        one, or fewer than both branches), and the caller takes :meth:`token_noise`.
+
+        .. note:: Cost per sequence and head: O(N s^2 (s + d_out)) for the variances and O(N d_out C) for the map,
+            forward and backward.
+        """
+        strategy = self.strategy
+        distribution = strategy._variational_distribution
+        sides = tuple(sides)
+        if type(distribution) is not CholeskyVariationalDistribution or len(sides) < 2:
+            return None
+        if sides != strategy._branch_sides:
+            return None
+        interps = [self._token_interp(scores, side) for side in sides]  # (B, H, N, s) each
+        if self._shares_posterior(sides):  # one u: (a_e + a_r) S (a_e + a_r)^T
+            interps = (interps[0] + interps[1]).unsqueeze(0)
+        else:
+            interps = torch.stack(interps)
+        extra = None
+        if strategy.residual == "diag":
+            extra = sum(self._residual_variance(scores, side) for side in sides)
+        factor = distribution.chol_variational_covar  # (H, d_out, Q, s, s)
+        size = factor.shape[-1]
+        selections = _triangle_selections(size, interps.dtype, interps.device)
+        autocast = autocast_state(interps.device.type)  # the draw in the dtype of the variances under autocast
+        dtype = interps.dtype if autocast is None else autocast[1]
+        batch, heads, length = interps.shape[1:4]
+        noise = torch.randn((batch, heads, factor.shape[1], length), dtype=dtype, device=interps.device)
+        return MarginalNoiseOutput.apply(interps, factor, extra, noise, maps, *selections)
 
     def token_noise_moments(self, scores: KernelEigenScores, sides: tuple[str, ...]) -> dict[tuple[str, str], Tensor]:
         r"""The per-input covariances of the :math:`q(u)` part of the outputs, without any :math:`N \times N` or

@@ -1,7 +1,9 @@
 """The readout's fused autograd functions against direct computations (float64): the KL of a Cholesky q(u) against a
 diagonal prior (CholeskyPriorKL, against torch.distributions) and the linear output y = b + S^T A with the
 coefficients A = Lambda^{-1} sum_c u_c C_c of the mean or a joint draw (LinearOutput, against the formula written
-here); their hand-written backward passes against finite differences (gradcheck)."""
+here), the per-token noise of the summed branches through the output map (MarginalNoiseOutput, against the dense
+quadratic forms written here and against the layer's unfused path); their hand-written backward passes against finite
+differences (gradcheck)."""
 
 from __future__ import annotations
 
@@ -9,8 +11,11 @@ import pytest
 import torch
 from torch.distributions import MultivariateNormal, kl_divergence
 
+from gpattn.attention import KEPSVGPAttention
 from gpattn.variational.cholesky_prior_kl import CholeskyPriorKL
+from gpattn.variational.kernel_eigen_readout import KernelEigenReadout, _triangle_selections
 from gpattn.variational.linear_output import LinearOutput
+from gpattn.variational.marginal_noise import MarginalNoiseOutput
 
 DTYPE = torch.float64
 H, D_OUT, S, C, B, N = 2, 3, 4, 5, 3, 6
@@ -140,3 +145,80 @@ def test_linear_output_gradients(case: str):
         return LinearOutput.apply(given["columns"], given["bias"], *arguments, branches)
 
     assert torch.autograd.gradcheck(function, [values[name] for name in present])
+
+
+# -- MarginalNoiseOutput ---------------------------------------------------------------------------------------------
+def _noise_inputs(branches: int, extra: bool, seed: int = 20) -> tuple:
+    interps = _randn(branches, B, H, N, S, seed=seed)
+    factor = torch.randn(H, D_OUT, branches, S, S, generator=torch.Generator().manual_seed(seed + 1), dtype=DTYPE)
+    factor = (factor + 2.0 * torch.eye(S, dtype=DTYPE)).requires_grad_()
+    variance = _randn(B, H, D_OUT, N, seed=seed + 2, positive=True) if extra else None
+    noise = torch.randn(B, H, D_OUT, N, generator=torch.Generator().manual_seed(seed + 3), dtype=DTYPE)
+    return interps, factor, variance, noise, _randn(H, D_OUT, C, seed=seed + 4)
+
+
+@pytest.mark.parametrize("branches", [1, 2], ids=["shared", "independent"])
+@pytest.mark.parametrize("extra", [False, True], ids=["no-residual", "residual"])
+def test_marginal_noise_output_against_dense_quadratic_forms(branches: int, extra: bool):
+    """y_n = sum_{h,c} sqrt(sum_q a^q_n L^q_c L^q_c^T a^q_n^T + extra) xi C_hc, every quadratic form dense."""
+    interps, factor, variance, noise, maps = _noise_inputs(branches, extra)
+    got = MarginalNoiseOutput.apply(interps, factor, variance, noise, maps, *_triangle_selections(S, DTYPE, "cpu"))
+    covariance = factor.tril() @ factor.tril().mT  # (H, d, Q, s, s)
+    dense = torch.einsum("qbhni,hdqij,qbhnj->bhdn", interps, covariance, interps)
+    dense = dense + (variance if extra else 0.0)
+    expected = torch.einsum("bhdn,hdc->bnc", dense.sqrt() * noise, maps)
+    torch.testing.assert_close(got, expected, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("branches", [1, 2], ids=["shared", "independent"])
+@pytest.mark.parametrize("extra", [False, True], ids=["no-residual", "residual"])
+def test_marginal_noise_output_gradients(branches: int, extra: bool):
+    """gradcheck of the interpolation terms, the Cholesky parameter (its upper triangle gets no gradient), the extra
+    variance and the map."""
+    interps, factor, variance, noise, maps = _noise_inputs(branches, extra, seed=30)
+    selections = _triangle_selections(S, DTYPE, "cpu")
+
+    def function(a, f, v, m):
+        return MarginalNoiseOutput.apply(a, f, v, noise, m, *selections)
+
+    assert torch.autograd.gradcheck(function, (interps, factor, variance, maps))
+    (grad,) = torch.autograd.grad(function(interps, factor, variance, maps).sum(), factor)
+    assert torch.equal(grad.triu(1), torch.zeros_like(grad))
+
+
+@pytest.mark.parametrize("shared", [False, True], ids=["independent", "shared"])
+@pytest.mark.parametrize("residual", ["none", "diag"])
+def test_the_layer_fused_noise_equals_its_unfused_path(monkeypatch, shared: bool, residual: str):
+    """KEP-SVGP with marginal sampling and merge='sum': the fused noise gives the draw, the output and every gradient
+    of the path through token_noise (float64, the same seed)."""
+    torch.manual_seed(0)
+    layer = KEPSVGPAttention(8, 2, num_inducing=3, sampling="marginal", shared_posterior=shared, residual=residual)
+    layer = layer.double().train()
+    x = torch.randn(3, 5, 8, dtype=DTYPE)
+    results = []
+    for fused in (True, False):
+        if not fused:
+            monkeypatch.setattr(KernelEigenReadout, "summed_noise_output", lambda *args, **kwargs: None)
+        layer.zero_grad(set_to_none=True)
+        torch.manual_seed(1)
+        output = layer(x)
+        output.square().sum().backward()
+        results.append((output.detach(), {name: p.grad.clone() for name, p in layer.named_parameters()}))
+    (output, grads), (reference, reference_grads) = results
+    torch.testing.assert_close(output, reference, rtol=1e-12, atol=1e-12)
+    assert grads.keys() == reference_grads.keys()
+    for name, value in reference_grads.items():
+        torch.testing.assert_close(grads[name], value, rtol=1e-10, atol=1e-12, msg=name)
+
+
+def test_marginal_noise_output_below_the_variance_floor():
+    """Variances below the dtype's epsilon are floored before the square root, with no gradient there (as
+    ``clamp_min`` gives): a tiny S leaves the output at sqrt(eps) xi C and every gradient but the map's zero."""
+    interps, factor, _, noise, maps = _noise_inputs(1, False, seed=40)
+    tiny = (1e-12 * factor.detach()).requires_grad_()
+    output = MarginalNoiseOutput.apply(interps, tiny, None, noise, maps, *_triangle_selections(S, DTYPE, "cpu"))
+    floor = torch.finfo(DTYPE).eps
+    expected = torch.einsum("bhdn,hdc->bnc", floor**0.5 * noise, maps)
+    torch.testing.assert_close(output, expected, rtol=1e-12, atol=1e-14)
+    grad_interps, grad_factor, grad_maps = torch.autograd.grad(output.sum(), (interps, tiny, maps))
+    assert not grad_interps.any() and not grad_factor.any() and grad_maps.abs().sum() > 0
