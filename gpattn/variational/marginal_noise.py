@@ -63,15 +63,16 @@ class MarginalNoiseOutput(torch.autograd.Function):
         ctx.autocast = autocast_state(interps.device.type)  # the backward pass runs in the same precision
         lower = factor.tril()
         packed = (lower @ lower.mT)[..., rows, cols] * weights  # w_ij S_ij over the upper triangle: (H, d, Q, P)
+        packed = packed.permute(2, 0, 3, 1).unsqueeze(1)  # (Q, 1, H, P, d): GEMMs batched like the products
         left, right = interps @ first, interps @ second  # a_i, a_j: (Q, B, H, N, P)
         products = left * right
-        variance = torch.einsum("qbhnp,hdqp->bhdn", products, packed.to(products.dtype))
+        variance = (products @ packed.to(products.dtype)).sum(0)  # (B, H, N, d): no copy of the products
         if extra is not None:
-            variance = variance + extra
+            variance = variance + extra.mT
         floor = torch.finfo(variance.dtype).eps
         root = variance.clamp_min(floor).sqrt()
-        scaled = root * noise  # (B, H, d, N)
-        output = torch.einsum("bhdn,hdc->bnc", scaled, maps.to(scaled.dtype))
+        scaled = root * noise.mT  # (B, H, N, d)
+        output = torch.einsum("bhnd,hdc->bnc", scaled, maps.to(scaled.dtype))
         ctx.save_for_backward(lower, packed, left, right, products, variance, root, scaled, noise, maps, rows, cols)
         ctx.selections, ctx.weights, ctx.floor, ctx.with_extra = (first, second), weights, floor, extra is not None
         return output
@@ -87,19 +88,20 @@ def _backward(ctx, grad: Tensor) -> tuple:
     first, second = ctx.selections
     needs = ctx.needs_input_grad
     grad = grad.to(scaled.dtype)
-    grad_maps = torch.einsum("bhdn,bnc->hdc", scaled, grad).to(maps.dtype) if needs[4] else None
+    grad_maps = torch.einsum("bhnd,bnc->hdc", scaled, grad).to(maps.dtype) if needs[4] else None
     if not (needs[0] or needs[1] or needs[2]):
         return None, None, None, None, grad_maps, None, None, None, None, None
-    grad_scaled = torch.einsum("bnc,hdc->bhdn", grad, maps.to(grad.dtype))
+    grad_scaled = torch.einsum("bnc,hdc->bhnd", grad, maps.to(grad.dtype))
     # d sqrt(v) / dv = 1 / (2 sqrt(v)) above the floor, 0 below it (clamp_min passes the gradient where v >= floor)
-    grad_variance = torch.where(variance >= ctx.floor, grad_scaled * noise / (2.0 * root), 0.0)
-    grad_extra = grad_variance if needs[2] else None
+    grad_variance = torch.where(variance >= ctx.floor, grad_scaled * noise.mT / (2.0 * root), 0.0)  # (B, H, N, d)
+    grad_extra = grad_variance.mT if needs[2] else None
     grad_interps = grad_factor = None
     if needs[0]:  # d a = (dP * a_j) first^T + (dP * a_i) second^T with dP = sum_c dv_c packed_c
-        grad_products = torch.einsum("bhdn,hdqp->qbhnp", grad_variance, packed.to(grad_variance.dtype))
+        grad_products = grad_variance @ packed.mT.to(grad_variance.dtype)  # (Q, B, H, N, P)
         grad_interps = (grad_products * right) @ first.mT + (grad_products * left) @ second.mT
     if needs[1]:  # dS over the upper triangle, then S = L L^T: dL = tril((dS + dS^T) L)
-        grad_packed = torch.einsum("qbhnp,bhdn->hdqp", products, grad_variance).to(lower.dtype) * ctx.weights
+        grad_packed = (products.mT @ grad_variance).sum(1)  # (Q, H, P, d)
+        grad_packed = grad_packed.permute(1, 3, 0, 2).to(lower.dtype) * ctx.weights  # (H, d, Q, P)
         grad_covariance = lower.new_zeros(lower.shape)
         grad_covariance[..., rows, cols] = grad_packed
         grad_factor = ((grad_covariance + grad_covariance.mT) @ lower).tril()
