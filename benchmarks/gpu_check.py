@@ -334,11 +334,20 @@ def scaling(device: torch.device, args: argparse.Namespace, deadline: float) -> 
         if official is not None:
             step = BENCH.OfficialStep(official, args.embed_dim, args.num_heads, length, args.rank, device)
             steps[BENCH.OFFICIAL] = lambda step=step, x=x: step(x)
+        row_errors = {}
+        for row, step in list(steps.items()):  # a row that cannot run (a kernel that does not compile, memory) is
+            try:  # left out of this length and recorded; the other rows are still timed
+                step()
+            except Exception as error:  # noqa: BLE001
+                row_errors[row] = f"{type(error).__name__}: {error}"
+                del steps[row]
         load = _load()
         try:
             table[length] = {"times_ms": BENCH._interleaved_medians(steps, timing, device), "load": [load, _load()]}
         except Exception as error:  # noqa: BLE001 (an out-of-memory row ends this length, not the check)
             table[length] = {"error": f"{type(error).__name__}: {error}"}
+        if row_errors:
+            table[length]["row_errors"] = row_errors
         if device.type == "cuda":
             torch.cuda.empty_cache()
         print(f"N={length}: {table[length]}", flush=True)
