@@ -445,6 +445,9 @@ def summary(results: dict) -> str:
             lines.append(f"counts {row}: {entry['operators']} operators, {entry['kernel_launches']} launches")
     for length, ratios in results.get("scaling", {}).get("ratios", {}).items():
         lines.append(f"N={length}: " + ", ".join(f"{label} {value:.2f}" for label, value in ratios.items()))
+    for length, entry in results.get("scaling", {}).get("table", {}).items():
+        for row, error in entry.get("row_errors", {}).items():
+            lines.append(f"N={length}: {row} did not run ({error})")
     for row, entry in results.get("mnist1d", {}).get("runs", {}).items():
         lines.append(f"mnist1d {row}: {entry}")
     lines.append(f"jobs identity: {results.get('mnist1d', {}).get('jobs_identity')}")
