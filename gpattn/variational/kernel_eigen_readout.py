@@ -293,9 +293,8 @@ class KernelEigenReadout:
         strategy = self.strategy
         distribution = strategy._variational_distribution
         sides = tuple(sides)
-        if type(distribution) is not CholeskyVariationalDistribution or len(sides) < 2:
-            return None
-        if sides != strategy._branch_sides:
+        both_branches = len(sides) > 1 and sides == strategy._branch_sides
+        if type(distribution) is not CholeskyVariationalDistribution or not both_branches:
             return None
         interps = [self._token_interp(scores, side) for side in sides]  # (B, H, N, s) each
         if self._shares_posterior(sides):  # one u: (a_e + a_r) S (a_e + a_r)^T
@@ -306,8 +305,7 @@ class KernelEigenReadout:
         if strategy.residual == "diag":
             extra = sum(self._residual_variance(scores, side) for side in sides)
         factor = distribution.chol_variational_covar  # (H, d_out, Q, s, s)
-        size = factor.shape[-1]
-        selections = _triangle_selections(size, interps.dtype, interps.device)
+        selections = _triangle_selections(factor.shape[-1], interps.dtype, interps.device)
         autocast = autocast_state(interps.device.type)  # the draw in the dtype of the variances under autocast
         dtype = interps.dtype if autocast is None else autocast[1]
         batch, heads, length = interps.shape[1:4]

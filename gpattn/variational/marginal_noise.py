@@ -73,8 +73,9 @@ class MarginalNoiseOutput(torch.autograd.Function):
         root = variance.clamp_min(floor).sqrt()
         scaled = root * noise.mT  # (B, H, N, d)
         output = torch.einsum("bhnd,hdc->bnc", scaled, maps.to(scaled.dtype))
-        ctx.save_for_backward(lower, packed, left, right, products, variance, root, scaled, noise, maps, rows, cols)
-        ctx.selections, ctx.weights, ctx.floor, ctx.with_extra = (first, second), weights, floor, extra is not None
+        saved = (lower, packed, left, right, products, variance, root, scaled, noise, maps)
+        ctx.save_for_backward(*saved, rows, cols, weights, first, second)
+        ctx.floor = floor
         return output
 
     @staticmethod
@@ -84,8 +85,8 @@ class MarginalNoiseOutput(torch.autograd.Function):
 
 
 def _backward(ctx, grad: Tensor) -> tuple:
-    lower, packed, left, right, products, variance, root, scaled, noise, maps, rows, cols = ctx.saved_tensors
-    first, second = ctx.selections
+    lower, packed, left, right, products, variance, root, scaled, noise, maps, *triangle = ctx.saved_tensors
+    rows, cols, weights, first, second = triangle
     needs = ctx.needs_input_grad
     grad = grad.to(scaled.dtype)
     grad_maps = torch.einsum("bhnd,bnc->hdc", scaled, grad).to(maps.dtype) if needs[4] else None
@@ -101,7 +102,7 @@ def _backward(ctx, grad: Tensor) -> tuple:
         grad_interps = (grad_products * right) @ first.mT + (grad_products * left) @ second.mT
     if needs[1]:  # dS over the upper triangle, then S = L L^T: dL = tril((dS + dS^T) L)
         grad_packed = (products.mT @ grad_variance).sum(1)  # (Q, H, P, d)
-        grad_packed = grad_packed.permute(1, 3, 0, 2).to(lower.dtype) * ctx.weights  # (H, d, Q, P)
+        grad_packed = grad_packed.permute(1, 3, 0, 2).to(lower.dtype) * weights  # (H, d, Q, P)
         grad_covariance = lower.new_zeros(lower.shape)
         grad_covariance[..., rows, cols] = grad_packed
         grad_factor = ((grad_covariance + grad_covariance.mT) @ lower).tril()
