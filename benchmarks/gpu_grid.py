@@ -44,11 +44,15 @@ def _load() -> float:
 
 
 def _device_name(device: str) -> str | None:
-    if not device.startswith("cuda") or not shutil.which("nvidia-smi"):
+    # as gpu_check.py's _nvidia_smi (this script imports neither torch nor gpattn, so it does not load that one)
+    if not device.startswith("cuda"):
         return None
-    found = subprocess.run(
-        ["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True, text=True, check=False
-    )
+    try:
+        found = subprocess.run(
+            ["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True, text=True, timeout=30
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return None
     return found.stdout.strip().splitlines()[0] if found.returncode == 0 and found.stdout.strip() else None
 
 
@@ -127,8 +131,7 @@ def main(argv: list[str] | None = None) -> dict:
     args.extra = ["--untuned", "--digits-epochs", "1", "--mnist1d-epochs", "1"] if args.smoke else []
     if args.smoke:
         args.seeds, args.tasks, args.jobs = [0], ["digits"], 1
-    results: dict = {"config": {key: value for key, value in vars(args).items()}, "device_name": None}
-    results["device_name"] = _device_name(args.device)
+    results: dict = {"config": dict(vars(args)), "device_name": _device_name(args.device)}
     # the MPS daemon may still be writing its log when told to quit: a cleanup error must not lose the results
     with tempfile.TemporaryDirectory(prefix="gpu_grid_", ignore_cleanup_errors=True) as scratch:
         variants = {name: run_variant(name, args, Path(scratch)) for name in args.variants}
