@@ -98,14 +98,18 @@ def _torch_forward(ctx, columns, values, outputscale, token_weights, rescaled) -
     factor = scale * token_weights  # c nu w
     # alpha = a c nu w lives in the second half of a (2s, N) buffer: the backward pass writes the gradient of beta
     # into the first half and hands the buffer to its GEMM of inner dimension 2s without a concatenation
-    if torch.compiler.is_compiling():  # dynamo traces no out= into a strided view: the backward pass concatenates
+    compiling = torch.compiler.is_compiling()
+    if compiling:  # dynamo traces no out= into a strided view: the backward pass concatenates
         ctx.operand, alpha = None, values * factor
     else:
         ctx.operand = values.new_empty(*values.shape[:-2], 2 * rank, length)
         alpha = torch.mul(values, factor, out=ctx.operand[..., rank:, :])  # [a_r c nu_q w; a_e c nu_k w]
     paired = torch.einsum("...sn,...pn->...sp", alpha, columns)  # [W_r^T; W_e^T] = alpha columns^T: (B, 2, H, s, p)
     weights = paired.flip(1)  # [W_e^T; W_r^T], the weights of the scores [e; r]
-    scores = (weights @ columns).mul_(scale)  # [e^T; r^T] = c [W_e^T P_q; W_r^T P_k] nu
+    scores = weights @ columns  # [e^T; r^T] = c [W_e^T P_q; W_r^T P_k] nu
+    # in place in eager mode only: under torch.compile, torch 2.11's dynamo gives every input of an autograd function
+    # a zero gradient when the function returns a tensor it modified in place (fixed by 2.13)
+    scores = scores * scale if compiling else scores.mul_(scale)
     # alpha is saved as the buffer's half (no version check: the backward pass writes the other half)
     sweep = (inverse, active, scale, factor, weights)
     return scores, paired, squared, (*sweep, *(() if ctx.operand is not None else (alpha,)))
@@ -207,7 +211,7 @@ class AmortizedSelfScores(torch.autograd.Function):
                         sums = torch.linalg.vecdot(wide_scores * square_mask, wide_scores)
                 half_inverse = torch.div(0.5, singular_values)  # 1 / (2 lambda)
                 coupling = paired.prod(1).sum((-2, -1))  # Tr(W_e^T W_r)
-                objective = torch.einsum("bqhs,hs->bh", sums, half_inverse).sub_(coupling)
+                objective = torch.einsum("bqhs,hs->bh", sums, half_inverse) - coupling  # an output: not in place
         if torch.compiler.is_compiling():
             magnitude = scores.new_empty(0)
         else:  # one number for the caller's checks (see the docstring)

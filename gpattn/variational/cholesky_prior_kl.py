@@ -88,6 +88,8 @@ def _forward(ctx, mean: Tensor, factor: Tensor, scales: Tensor, total: bool, sin
     terms = torch.add((scales / diagonal).abs().log(), ratio, alpha=0.5)
     ctx.save_for_backward(mean, lower, scales, inverse, ratio, diagonal)
     ctx.total = total
+    # the output is not formed in place: under torch.compile, torch 2.11's dynamo gives every input of an autograd
+    # function a zero gradient when the function returns a tensor it modified in place (fixed by 2.13)
     if total:
-        return terms.sum().sub_(0.5 * mean.numel())
-    return terms.sum(-1).sub_(0.5 * mean.shape[-1])
+        return terms.sum() - 0.5 * mean.numel()
+    return terms.sum(-1) - 0.5 * mean.shape[-1]

@@ -1,0 +1,59 @@
+"""Under ``torch.compile`` a training step of the attention layers gives eager mode's gradients, for every parameter.
+
+The layers' hand-written autograd functions (the fused amortised scores, the readout, the marginal noise, the KL) are
+traced by dynamo into one graph with their backward passes. torch 2.11's dynamo gives every input of such a function
+a zero gradient when the function returns a tensor that its forward pass modified in place (torch 2.13 does not): the
+fused scores did, so a compiled KEP-SVGP or Primal-Attention layer trained with frozen features, silently. The
+functions now form their outputs out of place while compiling. The check runs the whole step (the layer, its KL and
+its KSVD penalty) under the ``aot_eager`` backend, which traces as the default backend does but compiles no kernels,
+against the same step in eager mode; the noise of the draws is the same in both (no random draw is traced)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from gpattn.attention import build_attention
+
+CONFIGURATIONS = {
+    "kep_svgp": ("kep_svgp", {}),  # the fused amortised scores, joint draws through LinearOutput, CholeskyPriorKL
+    "kep_svgp_marginal": ("kep_svgp", {"sampling": "marginal"}),  # MarginalNoiseOutput
+    "kep_svgp_paper": ("kep_svgp_paper", {"max_len": 8}),  # primal-token features, the official KSVD form
+    "primal": ("primal", {}),  # the fused amortised scores without a GP
+}
+
+
+def _step(layer: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    loss = layer(x).square().sum() + layer.kl_divergence()
+    for term in layer.added_loss_terms():  # the KSVD penalty of this call, in training mode
+        loss = loss + term.loss()
+    return loss
+
+
+@pytest.mark.parametrize("training", [True, False], ids=["train", "eval"])
+@pytest.mark.parametrize("name", list(CONFIGURATIONS))
+def test_a_compiled_step_gives_the_eager_gradients_of_every_parameter(name, training):
+    attention, options = CONFIGURATIONS[name]
+    torch.manual_seed(0)
+    layer = build_attention(attention, 16, 2, **options).train(training)
+    x = torch.randn(2, 8, 16, generator=torch.Generator().manual_seed(1))
+    torch._dynamo.reset()
+    compiled = torch.compile(_step, backend="aot_eager", fullgraph=False)
+    results = {}
+    for label, step in (("eager", _step), ("compiled", compiled)):
+        layer.zero_grad(set_to_none=True)
+        torch.manual_seed(2)  # the same noise in both steps
+        loss = step(layer, x)
+        loss.backward()
+        gradients = {key: value.grad.clone() for key, value in layer.named_parameters() if value.grad is not None}
+        results[label] = (loss.detach(), gradients)
+    (eager_loss, eager), (compiled_loss, compiled_gradients) = results["eager"], results["compiled"]
+    torch.testing.assert_close(compiled_loss, eager_loss, rtol=1e-5, atol=1e-6)
+    assert compiled_gradients.keys() == eager.keys()
+    if training:  # every parameter learns (in eval mode those of the draws and of the KSVD penalty need not)
+        assert len(eager) == sum(1 for value in layer.parameters() if value.requires_grad)
+    for key, value in eager.items():
+        scale = value.abs().max()
+        assert scale > 0, key  # a gradient that is not trivially zero in eager mode
+        # float32 sums in another order: entries far below the largest differ by its rounding, not by their own
+        torch.testing.assert_close(compiled_gradients[key], value, rtol=1e-4, atol=1e-5 * float(scale), msg=key)
