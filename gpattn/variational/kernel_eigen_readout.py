@@ -16,8 +16,17 @@ from ..validation import check_choice, check_float
 from .cholesky_prior_kl import CholeskyPriorKL
 from .kernel_eigen_variational_strategy import KernelEigenVariationalStrategy
 from .linear_output import LinearOutput
-from .marginal_noise import MarginalNoiseOutput
+from .marginal_noise import MarginalNoiseOutput, variance_floor
 from .structured_covariance import low_rank_plus_diag, reparameterised_draw
+
+
+def _normal_draws(shape: tuple[int, ...] | torch.Size, dtype: torch.dtype, device: torch.device) -> Tensor:
+    """Standard normal draws of ``shape`` in ``dtype``, drawn in float32 when ``dtype`` is half precision: the same
+    seed then gives the same draw, to the rounding of ``dtype``, with or without autocast (torch's CPU generator draws
+    other numbers for bfloat16 than for float32, and which depends on the torch version)."""
+    if dtype not in (torch.bfloat16, torch.float16):
+        return torch.randn(shape, dtype=dtype, device=device)
+    return torch.randn(shape, dtype=torch.float32, device=device).to(dtype)
 
 
 class KernelEigenReadout:
@@ -309,7 +318,7 @@ class KernelEigenReadout:
         autocast = autocast_state(interps.device.type)  # the draw in the dtype of the variances under autocast
         dtype = interps.dtype if autocast is None else autocast[1]
         batch, heads, length = interps.shape[1:4]
-        noise = torch.randn((batch, heads, factor.shape[1], length), dtype=dtype, device=interps.device)
+        noise = _normal_draws((batch, heads, factor.shape[1], length), dtype, interps.device)
         return MarginalNoiseOutput.apply(interps, factor, extra, noise, maps, *selections)
 
     def token_noise_moments(self, scores: KernelEigenScores, sides: tuple[str, ...]) -> dict[tuple[str, str], Tensor]:
@@ -342,12 +351,12 @@ class KernelEigenReadout:
     @staticmethod
     def _floored_sqrt(variance: Tensor) -> Tensor:
         # floored at eps: d sqrt(v) / dv stays finite where the variance is ~ 0
-        return variance.clamp_min(torch.finfo(variance.dtype).eps).sqrt()
+        return variance.clamp_min(variance_floor(variance.dtype)).sqrt()
 
     @staticmethod
     def _standard_normal(like: Tensor) -> Tensor:
         # in the logical order of the shape (randn_like would follow a permuted tensor's memory order)
-        return torch.randn(like.shape, dtype=like.dtype, device=like.device)
+        return _normal_draws(like.shape, like.dtype, like.device)
 
     def _scaled_normal(self, variance: Tensor) -> Tensor:
         root = self._floored_sqrt(variance)

@@ -39,6 +39,14 @@ from torch import Tensor
 from ..fused import autocast_state, restored_autocast
 
 
+def variance_floor(dtype: torch.dtype) -> float:
+    """The floor of a per-token variance before its square root (below it the root's gradient is zero, so that it
+    stays finite where the variance vanishes): float32's machine epsilon, also for a half-precision variance under
+    autocast, whose own epsilon (``2^-7`` in bfloat16) would floor the standard deviation of every token at 0.09;
+    float64's in float64."""
+    return torch.finfo(torch.float64 if dtype == torch.float64 else torch.float32).eps
+
+
 class MarginalNoiseOutput(torch.autograd.Function):
     r""":math:`\Delta y = \sum_{h, c} \sqrt{v_{hnc}}\, \xi_{hnc} C_{hc}` (see the module docstring).
 
@@ -69,7 +77,7 @@ class MarginalNoiseOutput(torch.autograd.Function):
         variance = (products @ packed.to(products.dtype)).sum(0)  # (B, H, N, d): no copy of the products
         if extra is not None:
             variance = variance + extra.mT
-        floor = torch.finfo(variance.dtype).eps
+        floor = variance_floor(variance.dtype)
         root = variance.clamp_min(floor).sqrt()
         scaled = root * noise.mT  # (B, H, N, d)
         output = torch.einsum("bhnd,hdc->bnc", scaled, maps.to(scaled.dtype))

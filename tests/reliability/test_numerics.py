@@ -19,6 +19,7 @@ from gpattn.kernels.exponential_dot_product_kernel import safe_max_logit
 from gpattn.ksvd import default_gradient_tolerance, kernel_svd
 from gpattn.mlls import AttentionELBO
 from gpattn.models import KernelEigenPairSVGP, predict_probabilities
+from gpattn.variational import KernelEigenReadout
 
 DTYPE = torch.float64
 NAMES = attention_names()
@@ -511,6 +512,50 @@ def test_bfloat16_autocast_gives_finite_outputs_close_to_float32(make_layer, nam
     if mode == "train":
         (output.float().square().mean() + kl.float()).backward()
         assert all(torch.isfinite(p.grad).all() for p in layer.parameters() if p.grad is not None)
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"sampling": "marginal", "shared_posterior": True},  # the fused draw of the summed branches
+        {"sampling": "marginal"},  # independent branches: the fused draw of their sum
+        {"sampling": "marginal", "merge": "concat"},  # one draw per branch (token_noise)
+    ],
+    ids=["shared", "independent", "concat"],
+)
+def test_the_same_seed_draws_the_same_noise_with_or_without_bfloat16_autocast(options):
+    """torch's CPU generator draws other numbers for a bfloat16 tensor than for a float32 one (on torch 2.13 for more
+    than 16 numbers that are not a multiple of 16, on torch 2.11 for any tensor): the layer draws its per-token noise
+    in float32 and rounds it, so that a seed fixes the sample under autocast too. Two heads, two outputs and six tokens:
+    24 noise numbers per draw. The per-token variances (here down to 6e-4) are floored at float32's epsilon under
+    autocast too: bfloat16's (2^-7) raised the smallest standard deviations fourfold and the error to 13 %."""
+    torch.manual_seed(0)
+    layer = KEPSVGPAttention(embed_dim=16, num_heads=2, num_inducing=2, num_outputs=2, **options).train()
+    with torch.no_grad():  # a wide posterior: the noise is a large part of the output
+        layer.strategy._variational_distribution.chol_variational_covar.mul_(10.0)
+    tokens = torch.randn(1, 6, 16, generator=_generator(24))
+    outputs = []
+    for seed in (5, 6):
+        torch.manual_seed(seed)
+        outputs.append(layer(tokens))
+    reference, scale = outputs[0], outputs[0].abs().max()
+    assert (outputs[1] - reference).abs().max() > 0.2 * scale  # another seed: another sample
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        torch.manual_seed(5)
+        output = layer(tokens)
+    error = (output.float() - reference).abs().max() / scale
+    assert error < 5e-2, error
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("shape", [(5,), (1, 2, 2, 6), (3, 100)])
+def test_half_precision_draws_are_the_float32_draws_rounded(shape, dtype):
+    # the draws of every per-token noise of the readout (token_noise and the fused path)
+    torch.manual_seed(7)
+    expected = torch.randn(shape).to(dtype)
+    torch.manual_seed(7)
+    drawn = KernelEigenReadout._standard_normal(torch.empty(shape, dtype=dtype))
+    assert drawn.dtype == dtype and torch.equal(drawn, expected)
 
 
 @pytest.mark.parametrize("name", NAMES)
