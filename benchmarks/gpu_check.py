@@ -229,16 +229,34 @@ def equivalence(device: torch.device, smoke: bool) -> dict:
     return results
 
 
+class _CompiledLayer(torch.nn.Module):
+    """A layer whose forward pass and KL are both compiled (``aot_eager``), with the layer's parameters."""
+
+    def __init__(self, layer: torch.nn.Module):
+        super().__init__()
+        self.layer = layer
+        self._compiled = (
+            torch.compile(layer, backend="aot_eager"),
+            torch.compile(layer.kl_divergence, backend="aot_eager"),
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self._compiled[0](x)
+
+    def kl_divergence(self) -> torch.Tensor:
+        return self._compiled[1]()
+
+
 def _compiled_against_eager(name: str, device: torch.device, x: torch.Tensor, probe: torch.Tensor) -> dict:
-    """The layer compiled (``backend="aot_eager"``: dynamo and AOT autograd, as every backend traces, without
-    generating kernels) against eager mode on ``device`` in float64: the predictive mean and every gradient within
-    1e-10. torch 2.11 gave every input of the fused scores a zero gradient under compile until they stopped returning
-    a tensor modified in place."""
+    """The layer and its KL compiled (``backend="aot_eager"``: dynamo and AOT autograd, as every backend traces,
+    without generating kernels) against eager mode on ``device`` in float64: the predictive mean and every gradient
+    within 1e-10. torch 2.11 gave every input of the fused scores and of the KL a zero gradient under compile until they
+    stopped returning a tensor modified in place."""
     layer = _small_layer(name, x.shape[1], torch.float64).to(device)
     x, probe = x.to(device), probe.to(device)
     reference = _mean_and_gradients(layer, x, probe)
     torch._dynamo.reset()
-    compiled = _mean_and_gradients(torch.compile(layer, backend="aot_eager"), x, probe)
+    compiled = _mean_and_gradients(_CompiledLayer(layer), x, probe)
     difference = _difference(reference, compiled)
     return {"float64_difference": difference, "ok": difference <= 1e-10}
 

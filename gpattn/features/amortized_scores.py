@@ -108,7 +108,7 @@ def _torch_forward(ctx, columns, values, outputscale, token_weights, rescaled) -
     weights = paired.flip(1)  # [W_e^T; W_r^T], the weights of the scores [e; r]
     scores = weights @ columns  # [e^T; r^T] = c [W_e^T P_q; W_r^T P_k] nu
     # in place in eager mode only: under torch.compile, torch 2.11's dynamo gives every input of an autograd function
-    # a zero gradient when the function returns a tensor it modified in place (fixed by 2.13)
+    # a zero gradient when the function returns a tensor it modified in place (not seen with torch 2.13)
     scores = scores * scale if compiling else scores.mul_(scale)
     # alpha is saved as the buffer's half (no version check: the backward pass writes the other half)
     sweep = (inverse, active, scale, factor, weights)

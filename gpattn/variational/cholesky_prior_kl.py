@@ -89,7 +89,7 @@ def _forward(ctx, mean: Tensor, factor: Tensor, scales: Tensor, total: bool, sin
     ctx.save_for_backward(mean, lower, scales, inverse, ratio, diagonal)
     ctx.total = total
     # the output is not formed in place: under torch.compile, torch 2.11's dynamo gives every input of an autograd
-    # function a zero gradient when the function returns a tensor it modified in place (fixed by 2.13)
+    # function a zero gradient when the function returns a tensor it modified in place (not seen with torch 2.13)
     if total:
         return terms.sum() - 0.5 * mean.numel()
     return terms.sum(-1) - 0.5 * mean.shape[-1]

@@ -16,7 +16,7 @@ from ..validation import check_choice, check_float
 from .cholesky_prior_kl import CholeskyPriorKL
 from .kernel_eigen_variational_strategy import KernelEigenVariationalStrategy
 from .linear_output import LinearOutput
-from .marginal_noise import MarginalNoiseOutput, variance_floor
+from .marginal_noise import MarginalNoiseOutput, _variance_floor
 from .structured_covariance import low_rank_plus_diag, reparameterised_draw
 
 
@@ -351,7 +351,7 @@ class KernelEigenReadout:
     @staticmethod
     def _floored_sqrt(variance: Tensor) -> Tensor:
         # floored at eps: d sqrt(v) / dv stays finite where the variance is ~ 0
-        return variance.clamp_min(variance_floor(variance.dtype)).sqrt()
+        return variance.clamp_min(_variance_floor(variance.dtype)).sqrt()
 
     @staticmethod
     def _standard_normal(like: Tensor) -> Tensor:

@@ -27,8 +27,9 @@ backward pass is
     \bar\Pi_{nP} = \textstyle\sum_c \bar v_{nc}\, w_P S_{c,P},
 
 with :math:`\bar S` zero below the diagonal, :math:`F, G` the one-hot ``(s, P)`` selections of :math:`a_i` and
-:math:`a_j`, and :math:`z = \sqrt v\, \xi`. The variance is floored at the dtype's epsilon before the square root, as
-:meth:`~gpattn.variational.KernelEigenReadout.token_noise` floors it (no gradient below the floor).
+:math:`a_j`, and :math:`z = \sqrt v\, \xi`. The variance is floored at float32's epsilon (float64's in float64, also
+under half-precision autocast) before the square root, as :meth:`~gpattn.variational.KernelEigenReadout.token_noise`
+floors it (no gradient below the floor).
 """
 
 from __future__ import annotations
@@ -39,10 +40,10 @@ from torch import Tensor
 from ..fused import autocast_state, restored_autocast
 
 
-def variance_floor(dtype: torch.dtype) -> float:
+def _variance_floor(dtype: torch.dtype) -> float:
     """The floor of a per-token variance before its square root (below it the root's gradient is zero, so that it
     stays finite where the variance vanishes): float32's machine epsilon, also for a half-precision variance under
-    autocast, whose own epsilon (``2^-7`` in bfloat16) would floor the standard deviation of every token at 0.09;
+    autocast, whose own epsilon (``2^-7`` in bfloat16) would raise every standard deviation below 0.09 to 0.09;
     float64's in float64."""
     return torch.finfo(torch.float64 if dtype == torch.float64 else torch.float32).eps
 
@@ -77,7 +78,7 @@ class MarginalNoiseOutput(torch.autograd.Function):
         variance = (products @ packed.to(products.dtype)).sum(0)  # (B, H, N, d): no copy of the products
         if extra is not None:
             variance = variance + extra.mT
-        floor = variance_floor(variance.dtype)
+        floor = _variance_floor(variance.dtype)
         root = variance.clamp_min(floor).sqrt()
         scaled = root * noise.mT  # (B, H, N, d)
         output = torch.einsum("bhnd,hdc->bnc", scaled, maps.to(scaled.dtype))

@@ -6,7 +6,9 @@ a zero gradient when the function returns a tensor that its forward pass modifie
 fused scores did, so a compiled KEP-SVGP or Primal-Attention layer trained with frozen features, silently. The
 functions now form their outputs out of place while compiling. The check runs the whole step (the layer, its KL and
 its KSVD penalty) under the ``aot_eager`` backend, which traces as the default backend does but compiles no kernels,
-against the same step in eager mode; the noise of the draws is the same in both (no random draw is traced)."""
+against the same step in eager mode; the draws are the same in both (``aot_eager`` draws from the global generator).
+That check fails only on a torch with the defect; :func:`test_no_fused_function_returns_a_tensor_modified_in_place`
+guards the cause on any torch."""
 
 from __future__ import annotations
 
@@ -14,6 +16,8 @@ import pytest
 import torch
 
 from gpattn.attention import build_attention
+from gpattn.features.amortized_scores import AmortizedSelfScores
+from gpattn.variational.cholesky_prior_kl import CholeskyPriorKL
 
 CONFIGURATIONS = {
     "kep_svgp": ("kep_svgp", {}),  # the fused amortised scores, joint draws through LinearOutput, CholeskyPriorKL
@@ -57,3 +61,27 @@ def test_a_compiled_step_gives_the_eager_gradients_of_every_parameter(name, trai
         assert scale > 0, key  # a gradient that is not trivially zero in eager mode
         # float32 sums in another order: entries far below the largest differ by its rounding, not by their own
         torch.testing.assert_close(compiled_gradients[key], value, rtol=1e-4, atol=1e-5 * float(scale), msg=key)
+
+
+def test_no_fused_function_returns_a_tensor_modified_in_place(monkeypatch):
+    """The cause, on any torch: in their compiling branch (``torch.compiler.is_compiling`` made true, run eagerly) the
+    fused scores and the closed-form KL return tensors that no in-place operator has touched (version 0)."""
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    generator = torch.Generator().manual_seed(3)
+
+    def parameter(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=generator, dtype=torch.float64).requires_grad_()
+
+    batch, length, width, heads, features, rank = 2, 8, 16, 2, 8, 3
+    tokens, weights = parameter(batch, length, width), (parameter(heads, features, width) for _ in range(2))
+    maps, biases = (parameter(heads, width, rank) for _ in range(2)), (parameter(heads, rank) for _ in range(2))
+    outputscale, spectrum = parameter(heads).exp(), parameter(heads, rank).exp()
+    scores, objective, _ = AmortizedSelfScores.apply(
+        None, tokens, *weights, *maps, *biases, 1.0 / length, outputscale, spectrum, None, False, None
+    )
+    assert scores.shape == (batch, 2, heads, rank, length) and objective.shape == (batch, heads)
+    assert scores._version == 0 and objective._version == 0
+    mean, factor, scales = parameter(heads, rank), parameter(heads, rank, rank), parameter(heads, rank).exp()
+    for total in (False, True):
+        kl = CholeskyPriorKL.apply(mean, factor, scales, total)
+        assert kl._version == 0 and kl.shape == (() if total else (heads,))

@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 from types import SimpleNamespace
 
+import numpy
 import pytest
 import torch
 
@@ -61,18 +62,18 @@ loop[(1,)](torch.ones(32), 32, B=16)
 """
 
 
-def _interpreter_failure(environment: dict[str, str]) -> str | None:
+def _interpreter_failure(environment: dict[str, str], triton_version: str) -> str | None:
     """Why this Triton's interpreter cannot run a loop over a kernel argument with this NumPy, or ``None``."""
-    probe = subprocess.run(
-        [sys.executable, "-c", LOOP_PROBE], env=environment, capture_output=True, text=True, timeout=300
-    )
+    try:
+        probe = subprocess.run(
+            [sys.executable, "-c", LOOP_PROBE], env=environment, capture_output=True, text=True, timeout=300
+        )
+    except subprocess.TimeoutExpired:
+        return None  # the cases then show what is wrong
     if probe.returncode == 0 or "0-dimensional arrays can be converted" not in probe.stderr:
         return None  # it runs (or fails otherwise, which the cases then show)
-    import numpy
-    import triton
-
     return (
-        f"Triton {triton.__version__}'s interpreter cannot run kernel loops with NumPy {numpy.__version__} (a "
+        f"Triton {triton_version}'s interpreter cannot run kernel loops with NumPy {numpy.__version__} (a "
         "one-element array converted by int(); Triton 3.9 can): the interpreter cases need NumPy < 2.4 or a newer "
         "Triton; compiled kernels are not affected"
     )
@@ -80,9 +81,9 @@ def _interpreter_failure(environment: dict[str, str]) -> str | None:
 
 def test_kernels_under_the_interpreter():
     """The interpreter cases in a fresh process (about a minute on 2 cores)."""
-    pytest.importorskip("triton")
+    triton = pytest.importorskip("triton")
     environment = {**os.environ, "TRITON_INTERPRET": "1", triton_scores.TRITON_VARIABLE: "1"}
-    reason = _interpreter_failure(environment)
+    reason = _interpreter_failure(environment, triton.__version__)
     if reason is not None:
         pytest.skip(reason)
     command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(CASES)]

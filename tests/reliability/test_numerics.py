@@ -520,8 +520,9 @@ def test_bfloat16_autocast_gives_finite_outputs_close_to_float32(make_layer, nam
         {"sampling": "marginal", "shared_posterior": True},  # the fused draw of the summed branches
         {"sampling": "marginal"},  # independent branches: the fused draw of their sum
         {"sampling": "marginal", "merge": "concat"},  # one draw per branch (token_noise)
+        {"sampling": "marginal", "merge": "concat", "shared_posterior": True},  # correlated draws (token_noise)
     ],
-    ids=["shared", "independent", "concat"],
+    ids=["shared", "independent", "concat", "concat_shared"],
 )
 def test_the_same_seed_draws_the_same_noise_with_or_without_bfloat16_autocast(options):
     """torch's CPU generator draws other numbers for a bfloat16 tensor than for a float32 one (on torch 2.13 for more
@@ -544,13 +545,13 @@ def test_the_same_seed_draws_the_same_noise_with_or_without_bfloat16_autocast(op
         torch.manual_seed(5)
         output = layer(tokens)
     error = (output.float() - reference).abs().max() / scale
-    assert error < 5e-2, error
+    assert error < 2e-2, error  # 0.5-1 %; 6-13 % before (the draws or the bfloat16 variance floor)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("shape", [(5,), (1, 2, 2, 6), (3, 100)])
+@pytest.mark.parametrize("shape", [(1, 2, 2, 6), (3, 100)])
 def test_half_precision_draws_are_the_float32_draws_rounded(shape, dtype):
-    # the draws of every per-token noise of the readout (token_noise and the fused path)
+    # the draws of token_noise (the fused path calls the same function; the test above covers both through the layer)
     torch.manual_seed(7)
     expected = torch.randn(shape).to(dtype)
     torch.manual_seed(7)
