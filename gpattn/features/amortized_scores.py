@@ -47,7 +47,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ..fused import autocast_state, full_precision, restored_autocast
+from ..fused import autocast_state, full_precision, restored_autocast, wide_dtype
 from ..fused.triton_scores import runs_triton, scores_backward, scores_forward
 from ..kernels.cosine_feature_kernel import inverse_norms
 from ..validation import check_token_magnitude, within_bound
@@ -57,11 +57,6 @@ from .learned_attention_features import GRADIENT_GROWTH
 NORM_FLOOR = 1e-12
 #: the rows of the feature columns squared and summed per pass when forming their norms
 NORM_BLOCK = 8
-
-
-def _wide(dtype: torch.dtype) -> torch.dtype:
-    # float32 for the half-precision dtypes of autocast, else the dtype itself (no aten call, unlike promote_types)
-    return dtype if dtype in (torch.float32, torch.float64) else torch.float32
 
 
 def _inverse_norms(columns: Tensor, rescaled: bool) -> tuple[Tensor, Tensor]:
@@ -78,7 +73,7 @@ def _inverse_norms(columns: Tensor, rescaled: bool) -> tuple[Tensor, Tensor]:
         # one: fresh large buffers cost page faults on CPU), reduced along the contiguous N: several times faster
         # on CPU than vector_norm over dim -2
         blocks = columns.split(NORM_BLOCK, dim=-2)
-        wide = _wide(columns.dtype)  # bfloat16 columns: accumulated in float32
+        wide = wide_dtype(columns.dtype)  # bfloat16 columns: accumulated in float32
         accumulated = (blocks[0] if blocks[0].dtype == wide else blocks[0].to(wide)).square()
         for block in blocks[1:]:
             if block.shape[-2] == accumulated.shape[-2]:
@@ -199,7 +194,7 @@ class AmortizedSelfScores(torch.autograd.Function):
         # under autocast the products run in bfloat16 (or float16); J, a difference of sums that cancel near a
         # stationary point, and the small weights' gradients are formed in float32; a half-precision layer outside
         # autocast (its parameters half too) computes them in its own dtype, as its magnitude guard assumes
-        wide = _wide(scores.dtype) if ctx.autocast is not None else scores.dtype
+        wide = wide_dtype(scores.dtype) if ctx.autocast is not None else scores.dtype
         paired = paired if paired.dtype == wide else paired.to(wide)
         if singular_values is not None:
             with full_precision(ctx.autocast):

@@ -3,6 +3,6 @@ functions carry from their forward into their backward pass (:mod:`gpattn.fused.
 the fused amortised scores with the predicate that decides when they run (:mod:`gpattn.fused.triton_scores`; the
 PyTorch code of :mod:`gpattn.features.amortized_scores` is their reference and the CPU path)."""
 
-from .autocast import AutocastState, autocast_state, full_precision, restored_autocast
+from .autocast import AutocastState, autocast_state, full_precision, restored_autocast, wide_dtype
 
-__all__ = ["AutocastState", "autocast_state", "full_precision", "restored_autocast"]
+__all__ = ["AutocastState", "autocast_state", "full_precision", "restored_autocast", "wide_dtype"]

@@ -12,7 +12,7 @@ from contextlib import AbstractContextManager, nullcontext
 
 import torch
 
-__all__ = ["AutocastState", "autocast_state", "full_precision", "restored_autocast"]
+__all__ = ["AutocastState", "autocast_state", "full_precision", "restored_autocast", "wide_dtype"]
 
 #: ``(device_type, dtype)`` of an enabled autocast region, or ``None``
 AutocastState = tuple[str, torch.dtype] | None
@@ -41,3 +41,10 @@ def full_precision(state: AutocastState) -> AbstractContextManager:
     if state is None:
         return nullcontext()
     return torch.autocast(state[0], enabled=False)
+
+
+def wide_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype in which quantities of a ``dtype`` computation that need precision are formed (sums, norms, draws,
+    floors): float32 for the half-precision dtypes of autocast, else ``dtype`` itself (float32 or float64; no aten
+    call, unlike ``torch.promote_types``)."""
+    return dtype if dtype in (torch.float32, torch.float64) else torch.float32

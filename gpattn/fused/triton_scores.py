@@ -28,6 +28,8 @@ import os
 import torch
 from torch import Tensor
 
+from .autocast import wide_dtype
+
 try:  # optional: pip install gpattn[gpu]
     import triton
     import triton.language as tl
@@ -134,7 +136,7 @@ def scores_forward(
     """
     batch, _, heads, features, length = columns.shape
     rank = values.shape[-2]
-    wide = torch.float64 if columns.dtype == torch.float64 else torch.float32
+    wide = wide_dtype(columns.dtype)
     scores = torch.empty_like(values, dtype=columns.dtype)
     paired = torch.empty(batch, 2, heads, rank, features, dtype=wide, device=columns.device)
     token_sums = torch.empty(batch, 2, heads, rank, dtype=wide, device=columns.device) if sums else paired

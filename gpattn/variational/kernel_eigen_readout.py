@@ -11,7 +11,7 @@ from gpytorch.variational import CholeskyVariationalDistribution, MeanFieldVaria
 from torch import Tensor
 
 from ..features import KernelEigenScores
-from ..fused import autocast_state
+from ..fused import autocast_state, wide_dtype
 from ..validation import check_choice, check_float
 from .cholesky_prior_kl import CholeskyPriorKL
 from .kernel_eigen_variational_strategy import KernelEigenVariationalStrategy
@@ -24,9 +24,9 @@ def _normal_draws(shape: tuple[int, ...] | torch.Size, dtype: torch.dtype, devic
     """Standard normal draws of ``shape`` in ``dtype``, drawn in float32 when ``dtype`` is half precision: the same
     seed then gives the same draw, to the rounding of ``dtype``, with or without autocast (torch's CPU generator draws
     other numbers for bfloat16 than for float32, and which depends on the torch version)."""
-    if dtype not in (torch.bfloat16, torch.float16):
-        return torch.randn(shape, dtype=dtype, device=device)
-    return torch.randn(shape, dtype=torch.float32, device=device).to(dtype)
+    wide = wide_dtype(dtype)
+    draws = torch.randn(shape, dtype=wide, device=device)
+    return draws if wide == dtype else draws.to(dtype)
 
 
 class KernelEigenReadout:

@@ -37,7 +37,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ..fused import autocast_state, restored_autocast
+from ..fused import autocast_state, restored_autocast, wide_dtype
 
 
 def _variance_floor(dtype: torch.dtype) -> float:
@@ -45,7 +45,7 @@ def _variance_floor(dtype: torch.dtype) -> float:
     stays finite where the variance vanishes): float32's machine epsilon, also for a half-precision variance under
     autocast, whose own epsilon (``2^-7`` in bfloat16) would raise every standard deviation below 0.09 to 0.09;
     float64's in float64."""
-    return torch.finfo(torch.float64 if dtype == torch.float64 else torch.float32).eps
+    return torch.finfo(wide_dtype(dtype)).eps
 
 
 class MarginalNoiseOutput(torch.autograd.Function):
