@@ -17,6 +17,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from ._torch_compat import autocast_enabled, is_compiling
+
 
 class InputTypeError(TypeError, ValueError):
     """A wrong type or dtype. A :class:`TypeError` that is also a :class:`ValueError`, so that code written against
@@ -29,7 +31,7 @@ def _prefix(where: str) -> str:
 
 
 def _is_tracing() -> bool:
-    return torch.jit.is_scripting() or torch.jit.is_tracing() or torch.compiler.is_compiling()
+    return torch.jit.is_scripting() or torch.jit.is_tracing() or is_compiling()
 
 
 def all_finite(value: Tensor) -> bool:
@@ -56,13 +58,6 @@ def non_finite_parameters(*modules: torch.nn.Module) -> list[str]:
         for name, parameter in module.named_parameters()
         if not all_finite(parameter.detach())
     ]
-
-
-def _autocast_enabled(device_type: str) -> bool:
-    try:
-        return torch.is_autocast_enabled(device_type)
-    except TypeError:  # torch < 2.4 takes no device type
-        return torch.is_autocast_enabled() or torch.is_autocast_cpu_enabled()
 
 
 def check_int(name: str, value: Any, minimum: int | None = 1, maximum: int | None = None, where: str = "") -> int:
@@ -232,7 +227,7 @@ def check_tensor(
                 f"{prefix}{name} is on {value.device} but {like_name} are on {like.device}: move one of them "
                 f"(.to({str(like.device)!r}))"
             )
-        if match_dtype and value.dtype != like.dtype and not _autocast_enabled(value.device.type):
+        if match_dtype and value.dtype != like.dtype and not autocast_enabled(value.device.type):
             raise InputTypeError(
                 f"{prefix}{name} is {value.dtype} but {like_name} are {like.dtype}: cast one of them "
                 f"(.to({like.dtype}))"

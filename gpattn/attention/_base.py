@@ -9,6 +9,7 @@ import torch
 from gpytorch.module import Module
 from torch import Tensor
 
+from .._torch_compat import autocast_enabled, compilable
 from ..validation import check_float, check_int, check_tensor
 
 
@@ -181,8 +182,8 @@ class AttentionLayer(Module):
         coefficients = coefficients.expand(batch, *coefficients.shape[-3:]).reshape(batch, heads * width, -1)
         columns = head_values.mT
         # (B, H k, N) without a copy, its gradient handed back in that layout (autocast takes the general product)
-        if columns.is_contiguous() and not torch.is_autocast_enabled(columns.device.type):
-            return _ColumnsOutputGEMM.apply(output, columns.view(batch, heads * width, length), coefficients)
+        if columns.is_contiguous() and not autocast_enabled(columns.device.type):
+            return _columns_output_gemm(output, columns.view(batch, heads * width, length), coefficients)
         flat = head_values.permute(0, 2, 1, 3).reshape(batch, length, heads * width)
         return torch.baddbmm(output.expand(batch, length, coefficients.shape[-1]), flat, coefficients)
 
@@ -272,6 +273,10 @@ class _ColumnsOutputGEMM(torch.autograd.Function):
         grad_columns = coefficients @ grad.mT if ctx.needs_input_grad[1] else None  # (B, K, C) x (B, C, N)
         grad_coefficients = columns @ grad if ctx.needs_input_grad[2] else None  # (B, K, N) x (B, N, C)
         return grad_output, grad_columns, grad_coefficients
+
+
+# as torch.compile should meet it (gpattn._torch_compat.compilable: a graph break on torch < 2.4)
+_columns_output_gemm = compilable(_ColumnsOutputGEMM.apply)
 
 
 @contextmanager

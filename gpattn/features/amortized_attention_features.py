@@ -7,12 +7,16 @@ import math
 import torch
 from torch import Tensor
 
+from .._torch_compat import compilable
 from ..ksvd import ksvd_objective
 from ..validation import all_finite, square_limit
 from .amortized_scores import AmortizedSelfScores
 from .kernel_eigen_scores import KernelEigenScores
 from .learned_attention_features import Columns, LearnedAttentionFeatures
 from .sequence_sums import prefix_mean_outer
+
+# the fused scores as torch.compile should meet it (gpattn._torch_compat.compilable: a graph break on torch < 2.4)
+_amortized_self_scores = compilable(AmortizedSelfScores.apply)
 
 
 class AmortizedAttentionFeatures(LearnedAttentionFeatures):
@@ -136,10 +140,10 @@ class AmortizedAttentionFeatures(LearnedAttentionFeatures):
         lifted = None if lifted is tokens else lifted
         arguments = (lifted, tokens, *parameters, singular_values if objective else None, square_mask)
         guard = self._where() if self._watches_gradients() else None
-        scores, objective_value, magnitude = AmortizedSelfScores.apply(*arguments, False, guard)
+        scores, objective_value, magnitude = _amortized_self_scores(*arguments, False, guard)
         magnitude = float(magnitude) if magnitude.numel() else 0.0  # empty while compiling: nothing to read
         if not math.isfinite(magnitude):
-            scores, objective_value, _ = AmortizedSelfScores.apply(*arguments, True, guard)  # overflowing norms
+            scores, objective_value, _ = _amortized_self_scores(*arguments, True, guard)  # overflowing norms
             if not all_finite(scores):
                 self._check_magnitude(tokens, tokens)
         left, right = scores.mT.unbind(1)  # e, r: (B, H, N, s) views

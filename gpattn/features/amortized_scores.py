@@ -47,6 +47,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from .._torch_compat import is_compiling
 from ..fused import autocast_state, full_precision, restored_autocast, wide_dtype
 from ..fused.triton_scores import runs_triton, scores_backward, scores_forward
 from ..kernels.cosine_feature_kernel import inverse_norms
@@ -66,7 +67,7 @@ def _inverse_norms(columns: Tensor, rescaled: bool) -> tuple[Tensor, Tensor]:
     if rescaled:
         inverse = inverse_norms(columns, dim=-2)
         return inverse, inverse < 1.0 / NORM_FLOOR, columns.new_zeros(())
-    if torch.compiler.is_compiling():  # fused by the compiler
+    if is_compiling():  # fused by the compiler
         squared = (columns * columns).sum(-2, keepdim=True)
     else:
         # sum_p P_p^2 accumulated over blocks of NORM_BLOCK rows (a (NORM_BLOCK, N) temporary instead of a (p, N)
@@ -93,7 +94,7 @@ def _torch_forward(ctx, columns, values, outputscale, token_weights, rescaled) -
     factor = scale * token_weights  # c nu w
     # alpha = a c nu w lives in the second half of a (2s, N) buffer: the backward pass writes the gradient of beta
     # into the first half and hands the buffer to its GEMM of inner dimension 2s without a concatenation
-    compiling = torch.compiler.is_compiling()
+    compiling = is_compiling()
     if compiling:  # dynamo traces no out= into a strided view: the backward pass concatenates
         ctx.operand, alpha = None, values * factor
     else:
@@ -207,7 +208,7 @@ class AmortizedSelfScores(torch.autograd.Function):
                 half_inverse = torch.div(0.5, singular_values)  # 1 / (2 lambda)
                 coupling = paired.prod(1).sum((-2, -1))  # Tr(W_e^T W_r)
                 objective = torch.einsum("bqhs,hs->bh", sums, half_inverse) - coupling  # an output: not in place
-        if torch.compiler.is_compiling():
+        if is_compiling():
             magnitude = scores.new_empty(0)
         else:  # one number for the caller's checks (see the docstring)
             magnitude = squared.sum() + (scores.sum() if sums is None else sums.sum())
@@ -280,8 +281,13 @@ def _torch_backward(ctx, columns, values, paired, scores, sweep, grad_scores, gr
     # scores = c beta nu with beta = weights @ columns: d beta = (d scores + dJ m scores / lambda) c nu, the second
     # term from the token sums S of the squared scores in J
     if with_objective:
+        if square_mask is not None and square_mask.dtype != scores.dtype:  # zeros and ones: exact in any dtype
+            square_mask = square_mask.to(scores.dtype)
         masked = scores if square_mask is None else scores * square_mask
+        # under autocast the float32 factor takes the scores' dtype: the products below write half-precision buffers
+        # (and torch 2.1 has no CPU kernel that mixes dtypes into one)
         sums_factor = sums_factor.view(batch, 1, heads, rank, 1)
+        sums_factor = sums_factor if sums_factor.dtype == scores.dtype else sums_factor.to(scores.dtype)
     if in_place:
         grad_beta = operand[..., :rank, :]  # [d beta_e; d beta_r]
         if with_objective:
@@ -317,7 +323,9 @@ def _torch_backward(ctx, columns, values, paired, scores, sweep, grad_scores, gr
     # the norms' term nu^3 d nu with d nu = (score_part + value_part c nu w) / nu (nu > 0: the norms are finite); no
     # gradient below the norm floor
     norm_term = torch.where(active, torch.addcmul(score_part, value_part, factor).mul_(inverse.square()), 0.0)
-    grad_columns.addcmul_(columns, norm_term, value=-1.0)  # in place: one pass over the feature columns
+    # in place: one pass over the feature columns (in their dtype, float32 norm term rounded to it under autocast)
+    norm_term = norm_term if norm_term.dtype == grad_columns.dtype else norm_term.to(grad_columns.dtype)
+    grad_columns.addcmul_(columns, norm_term, value=-1.0)
     return grad_columns, grad_values, total_paired, score_part.sum((0, 1, 3, 4))
 
 

@@ -12,6 +12,8 @@ from contextlib import AbstractContextManager, nullcontext
 
 import torch
 
+from .._torch_compat import autocast_dtype, autocast_enabled
+
 __all__ = ["AutocastState", "autocast_state", "full_precision", "restored_autocast", "wide_dtype"]
 
 #: ``(device_type, dtype)`` of an enabled autocast region, or ``None``
@@ -21,9 +23,9 @@ AutocastState = tuple[str, torch.dtype] | None
 def autocast_state(device_type: str) -> AutocastState:
     """The autocast state of ``device_type`` (``"cpu"``, ``"cuda"``, ...) now: ``(device_type, dtype)`` when autocast
     is enabled there, else ``None``."""
-    if not torch.is_autocast_enabled(device_type):
+    if not autocast_enabled(device_type):
         return None
-    return device_type, torch.get_autocast_dtype(device_type)
+    return device_type, autocast_dtype(device_type)
 
 
 def restored_autocast(state: AutocastState) -> AbstractContextManager:

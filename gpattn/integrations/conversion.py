@@ -254,5 +254,6 @@ def convert_modules(
         replacements.update(make_adapter(name, module))
     for name, replacement in replacements.items():
         replacement.train(model.get_submodule(name).training)  # the replaced module's mode (e.g. eval: no sampling)
-        model.set_submodule(name, replacement)
+        parent, _, child = name.rpartition(".")  # Module.set_submodule, which torch 2.1 lacks
+        setattr(model.get_submodule(parent), child, replacement)
     return model

@@ -7,6 +7,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
+from .._torch_compat import compilable
 from ..validation import check_int
 
 #: The methods of :func:`kernel_svd`: a full ``torch.linalg.svd`` truncated to the rank, or a seeded randomised range
@@ -126,6 +127,10 @@ class _SafeguardedSVD(torch.autograd.Function):
                 left, singular_values, right, left_grad, singular_values_grad, right_grad, ctx.tolerance, *ctx.shape
             )
         return matrix_grad, None, None, None, None, None
+
+
+# as torch.compile should meet it (gpattn._torch_compat.compilable: a graph break on torch < 2.4)
+_safeguarded_svd = compilable(_SafeguardedSVD.apply)
 
 
 def _fix_signs(left: Tensor, right: Tensor) -> tuple[Tensor, Tensor]:
@@ -248,7 +253,7 @@ def kernel_svd(
         gradient_tolerance = default_gradient_tolerance(work.dtype)
     sketch_rank = None if method == "exact" else rank
     with torch.autocast(work.device.type, enabled=False):
-        left, singular_values, right = _SafeguardedSVD.apply(
+        left, singular_values, right = _safeguarded_svd(
             work, sketch_rank, oversampling, power_iterations, seed, float(gradient_tolerance)
         )
     left, right = _fix_signs(left[..., :rank], right[..., :rank])

@@ -10,6 +10,7 @@ from gpytorch.distributions import MultivariateNormal
 from gpytorch.variational import CholeskyVariationalDistribution, MeanFieldVariationalDistribution
 from torch import Tensor
 
+from .._torch_compat import compilable, is_compiling
 from ..features import KernelEigenScores
 from ..fused import autocast_state, wide_dtype
 from ..validation import check_choice, check_float
@@ -18,6 +19,12 @@ from .kernel_eigen_variational_strategy import KernelEigenVariationalStrategy
 from .linear_output import LinearOutput
 from .marginal_noise import MarginalNoiseOutput, _variance_floor
 from .structured_covariance import low_rank_plus_diag, reparameterised_draw
+
+# the autograd functions as torch.compile should meet them (gpattn._torch_compat.compilable: graph breaks before
+# torch 2.4)
+_linear_output = compilable(LinearOutput.apply)
+_cholesky_prior_kl = compilable(CholeskyPriorKL.apply)
+_marginal_noise_output = compilable(MarginalNoiseOutput.apply)
 
 
 def _normal_draws(shape: tuple[int, ...] | torch.Size, dtype: torch.dtype, device: torch.device) -> Tensor:
@@ -188,7 +195,7 @@ class KernelEigenReadout:
             noise = None if noise is None else noise.unsqueeze(3)
         singular_values = None if strategy.whiten else scores.singular_values
         parts = (mean, factor, noise, singular_values, scores.active, maps, len(sides))
-        return LinearOutput.apply(columns, bias, *parts)
+        return _linear_output(columns, bias, *parts)
 
     def kl_divergence(self) -> Tensor:
         r"""The strategy's :math:`\mathrm{KL}(q(u) \| p(u))` (against the features' own :math:`\Lambda`) summed over
@@ -202,7 +209,7 @@ class KernelEigenReadout:
         if type(distribution) is CholeskyVariationalDistribution:
             mean, factor = distribution.variational_mean, distribution.chol_variational_covar
             scales = strategy._prior_scales(aligned=False)  # aligned inside the function: no view in the graph
-            return CholeskyPriorKL.apply(mean, factor, scales, True, strategy._aligned_dims)
+            return _cholesky_prior_kl(mean, factor, scales, True, strategy._aligned_dims)
         return strategy.kl_divergence().sum()
 
     def initialize_at_prior_draw(self, singular_values: Tensor, covariance_scale: float = 0.1) -> None:
@@ -319,7 +326,7 @@ class KernelEigenReadout:
         dtype = interps.dtype if autocast is None else autocast[1]
         batch, heads, length = interps.shape[1:4]
         noise = _normal_draws((batch, heads, factor.shape[1], length), dtype, interps.device)
-        return MarginalNoiseOutput.apply(interps, factor, extra, noise, maps, *selections)
+        return _marginal_noise_output(interps, factor, extra, noise, maps, *selections)
 
     def token_noise_moments(self, scores: KernelEigenScores, sides: tuple[str, ...]) -> dict[tuple[str, str], Tensor]:
         r"""The per-input covariances of the :math:`q(u)` part of the outputs, without any :math:`N \times N` or
@@ -443,7 +450,7 @@ def _triangle_selections(size: int, dtype: torch.dtype, device: torch.device) ->
     rows and columns (indices on ``device``), the weights :math:`w_{ij} = 2 - \delta_{ij}`, and the one-hot ``(s, P)``
     matrices whose products pick :math:`a_i` and :math:`a_j` (GEMMs: gathers are several times slower on CPU, forward
     and backward). Built once per size, dtype and device and never written to; built afresh while compiling."""
-    if torch.compiler.is_compiling():
+    if is_compiling():
         return _build_triangle_selections(size, dtype, device)
     return _cached_triangle_selections(size, dtype, device)
 

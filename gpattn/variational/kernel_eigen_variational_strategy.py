@@ -12,10 +12,14 @@ from gpytorch.variational._variational_strategy import _VariationalStrategy
 from linear_operator.operators import DiagLinearOperator, LinearOperator
 from torch import Tensor
 
+from .._torch_compat import compilable
 from ..features import KernelEigenFeatures, KernelEigenFeaturesBase, KernelEigenScores
 from ..validation import check_choice, check_int
 from .cholesky_prior_kl import CholeskyPriorKL
 from .structured_covariance import diagonal_prior_kl, low_rank_plus_diag, times_covariance_root
+
+# the closed-form KL as torch.compile should meet it (gpattn._torch_compat.compilable: a graph break on torch < 2.4)
+_cholesky_prior_kl = compilable(CholeskyPriorKL.apply)
 
 SIDES = ("left", "right")
 RESIDUALS = ("none", "diag")
@@ -203,7 +207,7 @@ class KernelEigenVariationalStrategy(_VariationalStrategy):
         distribution = self._variational_distribution
         if type(distribution) is CholeskyVariationalDistribution:  # from its parameters, by one fused function
             mean, factor = distribution.variational_mean, distribution.chol_variational_covar
-            return CholeskyPriorKL.apply(mean, factor, self._prior_scales(scores))
+            return _cholesky_prior_kl(mean, factor, self._prior_scales(scores))
         variational = distribution()
         return diagonal_prior_kl(variational.mean, variational.lazy_covariance_matrix, self._prior_variances(scores))
 

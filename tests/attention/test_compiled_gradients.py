@@ -15,6 +15,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from gpattn._torch_compat import TRACES_FUNCTIONS
 from gpattn.attention import build_attention
 from gpattn.features.amortized_scores import AmortizedSelfScores
 from gpattn.variational.cholesky_prior_kl import CholeskyPriorKL
@@ -53,6 +54,8 @@ def test_a_compiled_step_gives_the_eager_gradients_of_every_parameter(name, trai
         results[label] = (loss.detach(), gradients)
     (eager_loss, eager), (compiled_loss, compiled_gradients) = results["eager"], results["compiled"]
     torch.testing.assert_close(compiled_loss, eager_loss, rtol=1e-5, atol=1e-6)
+    if not TRACES_FUNCTIONS:  # torch < 2.4: graph breaks; a parameter outside eager's graph may get a zero gradient
+        compiled_gradients = {key: value for key, value in compiled_gradients.items() if key in eager or value.any()}
     assert compiled_gradients.keys() == eager.keys()
     if training:  # every parameter learns (in eval mode those of the draws and of the KSVD penalty need not)
         assert len(eager) == sum(1 for value in layer.parameters() if value.requires_grad)
@@ -66,7 +69,8 @@ def test_a_compiled_step_gives_the_eager_gradients_of_every_parameter(name, trai
 def test_no_fused_function_returns_a_tensor_modified_in_place(monkeypatch):
     """The cause, on any torch: in their compiling branch (``torch.compiler.is_compiling`` made true, run eagerly) the
     fused scores and the closed-form KL return tensors that no in-place operator has touched (version 0)."""
-    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True, raising=False)
+    monkeypatch.setattr(torch._dynamo, "is_compiling", lambda: True)  # what gpattn reads on torch 2.1 and 2.2
     generator = torch.Generator().manual_seed(3)
 
     def parameter(*shape: int) -> torch.Tensor:

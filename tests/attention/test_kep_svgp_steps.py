@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from gpattn._torch_compat import TRACES_FUNCTIONS
 from gpattn.attention import build_attention
 
 #: the operators of one step before issue 25 (amortised features, joint sampling, KL, KSVD penalty, backward)
@@ -29,6 +30,7 @@ def _step(layer: torch.nn.Module, x: torch.Tensor, autocast: bool = False) -> to
     return output
 
 
+@pytest.mark.skipif(not TRACES_FUNCTIONS, reason="counted on torch 2.4+; torch 2.1 records more operators (227)")
 def test_a_training_step_runs_at_most_half_the_operators_of_before(bench):
     """The count does not depend on the sizes: a small layer stands for the benchmark's."""
     torch.manual_seed(0)
@@ -56,6 +58,8 @@ def test_a_training_step_searches_no_einsum_contraction_path(bench, monkeypatch,
     every call, about 0.5 ms of Python each: half of a small step's host time before this was checked. Every product
     of a KEP step has two operands; a path search is counted by wrapping opt_einsum's ``contract_path``."""
     opt_einsum = pytest.importorskip("opt_einsum")
+    import torch.backends.opt_einsum  # noqa: F401 (not imported by ``import torch`` on torch 2.1)
+
     assert torch.backends.opt_einsum.is_available() and torch.backends.opt_einsum.enabled
     searches = []
     original = opt_einsum.contract_path

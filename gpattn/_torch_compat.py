@@ -1,0 +1,63 @@
+"""The torch functions gpattn calls that are newer than the oldest torch it supports (2.1), with their fallbacks.
+
+* :func:`is_compiling`: ``torch.compiler.is_compiling`` (torch 2.3+), else ``torch._dynamo.is_compiling``;
+* :func:`autocast_enabled` and :func:`autocast_dtype`: ``torch.is_autocast_enabled(device_type)`` and
+  ``torch.get_autocast_dtype(device_type)`` (torch 2.4+), else the per-device functions of older releases (CPU and
+  CUDA: autocast on another device type reads as disabled there);
+* :func:`compilable`: the ``apply`` of one of gpattn's autograd functions as ``torch.compile`` should meet it: as it
+  is where dynamo traces those functions (torch 2.4+, tested on 2.4 and later), else run eagerly inside a compiled
+  region (a graph break: correct, not fused). torch 2.1's dynamo fails on them (``InternalTorchDynamoError``).
+
+The choice is made once, at import; each function costs one Python call on the normal path, and ``torch.compile``
+traces them as constants.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch.torch_version import TorchVersion
+
+__all__ = ["autocast_dtype", "autocast_enabled", "compilable", "is_compiling"]
+
+#: torch 2.4+: the autocast functions take a device type
+DEVICE_AUTOCAST = hasattr(torch, "get_autocast_dtype")
+#: torch 2.3+: ``torch.compiler.is_compiling``
+COMPILER_IS_COMPILING = hasattr(torch.compiler, "is_compiling")
+#: torch 2.4+: dynamo traces gpattn's autograd functions (their ``ctx`` attributes, ``needs_input_grad``)
+TRACES_FUNCTIONS = TorchVersion(torch.__version__) >= (2, 4)
+
+if not TRACES_FUNCTIONS:  # torch 2.1-2.3
+    import torch._dynamo  # noqa: F401 (not imported by ``import torch`` there)
+
+
+def is_compiling() -> bool:
+    """Whether this call is being traced by ``torch.compile``: ``torch.compiler.is_compiling()``, or
+    ``torch._dynamo.is_compiling()`` on torch 2.1 and 2.2 (looked up at the call: a test may replace either)."""
+    if COMPILER_IS_COMPILING:
+        return torch.compiler.is_compiling()
+    return torch._dynamo.is_compiling()
+
+
+def autocast_enabled(device_type: str) -> bool:
+    """Whether autocast is enabled on ``device_type`` (``"cpu"``, ``"cuda"``, ...)."""
+    if DEVICE_AUTOCAST:
+        return torch.is_autocast_enabled(device_type)
+    if device_type == "cpu":
+        return torch.is_autocast_cpu_enabled()
+    return device_type == "cuda" and torch.is_autocast_enabled()
+
+
+def autocast_dtype(device_type: str) -> torch.dtype:
+    """The dtype of autocast on ``device_type`` (read when :func:`autocast_enabled` says it is on)."""
+    if DEVICE_AUTOCAST:
+        return torch.get_autocast_dtype(device_type)
+    return torch.get_autocast_cpu_dtype() if device_type == "cpu" else torch.get_autocast_gpu_dtype()
+
+
+def compilable(apply: Callable[..., Any]) -> Callable[..., Any]:
+    """``apply`` (an autograd function's) itself on torch 2.4+, else the same call that ``torch.compile`` does not
+    trace (``torch._dynamo.disable``: a graph break around it, the function run eagerly)."""
+    return apply if TRACES_FUNCTIONS else torch._dynamo.disable(apply)

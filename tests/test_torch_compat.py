@@ -1,0 +1,76 @@
+"""The fallbacks of ``gpattn._torch_compat`` for torch 2.1-2.3, run on this torch against its own newer functions.
+
+CI runs one torch (2.13), where the fallbacks are not taken: each test forces the fallback branch and checks it
+against what the current API answers (the suite itself was run on torch 2.1.2 and 2.4.1 too; see
+docs/installation.md)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch._dynamo.utils import counters
+
+from gpattn import _torch_compat
+
+
+@pytest.mark.parametrize("fallback", [False, True], ids=["torch-2.4+", "fallback"])
+def test_autocast_state_matches_torch(monkeypatch, fallback):
+    if not _torch_compat.DEVICE_AUTOCAST and not fallback:
+        pytest.skip("torch < 2.4: no torch.get_autocast_dtype to compare with")
+    if fallback:
+        monkeypatch.setattr(_torch_compat, "DEVICE_AUTOCAST", False)
+    assert not _torch_compat.autocast_enabled("cpu") and not _torch_compat.autocast_enabled("cuda")
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert _torch_compat.autocast_enabled("cpu") and not _torch_compat.autocast_enabled("cuda")
+        assert _torch_compat.autocast_dtype("cpu") == torch.bfloat16
+        if not fallback:  # the answers of torch itself
+            assert torch.is_autocast_enabled("cpu") and not torch.is_autocast_enabled("cuda")
+    assert _torch_compat.autocast_dtype("cuda") == torch.float16  # the default
+
+
+@pytest.mark.parametrize("fallback", [False, True], ids=["torch-2.3+", "fallback"])
+def test_is_compiling_is_true_only_inside_torch_compile(monkeypatch, fallback):
+    if fallback:  # torch 2.1 and 2.2 have no torch.compiler.is_compiling
+        monkeypatch.setattr(_torch_compat, "COMPILER_IS_COMPILING", False)
+    torch._dynamo.reset()
+
+    def step(x: torch.Tensor) -> torch.Tensor:
+        return x + 1.0 if _torch_compat.is_compiling() else x - 1.0
+
+    x = torch.zeros(2)
+    assert torch.equal(step(x), -torch.ones(2))
+    assert torch.equal(torch.compile(step, backend="eager", fullgraph=True)(x), torch.ones(2))
+
+
+class _Square(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(x)
+        return x * x
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        (x,) = ctx.saved_tensors
+        return 2.0 * x * grad
+
+
+@pytest.mark.parametrize("traces", [True, False], ids=["torch-2.4+", "fallback"])
+def test_compilable_function_gives_eager_values_and_gradients(monkeypatch, traces):
+    """torch 2.4+: ``apply`` itself, traced into one graph; before: run eagerly inside the compiled function (two
+    graphs around the break), with the same output and gradient."""
+    monkeypatch.setattr(_torch_compat, "TRACES_FUNCTIONS", traces)
+    square = _torch_compat.compilable(_Square.apply)
+    assert (square == _Square.apply) is traces  # apply itself (a bound method: equal, not identical)
+
+    def step(x: torch.Tensor) -> torch.Tensor:
+        return (square(x.sin()) + 1.0).exp().sum()
+
+    x = torch.linspace(-1.0, 1.0, 5, dtype=torch.float64, requires_grad=True)
+    expected = torch.autograd.grad((x.sin().square() + 1.0).exp().sum(), x)[0]
+    torch._dynamo.reset()
+    counters.clear()
+    value = torch.compile(step, backend="aot_eager")(x)
+    (gradient,) = torch.autograd.grad(value, x)
+    torch.testing.assert_close(value, (x.sin().square() + 1.0).exp().sum(), rtol=1e-14, atol=0)
+    torch.testing.assert_close(gradient, expected, rtol=1e-14, atol=0)
+    assert counters["stats"]["unique_graphs"] == (1 if traces else 2), dict(counters["stats"])
