@@ -24,17 +24,27 @@ from __future__ import annotations
 
 import functools
 import os
+import typing
 
 import torch
 from torch import Tensor
+from torch.torch_version import TorchVersion
 
+from .._torch_compat import is_compiling
 from .autocast import wide_dtype
+
+#: the oldest Triton the kernels are written for (the ``gpu`` extra's floor): an older one (torch 2.1-2.3 bring Triton
+#: 2.x) is left unused, as if absent, and the PyTorch path runs
+TRITON_MINIMUM = (3, 0)
 
 try:  # optional: pip install gpattn[gpu]
     import triton
     import triton.language as tl
 except ImportError:  # pragma: no cover - exercised where triton is absent
     triton = tl = None
+else:
+    if TorchVersion(triton.__version__) < TRITON_MINIMUM:
+        triton = tl = None
 
 __all__ = [
     "TOKENS_PER_PROGRAM",
@@ -66,7 +76,7 @@ TRITON_MAX_TOKENS = 4096
 
 
 def triton_available() -> bool:
-    """Whether Triton is installed (the ``gpu`` extra)."""
+    """Whether Triton is installed (the ``gpu`` extra), at least :data:`TRITON_MINIMUM`."""
     return triton is not None
 
 
@@ -80,7 +90,7 @@ def runs_triton(columns: Tensor) -> bool:
     is not ``0``, and either the columns are a CUDA tensor of float32, bfloat16 or float16 with at most
     :data:`TRITON_MAX_TOKENS` tokens (``GPATTN_TRITON=1``: any number), or Triton's interpreter is on
     (``TRITON_INTERPRET=1``) and ``GPATTN_TRITON=1`` asks for it (the tests: any device and dtype)."""
-    if triton is None or torch.compiler.is_compiling():
+    if triton is None or is_compiling():
         return False
     setting = os.environ.get(TRITON_VARIABLE, "")
     if setting == "0":
@@ -230,7 +240,11 @@ def scores_backward(
 
 @functools.cache
 def _compiled(interpret: bool) -> tuple:
-    # the kernels, decorated on first use (Triton reads TRITON_INTERPRET when it decorates): one pair per mode
+    # the kernels, decorated on first use (Triton reads TRITON_INTERPRET when it decorates): one pair per mode. Their
+    # annotations are strings in this module (PEP 563), which Triton 3.0 does not read as tl.constexpr (3.6 and 3.9
+    # do): it is handed the evaluated ones
+    for kernel in (_forward_kernel, _backward_kernel):
+        kernel.__annotations__ = typing.get_type_hints(kernel)
     return triton.jit(_forward_kernel), triton.jit(_backward_kernel)
 
 

@@ -17,9 +17,39 @@ if os.environ.get("TRITON_INTERPRET") != "1":
     pytest.skip("needs TRITON_INTERPRET=1 before Triton is imported", allow_module_level=True)
 pytest.importorskip("triton")
 
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402 (in the module's globals: the interpreter looks for it there)
+
 from gpattn.features import AmortizedAttentionFeatures  # noqa: E402
 from gpattn.features.amortized_scores import AmortizedSelfScores  # noqa: E402
 from gpattn.fused import triton_scores  # noqa: E402
+
+if not triton_scores.triton_available():
+    pytest.skip("Triton is older than the kernels' minimum", allow_module_level=True)
+
+
+def _float64_dot_failure() -> str | None:
+    """Why this Triton cannot run ``tl.dot`` in float64 (Triton 3.0: "Unsupported dtype fp64"), or ``None``. The
+    kernels take float64 under the interpreter only (on a GPU, float64 keeps PyTorch's path), so only the float64 cases
+    depend on it."""
+
+    @triton.jit
+    def product(x):  # a 16 x 16 matrix squared in place (no annotation: PEP 563 strings, see triton_scores._compiled)
+        offsets = tl.arange(0, 16)[:, None] * 16 + tl.arange(0, 16)[None, :]
+        block = tl.load(x + offsets)
+        tl.store(x + offsets, tl.dot(block, block))
+
+    try:
+        product[(1,)](torch.eye(16, dtype=torch.float64))
+    except Exception as error:  # noqa: BLE001 - the interpreter wraps what the language raised
+        if "fp64" not in str(error):
+            raise
+        return f"float64 case: Triton {triton.__version__} has no float64 tl.dot ({error})"
+    return None
+
+
+FLOAT64_DOT = _float64_dot_failure()
+needs_float64_dot = pytest.mark.skipif(FLOAT64_DOT is not None, reason=str(FLOAT64_DOT))
 
 NAMES = ("tokens", "lifted", "query_weight", "key_weight", "right_map", "left_map", "right_bias", "left_bias")
 
@@ -75,7 +105,9 @@ def _run(monkeypatch, inputs: dict, kernels: bool, masked: bool, objective: bool
     return scores.detach(), value.detach(), torch.autograd.grad(loss, leaves)
 
 
-@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["float64", "float32"])
+@pytest.mark.parametrize(
+    "dtype", [pytest.param(torch.float64, marks=needs_float64_dot), torch.float32], ids=["float64", "float32"]
+)
 @pytest.mark.parametrize(
     ("masked", "objective", "lift_dim", "uses_scores"),
     [(False, True, None, True), (True, True, None, True), (True, False, 4, True), (False, True, 4, False)],
@@ -93,6 +125,7 @@ def test_kernels_equal_the_pytorch_code(interpreter, monkeypatch, dtype, masked,
         torch.testing.assert_close(got, expected, **tolerance)
 
 
+@needs_float64_dot
 @pytest.mark.parametrize(
     ("masked", "objective", "lift_dim", "uses_scores"),
     [(False, True, None, True), (True, True, None, True), (True, False, 4, True), (False, True, 4, False)],
@@ -123,6 +156,7 @@ def test_chunks_of_long_sequences():
         assert chunks * per_chunk >= length and chunks == -(-length // limit)
 
 
+@needs_float64_dot
 def test_kernels_against_finite_differences(interpreter):
     inputs = _inputs(torch.float64, None, seed=3)
     leaves = [name for name, value in inputs.items() if value is not None]
