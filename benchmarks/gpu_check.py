@@ -170,7 +170,8 @@ def _mean_and_gradients(layer: torch.nn.Module, x: torch.Tensor, probe: torch.Te
     output = layer(x)
     loss = (output * probe).sum() + layer.kl_divergence()  # zero for deterministic layers
     loss.backward()
-    gradients = [parameter.grad for parameter in layer.parameters() if parameter.grad is not None]
+    # no gradient counts as a zero one (a compiled step on torch < 2.4 may give one where eager mode gives none)
+    gradients = [torch.zeros_like(p) if p.grad is None else p.grad for p in layer.parameters() if p.requires_grad]
     return [output.detach(), x.grad, *gradients]
 
 

@@ -337,8 +337,8 @@ def _large_logit_kernel(dtype: torch.dtype, logit: float = 1e4) -> tuple[Exponen
     tokens = torch.nn.functional.normalize(torch.randn(6, 4, generator=_generator(18), dtype=dtype), dim=-1)
     with torch.no_grad():
         scale = math.sqrt(logit * 2.0)  # logits = c^2 <x, z> / sqrt(p), p = 4
-        kernel.query_weight.copy_(scale * torch.eye(4, dtype=dtype))
-        kernel.key_weight.copy_(scale * torch.eye(4, dtype=dtype))
+        kernel.query_weight.copy_(scale * torch.eye(4))  # torch 2.1 has no bfloat16 eye
+        kernel.key_weight.copy_(scale * torch.eye(4))
     return kernel, tokens.requires_grad_(True)
 
 
