@@ -20,6 +20,11 @@ def test_autocast_state_matches_torch(monkeypatch, fallback):
     if fallback:
         monkeypatch.setattr(_torch_compat, "DEVICE_AUTOCAST", False)
     assert not _torch_compat.autocast_enabled("cpu") and not _torch_compat.autocast_enabled("cuda")
+    if fallback:  # CUDA autocast's state without a GPU: torch.is_autocast_enabled() reads it
+        monkeypatch.setattr(torch, "is_autocast_enabled", lambda *device: not device)
+        assert _torch_compat.autocast_enabled("cuda") and not _torch_compat.autocast_enabled("cpu")
+        monkeypatch.undo()
+        monkeypatch.setattr(_torch_compat, "DEVICE_AUTOCAST", False)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         assert _torch_compat.autocast_enabled("cpu") and not _torch_compat.autocast_enabled("cuda")
         assert _torch_compat.autocast_dtype("cpu") == torch.bfloat16
@@ -43,6 +48,8 @@ def test_is_compiling_is_true_only_inside_torch_compile(monkeypatch, fallback):
 
 
 class _Square(torch.autograd.Function):
+    """x^2 with a backward pass of 3 x (not its derivative: which backward ran shows in the gradient)."""
+
     @staticmethod
     def forward(ctx, x: torch.Tensor) -> torch.Tensor:
         ctx.save_for_backward(x)
@@ -51,13 +58,13 @@ class _Square(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
         (x,) = ctx.saved_tensors
-        return 2.0 * x * grad
+        return 3.0 * x * grad
 
 
 @pytest.mark.parametrize("traces", [True, False], ids=["torch-2.4+", "fallback"])
 def test_compilable_function_gives_eager_values_and_gradients(monkeypatch, traces):
     """torch 2.4+: ``apply`` itself, traced into one graph; before: run eagerly inside the compiled function (two
-    graphs around the break), with the same output and gradient."""
+    graphs around the break); both with the function's own backward pass (eager mode's output and gradient)."""
     monkeypatch.setattr(_torch_compat, "TRACES_FUNCTIONS", traces)
     square = _torch_compat.compilable(_Square.apply)
     assert (square == _Square.apply) is traces  # apply itself (a bound method: equal, not identical)
@@ -66,7 +73,8 @@ def test_compilable_function_gives_eager_values_and_gradients(monkeypatch, trace
         return (square(x.sin()) + 1.0).exp().sum()
 
     x = torch.linspace(-1.0, 1.0, 5, dtype=torch.float64, requires_grad=True)
-    expected = torch.autograd.grad((x.sin().square() + 1.0).exp().sum(), x)[0]
+    # d/dx exp(sin^2 x + 1) through the function's backward pass: exp(sin^2 x + 1) * 3 sin x * cos x
+    expected = ((x.sin().square() + 1.0).exp() * 3.0 * x.sin() * x.cos()).detach()
     torch._dynamo.reset()
     counters.clear()
     value = torch.compile(step, backend="aot_eager")(x)

@@ -264,6 +264,14 @@ def _backward(ctx, grad_scores, grad_objective):
     return *large, None, grad_outputscale, grad_singular_values, None, None, None
 
 
+def _narrowed(factor: Tensor, dtype: torch.dtype) -> Tensor:
+    r"""A float32 factor of a product written into a ``dtype`` buffer under autocast: rounded to bfloat16 first (same
+    exponent range as float32: at most one more rounding; torch 2.1 has no CPU kernel that mixes bfloat16 and float32
+    in one product), kept in float32 for float16 (whose range ends at 65504: rounded alone, a factor such as
+    :math:`\nu^2` or :math:`\bar J / 2\lambda` would overflow; the product is formed in float32 and rounded once)."""
+    return factor.to(dtype) if dtype == torch.bfloat16 and factor.dtype != dtype else factor
+
+
 def _torch_backward(ctx, columns, values, paired, scores, sweep, grad_scores, grad_objective, sums_factor) -> tuple:
     # the PyTorch sweep of the backward pass: the gradients of the columns and the values, the total gradient of
     # [W_r^T; W_e^T] and the sum over every token of sum_k d beta_k e_k / (c nu) per head (the output scale's)
@@ -284,10 +292,8 @@ def _torch_backward(ctx, columns, values, paired, scores, sweep, grad_scores, gr
         if square_mask is not None and square_mask.dtype != scores.dtype:  # zeros and ones: exact in any dtype
             square_mask = square_mask.to(scores.dtype)
         masked = scores if square_mask is None else scores * square_mask
-        # under autocast the float32 factor takes the scores' dtype: the products below write half-precision buffers
-        # (and torch 2.1 has no CPU kernel that mixes dtypes into one)
         sums_factor = sums_factor.view(batch, 1, heads, rank, 1)
-        sums_factor = sums_factor if sums_factor.dtype == scores.dtype else sums_factor.to(scores.dtype)
+        sums_factor = _narrowed(sums_factor, scores.dtype)
     if in_place:
         grad_beta = operand[..., :rank, :]  # [d beta_e; d beta_r]
         if with_objective:
@@ -323,9 +329,7 @@ def _torch_backward(ctx, columns, values, paired, scores, sweep, grad_scores, gr
     # the norms' term nu^3 d nu with d nu = (score_part + value_part c nu w) / nu (nu > 0: the norms are finite); no
     # gradient below the norm floor
     norm_term = torch.where(active, torch.addcmul(score_part, value_part, factor).mul_(inverse.square()), 0.0)
-    # in place: one pass over the feature columns (in their dtype, float32 norm term rounded to it under autocast)
-    norm_term = norm_term if norm_term.dtype == grad_columns.dtype else norm_term.to(grad_columns.dtype)
-    grad_columns.addcmul_(columns, norm_term, value=-1.0)
+    grad_columns.addcmul_(columns, _narrowed(norm_term, grad_columns.dtype), value=-1.0)  # one pass over the columns
     return grad_columns, grad_values, total_paired, score_part.sum((0, 1, 3, 4))
 
 

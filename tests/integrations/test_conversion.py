@@ -248,6 +248,8 @@ def test_convert_modules_changes_nothing_when_a_block_fails():
         (torch.nn.Sequential(torch.nn.ReLU()), "softmax", ValueError, r"no attention module.*expected Linear"),
         (_stack(), "performer", ValueError, "expected attention to be one of"),
         ("model", "softmax", TypeError, "expected a torch.nn.Module"),
+        # the model itself is the slot: it cannot replace itself in place
+        (torch.nn.Linear(WIDTH, WIDTH), "softmax", ValueError, r"is itself an attention module \(Linear\).*Sequential"),
     ],
 )
 def test_convert_modules_rejects(model, attention, error, match):
