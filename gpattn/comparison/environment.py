@@ -20,7 +20,7 @@ import torch
 
 from .. import __version__
 
-__all__ = ["environment_lines", "run_environment"]
+__all__ = ["code_version", "environment_lines", "run_environment"]
 
 _PACKAGE_ROOT = Path(__file__).resolve().parents[2]
 
@@ -63,6 +63,13 @@ def _git_commit() -> str | None:
     except (OSError, subprocess.SubprocessError):
         return None
     return commit + ("+dirty" if status else "")
+
+
+def code_version() -> dict[str, str | None]:
+    """The code a run is made with: ``{"gpattn": version, "git_commit": commit or None}`` (see :func:`run_environment`;
+    ``+dirty`` marks uncommitted changes, which it does not tell apart). Each run file stores it, so that
+    ``--resume`` can say which stored runs another code made."""
+    return {"gpattn": __version__, "git_commit": _git_commit()}
 
 
 def run_environment() -> dict[str, Any]:

@@ -14,7 +14,8 @@
   a temporary file and :func:`os.replace`, so a file is either complete or absent), together with the run's identity
   (task, row, seed) and the settings that determine its numbers, with their SHA-256 (:func:`run_file_content`);
 * with ``resume=True`` reads the finished runs back instead of training them again, after checking that each file is
-  the run its name says, made with the same settings (:func:`read_run_file`);
+  the run its name says, made with the same settings (:func:`read_run_file`), and warns
+  (:class:`RunsFromOtherCodeWarning`) when some were made by other code (another gpattn version or git commit);
 * prints one line per finished run (name, seconds, test accuracy) on standard error, and a live bar on a terminal.
 
 The records come back to this process, which alone writes the run files. Ctrl-C stops the workers and raises
@@ -29,6 +30,7 @@ import os
 import sys
 import tempfile
 import time
+import warnings
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import asdict
@@ -40,6 +42,7 @@ from tqdm import tqdm
 from ..methods import get_method
 from . import runs as run_module
 from .config import CompareConfig
+from .environment import code_version
 from .local_executor import LocalExecutor, TaskFailedError, worker_environment
 from .records import RunRecord, write_json_atomically
 from .tasks import TASK_DEFAULTS, TaskData, load_task
@@ -48,6 +51,7 @@ __all__ = [
     "RESULT_INDEPENDENT_FIELDS",
     "RUN_FILE_FORMAT",
     "RunFailedError",
+    "RunsFromOtherCodeWarning",
     "RunsInterrupted",
     "check_writable_folder",
     "execute_runs",
@@ -128,11 +132,13 @@ def run_file_content(
     run: tuple[str, str, int], settings: dict[str, Any], record: RunRecord | None = None
 ) -> dict[str, Any]:
     """The content of a run file: its format, the run's identity ``{"task", "row", "seed"}``, the settings that
-    determine its numbers (:func:`result_settings`), their :func:`settings_hash` and, once the run finished, its
-    record (:meth:`~gpattn.comparison.RunRecord.to_dict`)::
+    determine its numbers (:func:`result_settings`), their :func:`settings_hash`, the code that wrote it
+    (:func:`~gpattn.comparison.environment.code_version`) and, once the run finished, its record
+    (:meth:`~gpattn.comparison.RunRecord.to_dict`)::
 
         {"format": "gpattn-run/1", "identity": {"task": "digits", "row": "softmax", "seed": 0},
-         "settings": {...}, "settings_sha256": "...", "record": {...}}
+         "settings": {...}, "settings_sha256": "...", "code": {"gpattn": "...", "git_commit": "..."},
+         "record": {...}}
 
     :param run: ``(task, row, seed)``.
     :param settings: :func:`result_settings` of the run's configuration.
@@ -145,6 +151,7 @@ def run_file_content(
         "identity": {"task": task, "row": row, "seed": seed},
         "settings": settings,
         "settings_sha256": settings_hash(settings),
+        "code": code_version(),
     }
     if record is not None:
         content["record"] = record.to_dict()
@@ -269,6 +276,35 @@ def _line(done: int, total: int, name: str, seconds: float, record: RunRecord) -
     return f"[{done}/{total}] {name}: {seconds:.1f} s, test accuracy {record.metrics.test.accuracy:.4f}"
 
 
+class RunsFromOtherCodeWarning(UserWarning):
+    """``--resume`` read back runs that another code made (another gpattn version or git commit, or a run file written
+    before run files recorded it): their numbers are kept, and may differ from what this code would give."""
+
+
+def _other_code(paths: dict[tuple[str, str, int], Path]) -> str | None:
+    """The warning's text when some of the stored runs ``paths`` were made by other code than this process's, else
+    ``None``."""
+    current = code_version()
+    other = {}
+    for run, path in paths.items():
+        stored = json.loads(path.read_text()).get("code")
+        if stored != current:
+            other[run_name(*run)] = "not recorded" if not isinstance(stored, dict) else _code_label(stored)
+    if not other:
+        return None
+    shown = ", ".join(f"{name} ({label})" for name, label in list(other.items())[:5])
+    more = f" and {len(other) - 5} more" if len(other) > 5 else ""
+    return (
+        f"--resume: {len(other)} of the {len(paths)} stored runs were made by other code than this call's "
+        f"({_code_label(current)}): {shown}{more}. Their numbers are kept, and may differ from what this code gives; "
+        "use another --out (or delete their files) to train every run with this code"
+    )
+
+
+def _code_label(code: dict[str, Any]) -> str:
+    return f"gpattn {code.get('gpattn', '?')}, commit {code.get('git_commit') or 'unknown'}"
+
+
 def execute_runs(
     config: CompareConfig,
     runs: Sequence[tuple[str, str, int]],
@@ -290,6 +326,7 @@ def execute_runs(
     :raises OSError: ``out/runs`` cannot be created or written (checked before any run).
     :raises ValueError: A stored run file that cannot be read, is not the run its name says (copied or renamed from
         another run), or was made with other settings (:func:`read_run_file`).
+    :warns RunsFromOtherCodeWarning: Stored runs made by other code (gpattn version or git commit) than this call's.
     """
     settings = result_settings(config)
     folder = None if out is None else Path(out) / "runs"
@@ -297,11 +334,14 @@ def execute_runs(
         check_writable_folder(folder)
     records: dict[tuple[str, str, int], RunRecord] = {}
     if resume and folder is not None:
-        for run in runs:
-            path = folder / f"{run_name(*run)}.json"
-            if path.exists():
-                expected = run_hyperparameters(config, run[0], run[1])
-                records[run] = read_run_file(path, run, settings, hyperparameters=expected)
+        stored = {run: folder / f"{run_name(*run)}.json" for run in runs}
+        stored = {run: path for run, path in stored.items() if path.exists()}
+        for run, path in stored.items():
+            expected = run_hyperparameters(config, run[0], run[1])
+            records[run] = read_run_file(path, run, settings, hyperparameters=expected)
+        message = _other_code(stored)
+        if message is not None:
+            warnings.warn(message, RunsFromOtherCodeWarning, stacklevel=2)
     pending = [run for run in runs if run not in records]
     total = len(runs)
     show = config.progress

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import warnings
 
 import pytest
 
@@ -94,6 +95,34 @@ def test_resume_refuses_runs_made_with_other_settings(tmp_path) -> None:
     (tmp_path / "runs" / "pointer-softmax-0.json").write_text("{trunc")
     with pytest.raises(ValueError, match="cannot be read back"):
         run_comparison(config, out=tmp_path, resume=True)
+
+
+def test_resume_warns_about_runs_made_by_other_code(tmp_path, monkeypatch) -> None:
+    """Each run file stores the code that made it (gpattn version, git commit); --resume keeps such runs and says
+    which, with both versions; runs of this code, and a first call, give no warning."""
+    import gpattn.comparison.runner as runner
+    from gpattn import __version__
+    from gpattn.comparison.environment import _git_commit
+
+    config = CompareConfig(seeds=(0, 1), **{**TINY, "attentions": ("softmax",)})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", runner.RunsFromOtherCodeWarning)
+        first = run_comparison(config, out=tmp_path)
+        assert [_numbers(r) for r in run_comparison(config, out=tmp_path, resume=True)] == [_numbers(r) for r in first]
+    files = {seed: tmp_path / "runs" / f"pointer-softmax-{seed}.json" for seed in (0, 1)}
+    assert json.loads(files[0].read_text())["code"] == {"gpattn": __version__, "git_commit": _git_commit()}
+    content = json.loads(files[1].read_text())
+    del content["code"]  # a run file written before run files recorded their code
+    files[1].write_text(json.dumps(content))
+    monkeypatch.setattr(runner, "code_version", lambda: {"gpattn": "9.9", "git_commit": "abc123"})
+    monkeypatch.setattr(runs, "train_and_evaluate", _CountingRuns(fail_at=1, error=AssertionError("trained again")))
+    with pytest.warns(runner.RunsFromOtherCodeWarning) as caught:
+        resumed = run_comparison(config, out=tmp_path, resume=True)
+    assert [_numbers(r) for r in resumed] == [_numbers(r) for r in first]  # kept, not trained again
+    (message,) = [str(warning.message) for warning in caught]
+    assert "2 of the 2 stored runs were made by other code than this call's (gpattn 9.9, commit abc123)" in message
+    assert f"pointer-softmax-0 (gpattn {__version__}, commit {_git_commit() or 'unknown'})" in message
+    assert "pointer-softmax-1 (not recorded)" in message
 
 
 def test_a_failed_run_names_itself_and_keeps_the_finished_ones(tmp_path, monkeypatch) -> None:
