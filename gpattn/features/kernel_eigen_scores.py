@@ -96,6 +96,9 @@ class KernelEigenScores:
     :ivar stacked: :math:`[e^\top; r^\top]` of shape ``(B, 2, H, s, N)`` when the features computed both branches as
         halves of one tensor (the fused amortised self-attention path: ``left_scores`` and ``right_scores`` are then
         its transposed halves), else ``None``; read it through :meth:`columns`, which stacks the other layouts.
+    :ivar token_sums: The token sums of the squared scores of both branches,
+        :math:`S_k = \sum_i m_i e_{ik}^2 + \sum_j m_j r_{jk}^2` (:math:`m` the padding mask), shape ``(*batch, s)``,
+        when the features formed them for :math:`J` (the paired primal-token path), else ``None``.
     """
 
     left_scores: Tensor | None
@@ -106,6 +109,7 @@ class KernelEigenScores:
     right_kernel_diag: Tensor | None = None
     active: Tensor | None = None
     stacked: Tensor | None = None
+    token_sums: Tensor | None = None
 
     @property
     def num_inducing(self) -> int:
@@ -196,6 +200,7 @@ class KernelEigenScores:
             left_kernel_diag=insert(self.left_kernel_diag, 1),
             right_kernel_diag=insert(self.right_kernel_diag, 1),
             active=insert(self.active, 1),
+            token_sums=insert(self.token_sums, 1),
             stacked=None,  # the stacked tensor does not follow the inserted dimensions
         )
 

@@ -5,7 +5,9 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from ..fused import wide_dtype
 from ..ksvd import ksvd_objective
+from ..ksvd.ksvd_objective import ksvd_objective_from_sums, official_objective_from_sums
 from ..validation import check_choice, check_int
 from .kernel_eigen_scores import KernelEigenScores
 from .learned_attention_features import Columns, LearnedAttentionFeatures
@@ -142,7 +144,15 @@ class PrimalTokensAttentionFeatures(LearnedAttentionFeatures):
 
         .. note:: Cost O(N' C s).
         """
-        batch, length, width = tokens.shape
+        head_tokens, rows = self._head_tokens(tokens, mask)
+        left = head_tokens @ self.left_token_weights[:, rows]
+        right = left if self.tie_qk else head_tokens @ self.right_token_weights[:, rows]
+        return left, right
+
+    def _head_tokens(self, tokens: Tensor, mask: Tensor | None) -> tuple[Tensor, slice]:
+        r""":math:`\tilde X_h^\top` of every sequence and head, ``(B, H, C/H, N')`` (see :meth:`token_primal_weights`),
+        and the rows of :math:`\tilde W` it meets (the first ``N`` of ``max_len`` when every position has a row)."""
+        length, width = tokens.shape[-2:]
         rows = slice(0, length) if not self.samples_tokens else slice(None)
         if mask is None or self.padding == "included":  # the tokens as they are (official)
             positions = self.sampled_positions(length)
@@ -152,10 +162,59 @@ class PrimalTokensAttentionFeatures(LearnedAttentionFeatures):
             selected = tokens.gather(1, positions.unsqueeze(-1).expand(-1, -1, width))
             selected = selected * real.unsqueeze(-1).to(selected.dtype)
         # X~_h^T: the head's channel block, (B, H, C/H, N')
-        head_tokens = selected.mT.unflatten(1, (self.num_heads, width // self.num_heads))
-        left = head_tokens @ self.left_token_weights[:, rows]
-        right = left if self.tie_qk else head_tokens @ self.right_token_weights[:, rows]
-        return left, right
+        return selected.mT.unflatten(1, (self.num_heads, width // self.num_heads)), rows
+
+    def takes_paired_path(self, queries: Tensor, keys: Tensor, causal: bool, kernel_diag: bool) -> bool:
+        """Whether a call takes the paired path (:meth:`_paired_self_attention`): self-attention (``keys is
+        queries``; the only call this mode supports), no causal mask, no kernel diagonals (the residual needs them)
+        and untied weights.
+
+        :param queries: ``(B, N, C)``.
+        :param keys: ``(B, M, C)``.
+        :param causal: The call is causal.
+        :param kernel_diag: The call asks for the kernel diagonals.
+        """
+        return queries is keys and not (causal or kernel_diag or self.tie_qk)
+
+    def _scores(
+        self, queries: Tensor, keys: Tensor, key_mask: Tensor | None, causal: bool, objective: bool, kernel_diag: bool
+    ) -> KernelEigenScores:
+        if self.takes_paired_path(queries, keys, causal, kernel_diag):
+            return self._paired_self_attention(queries, key_mask, objective)
+        return super()._scores(queries, keys, key_mask, causal, objective, kernel_diag)
+
+    def _paired_self_attention(self, tokens: Tensor, mask: Tensor | None, objective: bool) -> KernelEigenScores:
+        r"""The self-attention scores with both branches as the halves of one tensor, the general path's numbers in
+        about half its operators (forward and backward):
+
+        .. math::
+
+            [W_e; W_r] = \tilde X_h^\top [\tilde W_e; \tilde W_r], \qquad
+            [e^\top; r^\top] = \sqrt{\sigma_f}\, ([W_e; W_r]^\top [P_q; P_k]) \circ [\nu_q; \nu_k],
+
+        one batched GEMM each, with the feature columns of one projection GEMM
+        (:meth:`~gpattn.kernels.CosineFeatureKernel.paired_feature_columns`); the scores are
+        :attr:`~gpattn.features.KernelEigenScores.stacked` ``(B, 2, H, s, N)``. With ``objective``, one reduction
+        gives the token sums :math:`S_k` of both branches over the real tokens
+        (:attr:`~gpattn.features.KernelEigenScores.token_sums`, in float32 under autocast), from which both forms of
+        :math:`J` follow (:func:`~gpattn.ksvd.ksvd_objective.ksvd_objective_from_sums`, and
+        :meth:`official_objective`)."""
+        kernel = self.kernel
+        columns, inverse = kernel.paired_feature_columns(tokens)  # [P_q; P_k] (B, 2, H, p, N), [nu_q; nu_k]
+        head_tokens, rows = self._head_tokens(tokens, mask)  # X~_h^T: (B, H, p, N')
+        raw = torch.stack([self.left_token_weights[:, rows], self.right_token_weights[:, rows]])  # (2, H, N', s)
+        weights = head_tokens.unsqueeze(1) @ raw  # [W_e|X; W_r|X]: (B, 2, H, p, s)
+        scale = inverse * kernel.outputscale.sqrt()[:, None, None]  # c nu: (B, 2, H, 1, N)
+        stacked = (weights.mT @ columns) * scale  # [e^T; r^T]: (B, 2, H, s, N)
+        left, right = stacked.mT.unbind(1)  # e, r: (B, H, N, s) views
+        singular_values = self.singular_values
+        objective_value = sums = None
+        if objective:
+            masked = stacked if mask is None else stacked * mask[:, None, None, None, :].to(stacked.dtype)
+            sums = masked.square().sum((1, -1), dtype=wide_dtype(stacked.dtype))  # S_k of both branches: (B, H, s)
+            coupling = (weights[:, 0] * weights[:, 1]).sum((-2, -1))  # Tr(W_e^T W_r): (B, H)
+            objective_value = ksvd_objective_from_sums(sums, coupling, singular_values)
+        return KernelEigenScores(left, right, singular_values, objective_value, stacked=stacked, token_sums=sums)
 
     def official_objective(self, scores: KernelEigenScores, mask: Tensor | None = None) -> Tensor:
         r"""The official code's KSVD objective of one call, a scalar: :math:`J_{\mathrm{off}} = \tfrac12
@@ -166,6 +225,14 @@ class PrimalTokensAttentionFeatures(LearnedAttentionFeatures):
         (``padding="excluded"``) or, as in the official CoLA layer, over every position with the padded tokens' scores
         zero (``"included"``)."""
         right_raw = self.left_token_weights if self.tie_qk else self.right_token_weights
+        if scores.token_sums is not None:  # the paired path's sums over the real tokens (zero beyond them)
+            batch, heads, length = scores.left_scores.shape[:3]
+            if mask is None or self.padding == "included":  # every position
+                count = batch * heads * length
+            else:
+                count = mask.sum() * heads
+            sums = scores.token_sums
+            return official_objective_from_sums(sums, scores.singular_values, count, self.left_token_weights, right_raw)
         left, right = scores.left_scores, scores.right_scores
         if mask is not None and self.padding == "included":  # the official CoLA layer zeroes q and k there
             left, right, mask = self._zero_masked(left, mask), self._zero_masked(right, mask), None

@@ -101,19 +101,38 @@ class CosineFeatureKernel(AsymmetricKernel):
 
         .. note:: One GEMM ``(batch p, D) x (D, n)`` per sequence and one pass over :math:`P`: O(n D p batch).
         """
+        weight = self.query_weight if side == "query" else self.key_projection  # shape: (H, p, D)
+        return self._columns(tokens, weight, "feature_columns")
+
+    def paired_feature_columns(self, tokens: Tensor) -> tuple[Tensor, Tensor]:
+        r"""The query and the key features of the same tokens (self-attention) as the halves of one tensor:
+        :math:`[P_q; P_k]` with :math:`P = W g(X)^\top` and their inverse norms :math:`[\nu_q; \nu_k]`, as
+        :meth:`feature_columns` gives each (for an untied kernel; a tied one gives two equal halves).
+
+        :param tokens: ``(B, n, d)``.
+        :return: :math:`[P_q; P_k]`, shape ``(B, 2, *batch_shape, p, n)``, contiguous; :math:`[\nu_q; \nu_k]`, shape
+            ``(B, 2, *batch_shape, 1, n)``.
+
+        .. note:: One GEMM ``(2 batch p, D) x (D, n)`` per sequence and one pass over both halves: the cost of two
+            :meth:`feature_columns` calls in half their operators.
+        """
+        weight = torch.stack([self.query_weight, self.key_projection])  # shape: (2, H, p, D)
+        return self._columns(tokens, weight, "paired_feature_columns")
+
+    def _columns(self, tokens: Tensor, weight: Tensor, where: str) -> tuple[Tensor, Tensor]:
+        # P = W g(X)^T for the stacked weights (*stack, p, D) of every kernel, and its inverse column norms
         self._check_tokens(tokens, "tokens")
         if tokens.dim() != 3 or len(self.batch_shape) != 1:
             raise ValueError(
-                "feature_columns needs tokens of shape (B, n, d) and one batch dimension of kernels, got tokens "
+                f"{where} needs tokens of shape (B, n, d) and one batch dimension of kernels, got tokens "
                 f"{tuple(tokens.shape)} and batch_shape {tuple(self.batch_shape)}"
             )
-        weight = self.query_weight if side == "query" else self.key_projection  # shape: (H, p, D)
-        heads, features = weight.shape[0], weight.shape[1]
         lifted = self.lift(tokens)
         # a batched GEMM with the weight broadcast over the sequences writes P contiguous; `weight @ lifted.mT`
         # would be computed as (lifted @ weight^T)^T and leave a transposed view that later products copy
-        projected = torch.bmm(weight.reshape(heads * features, -1).expand(lifted.shape[0], -1, -1), lifted.mT)
-        projected = projected.unflatten(-2, (heads, features))  # shape: (B, H, p, n)
+        rows = weight.shape[:-1]  # (*stack, p)
+        projected = torch.bmm(weight.reshape(-1, weight.shape[-1]).expand(lifted.shape[0], -1, -1), lifted.mT)
+        projected = projected.unflatten(-2, rows)  # shape: (B, *stack, p, n)
         inverse_norm = inverse_norms(projected, dim=-2)
         return projected, inverse_norm
 

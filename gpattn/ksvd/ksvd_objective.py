@@ -105,3 +105,30 @@ def ksvd_objective_from_sums(squared_scores: Tensor, coupling: Tensor, singular_
     .. note:: Cost O(s) per sequence and head.
     """
     return 0.5 * (squared_scores / singular_values).sum(-1) - coupling
+
+
+def official_objective_from_sums(
+    squared_scores: Tensor, singular_values: Tensor, count: int | Tensor, left_weights: Tensor, right_weights: Tensor
+) -> Tensor:
+    r"""The official code's KSVD objective :math:`J_{\mathrm{off}}` (:func:`ksvd_objective`, ``form="official"``)
+    from the token sums of the squared scores, for callers that formed them already (the paired primal-token path):
+
+    .. math::
+
+        J_{\mathrm{off}} = \frac{1}{2 n} \sum_{b, h, k} \lambda_{hk}^{-1} S_{bhk}
+            - \operatorname{Tr}\big(\operatorname{mean}_h \tilde W_{e,h}^\top \tilde W_{r,h}\big),
+
+    where :math:`n` counts the positions the official means run over (the tokens of every sequence and head).
+
+    :param squared_scores: :math:`S`, shape ``(B, H, s)``: per sequence and head, the sums over the counted tokens of
+        :math:`e_{ik}^2` plus those of :math:`r_{jk}^2`.
+    :param singular_values: :math:`\Lambda`, shape ``(H, s)``, positive.
+    :param count: :math:`n`, the number of (sequence, head, token) positions of each mean.
+    :param left_weights: The raw :math:`\tilde W_e`, ``(H, N', s)``.
+    :param right_weights: The raw :math:`\tilde W_r`, likewise.
+    :return: A scalar.
+
+    .. note:: Cost O(B H s + H N' s).
+    """
+    trace = (left_weights * right_weights).sum() / left_weights.shape[0]  # Tr(mean_h W~_e^T W~_r)
+    return 0.5 * (squared_scores / singular_values).sum() / count - trace

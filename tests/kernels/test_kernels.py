@@ -128,6 +128,25 @@ def test_cosine_batch_shape_heads_broadcast() -> None:
         )
 
 
+@pytest.mark.parametrize("lift", ["none", "rff"])
+@pytest.mark.parametrize("tie", [False, True])
+def test_cosine_paired_feature_columns(lift: str, tie: bool) -> None:
+    """[P_q; P_k] and [nu_q; nu_k] of one call are the two feature_columns calls stacked, and the normalised columns
+    give the closed-form kernel of every head."""
+    kernel = _cosine(lift, tie=tie, batch_shape=torch.Size([3]))
+    x = _tokens(2, 6, 3, seed=8)
+    columns, inverse = kernel.paired_feature_columns(x)
+    assert columns.shape == (2, 2, 3, 5, 6) and inverse.shape == (2, 2, 3, 1, 6) and columns.is_contiguous()
+    for half, side in enumerate(("query", "key")):
+        expected_columns, expected_inverse = kernel.feature_columns(x, side)
+        torch.testing.assert_close(columns[:, half], expected_columns, atol=ATOL, rtol=0)
+        torch.testing.assert_close(inverse[:, half], expected_inverse, atol=ATOL, rtol=0)
+    features = columns * inverse * kernel.outputscale.sqrt()[:, None, None]  # Phi^T: (B, 2, H, p, N)
+    torch.testing.assert_close(features[:, 0].mT @ features[:, 1], kernel(x[:, None], x[:, None]), atol=ATOL, rtol=0)
+    with pytest.raises(ValueError, match="paired_feature_columns needs tokens of shape"):
+        kernel.paired_feature_columns(x[0])
+
+
 # --- exponential dot-product kernel ----------------------------------------------------------------------------
 
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from gpattn.ksvd import ksvd_objective
-from gpattn.ksvd.ksvd_objective import ksvd_objective_from_sums
+from gpattn.ksvd.ksvd_objective import ksvd_objective_from_sums, official_objective_from_sums
 
 DTYPE = torch.float64
 B, H, N, P, S, POSITIONS = 3, 2, 5, 4, 3, 6
@@ -78,3 +78,20 @@ def test_objective_from_sums_equals_the_sum_form():
     torch.testing.assert_close(
         ksvd_objective_from_sums(sums, coupling, lam), ksvd_objective(e, r, we, wr, lam), atol=1e-12, rtol=0
     )
+
+
+@pytest.mark.parametrize("masked", [False, True])
+def test_official_objective_from_sums_equals_the_official_form(masked: bool):
+    """J_off from the token sums of the squared scores over the real tokens and their count equals the official form
+    on the scores themselves."""
+    e, r = _randn(B, H, N, S, seed=30), _randn(B, H, N, S, seed=31)
+    raw_e, raw_r = _randn(H, POSITIONS, S, seed=32), _randn(H, POSITIONS, S, seed=33)
+    lam = _randn(H, S, seed=34).exp()
+    mask = torch.ones(B, N, dtype=torch.bool)
+    if masked:
+        mask[1, 2:] = False
+    m = mask[:, None, :, None].to(DTYPE)
+    sums = ((e * m).square() + (r * m).square()).sum(-2)  # (B, H, S)
+    expected = ksvd_objective(e, r, raw_e, raw_r, lam, form="official", mask=mask if masked else None)
+    got = official_objective_from_sums(sums, lam, mask.sum() * H, raw_e, raw_r)
+    torch.testing.assert_close(got, expected, atol=1e-12, rtol=0)
