@@ -252,6 +252,41 @@ def test_train_resume_refuses_another_thread_count(tmp_path, capsys) -> None:
     assert err.count("\n") == 1
 
 
+def test_train_resume_of_a_run_started_by_other_code_warns_and_records_it(tmp_path, capsys, monkeypatch) -> None:
+    """--resume with the code that started the run says nothing; with other code (another version or commit, or a
+    run.json from before run files recorded it) it warns, naming both, continues, and run.json lists the codes that
+    continued it under "resumed_with"."""
+    import warnings
+
+    from gpattn.comparison import environment
+    from gpattn.comparison.runner import RunsFromOtherCodeWarning
+
+    out = tmp_path / "t"
+    argv = [*TINY_TRAIN, "--no-progress", "--out", str(out)]
+    assert main(argv) == 0
+    started = json.loads((out / "run.json").read_text())
+    assert started["code"] == environment.code_version() and "resumed_with" not in started
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RunsFromOtherCodeWarning)
+        assert main([*argv, "--resume"]) == 0
+    assert json.loads((out / "run.json").read_text()) == started
+    other = {"gpattn": "9.9", "git_commit": "abc123"}
+    monkeypatch.setattr(environment, "code_version", lambda: other)
+    with pytest.warns(RunsFromOtherCodeWarning) as caught:
+        assert main([*argv, "--resume"]) == 0
+    (message,) = [str(warning.message) for warning in caught]
+    assert f"was started by other code ({environment.code_label(started['code'])}) than this call's (gpattn 9.9, " in (
+        message
+    )
+    assert json.loads((out / "run.json").read_text()) == {**started, "resumed_with": [other]}
+    content = {**started}
+    del content["code"]  # a run file from before run files recorded their code
+    (out / "run.json").write_text(json.dumps(content))
+    with pytest.warns(RunsFromOtherCodeWarning, match=r"started by other code \(not recorded\)"):
+        assert main([*argv, "--resume"]) == 0
+    assert json.loads((out / "run.json").read_text())["resumed_with"] == [other]
+
+
 def test_train_resume_with_more_epochs_names_the_option_not_a_library_setting(tmp_path, capsys) -> None:
     out = tmp_path / "t"
     assert main([*TINY_TRAIN, "--no-progress", "--out", str(out)]) == 0

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import json
 import sys
+import warnings
 from dataclasses import asdict
 from pathlib import Path
 
@@ -38,9 +40,11 @@ def add_train(commands) -> None:
         help="train and evaluate one model (checkpoints, --resume after an interruption)",
         description="Train one Transformer with the chosen attention on a task of the comparison, with best.pt / "
         "last.pt checkpoints in OUT/checkpoints, and write OUT/record.json (the same metrics as gpattn compare); "
-        "OUT/run.json holds the run's identity and every setting that changes its numbers (--threads included). "
-        "After an interruption, the same command with --resume continues from last.pt (refusing other settings) and "
-        "ends with the same numbers as an uninterrupted run (CPU). Prints one line per epoch on standard error.",
+        "OUT/run.json holds the run's identity, every setting that changes its numbers (--threads included) and the "
+        "code (gpattn version, git commit). After an interruption, the same command with --resume continues from "
+        "last.pt (refusing other settings; warning when other code started the run, which run.json then lists under "
+        '"resumed_with") and ends with the same numbers as an uninterrupted run (CPU). Prints one line per epoch on '
+        "standard error.",
     )
     train.add_argument("--attention", choices=attention_names(), default="kep_svgp", help="default: %(default)s")
     train.add_argument("--task", choices=TASKS, default="digits", help="default: %(default)s")
@@ -102,6 +106,7 @@ def run_train(args: argparse.Namespace) -> int:
                     "check that it continues the same run; start it again with --overwrite"
                 )
             read_run_file(out / RUN_FILE, run, settings, record=False)
+            _note_other_code(out / RUN_FILE)
         else:
             write_json_atomically(out / RUN_FILE, run_file_content(run, settings))
         callbacks = [] if args.no_progress else [EpochLog()]  # one line per epoch on standard error
@@ -124,6 +129,29 @@ def run_train(args: argparse.Namespace) -> int:
     print(", ".join(f"{key} {value:.4f}" for key, value in test.items()))
     print(f"wrote {out / 'record.json'}")
     return 0
+
+
+def _note_other_code(path: Path) -> None:
+    """``--resume`` of a run that another code started (another gpattn version or git commit than this process's, or
+    a run file from before run files recorded it): warn (``RunsFromOtherCodeWarning``), naming both, and add this
+    code to the run file's ``"resumed_with"`` list, so that the file keeps every code the run was trained with."""
+    from ..comparison.environment import code_label, code_version
+    from ..comparison.records import write_json_atomically
+    from ..comparison.runner import RunsFromOtherCodeWarning
+
+    content = json.loads(path.read_text())  # read and checked by read_run_file just before
+    stored, current = content.get("code"), code_version()
+    if stored == current:
+        return
+    warnings.warn(
+        f"--resume: {path} was started by other code ({code_label(stored)}) than this call's ({code_label(current)}):"
+        " the run continues from its checkpoint with this code, so its numbers come from both and may differ from an "
+        'uninterrupted run of either; this code is added to the file\'s "resumed_with"',
+        RunsFromOtherCodeWarning,
+        stacklevel=2,
+    )
+    content["resumed_with"] = [*content.get("resumed_with", []), current]
+    write_json_atomically(path, content)
 
 
 def _kept(checkpoints: Path, config, task: str) -> str:

@@ -20,7 +20,7 @@ import torch
 
 from .. import __version__
 
-__all__ = ["code_version", "environment_lines", "run_environment"]
+__all__ = ["code_label", "code_version", "environment_lines", "run_environment"]
 
 _PACKAGE_ROOT = Path(__file__).resolve().parents[2]
 
@@ -70,6 +70,14 @@ def code_version() -> dict[str, str | None]:
     ``+dirty`` marks uncommitted changes, which it does not tell apart). Each run file stores it, so that
     ``--resume`` can say which stored runs another code made."""
     return {"gpattn": __version__, "git_commit": _git_commit()}
+
+
+def code_label(code: Any) -> str:
+    """A :func:`code_version` as one phrase for messages (``"gpattn 0.1.0, commit abc123"``), or ``"not recorded"``
+    for a file written before files recorded it."""
+    if not isinstance(code, dict):
+        return "not recorded"
+    return f"gpattn {code.get('gpattn', '?')}, commit {code.get('git_commit') or 'unknown'}"
 
 
 def run_environment() -> dict[str, Any]:

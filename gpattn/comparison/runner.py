@@ -42,7 +42,7 @@ from tqdm import tqdm
 from ..methods import get_method
 from . import runs as run_module
 from .config import CompareConfig
-from .environment import code_version
+from .environment import code_label, code_version
 from .local_executor import LocalExecutor, TaskFailedError, worker_environment
 from .records import RunRecord, write_json_atomically
 from .tasks import TASK_DEFAULTS, TaskData, load_task
@@ -143,7 +143,8 @@ def run_file_content(
     :param run: ``(task, row, seed)``.
     :param settings: :func:`result_settings` of the run's configuration.
     :param record: The finished run's record, or ``None`` (a run in progress: ``gpattn train`` writes its identity
-        and settings before it trains).
+        and settings before it trains, and its ``--resume`` adds ``"resumed_with"``, the codes that continued the run
+        when they differ from the one that started it).
     """
     task, row, seed = run
     content = {
@@ -278,7 +279,8 @@ def _line(done: int, total: int, name: str, seconds: float, record: RunRecord) -
 
 class RunsFromOtherCodeWarning(UserWarning):
     """``--resume`` read back runs that another code made (another gpattn version or git commit, or a run file written
-    before run files recorded it): their numbers are kept, and may differ from what this code would give."""
+    before run files recorded it): their numbers are kept, and may differ from what this code would give. ``gpattn
+    train --resume`` warns likewise when it continues a run that another code started."""
 
 
 def _other_code(paths: dict[tuple[str, str, int], Path]) -> str | None:
@@ -289,20 +291,16 @@ def _other_code(paths: dict[tuple[str, str, int], Path]) -> str | None:
     for run, path in paths.items():
         stored = json.loads(path.read_text()).get("code")
         if stored != current:
-            other[run_name(*run)] = "not recorded" if not isinstance(stored, dict) else _code_label(stored)
+            other[run_name(*run)] = code_label(stored)
     if not other:
         return None
     shown = ", ".join(f"{name} ({label})" for name, label in list(other.items())[:5])
     more = f" and {len(other) - 5} more" if len(other) > 5 else ""
     return (
         f"--resume: {len(other)} of the {len(paths)} stored runs were made by other code than this call's "
-        f"({_code_label(current)}): {shown}{more}. Their numbers are kept, and may differ from what this code gives; "
+        f"({code_label(current)}): {shown}{more}. Their numbers are kept, and may differ from what this code gives; "
         "use another --out (or delete their files) to train every run with this code"
     )
-
-
-def _code_label(code: dict[str, Any]) -> str:
-    return f"gpattn {code.get('gpattn', '?')}, commit {code.get('git_commit') or 'unknown'}"
 
 
 def execute_runs(
