@@ -7,6 +7,7 @@ threads; the block records them so that a reader can tell whether two run folder
 
 from __future__ import annotations
 
+import json
 import os
 import platform
 import re
@@ -20,7 +21,7 @@ import torch
 
 from .. import __version__
 
-__all__ = ["code_label", "code_version", "environment_lines", "run_environment"]
+__all__ = ["code_label", "code_version", "environment_lines", "run_environment", "run_file_codes"]
 
 _PACKAGE_ROOT = Path(__file__).resolve().parents[2]
 
@@ -78,6 +79,29 @@ def code_label(code: Any) -> str:
     if not isinstance(code, dict):
         return "not recorded"
     return f"gpattn {code.get('gpattn', '?')}, commit {code.get('git_commit') or 'unknown'}"
+
+
+def run_file_codes(folder: str | os.PathLike) -> list[dict[str, Any]]:
+    """The codes that made the run files in ``folder`` (a run folder's ``runs``: ``<task>-<row>-<seed>.json``, each
+    storing its :func:`code_version` under ``"code"``), grouped, the code of the most runs first::
+
+        [{"code": {"gpattn": "0.1.0", "git_commit": "..."}, "runs": ["digits-kep_svgp-0", ...]}, ...]
+
+    One group unless ``--resume`` kept runs of other code; ``"code"`` is ``None`` for run files written before run
+    files recorded it (or that cannot be read). Empty when the folder holds no run file.
+
+    .. note:: Cost: reads every run file once.
+    """
+    groups: dict[str, dict[str, Any]] = {}
+    for path in sorted(Path(folder).glob("*.json")):
+        try:
+            code = json.loads(path.read_text()).get("code")
+        except (OSError, ValueError, AttributeError):
+            code = None
+        code = code if isinstance(code, dict) else None
+        group = groups.setdefault(json.dumps(code, sort_keys=True), {"code": code, "runs": []})
+        group["runs"].append(path.stem)
+    return sorted(groups.values(), key=lambda group: -len(group["runs"]))
 
 
 def run_environment() -> dict[str, Any]:

@@ -17,7 +17,7 @@ from typing import Any
 
 from ..models import fit_temperature
 from .config import PRIMARY_ROWS, CompareConfig
-from .environment import run_environment
+from .environment import run_environment, run_file_codes
 from .headline import MIN_SEEDS_FOR_INTERVALS, headline_text
 from .records import RunRecord, write_json_atomically, write_text_atomically
 from .statistics import paired_difference
@@ -366,9 +366,11 @@ def table_text(records: list[RunRecord], config: CompareConfig) -> str:
 def write_outputs(records: list[RunRecord], config: CompareConfig, out: str | Path) -> list[Path]:
     """Write :data:`OUTPUT_FILES` into ``out`` (created if missing), each through a temporary file and an atomic
     rename: ``results.json`` (``config``, ``environment``: :func:`~gpattn.comparison.environment.run_environment`,
-    and the records, :meth:`~gpattn.comparison.RunRecord.to_dict`; strict JSON: an undefined metric is ``null`` with
-    its reason), ``results.csv`` (:func:`flat_rows`) and ``table.md`` (:func:`table_text`). The figures are
-    :func:`gpattn.plotting.write_comparison_figures`'s (``gpattn compare`` writes both).
+    the records, :meth:`~gpattn.comparison.RunRecord.to_dict`, strict JSON: an undefined metric is ``null`` with
+    its reason, and, when ``out/runs`` holds run files, ``codes``: the code that made each run,
+    :func:`~gpattn.comparison.environment.run_file_codes`, more than one group when ``--resume`` kept runs of
+    other code than the report's), ``results.csv`` (:func:`flat_rows`) and ``table.md`` (:func:`table_text`). The
+    figures are :func:`gpattn.plotting.write_comparison_figures`'s (``gpattn compare`` writes both).
 
     :return: The three paths.
     """
@@ -380,6 +382,9 @@ def write_outputs(records: list[RunRecord], config: CompareConfig, out: str | Pa
         "environment": run_environment(),
         "records": [record.to_dict() for record in records],
     }
+    codes = run_file_codes(out / "runs")
+    if codes:
+        content["codes"] = codes
     write_json_atomically(written[0], content)
     rows = flat_rows(records)
     fieldnames = list(dict.fromkeys(key for row in rows for key in row))

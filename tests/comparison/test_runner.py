@@ -11,7 +11,9 @@ import pytest
 
 import gpattn.comparison.runs as runs
 from gpattn.comparison import ClassificationMetrics, CompareConfig, RunMetrics, RunRecord
+from gpattn.comparison.environment import run_file_codes
 from gpattn.comparison.records import write_json_atomically
+from gpattn.comparison.report import write_outputs
 from gpattn.comparison.runner import (
     RunFailedError,
     RunsInterrupted,
@@ -123,6 +125,25 @@ def test_resume_warns_about_runs_made_by_other_code(tmp_path, monkeypatch) -> No
     assert "2 of the 2 stored runs were made by other code than this call's (gpattn 9.9, commit abc123)" in message
     assert f"pointer-softmax-0 (gpattn {__version__}, commit {_git_commit() or 'unknown'})" in message
     assert "pointer-softmax-1 (not recorded)" in message
+    # results.json lists the code of every stored run: two groups here, whatever the report's own code is
+    write_outputs(resumed, config, tmp_path)
+    codes = json.loads((tmp_path / "results.json").read_text())["codes"]
+    this = {"gpattn": __version__, "git_commit": _git_commit()}
+    assert codes == [{"code": this, "runs": ["pointer-softmax-0"]}, {"code": None, "runs": ["pointer-softmax-1"]}]
+
+
+def test_run_file_codes_groups_the_runs_by_code(tmp_path) -> None:
+    """The code of the most runs first; a run file without one (or unreadable) under None; no run file: empty."""
+    assert run_file_codes(tmp_path / "missing") == [] and run_file_codes(tmp_path) == []
+    old, new = {"gpattn": "0.1", "git_commit": "a"}, {"gpattn": "0.2", "git_commit": "b"}
+    for name, content in [("t-r-0", {"code": old}), ("t-r-1", {"code": new}), ("t-r-2", {"code": new}), ("t-r-3", {})]:
+        (tmp_path / f"{name}.json").write_text(json.dumps(content))
+    (tmp_path / "t-r-4.json").write_text("{trunc")
+    assert run_file_codes(tmp_path) == [
+        {"code": new, "runs": ["t-r-1", "t-r-2"]},
+        {"code": None, "runs": ["t-r-3", "t-r-4"]},
+        {"code": old, "runs": ["t-r-0"]},
+    ]
 
 
 def test_a_failed_run_names_itself_and_keeps_the_finished_ones(tmp_path, monkeypatch) -> None:
