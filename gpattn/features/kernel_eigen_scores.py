@@ -94,8 +94,9 @@ class KernelEigenScores:
         :math:`q(f)`, and its prior is the unit normal, so its KL term vanishes at :math:`q = p` instead of being of
         order :math:`\lambda_i^{-2}` (:meth:`prior_variances`).
     :ivar stacked: :math:`[e^\top; r^\top]` of shape ``(B, 2, H, s, N)`` when the features computed both branches as
-        halves of one tensor (the fused amortised self-attention path: ``left_scores`` and ``right_scores`` are then
-        its transposed halves), else ``None``; read it through :meth:`columns`, which stacks the other layouts.
+        halves of one tensor (the fused amortised and the paired primal-token self-attention paths: ``left_scores``
+        and ``right_scores`` are then its transposed halves), else ``None``; read it through :meth:`columns`, which
+        stacks the other layouts.
     :ivar token_sums: The token sums of the squared scores of both branches,
         :math:`S_k = \sum_i m_i e_{ik}^2 + \sum_j m_j r_{jk}^2` (:math:`m` the padding mask), shape ``(*batch, s)``,
         when the features formed them for :math:`J` (the paired primal-token path), else ``None``.

@@ -185,7 +185,7 @@ class PrimalTokensAttentionFeatures(LearnedAttentionFeatures):
 
     def _paired_self_attention(self, tokens: Tensor, mask: Tensor | None, objective: bool) -> KernelEigenScores:
         r"""The self-attention scores with both branches as the halves of one tensor, the general path's numbers in
-        about half its operators (forward and backward):
+        about two thirds of its operators (forward and backward):
 
         .. math::
 
@@ -196,7 +196,8 @@ class PrimalTokensAttentionFeatures(LearnedAttentionFeatures):
         (:meth:`~gpattn.kernels.CosineFeatureKernel.paired_feature_columns`); the scores are
         :attr:`~gpattn.features.KernelEigenScores.stacked` ``(B, 2, H, s, N)``. With ``objective``, one reduction
         gives the token sums :math:`S_k` of both branches over the real tokens
-        (:attr:`~gpattn.features.KernelEigenScores.token_sums`, in float32 under autocast), from which both forms of
+        (:attr:`~gpattn.features.KernelEigenScores.token_sums`) and the trace :math:`\operatorname{Tr}(W_e^\top
+        W_r)` (both summed in float32 under autocast), from which both forms of
         :math:`J` follow (:func:`~gpattn.ksvd.ksvd_objective.ksvd_objective_from_sums`, and
         :meth:`official_objective`)."""
         kernel = self.kernel
@@ -212,7 +213,7 @@ class PrimalTokensAttentionFeatures(LearnedAttentionFeatures):
         if objective:
             masked = stacked if mask is None else stacked * mask[:, None, None, None, :].to(stacked.dtype)
             sums = masked.square().sum((1, -1), dtype=wide_dtype(stacked.dtype))  # S_k of both branches: (B, H, s)
-            coupling = (weights[:, 0] * weights[:, 1]).sum((-2, -1))  # Tr(W_e^T W_r): (B, H)
+            coupling = (weights[:, 0] * weights[:, 1]).sum((-2, -1), dtype=sums.dtype)  # Tr(W_e^T W_r): (B, H)
             objective_value = ksvd_objective_from_sums(sums, coupling, singular_values)
         return KernelEigenScores(left, right, singular_values, objective_value, stacked=stacked, token_sums=sums)
 
@@ -223,12 +224,16 @@ class PrimalTokensAttentionFeatures(LearnedAttentionFeatures):
         the trace of the raw per-position weights, which ignores :math:`\tilde X^\top \tilde X` (see
         :func:`~gpattn.ksvd.ksvd_objective`, ``form="official"``). The means run over the real tokens
         (``padding="excluded"``) or, as in the official CoLA layer, over every position with the padded tokens' scores
-        zero (``"included"``)."""
+        zero (``"included"``).
+
+        :param scores: The features of one call (or their :meth:`~gpattn.features.KernelEigenScores.for_outputs`).
+        :param mask: That call's padding mask (the means run over its real tokens), or ``None``.
+        """
         right_raw = self.left_token_weights if self.tie_qk else self.right_token_weights
         if scores.token_sums is not None:  # the paired path's sums over the real tokens (zero beyond them)
-            batch, heads, length = scores.left_scores.shape[:3]
+            heads = self.num_heads  # (B, H, N, s) scores, or (B, H, 1, N, s) after for_outputs
             if mask is None or self.padding == "included":  # every position
-                count = batch * heads * length
+                count = scores.left_scores.shape[0] * heads * scores.left_scores.shape[-2]
             else:
                 count = mask.sum() * heads
             sums = scores.token_sums

@@ -90,7 +90,7 @@ def ksvd_objective(
 
 def ksvd_objective_from_sums(squared_scores: Tensor, coupling: Tensor, singular_values: Tensor) -> Tensor:
     r"""The sum-form KSVD objective :math:`J` (:func:`ksvd_objective`, ``form="sum"``) from its token sums, for
-    callers that have them already (the fused amortised scores form them in their own pass):
+    callers that have them already (the paired primal-token path forms them in one reduction):
 
     .. math::
 

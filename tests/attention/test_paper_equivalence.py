@@ -26,11 +26,22 @@ import torch
 from torch import Tensor
 
 from gpattn.attention import KEPSVGPAttention, PrimalAttention
+from gpattn.features import PrimalTokensAttentionFeatures
 
 DTYPE = torch.float64
 TOL = 1e-10
 B, N, C, H = 2, 6, 12, 2  # head width 6
 HD = C // H
+
+
+@pytest.fixture(autouse=True, params=["paired", "general"])
+def primal_tokens_path(request, monkeypatch) -> str:
+    """Every test runs on both paths of the primal-token features: the paired self-attention path (the layers'
+    default) and the general one (the path of calls with the kernel diagonals or tied weights), each against the
+    official code."""
+    if request.param == "general":
+        monkeypatch.setattr(PrimalTokensAttentionFeatures, "takes_paired_path", lambda self, *arguments: False)
+    return request.param
 
 
 def _randn(*shape: int, seed: int) -> Tensor:

@@ -94,6 +94,19 @@ def test_paired_scores_are_halves_of_one_stacked_tensor():
     torch.testing.assert_close(per_output.token_sums.squeeze(-2), scores.token_sums)
 
 
+@pytest.mark.parametrize("padding", ["none", "excluded", "included"])
+def test_official_objective_of_the_scores_per_output(padding: str):
+    """The official J of a paired call's scores is the same number after ``for_outputs`` (whose scores have an extra
+    dimension): the count of the means is read from the batch, the heads and the tokens, not the scores' layout."""
+    torch.manual_seed(5)
+    features = _features("excluded" if padding == "none" else padding, form="official")
+    mask = None if padding == "none" else torch.tensor([[True] * 5, [True, True, False, False, False]])
+    scores = features(torch.randn(2, 5, 12, dtype=DTYPE), key_mask=mask, kernel_diag=False)
+    expected = features.official_objective(scores, mask)
+    torch.testing.assert_close(features.official_objective(scores.for_outputs(1), mask), expected)
+    torch.testing.assert_close(features.official_objective(scores.for_outputs(2), mask), expected)
+
+
 @pytest.mark.parametrize("exclusion", ["kernel_diag", "tie_qk"])
 def test_each_exclusion_of_the_paired_path(exclusion: str):
     """``takes_paired_path`` is true for plain self-attention and false for each exclusion (causal calls and
@@ -111,8 +124,8 @@ def test_each_exclusion_of_the_paired_path(exclusion: str):
 
 @pytest.mark.parametrize("masked", [False, True], ids=["every-token", "padding"])
 def test_paired_path_under_bfloat16_autocast(masked: bool):
-    """Under CPU autocast (bfloat16) the paired path's products run in bfloat16 (the scores, scaled in float32 by the
-    float32 norms, differ from float32's by bfloat16 rounding, within 2e-2) and its token sums, J and the official J
+    """Under CPU autocast (bfloat16) the paired path's products run in bfloat16 (the scores, scaled by the float32
+    output scale, differ from float32's by bfloat16 rounding, within 2e-2) and its token sums, J and the official J
     are float32; the gradients are finite and close to float32's."""
     torch.manual_seed(7)
     features = PrimalTokensAttentionFeatures(32, 2, num_inducing=4, max_len=40, ksvd_form="official").train()
