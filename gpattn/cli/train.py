@@ -62,6 +62,18 @@ def add_train(commands) -> None:
         action="store_true",
         help="continue from OUT/checkpoints/last.pt, with the settings stored in OUT/run.json",
     )
+    train.add_argument(
+        "--untuned",
+        action="store_true",
+        help="train with the settings above; by default a (task, attention) with a tuned configuration (gpattn tune; "
+        "the package's gpattn/comparison/tuned/<task>.json) trains with it, as in gpattn compare, and --epochs or "
+        "--num-inducing that it sets are refused",
+    )
+    train.add_argument(
+        "--tuned-dir",
+        default=None,
+        help="the folder of the tuned configurations <task>.json (default: the package's)",
+    )
     train.add_argument("--device", type=device, default="cpu", help="cpu or cuda (default: %(default)s)")
     train.add_argument("--no-progress", action="store_true", help="print no line per epoch")
     add_common(train, resume="continues it")
@@ -88,9 +100,12 @@ def run_train(args: argparse.Namespace) -> int:
             device=args.device,
             progress=False,
             threads=args.threads,
+            tuned=not args.untuned,
+            tuned_dir=args.tuned_dir,
             **epochs,
         )
         plan_runs(config)  # the layer's own checks (e.g. a rank above the head width), before any folder is made
+        _check_tuned_options(config, args)
     except ValueError as error:
         print(f"gpattn train: error: {error}", file=sys.stderr)
         return 2
@@ -117,7 +132,7 @@ def run_train(args: argparse.Namespace) -> int:
                     config, *run, checkpoint_dir=checkpoints, resume=args.resume, callbacks=callbacks
                 )
         except KeyboardInterrupt:
-            raise CommandInterrupted(f"interrupted; {_kept(checkpoints, config, args.task)}") from None
+            raise CommandInterrupted(f"interrupted; {_kept(checkpoints, config, args.task, args.attention)}") from None
         try:
             write_json_atomically(out / "record.json", record.to_dict())
         except OSError as error:
@@ -129,6 +144,35 @@ def run_train(args: argparse.Namespace) -> int:
     print(", ".join(f"{key} {value:.4f}" for key, value in test.items()))
     print(f"wrote {out / 'record.json'}")
     return 0
+
+
+def _check_tuned_options(config, args: argparse.Namespace) -> None:
+    """Refuse ``--epochs`` and ``--num-inducing`` where the run trains with a tuned configuration that sets them (they
+    would be ignored; ``--untuned`` trains with them).
+
+    :raises ValueError: Naming the options, the tuned values and the file.
+    """
+    from ..comparison.tuned_configuration import tuned_path
+
+    entry = config.tuned_entry(args.task, args.attention)
+    if entry is None:
+        return
+    given = {"epochs": ("--epochs", args.epochs), "num_inducing": ("--num-inducing", args.num_inducing)}
+    ignored = {
+        key: f"{flag} {value}"
+        for key, (flag, value) in given.items()
+        if value is not None and key in entry.hyperparameters
+    }
+    if not ignored:
+        return
+    source = config.tuned_source(args.task, args.attention)
+    inherited = "" if source == args.attention else f" (inherited from {source})"
+    tuned = ", ".join(f"{key} {entry.hyperparameters[key]}" for key in ignored)
+    raise ValueError(
+        f"{args.attention} on {args.task} trains with its tuned configuration{inherited} of "
+        f"{tuned_path(args.task, args.tuned_dir)}, which sets {tuned}: {' and '.join(ignored.values())} would be "
+        "ignored; add --untuned to train with the shared settings and these options"
+    )
 
 
 def _note_other_code(path: Path) -> None:
@@ -154,7 +198,7 @@ def _note_other_code(path: Path) -> None:
     write_json_atomically(path, content)
 
 
-def _kept(checkpoints: Path, config, task: str) -> str:
+def _kept(checkpoints: Path, config, task: str, row: str) -> str:
     """What an interrupted ``gpattn train`` leaves: the epoch of its last checkpoints, read from their manifest."""
     from ..training import CheckpointError
     from ..training.checkpoint_files import read_manifest
@@ -165,7 +209,9 @@ def _kept(checkpoints: Path, config, task: str) -> str:
         manifest = None
     if manifest is None or not isinstance(manifest.get("epoch"), int):
         return f"no epoch had finished, so {checkpoints} holds no checkpoint: run the same command (without --resume)"
-    epochs = getattr(config, f"{task}_epochs")
+    entry = config.tuned_entry(task, row)  # the run's epochs: the tuned configuration's, or the shared setting
+    epochs = getattr(config, f"{task}_epochs") if entry is None else entry.hyperparameters.get("epochs")
+    epochs = getattr(config, f"{task}_epochs") if epochs is None else epochs
     return (
         f"the checkpoints of epoch {manifest['epoch']} of {epochs} are kept in {checkpoints}; the same command with "
         "--resume continues"

@@ -8,6 +8,7 @@ import dataclasses
 import json
 import math
 from dataclasses import asdict
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -30,6 +31,7 @@ from gpattn.comparison import (
     train_and_evaluate,
 )
 from gpattn.comparison.evaluation import evaluate_models, evaluate_run
+from gpattn.comparison.tuned_configuration import tuned_path
 from gpattn.methods import MethodSpec, TrainingRecipe, get_method, method_names, register_method, unregister_method
 from gpattn.models import LastLayerLaplace
 from gpattn.training import train_ensemble
@@ -218,6 +220,7 @@ def test_cli_compare_rejects_bad_values(capsys) -> None:
 
 def test_cli_train_resume_after_an_interruption_gives_the_same_numbers(tmp_path, faulty_elbo, capsys) -> None:
     arguments = ["train", "--task", "digits", "--attention", "kep_svgp", "--epochs", "4", "--eval-samples", "2"]
+    arguments.append("--untuned")  # the shared settings and 4 epochs (a tuned row refuses --epochs)
     assert main([*arguments, "--out", str(tmp_path / "full")]) == 0
     full = json.loads((tmp_path / "full" / "record.json").read_text())
 
@@ -235,6 +238,27 @@ def test_cli_train_resume_after_an_interruption_gives_the_same_numbers(tmp_path,
     assert resumed["metrics"] == full["metrics"]
     assert resumed["spectra"] == full["spectra"]
     assert RunRecord.from_dict(resumed).train.best_epoch == RunRecord.from_dict(full).train.best_epoch
+
+
+def test_cli_train_of_a_tuned_row_refuses_the_options_its_configuration_sets(tmp_path, faulty_elbo, capsys) -> None:
+    """A (task, attention) with a tuned configuration trains with it, as in gpattn compare: --epochs, which it sets,
+    is refused with one line (nothing written) instead of being ignored; --untuned trains with the shared settings and
+    --epochs; an interrupted tuned run counts its epochs against the tuned configuration's."""
+    tuned = json.loads(Path(tuned_path("digits")).read_text())["rows"]["softmax"]["hyperparameters"]
+    arguments = ["train", "--task", "digits", "--attention", "softmax", "--eval-samples", "2", "--no-progress"]
+    assert main([*arguments, "--epochs", "2", "--out", str(tmp_path / "refused")]) == 2
+    assert capsys.readouterr().err == (
+        f"gpattn train: error: softmax on digits trains with its tuned configuration of {tuned_path('digits')}, which "
+        f"sets epochs {tuned['epochs']}: --epochs 2 would be ignored; add --untuned to train with the shared settings "
+        "and these options\n"
+    )
+    assert not (tmp_path / "refused").exists()
+    assert main([*arguments, "--epochs", "2", "--untuned", "--out", str(tmp_path / "shared")]) == 0
+    record = json.loads((tmp_path / "shared" / "record.json").read_text())
+    assert record["tuned"] is False and record["train"]["epochs"] == 2 and record["hyperparameters"]["epochs"] == 2
+    faulty_elbo.interrupt_at = 30  # 866 images / 64 = 14 steps per epoch: inside epoch 3
+    assert main([*arguments, "--out", str(tmp_path / "tuned")]) == 130
+    assert f"the checkpoints of epoch 2 of {tuned['epochs']} are kept in" in capsys.readouterr().err
 
 
 def test_cli_train_resume_without_checkpoint_is_an_error(tmp_path, capsys) -> None:
