@@ -181,6 +181,30 @@ def test_compare_interrupted_says_what_was_kept(tmp_path, capsys, monkeypatch) -
     )
 
 
+def test_compare_notes_the_shared_options_that_tuned_rows_do_not_use(tmp_path, capsys, monkeypatch) -> None:
+    """A shared setting given on the command line that a run's tuned configuration sets instead is named in one note
+    line before any run (with the rows it does not reach); --untuned, or an option no tuned row sets, gives none."""
+    import gpattn.comparison.runs as runs
+
+    def interrupt(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(runs, "train_and_evaluate", interrupt)
+    argv = ["compare", "--tasks", "digits", "pointer", "--attentions", "softmax", "sgpa", "--seeds", "0"]
+    argv += ["--digits-epochs", "2", "--pointer-epochs", "1", "--beta", "0.5", "--eval-samples", "2", "--no-progress"]
+    assert main([*argv, "--out", str(tmp_path / "a")]) == 130
+    err = capsys.readouterr().err
+    assert err.splitlines()[0] == (
+        "gpattn compare: note: --digits-epochs 2 (not sgpa on digits, softmax on digits); --beta 0.5 (not sgpa on "
+        "digits): these rows train with their tuned configuration, which sets that hyperparameter; --untuned trains "
+        "every row with the shared settings"
+    )
+    assert main([*argv, "--untuned", "--out", str(tmp_path / "b")]) == 130
+    assert "note:" not in capsys.readouterr().err
+    assert main([*argv[:9], "--pointer-epochs", "1", "--no-progress", "--out", str(tmp_path / "c")]) == 130
+    assert "note:" not in capsys.readouterr().err  # the pointer task has no tuned configuration
+
+
 def test_version() -> None:
     from gpattn import __version__
 

@@ -163,6 +163,41 @@ def add_compare(commands) -> None:
     add_common(compare, resume="continues it")
 
 
+#: the shared settings a tuned configuration may set in their place: option name -> hyperparameter
+TUNABLE_OPTIONS = {
+    "pointer_epochs": "epochs",
+    "digits_epochs": "epochs",
+    "mnist1d_epochs": "epochs",
+    "num_inducing": "num_inducing",
+    "beta": "beta",
+    "ksvd_weight": "ksvd_weight",
+    "mc_dropout": "dropout",
+}
+
+
+def _tuned_note(config, runs, args: argparse.Namespace) -> str | None:
+    """The note for shared settings given on the command line that some planned runs do not use, their tuned
+    configuration setting that hyperparameter instead (documented, but easily missed), or ``None``."""
+    given = [name for name in TUNABLE_OPTIONS if getattr(args, name, None) is not None]
+    rows: dict[str, set[str]] = {}  # option -> "task: row" of the runs it does not reach
+    for task, row, _ in runs:
+        entry = config.tuned_entry(task, row)
+        for name in given:
+            task_option = not name.endswith("_epochs") or name == f"{task}_epochs"
+            if entry is not None and task_option and TUNABLE_OPTIONS[name] in entry.hyperparameters:
+                rows.setdefault(name, set()).add(f"{row} on {task}")
+    if not rows:
+        return None
+    parts = [
+        f"--{name.replace('_', '-')} {getattr(args, name)} (not {', '.join(sorted(reached))})"
+        for name, reached in rows.items()
+    ]
+    return (
+        f"{'; '.join(parts)}: these rows train with their tuned configuration, which sets that hyperparameter; "
+        "--untuned trains every row with the shared settings"
+    )
+
+
 def run_folder_outputs() -> tuple[str, ...]:
     """Every entry ``gpattn compare`` can write into a run folder, derived from the writers (what ``--overwrite``
     deletes first): ``runs/``, :data:`~gpattn.comparison.report.OUTPUT_FILES` and every figure of every task
@@ -198,6 +233,9 @@ def run_compare(args: argparse.Namespace) -> int:
     except ValueError as error:
         print(f"gpattn compare: error: {error}", file=sys.stderr)
         return 2
+    note = _tuned_note(config, runs, args)
+    if note:
+        print(f"gpattn compare: note: {note}", file=sys.stderr)
     with prepare_out(
         args.out or f"runs/compare-{time.strftime('%Y%m%d-%H%M%S')}",
         overwrite=args.overwrite,
