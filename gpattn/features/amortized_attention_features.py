@@ -34,9 +34,10 @@ class AmortizedAttentionFeatures(LearnedAttentionFeatures):
     those of :class:`~gpattn.features.AttentionKernelEigenFeatures` (cosine kernel, sum-form penalty).
 
     Self-attention without a causal mask and without kernel diagonals takes the fused path
-    (:meth:`takes_fused_path`): one autograd function with a hand-written backward pass
+    (:meth:`takes_paired_path`): one autograd function with a hand-written backward pass
     (:class:`~gpattn.features.amortized_scores.AmortizedSelfScores`) computes both branches as the halves of one
-    ``(B, 2, H, s, N)`` tensor, :attr:`~gpattn.features.KernelEigenScores.stacked`.
+    ``(B, 2, H, s, N)`` tensor, :attr:`~gpattn.features.KernelEigenScores.stacked`; under autocast it runs its
+    products in the autocast dtype and :math:`J` in float32.
 
     Example:
         >>> torch.manual_seed(0)  # doctest: +ELLIPSIS
@@ -53,6 +54,7 @@ class AmortizedAttentionFeatures(LearnedAttentionFeatures):
     """
 
     mode = "amortized"
+    has_paired_path = True
     supports_causal = True
     supported_calls = "every call"
 
@@ -65,25 +67,6 @@ class AmortizedAttentionFeatures(LearnedAttentionFeatures):
         if not self.tie_qk:
             self.right_map = torch.nn.Parameter(torch.empty(heads, width, rank).uniform_(-bound, bound))
             self.right_bias = torch.nn.Parameter(torch.zeros(heads, rank))
-
-    def takes_fused_path(self, queries: Tensor, keys: Tensor, causal: bool, kernel_diag: bool) -> bool:
-        """Whether a call takes the fused path: self-attention (``keys is queries``), no causal mask, no kernel
-        diagonals (the residual needs them) and untied maps (one map for both branches has no paired layout). Under
-        autocast the fused pass runs its products in the autocast dtype and :math:`J` in float32.
-
-        :param queries: ``(B, N, C)``.
-        :param keys: ``(B, M, C)``.
-        :param causal: The call is causal.
-        :param kernel_diag: The call asks for the kernel diagonals.
-        """
-        return queries is keys and not (causal or kernel_diag or self.tie_qk)
-
-    def _scores(
-        self, queries: Tensor, keys: Tensor, key_mask: Tensor | None, causal: bool, objective: bool, kernel_diag: bool
-    ) -> KernelEigenScores:
-        if self.takes_fused_path(queries, keys, causal, kernel_diag):
-            return self._fused_self_attention(queries, key_mask, objective)
-        return super()._scores(queries, keys, key_mask, causal, objective, kernel_diag)
 
     def _value_columns(self, tokens: Tensor, side: str) -> Tensor:
         r""":math:`A_e(Z)^\top` / :math:`A_r(X)^\top`, shape ``(B, H, s, n)``: one GEMM ``(H s, C) x (C, n)`` per
@@ -115,7 +98,7 @@ class AmortizedAttentionFeatures(LearnedAttentionFeatures):
             )
         return left, right, objective_value
 
-    def _fused_self_attention(self, tokens: Tensor, mask: Tensor | None, objective: bool) -> KernelEigenScores:
+    def _paired_self_attention(self, tokens: Tensor, mask: Tensor | None, objective: bool) -> KernelEigenScores:
         r"""The self-attention scores and :math:`J` by :class:`~gpattn.features.amortized_scores.AmortizedSelfScores`,
         one autograd function from the tokens and the parameters (two projection GEMMs, for :math:`[P_q; P_k]` of
         shape ``(B, 2, H, p, N)`` and the values :math:`[A_r(X)^\top; A_e(X)^\top]`, the scores' products and
@@ -156,11 +139,11 @@ class AmortizedAttentionFeatures(LearnedAttentionFeatures):
 
     def _watched(self, queries: Tensor, keys: Tensor, causal: bool, kernel_diag: bool) -> tuple[Tensor, Tensor]:
         # the fused path's backward pass checks the gradients itself
-        if self.takes_fused_path(queries, keys, causal, kernel_diag):
+        if self.takes_paired_path(queries, keys, causal, kernel_diag):
             return queries, keys
         return super()._watched(queries, keys, causal, kernel_diag)
 
     def _check_scores(self, scores: KernelEigenScores, official: Tensor | None, queries: Tensor, keys: Tensor) -> None:
-        # the fused path (its scores stacked) checked its results itself (_fused_self_attention)
+        # the fused path (its scores stacked) checked its results itself (_paired_self_attention)
         if scores.stacked is None:
             super()._check_scores(scores, official, queries, keys)

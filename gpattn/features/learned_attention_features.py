@@ -95,6 +95,8 @@ class LearnedAttentionFeatures(AttentionKernelEigenFeatures):
     """
 
     learns_spectrum = True
+    #: whether the mode has a paired self-attention path (:meth:`takes_paired_path`)
+    has_paired_path = False
 
     def _build(self, max_len: int | None, **options: Any) -> None:
         self._build_weights(max_len, **options)
@@ -105,9 +107,28 @@ class LearnedAttentionFeatures(AttentionKernelEigenFeatures):
         """The mode's checks of its arguments and the parameters of its weights (before the learned spectrum)."""
         raise NotImplementedError
 
+    def takes_paired_path(self, queries: Tensor, keys: Tensor, causal: bool, kernel_diag: bool) -> bool:
+        """Whether a call takes the mode's paired self-attention path (:meth:`_paired_self_attention`: both branches
+        as the halves of one ``(B, 2, H, s, N)`` tensor, :attr:`~gpattn.features.KernelEigenScores.stacked`):
+        self-attention (``keys is queries``), no causal mask, no kernel diagonals (the residual needs them) and untied
+        weights (one map for both branches has no paired layout), in a mode that has one (:attr:`has_paired_path`).
+
+        :param queries: ``(B, N, C)``.
+        :param keys: ``(B, M, C)``.
+        :param causal: The call is causal.
+        :param kernel_diag: The call asks for the kernel diagonals.
+        """
+        return self.has_paired_path and queries is keys and not (causal or kernel_diag or self.tie_qk)
+
+    def _paired_self_attention(self, tokens: Tensor, mask: Tensor | None, objective: bool) -> KernelEigenScores:
+        """The scores (and :math:`J` with ``objective``) of a call that :meth:`takes_paired_path`."""
+        raise NotImplementedError
+
     def _scores(
         self, queries: Tensor, keys: Tensor, key_mask: Tensor | None, causal: bool, objective: bool, kernel_diag: bool
     ) -> KernelEigenScores:
+        if self.takes_paired_path(queries, keys, causal, kernel_diag):
+            return self._paired_self_attention(queries, key_mask, objective)
         self_attention = queries is keys
         query_mask = key_mask if self_attention else None
         kernel = self.kernel

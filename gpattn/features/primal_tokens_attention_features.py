@@ -73,6 +73,7 @@ class PrimalTokensAttentionFeatures(LearnedAttentionFeatures):
     """
 
     mode = "primal_tokens"
+    has_paired_path = True
     supports_cross_attention = False
     ksvd_forms = ("sum", "official")
     options = ("rank_multiple", "padding")
@@ -163,25 +164,6 @@ class PrimalTokensAttentionFeatures(LearnedAttentionFeatures):
             selected = selected * real.unsqueeze(-1).to(selected.dtype)
         # X~_h^T: the head's channel block, (B, H, C/H, N')
         return selected.mT.unflatten(1, (self.num_heads, width // self.num_heads)), rows
-
-    def takes_paired_path(self, queries: Tensor, keys: Tensor, causal: bool, kernel_diag: bool) -> bool:
-        """Whether a call takes the paired path (:meth:`_paired_self_attention`): self-attention (``keys is
-        queries``; the only call this mode supports), no causal mask, no kernel diagonals (the residual needs them)
-        and untied weights.
-
-        :param queries: ``(B, N, C)``.
-        :param keys: ``(B, M, C)``.
-        :param causal: The call is causal.
-        :param kernel_diag: The call asks for the kernel diagonals.
-        """
-        return queries is keys and not (causal or kernel_diag or self.tie_qk)
-
-    def _scores(
-        self, queries: Tensor, keys: Tensor, key_mask: Tensor | None, causal: bool, objective: bool, kernel_diag: bool
-    ) -> KernelEigenScores:
-        if self.takes_paired_path(queries, keys, causal, kernel_diag):
-            return self._paired_self_attention(queries, key_mask, objective)
-        return super()._scores(queries, keys, key_mask, causal, objective, kernel_diag)
 
     def _paired_self_attention(self, tokens: Tensor, mask: Tensor | None, objective: bool) -> KernelEigenScores:
         r"""The self-attention scores with both branches as the halves of one tensor, the general path's numbers in

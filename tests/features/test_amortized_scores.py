@@ -209,7 +209,7 @@ EXCLUSIONS = ["cross-attention", "causal", "kernel_diag", "tie_qk"]
 
 @pytest.mark.parametrize("exclusion", EXCLUSIONS)
 def test_each_exclusion_of_the_fused_path(exclusion: str):
-    """The fused path is one predicate, ``takes_fused_path``: true for plain self-attention, false for each
+    """The fused path is one predicate, ``takes_paired_path``: true for plain self-attention, false for each
     exclusion, and an excluded call is answered by the general path (no stacked tensor) with the fused path's scores
     where the call means the same (cross-attention on keys equal to the queries, or with the kernel diagonals)."""
     torch.manual_seed(6)
@@ -218,8 +218,8 @@ def test_each_exclusion_of_the_fused_path(exclusion: str):
     x = torch.randn(2, 5, 12, dtype=DTYPE)
     keys = x.clone() if exclusion == "cross-attention" else x  # the same values, but not the queries
     causal, kernel_diag = exclusion == "causal", exclusion == "kernel_diag"
-    assert features.takes_fused_path(x, x, causal=False, kernel_diag=False) is not tied
-    assert features.takes_fused_path(x, keys, causal, kernel_diag) is False
+    assert features.takes_paired_path(x, x, causal=False, kernel_diag=False) is not tied
+    assert features.takes_paired_path(x, keys, causal, kernel_diag) is False
     scores = features(x, keys, causal=causal, kernel_diag=kernel_diag)
     assert scores.stacked is None and scores.left_scores.shape == (2, 3, 5, 2)
     if exclusion in ("cross-attention", "kernel_diag"):
@@ -242,7 +242,7 @@ def test_fused_path_under_bfloat16_autocast(masked: bool):
         features.zero_grad(set_to_none=True)
         enabled = precision == "bfloat16"
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=enabled):
-            assert features.takes_fused_path(x, x, causal=False, kernel_diag=False)
+            assert features.takes_paired_path(x, x, causal=False, kernel_diag=False)
             scores = features(x, key_mask=mask, objective=True, kernel_diag=False)
         assert scores.stacked is not None and scores.stacked.dtype == getattr(torch, precision)
         assert scores.objective.dtype == torch.float32
