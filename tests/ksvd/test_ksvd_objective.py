@@ -40,14 +40,21 @@ def test_weights_per_position_average_the_trace():
     torch.testing.assert_close(got, expected - traces, atol=1e-12, rtol=0)
 
 
+def _official_inputs(seed: int, padded: tuple[int, int] | None) -> tuple[torch.Tensor, ...]:
+    """Scores e, r (B, H, N, S), raw weights (H, POSITIONS, S), singular values (H, S) and a (B, N) mask whose
+    sequence ``padded[0]`` is padded from token ``padded[1]`` on (all real with ``None``)."""
+    e, r = _randn(B, H, N, S, seed=seed), _randn(B, H, N, S, seed=seed + 1)
+    raw_e, raw_r = _randn(H, POSITIONS, S, seed=seed + 2), _randn(H, POSITIONS, S, seed=seed + 3)
+    lam = _randn(H, S, seed=seed + 4).exp()
+    mask = torch.ones(B, N, dtype=torch.bool)
+    if padded is not None:
+        mask[padded[0], padded[1] :] = False
+    return e, r, raw_e, raw_r, lam, mask
+
+
 @pytest.mark.parametrize("masked", [False, True])
 def test_official_form_means_over_real_tokens_and_the_trace_of_the_raw_weights(masked: bool):
-    e, r = _randn(B, H, N, S, seed=10), _randn(B, H, N, S, seed=11)
-    raw_e, raw_r = _randn(H, POSITIONS, S, seed=12), _randn(H, POSITIONS, S, seed=13)
-    lam = _randn(H, S, seed=14).exp()
-    mask = torch.ones(B, N, dtype=torch.bool)
-    if masked:
-        mask[0, 3:] = False
+    e, r, raw_e, raw_r, lam, mask = _official_inputs(seed=10, padded=(0, 3) if masked else None)
     got = ksvd_objective(e, r, raw_e, raw_r, lam, form="official", mask=mask if masked else None)
     left, right = [], []
     for b in range(B):
@@ -84,12 +91,7 @@ def test_objective_from_sums_equals_the_sum_form():
 def test_official_objective_from_sums_equals_the_official_form(masked: bool):
     """J_off from the token sums of the squared scores over the real tokens and their count equals the official form
     on the scores themselves."""
-    e, r = _randn(B, H, N, S, seed=30), _randn(B, H, N, S, seed=31)
-    raw_e, raw_r = _randn(H, POSITIONS, S, seed=32), _randn(H, POSITIONS, S, seed=33)
-    lam = _randn(H, S, seed=34).exp()
-    mask = torch.ones(B, N, dtype=torch.bool)
-    if masked:
-        mask[1, 2:] = False
+    e, r, raw_e, raw_r, lam, mask = _official_inputs(seed=30, padded=(1, 2) if masked else None)
     m = mask[:, None, :, None].to(DTYPE)
     sums = ((e * m).square() + (r * m).square()).sum(-2)  # (B, H, S)
     expected = ksvd_objective(e, r, raw_e, raw_r, lam, form="official", mask=mask if masked else None)
