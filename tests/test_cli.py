@@ -199,6 +199,12 @@ def test_compare_notes_the_shared_options_that_tuned_rows_do_not_use(tmp_path, c
         "digits): these rows train with their tuned configuration, which sets that hyperparameter; --untuned trains "
         "every row with the shared settings"
     )
+    # --mc-dropout reaches only the rows that predict with dropout (softmax's tuned dropout is not its business)
+    assert main([*argv, "--mc-dropout", "0.2", "--out", str(tmp_path / "d")]) == 130
+    assert "--mc-dropout" not in capsys.readouterr().err
+    mc_dropout = [*argv[:6], "softmax_mc_dropout", *argv[7:], "--mc-dropout", "0.2", "--out", str(tmp_path / "e")]
+    assert main(mc_dropout) == 130
+    assert "; --mc-dropout 0.2 (not softmax_mc_dropout on digits):" in capsys.readouterr().err
     assert main([*argv, "--untuned", "--out", str(tmp_path / "b")]) == 130
     assert "note:" not in capsys.readouterr().err
     assert main([*argv[:9], "--pointer-epochs", "1", "--no-progress", "--out", str(tmp_path / "c")]) == 130

@@ -178,13 +178,17 @@ TUNABLE_OPTIONS = {
 def _tuned_note(config, runs, args: argparse.Namespace) -> str | None:
     """The note for shared settings given on the command line that some planned runs do not use, their tuned
     configuration setting that hyperparameter instead (documented, but easily missed), or ``None``."""
+    from ..methods import get_method
+
     given = [name for name in TUNABLE_OPTIONS if getattr(args, name, None) is not None]
     rows: dict[str, set[str]] = {}  # option -> "task: row" of the runs it does not reach
     for task, row, _ in runs:
         entry = config.tuned_entry(task, row)
         for name in given:
-            task_option = not name.endswith("_epochs") or name == f"{task}_epochs"
-            if entry is not None and task_option and TUNABLE_OPTIONS[name] in entry.hyperparameters:
+            # an epochs option reaches its task's runs only, --mc-dropout the rows that predict with dropout only
+            reaches = name == f"{task}_epochs" if name.endswith("_epochs") else True
+            reaches = reaches and (name != "mc_dropout" or get_method(row).predictive.mc_dropout)
+            if entry is not None and reaches and TUNABLE_OPTIONS[name] in entry.hyperparameters:
                 rows.setdefault(name, set()).add(f"{row} on {task}")
     if not rows:
         return None

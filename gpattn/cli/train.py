@@ -49,7 +49,13 @@ def add_train(commands) -> None:
     train.add_argument("--attention", choices=attention_names(), default="kep_svgp", help="default: %(default)s")
     train.add_argument("--task", choices=TASKS, default="digits", help="default: %(default)s")
     train.add_argument("--seed", type=non_negative_int, default=0, help="default: %(default)s")
-    train.add_argument("--epochs", type=positive_int, default=None, help="default: the comparison's for the task")
+    train.add_argument(
+        "--epochs",
+        type=positive_int,
+        default=None,
+        help="default: the comparison's for the task, or the tuned configuration's (which refuses another value; see "
+        "--untuned)",
+    )
     train.add_argument("--eval-samples", type=positive_int, default=defaults.eval_samples, help="default: %(default)s")
     train.add_argument(
         "--num-inducing", type=positive_int, default=None, help="inducing set size (default: the layer's own)"
@@ -65,9 +71,10 @@ def add_train(commands) -> None:
     train.add_argument(
         "--untuned",
         action="store_true",
-        help="train with the settings above; by default a (task, attention) with a tuned configuration (gpattn tune; "
-        "the package's gpattn/comparison/tuned/<task>.json) trains with it, as in gpattn compare, and --epochs or "
-        "--num-inducing that it sets are refused",
+        help="train with the shared settings (these options and the comparison's defaults: learning rate, "
+        "architecture, dropout, ...); by default a (task, attention) with a tuned configuration (gpattn tune; the "
+        "package's gpattn/comparison/tuned/<task>.json) trains with it, as in gpattn compare, and another --epochs or "
+        "--num-inducing than it sets is refused",
     )
     train.add_argument(
         "--tuned-dir",
@@ -105,7 +112,8 @@ def run_train(args: argparse.Namespace) -> int:
             **epochs,
         )
         plan_runs(config)  # the layer's own checks (e.g. a rank above the head width), before any folder is made
-        _check_tuned_options(config, args)
+        if not args.resume:  # a resumed run is checked against the settings stored when it started
+            _check_tuned_options(config, args)
     except ValueError as error:
         print(f"gpattn train: error: {error}", file=sys.stderr)
         return 2
@@ -147,8 +155,9 @@ def run_train(args: argparse.Namespace) -> int:
 
 
 def _check_tuned_options(config, args: argparse.Namespace) -> None:
-    """Refuse ``--epochs`` and ``--num-inducing`` where the run trains with a tuned configuration that sets them (they
-    would be ignored; ``--untuned`` trains with them).
+    """Refuse ``--epochs`` and ``--num-inducing`` other than a tuned configuration's where the run trains with one that
+    sets them (they would be ignored; ``--untuned`` trains with them). Not for ``--resume``, whose run is checked
+    against the settings it started with.
 
     :raises ValueError: Naming the options, the tuned values and the file.
     """
@@ -158,18 +167,16 @@ def _check_tuned_options(config, args: argparse.Namespace) -> None:
     if entry is None:
         return
     given = {"epochs": ("--epochs", args.epochs), "num_inducing": ("--num-inducing", args.num_inducing)}
-    ignored = {
+    ignored = {  # a value equal to the tuned one changes nothing
         key: f"{flag} {value}"
         for key, (flag, value) in given.items()
-        if value is not None and key in entry.hyperparameters
+        if value is not None and key in entry.hyperparameters and value != entry.hyperparameters[key]
     }
     if not ignored:
         return
-    source = config.tuned_source(args.task, args.attention)
-    inherited = "" if source == args.attention else f" (inherited from {source})"
     tuned = ", ".join(f"{key} {entry.hyperparameters[key]}" for key in ignored)
     raise ValueError(
-        f"{args.attention} on {args.task} trains with its tuned configuration{inherited} of "
+        f"{args.attention} on {args.task} trains with its tuned configuration of "
         f"{tuned_path(args.task, args.tuned_dir)}, which sets {tuned}: {' and '.join(ignored.values())} would be "
         "ignored; add --untuned to train with the shared settings and these options"
     )

@@ -13,6 +13,7 @@ import platform
 import re
 import subprocess
 import sys
+from collections.abc import Collection
 from pathlib import Path
 from typing import Any
 
@@ -81,23 +82,35 @@ def code_label(code: Any) -> str:
     return f"gpattn {code.get('gpattn', '?')}, commit {code.get('git_commit') or 'unknown'}"
 
 
-def run_file_codes(folder: str | os.PathLike) -> list[dict[str, Any]]:
+def run_file_codes(
+    folder: str | os.PathLike, records: Collection[tuple[str, str, int]] | None = None
+) -> list[dict[str, Any]]:
     """The codes that made the run files in ``folder`` (a run folder's ``runs``: ``<task>-<row>-<seed>.json``, each
-    storing its :func:`code_version` under ``"code"``), grouped, the code of the most runs first::
+    storing its :func:`code_version` under ``"code"`` and its record), grouped, the code of the most runs first::
 
         [{"code": {"gpattn": "0.1.0", "git_commit": "..."}, "runs": ["digits-kep_svgp-0", ...]}, ...]
 
     One group unless ``--resume`` kept runs of other code; ``"code"`` is ``None`` for run files written before run
-    files recorded it (or that cannot be read). Empty when the folder holds no run file.
+    files recorded it (or that cannot be read). Empty when the folder holds no such run file.
+
+    :param folder: The folder of the run files.
+    :param records: The ``(task, attention, seed)`` of the records to account for (those of a report; a file whose
+        record is not among them, e.g. a run of other seeds in the same folder, is left out), or ``None``: every file.
 
     .. note:: Cost: reads every run file once.
     """
+    wanted = None if records is None else set(records)
     groups: dict[str, dict[str, Any]] = {}
     for path in sorted(Path(folder).glob("*.json")):
         try:
-            code = json.loads(path.read_text()).get("code")
+            content = json.loads(path.read_text())
+            record = content.get("record") or {}
+            identity = (record.get("task"), record.get("attention"), record.get("seed"))
+            code = content.get("code")
         except (OSError, ValueError, AttributeError):
-            code = None
+            identity, code = None, None
+        if wanted is not None and identity not in wanted:
+            continue
         code = code if isinstance(code, dict) else None
         group = groups.setdefault(json.dumps(code, sort_keys=True), {"code": code, "runs": []})
         group["runs"].append(path.stem)

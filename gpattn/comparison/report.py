@@ -382,7 +382,7 @@ def write_outputs(records: list[RunRecord], config: CompareConfig, out: str | Pa
         "environment": run_environment(),
         "records": [record.to_dict() for record in records],
     }
-    codes = run_file_codes(out / "runs")
+    codes = run_file_codes(out / "runs", [(record.task, record.attention, record.seed) for record in records])
     if codes:
         content["codes"] = codes
     write_json_atomically(written[0], content)

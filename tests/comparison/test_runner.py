@@ -130,6 +130,9 @@ def test_resume_warns_about_runs_made_by_other_code(tmp_path, monkeypatch) -> No
     codes = json.loads((tmp_path / "results.json").read_text())["codes"]
     this = {"gpattn": __version__, "git_commit": _git_commit()}
     assert codes == [{"code": this, "runs": ["pointer-softmax-0"]}, {"code": None, "runs": ["pointer-softmax-1"]}]
+    write_outputs(resumed[1:], config, tmp_path)  # a report of seed 1 only: the other run files are not its runs
+    codes = json.loads((tmp_path / "results.json").read_text())["codes"]
+    assert codes == [{"code": None, "runs": ["pointer-softmax-1"]}]
 
 
 def test_run_file_codes_groups_the_runs_by_code(tmp_path) -> None:
@@ -144,6 +147,12 @@ def test_run_file_codes_groups_the_runs_by_code(tmp_path) -> None:
         {"code": None, "runs": ["t-r-3", "t-r-4"]},
         {"code": old, "runs": ["t-r-0"]},
     ]
+    for seed in (0, 1):  # the runs of a report are found by their records' identities
+        content = json.loads((tmp_path / f"t-r-{seed}.json").read_text())
+        (tmp_path / f"t-r-{seed}.json").write_text(
+            json.dumps({**content, "record": {"task": "t", "attention": "r", "seed": seed}})
+        )
+    assert run_file_codes(tmp_path, [("t", "r", 1), ("t", "other", 0)]) == [{"code": new, "runs": ["t-r-1"]}]
 
 
 def test_a_failed_run_names_itself_and_keeps_the_finished_ones(tmp_path, monkeypatch) -> None:

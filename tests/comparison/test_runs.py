@@ -257,8 +257,28 @@ def test_cli_train_of_a_tuned_row_refuses_the_options_its_configuration_sets(tmp
     record = json.loads((tmp_path / "shared" / "record.json").read_text())
     assert record["tuned"] is False and record["train"]["epochs"] == 2 and record["hyperparameters"]["epochs"] == 2
     faulty_elbo.interrupt_at = 30  # 866 images / 64 = 14 steps per epoch: inside epoch 3
-    assert main([*arguments, "--out", str(tmp_path / "tuned")]) == 130
+    # the tuned value itself is accepted (it changes nothing)
+    assert main([*arguments, "--epochs", str(tuned["epochs"]), "--out", str(tmp_path / "tuned")]) == 130
     assert f"the checkpoints of epoch 2 of {tuned['epochs']} are kept in" in capsys.readouterr().err
+
+
+def test_cli_train_resume_of_a_tuned_run_started_with_an_ignored_epochs(tmp_path, faulty_elbo, capsys, monkeypatch):
+    """A tuned run started before --epochs was refused stored the ignored value in run.json; the same command with
+    --resume continues it (the run is checked against its stored settings, not refused as a new one)."""
+    import gpattn.cli.train as train_command
+
+    arguments = ["train", "--task", "digits", "--attention", "softmax", "--eval-samples", "2", "--no-progress"]
+    arguments += ["--epochs", "3", "--out", str(tmp_path / "t")]
+    with monkeypatch.context() as patch:  # the code before: no refusal
+        patch.setattr(train_command, "_check_tuned_options", lambda config, args: None)
+        faulty_elbo.interrupt_at = 30  # inside epoch 3
+        assert main(arguments) == 130
+    assert json.loads((tmp_path / "t" / "run.json").read_text())["settings"]["digits_epochs"] == 3
+    capsys.readouterr()
+    assert main(arguments) == 2  # a new run with that value is refused
+    faulty_elbo.interrupt_at = 30  # the resumed run stops again, two epochs further: it was accepted
+    assert main([*arguments, "--resume"]) == 130
+    assert "the checkpoints of epoch 4 of 100 are kept in" in capsys.readouterr().err
 
 
 def test_cli_train_resume_without_checkpoint_is_an_error(tmp_path, capsys) -> None:
