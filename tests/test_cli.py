@@ -211,6 +211,40 @@ def test_compare_notes_the_shared_options_that_tuned_rows_do_not_use(tmp_path, c
     assert "note:" not in capsys.readouterr().err  # the pointer task has no tuned configuration
 
 
+def test_a_tuned_dir_without_the_tasks_file_is_named(tmp_path, capsys, monkeypatch) -> None:
+    """An explicit --tuned-dir that lacks a task's file (a wrong folder, most likely) is refused by gpattn train (one
+    task) and named in a note by gpattn compare (whose other tasks may have theirs); --untuned needs no file."""
+    import shutil
+
+    import gpattn.comparison.runs as runs
+    from gpattn.comparison.tuned_configuration import tuned_path
+
+    def interrupt(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(runs, "train_and_evaluate", interrupt)
+    folder = tmp_path / "tuned"
+    folder.mkdir()
+    assert main(["train", "--task", "digits", "--tuned-dir", str(folder), "--out", str(tmp_path / "t")]) == 2
+    assert capsys.readouterr().err == (
+        f"gpattn train: error: --tuned-dir {folder} has no digits.json (the tuned configurations of digits); give the "
+        "folder that holds it, or --untuned\n"
+    )
+    assert (
+        main(["train", "--task", "digits", "--tuned-dir", str(folder), "--untuned", "--out", str(tmp_path / "u")])
+        == 130
+    )
+    shutil.copy(tuned_path("digits"), folder / "digits.json")
+    argv = ["compare", "--tasks", "digits", "pointer", "--attentions", "softmax", "--seeds", "0", "--no-progress"]
+    assert main([*argv, "--tuned-dir", str(folder), "--out", str(tmp_path / "c")]) == 130
+    assert (
+        f"gpattn compare: note: --tuned-dir {folder} has no pointer.json: the runs of pointer train with the shared"
+        in (capsys.readouterr().err)
+    )
+    assert main([*argv, "--out", str(tmp_path / "d")]) == 130  # the package's folder: no note
+    assert "has no" not in capsys.readouterr().err
+
+
 def test_version() -> None:
     from gpattn import __version__
 

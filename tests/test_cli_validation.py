@@ -77,6 +77,8 @@ CASES = [
     (["compare", "--attentions", "softmax", "--num-inducing", "99", "--beta", "-1"], ["--beta", "finite number >= 0"]),
     (["compare", "--ksvd-weight", "nan"], ["--ksvd-weight", "finite number >= 0, got nan"]),
     (["compare", "--device", "cpux"], ["--device", "got 'cpux'"]),
+    (["compare", "--tuned-dir", "no-such-folder"], ["--tuned-dir", "folder of the tuned configurations", "no-such"]),
+    (["train", "--tuned-dir", "no-such-folder"], ["--tuned-dir", "folder of the tuned configurations", "no-such"]),
     (["compare", "--quick", "--ensemble", "-2"], ["--ensemble", "positive integer"]),
 ]
 

@@ -13,11 +13,13 @@ from .options import (
     add_executor,
     device,
     make_executor,
+    missing_tuned_files,
     non_negative_float,
     non_negative_int,
     out_dir,
     positive_int,
     prepare_out,
+    tuned_dir,
 )
 
 __all__ = ["add_compare", "run_compare", "run_folder_outputs"]
@@ -133,9 +135,10 @@ def add_compare(commands) -> None:
     )
     compare.add_argument(
         "--tuned-dir",
+        type=tuned_dir,
         default=None,
         help="the folder of the tuned configurations <task>.json (e.g. OUT/tuned of a gpattn tune run; default: the "
-        "package's)",
+        "package's; a task without its file there trains with the shared settings, which a note says)",
     )
     compare.add_argument("--device", type=device, default="cpu", help="cpu or cuda (default: %(default)s)")
     compare.add_argument(
@@ -240,6 +243,13 @@ def run_compare(args: argparse.Namespace) -> int:
     note = _tuned_note(config, runs, args)
     if note:
         print(f"gpattn compare: note: {note}", file=sys.stderr)
+    missing = missing_tuned_files(config)
+    if missing:
+        print(
+            f"gpattn compare: note: --tuned-dir {config.tuned_dir} has no {', '.join(f'{t}.json' for t in missing)}: "
+            f"the runs of {' and '.join(missing)} train with the shared settings",
+            file=sys.stderr,
+        )
     with prepare_out(
         args.out or f"runs/compare-{time.strftime('%Y%m%d-%H%M%S')}",
         overwrite=args.overwrite,

@@ -32,11 +32,13 @@ __all__ = [
     "add_executor",
     "device",
     "make_executor",
+    "missing_tuned_files",
     "non_negative_float",
     "non_negative_int",
     "out_dir",
     "positive_float",
     "positive_int",
+    "tuned_dir",
     "prepare_out",
 ]
 
@@ -81,6 +83,26 @@ def out_dir(text: str) -> str:
     if path.exists() and not path.is_dir():
         raise argparse.ArgumentTypeError(f"expected a folder (created if missing), got the existing file {text!r}")
     return text
+
+
+def tuned_dir(text: str) -> str:
+    """An argparse type: an existing folder (of tuned configurations ``<task>.json``)."""
+    if not Path(text).is_dir():
+        raise argparse.ArgumentTypeError(
+            f"expected the folder of the tuned configurations <task>.json (e.g. OUT/tuned of gpattn tune), got {text!r}"
+        )
+    return text
+
+
+def missing_tuned_files(config: Any) -> list[str]:
+    """The tasks of ``config`` (a :class:`~gpattn.comparison.CompareConfig`) without a file in its explicit
+    ``tuned_dir``: their runs train with the shared settings (empty when the configuration is untuned or uses the
+    package's folder)."""
+    from ..comparison.tuned_configuration import tuned_path
+
+    if not config.tuned or config.tuned_dir is None:
+        return []
+    return [task for task in config.tasks if not tuned_path(task, config.tuned_dir).is_file()]
 
 
 class CommandError(Exception):

@@ -14,10 +14,12 @@ from .options import (
     CommandInterrupted,
     add_common,
     device,
+    missing_tuned_files,
     non_negative_int,
     out_dir,
     positive_int,
     prepare_out,
+    tuned_dir,
 )
 
 __all__ = ["OUTPUTS", "RUN_FILE", "add_train", "run_train"]
@@ -78,8 +80,9 @@ def add_train(commands) -> None:
     )
     train.add_argument(
         "--tuned-dir",
+        type=tuned_dir,
         default=None,
-        help="the folder of the tuned configurations <task>.json (default: the package's)",
+        help="the folder of the tuned configurations <task>.json (default: the package's); it must hold the task's",
     )
     train.add_argument("--device", type=device, default="cpu", help="cpu or cuda (default: %(default)s)")
     train.add_argument("--no-progress", action="store_true", help="print no line per epoch")
@@ -112,6 +115,11 @@ def run_train(args: argparse.Namespace) -> int:
             **epochs,
         )
         plan_runs(config)  # the layer's own checks (e.g. a rank above the head width), before any folder is made
+        if missing_tuned_files(config):  # an explicit folder without the task's file: a wrong folder, most likely
+            raise ValueError(
+                f"--tuned-dir {args.tuned_dir} has no {args.task}.json (the tuned configurations of {args.task}); "
+                "give the folder that holds it, or --untuned"
+            )
         if not args.resume:  # a resumed run is checked against the settings stored when it started
             _check_tuned_options(config, args)
     except ValueError as error:
