@@ -245,6 +245,24 @@ def test_a_tuned_dir_without_the_tasks_file_is_named(tmp_path, capsys, monkeypat
     assert "has no" not in capsys.readouterr().err
 
 
+def test_gpattn_warnings_print_as_one_line_of_the_command(tmp_path) -> None:
+    """While a command runs, a warning of gpattn's own classes prints as ``gpattn <command>: warning: <message>`` (one
+    line, no file name or source line); others as Python formats them; the format is restored afterwards."""
+    import warnings
+
+    from gpattn.cli import _warning_line
+    from gpattn.comparison.runner import RunsFromOtherCodeWarning
+
+    default = warnings.formatwarning
+    format_warning = _warning_line("gpattn train", default)
+    text = format_warning(RunsFromOtherCodeWarning("a\nb  c"), RunsFromOtherCodeWarning, "/x/train.py", 7, "code")
+    assert text == "gpattn train: warning: a b c\n"
+    other = format_warning(UserWarning("u"), UserWarning, "/x/y.py", 3, "line")
+    assert other == default(UserWarning("u"), UserWarning, "/x/y.py", 3, "line") and "/x/y.py:3" in other
+    assert main(["train", "--task", "digits", "--tuned-dir", str(tmp_path)]) == 2  # a command that ran (and failed)
+    assert warnings.formatwarning is default
+
+
 def test_version() -> None:
     from gpattn import __version__
 

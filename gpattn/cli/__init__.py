@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import warnings
 from collections.abc import Sequence
 
 from .. import __version__
@@ -50,6 +51,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     }
     run = runners[args.command]
     prefix = f"gpattn {args.command}"
+    default_format = warnings.formatwarning
+    warnings.formatwarning = _warning_line(prefix, default_format)  # gpattn's warnings as one line each
     try:
         return run(args)
     except KeyboardInterrupt as interrupt:
@@ -62,6 +65,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (ValueError, RuntimeError, OSError) as error:  # CheckpointError, TrainingDivergedError, ... too
         print(f"{prefix}: error: {_one_line(error)}", file=sys.stderr)
         return 1
+    finally:
+        warnings.formatwarning = default_format
+
+
+def _warning_line(prefix: str, default_format):
+    """``warnings.formatwarning`` for a command: a warning of gpattn's own classes as ``<prefix>: warning: <message>``
+    (no file name and source line), any other as Python formats it."""
+
+    def format_warning(message, category, filename, lineno, line=None) -> str:
+        if category.__module__.startswith("gpattn."):
+            return f"{prefix}: warning: {' '.join(str(message).split())}\n"
+        return default_format(message, category, filename, lineno, line)
+
+    return format_warning
 
 
 def _one_line(error: BaseException) -> str:
