@@ -11,13 +11,13 @@ from __future__ import annotations
 import json
 import math
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from ..methods import get_method
 from .endpoints import PRIMARY_ENDPOINT, declaration_text
-from .environment import environment_lines
+from .environment import code_label, environment_lines
 from .headline import (
     FAMILY_WISE_LEVEL,
     EndpointEstimate,
@@ -44,12 +44,15 @@ class RunFolders:
     :ivar records: The merged records, in folder and file order.
     :ivar configs: Each folder's ``config`` entry.
     :ivar environments: Each folder's ``environment`` entry (``{}`` for a folder written before it existed).
+    :ivar codes: Each folder's ``codes`` entry, the code that made its runs
+        (:func:`~gpattn.comparison.environment.run_file_codes`; ``[]`` for a folder written before it existed).
     """
 
     names: list[str]
     records: list[RunRecord]
     configs: list[dict[str, Any]]
     environments: list[dict[str, Any]]
+    codes: list[list[dict[str, Any]]] = field(default_factory=list)
 
 
 def _display(folder: str | os.PathLike) -> str:
@@ -85,7 +88,7 @@ def read_run_folders(folders: list[str | os.PathLike]) -> RunFolders:
     if not folders:
         raise ValueError("expected at least one run folder")
     merged: dict[tuple[str, str, int], tuple[RunRecord, dict, str]] = {}
-    configs, environments = [], []
+    configs, environments, codes = [], [], []
     for folder in folders:
         path = Path(folder) / "results.json"
         try:
@@ -96,6 +99,7 @@ def read_run_folders(folders: list[str | os.PathLike]) -> RunFolders:
             raise ValueError(f"{path}: expected a results.json with a list of 'records'")
         configs.append(content.get("config", {}))
         environments.append(content.get("environment", {}))
+        codes.append(content.get("codes") or [])
         for entry in content["records"]:
             record = RunRecord.from_dict(entry)
             key = (record.task, record.attention, record.seed)
@@ -107,7 +111,7 @@ def read_run_folders(folders: list[str | os.PathLike]) -> RunFolders:
                 )
             merged.setdefault(key, (record, data, str(folder)))
     names = [_display(folder) for folder in folders]
-    return RunFolders(names, [record for record, _, _ in merged.values()], configs, environments)
+    return RunFolders(names, [record for record, _, _ in merged.values()], configs, environments, codes)
 
 
 def _runs_summary(runs: RunFolders) -> list[str]:
@@ -202,8 +206,10 @@ def results_page(runs: RunFolders, figures: list[str], checks: list[tuple[RunFol
     primary verdict (``checks``: each other run's folders and :func:`compare_verdicts`' lines against ``runs``), the
     full tables, the figures (``figures``: paths relative to the page) and the machine of each folder."""
     machines = []
-    for name, environment, config in zip(runs.names, runs.environments, runs.configs, strict=True):
+    codes = runs.codes or [[] for _ in runs.names]
+    for name, environment, config, folder_codes in zip(runs.names, runs.environments, runs.configs, codes, strict=True):
         lines = environment_lines(environment) if environment else ["* not recorded (a run folder of an older gpattn)"]
+        lines += _codes_lines(folder_codes, environment)
         lines.append(
             f"* torch threads per run: {config.get('threads', '?')}, runs at a time: {config.get('jobs', '?')}"
         )
@@ -258,6 +264,16 @@ def results_page(runs: RunFolders, figures: list[str], checks: list[tuple[RunFol
         "",
     ]
     return "\n".join(parts)
+
+
+def _codes_lines(codes: list[dict[str, Any]], environment: dict[str, Any]) -> list[str]:
+    """A line naming the code that made the folder's runs, where it is not only the report writer's (``--resume``
+    kept runs of other code), else nothing."""
+    writer = {"gpattn": environment.get("gpattn"), "git_commit": environment.get("git_commit")}
+    if not codes or (len(codes) == 1 and codes[0].get("code") == writer):
+        return []
+    groups = "; ".join(f"{code_label(group.get('code'))}: {len(group.get('runs', []))} runs" for group in codes)
+    return [f"* the runs were made by other code than the report's: {groups}"]
 
 
 def _checks_text(checks: list[tuple[RunFolders, list[str]]]) -> list[str]:

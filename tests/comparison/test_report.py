@@ -416,6 +416,31 @@ def test_the_page_names_the_rows_whose_temperature_raised_the_test_nll(records, 
     assert line in results_page(read_run_folders([tmp_path]), [])
 
 
+def test_the_page_names_the_code_of_runs_made_by_other_code(records, tmp_path) -> None:
+    """A folder whose run files were made by other code than the report writer's (``--resume`` kept them) says so on
+    the page, with each code's number of runs; runs of the writer's code, or a folder without run files, add nothing."""
+    from gpattn.comparison.environment import code_label, code_version
+
+    config = CompareConfig(seeds=tuple(range(10)))
+    write_outputs(records, config, tmp_path / "plain")  # no run files: no codes entry
+    assert "made by other code" not in results_page(read_run_folders([tmp_path / "plain"]), [])
+    runs_folder = tmp_path / "mixed" / "runs"
+    runs_folder.mkdir(parents=True)
+    other = {"gpattn": "0.0.1", "git_commit": "abc123"}
+    for index, record in enumerate(records):
+        code = other if index < 3 else code_version()
+        content = {"code": code, "record": record.to_dict()}
+        (runs_folder / f"{record.task}-{record.attention}-{record.seed}.json").write_text(json.dumps(content))
+    write_outputs(records, config, tmp_path / "mixed")
+    page = results_page(read_run_folders([tmp_path / "mixed"]), [])
+    expected = f"{code_label(code_version())}: {len(records) - 3} runs; gpattn 0.0.1, commit abc123: 3 runs"
+    assert f"* the runs were made by other code than the report's: {expected}" in page
+    for path in runs_folder.iterdir():  # every run of the writer's code
+        path.write_text(json.dumps({**json.loads(path.read_text()), "code": code_version()}))
+    write_outputs(records, config, tmp_path / "mixed")
+    assert "made by other code" not in results_page(read_run_folders([tmp_path / "mixed"]), [])
+
+
 def test_results_page_and_verdict_check(records, tmp_path) -> None:
     config = CompareConfig(seeds=tuple(range(10)))
     write_outputs(records, config, tmp_path / "one")
