@@ -178,10 +178,10 @@ class PrimalTokensAttentionFeatures(LearnedAttentionFeatures):
         (:meth:`~gpattn.kernels.CosineFeatureKernel.paired_feature_columns`); the scores are
         :attr:`~gpattn.features.KernelEigenScores.stacked` ``(B, 2, H, s, N)``. With ``objective``, one reduction
         gives the token sums :math:`S_k` of both branches over the real tokens
-        (:attr:`~gpattn.features.KernelEigenScores.token_sums`) and the trace :math:`\operatorname{Tr}(W_e^\top
-        W_r)` (both summed in float32 under autocast), from which both forms of
-        :math:`J` follow (:func:`~gpattn.ksvd.ksvd_objective.ksvd_objective_from_sums`, and
-        :meth:`official_objective`)."""
+        (:attr:`~gpattn.features.KernelEigenScores.token_sums`), another the trace
+        :math:`\operatorname{Tr}(W_e^\top W_r)` (both summed in float32 under autocast), and both forms of :math:`J`
+        follow from them
+        (:func:`~gpattn.ksvd.ksvd_objective.ksvd_objective_from_sums`, and :meth:`official_objective`)."""
         kernel = self.kernel
         columns, inverse = kernel.paired_feature_columns(tokens)  # [P_q; P_k] (B, 2, H, p, N), [nu_q; nu_k]
         head_tokens, rows = self._head_tokens(tokens, mask)  # X~_h^T: (B, H, p, N')
