@@ -129,7 +129,9 @@ def test_compare_untuned_and_tuned_dir_reach_the_config(tuned_dir, tmp_path, mon
     assert main([*argv, "--out", str(tmp_path / "b"), "--tuned-dir", str(tuned_dir), "--untuned"]) == 130
     assert seen[0].is_tuned("digits", "softmax") and seen[0].hyperparameters("digits", get_method("softmax")).lr == 1e-3
     assert not seen[1].is_tuned("digits", "softmax")
-    assert main([*argv, "--out", str(tmp_path / "c"), "--tuned-dir", str(tmp_path / "missing")]) == 2
+    with pytest.raises(SystemExit) as refused:  # not a folder: the option's own error (status 2) before anything runs
+        main([*argv, "--out", str(tmp_path / "c"), "--tuned-dir", str(tmp_path / "missing")])
+    assert refused.value.code == 2 and len(seen) == 2
 
 
 def test_resume_refuses_a_run_trained_before_its_tuned_configuration_changed(tmp_path):
