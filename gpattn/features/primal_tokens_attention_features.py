@@ -19,6 +19,34 @@ PRIMAL_TOKENS_MULTIPLE = 10
 PADDINGS = ("excluded", "included")
 
 
+def evenly_spaced_positions(ends: Tensor, steps: int) -> Tensor:
+    r"""``torch.linspace(0, end, steps, dtype=torch.long)`` for every ``end`` of ``ends`` at once, with the
+    arithmetic of torch's kernel for integer outputs (double precision, from both ends towards the middle, truncated):
+
+    .. math::
+
+        p_i = \lfloor i\, \delta \rfloor \ (i < \lfloor S/2 \rfloor), \qquad
+        p_i = \lfloor e - (S - 1 - i)\, \delta \rfloor \ \text{otherwise}, \qquad \delta = e / (S - 1),
+
+    in floating point, so the same integers as the official code's ``linspace`` (exact rational arithmetic differs
+    where :math:`(S - 1 - i)\, \delta` rounds above an integer).
+
+    :param ends: The last positions :math:`e \geq 0`, shape ``(B,)``, integer.
+    :param steps: :math:`S \geq 1`.
+    :return: shape ``(B, S)``, on the device of ``ends`` (formed on the CPU where that device has no float64).
+
+    .. note:: Cost O(B S).
+    """
+    if steps == 1:
+        return ends.new_zeros(ends.shape[0], 1)
+    device = ends.device if ends.device.type != "mps" else torch.device("cpu")  # MPS has no float64
+    end = ends.to(device, torch.float64)[:, None]
+    index = torch.arange(steps, device=device, dtype=torch.float64)
+    step = end / (steps - 1)
+    values = torch.where(index < steps // 2, step * index, end - step * (steps - 1 - index))
+    return values.long().to(ends.device)
+
+
 class PrimalTokensAttentionFeatures(LearnedAttentionFeatures):
     r"""``features="primal_tokens"``: the parametrisation of the official KEP-SVGP and Primal-Attention code (the
     equivalence tests in ``tests/attention/test_paper_equivalence.py`` check it against float64 transcriptions of the
@@ -131,9 +159,8 @@ class PrimalTokensAttentionFeatures(LearnedAttentionFeatures):
         order = torch.argsort((~mask).to(torch.uint8), dim=-1, stable=True)  # the real positions first, in order
         if not self.samples_tokens:  # row i <- the i-th real token
             return order, torch.arange(mask.shape[-1], device=mask.device) < counts[:, None]
-        rows = torch.empty(mask.shape[0], self.left_token_weights.shape[-2], dtype=torch.long, device=mask.device)
-        for count in counts.unique().tolist():  # one linspace per distinct number of real tokens
-            rows[counts == count] = self.sampled_positions(max(count, 1))
+        # linspace(0, n - 1, N') of each sequence's n real tokens, all at once (no loop over the distinct n, no sync)
+        rows = evenly_spaced_positions(counts.clamp_min(1) - 1, self.left_token_weights.shape[-2])
         return order.gather(-1, rows), (counts > 0)[:, None].expand_as(rows)
 
     def token_primal_weights(self, tokens: Tensor, mask: Tensor | None = None) -> tuple[Tensor, Tensor]:

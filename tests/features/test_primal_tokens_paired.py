@@ -1,6 +1,7 @@
 """The paired self-attention path of ``features="primal_tokens"`` (both branches as the halves of one tensor, J from
 one reduction) against the general path (float64): scores, both forms of J, the penalty and the gradients of every
-parameter, for every padding treatment and both ways of forming X~; its exclusions; bfloat16 autocast."""
+parameter, for every padding treatment and both ways of forming X~; its exclusions; bfloat16 autocast. The evenly
+spaced positions of padded sequences against ``torch.linspace``."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import pytest
 import torch
 
 from gpattn.features import PrimalTokensAttentionFeatures
+from gpattn.features.primal_tokens_attention_features import evenly_spaced_positions
 
 DTYPE = torch.float64
 
@@ -148,3 +150,27 @@ def test_paired_path_under_bfloat16_autocast(masked: bool):
     for name, value in reference_grads.items():
         assert torch.isfinite(low_grads[name]).all(), name
         assert (low_grads[name] - value).norm() <= 5e-2 * value.norm() + 1e-6, name
+
+
+@pytest.mark.parametrize("steps", [1, 2, 3, 7, 15, 20, 64, 101])
+def test_evenly_spaced_positions_are_torch_linspace(steps: int):
+    """Every row is ``torch.linspace(0, end, steps, dtype=torch.long)``, including the ends where exact rational
+    arithmetic would differ (e.g. end 58, 15 steps: position 7 is 28, not 29)."""
+    ends = torch.arange(3000)
+    expected = torch.stack([torch.linspace(0, int(end), steps, dtype=torch.long) for end in ends])
+    assert torch.equal(evenly_spaced_positions(ends, steps), expected)
+    if steps == 15:
+        assert int(evenly_spaced_positions(torch.tensor([58]), 15)[0, 7]) == 28
+
+
+def test_padded_sequences_sample_their_real_tokens_under_compile_without_a_break_of_their_own():
+    """With sampled tokens and a padding mask, the positions of every sequence are formed at once: the features
+    compile to one graph (they broke on the distinct lengths' loop before) and give eager mode's scores."""
+    torch.manual_seed(8)
+    features = PrimalTokensAttentionFeatures(12, 3, num_inducing=2, max_len=30, rank_multiple=2).train()
+    x = torch.randn(4, 30, 12)
+    mask = torch.arange(30) < torch.tensor([30, 21, 9, 14])[:, None]
+    explained = torch._dynamo.explain(lambda x, mask: features(x, key_mask=mask, kernel_diag=False).stacked)(x, mask)
+    assert explained.graph_count == 1 and explained.graph_break_count == 0
+    compiled = torch.compile(lambda x, mask: features(x, key_mask=mask, kernel_diag=False).stacked, backend="eager")
+    torch.testing.assert_close(compiled(x, mask), features(x, key_mask=mask, kernel_diag=False).stacked)
