@@ -82,3 +82,16 @@ def test_compilable_function_gives_eager_values_and_gradients(monkeypatch, trace
     torch.testing.assert_close(value, (x.sin().square() + 1.0).exp().sum(), rtol=1e-14, atol=0)
     torch.testing.assert_close(gradient, expected, rtol=1e-14, atol=0)
     assert counters["stats"]["unique_graphs"] == (1 if traces else 2), dict(counters["stats"])
+
+
+def test_the_dataclasses_built_inside_a_compiled_layer_are_not_frozen():
+    """torch 2.3's dynamo cannot construct a frozen dataclass inside a compiled function (measured on torch 2.3.1:
+    every compiled KEP and Primal step failed with InternalTorchDynamoError "'AttentionInputs' object has no attribute
+    'queries'", and passed once these two were plain dataclasses); keep them unfrozen while torch 2.3 is supported."""
+    import dataclasses
+
+    from gpattn.attention._base import AttentionInputs
+    from gpattn.features import KernelEigenScores
+
+    for cls in (AttentionInputs, KernelEigenScores):
+        assert dataclasses.is_dataclass(cls) and not cls.__dataclass_params__.frozen, cls.__name__

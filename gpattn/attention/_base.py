@@ -13,7 +13,9 @@ from .._torch_compat import autocast_enabled, compilable
 from ..validation import check_float, check_int, check_tensor
 
 
-@dataclass(frozen=True)
+# not frozen: torch 2.3's dynamo cannot build a frozen dataclass inside a compiled layer (InternalTorchDynamoError
+# "'AttentionInputs' object has no attribute 'queries'"); nothing assigns to its fields after construction
+@dataclass
 class AttentionInputs:
     """Checked inputs of one attention call.
 

@@ -64,7 +64,9 @@ def induced_kernel_diag(features: Tensor, other_features: Tensor, other_mask: Te
     return ((features @ gram) * features).sum(-1)
 
 
-@dataclass(frozen=True)
+# not frozen: torch 2.3's dynamo cannot build a frozen dataclass inside a compiled layer (InternalTorchDynamoError
+# "'KernelEigenScores' object has no attribute ..."); derived copies are made with dataclasses.replace
+@dataclass
 class KernelEigenScores:
     r"""The kernel-eigen inducing features evaluated at the inputs of one call.
 
