@@ -215,6 +215,7 @@ def _note_other_code(path: Path) -> None:
 
 def _kept(checkpoints: Path, config, task: str, row: str) -> str:
     """What an interrupted ``gpattn train`` leaves: the epoch of its last checkpoints, read from their manifest."""
+    from ..comparison.runner import run_hyperparameters
     from ..training import CheckpointError
     from ..training.checkpoint_files import read_manifest
 
@@ -224,9 +225,7 @@ def _kept(checkpoints: Path, config, task: str, row: str) -> str:
         manifest = None
     if manifest is None or not isinstance(manifest.get("epoch"), int):
         return f"no epoch had finished, so {checkpoints} holds no checkpoint: run the same command (without --resume)"
-    entry = config.tuned_entry(task, row)  # the run's epochs: the tuned configuration's, or the shared setting
-    epochs = getattr(config, f"{task}_epochs") if entry is None else entry.hyperparameters.get("epochs")
-    epochs = getattr(config, f"{task}_epochs") if epochs is None else epochs
+    epochs = run_hyperparameters(config, task, row)["epochs"]  # the tuned configuration's, or the shared setting
     return (
         f"the checkpoints of epoch {manifest['epoch']} of {epochs} are kept in {checkpoints}; the same command with "
         "--resume continues"
