@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import math
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -52,7 +52,7 @@ class RunFolders:
     records: list[RunRecord]
     configs: list[dict[str, Any]]
     environments: list[dict[str, Any]]
-    codes: list[list[dict[str, Any]]] = field(default_factory=list)
+    codes: list[list[dict[str, Any]]]
 
 
 def _display(folder: str | os.PathLike) -> str:
@@ -206,8 +206,8 @@ def results_page(runs: RunFolders, figures: list[str], checks: list[tuple[RunFol
     primary verdict (``checks``: each other run's folders and :func:`compare_verdicts`' lines against ``runs``), the
     full tables, the figures (``figures``: paths relative to the page) and the machine of each folder."""
     machines = []
-    codes = runs.codes or [[] for _ in runs.names]
-    for name, environment, config, folder_codes in zip(runs.names, runs.environments, runs.configs, codes, strict=True):
+    folders = zip(runs.names, runs.environments, runs.configs, runs.codes, strict=True)
+    for name, environment, config, folder_codes in folders:
         lines = environment_lines(environment) if environment else ["* not recorded (a run folder of an older gpattn)"]
         lines += _codes_lines(folder_codes, environment)
         lines.append(
