@@ -34,6 +34,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from .._torch_compat import is_compiling
 from ..fused import autocast_state, restored_autocast
 
 
@@ -111,7 +112,9 @@ def _backward(ctx, grad: Tensor) -> tuple:
     columns, coefficients, lower, noise, scaled, inverse, aligned, maps = ctx.saved_tensors
     needs = ctx.needs_input_grad
     heads, outputs, branches, rank, samples = scaled.shape  # B draws, or B sequences of their own Lambda
-    if not grad.is_contiguous():  # e.g. the expanded gradient of output.sum(): one copy, not one per sequence in bmm
+    # e.g. the expanded gradient of output.sum(): one copy, not one per sequence in bmm (while compiling, always: torch
+    # 2.4's dynamo traces a backward pass in strict mode, where reading is_contiguous is a graph break)
+    if is_compiling() or not grad.is_contiguous():
         grad = grad.contiguous()
     grad_bias = grad.sum_to_size(ctx.bias_shape) if needs[1] else None
     grad_columns = torch.bmm(coefficients, grad.mT) if needs[0] else None
