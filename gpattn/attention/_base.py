@@ -9,8 +9,10 @@ import torch
 from gpytorch.module import Module
 from torch import Tensor
 
-from .._torch_compat import autocast_enabled, compilable
+from .._torch_compat import autocast_enabled, compilable, is_compiling
 from ..validation import check_float, check_int, check_tensor
+
+_EMPTY_SEQUENCE = "every sequence needs at least one real token"
 
 
 # not frozen: torch 2.3's dynamo cannot build a frozen dataclass inside a compiled layer (InternalTorchDynamoError
@@ -137,12 +139,16 @@ class AttentionLayer(Module):
                 )
             if mask.device != keys.device:
                 raise ValueError(f"{where}: mask is on {mask.device} but the tokens are on {keys.device}")
-            empty = ~mask.any(dim=-1)
-            if empty.any():
-                raise ValueError(
-                    f"{where}: the mask hides every token of sequence(s) {empty.nonzero().flatten().tolist()}: "
-                    "every sequence needs at least one real token"
-                )
+            if is_compiling():  # the same check without a data-dependent branch (one graph, not four): a
+                # RuntimeError when the step runs (a device-side assert on a GPU), without the sequences' indices
+                torch._assert_async(mask.any(dim=-1).all(), f"{where}: {_EMPTY_SEQUENCE}")
+            else:
+                empty = ~mask.any(dim=-1)
+                if empty.any():
+                    raise ValueError(
+                        f"{where}: the mask hides every token of sequence(s) {empty.nonzero().flatten().tolist()}: "
+                        f"{_EMPTY_SEQUENCE}"
+                    )
             key_mask = mask
         return AttentionInputs(x, keys, key_mask, causal, context is not None)
 

@@ -89,3 +89,75 @@ def test_no_fused_function_returns_a_tensor_modified_in_place(monkeypatch):
     for total in (False, True):
         kl = CholeskyPriorKL.apply(mean, factor, scales, total)
         assert kl._version == 0 and kl.shape == (() if total else (heads,))
+
+
+@pytest.mark.parametrize("name", ["kep_svgp", "kep_svgp_paper", "softmax"])
+def test_a_masked_step_compiles_into_one_graph_with_the_eager_gradients_and_still_refuses_an_empty_sequence(name):
+    """The layers' check that every sequence keeps a real token is a data-dependent branch in eager mode (a graph
+    break each call: four graphs per KEP step); while compiling it is an asynchronous assertion instead. The masked
+    step compiles into one graph (torch >= 2.4, whose dynamo traces the autograd functions), gives eager mode's loss
+    and gradients, and a mask that hides a whole sequence still fails, when the compiled step runs."""
+    attention, options = {"kep_svgp_paper": ("kep_svgp_paper", {"max_len": 8})}.get(name, (name, {}))
+    torch.manual_seed(0)
+    layer = build_attention(attention, 16, 2, **options).train()
+    x = torch.randn(2, 8, 16, generator=torch.Generator().manual_seed(1))
+    mask = torch.ones(2, 8, dtype=torch.bool)
+    mask[1, 5:] = False
+
+    def step(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        loss = (layer(x, mask=mask) * mask[..., None]).square().sum() + layer.kl_divergence()
+        for term in layer.added_loss_terms():
+            loss = loss + term.loss()
+        return loss
+
+    torch._dynamo.reset()
+    if TRACES_FUNCTIONS:
+        explained = torch._dynamo.explain(step)(x, mask)
+        assert (explained.graph_count, explained.graph_break_count) == (1, 0), explained.break_reasons
+    torch._dynamo.reset()
+    compiled = torch.compile(step, backend="aot_eager")
+    results = []
+    for run in (step, compiled):
+        layer.zero_grad(set_to_none=True)
+        torch.manual_seed(2)
+        loss = run(x, mask)
+        loss.backward()
+        results.append((loss.detach(), {key: value.grad.clone() for key, value in layer.named_parameters()}))
+    (eager_loss, eager), (compiled_loss, compiled_gradients) = results
+    torch.testing.assert_close(compiled_loss, eager_loss, rtol=1e-5, atol=1e-6)
+    for key, value in eager.items():
+        torch.testing.assert_close(compiled_gradients[key], value, rtol=1e-4, atol=1e-5 * float(value.abs().max()))
+    empty = mask.clone()
+    empty[0] = False
+    with pytest.raises(ValueError, match=r"sequence\(s\) \[0\]: every sequence needs at least one real token"):
+        step(x, empty)
+    with pytest.raises(RuntimeError, match="every sequence needs at least one real token"):
+        compiled(x, empty)
+
+
+def test_no_backward_pass_reads_the_layout_of_its_gradient_while_compiling(monkeypatch):
+    """torch 2.4's dynamo traces a backward pass in strict mode, where reading ``Tensor.is_contiguous`` is a graph
+    break: ``LinearOutput`` made its gradient contiguous only when it was not, and a compiled KEP step had four graphs
+    on torch 2.4.1 (one since). In their compiling branch (made true, run eagerly) the hand-written backward passes of
+    a KEP step read no layout, and give the gradients of the eager branch."""
+    torch.manual_seed(0)
+    layer = build_attention("kep_svgp", 16, 2).train()
+    x = torch.randn(2, 8, 16, generator=torch.Generator().manual_seed(1))
+    gradients = []
+    for compiling in (False, True):
+        with monkeypatch.context() as patch:
+            patch.setattr(torch.compiler, "is_compiling", lambda: compiling, raising=False)
+            patch.setattr(torch._dynamo, "is_compiling", lambda: compiling)
+            layer.zero_grad(set_to_none=True)
+            torch.manual_seed(2)
+            loss = _step(layer, x)
+            if compiling:
+
+                def refuse(self, *args, **kwargs):
+                    raise AssertionError("a backward pass read is_contiguous while compiling")
+
+                patch.setattr(torch.Tensor, "is_contiguous", refuse)
+            loss.backward()
+        gradients.append({key: value.grad.clone() for key, value in layer.named_parameters()})
+    for key, value in gradients[0].items():
+        torch.testing.assert_close(gradients[1][key], value, rtol=1e-5, atol=1e-7, msg=key)
