@@ -255,6 +255,9 @@ class AttentionLayer(Module):
 
         :param x: Query tokens, shape ``(B, N, C)``.
         :param mask: ``None``, a boolean padding mask of shape ``(B, M)`` (``True`` = real token) or ``"causal"``.
+            Every sequence needs a real token: a mask that hides a whole sequence raises ``ValueError``, or, under
+            ``torch.compile`` (which checks it without a data-dependent branch), a ``RuntimeError`` when the step runs;
+            on a GPU that is a device-side assertion, after which the process's CUDA context is unusable.
         :param context: Key tokens of shape ``(B, M, C)`` for cross-attention, or ``None`` (self-attention).
         :return: shape ``(B, N, C)``.
         """
