@@ -28,7 +28,6 @@ import fcntl
 import math
 import os
 import platform
-import subprocess
 import time
 from pathlib import Path
 from typing import Any
@@ -39,6 +38,7 @@ from optuna.trial import TrialState
 from sqlalchemy.engine import make_url
 
 from .. import __version__
+from .environment import code_version
 from .tuned_configuration import TunedRow
 from .tuning_space import SearchParameter, hyperparameter_values
 
@@ -289,7 +289,7 @@ def summarize_study(
         "load_average": round(sum(loads) / len(loads), 2) if loads else None,
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "gpattn": __version__,
-        "commit": _git_commit(),
+        "commit": code_version()["git_commit"],  # +dirty.<hash> with uncommitted changes, as in the run files
         "machine": {"platform": platform.platform(), "processor": platform.processor(), "cpus": os.cpu_count()},
     }
     return TunedRow(
@@ -301,16 +301,3 @@ def summarize_study(
         search_space={parameter.name: parameter.describe() for parameter in space},
         study=record,
     )
-
-
-def _git_commit() -> str | None:
-    """The commit of the gpattn checkout (``+dirty`` with uncommitted changes), or ``None`` outside a git checkout."""
-    here = Path(__file__).resolve().parent
-    try:
-        commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=here, capture_output=True, text=True, timeout=10)
-        status = subprocess.run(["git", "status", "--porcelain"], cwd=here, capture_output=True, text=True, timeout=10)
-    except (OSError, subprocess.SubprocessError):
-        return None
-    if commit.returncode:
-        return None
-    return commit.stdout.strip() + ("+dirty" if status.stdout.strip() else "")
