@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import importlib.util
 import math
+import os
+import shutil
+import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
@@ -14,8 +17,25 @@ import torch
 
 import gpattn.training.loop as loop_module
 from gpattn.attention import select_arguments
+from gpattn.data import disk_cache
 from gpattn.mlls import AttentionELBO
 from gpattn.models import Transformer
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """The suite's data cache (:mod:`gpattn.data.disk_cache`): a fresh folder per run, made by the main process
+    before pytest-xdist starts its workers (which inherit the variable, and share the folder), so that the tests
+    neither read nor fill the user's cache; ``GPATTN_CACHE_DIR`` set by the caller is kept."""
+    if disk_cache.CACHE_VARIABLE not in os.environ and not hasattr(config, "workerinput"):
+        os.environ[disk_cache.CACHE_VARIABLE] = tempfile.mkdtemp(prefix="gpattn-test-cache-")
+        config._gpattn_cache = os.environ[disk_cache.CACHE_VARIABLE]
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    folder = getattr(config, "_gpattn_cache", None)
+    if folder is not None:
+        shutil.rmtree(folder, ignore_errors=True)
+        os.environ.pop(disk_cache.CACHE_VARIABLE, None)
 
 
 @pytest.fixture(autouse=True, scope="session")

@@ -56,9 +56,10 @@ own transformations, which draw from NumPy's global generator, so they run with 
 its state (and the ``random`` module's, which ``mnist1d`` seeds too) afterwards: the caller's global RNGs are left
 as they were.
 
-.. note:: ``make_dataset`` costs about 2 s (5000 sequences, cached after the first call); regenerating sequences
-    costs about 0.5 ms each on an idle core, so the 25 default shifted test sets of 1000 sequences take about 12 s
-    (29 s measured on a loaded 2-core machine). Generate them once per comparison, not per trained model.
+.. note:: ``make_dataset`` costs about 2 s (5000 sequences); regenerating sequences costs about 0.25-0.5 ms each
+    on an idle core, so the 25 default shifted test sets of 1000 sequences take several seconds. Both are kept in
+    the disk cache (:mod:`gpattn.data.disk_cache`; ``GPATTN_CACHE_DIR=off`` turns it off): a process reads what
+    another generated, bit for bit. Still, generate them once per comparison, not per trained model.
 """
 
 from __future__ import annotations
