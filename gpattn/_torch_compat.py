@@ -4,6 +4,7 @@
 * :func:`autocast_enabled` and :func:`autocast_dtype`: ``torch.is_autocast_enabled(device_type)`` and
   ``torch.get_autocast_dtype(device_type)`` (torch 2.4+), else the per-device functions of older releases (CPU and
   CUDA: autocast on another device type reads as disabled there);
+* :data:`COMPILES_ASSERTS`: whether a value check may be an asynchronous assertion inside a compiled region;
 * :func:`compilable`: the ``apply`` of one of gpattn's autograd functions as ``torch.compile`` should meet it: as it
   is where dynamo traces those functions (torch 2.4+, tested on 2.4 and later), else run eagerly inside a compiled
   region (a graph break: correct, not fused). torch 2.1's dynamo fails on them (``InternalTorchDynamoError``).
@@ -28,6 +29,10 @@ DEVICE_AUTOCAST = hasattr(torch, "get_autocast_dtype")
 COMPILER_IS_COMPILING = hasattr(torch.compiler, "is_compiling")
 #: torch 2.4+: dynamo traces gpattn's autograd functions (their ``ctx`` attributes, ``needs_input_grad``)
 TRACES_FUNCTIONS = TorchVersion(torch.__version__) >= (2, 4)
+#: torch 2.9+, not ROCm: inductor keeps ``torch._assert_async`` (a lowering to a device assertion; before 2.9 it
+#: decomposes it to nothing, and on ROCm it compiles Triton without device assertions), so a compiled region may check
+#: a tensor's values without a data-dependent branch
+COMPILES_ASSERTS = TorchVersion(torch.__version__) >= (2, 9) and torch.version.hip is None
 
 if not TRACES_FUNCTIONS:  # torch 2.1-2.3
     import torch._dynamo  # noqa: F401 (not imported by ``import torch`` there)

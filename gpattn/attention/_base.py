@@ -9,7 +9,7 @@ import torch
 from gpytorch.module import Module
 from torch import Tensor
 
-from .._torch_compat import autocast_enabled, compilable, is_compiling
+from .._torch_compat import COMPILES_ASSERTS, autocast_enabled, compilable, is_compiling
 from ..validation import check_float, check_int, check_tensor
 
 _EMPTY_SEQUENCE = "every sequence needs at least one real token"
@@ -139,8 +139,8 @@ class AttentionLayer(Module):
                 )
             if mask.device != keys.device:
                 raise ValueError(f"{where}: mask is on {mask.device} but the tokens are on {keys.device}")
-            if is_compiling():  # the same check without a data-dependent branch (one graph, not four): a
-                # RuntimeError when the step runs (a device-side assert on a GPU), without the sequences' indices
+            if COMPILES_ASSERTS and is_compiling():  # the same check without a data-dependent branch (one graph,
+                # not four): a RuntimeError when the step runs (a device-side assert on a GPU), without the indices
                 torch._assert_async(mask.any(dim=-1).all(), f"{where}: {_EMPTY_SEQUENCE}")
             else:
                 empty = ~mask.any(dim=-1)
@@ -256,8 +256,9 @@ class AttentionLayer(Module):
         :param x: Query tokens, shape ``(B, N, C)``.
         :param mask: ``None``, a boolean padding mask of shape ``(B, M)`` (``True`` = real token) or ``"causal"``.
             Every sequence needs a real token: a mask that hides a whole sequence raises ``ValueError``, or, under
-            ``torch.compile`` (which checks it without a data-dependent branch), a ``RuntimeError`` when the step runs;
-            on a GPU that is a device-side assertion, after which the process's CUDA context is unusable.
+            ``torch.compile`` on torch 2.9 and later (not ROCm), where the check is an asynchronous assertion instead
+            of a data-dependent branch, a ``RuntimeError`` when the step runs; on a GPU that is a device-side
+            assertion, after which the process's CUDA context is unusable.
         :param context: Key tokens of shape ``(B, M, C)`` for cross-attention, or ``None`` (self-attention).
         :return: shape ``(B, N, C)``.
         """

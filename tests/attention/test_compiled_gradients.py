@@ -15,11 +15,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gpattn._torch_compat import TRACES_FUNCTIONS
+from gpattn._torch_compat import COMPILES_ASSERTS, TRACES_FUNCTIONS
 from gpattn.attention import build_attention
 from gpattn.features.amortized_scores import AmortizedSelfScores
 from gpattn.variational.cholesky_prior_kl import CholeskyPriorKL
 
+EMPTY = "every sequence needs at least one real token"
 CONFIGURATIONS = {
     "kep_svgp": ("kep_svgp", {}),  # the fused amortised scores, joint draws through LinearOutput, CholeskyPriorKL
     "kep_svgp_marginal": ("kep_svgp", {"sampling": "marginal"}),  # MarginalNoiseOutput
@@ -95,8 +96,9 @@ def test_no_fused_function_returns_a_tensor_modified_in_place(monkeypatch):
 def test_a_masked_step_compiles_into_one_graph_with_the_eager_gradients_and_still_refuses_an_empty_sequence(name):
     """The layers' check that every sequence keeps a real token is a data-dependent branch in eager mode (a graph
     break each call: four graphs per KEP step); while compiling it is an asynchronous assertion instead. The masked
-    step compiles into one graph (torch >= 2.4, whose dynamo traces the autograd functions), gives eager mode's loss
-    and gradients, and a mask that hides a whole sequence still fails, when the compiled step runs."""
+    step compiles into one graph (torch >= 2.9, whose inductor keeps the assertion; dynamo traces the autograd
+    functions from 2.4), gives eager mode's loss and gradients, and a mask that hides a whole sequence still fails,
+    when the compiled step runs."""
     attention, options = {"kep_svgp_paper": ("kep_svgp_paper", {"max_len": 8})}.get(name, (name, {}))
     torch.manual_seed(0)
     layer = build_attention(attention, 16, 2, **options).train()
@@ -111,7 +113,7 @@ def test_a_masked_step_compiles_into_one_graph_with_the_eager_gradients_and_stil
         return loss
 
     torch._dynamo.reset()
-    if TRACES_FUNCTIONS:
+    if TRACES_FUNCTIONS and COMPILES_ASSERTS:
         explained = torch._dynamo.explain(step)(x, mask)
         assert (explained.graph_count, explained.graph_break_count) == (1, 0), explained.break_reasons
     torch._dynamo.reset()
@@ -129,15 +131,31 @@ def test_a_masked_step_compiles_into_one_graph_with_the_eager_gradients_and_stil
         torch.testing.assert_close(compiled_gradients[key], value, rtol=1e-4, atol=1e-5 * float(value.abs().max()))
     empty = mask.clone()
     empty[0] = False
-    with pytest.raises(ValueError, match=r"sequence\(s\) \[0\]: every sequence needs at least one real token"):
+    with pytest.raises(ValueError, match=r"sequence\(s\) \[0\]: " + EMPTY):
         step(x, empty)
-    with pytest.raises(RuntimeError, match="every sequence needs at least one real token"):
+    with pytest.raises(RuntimeError if COMPILES_ASSERTS else ValueError, match=EMPTY):
         compiled(x, empty)
+
+
+def test_the_default_compiler_keeps_the_check_for_empty_sequences():
+    """Inductor (the default backend) decomposed ``torch._assert_async`` to nothing before torch 2.9: there the
+    layers keep the Python check while compiling (graph breaks), so that a compiled layer never lets a mask that
+    hides a whole sequence through."""
+    layer = build_attention("softmax", 16, 2).eval()
+    x = torch.randn(2, 8, 16, generator=torch.Generator().manual_seed(1))
+    mask = torch.ones(2, 8, dtype=torch.bool)
+    mask[1, 5:] = False
+    torch._dynamo.reset()
+    compiled = torch.compile(layer)
+    torch.testing.assert_close(compiled(x, mask=mask), layer(x, mask=mask), rtol=1e-5, atol=1e-6)
+    mask[1] = False
+    with pytest.raises(RuntimeError if COMPILES_ASSERTS else ValueError, match=EMPTY):
+        compiled(x, mask=mask)
 
 
 def test_no_backward_pass_reads_the_layout_of_its_gradient_while_compiling(monkeypatch):
     """torch 2.4's dynamo traces a backward pass in strict mode, where reading ``Tensor.is_contiguous`` is a graph
-    break: ``LinearOutput`` made its gradient contiguous only when it was not, and a compiled KEP step had four graphs
+    break: ``LinearOutput`` made its gradient contiguous only when it was not, and a compiled KEP step had five graphs
     on torch 2.4.1 (one since). In their compiling branch (made true, run eagerly) the hand-written backward passes of
     a KEP step read no layout, and give the gradients of the eager branch."""
     torch.manual_seed(0)
@@ -146,8 +164,8 @@ def test_no_backward_pass_reads_the_layout_of_its_gradient_while_compiling(monke
     gradients = []
     for compiling in (False, True):
         with monkeypatch.context() as patch:
-            patch.setattr(torch.compiler, "is_compiling", lambda: compiling, raising=False)
-            patch.setattr(torch._dynamo, "is_compiling", lambda: compiling)
+            patch.setattr(torch.compiler, "is_compiling", lambda value=compiling: value, raising=False)
+            patch.setattr(torch._dynamo, "is_compiling", lambda value=compiling: value)
             layer.zero_grad(set_to_none=True)
             torch.manual_seed(2)
             loss = _step(layer, x)
