@@ -7,6 +7,7 @@ threads; the block records them so that a reader can tell whether two run folder
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -26,6 +27,8 @@ from .. import __version__
 __all__ = ["code_label", "code_version", "environment_lines", "run_environment", "run_file_codes"]
 
 _PACKAGE_ROOT = Path(__file__).resolve().parents[2]
+#: the variables by which a calling git process (a hook) would point the label's git commands at another checkout
+_GIT_LOCATION_VARIABLES = frozenset({"GIT_DIR", "GIT_WORK_TREE", "GIT_INDEX_FILE", "GIT_COMMON_DIR"})
 
 
 def _cpu_model() -> str:
@@ -48,33 +51,49 @@ def _blas() -> str:
 
 def _git_commit(root: Path = _PACKAGE_ROOT) -> str | None:
     """The commit of the source tree gpattn is imported from, or ``None`` outside a git checkout (an installed wheel)
-    or without git. Uncommitted changes to tracked files add ``+dirty.`` and the first 12 hex digits of the SHA-256 of
-    their diff (``git diff HEAD --binary``), so that two different uncommitted states have different labels and the
-    same state the same one; untracked files are not counted.
+    or without git. Uncommitted changes to tracked files add ``+dirty.`` and 12 hex digits of a SHA-256 over the
+    changed files' paths and contents (deleted files marked), so that two different uncommitted states have different
+    labels and the same state the same one, whatever the user's git configuration (diff options, prefixes,
+    text conversions); untracked files are not counted.
 
-    .. note:: Cost: three ``git`` processes (tens of milliseconds), and reading the diff.
+    .. note:: Cost: two ``git`` processes (tens of milliseconds), and reading the changed files.
     """
     if not (root / ".git").exists():
         return None
+    # the checkout at root, not one that GIT_DIR & co. of a calling git hook point to; no lock on the index
+    environment = {key: value for key, value in os.environ.items() if key not in _GIT_LOCATION_VARIABLES}
 
     def git(*arguments: str) -> bytes:
-        return subprocess.run(["git", *arguments], cwd=root, capture_output=True, timeout=10, check=True).stdout
+        command = ["git", "--no-optional-locks", *arguments]
+        return subprocess.run(command, cwd=root, env=environment, capture_output=True, timeout=10, check=True).stdout
 
     try:
         commit = git("rev-parse", "HEAD").decode().strip()
-        if not git("status", "--porcelain", "--untracked-files=no").strip():
-            return commit
-        changes = git("diff", "HEAD", "--binary", "--no-color", "--no-ext-diff")
+        listed = git("diff", "HEAD", "--name-only", "-z", "--no-renames", "--no-relative").split(b"\0")
+        changed = sorted(name for name in listed if name)
+        fingerprint = hashlib.sha256()
+        for name in changed:
+            file = root / os.fsdecode(name)
+            fingerprint.update(name + b"\0")
+            fingerprint.update(file.read_bytes() if file.is_file() else b"\0deleted\0")
+            fingerprint.update(b"\0")
     except (OSError, subprocess.SubprocessError, UnicodeDecodeError):
         return None
-    return f"{commit}+dirty.{hashlib.sha256(changes).hexdigest()[:12]}"
+    return f"{commit}+dirty.{fingerprint.hexdigest()[:12]}" if changed else commit
+
+
+@functools.lru_cache(maxsize=1)
+def _code_version_of_this_process() -> tuple[str, str | None]:
+    return __version__, _git_commit()
 
 
 def code_version() -> dict[str, str | None]:
     """The code a run is made with: ``{"gpattn": version, "git_commit": commit or None}`` (see :func:`run_environment`;
-    ``+dirty.<hash>`` marks uncommitted changes, one hash per state of them). Each run file stores it, so that
-    ``--resume`` can say which stored runs another code made."""
-    return {"gpattn": __version__, "git_commit": _git_commit()}
+    ``+dirty.<hash>`` marks uncommitted changes, one hash per state of them). Read once per process, at its first
+    call, so that files edited while a comparison runs do not change the label of the code it imported. Each run
+    file stores it, so that ``--resume`` can say which stored runs another code made."""
+    version, commit = _code_version_of_this_process()
+    return {"gpattn": version, "git_commit": commit}
 
 
 def code_label(code: Any) -> str:
@@ -129,7 +148,7 @@ def run_environment() -> dict[str, Any]:
     ``parallel_info`` (``torch.__config__.parallel_info()``: OpenMP/MKL threads), ``gpattn`` (its version) and
     ``git_commit`` (``None`` outside a git checkout).
 
-    .. note:: Cost: two ``git`` calls (well under a second); no computation.
+    .. note:: Cost: two ``git`` calls the first time in a process (well under a second); no computation.
     """
     return {
         "machine": {"platform": platform.platform(), "cpu": _cpu_model(), "cores": os.cpu_count()},
@@ -139,8 +158,7 @@ def run_environment() -> dict[str, Any]:
         "blas": _blas(),
         "threads": {"intra_op": torch.get_num_threads(), "inter_op": torch.get_num_interop_threads()},
         "parallel_info": torch.__config__.parallel_info().strip(),
-        "gpattn": __version__,
-        "git_commit": _git_commit(),
+        **code_version(),
     }
 
 

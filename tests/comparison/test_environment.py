@@ -4,28 +4,35 @@ that tells their states apart (checked on a repository the test makes, against `
 from __future__ import annotations
 
 import hashlib
+import os
 import shutil
 import subprocess
 from pathlib import Path
 
 import pytest
 
-from gpattn.comparison.environment import _git_commit
+from gpattn import __version__
+from gpattn.comparison import environment
+from gpattn.comparison.environment import _git_commit, code_version
 
 pytestmark = pytest.mark.skipif(shutil.which("git") is None, reason="needs git")
 
 
 def _git(root: Path, *arguments: str) -> str:
     identity = ["-c", "user.name=test", "-c", "user.email=test@example.org", "-c", "commit.gpgsign=false"]
+    identity += ["-c", f"core.hooksPath={os.devnull}"]  # no hook of the user's runs in the test's repository
     return subprocess.run(["git", *identity, *arguments], cwd=root, check=True, capture_output=True, text=True).stdout
 
 
 @pytest.fixture
-def checkout(tmp_path: Path) -> Path:
+def checkout(tmp_path: Path, monkeypatch) -> Path:
+    for variable in ("GIT_DIR", "GIT_WORK_TREE", "GIT_INDEX_FILE", "GIT_COMMON_DIR"):  # pytest run from a git hook
+        monkeypatch.delenv(variable, raising=False)
     _git(tmp_path, "init", "-q")
     (tmp_path / "module.py").write_text("x = 1\n")
-    _git(tmp_path, "add", "module.py")
-    _git(tmp_path, "commit", "-q", "-m", "first")
+    (tmp_path / "data.txt").write_text("a\n")
+    _git(tmp_path, "add", "module.py", "data.txt")
+    _git(tmp_path, "commit", "-q", "--no-verify", "-m", "first")
     return tmp_path
 
 
@@ -36,24 +43,59 @@ def test_a_clean_checkout_is_its_commit_and_untracked_files_do_not_count(checkou
     assert _git_commit(checkout) == head
 
 
+def _fingerprint(root: Path, *names: str) -> str:
+    """The label's hash written out: SHA-256 over each changed path, NUL, its contents (or a deletion mark), NUL."""
+    digest = hashlib.sha256()
+    for name in sorted(names):
+        path = root / name
+        digest.update(name.encode() + b"\0" + (path.read_bytes() if path.exists() else b"\0deleted\0") + b"\0")
+    return digest.hexdigest()[:12]
+
+
 def test_uncommitted_states_get_their_own_hash_and_the_same_state_the_same_one(checkout):
     head = _git(checkout, "rev-parse", "HEAD").strip()
     (checkout / "module.py").write_text("x = 2\n")
     first = _git_commit(checkout)
-    command = ["git", "diff", "HEAD", "--binary", "--no-color", "--no-ext-diff"]
-    diff = subprocess.run(command, cwd=checkout, check=True, capture_output=True).stdout
-    assert first == f"{head}+dirty.{hashlib.sha256(diff).hexdigest()[:12]}"
+    assert first == f"{head}+dirty.{_fingerprint(checkout, 'module.py')}"
     (checkout / "module.py").write_text("x = 3\n")
     second = _git_commit(checkout)
     assert second.startswith(f"{head}+dirty.") and second != first
-    _git(checkout, "add", "module.py")  # staged changes count as well, with the same diff against HEAD
+    _git(checkout, "add", "module.py")  # staged or not, the files as they are
     assert _git_commit(checkout) == second
     (checkout / "module.py").write_text("x = 2\n")
-    _git(checkout, "add", "module.py")
     assert _git_commit(checkout) == first
-    (checkout / "module.py").write_text("x = 1\n")  # back to the commit
-    _git(checkout, "add", "module.py")
+    (checkout / "data.txt").unlink()
+    assert _git_commit(checkout) == f"{head}+dirty.{_fingerprint(checkout, 'module.py', 'data.txt')}"
+    _git(checkout, "checkout", "HEAD", "--", "module.py", "data.txt")  # back to the commit
     assert _git_commit(checkout) == head
+
+
+def test_the_label_does_not_depend_on_the_users_git_configuration_or_a_calling_hook(checkout, tmp_path, monkeypatch):
+    (checkout / "module.py").write_text("x = 2\n")
+    label = _git_commit(checkout)
+    for setting in ("diff.noprefix true", "diff.mnemonicPrefix true", "diff.algorithm patience", "diff.relative true"):
+        _git(checkout, "config", *setting.split())
+    (checkout / ".gitattributes").write_text("*.py diff=upper\n")  # a text conversion of every Python file
+    _git(checkout, "config", "diff.upper.textconv", "tr a-z A-Z <")
+    assert _git_commit(checkout) == label
+    other = tmp_path / "other"
+    other.mkdir()
+    _git(other, "init", "-q")
+    monkeypatch.setenv("GIT_DIR", str(other / ".git"))  # what a git hook that runs gpattn would leave set
+    assert _git_commit(checkout) == label
+
+
+def test_code_version_is_read_once_per_process(monkeypatch):
+    labels = iter(["abc123+dirty.000000000001", "abc123+dirty.000000000002"])
+    monkeypatch.setattr(environment, "_git_commit", lambda: next(labels))
+    environment._code_version_of_this_process.cache_clear()
+    try:
+        first = code_version()
+        assert first == {"gpattn": __version__, "git_commit": "abc123+dirty.000000000001"}
+        first["git_commit"] = "changed by a caller"
+        assert code_version() == {"gpattn": __version__, "git_commit": "abc123+dirty.000000000001"}
+    finally:
+        environment._code_version_of_this_process.cache_clear()
 
 
 def test_outside_a_checkout_or_without_git_there_is_no_commit(tmp_path, checkout, monkeypatch):
