@@ -24,9 +24,10 @@ from gpattn.models import Transformer
 
 def pytest_configure(config: pytest.Config) -> None:
     """The suite's data cache (:mod:`gpattn.data.disk_cache`): a fresh folder per run, made by the main process
-    before pytest-xdist starts its workers (which inherit the variable, and share the folder), so that the tests
-    neither read nor fill the user's cache; ``GPATTN_CACHE_DIR`` set by the caller is kept."""
-    if disk_cache.CACHE_VARIABLE not in os.environ and not hasattr(config, "workerinput"):
+    before pytest-xdist starts its workers (which inherit the variable, and share the folder; a worker that does not
+    inherit it makes its own), so that the tests neither read nor fill the user's cache; ``GPATTN_CACHE_DIR`` set by
+    the caller is kept."""
+    if disk_cache.CACHE_VARIABLE not in os.environ:
         os.environ[disk_cache.CACHE_VARIABLE] = tempfile.mkdtemp(prefix="gpattn-test-cache-")
         config._gpattn_cache = os.environ[disk_cache.CACHE_VARIABLE]
 

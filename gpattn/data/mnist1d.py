@@ -267,9 +267,8 @@ def make_mnist1d_shifted_test_sets(
         argument = MNIST1D_SHIFT_ARGUMENTS[kind]
         for severity in severities:
             value = MNIST1D_SHIFT_PARAMETERS[kind][severity - 1]
-            signals = make_mnist1d_signals(
-                digits, _sub_seed(seed, MNIST1D_SHIFT_KINDS.index(kind), severity), **{argument: value}
-            )
+            sub_seed = _sub_seed(seed, MNIST1D_SHIFT_KINDS.index(kind), severity)
+            signals = make_mnist1d_signals(digits, sub_seed, cache=True, **{argument: value})
             shifted[(kind, severity)] = sequence_dataset(
                 signals,
                 test.labels.numpy(),

@@ -75,15 +75,16 @@ def standard_dataset(shuffle_seq: bool = False) -> dict[str, np.ndarray]:
             dataset = make_dataset(dataset_args(shuffle_seq=shuffle_seq))
         return {key: np.asarray(dataset[key]) for key in ("x", "y", "x_test", "y_test")}
 
-    arrays = cached_arrays("mnist1d-standard", {"shuffle_seq": shuffle_seq}, generate)
+    arrays = cached_arrays("mnist1d-standard", {"shuffle_seq": shuffle_seq}, generate, __file__)
     for array in arrays.values():
         array.flags.writeable = False
     return arrays
 
 
-def raw_signals(digits: np.ndarray, seed: int, overrides: dict[str, Any]) -> np.ndarray:
-    """Unstandardised sequences ``(n, 40)`` of the given digits from ``mnist1d``'s transformation, seeded (kept in
-    the disk cache, :mod:`gpattn.data.disk_cache`: about 0.25 ms of Python per sequence to generate)."""
+def raw_signals(digits: np.ndarray, seed: int, overrides: dict[str, Any], cache: bool = False) -> np.ndarray:
+    """Unstandardised sequences ``(n, 40)`` of the given digits from ``mnist1d``'s transformation, seeded; with
+    ``cache``, kept in the disk cache (:mod:`gpattn.data.disk_cache`: about 0.25 ms of Python per sequence to
+    generate)."""
     from mnist1d.data import get_templates
     from mnist1d.transform import transform
 
@@ -96,10 +97,12 @@ def raw_signals(digits: np.ndarray, seed: int, overrides: dict[str, Any]) -> np.
         with seeded_global_rngs(seed):
             return {"x": np.stack([transform(templates["x"][digit], templates["t"], args)[0] for digit in digits])}
 
+    if not cache:
+        return generate()["x"]
     labels = np.ascontiguousarray(digits, dtype=np.int64).tobytes()
     key = {"digits": hashlib.sha256(labels).hexdigest(), "count": len(digits), "seed": int(seed)}
     key["overrides"] = {name: repr(value) for name, value in overrides.items()}  # 5 and 5.0 apart, as the draws
-    return cached_arrays("mnist1d-signals", key, generate)["x"]
+    return cached_arrays("mnist1d-signals", key, generate, __file__)["x"]
 
 
 @lru_cache(maxsize=1)
@@ -111,7 +114,7 @@ def standardisation() -> tuple[float, float]:
     """
     args = dataset_args()
     per_class = args.num_samples // NUM_DIGITS
-    raw = raw_signals(np.repeat(np.arange(NUM_DIGITS), per_class), args.seed, {})
+    raw = raw_signals(np.repeat(np.arange(NUM_DIGITS), per_class), args.seed, {}, cache=True)
     return float(raw.mean()), float(raw.std())
 
 
@@ -152,17 +155,24 @@ def sequence_dataset(
     )
 
 
-def make_mnist1d_signals(digits: Sequence[int] | np.ndarray | Tensor, seed: int = 0, **generator_arguments: Any):
+def make_mnist1d_signals(
+    digits: Sequence[int] | np.ndarray | Tensor, seed: int = 0, *, cache: bool = False, **generator_arguments: Any
+):
     """Fresh MNIST-1D sequences of the given digits from ``mnist1d``'s generator, standardised as the standard set.
 
     :param digits: The digit (template) of every sequence, ``(n,)`` in ``0..9``.
     :param seed: Seed of the generator's draws.
+    :param cache: Keep the sequences in the disk cache (:mod:`gpattn.data.disk_cache`), for sets that many processes
+        draw alike (the shifted test sets do); off by default, so that fresh draws (a new seed per call) do not fill
+        the disk.
     :param generator_arguments: Values replacing the defaults of ``get_dataset_args`` among
         ``MNIST1D_SHIFT_ARGUMENTS.values()`` (e.g. ``iid_noise_scale=0.3``); none gives draws from the training
         distribution.
     :return: ``float64`` NumPy array ``(n, 40)``.
     """
     check_int("seed", seed, minimum=0, maximum=2**32 - 1, where="make_mnist1d_signals")
+    if not isinstance(cache, bool):
+        raise InputTypeError(f"make_mnist1d_signals: expected cache to be True or False, got {cache!r}")
     values = np.asarray(digits.cpu() if isinstance(digits, Tensor) else digits)
     if values.ndim != 1 or (values.size and values.dtype.kind not in "iu"):
         raise InputTypeError(f"expected digits to be integers of shape (n,), got {values.dtype} {values.shape}")
@@ -175,4 +185,4 @@ def make_mnist1d_signals(digits: Sequence[int] | np.ndarray | Tensor, seed: int 
         else:
             check_float(name, value, 0.0, 2.0 if name == "scale_coeff" else None, where="make_mnist1d_signals")
     mean, std = standardisation()
-    return (raw_signals(values, seed, generator_arguments) - mean) / std
+    return (raw_signals(values, seed, generator_arguments, cache=cache) - mean) / std

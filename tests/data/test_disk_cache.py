@@ -4,7 +4,11 @@ to generating; and MNIST-1D read from it equals MNIST-1D generated without it.""
 
 from __future__ import annotations
 
+import os
+import stat
+import sys
 import warnings
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -34,37 +38,47 @@ class Generator:
 
 def test_an_entry_is_generated_once_and_read_back_bit_for_bit(folder):
     generate = Generator()
-    first = cached_arrays("probe", {"n": 7}, generate)
-    assert generate.calls == 1 and entry_path("probe", {"n": 7}, folder).is_file()
-    second = cached_arrays("probe", {"n": 7}, generate)
+    first = cached_arrays("probe", {"n": 7}, generate, __file__)
+    assert generate.calls == 1 and entry_path("probe", {"n": 7}, folder, __file__).is_file()
+    second = cached_arrays("probe", {"n": 7}, generate, __file__)
     assert generate.calls == 1
     for name, value in Generator()().items():
         assert first[name].dtype == second[name].dtype == value.dtype
         assert first[name].tobytes() == second[name].tobytes() == value.tobytes()
-    assert [path.name for path in folder.iterdir()] == [entry_path("probe", {"n": 7}, folder).name]  # no leftovers
+    assert [path.name for path in folder.iterdir()] == [
+        entry_path("probe", {"n": 7}, folder, __file__).name
+    ]  # no leftovers
 
 
 def test_other_arguments_or_versions_make_other_entries(folder, monkeypatch):
-    paths = {entry_path("probe", {"n": 7}, folder), entry_path("probe", {"n": 8}, folder)}
-    paths.add(entry_path("other", {"n": 7}, folder))
+    paths = {entry_path("probe", {"n": 7}, folder, __file__), entry_path("probe", {"n": 8}, folder, __file__)}
+    paths.add(entry_path("other", {"n": 7}, folder, __file__))
     versions = disk_cache._versions()
     for changed in ("numpy", "scipy", "mnist1d", "format"):
         monkeypatch.setattr(disk_cache, "_versions", lambda changed=changed: {**versions, changed: "0"})
-        paths.add(entry_path("probe", {"n": 7}, folder))
-    assert len(paths) == 7
+        paths.add(entry_path("probe", {"n": 7}, folder, __file__))
     monkeypatch.setattr(disk_cache, "_versions", lambda: dict(versions))
-    assert entry_path("probe", {"n": 7}, folder) in paths  # and the same ones the same entry
+    edited = folder.parent / "generator.py"  # other code that generates: its contents, not its name, count
+    edited.write_text(Path(__file__).read_text() + "# edited\n")
+    paths.add(entry_path("probe", {"n": 7}, folder, edited))
+    assert len(paths) == 8
+    copy = folder.parent / "copy.py"
+    copy.write_bytes(Path(__file__).read_bytes())
+    assert entry_path("probe", {"n": 7}, folder, copy) == entry_path("probe", {"n": 7}, folder, __file__) in paths
 
 
 @pytest.mark.parametrize("damage", [b"", b"not an npz file", None], ids=["empty", "garbage", "truncated"])
 def test_a_damaged_entry_is_generated_again_and_replaced(folder, damage):
-    cached_arrays("probe", {"n": 7}, Generator())
-    path = entry_path("probe", {"n": 7}, folder)
+    cached_arrays("probe", {"n": 7}, Generator(), __file__)
+    path = entry_path("probe", {"n": 7}, folder, __file__)
     path.write_bytes(path.read_bytes()[:100] if damage is None else damage)
     generate = Generator()
-    again = cached_arrays("probe", {"n": 7}, generate)
+    again = cached_arrays("probe", {"n": 7}, generate, __file__)
     assert generate.calls == 1 and again["x"].tobytes() == Generator()()["x"].tobytes()
-    assert cached_arrays("probe", {"n": 7}, generate)["y"].tolist() == again["y"].tolist() and generate.calls == 1
+    assert (
+        cached_arrays("probe", {"n": 7}, generate, __file__)["y"].tolist() == again["y"].tolist()
+        and generate.calls == 1
+    )
 
 
 def test_an_unwritable_folder_generates_every_time_with_one_warning(tmp_path, monkeypatch):
@@ -74,19 +88,45 @@ def test_an_unwritable_folder_generates_every_time_with_one_warning(tmp_path, mo
     monkeypatch.setattr(disk_cache, "_warned", set())
     generate = Generator()
     with pytest.warns(RuntimeWarning, match="could not write its data cache"):
-        values = cached_arrays("probe", {"n": 7}, generate)
+        values = cached_arrays("probe", {"n": 7}, generate, __file__)
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # once per folder and process
-        cached_arrays("probe", {"n": 7}, generate)
+        cached_arrays("probe", {"n": 7}, generate, __file__)
     assert generate.calls == 2 and values["x"].tobytes() == Generator()()["x"].tobytes()
+
+
+def test_without_a_home_folder_there_is_no_cache_and_one_warning(monkeypatch):
+    def no_home() -> Path:
+        raise RuntimeError("Could not determine home directory.")
+
+    monkeypatch.delenv(disk_cache.CACHE_VARIABLE, raising=False)
+    monkeypatch.delenv("XDG_CACHE_HOME", raising=False)
+    monkeypatch.setattr(Path, "home", staticmethod(no_home))
+    monkeypatch.setattr(disk_cache, "_warned", set())
+    generate = Generator()
+    with pytest.warns(RuntimeWarning, match="keeps no data cache: Could not determine home directory"):
+        assert cache_directory() is None
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert cached_arrays("probe", {"n": 7}, generate, __file__)["y"].tolist() == Generator()()["y"].tolist()
+    assert generate.calls == 1
+
+
+def test_entries_get_the_mode_the_umask_gives(folder):
+    mask = os.umask(0o022)
+    try:
+        cached_arrays("probe", {"n": 7}, Generator(), __file__)
+    finally:
+        os.umask(mask)
+    assert stat.S_IMODE(entry_path("probe", {"n": 7}, folder, __file__).stat().st_mode) == 0o644
 
 
 def test_where_the_cache_lives(tmp_path, monkeypatch):
     monkeypatch.setenv(disk_cache.CACHE_VARIABLE, "off")
     assert cache_directory() is None
     generate = Generator()
-    cached_arrays("probe", {"n": 7}, generate)
-    cached_arrays("probe", {"n": 7}, generate)
+    cached_arrays("probe", {"n": 7}, generate, __file__)
+    cached_arrays("probe", {"n": 7}, generate, __file__)
     assert generate.calls == 2
     monkeypatch.delenv(disk_cache.CACHE_VARIABLE)
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
@@ -101,15 +141,29 @@ def test_where_the_cache_lives(tmp_path, monkeypatch):
 def test_mnist1d_from_the_cache_equals_mnist1d_generated_without_it(folder, monkeypatch):
     digits = np.array([3, 1, 4, 1, 5, 9, 2, 6])
     standardisation.cache_clear()  # its draws come from the cache folder too (in this test, this one)
-    cold = make_mnist1d_signals(digits, seed=5, iid_noise_scale=0.3)  # generated, stored
-    assert len(list(folder.glob("mnist1d-signals-*.npz"))) == 2  # these, and the standardisation's 5000 draws
-    warm = make_mnist1d_signals(digits, seed=5, iid_noise_scale=0.3)
-    translated = make_mnist1d_signals(digits, seed=5, max_translation=5)  # another entry
+    assert make_mnist1d_signals(digits, seed=5).shape == (8, 40)
+    assert len(list(folder.glob("*.npz"))) == 1  # the standardisation's 5000 draws; fresh draws are not kept
+    calls = {
+        "plain": {"seed": 5, "iid_noise_scale": 0.3},
+        "seed": {"seed": 6, "iid_noise_scale": 0.3},
+        "translated": {"seed": 5, "max_translation": 5},
+    }
+    cold = {label: make_mnist1d_signals(digits, cache=True, **call) for label, call in calls.items()}
+    reordered = make_mnist1d_signals(digits[::-1], cache=True, **calls["plain"])
+    assert len(list(folder.glob("mnist1d-signals-*.npz"))) == 5
+    generator = sys.modules["mnist1d.transform"]  # the module (the package's attribute is the function)
+    monkeypatch.setattr(generator, "transform", lambda *args: pytest.fail("generated again"))
+    warm = {label: make_mnist1d_signals(digits, cache=True, **call) for label, call in calls.items()}
+    assert make_mnist1d_signals(digits[::-1], cache=True, **calls["plain"]).tobytes() == reordered.tobytes()
+    monkeypatch.undo()
     monkeypatch.setenv(disk_cache.CACHE_VARIABLE, "off")
-    plain = make_mnist1d_signals(digits, seed=5, iid_noise_scale=0.3)
-    assert cold.tobytes() == warm.tobytes() == plain.tobytes()
-    assert make_mnist1d_signals(digits, seed=5, max_translation=5).tobytes() == translated.tobytes()
-    assert not np.array_equal(translated, plain)
+    for label, call in calls.items():  # each read back bit for bit, each its own entry
+        assert warm[label].tobytes() == cold[label].tobytes() == make_mnist1d_signals(digits, **call).tobytes()
+    assert make_mnist1d_signals(digits[::-1], **calls["plain"]).tobytes() == reordered.tobytes()
+    assert not np.array_equal(cold["seed"], cold["plain"]) and not np.array_equal(cold["translated"], cold["plain"])
+    assert not np.array_equal(reordered, cold["plain"])
+    with pytest.raises(TypeError, match="expected cache to be True or False, got 1"):
+        make_mnist1d_signals(digits, cache=1)
 
 
 def test_the_standard_mnist1d_set_from_the_cache_equals_make_datasets(folder, monkeypatch):
