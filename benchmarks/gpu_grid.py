@@ -12,9 +12,11 @@ context) in the variants asked for:
   folders in a temporary folder passed to the runs through ``CUDA_MPS_PIPE_DIRECTORY`` and ``CUDA_MPS_LOG_DIRECTORY``),
   which is stopped afterwards (``quit``); recorded as unavailable where the binary is missing or does not start.
 
-Every variant's records are compared with the first variant's (``identical_records``: the run files without their
-wall times; deterministic kernels make them equal on one device). Writes one JSON: the commands, the wall time of
-each variant, the load average before and after, the device's name.
+Before the variants, every task is loaded once, untimed, so that each variant reads its data from gpattn's disk
+cache (``data_cache`` in the JSON: the seconds it took). Every variant's records are compared with the first
+variant's (``identical_records``: the run files without their wall times; deterministic kernels make them equal on
+one device). Writes one JSON: the commands, the wall time of each variant, the load average before and after, the
+device's name.
 
 Usage, from the repository root (on the GPU machine; see gpu_check.py for machines without pyro-ppl or mnist1d)::
 
@@ -92,6 +94,25 @@ def compare_command(args: argparse.Namespace, out: Path) -> list[str]:
     return command
 
 
+def warm_data_cache(args: argparse.Namespace) -> dict:
+    """Load every task once in a subprocess, untimed, so that every variant reads its data from the disk cache
+    (``gpattn.data.disk_cache``) instead of the first one generating them: MNIST-1D's sets take about 10 s to
+    generate, which would otherwise count against whichever variant runs first. Skipped with
+    ``GPATTN_CACHE_DIR=off`` (every variant then generates them alike)."""
+    if os.environ.get("GPATTN_CACHE_DIR", "").strip().lower() == "off":
+        return {"skipped": "GPATTN_CACHE_DIR=off"}
+    code = "from gpattn.comparison.tasks import load_task\n" + "".join(
+        f"load_task({task!r}, {args.seeds[0]})\n" for task in args.tasks
+    )
+    start = time.perf_counter()
+    finished = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False)
+    return {
+        "seconds": time.perf_counter() - start,
+        "returncode": finished.returncode,
+        "stderr_tail": finished.stderr[-2000:],
+    }
+
+
 def run_variant(name: str, args: argparse.Namespace, folder: Path) -> dict:
     out = folder / name
     command = compare_command(args, out)
@@ -132,6 +153,10 @@ def main(argv: list[str] | None = None) -> dict:
     if args.smoke:
         args.seeds, args.tasks, args.jobs = [0], ["digits"], 1
     results: dict = {"config": dict(vars(args)), "device_name": _device_name(args.device)}
+    results["data_cache"] = warm = warm_data_cache(args)
+    if "seconds" in warm:
+        failed = f" (failed, rc {warm['returncode']}: {warm['stderr_tail'][-300:]})" if warm["returncode"] else ""
+        print(f"data cache: {', '.join(args.tasks)} loaded in {warm['seconds']:.1f} s, untimed{failed}", flush=True)
     # the MPS daemon may still be writing its log when told to quit: a cleanup error must not lose the results
     with tempfile.TemporaryDirectory(prefix="gpu_grid_", ignore_cleanup_errors=True) as scratch:
         variants = {name: run_variant(name, args, Path(scratch)) for name in args.variants}

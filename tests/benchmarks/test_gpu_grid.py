@@ -42,7 +42,25 @@ def test_smoke_run_on_cpu(grid, tmp_path, capsys):
     assert plain["runs"] == 2  # kep_svgp and softmax, digits, seed 0
     assert grid.succeeded(results)
     assert plain["seconds"] > 0 and "--jobs" in plain["command"] and results["device_name"] is None
-    assert "plain: 2 runs in" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "plain: 2 runs in" in printed
+    assert results["data_cache"]["returncode"] == 0 and "data cache: digits loaded in" in printed
+
+
+def test_the_data_cache_is_warmed_before_the_variants_unless_it_is_off(grid, monkeypatch):
+    calls = []
+    monkeypatch.setattr(grid.subprocess, "run", lambda command, **kwargs: calls.append(command) or _Finished())
+    args = grid.argparse.Namespace(tasks=["mnist1d", "digits"], seeds=[3, 4])
+    warm = grid.warm_data_cache(args)
+    assert warm["returncode"] == 0 and warm["seconds"] >= 0
+    assert calls[0][:2] == [sys.executable, "-c"]
+    assert calls[0][2].splitlines()[1:] == ["load_task('mnist1d', 3)", "load_task('digits', 3)"]
+    monkeypatch.setenv("GPATTN_CACHE_DIR", "off")
+    assert grid.warm_data_cache(args) == {"skipped": "GPATTN_CACHE_DIR=off"} and len(calls) == 1
+
+
+class _Finished:
+    returncode, stderr = 0, ""
 
 
 def test_the_mps_daemon_starts_and_quits_with_its_own_folders(grid, tmp_path, monkeypatch):
