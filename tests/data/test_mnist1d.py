@@ -190,9 +190,10 @@ def test_shifted_test_sets_use_the_documented_parameters(monkeypatch) -> None:
     calls = []
     original = mnist1d_module.make_mnist1d_signals
 
-    def spy(digits, seed=0, **arguments):
+    def spy(digits, seed=0, *, cache=False, **arguments):
+        assert cache is True  # every process of a comparison draws these sets alike: kept in the disk cache
         calls.append((np.asarray(digits).copy(), seed, arguments))
-        return original(digits, seed, **arguments)
+        return original(digits, seed, cache=cache, **arguments)
 
     monkeypatch.setattr(mnist1d_module, "make_mnist1d_signals", spy)
     shifted = make_mnist1d_shifted_test_sets(small, seed=0, severities=(2, 5))
