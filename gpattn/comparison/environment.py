@@ -27,8 +27,16 @@ from .. import __version__
 __all__ = ["code_label", "code_version", "environment_lines", "run_environment", "run_file_codes"]
 
 _PACKAGE_ROOT = Path(__file__).resolve().parents[2]
-#: the variables by which a calling git process (a hook) would point the label's git commands at another checkout
-_GIT_LOCATION_VARIABLES = frozenset({"GIT_DIR", "GIT_WORK_TREE", "GIT_INDEX_FILE", "GIT_COMMON_DIR"})
+#: the variables by which a calling git process (a hook) would point the label's git commands at another repository
+#: (``git rev-parse --local-env-vars``)
+_GIT_LOCATION_VARIABLES = frozenset(
+    {
+        "GIT_ALTERNATE_OBJECT_DIRECTORIES", "GIT_CONFIG", "GIT_CONFIG_PARAMETERS", "GIT_CONFIG_COUNT",
+        "GIT_OBJECT_DIRECTORY", "GIT_DIR", "GIT_WORK_TREE", "GIT_IMPLICIT_WORK_TREE", "GIT_GRAFT_FILE",
+        "GIT_INDEX_FILE", "GIT_NO_REPLACE_OBJECTS", "GIT_REPLACE_REF_BASE", "GIT_PREFIX", "GIT_INTERNAL_SUPER_PREFIX",
+        "GIT_SHALLOW_FILE", "GIT_COMMON_DIR",
+    }
+)  # fmt: skip
 
 
 def _cpu_model() -> str:
@@ -52,34 +60,47 @@ def _blas() -> str:
 def _git_commit(root: Path = _PACKAGE_ROOT) -> str | None:
     """The commit of the source tree gpattn is imported from, or ``None`` outside a git checkout (an installed wheel)
     or without git. Uncommitted changes to tracked files add ``+dirty.`` and 12 hex digits of a SHA-256 over the
-    changed files' paths and contents (deleted files marked), so that two different uncommitted states have different
-    labels and the same state the same one, whatever the user's git configuration (diff options, prefixes,
-    text conversions); untracked files are not counted.
+    changed paths and what each holds now (a file's contents, a symbolic link's target, a submodule's own label, or
+    a deletion mark), so that two different uncommitted states have different labels and the same state the same one,
+    whatever the user's git configuration; untracked files are not counted.
 
     .. note:: Cost: two ``git`` processes (tens of milliseconds), and reading the changed files.
     """
     if not (root / ".git").exists():
         return None
-    # the checkout at root, not one that GIT_DIR & co. of a calling git hook point to; no lock on the index
+    # the checkout at root, not one that the variables of a calling git process (a hook) point to
     environment = {key: value for key, value in os.environ.items() if key not in _GIT_LOCATION_VARIABLES}
 
     def git(*arguments: str) -> bytes:
+        # --no-optional-locks: status neither takes the index's lock nor rewrites it (a git run beside it is not
+        # disturbed); -z: paths as they are, NUL-terminated
         command = ["git", "--no-optional-locks", *arguments]
         return subprocess.run(command, cwd=root, env=environment, capture_output=True, timeout=10, check=True).stdout
 
     try:
         commit = git("rev-parse", "HEAD").decode().strip()
-        listed = git("diff", "HEAD", "--name-only", "-z", "--no-renames", "--no-relative").split(b"\0")
-        changed = sorted(name for name in listed if name)
+        status = git(
+            "status", "--porcelain=v1", "-z", "--no-renames", "--untracked-files=no", "--ignore-submodules=none"
+        )
+        changed = sorted(entry[3:] for entry in status.split(b"\0") if entry)  # "XY path"
         fingerprint = hashlib.sha256()
         for name in changed:
-            file = root / os.fsdecode(name)
-            fingerprint.update(name + b"\0")
-            fingerprint.update(file.read_bytes() if file.is_file() else b"\0deleted\0")
-            fingerprint.update(b"\0")
+            for field in (name, _current_state(root / os.fsdecode(name))):
+                fingerprint.update(len(field).to_bytes(8, "little") + field)
     except (OSError, subprocess.SubprocessError, UnicodeDecodeError):
         return None
     return f"{commit}+dirty.{fingerprint.hexdigest()[:12]}" if changed else commit
+
+
+def _current_state(path: Path) -> bytes:
+    """What a changed path holds now, for :func:`_git_commit`'s hash."""
+    if path.is_symlink():
+        return b"link:" + os.fsencode(os.readlink(path))
+    if path.is_dir():  # a submodule: its commit, with its own uncommitted changes
+        return b"submodule:" + (_git_commit(path) or "").encode()
+    if path.is_file():
+        return b"file:" + path.read_bytes()
+    return b"deleted"
 
 
 @functools.lru_cache(maxsize=1)
@@ -90,7 +111,8 @@ def _code_version_of_this_process() -> tuple[str, str | None]:
 def code_version() -> dict[str, str | None]:
     """The code a run is made with: ``{"gpattn": version, "git_commit": commit or None}`` (see :func:`run_environment`;
     ``+dirty.<hash>`` marks uncommitted changes, one hash per state of them). Read once per process, at its first
-    call, so that files edited while a comparison runs do not change the label of the code it imported. Each run
+    call (``gpattn compare`` makes it before its first run, ``gpattn train`` when it starts), so that files edited
+    while a comparison runs do not change the label of the code it imported. Each run
     file stores it, so that ``--resume`` can say which stored runs another code made."""
     version, commit = _code_version_of_this_process()
     return {"gpattn": version, "git_commit": commit}

@@ -327,6 +327,7 @@ def execute_runs(
     :warns RunsFromOtherCodeWarning: Stored runs made by other code (gpattn version or git commit) than this call's.
     """
     settings = result_settings(config)
+    code_version()  # read now, before any run trains: the label of the code this process imported (kept for it)
     folder = None if out is None else Path(out) / "runs"
     if folder is not None:
         check_writable_folder(folder)

@@ -44,11 +44,13 @@ def test_a_clean_checkout_is_its_commit_and_untracked_files_do_not_count(checkou
 
 
 def _fingerprint(root: Path, *names: str) -> str:
-    """The label's hash written out: SHA-256 over each changed path, NUL, its contents (or a deletion mark), NUL."""
+    """The label's hash written out: SHA-256 over each changed path and its contents (``file:`` and the bytes, or
+    ``deleted``), each field preceded by its length in 8 little-endian bytes."""
     digest = hashlib.sha256()
     for name in sorted(names):
         path = root / name
-        digest.update(name.encode() + b"\0" + (path.read_bytes() if path.exists() else b"\0deleted\0") + b"\0")
+        for field in (name.encode(), b"file:" + path.read_bytes() if path.exists() else b"deleted"):
+            digest.update(len(field).to_bytes(8, "little") + field)
     return digest.hexdigest()[:12]
 
 
@@ -73,7 +75,7 @@ def test_uncommitted_states_get_their_own_hash_and_the_same_state_the_same_one(c
 def test_the_label_does_not_depend_on_the_users_git_configuration_or_a_calling_hook(checkout, tmp_path, monkeypatch):
     (checkout / "module.py").write_text("x = 2\n")
     label = _git_commit(checkout)
-    for setting in ("diff.noprefix true", "diff.mnemonicPrefix true", "diff.algorithm patience", "diff.relative true"):
+    for setting in ("diff.noprefix true", "diff.mnemonicPrefix true", "diff.algorithm patience", "status.short false"):
         _git(checkout, "config", *setting.split())
     (checkout / ".gitattributes").write_text("*.py diff=upper\n")  # a text conversion of every Python file
     _git(checkout, "config", "diff.upper.textconv", "tr a-z A-Z <")
@@ -83,6 +85,35 @@ def test_the_label_does_not_depend_on_the_users_git_configuration_or_a_calling_h
     _git(other, "init", "-q")
     monkeypatch.setenv("GIT_DIR", str(other / ".git"))  # what a git hook that runs gpattn would leave set
     assert _git_commit(checkout) == label
+
+
+def test_links_and_submodules_are_told_apart_by_what_they_hold(checkout, tmp_path):
+    (checkout / "link").symlink_to("module.py")
+    _git(checkout, "add", "link")
+    inner = tmp_path / "inner"
+    inner.mkdir()
+    _git(inner, "init", "-q")
+    (inner / "a.txt").write_text("1\n")
+    _git(inner, "add", "a.txt")
+    _git(inner, "commit", "-q", "--no-verify", "-m", "inner")
+    _git(checkout, "-c", "protocol.file.allow=always", "submodule", "add", "-q", str(inner), "sub")
+    _git(checkout, "commit", "-q", "--no-verify", "-m", "link and submodule")
+    head = _git(checkout, "rev-parse", "HEAD").strip()
+    assert _git_commit(checkout) == head
+    labels = set()
+    (checkout / "link").unlink()
+    (checkout / "link").symlink_to("data.txt")  # another target
+    labels.add(_git_commit(checkout))
+    (checkout / "link").unlink()
+    (checkout / "link").symlink_to("module.py")
+    assert _git_commit(checkout) == head
+    (checkout / "sub" / "a.txt").write_text("2\n")  # the submodule's own uncommitted change
+    labels.add(_git_commit(checkout))
+    _git(checkout / "sub", "commit", "-q", "--no-verify", "-am", "two")  # the submodule at another commit
+    labels.add(_git_commit(checkout))
+    (checkout / "sub" / "a.txt").write_text("3\n")
+    labels.add(_git_commit(checkout))
+    assert len(labels) == 4 and all(label.startswith(f"{head}+dirty.") for label in labels)
 
 
 def test_code_version_is_read_once_per_process(monkeypatch):

@@ -104,7 +104,9 @@ def test_resume_warns_about_runs_made_by_other_code(tmp_path, monkeypatch) -> No
     which, with both versions; runs of this code, and a first call, give no warning."""
     import gpattn.comparison.runner as runner
     from gpattn import __version__
-    from gpattn.comparison.environment import _git_commit
+    from gpattn.comparison.environment import code_version
+
+    this = code_version()  # read once per process: the label the run files hold
 
     config = CompareConfig(seeds=(0, 1), **{**TINY, "attentions": ("softmax",)})
     with warnings.catch_warnings():
@@ -112,7 +114,7 @@ def test_resume_warns_about_runs_made_by_other_code(tmp_path, monkeypatch) -> No
         first = run_comparison(config, out=tmp_path)
         assert [_numbers(r) for r in run_comparison(config, out=tmp_path, resume=True)] == [_numbers(r) for r in first]
     files = {seed: tmp_path / "runs" / f"pointer-softmax-{seed}.json" for seed in (0, 1)}
-    assert json.loads(files[0].read_text())["code"] == {"gpattn": __version__, "git_commit": _git_commit()}
+    assert json.loads(files[0].read_text())["code"] == this
     content = json.loads(files[1].read_text())
     del content["code"]  # a run file written before run files recorded their code
     files[1].write_text(json.dumps(content))
@@ -123,12 +125,11 @@ def test_resume_warns_about_runs_made_by_other_code(tmp_path, monkeypatch) -> No
     assert [_numbers(r) for r in resumed] == [_numbers(r) for r in first]  # kept, not trained again
     (message,) = [str(warning.message) for warning in caught]
     assert "2 of the 2 stored runs were made by other code than this call's (gpattn 9.9, commit abc123)" in message
-    assert f"pointer-softmax-0 (gpattn {__version__}, commit {_git_commit() or 'unknown'})" in message
+    assert f"pointer-softmax-0 (gpattn {__version__}, commit {this['git_commit'] or 'unknown'})" in message
     assert "pointer-softmax-1 (not recorded)" in message
     # results.json lists the code of every stored run: two groups here, whatever the report's own code is
     write_outputs(resumed, config, tmp_path)
     codes = json.loads((tmp_path / "results.json").read_text())["codes"]
-    this = {"gpattn": __version__, "git_commit": _git_commit()}
     assert codes == [{"code": this, "runs": ["pointer-softmax-0"]}, {"code": None, "runs": ["pointer-softmax-1"]}]
     write_outputs(resumed[1:], config, tmp_path)  # a report of seed 1 only: the other run files are not its runs
     codes = json.loads((tmp_path / "results.json").read_text())["codes"]
