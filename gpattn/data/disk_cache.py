@@ -11,7 +11,8 @@ an ``.npz``) is generated again and replaced; a folder that cannot be written le
 warning per process.
 
 The folder is ``$GPATTN_CACHE_DIR`` if set, else ``$XDG_CACHE_HOME/gpattn``, else ``~/.cache/gpattn``;
-``GPATTN_CACHE_DIR=off`` turns the cache off. Deleting the folder, or any file in it, is always safe. Machines that
+``GPATTN_CACHE_DIR=off`` turns the cache off. Deleting the folder, or any file in it, is always safe; nothing
+deletes old entries (other versions, or an edited generator, write new ones beside them). Machines that
 share the folder (a home folder on a network file system) share its entries: each reads the values the first one
 generated, which another CPU could have generated differently in the last bits; point ``GPATTN_CACHE_DIR`` at a
 local folder to keep them apart.
@@ -135,7 +136,11 @@ def cached_arrays(
     directory = cache_directory()
     if directory is None:
         return dict(generate())
-    path = entry_path(name, key, directory, code)
+    try:
+        path = entry_path(name, key, directory, code)
+    except OSError as error:  # the source file cannot be read (e.g. from a zip archive): no cache for it
+        _warn_once(f"code {code}", f"gpattn keeps no data cache for {name}: cannot read {code} ({error})")
+        return dict(generate())
     stored = _read(path)
     if stored is not None:
         return stored

@@ -34,7 +34,8 @@ def _stand_in_mps(folder: Path, exit_code: int = 0) -> Path:
     return log
 
 
-def test_smoke_run_on_cpu(grid, tmp_path, capsys):
+def test_smoke_run_on_cpu(grid, tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("GPATTN_CACHE_DIR", str(tmp_path / "cache"))  # on, whatever the caller set
     out = tmp_path / "grid.json"
     results = grid.main(["--device", "cpu", "--smoke", "--variants", "plain", "--out", str(out)])
     plain = json.loads(out.read_text())["variants"]["plain"]
@@ -49,6 +50,7 @@ def test_smoke_run_on_cpu(grid, tmp_path, capsys):
 
 def test_the_data_cache_is_warmed_before_the_variants_unless_it_is_off(grid, monkeypatch):
     calls = []
+    monkeypatch.delenv("GPATTN_CACHE_DIR", raising=False)
     monkeypatch.setattr(grid.subprocess, "run", lambda command, **kwargs: calls.append(command) or _Finished())
     args = grid.argparse.Namespace(tasks=["mnist1d", "digits"], seeds=[3, 4])
     warm = grid.warm_data_cache(args)

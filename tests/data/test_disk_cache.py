@@ -112,6 +112,15 @@ def test_without_a_home_folder_there_is_no_cache_and_one_warning(monkeypatch):
     assert generate.calls == 1
 
 
+def test_a_generator_whose_source_cannot_be_read_is_not_cached(folder, tmp_path, monkeypatch):
+    monkeypatch.setattr(disk_cache, "_warned", set())
+    generate = Generator()
+    missing = tmp_path / "archive.zip" / "generator.py"
+    with pytest.warns(RuntimeWarning, match="keeps no data cache for probe: cannot read"):
+        values = cached_arrays("probe", {"n": 7}, generate, missing)
+    assert values["x"].tobytes() == Generator()()["x"].tobytes() and not folder.exists()
+
+
 def test_entries_get_the_mode_the_umask_gives(folder):
     mask = os.umask(0o022)
     try:
