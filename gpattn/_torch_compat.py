@@ -29,10 +29,11 @@ DEVICE_AUTOCAST = hasattr(torch, "get_autocast_dtype")
 COMPILER_IS_COMPILING = hasattr(torch.compiler, "is_compiling")
 #: torch 2.4+: dynamo traces gpattn's autograd functions (their ``ctx`` attributes, ``needs_input_grad``)
 TRACES_FUNCTIONS = TorchVersion(torch.__version__) >= (2, 4)
-#: torch 2.9+, not ROCm: inductor keeps ``torch._assert_async`` (a lowering to a device assertion, read in the 2.9.0
-#: wheel's source; 2.8.0 decomposes it to nothing, which a compiled layer on 2.4.1 showed; on ROCm inductor compiles
-#: Triton without device assertions), so a compiled region may check a tensor's values without a data-dependent
-#: branch. On CUDA the assertions also need inductor's ``assert_indirect_indexing`` (its default, True).
+#: torch 2.9+, not ROCm: inductor keeps ``torch._assert_async`` (a lowering to a device assertion: a compiled layer
+#: raised on 2.9.0 and 2.13; the 2.8.0 wheel's source decomposes it to nothing, and a compiled layer on 2.4.1 let the
+#: failing mask through; on ROCm inductor compiles Triton without device assertions), so a compiled region may check a
+#: tensor's values without a data-dependent branch. On CUDA the assertions also need inductor's
+#: ``assert_indirect_indexing`` (its default, True).
 COMPILES_ASSERTS = TorchVersion(torch.__version__) >= (2, 9) and torch.version.hip is None
 
 if not TRACES_FUNCTIONS:  # torch 2.1-2.3

@@ -8,6 +8,7 @@ import json
 
 import pytest
 import torch
+from torch.torch_version import TorchVersion
 
 from gpattn._torch_compat import COMPILES_ASSERTS, TRACES_FUNCTIONS
 
@@ -37,7 +38,8 @@ def test_a_tiny_run_records_one_graph_per_row_and_the_ratio_it_printed(bench, tm
         assert row["eager_ms"] > 0 and row["compiled_ms"] > 0
         assert row["compiled_over_eager"] == pytest.approx(row["compiled_ms"] / row["eager_ms"])
         # before torch 2.4 the autograd functions run eagerly (a graph break each), before 2.9 the mask check
-        if TRACES_FUNCTIONS and COMPILES_ASSERTS:
+        # breaks, and 2.9's dynamo breaks in gpytorch's added-loss-term walk (mask or not)
+        if TRACES_FUNCTIONS and COMPILES_ASSERTS and TorchVersion(torch.__version__) >= (2, 11):
             assert (row["graphs"], row["breaks"]) == (1, 0), name
         assert f"{name}: {row['graphs']} graph(s)" in printed and f"({row['compiled_over_eager']:.2f}x)" in printed
     assert "load" in printed.splitlines()[0]
