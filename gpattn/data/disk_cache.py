@@ -65,6 +65,7 @@ def _warn_once(topic: str, message: str) -> None:
         warnings.warn(message, RuntimeWarning, stacklevel=4)
 
 
+@functools.cache  # read once per process: importlib.metadata searches the installed distributions on every call
 def _versions() -> dict[str, str]:
     import scipy
 
@@ -90,12 +91,11 @@ def entry_path(name: str, key: Mapping[str, Any], directory: Path, code: str | o
 
 
 def _read(path: Path) -> dict[str, np.ndarray] | None:
+    """The entry's arrays, or ``None`` for a missing or damaged entry (generated again by the caller)."""
     try:
         with np.load(path, allow_pickle=False) as stored:
             return {name: stored[name] for name in stored.files}
-    except FileNotFoundError:
-        return None
-    except (OSError, ValueError, EOFError, zipfile.BadZipFile):  # a damaged entry: generated again below
+    except (OSError, ValueError, EOFError, zipfile.BadZipFile):  # FileNotFoundError is an OSError
         return None
 
 
