@@ -38,13 +38,15 @@ def test_smoke_run_on_cpu(check, tmp_path, capsys, monkeypatch):
     assert set(compiled) == {f"{name}_compiled_vs_eager" for name in check.COMPILED_CHECK_ROWS}
     for name in compiled:  # compiled against eager: the same numbers up to float64 rounding of reordered sums
         assert equivalence[name]["ok"] and equivalence[name]["float64_difference"] < 1e-12, (name, equivalence[name])
-    others = {"kep_svgp_triton_vs_pytorch", *compiled}
+    others = {"kep_svgp_triton_vs_pytorch", "kep_svgp_split_triton_vs_pytorch", *compiled}
     layers = [name for name in equivalence if name not in others and "bfloat16" not in name]
     assert {"kep_svgp", "softmax", "sgpa", "kep_svgp_exact", "kep_svgp_official_style"} <= set(layers)
     for name in layers:  # CPU against CPU: identical, and finite float32 and bfloat16 training steps
         assert equivalence[name]["ok"] and equivalence[name]["float64_difference"] == 0.0, (name, equivalence[name])
         assert equivalence[name]["steps_finite"] == {"float32": True, "bfloat16": True}, name
     assert equivalence["kep_svgp_triton_vs_pytorch"]["ok"]
+    # the split kernels forced: the failing stand-in above is recorded, the check goes on
+    assert equivalence["kep_svgp_split_triton_vs_pytorch"] == {"error": "RuntimeError: the kernels do not compile here"}
     for name in ("softmax", "kep_svgp"):  # bfloat16 autocast against float32: small, but not zero (it did cast)
         error = equivalence[f"{name}_bfloat16_error"]
         assert error["ok"] and 0.0 < error["norm"] < 2e-2 and 0.0 < error["largest_entry"] < 2e-2
