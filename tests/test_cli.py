@@ -482,3 +482,45 @@ def test_compare_help_explains_its_defaults_and_the_paper_rows(capsys) -> None:
     assert "default: None" not in text
     assert "(default: each layer's own: s = min(10, head width) for KEP-SVGP and Primal-Attention" in text
     assert "kep_svgp_paper / primal_paper are the papers' methods as their official code runs them" in text
+
+
+def test_the_mps_note(tmp_path, monkeypatch) -> None:
+    """Local worker processes sharing a GPU (--device cuda, --jobs > 1) get a note on CUDA MPS unless a daemon's pipe
+    folder is set (CUDA_MPS_PIPE_DIRECTORY) or exists at the default place; one process, the CPU or Ray get none."""
+    from gpattn.cli import options
+
+    monkeypatch.delenv("CUDA_MPS_PIPE_DIRECTORY", raising=False)
+    monkeypatch.setattr(options, "MPS_PIPE_DIRECTORY", str(tmp_path / "nvidia-mps"))
+    note = options.mps_note("cuda", 8, "local")
+    assert note.startswith("the 8 worker processes share the GPU in time slices")
+    assert "nvidia-cuda-mps-control -d" in note
+    assert options.mps_note("cuda:1", 2, "local") is not None
+    assert options.mps_note("cuda", 1, "local") is None
+    assert options.mps_note("cpu", 8, "local") is None
+    assert options.mps_note("cuda", 8, "ray") is None
+    (tmp_path / "nvidia-mps").mkdir()  # a daemon's pipe folder at the default place
+    assert options.mps_note("cuda", 8, "local") is None
+    (tmp_path / "nvidia-mps").rmdir()
+    monkeypatch.setenv("CUDA_MPS_PIPE_DIRECTORY", str(tmp_path / "pipes"))
+    assert options.mps_note("cuda", 8, "local") is None
+
+
+@pytest.mark.parametrize("command", ["compare", "tune"])
+def test_compare_and_tune_print_the_mps_note(command, tmp_path, capsys, monkeypatch) -> None:
+    """Both commands print the note before anything runs (a CUDA device cannot be asked for on a machine without one,
+    so the note's inputs are checked here and its text above)."""
+    import importlib
+
+    module = importlib.import_module(f"gpattn.cli.{command}")
+    seen = []
+
+    def note(device, jobs, executor):
+        seen.append((device, jobs, executor))
+        raise KeyboardInterrupt  # stops the command where the note is asked for
+
+    monkeypatch.setattr(module, "mps_note", note)
+    argv = [command, "--jobs", "3", "--out", str(tmp_path / "o")]
+    if command == "compare":
+        argv += ["--tasks", "digits", "--attentions", "softmax", "--seeds", "0"]
+    assert main(argv) == 130  # Ctrl-C's status
+    assert seen == [("cpu", 3, "local")] and not (tmp_path / "o").exists()  # before the run folder is made

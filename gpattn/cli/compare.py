@@ -14,6 +14,7 @@ from .options import (
     device,
     make_executor,
     missing_tuned_files,
+    mps_note,
     non_negative_float,
     non_negative_int,
     out_dir,
@@ -241,6 +242,9 @@ def run_compare(args: argparse.Namespace) -> int:
         print(f"gpattn compare: error: {error}", file=sys.stderr)
         return 2
     note = _tuned_note(config, runs, args)
+    if note:
+        print(f"gpattn compare: note: {note}", file=sys.stderr)
+    note = mps_note(config.device, config.jobs, args.executor)
     if note:
         print(f"gpattn compare: note: {note}", file=sys.stderr)
     missing = missing_tuned_files(config)

@@ -13,6 +13,7 @@ from .options import (
     add_executor,
     device,
     make_executor,
+    mps_note,
     non_negative_int,
     out_dir,
     positive_int,
@@ -140,6 +141,9 @@ def run_tune(args: argparse.Namespace) -> int:
     except ValueError as error:
         print(f"gpattn tune: error: {error}", file=sys.stderr)
         return 2
+    note = mps_note(config.device, config.jobs, args.executor)
+    if note:
+        print(f"gpattn tune: note: {note}", file=sys.stderr)
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     with prepare_out(
         args.out or f"runs/tune-{time.strftime('%Y%m%d-%H%M%S')}",
