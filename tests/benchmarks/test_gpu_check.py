@@ -64,3 +64,35 @@ def test_smoke_run_on_cpu(check, tmp_path, capsys, monkeypatch):
     assert mnist1d["jobs_identity"]["identical_records"] is True
     printed = capsys.readouterr().out
     assert "jobs identity" in printed and "N=32: kep_svgp_triton did not run (RuntimeError" in printed
+
+
+@pytest.mark.parametrize("name", ["kep_svgp", "floor"])
+def test_the_compiled_loss_is_the_eager_step(check, name):
+    """CompiledLoss compiles the layer's forward pass with its KL and KSVD penalty: one step through it (aot_eager:
+    dynamo and AOT autograd without kernel generation) gives the eager step's gradients, float64 (the floor's class
+    lives in the benchmark module that gpu_check loads from its file, which dynamo must be able to import); the
+    table's compiled rows name both compiled forms."""
+    import argparse
+
+    import torch
+
+    torch.manual_seed(0)
+    layer = check.BENCH._build(name, 16, 2, 3, torch.device("cpu"), length=8).double()
+    x = torch.randn(2, 8, 16, dtype=torch.float64)
+
+    def step(module):
+        torch.manual_seed(1)  # the same draws of the layer's samples
+        check.BENCH._step(module, x)
+        return [p.grad.clone() for p in layer.parameters() if p.grad is not None]
+
+    eager = step(layer)
+    torch._dynamo.reset()
+    compiled = check.CompiledLoss(layer, backend="aot_eager")
+    assert list(compiled.parameters()) == list(layer.parameters())
+    got = step(compiled)
+    assert len(got) == len(eager) > (5 if name == "kep_svgp" else 1)
+    for want, have in zip(eager, got, strict=True):
+        torch.testing.assert_close(have, want, rtol=1e-10, atol=1e-12)
+    args = argparse.Namespace(embed_dim=16, num_heads=2, rank=3, max_sgpa_length=8)
+    names = [row for row, _, _ in check._rows(torch.device("cpu"), args, 8, compiled=True)]
+    assert {"floor_compiled", "floor_compiled_loss", "kep_svgp_compiled", "kep_svgp_compiled_loss"} <= set(names)
