@@ -17,7 +17,9 @@
    the layer compiled (``*_compiled``; its KL and KSVD penalty eager) and the step's whole loss compiled
    (``*_compiled_loss``, :class:`CompiledLoss`).
    Medians of interleaved repetitions, CUDA events through synchronisation, every ratio from the same run.
-5. ``mnist1d``: one MNIST-1D run (``--mnist1d-epochs``) per row of the comparison on the device and on one CPU thread
+5. ``kernels``: the device's busy time and kernels per training step of the floor and KEP-SVGP at the first compiled
+   length, eager and as a compiled loss, with the largest kernels (the profiler's self device time).
+6. ``mnist1d``: one MNIST-1D run (``--mnist1d-epochs``) per row of the comparison on the device and on one CPU thread
    of the same machine; then ``--jobs`` runs at once on the device against the same runs one by one (the records must
    be identical: deterministic kernels, :func:`gpattn.comparison.runner.run_environment`).
 
@@ -464,7 +466,75 @@ def _ratios(table: dict) -> dict:
     return ratios
 
 
-# -- 5. MNIST-1D -----------------------------------------------------------------------------------------------------
+# -- 5. kernels -------------------------------------------------------------------------------------------------------
+#: the steps whose kernels are listed: the floor and KEP-SVGP, eagerly and (where compiled rows run) as a compiled loss
+KERNEL_ROWS = ("floor", "kep_svgp")
+
+
+def _self_time_us(entry) -> float:
+    # the device's self time of one profiler average (torch 2.4+ names it self_device_time_total); the CPU's on a CPU
+    for name in ("self_device_time_total", "self_cuda_time_total"):
+        value = getattr(entry, name, 0.0)
+        if value:
+            return float(value)
+    return 0.0
+
+
+def _kernel_table(step, device: torch.device, steps: int = 3, top: int = 12) -> dict:
+    """What one step spends on the device, from the profiler (``steps`` steps after three untimed ones): the device's
+    busy time and the kernels (and copies) per step, and the ``top`` kernels by time; on a CPU the operators' calls
+    and self CPU time instead."""
+    from torch.profiler import ProfilerActivity, profile
+
+    for _ in range(3):
+        step()
+    BENCH._synchronize(device)
+    activities = [ProfilerActivity.CUDA] if device.type == "cuda" else [ProfilerActivity.CPU]
+    with profile(activities=activities) as profiler:
+        for _ in range(steps):
+            step()
+        BENCH._synchronize(device)
+    if device.type == "cuda":
+        entries = [(e.key, e.count, _self_time_us(e)) for e in profiler.key_averages()]
+    else:
+        entries = [(e.key, e.count, float(e.self_cpu_time_total)) for e in profiler.key_averages()]
+    entries = sorted((entry for entry in entries if entry[2] > 0), key=lambda entry: -entry[2])
+    return {
+        "busy_us_per_step": sum(entry[2] for entry in entries) / steps,
+        "kernels_per_step": sum(entry[1] for entry in entries) / steps,
+        "top": [
+            {"name": name[:100], "per_step": count / steps, "us_per_step": time_us / steps}
+            for name, count, time_us in entries[:top]
+        ],
+    }
+
+
+def kernels(device: torch.device, args: argparse.Namespace, deadline: float) -> dict:
+    """The device time of one training step and its largest kernels, for the floor and KEP-SVGP at the first compiled
+    length (eager, and with compiled rows the whole loss compiled as in :class:`CompiledLoss`): where a CUDA-graph step
+    spends its time once the host's dispatch is gone."""
+    length = (args.compile_lengths or args.lengths)[0]
+    x = torch.randn(args.batch, length, args.embed_dim, device=device)
+    mode = "reduce-overhead" if device.type == "cuda" else "default"
+    results = {"length": length, "rows": {}}
+    for name in KERNEL_ROWS:
+        layer = BENCH._build(name, args.embed_dim, args.num_heads, args.rank, device, length=length)
+        forms = {"eager": layer}
+        if args.compile_lengths:
+            forms["compiled_loss"] = CompiledLoss(layer, mode=mode)
+        for form, module in forms.items():
+            if time.perf_counter() > deadline:
+                results["rows"][f"{name}_{form}"] = "skipped: time budget"
+                continue
+            try:
+                table = _kernel_table(lambda module=module: BENCH._step(module, x), device)
+            except Exception as error:  # noqa: BLE001 (recorded: the other rows still run)
+                table = {"error": f"{type(error).__name__}: {error}"}
+            results["rows"][f"{name}_{form}"] = table
+    return results
+
+
+# -- 6. MNIST-1D -----------------------------------------------------------------------------------------------------
 def _metrics(record) -> dict:
     content = record.to_dict()
     content["train"].pop("seconds", None)
@@ -538,6 +608,12 @@ def summary(results: dict) -> str:
     for length, entry in results.get("scaling", {}).get("table", {}).items():
         for row, error in entry.get("row_errors", {}).items():
             lines.append(f"N={length}: {row} did not run ({error})")
+    for row, entry in results.get("kernels", {}).get("rows", {}).items():
+        if isinstance(entry, dict) and "busy_us_per_step" in entry:
+            lines.append(
+                f"kernels {row}: {entry['busy_us_per_step'] / 1000:.2f} ms busy, {entry['kernels_per_step']:.0f} "
+                f"kernels per step; largest: {entry['top'][0]['name'] if entry['top'] else '-'}"
+            )
     for row, entry in results.get("mnist1d", {}).get("runs", {}).items():
         lines.append(f"mnist1d {row}: {entry}")
     lines.append(f"jobs identity: {results.get('mnist1d', {}).get('jobs_identity')}")
@@ -575,6 +651,7 @@ def main(argv: list[str] | None = None) -> dict:
     _section(results, "equivalence", equivalence, device, args.smoke)
     _section(results, "counts", counts, device, args)
     _section(results, "scaling", scaling, device, args, deadline)
+    _section(results, "kernels", kernels, device, args, deadline)
     _section(results, "mnist1d", mnist1d, device, args, deadline)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -31,7 +31,8 @@ def test_smoke_run_on_cpu(check, tmp_path, capsys, monkeypatch):
     out = tmp_path / "gpu_check.json"
     check.main(["--device", "cpu", "--smoke", "--out", str(out)])
     results = json.loads(out.read_text())
-    assert {"config", "environment", "equivalence", "counts", "scaling", "mnist1d", "seconds"} <= results.keys()
+    sections = {"config", "environment", "equivalence", "counts", "scaling", "kernels", "mnist1d", "seconds"}
+    assert sections <= results.keys()
     assert results["environment"]["torch"] and results["environment"]["device"] == "cpu"
     equivalence = results["equivalence"]
     compiled = [name for name in equivalence if name.endswith("_compiled_vs_eager")]
@@ -59,6 +60,12 @@ def test_smoke_run_on_cpu(check, tmp_path, capsys, monkeypatch):
     assert {"kep_svgp", "kep_svgp_pytorch", "floor"} <= table["32"]["times_ms"].keys()
     assert "kep_svgp / floor" in results["scaling"]["ratios"]["32"]
     assert "kep_svgp / floor" in results["scaling"]["ratios"]["16"]
+    kernels = results["kernels"]  # on a CPU without compiled rows: the eager steps' operators
+    assert kernels["length"] == 16 and set(kernels["rows"]) == {"floor_eager", "kep_svgp_eager"}
+    for entry in kernels["rows"].values():
+        top = [kernel["us_per_step"] for kernel in entry["top"]]
+        assert len(top) == 12 and top == sorted(top, reverse=True) and sum(top) <= entry["busy_us_per_step"]
+    assert kernels["rows"]["kep_svgp_eager"]["kernels_per_step"] > kernels["rows"]["floor_eager"]["kernels_per_step"]
     mnist1d = results["mnist1d"]
     assert mnist1d["runs"]["kep_svgp"]["cpu"]["seconds"] > 0
     assert mnist1d["jobs_identity"]["identical_records"] is True
@@ -96,3 +103,26 @@ def test_the_compiled_loss_is_the_eager_step(check, name):
     args = argparse.Namespace(embed_dim=16, num_heads=2, rank=3, max_sgpa_length=8)
     names = [row for row, _, _ in check._rows(torch.device("cpu"), args, 8, compiled=True)]
     assert {"floor_compiled", "floor_compiled_loss", "kep_svgp_compiled", "kep_svgp_compiled_loss"} <= set(names)
+
+
+def test_the_kernels_section_with_a_compiled_loss(check, monkeypatch):
+    """With compiled rows the kernels section profiles the compiled loss beside the eager step (aot_eager here, for
+    speed: the same graph without generated kernels), and a row past the deadline is recorded as skipped."""
+    import argparse
+    import time
+
+    import torch
+
+    compiled = check.CompiledLoss
+    monkeypatch.setattr(check, "CompiledLoss", lambda layer, mode: compiled(layer, backend="aot_eager"))
+    args = argparse.Namespace(
+        compile_lengths=[8], lengths=[16], batch=2, embed_dim=16, num_heads=2, rank=3, max_sgpa_length=8
+    )
+    torch._dynamo.reset()
+    results = check.kernels(torch.device("cpu"), args, time.perf_counter() + 600)
+    assert results["length"] == 8
+    assert set(results["rows"]) == {"floor_eager", "floor_compiled_loss", "kep_svgp_eager", "kep_svgp_compiled_loss"}
+    for row, entry in results["rows"].items():
+        assert entry["busy_us_per_step"] > 0 and entry["top"], row
+    late = check.kernels(torch.device("cpu"), args, time.perf_counter() - 1)
+    assert set(late["rows"].values()) == {"skipped: time budget"}
