@@ -203,12 +203,17 @@ def compiled_or_eager(layer: torch.nn.Module, example: torch.Tensor | None = Non
         return layer
 
 
-def _step(layer: torch.nn.Module, x: torch.Tensor) -> None:
-    layer.zero_grad(set_to_none=True)
+def step_loss(layer: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """The loss of one training step: the output's sum, the KL and the added loss terms."""
     loss = layer(x).sum() + layer.kl_divergence()
     for term in getattr(layer, "added_loss_terms", tuple)():  # computed by the forward pass in training mode
         loss = loss + term.loss()
-    loss.backward()
+    return loss
+
+
+def _step(layer: torch.nn.Module, x: torch.Tensor) -> None:
+    layer.zero_grad(set_to_none=True)
+    step_loss(layer, x).backward()
 
 
 def _synchronize(device: torch.device) -> None:

@@ -2,7 +2,8 @@
 
 Worker processes that share one GPU without MPS are time-sliced: each holds its own CUDA context and the GPU runs one
 context's kernels at a time, so runs whose steps are small (the comparison's models: 20 tokens, width 32-64) do not
-run concurrently (on one H200, four runs with ``--jobs 4`` took 37.3 s against 28.9 s one after another). Under the
+run concurrently (on one H200, four runs with ``--jobs 4`` took 37.3 s against 28.9 s one after another; 26.0
+against 28.6 s in a second session). Under the
 Multi-Process Service (MPS) the processes' kernels share the GPU at once. This script times the same slice of the grid
 (``gpattn compare --main --device cuda --jobs J --seeds ...``, one subprocess per variant, each with a fresh CUDA
 context) in the variants asked for:

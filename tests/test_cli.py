@@ -492,7 +492,7 @@ def test_the_mps_note(tmp_path, monkeypatch) -> None:
     monkeypatch.delenv("CUDA_MPS_PIPE_DIRECTORY", raising=False)
     monkeypatch.setattr(options, "MPS_PIPE_DIRECTORY", str(tmp_path / "nvidia-mps"))
     note = options.mps_note("cuda", 8, "local")
-    assert note.startswith("the 8 worker processes share the GPU in time slices")
+    assert note.startswith("up to 8 worker processes share the GPU in time slices")
     assert "nvidia-cuda-mps-control -d" in note
     assert options.mps_note("cuda:1", 2, "local") is not None
     assert options.mps_note("cuda", 1, "local") is None
@@ -507,20 +507,26 @@ def test_the_mps_note(tmp_path, monkeypatch) -> None:
 
 @pytest.mark.parametrize("command", ["compare", "tune"])
 def test_compare_and_tune_print_the_mps_note(command, tmp_path, capsys, monkeypatch) -> None:
-    """Both commands print the note before anything runs (a CUDA device cannot be asked for on a machine without one,
-    so the note's inputs are checked here and its text above)."""
+    """Both commands print the note before the run folder is made, asked with the workers they start at most (--jobs
+    capped by the planned runs); a CUDA device cannot be asked for on a machine without one, so the note's inputs and
+    its printing are checked here, its text above."""
     import importlib
 
     module = importlib.import_module(f"gpattn.cli.{command}")
     seen = []
 
-    def note(device, jobs, executor):
-        seen.append((device, jobs, executor))
-        raise KeyboardInterrupt  # stops the command where the note is asked for
+    def note(device, workers, executor):
+        seen.append((device, workers, executor))
+        return "MARKER"
+
+    def stop(*args, **kwargs):
+        raise KeyboardInterrupt  # where the run folder would be made
 
     monkeypatch.setattr(module, "mps_note", note)
-    argv = [command, "--jobs", "3", "--out", str(tmp_path / "o")]
-    if command == "compare":
-        argv += ["--tasks", "digits", "--attentions", "softmax", "--seeds", "0"]
+    monkeypatch.setattr(module, "prepare_out", stop)
+    argv = [command, "--jobs", "4", "--out", str(tmp_path / "o")]
+    if command == "compare":  # three runs: three workers at most
+        argv += ["--tasks", "digits", "--attentions", "softmax", "--seeds", "0", "1", "2"]
     assert main(argv) == 130  # Ctrl-C's status
-    assert seen == [("cpu", 3, "local")] and not (tmp_path / "o").exists()  # before the run folder is made
+    assert seen == [("cpu", 3 if command == "compare" else 4, "local")]
+    assert f"gpattn {command}: note: MARKER\n" in capsys.readouterr().err

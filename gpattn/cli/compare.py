@@ -244,7 +244,7 @@ def run_compare(args: argparse.Namespace) -> int:
     note = _tuned_note(config, runs, args)
     if note:
         print(f"gpattn compare: note: {note}", file=sys.stderr)
-    note = mps_note(config.device, config.jobs, args.executor)
+    note = mps_note(config.device, min(config.jobs, len(runs)), args.executor)
     if note:
         print(f"gpattn compare: note: {note}", file=sys.stderr)
     missing = missing_tuned_files(config)

@@ -110,23 +110,27 @@ def missing_tuned_files(config: Any) -> list[str]:
 MPS_PIPE_DIRECTORY = "/tmp/nvidia-mps"
 
 
-def mps_note(device: str, jobs: int, executor: str) -> str | None:
-    """The note for ``--jobs`` local worker processes that share one GPU without an MPS daemon, or ``None``.
+def mps_note(device: str, workers: int, executor: str) -> str | None:
+    """The note for ``workers`` local worker processes that share one GPU without an MPS daemon, or ``None``.
 
     Processes that share a GPU run their kernels in time slices, one CUDA context at a time, unless a CUDA
     Multi-Process Service (MPS) control daemon runs, under which their kernels run on the GPU at once. The daemon is
     taken to run when ``CUDA_MPS_PIPE_DIRECTORY`` is set or the default pipe folder exists (a folder left by a daemon
     that has stopped silences the note too: it says how to go faster, nothing goes wrong without it). Starting a
-    daemon is left to the user: it serves every process of the machine's GPUs, not only this command's.
+    daemon is left to the user: it serves every process of the machine's GPUs, not only this command's. Ray's workers
+    (``--executor ray``) get no note: where they run is the cluster's to say.
+
+    :param workers: The worker processes at most: ``--jobs``, capped by the runs or trials planned.
     """
-    if executor != "local" or jobs < 2 or not device.startswith("cuda"):
+    if executor != "local" or workers < 2 or not device.startswith("cuda"):
         return None
     if os.environ.get("CUDA_MPS_PIPE_DIRECTORY") or os.path.isdir(MPS_PIPE_DIRECTORY):
         return None
     return (
-        f"the {jobs} worker processes share the GPU in time slices; under a CUDA MPS daemon their kernels run at "
-        "once, with the same results (make main's runs, --jobs 8 on one H200: 1.4x faster): start one with "
-        "nvidia-cuda-mps-control -d before the command, stop it with 'echo quit | nvidia-cuda-mps-control' after"
+        f"up to {workers} worker processes share the GPU in time slices; under a CUDA MPS daemon their kernels run "
+        "at once, with the same results (gpattn compare --main --seeds 0 1 2 3 --jobs 8 on one H200: 1.4x faster): "
+        "start one with nvidia-cuda-mps-control -d before the command, stop it with "
+        "'echo quit | nvidia-cuda-mps-control' after"
     )
 
 

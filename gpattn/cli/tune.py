@@ -141,7 +141,8 @@ def run_tune(args: argparse.Namespace) -> int:
     except ValueError as error:
         print(f"gpattn tune: error: {error}", file=sys.stderr)
         return 2
-    note = mps_note(config.device, config.jobs, args.executor)
+    trials = config.trials * len(config.tasks) * len(config.rows)
+    note = mps_note(config.device, min(config.jobs, trials), args.executor)
     if note:
         print(f"gpattn tune: note: {note}", file=sys.stderr)
     optuna.logging.set_verbosity(optuna.logging.WARNING)

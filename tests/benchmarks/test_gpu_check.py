@@ -126,3 +126,42 @@ def test_the_kernels_section_with_a_compiled_loss(check, monkeypatch):
         assert entry["busy_us_per_step"] > 0 and entry["top"], row
     late = check.kernels(torch.device("cpu"), args, time.perf_counter() - 1)
     assert set(late["rows"].values()) == {"skipped: time budget"}
+
+
+SPLIT_SCRIPT = """
+import importlib.util, json, sys, torch
+spec = importlib.util.spec_from_file_location("gpu_check_split", sys.argv[1])
+check = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(check)
+check.triton_scores.TOKENS_PER_PROGRAM = 128  # 327 tokens: chunks of 128, 128 and 71 (its last tile partial)
+print(json.dumps(check._triton_against_pytorch(torch.device("cpu"), smoke=True, split=True)))
+"""
+
+
+def test_the_split_check_under_the_interpreter(tmp_path):
+    """The split check's own path on the CPU: under Triton's interpreter (a fresh process) with TOKENS_PER_PROGRAM
+    128, the forced kernels run (observed: calls of the forward kernel) at 327 tokens, three programs per sequence and
+    head, and agree with the PyTorch path."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    triton = pytest.importorskip("triton")
+    from gpattn.fused import triton_scores
+
+    if not triton_scores.triton_available():
+        pytest.skip(f"Triton {triton.__version__} is older than the kernels' {triton_scores.TRITON_MINIMUM}")
+    script = Path(__file__).resolve().parents[2] / "benchmarks" / "gpu_check.py"
+    environment = {**os.environ, "TRITON_INTERPRET": "1"}
+    environment.pop(triton_scores.TRITON_VARIABLE, None)
+    result = subprocess.run(
+        [sys.executable, "-c", SPLIT_SCRIPT, str(script)], env=environment, capture_output=True, text=True, timeout=600
+    )
+    if result.returncode != 0 and "0-dimensional arrays can be converted" in result.stderr:
+        pytest.skip(f"Triton {triton.__version__}'s interpreter cannot run kernel loops with this NumPy")
+    assert result.returncode == 0, result.stderr[-3000:]
+    found = json.loads(result.stdout.strip().splitlines()[-1])
+    assert found["kernels_ran"] and found["ok"], found
+    assert found["tokens"] == 327 and found["programs_per_head"] == 3
+    assert 0.0 < found["relative_difference"] < 1e-4  # float32 sums in another order: close, not equal
