@@ -8,6 +8,7 @@ import contextlib
 import json
 
 import pytest
+from torch.torch_version import TorchVersion
 
 from gpattn._torch_compat import TRACES_FUNCTIONS
 
@@ -100,6 +101,9 @@ def test_the_compiled_loss_is_the_eager_step(check, name):
     assert len(got) == len(eager) > (5 if name == "kep_svgp" else 1)
     for want, have in zip(eager, got, strict=True):
         torch.testing.assert_close(have, want, rtol=1e-10, atol=1e-12)
+    if TorchVersion(torch.__version__) >= (2, 11):  # one graph: the KL and the penalty inside (2.9 breaks in gpytorch)
+        explained = torch._dynamo.explain(check.BENCH.step_loss)(layer, x)
+        assert (explained.graph_count, explained.graph_break_count) == (1, 0), explained.break_reasons
     args = argparse.Namespace(embed_dim=16, num_heads=2, rank=3, max_sgpa_length=8)
     names = [row for row, _, _ in check._rows(torch.device("cpu"), args, 8, compiled=True)]
     assert {"floor_compiled", "floor_compiled_loss", "kep_svgp_compiled", "kep_svgp_compiled_loss"} <= set(names)
