@@ -339,15 +339,25 @@ def _triton_against_pytorch(device: torch.device, smoke: bool, split: bool = Fal
 
 
 # -- 3. counts -------------------------------------------------------------------------------------------------------
-def _counts(step, device: torch.device) -> dict:
+def _profiled(step, device: torch.device, *, host: bool, warmup: int = 1, steps: int = 1):
+    """The profiler of ``steps`` calls of ``step`` after ``warmup`` untimed ones, the device synchronised before and
+    after: the CPU's events (``host``, or always on a CPU) and, on CUDA, the device's."""
     from torch.profiler import ProfilerActivity, profile
 
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
-    step()
+    activities = [ProfilerActivity.CPU] if host or device.type != "cuda" else []
+    activities += [ProfilerActivity.CUDA] if device.type == "cuda" else []
+    for _ in range(warmup):
+        step()
     BENCH._synchronize(device)
     with profile(activities=activities) as profiler:
-        step()
+        for _ in range(steps):
+            step()
         BENCH._synchronize(device)
+    return profiler
+
+
+def _counts(step, device: torch.device) -> dict:
+    profiler = _profiled(step, device, host=True)
     operators = 0
     launches = 0
     for event in profiler.events():
@@ -401,6 +411,11 @@ class CompiledLoss(torch.nn.Module):
         return 0.0
 
 
+def _compile_mode(device: torch.device) -> str:
+    """``torch.compile``'s mode of the compiled rows: CUDA graphs on CUDA, the default mode elsewhere."""
+    return "reduce-overhead" if device.type == "cuda" else "default"
+
+
 def _rows(device: torch.device, args: argparse.Namespace, length: int, compiled: bool):
     """``(row, layer, context)`` of one length: the eager rows, their bfloat16 and PyTorch-path variants, and with
     ``compiled`` the CUDA-graph rows."""
@@ -417,9 +432,8 @@ def _rows(device: torch.device, args: argparse.Namespace, length: int, compiled:
         if name in AUTOCAST_ROWS:
             yield f"{name}_bf16", layer, _autocast(device)
         if compiled and name in COMPILED_ROWS:
-            mode = "reduce-overhead" if device.type == "cuda" else "default"
-            yield f"{name}_compiled", torch.compile(layer, mode=mode), plain
-            yield f"{name}_compiled_loss", CompiledLoss(layer, mode=mode), plain
+            yield f"{name}_compiled", torch.compile(layer, mode=_compile_mode(device)), plain
+            yield f"{name}_compiled_loss", CompiledLoss(layer, mode=_compile_mode(device)), plain
 
 
 def scaling(device: torch.device, args: argparse.Namespace, deadline: float) -> dict:
@@ -483,8 +497,11 @@ def _ratios(table: dict) -> dict:
 KERNEL_ROWS = ("floor", "kep_svgp")
 
 
-def _self_time_us(entry) -> float:
-    # the device's self time of one profiler average (torch 2.4+ names it self_device_time_total); the CPU's on a CPU
+def _self_time_us(entry, device: torch.device) -> float:
+    """The self time of one profiler average: the device's on CUDA (torch 2.4+ names it ``self_device_time_total``,
+    older releases ``self_cuda_time_total``), the CPU's on a CPU."""
+    if device.type != "cuda":
+        return float(entry.self_cpu_time_total)
     for name in ("self_device_time_total", "self_cuda_time_total"):
         value = getattr(entry, name, 0.0)
         if value:
@@ -496,20 +513,8 @@ def _kernel_table(step, device: torch.device, steps: int = 3, top: int = 12) -> 
     """What one step spends on the device, from the profiler (``steps`` steps after three untimed ones): the device's
     busy time and the kernels (and copies) per step, and the ``top`` kernels by time; on a CPU the operators' calls
     and self CPU time instead."""
-    from torch.profiler import ProfilerActivity, profile
-
-    for _ in range(3):
-        step()
-    BENCH._synchronize(device)
-    activities = [ProfilerActivity.CUDA] if device.type == "cuda" else [ProfilerActivity.CPU]
-    with profile(activities=activities) as profiler:
-        for _ in range(steps):
-            step()
-        BENCH._synchronize(device)
-    if device.type == "cuda":
-        entries = [(e.key, e.count, _self_time_us(e)) for e in profiler.key_averages()]
-    else:
-        entries = [(e.key, e.count, float(e.self_cpu_time_total)) for e in profiler.key_averages()]
+    profiler = _profiled(step, device, host=False, warmup=3, steps=steps)
+    entries = [(e.key, e.count, _self_time_us(e, device)) for e in profiler.key_averages()]
     entries = sorted((entry for entry in entries if entry[2] > 0), key=lambda entry: -entry[2])
     return {
         "busy_us_per_step": sum(entry[2] for entry in entries) / steps,
@@ -527,13 +532,12 @@ def kernels(device: torch.device, args: argparse.Namespace, deadline: float) -> 
     spends its time once the host's dispatch is gone."""
     length = (args.compile_lengths or args.lengths)[0]
     x = torch.randn(args.batch, length, args.embed_dim, device=device)
-    mode = "reduce-overhead" if device.type == "cuda" else "default"
     results = {"length": length, "rows": {}}
     for name in KERNEL_ROWS:
         layer = BENCH._build(name, args.embed_dim, args.num_heads, args.rank, device, length=length)
         forms = {"eager": layer}
         if args.compile_lengths:
-            forms["compiled_loss"] = CompiledLoss(layer, mode=mode)
+            forms["compiled_loss"] = CompiledLoss(layer, mode=_compile_mode(device))
         for form, module in forms.items():
             if time.perf_counter() > deadline:
                 results["rows"][f"{name}_{form}"] = "skipped: time budget"
