@@ -241,12 +241,9 @@ def run_compare(args: argparse.Namespace) -> int:
     except ValueError as error:
         print(f"gpattn compare: error: {error}", file=sys.stderr)
         return 2
-    note = _tuned_note(config, runs, args)
-    if note:
-        print(f"gpattn compare: note: {note}", file=sys.stderr)
-    note = mps_note(config.device, min(config.jobs, len(runs)), args.executor)
-    if note:
-        print(f"gpattn compare: note: {note}", file=sys.stderr)
+    for note in (_tuned_note(config, runs, args), mps_note(config.device, min(config.jobs, len(runs)), args.executor)):
+        if note:
+            print(f"gpattn compare: note: {note}", file=sys.stderr)
     missing = missing_tuned_files(config)
     if missing:
         print(
