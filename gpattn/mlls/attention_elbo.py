@@ -161,10 +161,12 @@ class AttentionELBO(torch.nn.Module):
                 f"sequence), got {targets.dtype} {tuple(targets.shape)}"
             )
         num_classes = logits.shape[-1]
-        if targets.numel() and (targets.min() < 0 or targets.max() >= num_classes):
+        # the range in one read of the device (one synchronisation on a GPU, not two)
+        low, high = torch.stack((targets.min(), targets.max())).tolist() if targets.numel() else (0, 0)
+        if low < 0 or high >= num_classes:
             raise ValueError(
                 f"AttentionELBO: expected targets in [0, {num_classes - 1}] (class indices of {num_classes} logits), "
-                f"got values in [{int(targets.min())}, {int(targets.max())}]"
+                f"got values in [{low}, {high}]"
             )
         if self.check_finite and not all_finite(logits.detach()):
             bad = int((~torch.isfinite(logits.detach())).sum())

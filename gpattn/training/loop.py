@@ -26,6 +26,7 @@ from it (``resume=True``) reproduces the uninterrupted run bit for bit on the CP
 
 from __future__ import annotations
 
+import functools
 import math
 import time
 from collections.abc import Iterable
@@ -113,7 +114,9 @@ def train_model(
     .. note:: Per epoch one forward and backward pass over the training set and ``eval_samples`` forward passes over
         the validation set; the checkpoints add two state copies (model, AdamW moments) written to disk with a
         SHA-256 each. The divergence guard adds one fused max-norm pass over the parameters per step
-        (``torch._foreach_norm``) and one host synchronisation.
+        (``torch._foreach_norm``). A step reads the device twice (two host synchronisations on a GPU): the loss parts
+        after the forward pass, then the gradient norm with the largest parameter entry after the optimiser step (a
+        non-finite gradient norm is reported as such; the model is restored either way).
     """
     if not isinstance(config, TrainConfig):
         raise TypeError(f"expected a TrainConfig, got {type(config).__name__}")
@@ -127,8 +130,8 @@ def _state_copy(model: torch.nn.Module) -> dict[str, Tensor]:
     return {name: value.detach().clone() for name, value in model.state_dict().items()}
 
 
-def _describe(parts: dict[str, Tensor]) -> str:
-    return ", ".join(f"{name}={value.item():.6g}" for name, value in parts.items())
+def _describe(values: dict[str, float]) -> str:
+    return ", ".join(f"{name}={value:.6g}" for name, value in values.items())
 
 
 class _Loop:
@@ -169,6 +172,9 @@ class _Loop:
         self.scheduler = warmup_cosine_schedule(self.optimizer, total_steps, warmup_steps, config.min_lr)
         self.generator = torch.Generator()
         self.parameters = [parameter for parameter in model.parameters() if parameter.is_floating_point()]
+        # the dtype of the step's read of its gradient norm and largest parameter: exact for every parameter dtype
+        # (float16 / bfloat16 read as float32, float64 as float64)
+        self.read_dtype = functools.reduce(torch.promote_types, [p.dtype for p in self.parameters], torch.float32)
         self.max_norm = math.inf if config.grad_clip is None else config.grad_clip
         watchers = ([ProgressBar()] if config.progress else []) + list(callbacks)
         self.callbacks = CallbackList(watchers if strategy.is_main else [])
@@ -241,24 +247,30 @@ class _Loop:
             if "NaN or Inf" not in str(error) or not all_finite(inputs):
                 raise
             self._fail(f"non-finite values in the forward pass at {where} ({error})", step, error)
-        # a non-finite loss on any process stops every process (one stopping alone would hang the others)
-        if self.strategy.any(not torch.isfinite(parts["loss"])):
-            self._fail(f"non-finite training loss at {where}: {_describe(parts)}", step)
+        # the loss parts in one read of the device (the step's first of two synchronisations on a GPU); a non-finite
+        # loss on any process stops every process (one stopping alone would hang the others)
+        names = LOSS_PARTS[:-1]
+        values = dict(zip(names, torch.stack([parts[name].detach() for name in names]).tolist(), strict=True))
+        if self.strategy.any(not math.isfinite(values["loss"])):
+            self._fail(f"non-finite training loss at {where}: {_describe(values)}", step)
         self.optimizer.zero_grad(set_to_none=True)
         parts["loss"].backward()  # a data-parallel wrapper all-reduces the gradients here
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.max_norm)
-        if not torch.isfinite(grad_norm):
-            self._fail(f"non-finite gradient norm {grad_norm.item()} at {where}: {_describe(parts)}", step)
         self.optimizer.step()
-        # a step can make a parameter non-finite with a finite loss and gradient (a NaN or Inf in the optimiser's
+        # the second read: the gradient norm and the largest parameter magnitude together. A non-finite gradient norm
+        # stops the run before any use of the stepped parameters (the model is restored from the best state), and a
+        # step can make a parameter non-finite with a finite loss and gradient (a NaN or Inf in the optimiser's
         # moments, a huge learning rate): stop here, before the next forward pass sees it
-        if not self._parameters_finite():
+        read = torch.stack((grad_norm.to(self.device, self.read_dtype), self._largest_parameter()))
+        grad_norm, largest = read.tolist()
+        if not math.isfinite(grad_norm):
+            self._fail(f"non-finite gradient norm {grad_norm} at {where}: {_describe(values)}", step)
+        if not math.isfinite(largest):
             broken = non_finite_parameters(self.model)[:5]
             self._fail(f"non-finite parameters {broken} after the optimiser step at {where}", step)
         lr = self.scheduler.get_last_lr()[0]  # the rate this step used
         self.scheduler.step()
-        values = {name: parts[name].item() for name in LOSS_PARTS[:-1]}
-        return {**values, "grad_norm": grad_norm.item(), "lr": lr}
+        return {**values, "grad_norm": grad_norm, "lr": lr}
 
     def _validate(self, totals: list[float], lr: float, started: float) -> dict[str, float] | None:
         """The epoch's history entry from the summed loss parts ``totals`` and the last step's rate ``lr``: the
@@ -334,10 +346,13 @@ class _Loop:
         return {**self.config.to_dict(), "threads": torch.get_num_threads()}
 
     # -- divergence ---------------------------------------------------------------------------------------------------
-    def _parameters_finite(self) -> bool:
-        # one fused max-norm pass (NaN propagates) and one synchronisation, not one per parameter
+    def _largest_parameter(self) -> Tensor:
+        # the largest |parameter| entry (0-dim, on the device, in read_dtype; NaN propagates), from one fused max-norm
+        # pass, not one per parameter
         norms = torch._foreach_norm(self.parameters, math.inf) if self.parameters else []
-        return not norms or bool(torch.isfinite(torch.stack([norm.float() for norm in norms])).all())
+        if not norms:
+            return torch.zeros((), device=self.device, dtype=self.read_dtype)
+        return torch.stack([norm.to(self.read_dtype) for norm in norms]).amax()
 
     def _fail(self, message: str, step: int | None = None, cause: BaseException | None = None) -> None:
         self.model.load_state_dict(self.best_state)

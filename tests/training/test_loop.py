@@ -5,12 +5,16 @@ from __future__ import annotations
 
 import copy
 import math
+import os
+import traceback
+from collections import Counter
 from dataclasses import dataclass
 
 import pytest
 import torch
 from torch import Tensor
 from torch.optim.optimizer import register_optimizer_step_pre_hook
+from torch.overrides import TorchFunctionMode
 
 from gpattn.attention import attention_names
 from gpattn.data import make_pointer_task
@@ -18,6 +22,7 @@ from gpattn.metrics import accuracy, negative_log_likelihood
 from gpattn.models import Transformer
 from gpattn.training import (
     CHECKPOINT_KEYS,
+    Callback,
     CheckpointError,
     NonFiniteLossError,
     TrainConfig,
@@ -330,6 +335,58 @@ def test_gradients_are_clipped(data, small_model, small_config):
     assert len(norms) == 8
     assert max(norms) <= 0.05 * (1 + 1e-5)
     assert min(record["grad_norm"] for record in result.history) > 0.05  # the clip was active
+
+
+class _DeviceReads(TorchFunctionMode):
+    """Counts the reads of tensor values into Python (each one synchronisation on a GPU) that gpattn's own code
+    makes: ``(file name, function name) -> count`` (the reads of torch's code, e.g. the optimiser's CPU step
+    counters, are not counted)."""
+
+    READS = frozenset({"item", "tolist", "__bool__", "__float__", "__int__", "__index__"})
+
+    def __init__(self):
+        super().__init__()
+        self.counts: Counter = Counter()
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if getattr(func, "__name__", None) in self.READS:
+            caller = traceback.extract_stack(limit=2)[0]  # the code that calls the tensor's method (not torch's own)
+            if f"{os.sep}gpattn{os.sep}" in caller.filename:
+                self.counts[(os.path.basename(caller.filename), caller.name)] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def test_a_training_step_reads_the_device_twice(data, small_model, small_config):
+    # the loss parts in one read, the gradient norm and the largest parameter in another (before: seven reads, each a
+    # synchronisation on a GPU), and the ELBO's target range in one
+    with _DeviceReads() as reads:
+        result = train_model(small_model(), data.train, data.val, small_config())
+    steps = 4 * len(result.history)
+    assert reads.counts[("loop.py", "_step")] == 2 * steps
+    assert reads.counts[("attention_elbo.py", "forward")] == steps
+
+
+def test_a_float64_model_records_its_gradient_norms_in_float64(data, small_model, small_config):
+    # the step's read of its gradient norm keeps the norm's dtype: every recorded value is the float64 norm itself
+    norms, recorded = [], []
+
+    def hook(optimizer, args, kwargs):
+        gradients = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+        norms.append(torch.linalg.vector_norm(torch.stack(torch._foreach_norm(gradients, 2.0))).item())
+
+    class Steps(Callback):
+        def on_step_end(self, context, epoch, step, values):
+            recorded.append(values["grad_norm"])
+
+    handle = register_optimizer_step_pre_hook(hook)
+    try:
+        config = small_config(grad_clip=None)  # the recorded norm is that of the gradients the optimiser steps with
+        train_model(small_model().double(), data.train, data.val, config, callbacks=[Steps()])
+    finally:
+        handle.remove()
+    assert len(recorded) == 8
+    assert recorded == norms
+    assert any(value != float(torch.tensor(value, dtype=torch.float32)) for value in recorded)  # not float32-rounded
 
 
 # -- checkpoints and failures ----------------------------------------------------------------------------------------
