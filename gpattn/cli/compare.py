@@ -153,9 +153,10 @@ def add_compare(commands) -> None:
     compare.add_argument(
         "--compile",
         action="store_true",
-        help="torch.compile every model: mode reduce-overhead (CUDA graphs) on CUDA, the default mode on CPU; the "
-        "numbers equal eager's up to float rounding, each input shape compiles once per run (the first epoch is "
-        "slower)",
+        help="torch.compile every model's forward pass: CUDA graphs (reduce-overhead) on CUDA, the default mode on "
+        "CPU, eager's random numbers (fallback_random); with torch 2.13 the numbers equal eager's up to float "
+        "rounding (torch 2.11 draws other dropout masks); each input shape and mode compiles once per run (about a "
+        "minute per run on a CPU)",
     )
     compare.add_argument(
         "--resume",

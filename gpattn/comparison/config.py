@@ -88,8 +88,9 @@ class CompareConfig:
     :ivar jobs: Runs trained at the same time, in worker processes (:mod:`gpattn.comparison.runner`); the records
         are identical for a given ``threads`` whatever ``jobs`` is. Use about (cores / threads).
     :ivar smoke_test: Set by :meth:`quick`: a smoke test, labelled as such in ``table.md``.
-    :ivar compile: ``torch.compile`` every model (``gpattn.comparison.runs.compile_model``: CUDA graphs on
-        CUDA); its numbers equal eager's up to float rounding (a field of the records' settings).
+    :ivar compile: ``torch.compile`` every model's forward pass (``gpattn.comparison.runs.compile_model``: CUDA
+        graphs on CUDA, eager's random numbers); with torch 2.13 its numbers equal eager's up to float rounding (torch
+        2.11 draws other dropout masks) (a field of the records' settings).
     :ivar tuned: Use the tuned configuration of every (task, row) that has one (``gpattn tune``; the files
         ``<tuned_dir>/<task>.json``) in place of the shared settings above (:meth:`hyperparameters`); ``False``
         (``gpattn compare --untuned``): the shared settings for every row.

@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch.utils._pytree import tree_map
 
 from ..attention import build_attention
 from ..methods import Hyperparameters, MethodSpec, get_method, resolve_method
@@ -112,13 +113,32 @@ def make_train_config(
 
 
 def compile_model(model: torch.nn.Module, device: str | torch.device) -> torch.nn.Module:
-    """``model.compile`` in place (its parameters and state dict unchanged): mode ``"reduce-overhead"`` on CUDA, whose
-    CUDA graphs replay a step's many small kernels as one launch, the default mode elsewhere (on CPU the compiler
-    fuses the elementwise passes). Compilation happens at the first call of each input shape.
+    """The model's forward pass compiled by ``torch.compile``, in place (the module, its parameters and its state dict
+    unchanged): mode ``"reduce-overhead"`` on CUDA, whose CUDA graphs replay a step's many small kernels as one launch,
+    the default mode elsewhere (on CPU the compiler fuses the elementwise passes). Compilation happens at the first
+    call of each input shape and mode (training, evaluation).
+
+    The compiled function is set as the instance's ``forward``, which both ``torch.nn.Module.__call__`` and
+    ``gpytorch.Module.__call__`` (the :class:`~gpattn.models.Transformer`'s) call. ``Module.compile`` would install it
+    where only torch's ``__call__`` looks (``_compiled_call_impl``), so a GPyTorch module would run eagerly, silently.
+    On CUDA every call returns copies of the outputs: a CUDA graph writes its outputs into buffers that its next replay
+    overwrites, and an evaluation keeps the logits of all its Monte Carlo passes.
 
     :return: ``model``.
     """
-    model.compile(mode="reduce-overhead" if torch.device(device).type == "cuda" else "default")
+    cuda = torch.device(device).type == "cuda"
+    # reduce-overhead is triton.cudagraphs; fallback_random draws eager's random numbers (dropout masks, the joint
+    # draws), so that a compiled run's numbers are those of the eager run up to float rounding
+    options = {"fallback_random": True, **({"triton.cudagraphs": True} if cuda else {})}
+    compiled = torch.compile(model.forward, options=options)
+    if not cuda:
+        model.forward = compiled
+        return model
+
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        return tree_map(lambda value: value.clone() if torch.is_tensor(value) else value, compiled(*args, **kwargs))
+
+    model.forward = forward
     return model
 
 
