@@ -11,17 +11,23 @@ context) in the variants asked for:
 * ``plain``: the runs as ``gpattn compare`` makes them;
 * ``mps``: the same, after starting an MPS control daemon (``nvidia-cuda-mps-control -d``, with its pipe and log
   folders in a temporary folder passed to the runs through ``CUDA_MPS_PIPE_DIRECTORY`` and ``CUDA_MPS_LOG_DIRECTORY``),
-  which is stopped afterwards (``quit``); recorded as unavailable where the binary is missing or does not start.
+  which is stopped afterwards (``quit``); recorded as unavailable where the binary is missing or does not start;
+* ``compiled`` and ``mps-compiled``: ``plain`` and ``mps`` with ``gpattn compare --compile`` (every model compiled,
+  mode reduce-overhead on CUDA: a step's kernels replayed as CUDA graphs; each worker compiles its models, and the
+  compile time counts). Not run unless asked for (``--variants``).
 
 Before the variants, every task is loaded once, untimed, so that each variant reads its data from gpattn's disk
-cache (``data_cache`` in the JSON: the seconds it took). Every variant's records are compared with the first
-variant's (``identical_records``: the run files without their wall times; deterministic kernels make them equal on
-one device). Writes one JSON: the commands, the wall time of each variant, the load average before and after, the
-device's name.
+cache (``data_cache`` in the JSON: the seconds it took). Every variant's records are compared with those of the first
+variant that compiles as it does (``identical_records``: the run files without their wall times; deterministic kernels
+make them equal on one device); a compiled variant's test accuracy and NLL are compared with the eager reference's,
+run by run, where both ran (``metrics_vs_eager``: the largest absolute differences; compiled kernels round otherwise).
+Writes one JSON: the commands, the wall time of each variant, the load average before and after, the device's
+name.
 
 Usage, from the repository root (on the GPU machine; see gpu_check.py for machines without pyro-ppl or mnist1d)::
 
     python benchmarks/gpu_grid.py --out benchmarks/results/gpu_grid.json                  # plain and mps, seeds 0-3
+    python benchmarks/gpu_grid.py --variants mps mps-compiled --out benchmarks/results/gpu_grid.json
     python benchmarks/gpu_grid.py --device cpu --smoke --variants plain --out /dev/null    # the script itself
 """
 
@@ -38,7 +44,8 @@ import tempfile
 import time
 from pathlib import Path
 
-VARIANTS = ("plain", "mps")
+VARIANTS = ("plain", "mps", "compiled", "mps-compiled")
+DEFAULT_VARIANTS = ("plain", "mps")
 MPS_CONTROL = "nvidia-cuda-mps-control"
 
 
@@ -88,11 +95,32 @@ def _records(folder: Path) -> dict[str, dict]:
     return records
 
 
-def compare_command(args: argparse.Namespace, out: Path) -> list[str]:
+def compare_command(args: argparse.Namespace, out: Path, compiled: bool = False) -> list[str]:
     command = [sys.executable, "-m", "gpattn.cli", "compare", "--main", "--device", args.device]
     command += ["--jobs", str(args.jobs), "--seeds", *map(str, args.seeds), "--tasks", *args.tasks]
-    command += ["--out", str(out), "--no-progress", "--overwrite", *args.extra]
+    command += ["--out", str(out), "--no-progress", "--overwrite", *(["--compile"] if compiled else []), *args.extra]
     return command
+
+
+def _compiled(name: str) -> bool:
+    return name.endswith("compiled")
+
+
+def metrics_vs_eager(records: dict[str, dict], eager: dict[str, dict]) -> dict | None:
+    """The largest absolute differences of the test accuracy and NLL between the runs of ``records`` and the same
+    runs (file names) of ``eager``; ``None`` when no run is in both."""
+    shared = sorted(records.keys() & eager.keys())
+    if not shared:
+        return None
+
+    def test(content: dict) -> dict:
+        return content["record"]["metrics"]["test"]
+
+    return {
+        "runs": len(shared),
+        "accuracy": max(abs(test(records[name])["accuracy"] - test(eager[name])["accuracy"]) for name in shared),
+        "nll": max(abs(test(records[name])["nll"] - test(eager[name])["nll"]) for name in shared),
+    }
 
 
 def warm_data_cache(args: argparse.Namespace) -> dict:
@@ -116,11 +144,11 @@ def warm_data_cache(args: argparse.Namespace) -> dict:
 
 def run_variant(name: str, args: argparse.Namespace, folder: Path) -> dict:
     out = folder / name
-    command = compare_command(args, out)
+    command = compare_command(args, out, _compiled(name))
     entry: dict = {"command": command, "load_before": _load()}
     with contextlib.ExitStack() as stack:
         env = dict(os.environ)
-        if name == "mps":
+        if name.startswith("mps"):
             try:
                 env.update(stack.enter_context(mps_daemon(folder / "mps")))
             except RuntimeError as error:
@@ -145,7 +173,9 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--jobs", type=int, default=8, help="worker processes (default 8)")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2, 3])
     parser.add_argument("--tasks", nargs="+", default=["mnist1d"])
-    parser.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS))
+    parser.add_argument(
+        "--variants", nargs="+", choices=VARIANTS, default=list(DEFAULT_VARIANTS), help="default: plain mps"
+    )
     parser.add_argument("--smoke", action="store_true", help="one seed of the digits task, one epoch, untuned")
     parser.add_argument("--timeout-s", type=float, default=1800.0, help="the most seconds of one variant")
     parser.add_argument("--out", default="benchmarks/results/gpu_grid.json")
@@ -161,18 +191,27 @@ def main(argv: list[str] | None = None) -> dict:
     # the MPS daemon may still be writing its log when told to quit: a cleanup error must not lose the results
     with tempfile.TemporaryDirectory(prefix="gpu_grid_", ignore_cleanup_errors=True) as scratch:
         variants = {name: run_variant(name, args, Path(scratch)) for name in args.variants}
-    reference = next((entry["records"] for entry in variants.values() if "records" in entry), None)
+    references = {}  # the records of the first variant that ran, eager and compiled
+    for name, entry in variants.items():
+        if "records" in entry:
+            references.setdefault(_compiled(name), entry["records"])
     for name, entry in variants.items():
         records = entry.pop("records", None)
         if records is not None:
             entry["runs"] = len(records)
-            entry["identical_records"] = bool(records) and records == reference
+            entry["identical_records"] = bool(records) and records == references[_compiled(name)]
+            if _compiled(name) and False in references:
+                entry["metrics_vs_eager"] = metrics_vs_eager(records, references[False])
         line = f"{name}: " + (
             entry["unavailable"]
             if "unavailable" in entry
             else f"{entry['runs']} runs in {entry['seconds']:.1f} s (rc {entry['returncode']}, load "
             f"{entry['load_before']:.2f} -> {entry['load_after']:.2f}), identical records {entry['identical_records']}"
         )
+        if entry.get("metrics_vs_eager"):
+            differences = entry["metrics_vs_eager"]
+            line += f"; against eager: accuracy {differences['accuracy']:.3g}, NLL {differences['nll']:.3g} at most"
+
         print(line, flush=True)
     results["variants"] = variants
     out = Path(args.out)

@@ -98,7 +98,8 @@ def test_the_variants_records_are_compared_without_their_wall_times(grid, tmp_pa
         "record = {'train': {'seconds': time.perf_counter()}, 'accuracy': 0.5 if (mps and not sys.argv[2]) else 0.9};"
         "(out / 'mnist1d-kep_svgp-0.json').write_text(json.dumps({'record': record, 'mps': False}))"
     )
-    monkeypatch.setattr(grid, "compare_command", lambda args, out: [sys.executable, "-c", writer, str(out), "1" * same])
+    command = [sys.executable, "-c", writer]
+    monkeypatch.setattr(grid, "compare_command", lambda args, out, compiled=False: [*command, str(out), "1" * same])
     results = grid.main(["--device", "cpu", "--out", str(tmp_path / "grid.json")])
     plain, mps = results["variants"]["plain"], results["variants"]["mps"]
     assert plain["runs"] == mps["runs"] == 1 and plain["identical_records"] is True
@@ -108,9 +109,50 @@ def test_the_variants_records_are_compared_without_their_wall_times(grid, tmp_pa
 
 def test_a_variant_that_runs_too_long_is_stopped_and_recorded(grid, tmp_path, monkeypatch):
     sleeper = [sys.executable, "-c", "import time; time.sleep(30)"]
-    monkeypatch.setattr(grid, "compare_command", lambda args, out: sleeper)
+    monkeypatch.setattr(grid, "compare_command", lambda args, out, compiled=False: sleeper)
     out = str(tmp_path / "grid.json")
     results = grid.main(["--device", "cpu", "--variants", "plain", "--timeout-s", "1", "--out", out])
     plain = results["variants"]["plain"]
     assert plain["returncode"] == "timeout" and plain["runs"] == 0 and 1.0 <= plain["seconds"] < 20
     assert not grid.succeeded(results)
+
+
+def test_compiled_variants_compare_with_their_own_kind_and_with_eager(grid, tmp_path, monkeypatch, capsys):
+    """Stand-in compare commands: the compiled runs (``--compile`` in the command) round otherwise than the eager ones,
+    the same in both compiled variants; each compiled variant's records equal the first compiled variant's, and its
+    test metrics are compared with the eager runs'."""
+    _stand_in_mps(tmp_path / "bin")
+    monkeypatch.setenv("PATH", f"{tmp_path / 'bin'}{os.pathsep}{os.environ['PATH']}")
+    writer = (
+        "import json, pathlib, sys; out = pathlib.Path(sys.argv[1]) / 'runs'; out.mkdir(parents=True);"
+        "compiled = sys.argv[2] == '--compile';"
+        "test = {'accuracy': 0.75 if compiled else 0.875, 'nll': 0.625 if compiled else 0.5};"
+        "(out / 'mnist1d-kep_svgp-0.json').write_text(json.dumps({'record': {'metrics': {'test': test}}}));"
+        "(out / 'mnist1d-softmax-0.json').write_text(json.dumps({'record': {'metrics': {'test': {**test, 'nll': 1}}}}))"
+    )
+    commands, real_command = [], grid.compare_command
+
+    def command(args, out, compiled=False):
+        commands.append(real_command(args, out, compiled))
+        return [sys.executable, "-c", writer, str(out), "--compile" if "--compile" in commands[-1] else ""]
+
+    monkeypatch.setattr(grid, "compare_command", command)
+    out = str(tmp_path / "grid.json")
+    results = grid.main(["--device", "cpu", "--variants", "compiled", "plain", "mps-compiled", "--out", out])
+    assert ["--compile" in line for line in commands] == [True, False, True]
+    compiled, plain, mps = (results["variants"][name] for name in ("compiled", "plain", "mps-compiled"))
+    assert compiled["identical_records"] and plain["identical_records"] and mps["identical_records"]
+    assert grid.succeeded(results)
+    assert compiled["metrics_vs_eager"] == mps["metrics_vs_eager"] == {"runs": 2, "accuracy": 0.125, "nll": 0.125}
+    assert "metrics_vs_eager" not in plain
+    assert "against eager: accuracy 0.125, NLL 0.125 at most" in capsys.readouterr().out
+
+
+def test_metrics_vs_eager_reads_only_the_runs_in_both(grid):
+    def run(accuracy: float, nll: float) -> dict:
+        return {"record": {"metrics": {"test": {"accuracy": accuracy, "nll": nll}}}}
+
+    eager = {"a.json": run(0.5, 1.0), "b.json": run(0.5, 1.0)}
+    compiled = {"a.json": run(0.25, 1.5), "c.json": run(0.0, 9.0)}
+    assert grid.metrics_vs_eager(compiled, eager) == {"runs": 1, "accuracy": 0.25, "nll": 0.5}
+    assert grid.metrics_vs_eager({"c.json": run(0.0, 9.0)}, eager) is None
