@@ -19,7 +19,11 @@
    Medians of interleaved repetitions, CUDA events through synchronisation, every ratio from the same run.
 5. ``kernels``: the device's busy time and kernels per training step of the floor and KEP-SVGP at the first compiled
    length, eager and as a compiled loss, with the largest kernels (the profiler's self device time).
-6. ``mnist1d``: one MNIST-1D run (``--mnist1d-epochs``) per row of the comparison on the device and on one CPU thread
+6. ``train_step``: one training step of the comparison's MNIST-1D model (``gpattn.training.train_model``'s steps,
+   batches of 64, the shared settings) per ``--train-step-rows`` row, on the device eagerly and compiled as
+   ``gpattn compare --compile`` compiles it (CUDA graphs), and eagerly on one CPU thread: the median step time after
+   warm-up steps, and the compiled model's warm-up (its compile) in seconds.
+7. ``mnist1d``: one MNIST-1D run (``--mnist1d-epochs``) per row of the comparison on the device and on one CPU thread
    of the same machine; then ``--jobs`` runs at once on the device against the same runs one by one (the records must
    be identical: deterministic kernels, :func:`gpattn.comparison.runner.run_environment`).
 
@@ -48,6 +52,7 @@ import contextlib
 import copy
 import dataclasses
 import importlib.util
+import itertools
 import json
 import os
 import platform
@@ -557,6 +562,87 @@ def _metrics(record) -> dict:
     return content
 
 
+class _EnoughSteps(Exception):
+    """Raised by the step timer of :func:`_timed_steps` once it has timed its steps."""
+
+
+def _timed_steps(row: str, where: str, compiled: bool, args: argparse.Namespace, data) -> dict:
+    """The median milliseconds per training step of the MNIST-1D comparison model of ``row`` on ``where`` (after the
+    warm-up steps), the warm-up's seconds (a compiled model compiles there) and the batch size."""
+    from gpattn.comparison import CompareConfig
+    from gpattn.comparison.runs import build_model, compile_model, make_train_config
+    from gpattn.methods import get_method
+    from gpattn.training import Callback, train_model
+
+    class StepTimer(Callback):
+        """Records the time at the end of every step and stops the run after the warm-up and timed steps, before its
+        validation (a step reads the device, so its end on the host is its end on the device)."""
+
+        def __init__(self, warmup: int, steps: int):
+            self.warmup, self.steps, self.ends = warmup, steps, []
+
+        def on_step_end(self, context, epoch, step, values) -> None:
+            self.ends.append(time.perf_counter())
+            if len(self.ends) == self.warmup + self.steps + 1:
+                raise _EnoughSteps
+
+    config = CompareConfig(attentions=(row,), device=where, tuned=False, progress=False)
+    method = get_method(row)
+    hyperparameters = config.hyperparameters("mnist1d", method, data.defaults)
+    torch.manual_seed(0)
+    model = build_model(method, hyperparameters, data.num_classes, data.model_kwargs).to(where)
+    if compiled:
+        compile_model(model, where)
+    timer = StepTimer(args.train_step_warmup, args.train_step_steps)
+    start = time.perf_counter()
+    with contextlib.suppress(_EnoughSteps):
+        train_model(
+            model, data.train, data.val, make_train_config(config, method, hyperparameters, 0), callbacks=[timer]
+        )
+    timed = timer.ends[args.train_step_warmup :]
+    intervals = sorted(later - earlier for earlier, later in itertools.pairwise(timed))
+    return {
+        "step_ms": 1000 * intervals[len(intervals) // 2],
+        "warmup_s": timer.ends[args.train_step_warmup] - start,
+        "steps": len(intervals),
+        "batch_size": hyperparameters.batch_size,
+    }
+
+
+def train_step(device: torch.device, args: argparse.Namespace, deadline: float) -> dict:
+    from gpattn.comparison import CompareConfig, load_task
+    from gpattn.comparison.runner import run_environment
+
+    data = load_task("mnist1d")
+    variants = [(str(device), False)] + [(str(device), True)] * (not args.smoke)
+    if device.type != "cpu":
+        variants.append(("cpu", False))
+    rows: dict = {}
+    for row in args.train_step_rows:
+        for where, compiled in variants:
+            name = f"{where}{' compiled' if compiled else ''}"
+            if time.perf_counter() > deadline:
+                rows.setdefault(row, {})[name] = "skipped: time budget"
+                continue
+            try:
+                with run_environment(CompareConfig(device=where, threads=1)):
+                    rows.setdefault(row, {})[name] = _timed_steps(row, where, compiled, args, data)
+            except Exception as error:  # noqa: BLE001 (recorded: the other variants still run)
+                rows.setdefault(row, {})[name] = {"error": f"{type(error).__name__}: {error}"}
+        entry = rows[row]
+        _step_ratio(entry, "compiled / eager", f"{device} compiled", str(device))
+        if device.type != "cpu":
+            _step_ratio(entry, f"{device.type} / cpu", str(device), "cpu")
+    return {"rows": rows}
+
+
+def _step_ratio(entry: dict, label: str, numerator: str, denominator: str) -> None:
+    # entry[label]: the ratio of two variants' step times, where both were timed
+    times = [entry.get(name) for name in (numerator, denominator)]
+    if all(isinstance(value, dict) and "step_ms" in value for value in times):
+        entry[label] = times[0]["step_ms"] / times[1]["step_ms"]
+
+
 def mnist1d(device: torch.device, args: argparse.Namespace, deadline: float) -> dict:
     from gpattn.comparison import CompareConfig, load_task, train_and_evaluate
     from gpattn.comparison.runner import execute_runs, run_environment
@@ -630,6 +716,8 @@ def summary(results: dict) -> str:
                 f"kernels {row}: {entry['busy_us_per_step'] / 1000:.2f} ms busy, {entry['kernels_per_step']:.0f} "
                 f"kernels per step; largest: {entry['top'][0]['name'] if entry['top'] else '-'}"
             )
+    for row, entry in results.get("train_step", {}).get("rows", {}).items():
+        lines.append(f"train step {row}: {entry}")
     for row, entry in results.get("mnist1d", {}).get("runs", {}).items():
         lines.append(f"mnist1d {row}: {entry}")
     lines.append(f"jobs identity: {results.get('mnist1d', {}).get('jobs_identity')}")
@@ -651,6 +739,9 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--rank", type=int, default=10)
     parser.add_argument("--max-reps", type=int, default=30)
     parser.add_argument("--budget-s", type=float, default=6.0, help="seconds of repetitions per length")
+    parser.add_argument("--train-step-rows", nargs="+", default=["kep_svgp", "softmax"])
+    parser.add_argument("--train-step-warmup", type=int, default=5, help="steps before the timed ones")
+    parser.add_argument("--train-step-steps", type=int, default=30, help="timed training steps")
     parser.add_argument("--mnist1d-epochs", type=int, default=3)
     parser.add_argument("--mnist1d-rows", nargs="+", default=list(MNIST1D_ROWS))
     parser.add_argument("--jobs", type=int, default=4, help="runs at once on the device in the identity check")
@@ -660,7 +751,8 @@ def main(argv: list[str] | None = None) -> dict:
         # job in the identity check (worker processes cost seconds each to start; tests/comparison covers them)
         args.lengths, args.compile_lengths, args.batch, args.embed_dim, args.num_heads = [16, 32], [], 2, 16, 2
         args.rank, args.max_reps, args.budget_s, args.mnist1d_epochs, args.jobs = 4, 3, 0.2, 1, 1
-        args.mnist1d_rows = ["kep_svgp"]
+        args.mnist1d_rows = args.train_step_rows = ["kep_svgp"]
+        args.train_step_warmup, args.train_step_steps = 1, 3
     device = torch.device(args.device)
     deadline = time.perf_counter() + 60 * args.minutes
     results: dict = {"config": vars(args), "environment": environment(device)}
@@ -668,6 +760,7 @@ def main(argv: list[str] | None = None) -> dict:
     _section(results, "counts", counts, device, args)
     _section(results, "scaling", scaling, device, args, deadline)
     _section(results, "kernels", kernels, device, args, deadline)
+    _section(results, "train_step", train_step, device, args, deadline)
     _section(results, "mnist1d", mnist1d, device, args, deadline)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -32,7 +32,8 @@ def test_smoke_run_on_cpu(check, tmp_path, capsys, monkeypatch):
     out = tmp_path / "gpu_check.json"
     check.main(["--device", "cpu", "--smoke", "--out", str(out)])
     results = json.loads(out.read_text())
-    sections = {"config", "environment", "equivalence", "counts", "scaling", "kernels", "mnist1d", "seconds"}
+    sections = {"config", "environment", "equivalence", "counts", "scaling", "kernels", "train_step", "mnist1d"}
+    sections.add("seconds")
     assert sections <= results.keys()
     assert results["environment"]["torch"] and results["environment"]["device"] == "cpu"
     equivalence = results["equivalence"]
@@ -67,6 +68,9 @@ def test_smoke_run_on_cpu(check, tmp_path, capsys, monkeypatch):
         top = [kernel["us_per_step"] for kernel in entry["top"]]
         assert len(top) == 12 and top == sorted(top, reverse=True) and sum(top) <= entry["busy_us_per_step"]
     assert kernels["rows"]["kep_svgp_eager"]["kernels_per_step"] > kernels["rows"]["floor_eager"]["kernels_per_step"]
+    steps = results["train_step"]["rows"]  # at smoke size: the eager step on the CPU
+    assert set(steps) == {"kep_svgp"} and set(steps["kep_svgp"]) == {"cpu"}
+    assert steps["kep_svgp"]["cpu"]["steps"] == 3 and steps["kep_svgp"]["cpu"]["step_ms"] > 0
     mnist1d = results["mnist1d"]
     assert mnist1d["runs"]["kep_svgp"]["cpu"]["seconds"] > 0
     assert mnist1d["jobs_identity"]["identical_records"] is True
@@ -130,6 +134,30 @@ def test_the_kernels_section_with_a_compiled_loss(check, monkeypatch):
         assert entry["busy_us_per_step"] > 0 and entry["top"], row
     late = check.kernels(torch.device("cpu"), args, time.perf_counter() - 1)
     assert set(late["rows"].values()) == {"skipped: time budget"}
+
+
+def test_the_train_step_section_times_the_compiled_model(check, monkeypatch):
+    """The compiled variant compiles the comparison's model as ``gpattn compare --compile`` does (dynamo's eager
+    backend here, for speed), stops after its timed steps, and is compared with the eager step; past the deadline
+    every variant is recorded as skipped."""
+    import argparse
+    import time
+
+    import torch
+
+    real_compile = torch.compile
+    monkeypatch.setattr(torch, "compile", lambda function, **options: real_compile(function, backend="eager"))
+    args = argparse.Namespace(smoke=False, train_step_rows=["kep_svgp"], train_step_warmup=2, train_step_steps=3)
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    entry = check.train_step(torch.device("cpu"), args, time.perf_counter() + 600)["rows"]["kep_svgp"]
+    assert set(entry) == {"cpu", "cpu compiled", "compiled / eager"}
+    for variant in ("cpu", "cpu compiled"):
+        assert entry[variant]["steps"] == 3 and entry[variant]["batch_size"] == 64 and entry[variant]["step_ms"] > 0
+    assert entry["compiled / eager"] == entry["cpu compiled"]["step_ms"] / entry["cpu"]["step_ms"]
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] >= 1  # the compiled variant compiled
+    late = check.train_step(torch.device("cpu"), args, time.perf_counter() - 1)["rows"]["kep_svgp"]
+    assert late == {"cpu": "skipped: time budget", "cpu compiled": "skipped: time budget"}
 
 
 SPLIT_SCRIPT = """
