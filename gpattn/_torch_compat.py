@@ -16,6 +16,7 @@ traces them as constants.
 from __future__ import annotations
 
 from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
 import torch
@@ -35,6 +36,9 @@ TRACES_FUNCTIONS = TorchVersion(torch.__version__) >= (2, 4)
 #: tensor's values without a data-dependent branch. On CUDA the assertions also need inductor's
 #: ``assert_indirect_indexing`` (its default, True).
 COMPILES_ASSERTS = TorchVersion(torch.__version__) >= (2, 9) and torch.version.hip is None
+
+#: torch 2.6+: ``torch.compiler.set_stance`` (``"force_eager"``: compiled functions run their Python code eagerly)
+SETS_STANCE = hasattr(torch.compiler, "set_stance")
 
 if not TRACES_FUNCTIONS:  # torch 2.1-2.3
     import torch._dynamo  # noqa: F401 (not imported by ``import torch`` there)
@@ -68,3 +72,11 @@ def compilable(apply: Callable[..., Any]) -> Callable[..., Any]:
     """``apply`` (an autograd function's) itself on torch 2.4+, else the same call that ``torch.compile`` does not
     trace (``torch._dynamo.disable``: a graph break around it, the function run eagerly)."""
     return apply if TRACES_FUNCTIONS else torch._dynamo.disable(apply)
+
+
+def eager_calls() -> AbstractContextManager:
+    """A block in which every ``torch.compile``'d function runs its Python code eagerly
+    (``torch.compiler.set_stance("force_eager")``, torch 2.6+; no effect before): for a pass whose forward hooks must
+    fire, since dynamo does not guard on hooks added to a module after a graph of its caller was compiled (the graph
+    would run, and the hooks would not)."""
+    return torch.compiler.set_stance("force_eager") if SETS_STANCE else nullcontext()

@@ -156,7 +156,7 @@ def add_compare(commands) -> None:
         help="torch.compile every model's forward pass: CUDA graphs (reduce-overhead) on CUDA, the default mode on "
         "CPU, eager's random numbers (fallback_random); with torch 2.13 the numbers equal eager's up to float "
         "rounding (torch 2.11 draws other dropout masks); each input shape and mode compiles once per run (about a "
-        "minute per run on a CPU)",
+        "minute per run on a CPU); needs torch 2.6 or later",
     )
     compare.add_argument(
         "--resume",

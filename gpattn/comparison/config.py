@@ -9,6 +9,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import torch
+
+from .._torch_compat import SETS_STANCE
 from ..methods import Hyperparameters, MethodSpec, get_method, method_names
 from ..training import TrainConfig
 from ..training.config import DEVICE_TYPES
@@ -177,6 +180,11 @@ class CompareConfig:
         check_device("device", self.device, where=where, types=DEVICE_TYPES)
         check_int("threads", self.threads, where=where)
         check_int("jobs", self.jobs, where=where)
+        if self.compile and not SETS_STANCE:  # the hooked passes (Laplace features, KSVD fidelity) run eagerly by it
+            raise ValueError(
+                f"{where}: compile=True needs torch 2.6 or later (torch.compiler.set_stance), got torch "
+                f"{torch.__version__}"
+            )
         if not isinstance(self.tuned, bool):
             raise ValueError(f"{where}: expected tuned to be a bool, got {self.tuned!r}")
         if self.tuned_dir is not None:

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from .._torch_compat import eager_calls
 from ..features import AttentionKernelEigenFeatures, KSVDFidelity, ksvd_fidelity
 from ..features.ksvd_fidelity import DEFAULT_RANDOM_SAMPLES
 from ..training import batch_to_device, dataset_inputs
@@ -64,7 +65,8 @@ def _layer_inputs(
     was_training = model.training
     model.eval()
     try:
-        model(inputs, mask=mask)
+        with eager_calls():  # a compiled model runs eagerly here: its compiled graphs would skip the hooks
+            model(inputs, mask=mask)
     finally:
         model.train(was_training)
         for handle in handles:

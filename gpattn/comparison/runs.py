@@ -59,6 +59,11 @@ def layer_arguments(method: MethodSpec, hyperparameters: Hyperparameters) -> dic
     return method.layer_arguments(num_inducing=hyperparameters.num_inducing, ksvd_weight=hyperparameters.ksvd_weight)
 
 
+#: Dynamo's limit of compiled graphs per function that :func:`compile_model` sets (at least): the comparison's rows
+#: run in one process compile a few graphs each into the cache of the one forward function they share.
+RECOMPILE_LIMIT = 64
+
+
 def build_model(
     method: MethodSpec, hyperparameters: Hyperparameters, num_classes: int, model_kwargs: dict[str, Any]
 ) -> Transformer:
@@ -114,22 +119,30 @@ def make_train_config(
 
 def compile_model(model: torch.nn.Module, device: str | torch.device) -> torch.nn.Module:
     """The model's forward pass compiled by ``torch.compile``, in place (the module, its parameters and its state dict
-    unchanged): mode ``"reduce-overhead"`` on CUDA, whose CUDA graphs replay a step's many small kernels as one launch,
-    the default mode elsewhere (on CPU the compiler fuses the elementwise passes). Compilation happens at the first
-    call of each input shape and mode (training, evaluation).
+    unchanged): with the options of mode ``"reduce-overhead"`` on CUDA (``triton.cudagraphs``: CUDA graphs replay a
+    step's many small kernels as one launch), of the default mode elsewhere (on CPU the compiler fuses the elementwise
+    passes), and ``fallback_random`` (eager's random numbers: dropout masks, joint draws). Compilation happens at the
+    first call of each input shape and mode (training, evaluation).
 
     The compiled function is set as the instance's ``forward``, which both ``torch.nn.Module.__call__`` and
     ``gpytorch.Module.__call__`` (the :class:`~gpattn.models.Transformer`'s) call. ``Module.compile`` would install it
     where only torch's ``__call__`` looks (``_compiled_call_impl``), so a GPyTorch module would run eagerly, silently.
-    On CUDA every call returns copies of the outputs: a CUDA graph writes its outputs into buffers that its next replay
-    overwrites, and an evaluation keeps the logits of all its Monte Carlo passes.
+    On CUDA every call returns copies of the tensors it returns (in tuples, lists and dicts): a CUDA graph writes its
+    outputs into buffers that its next replay overwrites, and an evaluation keeps the logits of all its Monte Carlo
+    passes. Dynamo's limit of graphs per function is raised to :data:`RECOMPILE_LIMIT`: the models of one process
+    share the compiled forward's cache (models of the same row reuse its graphs; each row adds a few: training, the
+    epoch's last batch, evaluation with and without sampling), and past the limit a model would run eagerly with only
+    a log line.
+
+    .. warning:: A compiled model cannot be pickled, and a ``copy.deepcopy`` of it still calls the original's compiled
+        forward (its own parameters unused): copy the model before compiling it, or rebuild it from a state dict.
 
     :return: ``model``.
     """
     cuda = torch.device(device).type == "cuda"
-    # reduce-overhead is triton.cudagraphs; fallback_random draws eager's random numbers (dropout masks, the joint
-    # draws), so that a compiled run's numbers are those of the eager run up to float rounding
     options = {"fallback_random": True, **({"triton.cudagraphs": True} if cuda else {})}
+    limit = "recompile_limit" if hasattr(torch._dynamo.config, "recompile_limit") else "cache_size_limit"
+    setattr(torch._dynamo.config, limit, max(getattr(torch._dynamo.config, limit), RECOMPILE_LIMIT))
     compiled = torch.compile(model.forward, options=options)
     if not cuda:
         model.forward = compiled

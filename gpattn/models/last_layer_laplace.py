@@ -9,6 +9,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from .._torch_compat import eager_calls
 from ..validation import check_int, check_tensor
 
 __all__ = ["LastLayerLaplace"]
@@ -99,9 +100,10 @@ class LastLayerLaplace(torch.nn.Module):
         self.model.eval()
         step = inputs.shape[0] if batch_size is None else batch_size
         try:
-            for start in range(0, inputs.shape[0], step):
-                batch_mask = mask[start : start + step] if isinstance(mask, Tensor) else mask
-                self.model(inputs[start : start + step], mask=batch_mask)
+            with eager_calls():  # a compiled model runs eagerly here: its compiled graphs would skip the hook
+                for start in range(0, inputs.shape[0], step):
+                    batch_mask = mask[start : start + step] if isinstance(mask, Tensor) else mask
+                    self.model(inputs[start : start + step], mask=batch_mask)
         finally:
             handle.remove()
             self.model.train(was_training)

@@ -1,16 +1,22 @@
-"""``gpattn compare --compile``: the option reaches every run's model, the compile mode follows the device (CUDA graphs
-on CUDA), and a compiled model trains to the numbers of the eager one (slow: a cold torch.compile)."""
+"""``gpattn compare --compile``: the option reaches every run's model, the compile options follow the device (CUDA
+graphs on CUDA), the model really compiles (dynamo traces it, and keeps tracing past its default limit of graphs),
+the hooked passes after training (Laplace features, KSVD fidelity) still see their hooks, and a compiled model trains
+to the numbers of the eager one (slow: a cold torch.compile)."""
 
 from __future__ import annotations
+
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 from gpattn.cli import main
-from gpattn.comparison import CompareConfig, build_model
+from gpattn.comparison import CompareConfig, build_model, model_fidelity
+from gpattn.comparison import config as config_module
 from gpattn.comparison import runner as runner_module
-from gpattn.comparison.runs import compile_model
+from gpattn.comparison.runs import RECOMPILE_LIMIT, compile_model
 from gpattn.methods import get_method
+from gpattn.models import LastLayerLaplace
 
 
 @pytest.mark.parametrize(
@@ -29,26 +35,76 @@ def test_compile_options_follow_the_device(monkeypatch, device, cudagraphs: bool
     assert all(torch.equal(model.state_dict()[name], value) for name, value in state.items())
 
 
-def _small_transformer() -> torch.nn.Module:
-    method = get_method("kep_svgp")
+def _small_transformer(row: str = "kep_svgp") -> torch.nn.Module:
+    method = get_method(row)
     config = CompareConfig(embed_dim=16, depth=1, num_heads=2)
     hyperparameters = config.hyperparameters("mnist1d", method, {"num_inducing": 4})
     return build_model(method, hyperparameters, 10, {"input": "vectors", "input_dim": 1, "max_len": 16})
 
 
-def test_the_compiled_forward_runs_in_a_gpytorch_module(monkeypatch):
+def test_the_compiled_forward_runs_in_a_gpytorch_module(eager_backend):
     """The Transformer is a ``gpytorch.Module``, whose ``__call__`` calls ``forward`` and never reads
     ``_compiled_call_impl``: ``Module.compile`` compiled nothing there. Dynamo (its eager backend: tracing without code
     generation) now captures the forward pass at the model's call."""
-    real_compile = torch.compile
-    monkeypatch.setattr(torch, "compile", lambda function, **options: real_compile(function, backend="eager"))
     torch.manual_seed(0)
     model = compile_model(_small_transformer().eval(), "cpu")
-    torch._dynamo.reset()
-    torch._dynamo.utils.counters.clear()
     logits = model(torch.randn(3, 16, 1))
     assert logits.shape == (3, 10)
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] >= 1
+
+
+@pytest.fixture
+def eager_backend(monkeypatch):
+    """``torch.compile`` with dynamo's eager backend (tracing without code generation: seconds, not minutes), from a
+    reset dynamo with cleared counters."""
+    real_compile = torch.compile
+    monkeypatch.setattr(torch, "compile", lambda function, **options: real_compile(function, backend="eager"))
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+
+
+def test_the_hooked_passes_after_training_see_their_hooks(eager_backend):
+    """Dynamo does not guard on forward hooks added after a graph was compiled: the Laplace features and the KSVD
+    fidelity, whose hooks capture a layer's inputs, ran the compiled evaluation graph and captured nothing. They now
+    run the model eagerly, and capture what the eager model gives them."""
+    torch.manual_seed(0)
+    eager = _small_transformer("primal")
+    model = compile_model(_small_transformer("primal"), "cpu")
+    model.load_state_dict(eager.state_dict())
+    for batch in (8, 5):  # training, then evaluation graphs at the sizes of the passes below
+        model.train()
+        model(torch.randn(batch, 16, 1)).sum().backward()
+        model.eval()
+        with torch.no_grad():
+            model(torch.randn(9, 16, 1))
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] >= 2
+    inputs = torch.randn(9, 16, 1)
+    features = LastLayerLaplace(model).features(inputs)
+    torch.testing.assert_close(features, LastLayerLaplace(eager).features(inputs), rtol=1e-5, atol=1e-6)
+    dataset = SimpleNamespace(inputs=inputs, labels=torch.zeros(9, dtype=torch.long))
+    fidelity = model_fidelity(model, dataset, 9)
+    assert fidelity.keys() == model_fidelity(eager, dataset, 9).keys() == {"layer_1"}
+
+
+def test_past_dynamos_default_limit_a_compiled_model_still_compiles(eager_backend):
+    """The models of one process share the compiled forward's cache, and dynamo's default allows 8 graphs per function
+    (past it, a model runs eagerly with only a log line): ``compile_model`` raises the limit. Eleven batch sizes with
+    static shapes make eleven graphs, every one of them compiled."""
+    torch.manual_seed(0)
+    model = compile_model(_small_transformer("softmax").eval(), "cpu")
+    limit = "recompile_limit" if hasattr(torch._dynamo.config, "recompile_limit") else "cache_size_limit"
+    assert getattr(torch._dynamo.config, limit) >= RECOMPILE_LIMIT > 11
+    with torch._dynamo.config.patch(automatic_dynamic_shapes=False), torch.no_grad():
+        for batch in range(1, 12):
+            model(torch.randn(batch, 16, 1))
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 11
+
+
+def test_compile_needs_a_torch_that_can_run_compiled_models_eagerly(monkeypatch):
+    monkeypatch.setattr(config_module, "SETS_STANCE", False)  # torch 2.1-2.5: no torch.compiler.set_stance
+    with pytest.raises(ValueError, match=r"compile=True needs torch 2.6 or later"):
+        CompareConfig(compile=True)
+    assert CompareConfig(compile=False).compile is False
 
 
 def test_on_cuda_every_call_returns_copies_of_the_graphs_outputs(monkeypatch):
