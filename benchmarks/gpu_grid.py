@@ -102,6 +102,10 @@ def compare_command(args: argparse.Namespace, out: Path, compiled: bool = False)
     return command
 
 
+def _short(value: float | None) -> str:
+    return "none" if value is None else f"{value:.3g}"
+
+
 def _compiled(name: str) -> bool:
     return name.endswith("compiled")
 
@@ -113,14 +117,14 @@ def metrics_vs_eager(records: dict[str, dict], eager: dict[str, dict]) -> dict |
     if not shared:
         return None
 
-    def test(content: dict) -> dict:
-        return content["record"]["metrics"]["test"]
+    def largest(metric: str) -> float | None:
+        # a value the records wrote as null (not finite) is left out
+        pairs = [(records[name], eager[name]) for name in shared]
+        values = [[content["record"]["metrics"]["test"][metric] for content in pair] for pair in pairs]
+        differences = [abs(one - two) for one, two in values if one is not None and two is not None]
+        return max(differences) if differences else None
 
-    return {
-        "runs": len(shared),
-        "accuracy": max(abs(test(records[name])["accuracy"] - test(eager[name])["accuracy"]) for name in shared),
-        "nll": max(abs(test(records[name])["nll"] - test(eager[name])["nll"]) for name in shared),
-    }
+    return {"runs": len(shared), "accuracy": largest("accuracy"), "nll": largest("nll")}
 
 
 def warm_data_cache(args: argparse.Namespace) -> dict:
@@ -210,8 +214,8 @@ def main(argv: list[str] | None = None) -> dict:
         )
         if entry.get("metrics_vs_eager"):
             differences = entry["metrics_vs_eager"]
-            line += f"; against eager: accuracy {differences['accuracy']:.3g}, NLL {differences['nll']:.3g} at most"
-
+            accuracy, nll = (_short(differences[metric]) for metric in ("accuracy", "nll"))
+            line += f"; against eager: accuracy {accuracy}, NLL {nll} at most"
         print(line, flush=True)
     results["variants"] = variants
     out = Path(args.out)

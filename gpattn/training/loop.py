@@ -130,8 +130,9 @@ def _state_copy(model: torch.nn.Module) -> dict[str, Tensor]:
     return {name: value.detach().clone() for name, value in model.state_dict().items()}
 
 
-def _describe(values: dict[str, float]) -> str:
-    return ", ".join(f"{name}={value:.6g}" for name, value in values.items())
+def _describe(values: dict[str, float], order: Iterable[str]) -> str:
+    # the loss parts' values, in the order of the loss function's parts
+    return ", ".join(f"{name}={values[name]:.6g}" for name in order)
 
 
 class _Loop:
@@ -252,7 +253,7 @@ class _Loop:
         names = LOSS_PARTS[:-1]
         values = dict(zip(names, torch.stack([parts[name].detach() for name in names]).tolist(), strict=True))
         if self.strategy.any(not math.isfinite(values["loss"])):
-            self._fail(f"non-finite training loss at {where}: {_describe(values)}", step)
+            self._fail(f"non-finite training loss at {where}: {_describe(values, parts)}", step)
         self.optimizer.zero_grad(set_to_none=True)
         parts["loss"].backward()  # a data-parallel wrapper all-reduces the gradients here
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.max_norm)
@@ -264,7 +265,7 @@ class _Loop:
         read = torch.stack((grad_norm.to(self.device, self.read_dtype), self._largest_parameter()))
         grad_norm, largest = read.tolist()
         if not math.isfinite(grad_norm):
-            self._fail(f"non-finite gradient norm {grad_norm} at {where}: {_describe(values)}", step)
+            self._fail(f"non-finite gradient norm {grad_norm} at {where}: {_describe(values, parts)}", step)
         if not math.isfinite(largest):
             broken = non_finite_parameters(self.model)[:5]
             self._fail(f"non-finite parameters {broken} after the optimiser step at {where}", step)

@@ -357,12 +357,12 @@ class _DeviceReads(TorchFunctionMode):
 
 
 def test_a_training_step_reads_the_device_twice(data, small_model, small_config):
-    # the loss parts in one read, the gradient norm and the largest parameter in another (before: seven reads, each a
-    # synchronisation on a GPU), and the ELBO's target range in one
+    # the loss parts in one read, the gradient norm and the largest parameter in another (before: eight reads, each a
+    # synchronisation on a GPU), and the ELBO's target range in one; the validation makes none in the loop's code
     with _DeviceReads() as reads:
         result = train_model(small_model(), data.train, data.val, small_config())
     steps = 4 * len(result.history)
-    assert reads.counts[("loop.py", "_step")] == 2 * steps
+    assert sum(count for (file, _), count in reads.counts.items() if file == "loop.py") == 2 * steps
     assert reads.counts[("attention_elbo.py", "forward")] == steps
 
 
