@@ -17,12 +17,12 @@
    the layer compiled (``*_compiled``; its KL and KSVD penalty eager) and the step's whole loss compiled
    (``*_compiled_loss``, :class:`CompiledLoss`).
    Medians of interleaved repetitions, CUDA events through synchronisation, every ratio from the same run.
-5. ``kernels``: the device's busy time and kernels per training step of the floor and KEP-SVGP at the first compiled
-   length, eager and as a compiled loss, with the largest kernels (the profiler's self device time).
-6. ``train_step``: one training step of the comparison's MNIST-1D model (``gpattn.training.train_model``'s steps,
+5. ``train_step``: one training step of the comparison's MNIST-1D model (``gpattn.training.train_model``'s steps,
    batches of 64, the shared settings) per ``--train-step-rows`` row, on the device eagerly and compiled as
    ``gpattn compare --compile`` compiles it (CUDA graphs), and eagerly on one CPU thread: the median step time after
    warm-up steps, and the compiled model's warm-up (its compile) in seconds.
+6. ``kernels``: the device's busy time and kernels per training step of the floor and KEP-SVGP at the first compiled
+   length, eager and as a compiled loss, with the largest kernels (the profiler's self device time).
 7. ``mnist1d``: one MNIST-1D run (``--mnist1d-epochs``) per row of the comparison on the device and on one CPU thread
    of the same machine; then ``--jobs`` runs at once on the device against the same runs one by one (the records must
    be identical: deterministic kernels, :func:`gpattn.comparison.runner.run_environment`).
@@ -759,8 +759,8 @@ def main(argv: list[str] | None = None) -> dict:
     _section(results, "equivalence", equivalence, device, args.smoke)
     _section(results, "counts", counts, device, args)
     _section(results, "scaling", scaling, device, args, deadline)
-    _section(results, "kernels", kernels, device, args, deadline)
     _section(results, "train_step", train_step, device, args, deadline)
+    _section(results, "kernels", kernels, device, args, deadline)
     _section(results, "mnist1d", mnist1d, device, args, deadline)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
