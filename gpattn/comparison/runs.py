@@ -121,8 +121,9 @@ def compile_model(model: torch.nn.Module, device: str | torch.device) -> torch.n
     """The model's forward pass compiled by ``torch.compile``, in place (the module, its parameters and its state dict
     unchanged): with the options of mode ``"reduce-overhead"`` on CUDA (``triton.cudagraphs``: CUDA graphs replay a
     step's many small kernels as one launch), of the default mode elsewhere (on CPU the compiler fuses the elementwise
-    passes), and ``fallback_random`` (eager's random numbers: dropout masks, joint draws). Compilation happens at the
-    first call of each input shape and mode (training, evaluation).
+    passes), and ``fallback_random`` (eager's random numbers: dropout masks, joint draws). Shapes are static
+    (``dynamic=False``): each input shape and mode (training, evaluation) compiles its own graph at its first call,
+    as CUDA graphs need anyway (with dynamic shapes, the backward pass of a padded KEP-SVGP batch failed to trace).
 
     The compiled function is set as the instance's ``forward``, which both ``torch.nn.Module.__call__`` and
     ``gpytorch.Module.__call__`` (the :class:`~gpattn.models.Transformer`'s) call. ``Module.compile`` would install it
@@ -130,9 +131,9 @@ def compile_model(model: torch.nn.Module, device: str | torch.device) -> torch.n
     On CUDA every call returns copies of the tensors it returns (in tuples, lists and dicts): a CUDA graph writes its
     outputs into buffers that its next replay overwrites, and an evaluation keeps the logits of all its Monte Carlo
     passes. Dynamo's limit of graphs per function is raised to :data:`RECOMPILE_LIMIT`: the models of one process
-    share the compiled forward's cache (models of the same row reuse its graphs; each row adds a few: training, the
-    epoch's last batch, evaluation with and without sampling), and past the limit a model would run eagerly with only
-    a log line.
+    share the compiled forward's cache (models of the same row reuse its graphs; each row adds some: training, the
+    epoch's last batch, evaluation with and without sampling at each batch size), and past the limit a model would run
+    eagerly with only a log line.
 
     .. warning:: A compiled model cannot be pickled, and a ``copy.deepcopy`` of it still calls the original's compiled
         forward (its own parameters unused): copy the model before compiling it, or rebuild it from a state dict.
@@ -143,7 +144,7 @@ def compile_model(model: torch.nn.Module, device: str | torch.device) -> torch.n
     options = {"fallback_random": True, **({"triton.cudagraphs": True} if cuda else {})}
     limit = "recompile_limit" if hasattr(torch._dynamo.config, "recompile_limit") else "cache_size_limit"
     setattr(torch._dynamo.config, limit, max(getattr(torch._dynamo.config, limit), RECOMPILE_LIMIT))
-    compiled = torch.compile(model.forward, options=options)
+    compiled = torch.compile(model.forward, dynamic=False, options=options)
     if not cuda:
         model.forward = compiled
         return model

@@ -5,6 +5,7 @@ to the numbers of the eager one (slow: a cold torch.compile)."""
 
 from __future__ import annotations
 
+import copy
 from types import SimpleNamespace
 
 import pytest
@@ -16,7 +17,7 @@ from gpattn.comparison import config as config_module
 from gpattn.comparison import runner as runner_module
 from gpattn.comparison.runs import RECOMPILE_LIMIT, compile_model
 from gpattn.methods import get_method
-from gpattn.models import LastLayerLaplace
+from gpattn.models import LastLayerLaplace, Transformer
 
 
 @pytest.mark.parametrize(
@@ -30,7 +31,7 @@ def test_compile_options_follow_the_device(monkeypatch, device, cudagraphs: bool
     state = {name: value.clone() for name, value in model.state_dict().items()}
     assert compile_model(model, device) is model  # in place: the same module, parameters and state dict
     expected = {"fallback_random": True, **({"triton.cudagraphs": True} if cudagraphs else {})}
-    assert calls == [{"options": expected}]
+    assert calls == [{"dynamic": False, "options": expected}]
     assert model.state_dict().keys() == state.keys()
     assert all(torch.equal(model.state_dict()[name], value) for name, value in state.items())
 
@@ -84,6 +85,53 @@ def test_the_hooked_passes_after_training_see_their_hooks(eager_backend):
     dataset = SimpleNamespace(inputs=inputs, labels=torch.zeros(9, dtype=torch.long))
     fidelity = model_fidelity(model, dataset, 9)
     assert fidelity.keys() == model_fidelity(eager, dataset, 9).keys() == {"layer_1"}
+
+
+def test_a_compiled_model_trains_on_padded_batches_of_changing_sizes(monkeypatch):
+    """Static shapes: with dynamic ones, the second batch size made dynamo trace a symbolic batch, and the backward
+    pass of KEP-SVGP's fused scores under a padding mask failed to trace (a batch dimension of 1 against the symbolic
+    one). Here every batch compiles (AOT autograd without code generation), and its loss and gradients are those of
+    the eager model."""
+    real_compile = torch.compile
+    monkeypatch.setattr(
+        torch,
+        "compile",
+        lambda function, **options: real_compile(function, backend="aot_eager", dynamic=options["dynamic"]),
+    )
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    eager = Transformer(
+        6,
+        embed_dim=16,
+        depth=1,
+        num_heads=2,
+        vocab_size=6,
+        max_len=6,
+        attention="kep_svgp",
+        num_inducing=4,
+        dropout=0.0,
+    )
+    model = compile_model(copy.deepcopy(eager), "cpu")
+    generator = torch.Generator().manual_seed(1)
+    for batch in (8, 5, 1, 3):
+        tokens = torch.randint(0, 6, (batch, 6), generator=generator)
+        mask = torch.arange(6) < torch.randint(3, 7, (batch, 1), generator=generator)
+        losses, gradients = [], []
+        for network in (eager, model):
+            network.zero_grad(set_to_none=True)
+            torch.manual_seed(2)  # the same joint draws
+            layer = next(iter(network.attention_layers()))
+            loss = (
+                network(tokens, mask=mask).sum()
+                + layer.kl_divergence()
+                + sum(t.loss() for t in layer.added_loss_terms())
+            )
+            loss.backward()
+            losses.append(loss.detach())
+            gradients.append([p.grad for p in network.parameters()])
+        torch.testing.assert_close(losses[1], losses[0], rtol=1e-5, atol=1e-5)
+        for compiled, reference in zip(gradients[1], gradients[0], strict=True):
+            torch.testing.assert_close(compiled, reference, rtol=1e-4, atol=1e-5)
 
 
 def test_past_dynamos_default_limit_a_compiled_model_still_compiles(eager_backend):
