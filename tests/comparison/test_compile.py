@@ -100,17 +100,8 @@ def test_a_compiled_model_trains_on_padded_batches_of_changing_sizes(monkeypatch
     )
     torch._dynamo.reset()
     torch.manual_seed(0)
-    eager = Transformer(
-        6,
-        embed_dim=16,
-        depth=1,
-        num_heads=2,
-        vocab_size=6,
-        max_len=6,
-        attention="kep_svgp",
-        num_inducing=4,
-        dropout=0.0,
-    )
+    sizes = {"embed_dim": 16, "depth": 1, "num_heads": 2, "vocab_size": 6, "max_len": 6, "num_inducing": 4}
+    eager = Transformer(6, attention="kep_svgp", dropout=0.0, **sizes)
     model = compile_model(copy.deepcopy(eager), "cpu")
     generator = torch.Generator().manual_seed(1)
     for batch in (8, 5, 1, 3):
