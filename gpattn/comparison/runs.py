@@ -123,7 +123,7 @@ def compile_model(model: torch.nn.Module, device: str | torch.device) -> torch.n
     step's many small kernels as one launch), of the default mode elsewhere (on CPU the compiler fuses the elementwise
     passes), and ``fallback_random`` (eager's random numbers: dropout masks, joint draws). Shapes are static
     (``dynamic=False``): each input shape and mode (training, evaluation) compiles its own graph at its first call,
-    as CUDA graphs need anyway (with dynamic shapes, the backward pass of a padded KEP-SVGP batch failed to trace).
+    as CUDA graphs need anyway.
 
     The compiled function is set as the instance's ``forward``, which both ``torch.nn.Module.__call__`` and
     ``gpytorch.Module.__call__`` (the :class:`~gpattn.models.Transformer`'s) call. ``Module.compile`` would install it

@@ -208,6 +208,10 @@ class AmortizedSelfScores(torch.autograd.Function):
                 half_inverse = torch.div(0.5, singular_values)  # 1 / (2 lambda)
                 coupling = paired.prod(1).sum((-2, -1))  # Tr(W_e^T W_r)
                 objective = torch.einsum("bqhs,hs->bh", sums, half_inverse) - coupling  # an output: not in place
+                if is_compiling():  # laid out as the gradient autograd hands back: dynamo traces the backward pass
+                    # with a gradient laid out as this output (here (1, B) strides), and under dynamic shapes it read
+                    # the batch size from that layout's strides, wrong for the real gradient
+                    objective = objective.contiguous()
         if is_compiling():
             magnitude = scores.new_empty(0)
         else:  # one number for the caller's checks (see the docstring)

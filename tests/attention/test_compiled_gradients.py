@@ -186,3 +186,40 @@ def test_no_backward_pass_reads_the_layout_of_its_gradient_while_compiling(monke
         gradients.append({key: value.grad.clone() for key, value in layer.named_parameters()})
     for key, value in gradients[0].items():
         torch.testing.assert_close(gradients[1][key], value, rtol=1e-5, atol=1e-7, msg=key)
+
+
+@pytest.mark.skipif(not TRACES_FUNCTIONS, reason="dynamo traces gpattn's autograd functions from torch 2.4")
+@pytest.mark.parametrize("name", ["kep_svgp", "primal"])
+def test_a_masked_step_compiles_for_a_second_batch_size(name):
+    """``torch.compile``'s default shapes: static at the first call, the batch dimension dynamic at a second batch
+    size. Dynamo traces the fused scores' backward pass with the gradient of their objective :math:`J` laid out as
+    the forward pass's output; that output had strides (1, B), and dynamo read the symbolic batch size from them, so
+    the second size failed with the gradient autograd gives (contiguous): ``shape '[1, 1, 2, 4, 1]' is invalid``. The
+    output is contiguous while compiling; every batch size gives eager mode's loss and gradients."""
+    torch.manual_seed(0)
+    layer = build_attention(name, 16, 2, num_inducing=4).train()
+
+    def step(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        loss = (layer(x, mask=mask) * mask[..., None]).square().sum() + layer.kl_divergence()
+        for term in layer.added_loss_terms():
+            loss = loss + term.loss()
+        return loss
+
+    torch._dynamo.reset()
+    compiled = torch.compile(step, backend="aot_eager")
+    generator = torch.Generator().manual_seed(1)
+    for batch in (4, 3, 5):
+        x = torch.randn(batch, 8, 16, generator=generator)
+        mask = torch.arange(8) < torch.randint(4, 9, (batch, 1), generator=generator)
+        results = []
+        for run in (step, compiled):
+            layer.zero_grad(set_to_none=True)
+            torch.manual_seed(2)
+            loss = run(x, mask)
+            loss.backward()
+            results.append((loss.detach(), {key: value.grad.clone() for key, value in layer.named_parameters()}))
+        (eager_loss, eager), (compiled_loss, compiled_gradients) = results
+        torch.testing.assert_close(compiled_loss, eager_loss, rtol=1e-5, atol=1e-6)
+        for key, value in eager.items():
+            scale = 1e-5 * float(value.abs().max())
+            torch.testing.assert_close(compiled_gradients[key], value, rtol=1e-4, atol=scale, msg=f"{batch} {key}")
