@@ -207,11 +207,15 @@ class AmortizedSelfScores(torch.autograd.Function):
                         sums = torch.linalg.vecdot(wide_scores * square_mask, wide_scores)
                 half_inverse = torch.div(0.5, singular_values)  # 1 / (2 lambda)
                 coupling = paired.prod(1).sum((-2, -1))  # Tr(W_e^T W_r)
-                objective = torch.einsum("bqhs,hs->bh", sums, half_inverse) - coupling  # an output: not in place
-                if is_compiling():  # laid out as the gradient autograd hands back: dynamo traces the backward pass
-                    # with a gradient laid out as this output (here (1, B) strides), and under dynamic shapes it read
-                    # the batch size from that layout's strides, wrong for the real gradient
-                    objective = objective.contiguous()
+                weighted = torch.einsum("bqhs,hs->bh", sums, half_inverse)  # strides (1, B)
+                if is_compiling():  # laid out as the gradient autograd hands back (contiguous): dynamo traces the
+                    # backward pass with a gradient laid out as this output, and under dynamic shapes it read the
+                    # batch size from the strides of (1, B). -c + w is w - c exactly, in the contiguous layout of c;
+                    # a fresh tensor, not .contiguous() (an alias at B = 1: torch 2.11 then got the tokens' gradient
+                    # wrong)
+                    objective = coupling.neg() + weighted
+                else:
+                    objective = weighted - coupling  # an output: not in place
         if is_compiling():
             magnitude = scores.new_empty(0)
         else:  # one number for the caller's checks (see the docstring)

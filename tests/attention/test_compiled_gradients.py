@@ -208,7 +208,7 @@ def test_a_masked_step_compiles_for_a_second_batch_size(name):
     torch._dynamo.reset()
     compiled = torch.compile(step, backend="aot_eager")
     generator = torch.Generator().manual_seed(1)
-    for batch in (4, 3, 5):
+    for batch in (4, 3, 1, 5):  # 1: the size at which .contiguous() returns its tensor (torch 2.11 then erred)
         x = torch.randn(batch, 8, 16, generator=generator)
         mask = torch.arange(8) < torch.randint(4, 9, (batch, 1), generator=generator)
         results = []
