@@ -37,6 +37,22 @@ def _step(layer: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
     return loss
 
 
+def _assert_same_step(layer: torch.nn.Module, step, compiled, *arguments: torch.Tensor) -> None:
+    # the loss and every parameter's gradient of the compiled step are the eager step's, with the same draws
+    results = []
+    for run in (step, compiled):
+        layer.zero_grad(set_to_none=True)
+        torch.manual_seed(2)
+        loss = run(*arguments)
+        loss.backward()
+        results.append((loss.detach(), {key: value.grad.clone() for key, value in layer.named_parameters()}))
+    (eager_loss, eager), (compiled_loss, compiled_gradients) = results
+    torch.testing.assert_close(compiled_loss, eager_loss, rtol=1e-5, atol=1e-6)
+    for key, value in eager.items():
+        scale = 1e-5 * float(value.abs().max())
+        torch.testing.assert_close(compiled_gradients[key], value, rtol=1e-4, atol=scale, msg=key)
+
+
 @pytest.mark.parametrize("training", [True, False], ids=["train", "eval"])
 @pytest.mark.parametrize("name", list(CONFIGURATIONS))
 def test_a_compiled_step_gives_the_eager_gradients_of_every_parameter(name, training):
@@ -125,17 +141,7 @@ def test_a_masked_step_adds_no_graph_break_gives_the_eager_gradients_and_still_r
             assert counts[1] == (1, 0), explained.break_reasons
     torch._dynamo.reset()
     compiled = torch.compile(step, backend="aot_eager")
-    results = []
-    for run in (step, compiled):
-        layer.zero_grad(set_to_none=True)
-        torch.manual_seed(2)
-        loss = run(x, mask)
-        loss.backward()
-        results.append((loss.detach(), {key: value.grad.clone() for key, value in layer.named_parameters()}))
-    (eager_loss, eager), (compiled_loss, compiled_gradients) = results
-    torch.testing.assert_close(compiled_loss, eager_loss, rtol=1e-5, atol=1e-6)
-    for key, value in eager.items():
-        torch.testing.assert_close(compiled_gradients[key], value, rtol=1e-4, atol=1e-5 * float(value.abs().max()))
+    _assert_same_step(layer, step, compiled, x, mask)
     empty = mask.clone()
     empty[0] = False
     with pytest.raises(ValueError, match=r"sequence\(s\) \[0\]: " + EMPTY):
@@ -211,15 +217,4 @@ def test_a_masked_step_compiles_for_a_second_batch_size(name):
     for batch in (4, 3, 1, 5):  # 1: the size at which .contiguous() returns its tensor (torch 2.11 then erred)
         x = torch.randn(batch, 8, 16, generator=generator)
         mask = torch.arange(8) < torch.randint(4, 9, (batch, 1), generator=generator)
-        results = []
-        for run in (step, compiled):
-            layer.zero_grad(set_to_none=True)
-            torch.manual_seed(2)
-            loss = run(x, mask)
-            loss.backward()
-            results.append((loss.detach(), {key: value.grad.clone() for key, value in layer.named_parameters()}))
-        (eager_loss, eager), (compiled_loss, compiled_gradients) = results
-        torch.testing.assert_close(compiled_loss, eager_loss, rtol=1e-5, atol=1e-6)
-        for key, value in eager.items():
-            scale = 1e-5 * float(value.abs().max())
-            torch.testing.assert_close(compiled_gradients[key], value, rtol=1e-4, atol=scale, msg=f"{batch} {key}")
+        _assert_same_step(layer, step, compiled, x, mask)
