@@ -570,6 +570,7 @@ def _timed_steps(row: str, where: str, compiled: bool, args: argparse.Namespace,
     """The median milliseconds per training step of the MNIST-1D comparison model of ``row`` on ``where`` (after the
     warm-up steps), the warm-up's seconds (a compiled model compiles there) and the batch size."""
     from gpattn.comparison import CompareConfig
+    from gpattn.comparison.runner import run_environment
     from gpattn.comparison.runs import build_model, compile_model, make_train_config
     from gpattn.methods import get_method
     from gpattn.training import Callback, train_model
@@ -586,19 +587,19 @@ def _timed_steps(row: str, where: str, compiled: bool, args: argparse.Namespace,
             if len(self.ends) == self.warmup + self.steps + 1:
                 raise _EnoughSteps
 
-    config = CompareConfig(attentions=(row,), device=where, tuned=False, progress=False)
+    config = CompareConfig(attentions=(row,), device=where, threads=1, tuned=False, progress=False)
     method = get_method(row)
     hyperparameters = config.hyperparameters("mnist1d", method, data.defaults)
-    torch.manual_seed(0)
-    model = build_model(method, hyperparameters, data.num_classes, data.model_kwargs).to(where)
-    if compiled:
-        compile_model(model, where)
     timer = StepTimer(args.train_step_warmup, args.train_step_steps)
-    start = time.perf_counter()
-    with contextlib.suppress(_EnoughSteps):
-        train_model(
-            model, data.train, data.val, make_train_config(config, method, hyperparameters, 0), callbacks=[timer]
-        )
+    with run_environment(config):  # one thread, and deterministic kernels on CUDA, as a comparison's runs
+        torch.manual_seed(0)
+        model = build_model(method, hyperparameters, data.num_classes, data.model_kwargs).to(where)
+        if compiled:
+            compile_model(model, where)
+        train_config = make_train_config(config, method, hyperparameters, 0)
+        start = time.perf_counter()
+        with contextlib.suppress(_EnoughSteps):
+            train_model(model, data.train, data.val, train_config, callbacks=[timer])
     timed = timer.ends[args.train_step_warmup :]
     intervals = sorted(later - earlier for earlier, later in itertools.pairwise(timed))
     return {
@@ -610,8 +611,7 @@ def _timed_steps(row: str, where: str, compiled: bool, args: argparse.Namespace,
 
 
 def train_step(device: torch.device, args: argparse.Namespace, deadline: float) -> dict:
-    from gpattn.comparison import CompareConfig, load_task
-    from gpattn.comparison.runner import run_environment
+    from gpattn.comparison import load_task
 
     data = load_task("mnist1d")
     variants = [(str(device), False)] + [(str(device), True)] * (not args.smoke)
@@ -619,17 +619,16 @@ def train_step(device: torch.device, args: argparse.Namespace, deadline: float) 
         variants.append(("cpu", False))
     rows: dict = {}
     for row in args.train_step_rows:
+        entry = rows[row] = {}
         for where, compiled in variants:
             name = f"{where}{' compiled' if compiled else ''}"
             if time.perf_counter() > deadline:
-                rows.setdefault(row, {})[name] = "skipped: time budget"
+                entry[name] = "skipped: time budget"
                 continue
             try:
-                with run_environment(CompareConfig(device=where, threads=1)):
-                    rows.setdefault(row, {})[name] = _timed_steps(row, where, compiled, args, data)
+                entry[name] = _timed_steps(row, where, compiled, args, data)
             except Exception as error:  # noqa: BLE001 (recorded: the other variants still run)
-                rows.setdefault(row, {})[name] = {"error": f"{type(error).__name__}: {error}"}
-        entry = rows[row]
+                entry[name] = {"error": f"{type(error).__name__}: {error}"}
         _step_ratio(entry, "compiled / eager", f"{device} compiled", str(device))
         if device.type != "cpu":
             _step_ratio(entry, f"{device.type} / cpu", str(device), "cpu")
