@@ -74,6 +74,12 @@ def compilable(apply: Callable[..., Any]) -> Callable[..., Any]:
     return apply if TRACES_FUNCTIONS else torch._dynamo.disable(apply)
 
 
+def recompile_limit_name() -> str:
+    """The name of dynamo's limit of compiled graphs per function in ``torch._dynamo.config``: ``recompile_limit``,
+    ``cache_size_limit`` before its rename (read at the call: importing the config loads dynamo)."""
+    return "recompile_limit" if hasattr(torch._dynamo.config, "recompile_limit") else "cache_size_limit"
+
+
 def eager_calls() -> AbstractContextManager:
     """A block in which every ``torch.compile``'d function runs its Python code eagerly
     (``torch.compiler.set_stance("force_eager")``, torch 2.6+; no effect before): for a pass whose forward hooks must

@@ -31,6 +31,7 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_map
 
+from .._torch_compat import recompile_limit_name
 from ..attention import build_attention
 from ..methods import Hyperparameters, MethodSpec, get_method, resolve_method
 from ..models import LastLayerLaplace, Transformer
@@ -142,7 +143,7 @@ def compile_model(model: torch.nn.Module, device: str | torch.device) -> torch.n
     """
     cuda = torch.device(device).type == "cuda"
     options = {"fallback_random": True, **({"triton.cudagraphs": True} if cuda else {})}
-    limit = "recompile_limit" if hasattr(torch._dynamo.config, "recompile_limit") else "cache_size_limit"
+    limit = recompile_limit_name()
     setattr(torch._dynamo.config, limit, max(getattr(torch._dynamo.config, limit), RECOMPILE_LIMIT))
     compiled = torch.compile(model.forward, dynamic=False, options=options)
     if not cuda:

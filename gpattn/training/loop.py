@@ -350,9 +350,9 @@ class _Loop:
     def _largest_parameter(self) -> Tensor:
         # the largest |parameter| entry (0-dim, on the device, in read_dtype; NaN propagates), from one fused max-norm
         # pass, not one per parameter
-        norms = torch._foreach_norm(self.parameters, math.inf) if self.parameters else []
-        if not norms:
+        if not self.parameters:
             return torch.zeros((), device=self.device, dtype=self.read_dtype)
+        norms = torch._foreach_norm(self.parameters, math.inf)
         return torch.stack([norm.to(self.read_dtype) for norm in norms]).amax()
 
     def _fail(self, message: str, step: int | None = None, cause: BaseException | None = None) -> None:

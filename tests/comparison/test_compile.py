@@ -11,6 +11,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from gpattn._torch_compat import recompile_limit_name
 from gpattn.cli import main
 from gpattn.comparison import CompareConfig, build_model, model_fidelity
 from gpattn.comparison import config as config_module
@@ -131,8 +132,7 @@ def test_past_dynamos_default_limit_a_compiled_model_still_compiles(eager_backen
     static shapes make eleven graphs, every one of them compiled."""
     torch.manual_seed(0)
     model = compile_model(_small_transformer("softmax").eval(), "cpu")
-    limit = "recompile_limit" if hasattr(torch._dynamo.config, "recompile_limit") else "cache_size_limit"
-    assert getattr(torch._dynamo.config, limit) >= RECOMPILE_LIMIT > 11
+    assert getattr(torch._dynamo.config, recompile_limit_name()) >= RECOMPILE_LIMIT > 11
     with torch._dynamo.config.patch(automatic_dynamic_shapes=False), torch.no_grad():
         for batch in range(1, 12):
             model(torch.randn(batch, 16, 1))
