@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from gpattn.attention import CGPTAttention, SGPAAttention, SoftmaxAttention, SymmetricSVGPAttention
+from gpattn.attention import CGPTAttention, SGPAAttention, SoftmaxAttention, SymmetricSVGPAttention, softmax_attention
 from gpattn.validation import check_overflow, check_token_magnitude, square_limit, token_magnitude_limit
 
 GROWTH = "the scores grow like |x|^2"
@@ -65,6 +65,73 @@ def test_layers_refuse_tokens_beyond_the_range_of_their_dtype(name, training, dt
     layer_name = type(layer).__name__
     with pytest.raises(ValueError, match=rf"{layer_name}.*: the input tokens reach .*too large for {dtype}.*rescale"):
         layer(tokens)
+
+
+@pytest.mark.parametrize("training", [False, True])
+def test_softmax_refuses_overflowing_scores_whatever_its_kernel_returns(monkeypatch, training):
+    """The fused CPU kernel of torch 2.13 returned zeros instead of NaN for overflowing scores on an AMD EPYC
+    processor, so the guard checks the scores, not only the output: with a kernel that always returns zeros the
+    tokens of 1e20 are still refused (the check of the output alone let them through)."""
+    monkeypatch.setattr(softmax_attention.F, "scaled_dot_product_attention", lambda q, k, v, **_: torch.zeros_like(q))
+    layer = SoftmaxAttention(16, 2).train(training)
+    tokens = 1e20 * torch.randn(2, 5, 16, generator=torch.Generator().manual_seed(1))
+    with pytest.raises(ValueError, match=r"SoftmaxAttention: the input tokens reach .*too large for torch.float32"):
+        layer(tokens)
+
+
+def _softmax_reference(layer: SoftmaxAttention, tokens: torch.Tensor) -> torch.Tensor:
+    # the layer written out: explicit scores and softmax
+    queries, keys, values = (
+        layer.split_heads(projection(tokens)) for projection in (layer.q_proj, layer.k_proj, layer.v_proj)
+    )
+    output = (queries @ keys.mT / math.sqrt(layer.head_dim)).softmax(-1) @ values
+    return layer.out_proj(output.transpose(1, 2).flatten(2))
+
+
+def test_softmax_past_the_bound_checks_the_scores_themselves(monkeypatch):
+    """float16 queries and keys of ~300 pass the bound p max|q| max|k| / sqrt(p) (65504 in float16) without a single
+    score overflowing (queries and keys orthogonal): no error, although the tokens (|x| = 300) are beyond float16's
+    token limit of 0.26, and the scores are formed in blocks (a block of one query here)."""
+    monkeypatch.setattr(softmax_attention, "SCORE_BLOCK", 4)
+    torch.manual_seed(0)
+    layer = SoftmaxAttention(4, 1).double()
+    with torch.no_grad():
+        for projection in (layer.q_proj, layer.k_proj, layer.v_proj):
+            projection.bias.zero_()
+        layer.q_proj.weight.copy_(torch.diag(torch.tensor([1.0, 0.0, 0.0, 0.0])))  # q along the first axis
+        layer.k_proj.weight.copy_(torch.diag(torch.tensor([0.0, 1.0, 1.0, 0.0])))  # k orthogonal to every q
+    layer = layer.half()
+    tokens = torch.tensor([[[300.0, 0.0, 0.0, 1.0], [0.0, 300.0, 0.0, 2.0], [0.0, 0.0, 300.0, 3.0]]])
+    output = layer(tokens.half())
+    expected = _softmax_reference(layer.double(), tokens.double())
+    # float16's rounding of values of about 300, relative to the largest entry (out_proj sums them with both signs)
+    torch.testing.assert_close(output.double(), expected, rtol=0, atol=2e-3 * expected.abs().max().item())
+
+
+@pytest.mark.parametrize("block", [1, 2**22], ids=["one-query-blocks", "one-block"])
+def test_softmax_score_check_skips_the_scores_no_query_attends_with(monkeypatch, block):
+    """Past the bound the scores are formed and checked where a query attends: a key whose scores overflow is
+    refused unless it is masked (padding) or later than every query that would meet it (causal)."""
+    monkeypatch.setattr(softmax_attention, "SCORE_BLOCK", block * 2 * 4)  # 2 heads, 4 keys
+    queries = torch.full((1, 2, 4, 8), 10.0)
+    keys = torch.ones(1, 2, 4, 8)
+    keys[..., -1, :] = 1e38  # its scores with every query (8 * 10 * 1e38 / sqrt(8)) overflow float32
+    heads = torch.zeros(1, 2, 4, 8)  # what a kernel that hides the overflow returns
+    check = softmax_attention._scores_within_range
+    assert not check(queries, keys, heads, None, False)
+    padding = torch.tensor([[True, True, True, False]])
+    assert check(queries, keys, heads, padding[:, None, None, :], False)  # masked: never attended
+    assert not check(queries, keys, heads, None, True)  # causal: the last query meets the last key
+    queries[..., -1, :] = 0.0  # ... with a score of 0: no query attends with an overflowing score
+    assert check(queries, keys, heads, None, True)
+    assert not check(queries, keys, heads, None, False)  # without the causal mask the others do
+    queries[..., -1, :] = 10.0
+    keys[..., -1, :] = 1.0
+    keys[..., 1, :] = 1e38  # a key the later queries attend to
+    assert not check(queries, keys, heads, None, True)
+    assert check(queries, keys, heads.fill_(1.0), None, False) is False  # a finite output does not settle it
+    assert not check(torch.ones(1, 2, 4, 8), torch.ones(1, 2, 4, 8), heads.fill_(math.nan), None, False)
+    assert check(torch.ones(1, 2, 4, 8), torch.ones(1, 2, 4, 8), heads.fill_(1.0), None, False)
 
 
 @pytest.mark.parametrize(("dtype", "magnitude"), [(torch.float32, 1e6), (torch.float32, 1e20), (torch.float64, 1e160)])
