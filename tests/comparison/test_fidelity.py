@@ -76,7 +76,12 @@ def test_padded_sequences_shorter_than_the_rank_are_left_out():
     data.labels = torch.zeros(3, dtype=torch.long)
     fidelity = model_fidelity(model, data)["layer_2"]
     kept = type("Tokens", (), {"tokens": data.tokens[[0, 2]], "mask": data.mask[[0, 2]], "labels": data.labels[:2]})
-    assert fidelity == model_fidelity(model, kept)["layer_2"]
+    expected = model_fidelity(model, kept)["layer_2"]
+    # equal to float64 rounding: the GEMMs over a batch of 3 and of 2 sequences may round differently (1e-15 relative
+    # on an AMD EPYC processor); with the short sequence counted the numbers would differ in their leading digits
+    assert fidelity.keys() == expected.keys()
+    for name, value in expected.items():
+        assert fidelity[name] == pytest.approx(value, rel=1e-12, abs=1e-14), name
 
 
 class _Snapshot(Callback):
