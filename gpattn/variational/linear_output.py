@@ -90,15 +90,21 @@ class LinearOutput(torch.autograd.Function):
             draws = draws.expand(-1, -1, branches, -1, -1)
         elif branches < stacked:
             draws = draws[:, :, :branches]
-        inverse = _inverse_scales(singular_values, active, mean.dtype)  # Lambda^{-1}: (H, s) or (B, H, s), or None
-        aligned = None if inverse is None else _aligned(inverse)  # Lambda^{-1} as a factor of the draws
-        scaled = draws if inverse is None else draws * aligned  # U Lambda^{-1}: (H, d_out, br, s, B)
-        coefficients = torch.einsum(f"hdqsb,{_maps_letters(maps)}->bqhsc", scaled, maps)  # (B, br, H, s, C)
-        coefficients = coefficients.reshape(coefficients.shape[0], -1, coefficients.shape[-1])  # (B or 1, K, C)
+        # U Lambda^{-1} (H, d_out, br, s, B): divided by Lambda ((H, s) or (B, H, s)), or times Lambda^{-1} with zeros
+        # for the inactive directions (1 where whitened), or unscaled
+        ctx.divides = singular_values is not None and active is None
+        ctx.per_sequence = singular_values is not None and singular_values.dim() == 3
+        inverse = None if ctx.divides else _inverse_scales(singular_values, active, mean.dtype)
+        aligned = _aligned(singular_values if ctx.divides else inverse)  # as a factor of the draws, or None
+        scaled = _scaled(draws, aligned, ctx.divides)
+        # A = (U Lambda^{-1})^T C in the GEMM's own order (H, br, s, B, C), then one copy into the output GEMM's
+        # (B or 1, K, C), K ordered (branch, head, direction)
+        coefficients = torch.einsum(_PRODUCTS[maps.dim()][0], scaled, maps)
+        coefficients = coefficients.permute(_TO_SEQUENCES[maps.dim()]).reshape(scaled.shape[-1], -1, maps.shape[-1])
         if coefficients.shape[0] != columns.shape[0]:  # one coefficient matrix for every sequence
             coefficients = coefficients.expand(columns.shape[0], -1, -1)
         output = torch.baddbmm(bias, columns.mT, coefficients)
-        ctx.save_for_backward(columns, coefficients, lower, noise, scaled, inverse, aligned, maps)
+        ctx.save_for_backward(columns, coefficients, lower, noise, scaled, aligned, maps)
         ctx.stacked, ctx.drawn, ctx.bias_shape = stacked, drawn, bias.shape
         return output
 
@@ -109,7 +115,7 @@ class LinearOutput(torch.autograd.Function):
 
 
 def _backward(ctx, grad: Tensor) -> tuple:
-    columns, coefficients, lower, noise, scaled, inverse, aligned, maps = ctx.saved_tensors
+    columns, coefficients, lower, noise, scaled, aligned, maps = ctx.saved_tensors
     needs = ctx.needs_input_grad
     heads, outputs, branches, rank, samples = scaled.shape  # B draws, or B sequences of their own Lambda
     # e.g. the expanded gradient of output.sum(): one copy, not one per sequence in bmm (while compiling, always: torch
@@ -123,19 +129,21 @@ def _backward(ctx, grad: Tensor) -> tuple:
     grad_coefficients = torch.bmm(columns, grad)  # (B, K, C)
     if samples == 1:  # one coefficient matrix for every sequence
         grad_coefficients = grad_coefficients.sum(0, keepdim=True)
-    grad_coefficients = grad_coefficients.view(samples, branches, heads, rank, -1)
-    maps_letters = _maps_letters(maps)
+    # dA in the order of the forward GEMM's output, (H, br, s, B, C) or (br, H, s, B, C): one copy of a small tensor
+    grad_coefficients = grad_coefficients.view(samples, branches, heads, rank, -1).permute(_TO_GEMM[maps.dim()])
+    grad_coefficients = grad_coefficients.contiguous()
+    _, maps_product, scaled_product = _PRODUCTS[maps.dim()]
     grad_maps = grad_mean = grad_factor = grad_singular_values = None
     if needs[7]:  # (U Lambda^{-1})^T dA, summed over the branches of a shared map
-        grad_maps = torch.einsum(f"hdqsb,bqhsc->{maps_letters}", scaled, grad_coefficients)
-    if not (needs[2] or needs[3] or (inverse is not None and needs[5])):
+        grad_maps = torch.einsum(maps_product, scaled, grad_coefficients)
+    if not (needs[2] or needs[3] or needs[5]):
         return grad_columns, grad_bias, None, None, None, None, None, grad_maps, None
-    grad_scaled = torch.einsum(f"bqhsc,{maps_letters}->hdqsb", grad_coefficients, maps)  # C dA^T: (H, d_out, br, s, B)
-    if inverse is not None and needs[5]:  # d Lambda = -Lambda^{-2} d(Lambda^{-1}) = -Lambda^{-1} sum (C dA^T) U_scaled
-        total = torch.einsum(f"hdqsb,hdqsb->{'hs' if inverse.dim() == 2 else 'bhs'}", grad_scaled, scaled)
-        grad_singular_values = total.mul_(inverse).neg_()
-    if needs[2] or needs[3]:  # dU = C dA^T Lambda^{-1}, summed over the branches that read one q(u)
-        grad_draws = grad_scaled if inverse is None else grad_scaled * aligned  # (H, d_out, branches, s, B)
+    # dU = C dA^T Lambda^{-1} of every branch read: (H, d_out, branches, s, B)
+    grad_draws = _scaled(torch.einsum(scaled_product, maps, grad_coefficients), aligned, ctx.divides)
+    if needs[5]:  # d Lambda = -Lambda^{-2} sum (C dA^T) U = -sum dU (U Lambda^{-1}), (H, s) or per sequence (B, H, s)
+        total = (grad_draws * scaled).sum((1, 2) if ctx.per_sequence else (1, 2, 4))
+        grad_singular_values = (total.permute(2, 0, 1) if ctx.per_sequence else total).neg_()
+    if needs[2] or needs[3]:  # summed over the branches that read one q(u)
         if ctx.stacked == 1:  # one q(u) read by every branch
             grad_draws = grad_draws.sum(2, keepdim=True)
         elif branches < ctx.stacked:  # branches not read get no gradient
@@ -146,16 +154,35 @@ def _backward(ctx, grad: Tensor) -> tuple:
     return grad_columns, grad_bias, grad_mean, grad_factor, None, grad_singular_values, None, grad_maps, None
 
 
-def _maps_letters(maps: Tensor) -> str:
-    # the einsum subscripts of the maps: (H, d_out, C) shared by every branch, or one per branch (branches, H, d_out, C)
-    return "hdc" if maps.dim() == 3 else "qhdc"
+# The products' einsums are written so that no operand is copied: torch.einsum lays a product out as (batch, free,
+# summed) dimensions, the free ones in the order the output names them and the summed ones in the alphabetical order of
+# their letters, and copies an operand whose dimensions then do not collapse into the GEMM's (five copies per training
+# step before, each a kernel launch on a GPU). The coefficients keep the GEMM's own order, (H, br, s, B, C), and the one
+# copy left per pass, into or out of the output GEMM's (B, K, C), is explicit. With one map per branch (merge="concat")
+# the (branch, head) batch does not collapse and einsum copies.
+_PRODUCTS = {  # maps' dimensions -> (coefficients, their maps' gradient, the scaled draws' gradient)
+    3: ("hdqsb,hdc->hqsbc", "hdijk,hijkc->hdc", "hdc,hqsbc->hdqsb"),  # i, j, k: the summed (branch, s, B) in order
+    4: ("hdqsb,qhdc->qhsbc", "hdqsb,qhsbc->qhdc", "qhdc,qhsbc->hdqsb"),
+}
+# from the GEMM's order (H, br, s, B, C) or (br, H, s, B, C) to (B, br, H, s, C) = (B, K, C), and back
+_TO_SEQUENCES = {3: (3, 1, 0, 2, 4), 4: (3, 0, 1, 2, 4)}
+_TO_GEMM = {3: (2, 1, 3, 0, 4), 4: (1, 2, 3, 0, 4)}
 
 
-def _aligned(inverse: Tensor) -> Tensor:
-    # Lambda^{-1} ((H, s), or (B, H, s) per sequence) as a factor of the draws (H, d_out, branches, s, B or 1)
-    if inverse.dim() == 2:
-        return inverse.view(inverse.shape[0], 1, 1, inverse.shape[1], 1)
-    return inverse.permute(1, 2, 0).unflatten(0, (inverse.shape[1], 1, 1))
+def _aligned(scales: Tensor | None) -> Tensor | None:
+    # Lambda or Lambda^{-1} ((H, s), or (B, H, s) per sequence) aligned with the draws (H, d_out, branches, s, B or 1)
+    if scales is None:
+        return None
+    if scales.dim() == 2:
+        return scales.view(scales.shape[0], 1, 1, scales.shape[1], 1)
+    return scales.permute(1, 2, 0).unflatten(0, (scales.shape[1], 1, 1))
+
+
+def _scaled(draws: Tensor, aligned: Tensor | None, divides: bool) -> Tensor:
+    # the draws (or their gradient) times Lambda^{-1}: divided by the aligned Lambda, or times the aligned Lambda^{-1}
+    if aligned is None:
+        return draws
+    return draws / aligned if divides else draws * aligned
 
 
 def _inverse_scales(singular_values: Tensor | None, active: Tensor | None, dtype: torch.dtype) -> Tensor | None:

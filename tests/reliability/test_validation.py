@@ -62,7 +62,15 @@ from gpattn.metrics import (
 from gpattn.mlls import AttentionELBO, KSVDAddedLossTerm
 from gpattn.models import KernelEigenPairSVGP, Transformer, predict_probabilities
 from gpattn.plotting import plot_pair_posterior, write_comparison_figures
-from gpattn.validation import InputTypeError, check_choice, check_device, check_float, check_int, check_tensor
+from gpattn.validation import (
+    InputTypeError,
+    all_finite,
+    check_choice,
+    check_device,
+    check_float,
+    check_int,
+    check_tensor,
+)
 from gpattn.variational import KernelEigenVariationalStrategy
 
 EMBED_DIM, NUM_HEADS, BATCH, LENGTH = 8, 2, 2, 5
@@ -141,6 +149,40 @@ def test_helpers_accept_good_values():
     check_tensor("x", torch.ones(2, device="meta"), finite=True)
     with torch.autocast("cpu", dtype=torch.bfloat16):  # autocast mixes dtypes on purpose
         check_tensor("x", torch.ones(2, dtype=torch.bfloat16), like=torch.ones(1))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64])
+def test_all_finite_against_isfinite(dtype):
+    """all_finite against torch.isfinite(...).all(): finite values, a NaN, both infinities, and finite entries whose sum
+    overflows (settled by the second pass); complex, integer and empty tensors."""
+    largest = torch.finfo(dtype).max
+    cases = [
+        torch.randn(5, 7).to(dtype),
+        torch.tensor([1.0, math.nan, 2.0], dtype=dtype),
+        torch.tensor([1.0, math.inf], dtype=dtype),
+        torch.tensor([-math.inf, 0.0], dtype=dtype),
+        torch.tensor([largest, largest, largest], dtype=dtype),
+    ]
+    for value in cases:
+        assert all_finite(value) is bool(torch.isfinite(value).all()), value
+    assert all_finite(torch.tensor([1 + 2j, math.nan + 0j])) is False
+    assert all_finite(torch.tensor([1 + 2j, 3 - 1j])) is True
+    assert all_finite(torch.arange(4)) is True
+    assert all_finite(torch.empty(0)) is True
+
+
+def test_all_finite_reads_a_finite_tensor_with_two_operators():
+    """The finite path is the sum and its read (on a GPU one kernel and one synchronisation; it was three operators,
+    with torch.isfinite on the sum)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    value = torch.randn(100)
+    with profile(activities=[ProfilerActivity.CPU]) as profiler:
+        assert all_finite(value)
+    top_level = [
+        event.name for event in profiler.events() if event.name.startswith("aten::") and event.cpu_parent is None
+    ]
+    assert top_level == ["aten::sum", "aten::item"], top_level
 
 
 def test_input_type_error_is_both():

@@ -147,6 +147,46 @@ def test_linear_output_gradients(case: str):
     assert torch.autograd.gradcheck(function, [values[name] for name in present])
 
 
+def test_linear_output_with_one_sequence_of_its_own_spectrum():
+    """A spectrum per sequence (B, H, s) with B = 1 keeps its sequence dimension in the gradient (the shapes of (H, s)
+    and (1, H, s) draws differ only there): gradcheck and the formula."""
+    columns, bias, mean, factor, noise, singular_values, active, maps, branches = _linear_output_inputs(
+        "spectrum-per-sequence-joint"
+    )
+    columns = columns[:1].detach().requires_grad_()
+    singular_values = singular_values[:1].detach().requires_grad_()
+    noise, active = noise[:1], active[:1]
+    inputs = (columns, bias, mean, factor, noise, singular_values, active, maps, branches)
+    torch.testing.assert_close(LinearOutput.apply(*inputs), _expected_output(*inputs), rtol=1e-12, atol=1e-12)
+    assert torch.autograd.gradcheck(
+        lambda *tensors: LinearOutput.apply(*tensors[:3], tensors[3], noise, tensors[4], active, tensors[5], branches),
+        (columns, bias, mean, factor, singular_values, maps),
+    )
+
+
+@pytest.mark.parametrize("case", ["pair-joint", "pair-mean", "shared-posterior", "spectrum-per-sequence-joint"])
+def test_linear_output_copies_one_small_tensor_per_pass(case: str):
+    """The products are laid out so that no operand is copied (each copy is a kernel launch on a GPU): one copy of the
+    coefficients forward (into the output GEMM's layout) and one of their gradient backward, whatever the case, besides
+    the output GEMM's copy of the bias (the einsums of the code before copied operands three to five more times)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    inputs = _linear_output_inputs(case)
+    grad = torch.randn(B, N, C, dtype=DTYPE)  # contiguous, as a next layer hands it back
+    with profile(activities=[ProfilerActivity.CPU]) as profiler:
+        LinearOutput.apply(*inputs).backward(grad)
+
+    def inside_the_function(event) -> bool:  # not the AccumulateGrad of the leaf inputs
+        parent = event.cpu_parent
+        while parent is not None and "LinearOutput" not in parent.name:
+            parent = parent.cpu_parent
+        return parent is not None
+
+    copies = [event for event in profiler.events() if event.name == "aten::copy_" and inside_the_function(event)]
+    copies = [event for event in copies if event.cpu_parent.name != "aten::baddbmm"]  # the bias into the output GEMM's
+    assert len(copies) == 2, [event.cpu_parent.name for event in copies]
+
+
 # -- MarginalNoiseOutput ---------------------------------------------------------------------------------------------
 def _noise_inputs(branches: int, extra: bool, seed: int = 20) -> tuple:
     interps = _randn(branches, B, H, N, S, seed=seed)
