@@ -280,9 +280,18 @@ def _load() -> float:
     return os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
 
 
-def count_ops(step) -> int:
+def count_ops(step, leaves: bool = False) -> int:
     """The number of operators one call of ``step`` runs, forward and backward: the profiler's ``aten::`` events
-    that are not nested in another ``aten::`` event (views included)."""
+    that are not nested in another ``aten::`` event (views included).
+
+    With ``leaves`` instead the operators that do the work: of each such event, the innermost ``aten::`` events, less
+    those that move no data (views, metadata, allocations, reads of a number). A copy inside a composite operator
+    (``einsum`` copying an operand, ``reshape`` of a non-contiguous view) counts, a view does not: on CPU a proxy of the
+    kernel launches of the step on a GPU. It is close for the KEP rows (at commit e2ebea5, 163 for ``kep_svgp``'s PyTorch
+    path and 238 for the official-style row, whose code the H200 ran at commit 9bc61b0 with 165 and 246 launches), not
+    for every row: CPU and CUDA kernels decompose some operators differently (``isfinite`` is four leaves on CPU;
+    softmax's fused attention and the floor's linear layers launch other kernels: 34 and 69 leaves against 43 and 41
+    launches)."""
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU]) as profiler:
@@ -294,8 +303,28 @@ def count_ops(step) -> int:
         parent = event.cpu_parent
         while parent is not None and not parent.name.startswith("aten::"):
             parent = parent.cpu_parent
-        count += parent is None
+        if parent is None:
+            count += _working_leaves(event) if leaves else 1
     return count
+
+
+#: operators that move no data: views, metadata, allocations, reads of a number, and composites whose work is nested
+NO_WORK = frozenset(
+    f"aten::{name}"
+    for name in (
+        "view _unsafe_view reshape _reshape_alias expand expand_as transpose t mT permute select slice unsqueeze "
+        "squeeze as_strided alias unbind split chunk diagonal narrow detach lift_fresh empty empty_like "
+        "empty_strided new_empty new_empty_strided result_type to view_as movedim unflatten flatten resolve_conj "
+        "resolve_neg contiguous is_nonzero item _local_scalar_dense sum_to_size resize_ matmul einsum linalg_vecdot "
+        "clone _to_copy zeros zeros_like ones_like new_zeros"
+    ).split()
+)
+
+
+def _working_leaves(event) -> int:
+    children = [child for child in event.cpu_children if child.name.startswith("aten::")]
+    nested = sum(_working_leaves(child) for child in children)
+    return nested if nested else int(event.name not in NO_WORK)
 
 
 #: the ratios printed with every length: (label, numerator, denominator)
@@ -330,6 +359,7 @@ def run(args: argparse.Namespace) -> dict:
         "kl_times_ms": {},
         "load": {},
         "ops": {},
+        "leaf_ops": {},
     }
     for length in args.lengths:
         x = torch.randn(args.batch, length, args.embed_dim, device=device)
@@ -365,8 +395,14 @@ def run(args: argparse.Namespace) -> dict:
         print(_format_ratios(results["times_ms"][length]), flush=True)
         if args.count_ops:
             results["ops"][length] = {variant: count_ops(step) for variant, step in steps.items()}
+            results["leaf_ops"][length] = {variant: count_ops(step, leaves=True) for variant, step in steps.items()}
             print(
                 "    operators per step: " + ", ".join(f"{v} {n}" for v, n in results["ops"][length].items()),
+                flush=True,
+            )
+            print(
+                "    working leaf operators (a proxy of GPU kernel launches): "
+                + ", ".join(f"{v} {n}" for v, n in results["leaf_ops"][length].items()),
                 flush=True,
             )
     if args.ranks:

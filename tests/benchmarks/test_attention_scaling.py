@@ -80,6 +80,21 @@ def test_count_ops_counts_top_level_operators(bench):
     assert bench.count_ops(lambda: (x * 2).sum()) == 2  # sum's internals are nested in it
 
 
+def test_count_ops_with_leaves_counts_the_operators_that_move_data(bench):
+    x = torch.ones(3, 4)
+    a, b = torch.randn(2, 3, 4), torch.randn(2, 4, 5)
+    assert bench.count_ops(lambda: x.view(4, 3).mT, leaves=True) == 0  # views
+    assert bench.count_ops(lambda: torch.add(x, 1), leaves=True) == 1
+    assert bench.count_ops(lambda: x.mT.contiguous(), leaves=True) == 1  # the copy inside contiguous
+    assert bench.count_ops(lambda: x.mT.reshape(12), leaves=True) == 1  # a reshape that copies
+    assert bench.count_ops(lambda: torch.matmul(a, b), leaves=True) == 1  # the bmm inside matmul
+    # einsum sums its summed dimensions in the alphabetical order of their letters: out of memory order it copies
+    # both operands before its bmm, in order it runs the bmm alone
+    scaled, coefficients = torch.randn(4, 8, 2, 3, 5), torch.randn(4, 2, 3, 5, 16)
+    assert bench.count_ops(lambda: torch.einsum("hdijk,hijkc->hdc", scaled, coefficients), leaves=True) == 1
+    assert bench.count_ops(lambda: torch.einsum("hdqsb,hqsbc->hdc", scaled, coefficients), leaves=True) == 3
+
+
 @pytest.mark.slow  # a cold torch.compile of even a tiny layer takes about a minute on 2 cores
 def test_compiled_layer_equals_eager_and_compiles_once(bench):
     from torch._dynamo.utils import counters
