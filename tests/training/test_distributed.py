@@ -8,6 +8,8 @@ import math
 import os
 import subprocess
 import sys
+import time
+import warnings
 
 import pytest
 import torch
@@ -49,7 +51,17 @@ def _torchrun(attention: str, out) -> subprocess.CompletedProcess:
         "--out",
         str(out),
     ]
-    return subprocess.run(command, env=env, capture_output=True, text=True, timeout=120)
+    # A worker process aborted now and then (SIGABRT, "terminate called without an active exception", within two
+    # seconds of the launch, before gpattn's imports had finished) while the full suite loaded the 2-core machine,
+    # e.g. beside the Ray tests: a launch whose worker died of that signal is made again, at most twice. Any other
+    # failure (an exception, a wrong result) fails at once.
+    for _ in range(3):
+        completed = subprocess.run(command, env=env, capture_output=True, text=True, timeout=120)
+        if completed.returncode == 0 or "(SIGABRT)" not in completed.stderr:
+            break
+        warnings.warn(f"a torchrun worker aborted; launching again:\n{completed.stderr[-1500:]}", stacklevel=2)
+        time.sleep(2.0)
+    return completed
 
 
 @pytest.fixture(scope="module", params=["kep_svgp", "softmax"])
