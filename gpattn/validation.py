@@ -298,7 +298,8 @@ def check_token_magnitude(tokens: Tensor | Sequence[Tensor], growth: str, where:
 def within_bound(values: Sequence[Tensor | None], bound: float = math.inf) -> bool:
     """Whether every tensor of ``values`` (``None`` entries skipped) is finite and within ``[-bound, bound]``: one fused
     max-norm pass over all of them (``torch._foreach_norm``, which propagates NaN) and one host synchronisation,
-    whatever their number. ``True`` while tracing or compiling and for ``meta`` tensors (nothing can be read)."""
+    whatever their number (one per dtype and device when they differ), the comparison made on the host. ``True`` while
+    tracing or compiling and for ``meta`` tensors (nothing can be read)."""
     present = [value for value in values if value is not None and value.numel()]
     if not present or _is_tracing() or any(value.device.type == "meta" for value in present):
         return True  # nothing to check, or no value to read (tracing, compiling, meta tensors)
@@ -306,13 +307,13 @@ def within_bound(values: Sequence[Tensor | None], bound: float = math.inf) -> bo
         groups: dict[tuple[torch.dtype, torch.device], list[Tensor]] = {}
         for value in present:  # _foreach_norm takes one dtype and device per call
             groups.setdefault((value.dtype, value.device), []).append(value)
-        within = None
-        for group in groups.values():  # each group compared in its own dtype (no cast: float64 stays float64)
+        largest = []
+        for group in groups.values():  # each group's largest magnitude in its own dtype (float64 stays float64)
             norms = torch._foreach_norm(group, math.inf)
-            largest = norms[0] if len(norms) == 1 else torch.stack(norms).amax()
-            inside = torch.isfinite(largest) & (largest <= bound)  # NaN fails both
-            within = inside if within is None else within & inside.to(within.device)
-        return bool(within)
+            largest.append(norms[0] if len(norms) == 1 else torch.stack(norms).amax())
+        # one read: the largest magnitudes as Python floats (exact for every floating dtype), compared on the host
+        values = [largest[0].item()] if len(largest) == 1 else torch.stack([v.double().cpu() for v in largest]).tolist()
+        return all(math.isfinite(value) and value <= bound for value in values)  # NaN fails both
 
 
 def check_overflow(

@@ -8,7 +8,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ..validation import _is_tracing, all_finite, check_token_magnitude
+from ..fused import wide_dtype
+from ..validation import _is_tracing, check_token_magnitude
 from ._base import AttentionLayer
 
 #: what overflows at large tokens, for the message of the magnitude guard
@@ -38,14 +39,15 @@ class SoftmaxAttention(AttentionLayer):
     The scores grow like :math:`|x|^2`: scores that overflow, or a NaN or an infinity in the heads' output, raise a
     ``ValueError`` when the tokens exceed :func:`~gpattn.validation.token_magnitude_limit` (1.8e16 in float32,
     1.3e151 in float64). The scores are checked, not only the output: PyTorch's fused CPU kernel can return zeros
-    instead of NaN for overflowing scores (seen with torch 2.13 on an AMD EPYC processor). On the normal path the check
-    is one fused reduction over the queries, keys and output and one synchronisation: no score can overflow while
-    :math:`p \max|Q| \max|K| / \sqrt{p}` is below the dtype's largest value; only past that bound are the scores
-    formed, a block of queries at a time, and checked. The guard sees the forward pass only: PyTorch's fused CPU
-    backward already returns NaN gradients for :math:`W_q, W_k` once the scores reach about :math:`10^{32}` (tokens
-    of about :math:`10^{16}` in float32, :math:`10^{150}` in float64), where the forward output is still finite and
-    the explicit softmax gives the correct zero gradients of a saturated softmax; a training loop meets them as a
-    divergence.
+    instead of NaN for overflowing scores (a row of them comes out as zeros, as a fully masked row does; seen with torch
+    2.13 on an AMD EPYC processor, depending on the values). On the normal path the check is one fused reduction over
+    the queries, keys and output and one synchronisation: no product :math:`\langle q, k \rangle` can overflow while
+    :math:`p \max|Q| \max|K|` is below the largest value of the kernels' accumulation dtype (float32 for half
+    precision); only past that bound are the products formed, a block of queries at a time, and checked. The guard
+    sees the forward pass only: PyTorch's fused CPU backward already returns NaN gradients for :math:`W_q, W_k` once
+    the scores reach about :math:`10^{32}` (tokens of about :math:`10^{16}` in float32, :math:`10^{150}` in float64),
+    where the forward output is still finite and the explicit softmax gives the correct zero gradients of a saturated
+    softmax; a training loop meets them as a divergence.
 
     :param embed_dim: Token width :math:`C`.
     :param num_heads: Number of heads :math:`H` (must divide ``embed_dim``).
@@ -92,30 +94,33 @@ SCORE_BLOCK = 2**22
 
 
 def _scores_within_range(queries: Tensor, keys: Tensor, heads: Tensor, mask: Tensor | None, causal: bool) -> bool:
-    r"""Whether every score :math:`\langle q, k \rangle / \sqrt{p}` a query attends with is finite and the heads'
-    output is (see :class:`SoftmaxAttention`): ``True`` while tracing or compiling and on ``meta`` (nothing to read)."""
+    r"""Whether every product :math:`\langle q, k \rangle` a query attends with (formed before its scaling by
+    :math:`1/\sqrt{p}`, as the fused kernels form it, and in float32 for half precision, the kernels' accumulation
+    dtype) is finite, and the heads' output is (see :class:`SoftmaxAttention`): ``True`` while tracing or compiling and
+    on ``meta`` (nothing to read)."""
     if _is_tracing() or heads.device.type == "meta":
         return True
     with torch.no_grad():
         largest = torch.stack(torch._foreach_norm([queries, keys, heads], math.inf))  # one pass
         largest_query, largest_key, largest_head = largest.tolist()  # one read
-        width = queries.shape[-1]
         if not math.isfinite(largest_head):
             return False
-        if math.sqrt(width) * largest_query * largest_key <= torch.finfo(queries.dtype).max:  # |<q, k>| / sqrt(p)
+        wide = wide_dtype(queries.dtype)
+        if queries.shape[-1] * largest_query * largest_key <= torch.finfo(wide).max:  # |<q, k>| <= p max|q| max|k|
             return True
-        # past the bound: the scores themselves, a block of queries of one sequence at a time
+        # past the bound: the products themselves, a block of queries of one sequence at a time, read once
         length, keys_length = queries.shape[-2], keys.shape[-2]
         block = max(1, SCORE_BLOCK // (queries.shape[1] * keys_length))
+        finite = []
         for sequence in range(queries.shape[0]):
+            sequence_keys = keys[sequence].to(wide).mT
             for start in range(0, length, block):
-                scores = queries[sequence, :, start : start + block] @ keys[sequence].mT / math.sqrt(width)
-                if mask is not None:  # scores of masked keys are never used
-                    scores = scores.masked_fill(~mask[sequence], 0.0)
-                if causal:  # nor those of later keys
-                    rows = torch.arange(start, start + scores.shape[-2], device=scores.device)[:, None]
-                    later = torch.arange(keys_length, device=scores.device) > rows
-                    scores = scores.masked_fill(later, 0.0)
-                if not all_finite(scores):
-                    return False
-    return True
+                products = queries[sequence, :, start : start + block].to(wide) @ sequence_keys
+                if mask is not None:  # products with masked keys are never used
+                    products = products.masked_fill(~mask[sequence], 0.0)
+                if causal:  # nor those with later keys
+                    rows = torch.arange(start, start + products.shape[-2], device=products.device)[:, None]
+                    later = torch.arange(keys_length, device=products.device) > rows
+                    products = products.masked_fill(later, 0.0)
+                finite.append(torch.isfinite(products).all())
+        return bool(torch.stack(finite).all())

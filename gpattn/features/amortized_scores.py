@@ -44,6 +44,8 @@ products run in the autocast dtype (the backward pass under the forward's autoca
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import Tensor
 
@@ -382,5 +384,5 @@ def _check_gradients(gradients: tuple[Tensor | None, ...], tokens: Tensor, where
     for gradient in gradients:
         if gradient is not None:
             total = gradient.sum() if total is None else total + gradient.sum()
-    if total is not None and not bool(torch.isfinite(total)) and not within_bound(gradients):
+    if total is not None and not math.isfinite(total.item()) and not within_bound(gradients):
         check_token_magnitude(tokens, GRADIENT_GROWTH, where, power=5)

@@ -9,7 +9,13 @@ import pytest
 import torch
 
 from gpattn.attention import CGPTAttention, SGPAAttention, SoftmaxAttention, SymmetricSVGPAttention, softmax_attention
-from gpattn.validation import check_overflow, check_token_magnitude, square_limit, token_magnitude_limit
+from gpattn.validation import (
+    check_overflow,
+    check_token_magnitude,
+    square_limit,
+    token_magnitude_limit,
+    within_bound,
+)
 
 GROWTH = "the scores grow like |x|^2"
 
@@ -44,6 +50,33 @@ def test_overflow_check_reads_the_tokens_only_once_a_result_is_not_finite():
     with pytest.raises(ValueError, match="reach"):
         check_overflow((torch.ones(2), torch.tensor([math.inf])), [small, huge], GROWTH, where="Layer")
     assert check_overflow((torch.empty(2, device="meta"),), huge, GROWTH)  # no values on meta: skipped
+
+
+def test_within_bound_against_the_largest_magnitude():
+    """within_bound against max |x| <= bound written out: tensors of one dtype and of several (float32 and float64,
+    each compared in its own dtype's values), NaN, infinities, None and empty entries, and the bound itself."""
+    small, large = torch.tensor([1.0, -3.0]), torch.tensor([2.0, -5.0], dtype=torch.float64)
+    assert within_bound([small, None, torch.empty(0)])
+    assert within_bound([small, large], bound=5.0)  # |-5| = 5: at the bound
+    assert not within_bound([small, large], bound=4.999)
+    assert not within_bound([small, torch.tensor([math.nan], dtype=torch.float64)])
+    assert not within_bound([torch.tensor([-math.inf]), large])
+    assert within_bound([torch.tensor([3e38]), torch.tensor([1e300], dtype=torch.float64)])  # finite, no bound
+    assert not within_bound([torch.tensor([3e38])], bound=1e38)
+
+
+def test_within_bound_reads_one_number_with_two_operators():
+    """One tensor group: the fused max-norm pass and its read, compared on the host (the comparison on the device was
+    three more operators)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    value = torch.randn(10)
+    with profile(activities=[ProfilerActivity.CPU]) as profiler:
+        assert within_bound([value], bound=100.0)
+    top_level = [
+        event.name for event in profiler.events() if event.name.startswith("aten::") and event.cpu_parent is None
+    ]
+    assert top_level == ["aten::_foreach_norm", "aten::item"], top_level
 
 
 LAYERS = {
@@ -88,24 +121,59 @@ def _softmax_reference(layer: SoftmaxAttention, tokens: torch.Tensor) -> torch.T
     return layer.out_proj(output.transpose(1, 2).flatten(2))
 
 
-def test_softmax_past_the_bound_checks_the_scores_themselves(monkeypatch):
-    """float16 queries and keys of ~300 pass the bound p max|q| max|k| / sqrt(p) (65504 in float16) without a single
-    score overflowing (queries and keys orthogonal): no error, although the tokens (|x| = 300) are beyond float16's
-    token limit of 0.26, and the scores are formed in blocks (a block of one query here)."""
-    monkeypatch.setattr(softmax_attention, "SCORE_BLOCK", 4)
-    torch.manual_seed(0)
+def _diagonal_layer(queries: list[float], keys: list[float]) -> SoftmaxAttention:
+    # one head of width 4: q = diag(queries) x, k = diag(keys) x, v = x, no biases, out_proj the identity
     layer = SoftmaxAttention(4, 1).double()
+    with torch.no_grad():
+        for projection, diagonal in ((layer.q_proj, queries), (layer.k_proj, keys), (layer.v_proj, [1.0] * 4)):
+            projection.bias.zero_()
+            projection.weight.copy_(torch.diag(torch.tensor(diagonal, dtype=torch.float64)))
+        layer.out_proj.bias.zero_()
+        layer.out_proj.weight.copy_(torch.eye(4, dtype=torch.float64))
+    return layer
+
+
+def test_softmax_past_the_bound_checks_the_products_themselves(monkeypatch):
+    """Queries and keys of 1e19 pass the bound p max|q| max|k| (3.4e38 in float32) without a single product
+    <q, k> overflowing (queries and keys orthogonal): no error although the tokens are beyond float32's token limit
+    (1.8e16), the output is the float64 reference's, and the products were formed in blocks (one query each)."""
+    monkeypatch.setattr(softmax_attention, "SCORE_BLOCK", 3)  # one head, 3 keys: a block of one query
+    blocks = []
+    matmul = torch.Tensor.__matmul__
+    monkeypatch.setattr(torch.Tensor, "__matmul__", lambda a, b: blocks.append(a.shape) or matmul(a, b))
+    layer = _diagonal_layer([1.0, 0.0, 0.0, 0.0], [0.0, 1.0, 1.0, 0.0]).float()
+    tokens = torch.tensor([[[1e19, 0.0, 0.0, 1.0], [0.0, 1e19, 0.0, 2.0], [0.0, 0.0, 1e19, 3.0]]])
+    output = layer(tokens)
+    assert [tuple(shape) for shape in blocks] == [(1, 1, 4)] * 3  # the three blocks of the check
+    expected = _softmax_reference(layer.double(), tokens.double())
+    torch.testing.assert_close(output.double(), expected, rtol=1e-6, atol=1e-6 * expected.abs().max().item())
+
+
+def test_softmax_refuses_products_that_overflow_before_their_scaling():
+    """p max|q| max|k| is the bound, not sqrt(p) max|q| max|k|: the fused CPU kernel forms <q, k> before its scaling
+    by 1/sqrt(p), and with k = -q of 9e18 in 16 dimensions the products (-1.3e39) overflow float32 while the scaled
+    scores would not; the kernel returned zeros here (the float64 reference: -1.24). Refused."""
+    layer = SoftmaxAttention(16, 1)
     with torch.no_grad():
         for projection in (layer.q_proj, layer.k_proj, layer.v_proj):
             projection.bias.zero_()
-        layer.q_proj.weight.copy_(torch.diag(torch.tensor([1.0, 0.0, 0.0, 0.0])))  # q along the first axis
-        layer.k_proj.weight.copy_(torch.diag(torch.tensor([0.0, 1.0, 1.0, 0.0])))  # k orthogonal to every q
-    layer = layer.half()
-    tokens = torch.tensor([[[300.0, 0.0, 0.0, 1.0], [0.0, 300.0, 0.0, 2.0], [0.0, 0.0, 300.0, 3.0]]])
-    output = layer(tokens.half())
-    expected = _softmax_reference(layer.double(), tokens.double())
-    # float16's rounding of values of about 300, relative to the largest entry (out_proj sums them with both signs)
-    torch.testing.assert_close(output.double(), expected, rtol=0, atol=2e-3 * expected.abs().max().item())
+        layer.q_proj.weight.copy_(torch.eye(16))
+        layer.k_proj.weight.copy_(-torch.eye(16))
+    tokens = torch.full((1, 3, 16), 9e18)
+    with pytest.raises(ValueError, match=r"the input tokens reach \|x\| = 9e\+18, too large for torch.float32"):
+        layer(tokens)
+
+
+def test_softmax_in_float16_bounds_its_products_in_float32():
+    """float16 queries and keys of 300 give products of 3.6e5, beyond float16's largest value but within float32's,
+    in which the kernels accumulate: the output is the float64 reference's and nothing is refused (ordinary tokens,
+    |x| = 1, are beyond float16's token limit of 0.26, which the guard reads only once a product overflows)."""
+    torch.manual_seed(0)
+    layer = _diagonal_layer([300.0] * 4, [300.0] * 4)
+    tokens = torch.tensor([[[1.0, 0.0, 0.0, 0.0], [0.0, 1.0, 0.0, 0.0], [0.0, 0.0, 1.0, -1.0]]], dtype=torch.float64)
+    output = layer.half()(tokens.half())
+    expected = _softmax_reference(layer.double(), tokens)
+    torch.testing.assert_close(output.double(), expected, rtol=0, atol=2e-3)
 
 
 @pytest.mark.parametrize("block", [1, 2**22], ids=["one-query-blocks", "one-block"])
