@@ -284,14 +284,15 @@ def count_ops(step, leaves: bool = False) -> int:
     """The number of operators one call of ``step`` runs, forward and backward: the profiler's ``aten::`` events
     that are not nested in another ``aten::`` event (views included).
 
-    With ``leaves`` instead the operators that do the work: of each such event, the innermost ``aten::`` events, less
-    those that move no data (views, metadata, allocations, reads of a number). A copy inside a composite operator
-    (``einsum`` copying an operand, ``reshape`` of a non-contiguous view) counts, a view does not: on CPU a proxy of the
-    kernel launches of the step on a GPU. It is close for the KEP rows (at commit e2ebea5, 163 for ``kep_svgp``'s PyTorch
-    path and 238 for the official-style row, whose code the H200 ran at commit 9bc61b0 with 165 and 246 launches), not
-    for every row: CPU and CUDA kernels decompose some operators differently (``isfinite`` is four leaves on CPU;
-    softmax's fused attention and the floor's linear layers launch other kernels: 34 and 69 leaves against 43 and 41
-    launches)."""
+    With ``leaves`` instead the innermost operators: of each such event, its innermost ``aten::`` events, less those
+    that move no data (views, metadata, allocations, reads of a number). A copy inside a composite operator (``einsum``
+    copying an operand, ``reshape`` of a non-contiguous view) counts, a view does not; an operator with nested
+    operators counts as those alone (``baddbmm`` as its copy of the bias, not its GEMM; ``sum`` on CPU as the
+    ``fill_`` of its output): on CPU a proxy of the kernel launches of the step on a GPU, not a count of its work. It
+    is close for the KEP rows (at commit e2ebea5, 163 for ``kep_svgp``'s PyTorch path and 238 for the official-style
+    row, whose code the H200 ran at commit 9bc61b0 with 165 and 246 launches), not for every row: CPU and CUDA kernels
+    decompose some operators differently (``isfinite`` is four leaves on CPU; softmax's fused attention and the
+    floor's linear layers launch other kernels: 34 and 69 leaves against 43 and 41 launches)."""
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU]) as profiler:

@@ -23,7 +23,7 @@ contraction with the maps for both branches and every draw, and one output GEMM 
     \bar S = A \bar y^\top, \quad \bar A = S \bar y, \quad \bar b = \textstyle\sum \bar y, \quad
     \bar U = C \bar A^\top \Lambda^{-1}, \quad \bar m = \textstyle\sum_{\text{draws}} \bar U, \quad
     \bar L = \operatorname{tril}(\bar U \varepsilon^\top), \quad \bar C = (U \Lambda^{-1})^\top \bar A, \quad
-    \bar\Lambda = -\Lambda^{-2} \textstyle\sum \bar U \circ U,
+    \bar\Lambda = -\textstyle\sum \bar U \circ U \Lambda^{-1},
 
 the scores' gradient :math:`\bar S` in their own ``(B, K, N)`` layout (autograd through a transposed view would hand
 it back transposed, and every elementwise pass over it downstream would read it with a stride of :math:`K`).

@@ -57,7 +57,8 @@ def _torchrun(attention: str, out) -> subprocess.CompletedProcess:
     # failure (an exception, a wrong result) fails at once.
     for _ in range(3):
         completed = subprocess.run(command, env=env, capture_output=True, text=True, timeout=120)
-        if completed.returncode == 0 or "(SIGABRT)" not in completed.stderr:
+        aborted = "(SIGABRT)" in completed.stderr and "terminate called without an active exception" in completed.stderr
+        if completed.returncode == 0 or not aborted:
             break
         warnings.warn(f"a torchrun worker aborted; launching again:\n{completed.stderr[-1500:]}", stacklevel=2)
         time.sleep(2.0)

@@ -90,7 +90,8 @@ def _expected_output(columns, bias, mean, factor, noise, singular_values, active
 
 
 CASES = {
-    # name: (stacked Q, branches read, joint draw, maps per branch, Lambda per sequence, whitened, draws given)
+    # name: (stacked Q, branches read, joint draw, maps per branch, Lambda per sequence, whitened, draws given[,
+    # the active directions: "shared" (H, s) or "none"; by default per sequence with Lambda per sequence])
     "pair-joint": (2, 2, True, False, False, False, False),
     "pair-mean": (2, 2, False, False, False, False, False),
     "concat-maps": (2, 2, True, True, False, False, False),
@@ -101,11 +102,15 @@ CASES = {
     "spectrum-per-sequence-joint": (2, 2, True, False, True, False, False),
     "whitened": (2, 2, True, False, False, True, False),
     "draws-given": (2, 2, False, False, False, False, True),
+    # the active directions given with a learned spectrum (H, s), and a spectrum per sequence with every direction
+    # active (U / Lambda: the division path)
+    "spectrum-with-inactive": (2, 2, True, False, False, False, False, "shared"),
+    "spectrum-per-sequence-all-active": (2, 2, True, False, True, False, False, "none"),
 }
 
 
 def _linear_output_inputs(case: str, seed: int = 10) -> tuple:
-    stacked, branches, joint, per_branch, per_sequence, whitened, drawn = CASES[case]
+    stacked, branches, joint, per_branch, per_sequence, whitened, drawn, *actives = CASES[case]
     columns = _randn(B, branches * H * S, N, seed=seed)
     bias = _randn(C, seed=seed + 1)
     mean = _randn(H, D_OUT, stacked, S, *((B,) if drawn else ()), seed=seed + 2)
@@ -120,6 +125,10 @@ def _linear_output_inputs(case: str, seed: int = 10) -> tuple:
         active[1, :, -1] = False
     if whitened:
         singular_values, active = None, torch.tensor([[True] * (S - 1) + [False]] * H)
+    if actives == ["shared"]:  # one mask (H, s) for every sequence, its last direction inactive
+        active = torch.tensor([[True] * (S - 1) + [False]] * H)
+    elif actives == ["none"]:
+        active = None
     maps = _randn(*((branches,) if per_branch else ()), H, D_OUT, C, seed=seed + 6)
     return columns, bias, mean, factor, noise, singular_values, active, maps, branches
 
