@@ -311,9 +311,9 @@ def within_bound(values: Sequence[Tensor | None], bound: float = math.inf) -> bo
         for group in groups.values():  # each group's largest magnitude in its own dtype (float64 stays float64)
             norms = torch._foreach_norm(group, math.inf)
             largest.append(norms[0] if len(norms) == 1 else torch.stack(norms).amax())
-        # one read: the largest magnitudes as Python floats (exact for every floating dtype), compared on the host
-        values = [largest[0].item()] if len(largest) == 1 else torch.stack([v.double().cpu() for v in largest]).tolist()
-        return all(math.isfinite(value) and value <= bound for value in values)  # NaN fails both
+        # the largest magnitudes read as Python floats (exact for every floating dtype), compared on the host
+        magnitudes = [magnitude.item() for magnitude in largest]
+        return all(math.isfinite(magnitude) and magnitude <= bound for magnitude in magnitudes)  # NaN fails both
 
 
 def check_overflow(

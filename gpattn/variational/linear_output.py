@@ -156,10 +156,10 @@ def _backward(ctx, grad: Tensor) -> tuple:
 
 # The products' einsums are written so that no operand is copied: torch.einsum lays a product out as (batch, free,
 # summed) dimensions, the free ones in the order the output names them and the summed ones in the alphabetical order of
-# their letters, and copies an operand whose dimensions then do not collapse into the GEMM's (five copies per training
-# step before, each a kernel launch on a GPU). The coefficients keep the GEMM's own order, (H, br, s, B, C), and the one
-# copy left per pass, into or out of the output GEMM's (B, K, C), is explicit. With one map per branch (merge="concat")
-# the (branch, head) batch does not collapse and einsum copies.
+# their letters, and copies an operand whose dimensions then do not collapse into the GEMM's (six such copies per
+# training step with joint draws before, each a kernel launch on a GPU). The coefficients keep the GEMM's own order,
+# (H, br, s, B, C), and the one copy left per pass, into or out of the output GEMM's (B, K, C), is explicit. With one
+# map per branch (merge="concat") the (branch, head) batch does not collapse and einsum copies.
 _PRODUCTS = {  # maps' dimensions -> (coefficients, their maps' gradient, the scaled draws' gradient)
     3: ("hdqsb,hdc->hqsbc", "hdijk,hijkc->hdc", "hdc,hqsbc->hdqsb"),  # i, j, k: the summed (branch, s, B) in order
     4: ("hdqsb,qhdc->qhsbc", "hdqsb,qhsbc->qhdc", "qhdc,qhsbc->hdqsb"),
