@@ -1,6 +1,8 @@
 """The torch functions gpattn calls that are newer than the oldest torch it supports (2.1), with their fallbacks.
 
 * :func:`is_compiling`: ``torch.compiler.is_compiling`` (torch 2.3+), else ``torch._dynamo.is_compiling``;
+* :func:`is_capturing`: whether a CUDA graph is being captured (``torch.cuda.is_current_stream_capturing``, asked only
+  once CUDA is initialised);
 * :func:`autocast_enabled` and :func:`autocast_dtype`: ``torch.is_autocast_enabled(device_type)`` and
   ``torch.get_autocast_dtype(device_type)`` (torch 2.4+), else the per-device functions of older releases (CPU and
   CUDA: autocast on another device type reads as disabled there);
@@ -22,7 +24,7 @@ from typing import Any
 import torch
 from torch.torch_version import TorchVersion
 
-__all__ = ["autocast_dtype", "autocast_enabled", "compilable", "is_compiling"]
+__all__ = ["autocast_dtype", "autocast_enabled", "compilable", "is_capturing", "is_compiling"]
 
 #: torch 2.4+: the autocast functions take a device type
 DEVICE_AUTOCAST = hasattr(torch, "get_autocast_dtype")
@@ -50,6 +52,16 @@ def is_compiling() -> bool:
     if COMPILER_IS_COMPILING:
         return torch.compiler.is_compiling()
     return torch._dynamo.is_compiling()
+
+
+def is_capturing() -> bool:
+    """Whether the current CUDA stream is being captured into a CUDA graph (``torch.cuda.graph``,
+    ``torch.cuda.make_graphed_callables``, ``torch.compile(mode="reduce-overhead")``'s capture of eager code): then no
+    value may be read on the host (``.item()``, ``.tolist()``, ``bool(tensor)`` end the capture with an error) and a
+    data-dependent branch would be frozen into the graph. Asked only once CUDA is initialised, so that a process that
+    never uses CUDA (a CPU-only build, where the question raises, or a machine whose GPU it leaves alone) pays one
+    attribute read. Both functions are looked up at the call (a test may replace either)."""
+    return torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing()
 
 
 def autocast_enabled(device_type: str) -> bool:

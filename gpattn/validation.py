@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ._torch_compat import autocast_enabled, is_compiling
+from ._torch_compat import autocast_enabled, is_capturing, is_compiling
 
 
 class InputTypeError(TypeError, ValueError):
@@ -31,7 +31,9 @@ def _prefix(where: str) -> str:
 
 
 def _is_tracing() -> bool:
-    return torch.jit.is_scripting() or torch.jit.is_tracing() or is_compiling()
+    """Whether no value can be read on the host: TorchScript, ``torch.jit.trace``, ``torch.compile`` or the capture of
+    a CUDA graph (:func:`~gpattn._torch_compat.is_capturing`): the value checks are then skipped."""
+    return torch.jit.is_scripting() or torch.jit.is_tracing() or is_compiling() or is_capturing()
 
 
 def all_finite(value: Tensor) -> bool:

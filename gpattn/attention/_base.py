@@ -9,7 +9,7 @@ import torch
 from gpytorch.module import Module
 from torch import Tensor
 
-from .._torch_compat import COMPILES_ASSERTS, autocast_enabled, compilable, is_compiling
+from .._torch_compat import COMPILES_ASSERTS, autocast_enabled, compilable, is_capturing, is_compiling
 from ..validation import check_float, check_int, check_tensor
 
 _EMPTY_SEQUENCE = "every sequence needs at least one real token"
@@ -52,6 +52,13 @@ class AttentionLayer(Module):
     A layer's training recipe (e.g. SGPA's KL annealing) belongs to its comparison row, not to the layer: see
     :class:`~gpattn.methods.TrainingRecipe`.
 
+    :attr:`supports_graph_capture` says whether a training step (forward pass, KL, added loss terms, backward pass) of
+    the layer can be captured into a CUDA graph (``torch.cuda.graph``) and replayed: no value is read on the host while
+    a graph is captured (:func:`~gpattn._torch_compat.is_capturing`), so the layer's magnitude guards are skipped there
+    (as under ``torch.compile``) and a padding mask that hides a whole sequence fails as a device-side assertion.
+    Layers built on GPyTorch's Cholesky factorisation (SGPA, the symmetric SVGP, CGPT) and the exact KSVD (an SVD)
+    read values and cannot be captured.
+
     :param embed_dim: Token width :math:`C`.
     :param num_heads: Number of heads :math:`H` (must divide ``embed_dim``).
     :param dropout: Dropout on the output.
@@ -60,6 +67,7 @@ class AttentionLayer(Module):
     is_stochastic: bool = False
     supports_cross_attention: bool = True
     supports_causal: bool = True
+    supports_graph_capture: bool = False
 
     # torch's call (forward hooks, forward pre-hooks) rather than gpytorch.Module's, which bypasses the hooks:
     # attention layers return plain tensors, and users capture their inputs with register_forward_pre_hook
@@ -139,8 +147,9 @@ class AttentionLayer(Module):
                 )
             if mask.device != keys.device:
                 raise ValueError(f"{where}: mask is on {mask.device} but the tokens are on {keys.device}")
-            if COMPILES_ASSERTS and is_compiling():  # the same check without a data-dependent branch (one graph,
-                # not four): a RuntimeError when the step runs (a device-side assert on a GPU), without the indices
+            if (COMPILES_ASSERTS and is_compiling()) or is_capturing():  # the same check without a data-dependent
+                # branch (one graph, not four; a CUDA graph checks it at every replay): a RuntimeError when the step
+                # runs (a device-side assert on a GPU), without the indices
                 torch._assert_async(mask.any(dim=-1).all(), f"{where}: {_EMPTY_SEQUENCE}")
             else:
                 empty = ~mask.any(dim=-1)

@@ -127,6 +127,7 @@ class KEPSVGPAttention(AttentionLayer):
         )  # fmt: skip
         self.supports_causal = kernel_features.supports_causal
         self.supports_cross_attention = kernel_features.supports_cross_attention
+        self.supports_graph_capture = kernel_features.supports_graph_capture
         self.num_inducing = num_inducing = kernel_features.num_inducing  # the default resolved there: min(10, p)
         num_outputs = num_inducing if num_outputs == "num_inducing" else num_outputs  # the official code's d_out = s
         self.num_outputs = check_int("num_outputs", self.head_dim if num_outputs is None else num_outputs, where=where)

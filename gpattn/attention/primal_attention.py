@@ -73,6 +73,7 @@ class PrimalAttention(AttentionLayer):
         )
         self.supports_causal = self.features.supports_causal
         self.supports_cross_attention = self.features.supports_cross_attention
+        self.supports_graph_capture = self.features.supports_graph_capture
         self.num_inducing = num_inducing = self.features.num_inducing  # the default resolved there: min(10, p)
         bound = (2 * num_inducing) ** -0.5
         # per-head map [e; r] (2s) -> head width; shape (H, 2s, head_dim)

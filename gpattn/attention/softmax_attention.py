@@ -58,6 +58,7 @@ class SoftmaxAttention(AttentionLayer):
     """
 
     is_stochastic = False
+    supports_graph_capture = True
 
     def __init__(self, embed_dim: int, num_heads: int, dropout: float = 0.0):
         super().__init__(embed_dim, num_heads, dropout)

@@ -124,7 +124,7 @@ class AmortizedAttentionFeatures(LearnedAttentionFeatures):
         arguments = (lifted, tokens, *parameters, singular_values if objective else None, square_mask)
         guard = self._where() if self._watches_gradients() else None
         scores, objective_value, magnitude = _amortized_self_scores(*arguments, False, guard)
-        magnitude = float(magnitude) if magnitude.numel() else 0.0  # empty while compiling: nothing to read
+        magnitude = float(magnitude) if magnitude.numel() else 0.0  # empty while compiling or capturing: no read
         if not math.isfinite(magnitude):
             scores, objective_value, _ = _amortized_self_scores(*arguments, True, guard)  # overflowing norms
             if not all_finite(scores):

@@ -49,7 +49,7 @@ import math
 import torch
 from torch import Tensor
 
-from .._torch_compat import is_compiling
+from .._torch_compat import is_capturing, is_compiling
 from ..fused import autocast_state, full_precision, restored_autocast, wide_dtype
 from ..fused.triton_scores import runs_triton, scores_backward, scores_forward
 from ..kernels.cosine_feature_kernel import inverse_norms
@@ -137,13 +137,13 @@ class AmortizedSelfScores(torch.autograd.Function):
 
     Outputs: the scores ``(B, 2, H, s, N)`` (:math:`[e^\top; r^\top]`, their halves the two branches), :math:`J`
     ``(B, H)`` (empty without ``singular_values``) and a 0-dimensional magnitude for the caller's checks (one
-    synchronisation per call; empty while compiling): the sum of the squared norms, of the scores (without
-    ``singular_values``) or of the token sums :math:`S_k` (with them) and of :math:`|J|`. It is not finite when a term
-    is not (or the sum overflows): the caller then retries with ``rescaled=True``. With ``singular_values`` and
-    without ``square_mask`` it is at least every squared score (to its rounding) and every :math:`|J|` (a
-    floating-point sum of non-negative terms is at least each term), so that a magnitude at most :math:`b \geq 2`
-    puts every score and every :math:`J` within :math:`b`. Every product runs over the ``B * 2 * H`` contiguous
-    blocks of the feature columns at once.
+    synchronisation per call; empty while compiling or capturing a CUDA graph): the sum of the squared norms, of the
+    scores (without ``singular_values``) or of the token sums :math:`S_k` (with them) and of :math:`|J|`. It is not
+    finite when a term is not (or the sum overflows): the caller then retries with ``rescaled=True``. With
+    ``singular_values`` and without ``square_mask`` it is at least every squared score (to its rounding) and every
+    :math:`|J|` (a floating-point sum of non-negative terms is at least each term), so that a magnitude at most
+    :math:`b \geq 2` puts every score and every :math:`J` within :math:`b`. Every product runs over the ``B * 2 * H``
+    contiguous blocks of the feature columns at once.
 
     .. note:: Cost: forward two projection GEMMs of O(N (C + D)(p + s)) per sequence and head, two batched GEMMs of
         O(N p s) per block, one pass over the feature columns for the norms and one reduction over the scores for
@@ -218,7 +218,7 @@ class AmortizedSelfScores(torch.autograd.Function):
                     objective = coupling.neg() + weighted
                 else:
                     objective = weighted - coupling  # an output: not in place
-        if is_compiling():
+        if is_compiling() or is_capturing():  # nothing can be read
             magnitude = scores.new_empty(0)
         else:  # one number for the caller's checks (see the docstring)
             magnitude = squared.sum() + (scores.sum() if sums is None else sums.sum())

@@ -68,6 +68,7 @@ class AttentionKernelEigenFeatures(KernelEigenFeaturesBase):
     :ivar supports_causal: A causal mask is accepted (prefix sums).
     :ivar supports_cross_attention: Keys other than the queries are accepted.
     :ivar supports_padding_mask: A padding mask is accepted.
+    :ivar supports_graph_capture: A call can be captured into a CUDA graph (it reads no value on the host then).
     :ivar kernels: The kernels the mode accepts.
     :ivar ksvd_forms: The forms of the KSVD penalty the mode accepts.
     :ivar options: The names of the mode's own keyword arguments.
@@ -76,6 +77,7 @@ class AttentionKernelEigenFeatures(KernelEigenFeaturesBase):
     supports_causal: bool = False
     supports_cross_attention: bool = True
     supports_padding_mask: bool = True
+    supports_graph_capture: bool = True
     kernels: tuple[str, ...] = ("cosine",)
     ksvd_forms: tuple[str, ...] = ("sum",)
     options: tuple[str, ...] = ()

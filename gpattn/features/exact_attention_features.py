@@ -44,6 +44,7 @@ class ExactAttentionFeatures(AttentionKernelEigenFeatures):
 
     mode = "exact"
     spectrum_per_call = True
+    supports_graph_capture = False  # the SVD reads its convergence on the host (and the kernel's finiteness)
     kernels = ("cosine", "exponential")
     supported_calls = (
         "self- and cross-attention with padding masks, but no causal mask: it mixes every token through the SVD"

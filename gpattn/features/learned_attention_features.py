@@ -8,7 +8,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from .._torch_compat import is_compiling
+from .._torch_compat import is_capturing, is_compiling
 from ..ksvd import ksvd_objective
 from ..validation import all_finite, check_overflow, check_token_magnitude, square_limit, within_bound
 from .attention_kernel_eigen_features import AttentionKernelEigenFeatures
@@ -216,8 +216,9 @@ class LearnedAttentionFeatures(AttentionKernelEigenFeatures):
         return f"{type(self).__name__} (features={self.mode!r})"
 
     def _watches_gradients(self) -> bool:
-        # in training the gradients from the tokens are checked; not while compiling (the check is a branch)
-        return self.training and torch.is_grad_enabled() and not is_compiling()
+        # in training the gradients from the tokens are checked; not while compiling or capturing a CUDA graph (the
+        # check is a branch on a value read)
+        return self.training and torch.is_grad_enabled() and not (is_compiling() or is_capturing())
 
     def _watched(self, queries: Tensor, keys: Tensor, causal: bool, kernel_diag: bool) -> tuple[Tensor, Tensor]:
         # the tokens' gradients checked by _GradientGuard

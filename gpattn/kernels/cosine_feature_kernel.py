@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .._torch_compat import is_compiling
+from .._torch_compat import is_capturing, is_compiling
 from ..validation import all_finite
 from .asymmetric_kernel import AsymmetricKernel
 from .feature_lift import FeatureLift
@@ -16,14 +16,15 @@ def inverse_norms(vectors: Tensor, dim: int) -> Tensor:
     :func:`torch.nn.functional.normalize` divides, but without its overflow: the squared norm of entries beyond about
     :math:`10^{19}` overflows float32 and ``normalize`` then returns zeros (a cosine kernel of zeros, so an attention
     layer would return its bias alone). Such vectors are rescaled by their largest entry first; the common case costs
-    one pass and a check of the (small) vector of squared norms.
+    one pass and a check of the (small) vector of squared norms. While compiling or capturing a CUDA graph, where no
+    value can be read, every call takes the rescaled path.
 
     :param vectors: shape ``(..., p, ...)``, ``p`` along ``dim``.
     :param dim: The dimension of the vector entries.
     :return: shape ``(..., 1, ...)``.
     """
     squared = vectors.pow(2).sum(dim, keepdim=True)
-    if not is_compiling() and all_finite(squared):
+    if not (is_compiling() or is_capturing()) and all_finite(squared):  # else no read: the safe path
         return squared.clamp_min(1e-24).rsqrt()
     scale = vectors.abs().amax(dim, keepdim=True).clamp_min(torch.finfo(vectors.dtype).tiny)
     norms = (vectors / scale).pow(2).sum(dim, keepdim=True).sqrt() * scale

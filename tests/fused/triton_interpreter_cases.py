@@ -189,3 +189,45 @@ def test_kernels_under_bfloat16_autocast(interpreter, monkeypatch):
     torch.testing.assert_close(objective, reference_objective, rtol=2e-2, atol=1e-3)
     for name, value in reference_grads.items():
         assert (grads[name] - value).norm() <= 3e-2 * value.norm(), name
+
+
+def test_a_captured_training_step_through_the_kernels_reads_nothing(interpreter, monkeypatch):
+    """A KEP-SVGP training step through both kernels while a CUDA graph is captured (simulated: gpattn's
+    ``is_capturing`` answers ``True``, see tests/attention/test_graph_capture.py) reads no value on the host, and
+    gives the uncaptured step's loss and gradients."""
+    import copy
+
+    from gpattn.attention import build_attention
+    from gpattn.features import amortized_scores
+
+    launches = []
+    for name in ("scores_forward", "scores_backward"):  # counted where the autograd function calls them
+        kernel = getattr(amortized_scores, name)
+        monkeypatch.setattr(
+            amortized_scores, name, lambda *a, kernel=kernel, name=name, **k: launches.append(name) or kernel(*a, **k)
+        )
+    torch.manual_seed(0)
+    layer = build_attention("kep_svgp", 16, 2, num_inducing=3).train()
+    captured_layer = copy.deepcopy(layer)
+    x = torch.randn(2, 70, 16)
+
+    def step(module):
+        torch.manual_seed(1)
+        module.zero_grad(set_to_none=True)
+        loss = module(x).sum() + module.kl_divergence() + sum(term.loss() for term in module.added_loss_terms())
+        loss.backward()
+        return [loss.detach(), *(parameter.grad for parameter in module.parameters() if parameter.grad is not None)]
+
+    expected = step(layer)
+    reads = []
+    originals = {name: getattr(torch.Tensor, name) for name in ("item", "tolist", "__bool__", "__float__")}
+    with monkeypatch.context() as patch:
+        patch.setattr(torch.cuda, "is_initialized", lambda: True)
+        patch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+        for name, original in originals.items():
+            patch.setattr(torch.Tensor, name, lambda self, *a, o=original, n=name: reads.append(n) or o(self, *a))
+        got = step(captured_layer)
+    assert reads == []
+    assert launches == ["scores_forward", "scores_backward"] * 2
+    for value, reference in zip(got, expected, strict=True):
+        torch.testing.assert_close(value, reference, rtol=1e-5, atol=1e-6)
