@@ -7,7 +7,9 @@
    PyTorch path on the device (float32, the benchmark's sizes, and at 8263 tokens, where the kernels split each
    sequence over three programs per head); the bfloat16-autocast output of softmax and
    KEP-SVGP against float32 (largest entry and norm, relative; issue 25's bound 2e-2); KEP-SVGP, the official-style
-   row and Primal-Attention compiled (``aot_eager``) against eager mode in float64 (the mean and every gradient).
+   row and Primal-Attention compiled (``aot_eager``) against eager mode in float64 (the mean and every gradient);
+   the training steps of the ``--graphed-rows`` captured as CUDA graphs (:class:`GraphedStep`) against eager steps
+   (float32 gradients in eval mode; in training, fresh draws at every replay).
 3. ``counts``: operators (top-level aten calls) and kernel launches of one training step per row.
 4. ``scaling``: forward + backward of one training step at N = 256 ... 16384 (B = 16, C = 128, 4 heads, s = 10) for
    softmax, the floor, KEP-SVGP (its default: the Triton kernels up to ``TRITON_MAX_TOKENS`` tokens; as
@@ -15,7 +17,8 @@
    row, SGPA (up to ``--max-sgpa-length``) and, with ``--official-path``, the official layer; bfloat16 autocast rows
    for softmax and KEP-SVGP; ``torch.compile`` (``mode="reduce-overhead"``, CUDA graphs) rows at ``--compile-lengths``:
    the layer compiled (``*_compiled``; its KL and KSVD penalty eager) and the step's whole loss compiled
-   (``*_compiled_loss``, :class:`CompiledLoss`).
+   (``*_compiled_loss``, :class:`CompiledLoss`); at every length the eager step of the ``--graphed-rows`` captured
+   as one CUDA graph and replayed (``*_graphed``, :class:`GraphedStep`: no compiler, the layers as they run eagerly).
    Medians of interleaved repetitions, CUDA events through synchronisation, every ratio from the same run.
 5. ``train_step``: one training step of the comparison's MNIST-1D model (``gpattn.training.train_model``'s steps,
    batches of 64, the shared settings) per ``--train-step-rows`` row, on the device eagerly and compiled as
@@ -75,6 +78,8 @@ VARIANT_ROWS = ("kep_svgp_marginal", "kep_svgp_exact", "kep_svgp_official_style"
 TABLE_ROWS = ("softmax", "floor", "kep_svgp", "kep_svgp_official_style", "sgpa")
 COMPILED_ROWS = ("floor", "kep_svgp")  # the target: compiled KEP within 1.2x of the compiled floor
 AUTOCAST_ROWS = ("softmax", "kep_svgp")
+#: the rows whose eager training step is captured as one CUDA graph (``--graphed-rows``' default)
+GRAPHED_ROWS = ("softmax", "floor", "kep_svgp")
 #: the layers whose compiled gradients are checked against eager mode (their hand-written autograd functions)
 COMPILED_CHECK_ROWS = ("kep_svgp", "kep_svgp_official_style", "primal")
 #: the comparison's rows timed on MNIST-1D (all of its default rows)
@@ -213,8 +218,9 @@ def _training_steps_finite(layer: torch.nn.Module, x: torch.Tensor, device: torc
     return results
 
 
-def equivalence(device: torch.device, smoke: bool) -> dict:
-    """CPU against ``device`` in float64 for every layer; finite float32/bfloat16 steps; Triton against PyTorch."""
+def equivalence(device: torch.device, smoke: bool, graphed_rows: tuple[str, ...] = GRAPHED_ROWS) -> dict:
+    """CPU against ``device`` in float64 for every layer; finite float32/bfloat16 steps; Triton against PyTorch;
+    CUDA-graph steps against eager ones."""
     length, results = 12, {}
     x = torch.randn(2, length, 16, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
     probe = torch.randn(2, length, 16, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
@@ -239,6 +245,11 @@ def equivalence(device: torch.device, smoke: bool) -> dict:
             results[f"{name}_compiled_vs_eager"] = _compiled_against_eager(name, device, x, probe)
         except Exception as error:  # noqa: BLE001 (recorded: the check goes on)
             results[f"{name}_compiled_vs_eager"] = {"error": f"{type(error).__name__}: {error}"}
+    for name in graphed_rows if device.type == "cuda" else ():
+        try:
+            results[f"{name}_graphed_vs_eager"] = _graphed_against_eager(name, device, smoke)
+        except Exception as error:  # noqa: BLE001 (recorded: the check goes on)
+            results[f"{name}_graphed_vs_eager"] = {"error": f"{type(error).__name__}: {error}"}
     for name in AUTOCAST_ROWS:
         try:
             results[f"{name}_bfloat16_error"] = _bfloat16_error(name, device, smoke)
@@ -277,6 +288,75 @@ def _compiled_against_eager(name: str, device: torch.device, x: torch.Tensor, pr
     compiled = _mean_and_gradients(_CompiledLayer(layer), x, probe)
     difference = _difference(reference, compiled)
     return {"float64_difference": difference, "ok": difference <= 1e-10}
+
+
+class GraphedStep:
+    """One training step of ``layer`` on the input ``x`` (the benchmark's loss and its backward pass) captured as one
+    CUDA graph (``torch.cuda.graph``) and replayed: the launches of the eager step, its Triton kernels among them,
+    without the host's dispatch. The layer must support capture (``supports_graph_capture``: it reads no value while
+    captured, so that its magnitude guards are off in the graph). Warm-up steps on a side stream come first (Triton's
+    compilation, cuBLAS's workspaces, the layer's cached constants), as ``torch.cuda.graph`` requires; the gradients are
+    set to ``None`` before the capture, so that the graph writes them into its own memory, the same tensors at every
+    replay (overwritten, not accumulated); random draws are fresh at every replay.
+
+    :param layer: The layer, on a CUDA device (its gradients are the graph's from here on).
+    :param x: The input; :meth:`__call__` copies another batch of its shape into the graph's own.
+    :param warmup: Eager steps before the capture.
+    """
+
+    def __init__(self, layer: torch.nn.Module, x: torch.Tensor, warmup: int = 3):
+        if not getattr(layer, "supports_graph_capture", True):  # the floor (a benchmark module) reads nothing
+            raise ValueError(f"{type(layer).__name__} does not support graph capture")
+        self.layer, self.x = layer, x.clone()
+        side = torch.cuda.Stream(device=x.device)
+        side.wait_stream(torch.cuda.current_stream(x.device))
+        with torch.cuda.stream(side):
+            for _ in range(warmup):
+                BENCH._step(layer, self.x)
+        torch.cuda.current_stream(x.device).wait_stream(side)
+        layer.zero_grad(set_to_none=True)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
+            self.loss = BENCH.step_loss(layer, self.x)
+            self.loss.backward()
+
+    def __call__(self, x: torch.Tensor | None = None) -> torch.Tensor:
+        """Replay the step (on ``x`` if given); returns the graph's loss tensor (overwritten by the next replay)."""
+        if x is not None:
+            self.x.copy_(x)
+        self.graph.replay()
+        return self.loss
+
+
+def _gradients(layer: torch.nn.Module) -> list[torch.Tensor]:
+    return [parameter.grad.detach().clone() for parameter in layer.parameters() if parameter.grad is not None]
+
+
+def _graphed_against_eager(name: str, device: torch.device, smoke: bool) -> dict:
+    """A CUDA-graph step of ``name`` against the eager step, float32, at the benchmark's sizes: in eval mode (the
+    predictive mean: no draw) the loss and every gradient, relative to the largest entry (same kernels, so close to
+    rounding); in training two replays, which must differ (fresh draws, not the captured ones) and be finite."""
+    batch, length, width, heads, rank = (2, 16, 16, 2, 4) if smoke else (16, 256, 128, 4, 10)
+    torch.manual_seed(0)
+    x = torch.randn(batch, length, width, device=device)
+    results = {}
+    for mode in ("eval", "train"):
+        layer = BENCH._build(name, width, heads, rank, device, length=length).train(mode == "train")
+        eager = copy.deepcopy(layer)
+        graphed = GraphedStep(layer, x)
+        first = graphed().detach().clone()
+        if mode == "eval":
+            BENCH._step(eager, x)
+            reference = [BENCH.step_loss(eager, x).detach(), *_gradients(eager)]
+            results["eval_difference"] = _difference(reference, [first, *_gradients(layer)])
+        else:
+            second = graphed().detach().clone()
+            results["train_finite"] = bool(torch.isfinite(first) & torch.isfinite(second))
+            stochastic = getattr(layer, "is_stochastic", False)
+            results["train_replays_differ"] = bool(first != second) if stochastic else None
+    fresh = results["train_replays_differ"] is not False  # None: a deterministic layer
+    results["ok"] = results["eval_difference"] <= 1e-4 and results["train_finite"] and fresh
+    return results
 
 
 def _bfloat16_error(name: str, device: torch.device, smoke: bool) -> dict:
@@ -457,6 +537,12 @@ def scaling(device: torch.device, args: argparse.Namespace, deadline: float) -> 
             step = BENCH.OfficialStep(official, args.embed_dim, args.num_heads, length, args.rank, device)
             steps[BENCH.OFFICIAL] = lambda step=step, x=x: step(x)
         row_errors = {}
+        for name in args.graphed_rows if device.type == "cuda" else ():  # captured here: a failure is recorded
+            try:
+                layer = BENCH._build(name, args.embed_dim, args.num_heads, args.rank, device, length=length)
+                steps[f"{name}_graphed"] = GraphedStep(layer, x)
+            except Exception as error:  # noqa: BLE001
+                row_errors[f"{name}_graphed"] = f"{type(error).__name__}: {error}"
         for row, step in list(steps.items()):  # a row that cannot run (a kernel that does not compile, memory) is
             try:  # left out of this length and recorded; the other rows are still timed
                 step()
@@ -483,6 +569,10 @@ RATIOS = (
     ("kep_svgp_triton / kep_svgp_pytorch", "kep_svgp_triton", "kep_svgp_pytorch"),
     ("compiled kep_svgp / compiled floor", "kep_svgp_compiled", "floor_compiled"),
     ("compiled loss kep_svgp / compiled loss floor", "kep_svgp_compiled_loss", "floor_compiled_loss"),
+    ("graphed kep_svgp / graphed floor", "kep_svgp_graphed", "floor_graphed"),
+    ("graphed kep_svgp / compiled floor", "kep_svgp_graphed", "floor_compiled"),
+    ("graphed kep_svgp / graphed softmax", "kep_svgp_graphed", "softmax_graphed"),
+    ("graphed kep_svgp / kep_svgp", "kep_svgp_graphed", "kep_svgp"),
     ("official-style / official", "kep_svgp_official_style", BENCH.OFFICIAL),
     ("bf16 kep_svgp / bf16 softmax", "kep_svgp_bf16", "softmax_bf16"),
     ("bf16 kep_svgp / kep_svgp", "kep_svgp_bf16", "kep_svgp"),
@@ -732,6 +822,9 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--lengths", type=int, nargs="+", default=[256, 1024, 4096, 16384])
     parser.add_argument("--compile-lengths", type=int, nargs="*", default=[1024], help="lengths with compiled rows")
     parser.add_argument("--max-sgpa-length", type=int, default=4096, help="SGPA's N x N matrices stop there")
+    parser.add_argument(
+        "--graphed-rows", nargs="*", default=list(GRAPHED_ROWS), help="rows whose step is captured as a CUDA graph"
+    )
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--embed-dim", type=int, default=128)
     parser.add_argument("--num-heads", type=int, default=4)
@@ -755,7 +848,7 @@ def main(argv: list[str] | None = None) -> dict:
     device = torch.device(args.device)
     deadline = time.perf_counter() + 60 * args.minutes
     results: dict = {"config": vars(args), "environment": environment(device)}
-    _section(results, "equivalence", equivalence, device, args.smoke)
+    _section(results, "equivalence", equivalence, device, args.smoke, tuple(args.graphed_rows))
     _section(results, "counts", counts, device, args)
     _section(results, "scaling", scaling, device, args, deadline)
     _section(results, "train_step", train_step, device, args, deadline)
