@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from gpytorch.mlls import AddedLossTerm
 from torch import Tensor
 
+from .._torch_compat import is_capturing
 from ..validation import all_finite, check_float, check_int, check_tensor
 from .sequence_kl_added_loss_term import SequenceKLAddedLossTerm
 
@@ -23,6 +24,13 @@ def _added_loss_terms(model: torch.nn.Module) -> Iterator[AddedLossTerm]:
             if term is not None and id(term) not in seen:
                 seen.add(id(term))
                 yield term
+
+
+def _weight(value: float | Tensor, like: Tensor) -> float | Tensor:
+    """A loss weight as the products use it: a float as it is; a tensor (the training loop's :math:`\\beta` while a
+    CUDA graph replays its steps, filled before each replay) rounded to the loss's dtype, as a float multiplying a
+    tensor is, so that both give the same numbers."""
+    return value.to(like.dtype) if torch.is_tensor(value) else value
 
 
 def _kl_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
@@ -96,11 +104,13 @@ class AttentionELBO(torch.nn.Module):
     :param model: A module with ``kl_divergence()`` (e.g. :class:`~gpattn.models.Transformer`), or any module with
         submodules that have one (a converted timm or Hugging Face model).
     :param num_data: Number of training sequences :math:`n`.
-    :param beta: KL weight :math:`\beta \geq 0`.
+    :param beta: KL weight :math:`\beta \geq 0` (the attribute may be set to a 0-dimensional tensor, as the training
+        loop does while a CUDA graph replays its steps: a float would be frozen into the graph).
     :param combine_terms: Return the scalar loss (``True``) or a dict of its parts.
     :param check_finite: Refuse NaN or infinite logits with a ``ValueError`` (default). A training loop that checks the
         loss itself, to restore its last good state and report the step (as :func:`~gpattn.training.train_model`
-        does), passes ``False`` and gets the non-finite parts.
+        does), passes ``False`` and gets the non-finite parts. Nothing is read while a CUDA graph is captured: the
+        logits are not checked then, and the targets' range is a device-side assertion.
 
     .. note:: Cost: O(T B C) for the cross-entropy plus the model's KL (O(s) to O(s^2 d_out) per KEP head).
     """
@@ -161,14 +171,18 @@ class AttentionELBO(torch.nn.Module):
                 f"sequence), got {targets.dtype} {tuple(targets.shape)}"
             )
         num_classes = logits.shape[-1]
-        # the range in one read of the device (one synchronisation on a GPU, not two)
-        low, high = torch.stack((targets.min(), targets.max())).tolist() if targets.numel() else (0, 0)
+        if is_capturing():  # a CUDA graph: no read; the range checked on the device at every replay
+            within = ((targets >= 0) & (targets < num_classes)).all()
+            torch._assert_async(within, f"AttentionELBO: expected targets in [0, {num_classes - 1}]")
+            low, high = 0, 0
+        else:  # the range in one read of the device (one synchronisation on a GPU, not two)
+            low, high = torch.stack((targets.min(), targets.max())).tolist() if targets.numel() else (0, 0)
         if low < 0 or high >= num_classes:
             raise ValueError(
                 f"AttentionELBO: expected targets in [0, {num_classes - 1}] (class indices of {num_classes} logits), "
                 f"got values in [{low}, {high}]"
             )
-        if self.check_finite and not all_finite(logits.detach()):
+        if self.check_finite and not is_capturing() and not all_finite(logits.detach()):  # a graph: no read
             bad = int((~torch.isfinite(logits.detach())).sum())
             raise ValueError(
                 f"AttentionELBO: the logits contain NaN or Inf values ({bad} of {logits.numel()} entries): the model's "
@@ -180,11 +194,11 @@ class AttentionELBO(torch.nn.Module):
         kl = torch.zeros_like(nll)
         for module in _kl_modules(self.model):
             kl = kl + module.kl_divergence().to(nll)
-        kl = kl * (self.beta / self.num_data)
+        kl = kl * _weight(self.beta / self.num_data, nll)
         ksvd = torch.zeros_like(nll)
         for term in _added_loss_terms(self.model):
             if isinstance(term, SequenceKLAddedLossTerm):  # a per-sequence KL: weight beta per sequence, no 1/n
-                kl = kl + self.beta * term.loss().to(nll)
+                kl = kl + _weight(self.beta, nll) * term.loss().to(nll)
             else:
                 ksvd = ksvd + term.loss().to(nll)
         loss = nll + kl + ksvd

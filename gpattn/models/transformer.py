@@ -9,6 +9,7 @@ import torch
 from gpytorch.module import Module
 from torch import Tensor
 
+from .._torch_compat import is_capturing
 from ..attention import AttentionLayer, SoftmaxAttention, attention_arguments, build_attention
 from ..validation import InputTypeError, check_choice, check_float, check_int, check_tensor
 
@@ -252,7 +253,10 @@ class Transformer(Module):
         )
         if inputs.numel() == 0:
             raise ValueError(f"Transformer: expected non-empty inputs, got shape {tuple(inputs.shape)}")
-        if integer and (inputs.min() < 0 or inputs.max() >= self.vocab_size):
+        if integer and is_capturing():  # a CUDA graph: checked on the device at every replay, no read
+            within = ((inputs >= 0) & (inputs < self.vocab_size)).all()
+            torch._assert_async(within, f"Transformer: token ids must lie in [0, {self.vocab_size})")
+        elif integer and (inputs.min() < 0 or inputs.max() >= self.vocab_size):
             raise ValueError(f"token ids must lie in [0, {self.vocab_size}), got [{inputs.min()}, {inputs.max()}]")
         if self.input == "signal":
             if inputs.shape[1] > self.max_signal_length:

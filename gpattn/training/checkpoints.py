@@ -78,7 +78,7 @@ RESUMABLE_CHANGES = (
 WARNED_CHANGES = ("device", "threads")
 #: settings added to :class:`~gpattn.training.TrainConfig` after checkpoints were first written, with the value that
 #: every run before them had: a checkpoint without the setting resumes when the current value is that one
-LATER_SETTINGS = {"mc_dropout": False}
+LATER_SETTINGS = {"mc_dropout": False, "cuda_graphs": False}
 
 
 # -- reading ---------------------------------------------------------------------------------------------------------

@@ -41,6 +41,10 @@ class TrainConfig:
         early and tuned on the predictive it is used with; ``False`` (default): eval mode, dropout off.
     :ivar seed: Seed of the global torch RNG and of the batch order.
     :ivar device: ``"cpu"``, ``"cuda"`` or ``"cuda:<index>"`` (available on this machine).
+    :ivar cuda_graphs: Capture the forward and backward passes of the full-size training steps as one CUDA graph and
+        replay it (:class:`~gpattn.training.graphs.CapturedStep`): a CUDA device, one process, and every attention layer
+        of the model :attr:`~gpattn.attention.AttentionLayer.supports_graph_capture`; the last, smaller batch of an
+        epoch runs eagerly. The run is reproducible, but its random draws are not the eager run's.
     :ivar progress: Show a tqdm bar per epoch (only on a terminal).
     :ivar checkpoint_dir: Directory of ``best.pt`` and ``last.pt`` (created if missing), or ``None`` (in memory).
     :ivar schedule_epochs: Horizon of the cosine schedule in epochs (default ``epochs``). Set it to the planned total
@@ -69,6 +73,7 @@ class TrainConfig:
     mc_dropout: bool = False
     seed: int = 0
     device: str = "cpu"
+    cuda_graphs: bool = False
     progress: bool = True
     checkpoint_dir: str | Path | None = None
     schedule_epochs: int | None = None
@@ -89,7 +94,7 @@ class TrainConfig:
         if self.grad_clip is not None:
             check_float("grad_clip", self.grad_clip, 0.0, strict_minimum=True, where=where)
         check_device("device", self.device, where=where, types=DEVICE_TYPES)
-        for name in ("progress", "mc_dropout"):
+        for name in ("progress", "mc_dropout", "cuda_graphs"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{where}: expected {name} to be a bool, got {getattr(self, name)!r}")
         if self.checkpoint_dir is not None and not isinstance(self.checkpoint_dir, (str, os.PathLike)):

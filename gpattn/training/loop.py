@@ -44,6 +44,7 @@ from .checkpoint_files import save_run_checkpoints
 from .checkpoints import restore_run, rng_state
 from .config import TrainConfig, TrainResult
 from .errors import TrainingDivergedError
+from .graphs import CapturedStep, capture_refusals
 from .predictions import evaluate, validation_metrics
 from .progress import ProgressBar
 from .schedule import warmup_cosine_schedule
@@ -53,6 +54,8 @@ __all__ = ["LOSS_PARTS", "train_model"]
 
 #: The per-epoch training averages of :attr:`~gpattn.training.TrainResult.history`.
 LOSS_PARTS = ("loss", "nll", "kl", "ksvd", "grad_norm")
+#: the loss parts in the order of :class:`~gpattn.mlls.AttentionELBO`'s dict, as the divergence messages list them
+ELBO_PARTS = ("nll", "kl", "ksvd", "loss")
 
 
 def train_model(
@@ -177,6 +180,7 @@ class _Loop:
         # (float16 / bfloat16 read as float32, float64 as float64)
         self.read_dtype = functools.reduce(torch.promote_types, [p.dtype for p in self.parameters], torch.float32)
         self.max_norm = math.inf if config.grad_clip is None else config.grad_clip
+        self.captured = self._captured_step() if config.cuda_graphs else None
         watchers = ([ProgressBar()] if config.progress else []) + list(callbacks)
         self.callbacks = CallbackList(watchers if strategy.is_main else [])
         self.epoch = 0
@@ -232,6 +236,32 @@ class _Loop:
             self._checkpoint(improved)
             self.callbacks.on_epoch_end(context, self.epoch, record)
 
+    def _captured_step(self) -> CapturedStep:
+        """The CUDA graph of the full-size steps (``config.cuda_graphs``), after checking that the run can use one."""
+        where = "TrainConfig(cuda_graphs=True)"
+        if self.strategy.world_size > 1:
+            raise ValueError(f"{where}: CUDA graphs of data-parallel steps are not supported (one process only)")
+        refused = capture_refusals(self.model)
+        if refused:
+            raise ValueError(
+                f"{where}: the model's attention layers {refused} cannot be captured in a CUDA graph (they read values "
+                "on the host: supports_graph_capture is False); train them with cuda_graphs=False"
+            )
+        # the KL weight as a float64 tensor, filled before each replay: a float would be frozen into the graph
+        self.loss_fn.beta = torch.tensor(self.config.beta, dtype=torch.float64, device=self.device)
+        return CapturedStep(self._loss_parts, self.parameters, self.device)
+
+    def _loss_parts(self, inputs: Tensor, mask: Tensor | None, labels: Tensor) -> Tensor:
+        """The loss parts of :data:`LOSS_PARTS` but the gradient norm, stacked (the loss first)."""
+        parts = self.loss_fn(self.forward(inputs, mask=mask), labels)
+        return torch.stack([parts[name] for name in LOSS_PARTS[:-1]])
+
+    def _set_beta(self, beta: float) -> None:
+        if torch.is_tensor(self.loss_fn.beta):
+            self.loss_fn.beta.fill_(beta)
+        else:
+            self.loss_fn.beta = beta
+
     def _step(self, index: Tensor, step: int) -> dict[str, float]:
         """One optimiser step on the training rows ``index`` ``(b,)``: the loss parts, gradient norm and rate."""
         inputs, mask = batch_to_device(self.train_inputs, self.train_mask, index, self.device)
@@ -239,7 +269,37 @@ class _Loop:
         global_step = self.scheduler.last_epoch  # from 0; restored on resume
         where = f"epoch {self.epoch}, step {step}/{self.steps_per_epoch} (global step {global_step + 1})"
         if self.anneal_steps:  # beta_t = beta min(1, (t + 1) / A), t the global step
-            self.loss_fn.beta = self.config.beta * min(1.0, (global_step + 1) / self.anneal_steps)
+            self._set_beta(self.config.beta * min(1.0, (global_step + 1) / self.anneal_steps))
+        names = LOSS_PARTS[:-1]
+        if self.captured is not None and index.shape[0] == self.config.batch_size:
+            # forward and backward passes replayed by the CUDA graph; the loss parts read after it, before the
+            # optimiser step (a non-finite loss stops the run with the parameters unchanged)
+            values = dict(zip(names, self.captured(inputs, mask, labels).tolist(), strict=True))
+            if not math.isfinite(values["loss"]):
+                self._fail(f"non-finite training loss at {where}: {_describe(values, ELBO_PARTS)}", step)
+        else:
+            values = self._eager_forward_backward(inputs, mask, labels, where, step)
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.max_norm)
+        self.optimizer.step()
+        # the second read: the gradient norm and the largest parameter magnitude together. A non-finite gradient norm
+        # stops the run before any use of the stepped parameters (the model is restored from the best state), and a
+        # step can make a parameter non-finite with a finite loss and gradient (a NaN or Inf in the optimiser's
+        # moments, a huge learning rate): stop here, before the next forward pass sees it
+        read = torch.stack((grad_norm.to(self.device, self.read_dtype), self._largest_parameter()))
+        grad_norm, largest = read.tolist()
+        if not math.isfinite(grad_norm):
+            self._fail(f"non-finite gradient norm {grad_norm} at {where}: {_describe(values, ELBO_PARTS)}", step)
+        if not math.isfinite(largest):
+            broken = non_finite_parameters(self.model)[:5]
+            self._fail(f"non-finite parameters {broken} after the optimiser step at {where}", step)
+        lr = self.scheduler.get_last_lr()[0]  # the rate this step used
+        self.scheduler.step()
+        return {**values, "grad_norm": grad_norm, "lr": lr}
+
+    def _eager_forward_backward(
+        self, inputs: Tensor, mask: Tensor | None, labels: Tensor, where: str, step: int
+    ) -> dict[str, float]:
+        """The forward pass, the loss parts (read once) and the backward pass of an eager step."""
         try:
             parts = self.loss_fn(self.forward(inputs, mask=mask), labels)
         except ValueError as error:
@@ -256,22 +316,7 @@ class _Loop:
             self._fail(f"non-finite training loss at {where}: {_describe(values, parts)}", step)
         self.optimizer.zero_grad(set_to_none=True)
         parts["loss"].backward()  # a data-parallel wrapper all-reduces the gradients here
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.max_norm)
-        self.optimizer.step()
-        # the second read: the gradient norm and the largest parameter magnitude together. A non-finite gradient norm
-        # stops the run before any use of the stepped parameters (the model is restored from the best state), and a
-        # step can make a parameter non-finite with a finite loss and gradient (a NaN or Inf in the optimiser's
-        # moments, a huge learning rate): stop here, before the next forward pass sees it
-        read = torch.stack((grad_norm.to(self.device, self.read_dtype), self._largest_parameter()))
-        grad_norm, largest = read.tolist()
-        if not math.isfinite(grad_norm):
-            self._fail(f"non-finite gradient norm {grad_norm} at {where}: {_describe(values, parts)}", step)
-        if not math.isfinite(largest):
-            broken = non_finite_parameters(self.model)[:5]
-            self._fail(f"non-finite parameters {broken} after the optimiser step at {where}", step)
-        lr = self.scheduler.get_last_lr()[0]  # the rate this step used
-        self.scheduler.step()
-        return {**values, "grad_norm": grad_norm, "lr": lr}
+        return values
 
     def _validate(self, totals: list[float], lr: float, started: float) -> dict[str, float] | None:
         """The epoch's history entry from the summed loss parts ``totals`` and the last step's rate ``lr``: the
