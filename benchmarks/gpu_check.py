@@ -21,9 +21,10 @@
    as one CUDA graph and replayed (``*_graphed``, :class:`GraphedStep`: no compiler, the layers as they run eagerly).
    Medians of interleaved repetitions, CUDA events through synchronisation, every ratio from the same run.
 5. ``train_step``: one training step of the comparison's MNIST-1D model (``gpattn.training.train_model``'s steps,
-   batches of 64, the shared settings) per ``--train-step-rows`` row, on the device eagerly and compiled as
-   ``gpattn compare --compile`` compiles it (CUDA graphs), and eagerly on one CPU thread: the median step time after
-   warm-up steps, and the compiled model's warm-up (its compile) in seconds.
+   batches of 64, the shared settings) per ``--train-step-rows`` row, on the device eagerly, compiled as
+   ``gpattn compare --compile`` compiles it (CUDA graphs) and with its steps captured as ``gpattn compare
+   --cuda-graphs`` captures them, and eagerly on one CPU thread: the median step time after warm-up steps, and the
+   warm-up (a compile, a capture) in seconds.
 6. ``kernels``: the device's busy time and kernels per training step of the floor and KEP-SVGP at the first compiled
    length, eager and as a compiled loss, with the largest kernels (the profiler's self device time).
 7. ``mnist1d``: one MNIST-1D run (``--mnist1d-epochs``) per row of the comparison on the device and on one CPU thread
@@ -656,9 +657,10 @@ class _EnoughSteps(Exception):
     """Raised by the step timer of :func:`_timed_steps` once it has timed its steps."""
 
 
-def _timed_steps(row: str, where: str, compiled: bool, args: argparse.Namespace, data) -> dict:
+def _timed_steps(row: str, where: str, compiled: bool, args: argparse.Namespace, data, graphs: bool = False) -> dict:
     """The median milliseconds per training step of the MNIST-1D comparison model of ``row`` on ``where`` (after the
-    warm-up steps), the warm-up's seconds (a compiled model compiles there) and the batch size."""
+    warm-up steps), the warm-up's seconds (a compiled model compiles there, a graphed step is captured there) and the
+    batch size; ``graphs``: the full-size steps captured as a CUDA graph (``gpattn compare --cuda-graphs``)."""
     from gpattn.comparison import CompareConfig
     from gpattn.comparison.runner import run_environment
     from gpattn.comparison.runs import build_model, compile_model, make_train_config
@@ -677,7 +679,7 @@ def _timed_steps(row: str, where: str, compiled: bool, args: argparse.Namespace,
             if len(self.ends) == self.warmup + self.steps + 1:
                 raise _EnoughSteps
 
-    config = CompareConfig(attentions=(row,), device=where, threads=1, tuned=False, progress=False)
+    config = CompareConfig(attentions=(row,), device=where, threads=1, tuned=False, progress=False, cuda_graphs=graphs)
     method = get_method(row)
     hyperparameters = config.hyperparameters("mnist1d", method, data.defaults)
     timer = StepTimer(args.train_step_warmup, args.train_step_steps)
@@ -704,22 +706,25 @@ def train_step(device: torch.device, args: argparse.Namespace, deadline: float) 
     from gpattn.comparison import load_task
 
     data = load_task("mnist1d")
-    variants = [(str(device), False)] + [(str(device), True)] * (not args.smoke)
+    variants = [(str(device), False, False)] + [(str(device), True, False)] * (not args.smoke)
+    if device.type == "cuda":
+        variants.append((str(device), False, True))
     if device.type != "cpu":
-        variants.append(("cpu", False))
+        variants.append(("cpu", False, False))
     rows: dict = {}
     for row in args.train_step_rows:
         entry = rows[row] = {}
-        for where, compiled in variants:
-            name = f"{where}{' compiled' if compiled else ''}"
+        for where, compiled, graphs in variants:
+            name = f"{where}{' compiled' if compiled else ''}{' graphs' if graphs else ''}"
             if time.perf_counter() > deadline:
                 entry[name] = "skipped: time budget"
                 continue
             try:
-                entry[name] = _timed_steps(row, where, compiled, args, data)
+                entry[name] = _timed_steps(row, where, compiled, args, data, graphs)
             except Exception as error:  # noqa: BLE001 (recorded: the other variants still run)
                 entry[name] = {"error": f"{type(error).__name__}: {error}"}
         _step_ratio(entry, "compiled / eager", f"{device} compiled", str(device))
+        _step_ratio(entry, "graphs / eager", f"{device} graphs", str(device))
         if device.type != "cpu":
             _step_ratio(entry, f"{device.type} / cpu", str(device), "cpu")
     return {"rows": rows}

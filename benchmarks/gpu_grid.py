@@ -14,13 +14,17 @@ context) in the variants asked for:
   which is stopped afterwards (``quit``); recorded as unavailable where the binary is missing or does not start;
 * ``compiled`` and ``mps-compiled``: ``plain`` and ``mps`` with ``gpattn compare --compile`` (every model compiled,
   mode reduce-overhead on CUDA: a step's kernels replayed as CUDA graphs; each worker compiles its models, and the
-  compile time counts). Not run unless asked for (``--variants``).
+  compile time counts). Not run unless asked for (``--variants``);
+* ``graphs`` and ``mps-graphs``: ``plain`` and ``mps`` with ``gpattn compare --cuda-graphs`` (every full-size training
+  step of a row whose layers support it captured once as a CUDA graph and replayed; no compiler). Not run unless asked
+  for.
 
 Before the variants, every task is loaded once, untimed, so that each variant reads its data from gpattn's disk
 cache (``data_cache`` in the JSON: the seconds it took). Every variant's records are compared with those of the first
-variant that compiles as it does (``identical_records``: the run files without their wall times; deterministic kernels
-make them equal on one device); a compiled variant's test accuracy and NLL are compared with the eager reference's,
-run by run, where both ran (``metrics_vs_eager``: the largest absolute differences; compiled kernels round otherwise).
+variant of its kind (eager, compiled, graphs) (``identical_records``: the run files without their wall times;
+deterministic kernels make them equal on one device); a compiled or graphs variant's test accuracy and NLL are compared
+with the eager reference's, run by run, where both ran (``metrics_vs_eager``: the largest absolute differences;
+compiled kernels round otherwise, and a graph's random draws are not the eager step's).
 Writes one JSON: the commands, the wall time of each variant, the load average before and after, the device's
 name.
 
@@ -44,7 +48,7 @@ import tempfile
 import time
 from pathlib import Path
 
-VARIANTS = ("plain", "mps", "compiled", "mps-compiled")
+VARIANTS = ("plain", "mps", "compiled", "mps-compiled", "graphs", "mps-graphs")
 DEFAULT_VARIANTS = ("plain", "mps")
 MPS_CONTROL = "nvidia-cuda-mps-control"
 
@@ -95,11 +99,11 @@ def _records(folder: Path) -> dict[str, dict]:
     return records
 
 
-def compare_command(args: argparse.Namespace, out: Path, compiled: bool = False) -> list[str]:
+def compare_command(args: argparse.Namespace, out: Path, compiled: bool = False, graphs: bool = False) -> list[str]:
     command = [sys.executable, "-m", "gpattn.cli", "compare", "--main", "--device", args.device]
     command += ["--jobs", str(args.jobs), "--seeds", *map(str, args.seeds), "--tasks", *args.tasks]
-    command += ["--out", str(out), "--no-progress", "--overwrite", *(["--compile"] if compiled else []), *args.extra]
-    return command
+    command += ["--out", str(out), "--no-progress", "--overwrite", *(["--compile"] if compiled else [])]
+    return [*command, *(["--cuda-graphs"] if graphs else []), *args.extra]
 
 
 def _short(value: float | None) -> str:
@@ -108,6 +112,11 @@ def _short(value: float | None) -> str:
 
 def _compiled(name: str) -> bool:
     return name.endswith("compiled")
+
+
+def _kind(name: str) -> str:
+    """``"compiled"``, ``"graphs"`` or ``"eager"``: the variants whose records must be identical."""
+    return "compiled" if _compiled(name) else "graphs" if name.endswith("graphs") else "eager"
 
 
 def metrics_vs_eager(records: dict[str, dict], eager: dict[str, dict]) -> dict | None:
@@ -148,7 +157,8 @@ def warm_data_cache(args: argparse.Namespace) -> dict:
 
 def run_variant(name: str, args: argparse.Namespace, folder: Path) -> dict:
     out = folder / name
-    command = compare_command(args, out, _compiled(name))
+    options = {"graphs": True} if _kind(name) == "graphs" else {}
+    command = compare_command(args, out, _compiled(name), **options)
     entry: dict = {"command": command, "load_before": _load()}
     with contextlib.ExitStack() as stack:
         env = dict(os.environ)
@@ -195,17 +205,17 @@ def main(argv: list[str] | None = None) -> dict:
     # the MPS daemon may still be writing its log when told to quit: a cleanup error must not lose the results
     with tempfile.TemporaryDirectory(prefix="gpu_grid_", ignore_cleanup_errors=True) as scratch:
         variants = {name: run_variant(name, args, Path(scratch)) for name in args.variants}
-    references = {}  # the records of the first variant that ran, eager and compiled
+    references = {}  # the records of the first variant of each kind that ran
     for name, entry in variants.items():
         if "records" in entry:
-            references.setdefault(_compiled(name), entry["records"])
+            references.setdefault(_kind(name), entry["records"])
     for name, entry in variants.items():
         records = entry.pop("records", None)
         if records is not None:
             entry["runs"] = len(records)
-            entry["identical_records"] = bool(records) and records == references[_compiled(name)]
-            if _compiled(name) and False in references:
-                entry["metrics_vs_eager"] = metrics_vs_eager(records, references[False])
+            entry["identical_records"] = bool(records) and records == references[_kind(name)]
+            if _kind(name) != "eager" and "eager" in references:
+                entry["metrics_vs_eager"] = metrics_vs_eager(records, references["eager"])
         line = f"{name}: " + (
             entry["unavailable"]
             if "unavailable" in entry

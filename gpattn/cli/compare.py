@@ -159,6 +159,13 @@ def add_compare(commands) -> None:
         "minute per run on a CPU); needs torch 2.6 or later",
     )
     compare.add_argument(
+        "--cuda-graphs",
+        action="store_true",
+        help="with --device cuda: capture every full-size training step (forward and backward passes) as one CUDA "
+        "graph and replay it, for the rows whose layers support it (SGPA's train eagerly); reproducible, but other "
+        "random draws than the eager runs'; no compiler (see the attention guide)",
+    )
+    compare.add_argument(
         "--resume",
         action="store_true",
         help="continue an interrupted comparison in OUT: the runs whose records are in OUT/runs are read back (they "
@@ -233,7 +240,7 @@ def run_compare(args: argparse.Namespace) -> int:
     if args.tuned_dir is not None:
         overrides["tuned_dir"] = args.tuned_dir
     overrides.update(device=args.device, progress=not args.no_progress, threads=args.threads, jobs=args.jobs)
-    overrides.update(compile=args.compile)
+    overrides.update(compile=args.compile, cuda_graphs=args.cuda_graphs)
     try:
         presets = ((args.quick, CompareConfig.quick), (args.main, CompareConfig.main), (args.full, CompareConfig.full))
         config = next((make for chosen, make in presets if chosen), CompareConfig)(**overrides)

@@ -94,6 +94,10 @@ class CompareConfig:
     :ivar compile: ``torch.compile`` every model's forward pass (``gpattn.comparison.runs.compile_model``: CUDA
         graphs on CUDA, eager's random numbers); with torch 2.13 its numbers equal eager's up to float rounding (torch
         2.11 draws other dropout masks) (a field of the records' settings).
+    :ivar cuda_graphs: Capture every full-size training step of a row whose layers support it as a CUDA graph
+        (:attr:`~gpattn.training.TrainConfig.cuda_graphs`; needs ``device="cuda"``); the other rows (SGPA) train
+        eagerly. Reproducible, but other random draws than the eager runs' (a field of the records' settings when
+        set).
     :ivar tuned: Use the tuned configuration of every (task, row) that has one (``gpattn tune``; the files
         ``<tuned_dir>/<task>.json``) in place of the shared settings above (:meth:`hyperparameters`); ``False``
         (``gpattn compare --untuned``): the shared settings for every row.
@@ -129,6 +133,7 @@ class CompareConfig:
     jobs: int = 1
     smoke_test: bool = False
     compile: bool = False
+    cuda_graphs: bool = False
     tuned: bool = True
     tuned_dir: str | None = None
 
@@ -185,6 +190,10 @@ class CompareConfig:
                 f"{where}: compile=True needs torch 2.6 or later (torch.compiler.set_stance), got torch "
                 f"{torch.__version__}"
             )
+        if not isinstance(self.cuda_graphs, bool):
+            raise ValueError(f"{where}: expected cuda_graphs to be a bool, got {self.cuda_graphs!r}")
+        if self.cuda_graphs and torch.device(self.device).type != "cuda":
+            raise ValueError(f"{where}: cuda_graphs=True needs device='cuda', got {self.device!r}")
         if not isinstance(self.tuned, bool):
             raise ValueError(f"{where}: expected tuned to be a bool, got {self.tuned!r}")
         if self.tuned_dir is not None:

@@ -66,6 +66,9 @@ __all__ = [
 
 #: CompareConfig fields that do not change a run's numbers: which runs there are, how they are scheduled and shown
 RESULT_INDEPENDENT_FIELDS = ("attentions", "tasks", "seeds", "primary_seeds", "progress", "jobs", "smoke_test")
+#: Fields added to :class:`CompareConfig` after run files were first written, with the value every earlier run had:
+#: left out of :func:`result_settings` at that value, so that those runs are still read back by ``--resume``
+LATER_FIELDS = {"cuda_graphs": False}
 #: The format of a run file (``out/runs/<name>.json`` of ``gpattn compare``, ``OUT/run.json`` of ``gpattn train``)
 RUN_FILE_FORMAT = "gpattn-run/1"
 
@@ -90,10 +93,14 @@ def run_name(task: str, attention: str, seed: int) -> str:
 
 def result_settings(config: CompareConfig) -> dict[str, Any]:
     """The settings of ``config`` that determine a run's numbers (every field but
-    :data:`RESULT_INDEPENDENT_FIELDS`), as JSON data: what a stored run is checked against on resume."""
+    :data:`RESULT_INDEPENDENT_FIELDS`, and those of :data:`LATER_FIELDS` at their earlier value), as JSON data: what a
+    stored run is checked against on resume."""
     settings = asdict(config)
     for name in RESULT_INDEPENDENT_FIELDS:
         settings.pop(name, None)
+    for name, earlier in LATER_FIELDS.items():
+        if settings.get(name) == earlier:
+            settings.pop(name)
     return json.loads(json.dumps(settings))  # tuples -> lists, as read back from a file
 
 

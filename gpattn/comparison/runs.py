@@ -22,6 +22,7 @@ registered attention or row is compared like the built-in ones.
 
 from __future__ import annotations
 
+import dataclasses
 import statistics
 import time
 from collections.abc import Iterable
@@ -36,6 +37,7 @@ from ..attention import build_attention
 from ..methods import Hyperparameters, MethodSpec, get_method, resolve_method
 from ..models import LastLayerLaplace, Transformer
 from ..training import Callback, TrainConfig, dataset_inputs, dataset_labels, member_seed, train_ensemble
+from ..training.graphs import capture_refusals
 from .config import CompareConfig
 from .evaluation import evaluate_models
 from .fidelity import model_fidelity
@@ -109,6 +111,7 @@ def make_train_config(
         beta=hyperparameters.beta,
         patience=hyperparameters.patience,
         kl_anneal_epochs=hyperparameters.kl_anneal_epochs(method.recipe),
+        cuda_graphs=config.cuda_graphs,
         eval_samples=config.eval_samples,
         mc_dropout=method.predictive.mc_dropout,
         seed=seed,
@@ -228,6 +231,10 @@ def train_and_evaluate(
         )
     hyperparameters = config.hyperparameters(task, method, data.defaults)
     train_config = make_train_config(config, method, hyperparameters, seed, checkpoint_dir)
+    if config.cuda_graphs:  # the rows whose layers read values on the host (SGPA) train eagerly
+        with torch.random.fork_rng(devices=[]):  # a model to ask, built without touching the runs' random numbers
+            probe = build_model(method, hyperparameters, data.num_classes, data.model_kwargs)
+        train_config = dataclasses.replace(train_config, cuda_graphs=not capture_refusals(probe))
     size = method.predictive.members if config.ensemble == 1 else config.ensemble
 
     def make_model(member: int) -> Transformer:

@@ -158,3 +158,31 @@ def test_metrics_vs_eager_reads_only_the_runs_in_both(grid):
     assert grid.metrics_vs_eager({"c.json": run(0.0, 9.0)}, eager) is None
     # a metric written as null (not finite) is left out of the largest difference
     assert grid.metrics_vs_eager({"a.json": run(0.25, None)}, eager) == {"runs": 1, "accuracy": 0.25, "nll": None}
+
+
+def test_graphs_variants_pass_cuda_graphs_and_compare_with_their_own_kind(grid, tmp_path, monkeypatch):
+    """``graphs`` and ``mps-graphs`` run ``gpattn compare --cuda-graphs`` (not ``--compile``); their records are
+    compared with each other's (a graph's random draws are not the eager step's) and their metrics with eager's."""
+    _stand_in_mps(tmp_path / "bin")
+    monkeypatch.setenv("PATH", f"{tmp_path / 'bin'}{os.pathsep}{os.environ['PATH']}")
+    writer = (
+        "import json, pathlib, sys; out = pathlib.Path(sys.argv[1]) / 'runs'; out.mkdir(parents=True);"
+        "graphs = sys.argv[2] == '--cuda-graphs';"
+        "test = {'accuracy': 0.75 if graphs else 0.875, 'nll': 0.5};"
+        "(out / 'mnist1d-kep_svgp-0.json').write_text(json.dumps({'record': {'metrics': {'test': test}}}))"
+    )
+    commands, real_command = [], grid.compare_command
+
+    def command(args, out, compiled=False, **options):
+        commands.append(real_command(args, out, compiled, **options))
+        return [sys.executable, "-c", writer, str(out), "--cuda-graphs" if "--cuda-graphs" in commands[-1] else ""]
+
+    monkeypatch.setattr(grid, "compare_command", command)
+    out = str(tmp_path / "grid.json")
+    results = grid.main(["--device", "cpu", "--variants", "graphs", "plain", "mps-graphs", "--out", out])
+    assert [("--cuda-graphs" in line, "--compile" in line) for line in commands] == [(True, False), (False, False)] + [
+        (True, False)
+    ]
+    graphs, plain, mps = (results["variants"][name] for name in ("graphs", "plain", "mps-graphs"))
+    assert graphs["identical_records"] and plain["identical_records"] and mps["identical_records"]
+    assert graphs["metrics_vs_eager"] == mps["metrics_vs_eager"] == {"runs": 1, "accuracy": 0.125, "nll": 0.0}
