@@ -293,70 +293,73 @@ def _compiled_against_eager(name: str, device: torch.device, x: torch.Tensor, pr
 
 class GraphedStep:
     """One training step of ``layer`` on the input ``x`` (the benchmark's loss and its backward pass) captured as one
-    CUDA graph (``torch.cuda.graph``) and replayed: the launches of the eager step, its Triton kernels among them,
-    without the host's dispatch. The layer must support capture (``supports_graph_capture``: it reads no value while
-    captured, so that its magnitude guards are off in the graph). Warm-up steps on a side stream come first (Triton's
-    compilation, cuBLAS's workspaces, the layer's cached constants), as ``torch.cuda.graph`` requires; the gradients are
-    set to ``None`` before the capture, so that the graph writes them into its own memory, the same tensors at every
-    replay (overwritten, not accumulated); random draws are fresh at every replay.
+    CUDA graph and replayed, by the training loop's :class:`~gpattn.training.graphs.CapturedStep`: the launches of the
+    eager step, its Triton kernels among them, without the host's dispatch. The layer must support capture
+    (``supports_graph_capture``: it reads no value while captured, so that its magnitude guards are off in the graph).
+    Warm-up steps on a side stream come first (the last one running the capture's code), the gradients are the graph's
+    own tensors, written at every replay; random draws are fresh at every replay.
 
     :param layer: The layer, on a CUDA device (its gradients are the graph's from here on).
     :param x: The input; :meth:`__call__` copies another batch of its shape into the graph's own.
     :param warmup: Eager steps before the capture.
+    :param graph: The graph class (default: a CUDA graph; the tests pass the CPU's stand-in,
+        :class:`~gpattn.training.graphs.EmulatedGraph`).
     """
 
-    def __init__(self, layer: torch.nn.Module, x: torch.Tensor, warmup: int = 3):
+    def __init__(self, layer: torch.nn.Module, x: torch.Tensor, warmup: int = 3, graph: type | None = None):
+        from gpattn.training.graphs import CapturedStep
+
         if not getattr(layer, "supports_graph_capture", True):  # the floor (a benchmark module) reads nothing
             raise ValueError(f"{type(layer).__name__} does not support graph capture")
-        self.layer, self.x = layer, x.clone()
-        side = torch.cuda.Stream(device=x.device)
-        side.wait_stream(torch.cuda.current_stream(x.device))
-        with torch.cuda.stream(side):
-            for _ in range(warmup):
-                BENCH._step(layer, self.x)
-        torch.cuda.current_stream(x.device).wait_stream(side)
-        layer.zero_grad(set_to_none=True)
-        self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph):
-            self.loss = BENCH.step_loss(layer, self.x)
-            self.loss.backward()
+        self.layer, self.labels = layer, x.new_zeros(0)
+        parameters = [parameter for parameter in layer.parameters() if parameter.requires_grad]
+        loss = lambda inputs, mask, labels: BENCH.step_loss(layer, inputs)[None]  # noqa: E731
+        self.step = CapturedStep(loss, parameters, x.device, warmup, graph)
+        self.step(x, None, self.labels)  # the capture (and a first replay)
 
     def __call__(self, x: torch.Tensor | None = None) -> torch.Tensor:
         """Replay the step (on ``x`` if given); returns the graph's loss tensor (overwritten by the next replay)."""
-        if x is not None:
-            self.x.copy_(x)
-        self.graph.replay()
-        return self.loss
+        parts = self.step.replay() if x is None else self.step(x, None, self.labels)
+        return parts[0]
 
 
 def _gradients(layer: torch.nn.Module) -> list[torch.Tensor]:
     return [parameter.grad.detach().clone() for parameter in layer.parameters() if parameter.grad is not None]
 
 
-def _graphed_against_eager(name: str, device: torch.device, smoke: bool) -> dict:
+def _graphed_against_eager(name: str, device: torch.device, smoke: bool, graph: type | None = None) -> dict:
     """A CUDA-graph step of ``name`` against the eager step, float32, at the benchmark's sizes: in eval mode (the
     predictive mean: no draw) the loss and every gradient, relative to the largest entry (same kernels, so close to
-    rounding); in training two replays, which must differ (fresh draws, not the captured ones) and be finite."""
+    rounding), and the gradients of a replay on another input against the eager step's there (an empty or stale graph
+    fails); in training two replays, which must differ for a stochastic layer (fresh draws, not the captured ones) and
+    be finite, their gradients in the same tensors."""
     batch, length, width, heads, rank = (2, 16, 16, 2, 4) if smoke else (16, 256, 128, 4, 10)
     torch.manual_seed(0)
-    x = torch.randn(batch, length, width, device=device)
+    x, other = (torch.randn(batch, length, width, device=device) for _ in range(2))
     results = {}
     for mode in ("eval", "train"):
         layer = BENCH._build(name, width, heads, rank, device, length=length).train(mode == "train")
         eager = copy.deepcopy(layer)
-        graphed = GraphedStep(layer, x)
+        graphed = GraphedStep(layer, x, graph=graph)
         first = graphed().detach().clone()
+        pointers = [parameter.grad.data_ptr() for parameter in layer.parameters() if parameter.grad is not None]
         if mode == "eval":
-            BENCH._step(eager, x)
-            reference = [BENCH.step_loss(eager, x).detach(), *_gradients(eager)]
-            results["eval_difference"] = _difference(reference, [first, *_gradients(layer)])
+            for index, value in enumerate((x, other)):
+                loss = graphed(value).detach().clone() if index else first
+                BENCH._step(eager, value)
+                reference = [BENCH.step_loss(eager, value).detach(), *_gradients(eager)]
+                results[f"eval_difference_{index}"] = _difference(reference, [loss, *_gradients(layer)])
         else:
             second = graphed().detach().clone()
             results["train_finite"] = bool(torch.isfinite(first) & torch.isfinite(second))
             stochastic = getattr(layer, "is_stochastic", False)
             results["train_replays_differ"] = bool(first != second) if stochastic else None
+        after = [parameter.grad.data_ptr() for parameter in layer.parameters() if parameter.grad is not None]
+        results[f"{mode}_gradients_in_place"] = after == pointers
     fresh = results["train_replays_differ"] is not False  # None: a deterministic layer
-    results["ok"] = results["eval_difference"] <= 1e-4 and results["train_finite"] and fresh
+    close = max(results["eval_difference_0"], results["eval_difference_1"]) <= 1e-4
+    in_place = results["eval_gradients_in_place"] and results["train_gradients_in_place"]
+    results["ok"] = close and results["train_finite"] and fresh and in_place
     return results
 
 

@@ -2,7 +2,7 @@
 
 * :func:`is_compiling`: ``torch.compiler.is_compiling`` (torch 2.3+), else ``torch._dynamo.is_compiling``;
 * :func:`is_capturing`: whether a CUDA graph is being captured (``torch.cuda.is_current_stream_capturing``, asked only
-  once CUDA is initialised);
+  once CUDA is initialised), or a warm-up step rehearses the capture (:func:`rehearsing_capture`);
 * :func:`autocast_enabled` and :func:`autocast_dtype`: ``torch.is_autocast_enabled(device_type)`` and
   ``torch.get_autocast_dtype(device_type)`` (torch 2.4+), else the per-device functions of older releases (CPU and
   CUDA: autocast on another device type reads as disabled there);
@@ -17,14 +17,14 @@ traces them as constants.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from contextlib import AbstractContextManager, nullcontext
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any
 
 import torch
 from torch.torch_version import TorchVersion
 
-__all__ = ["autocast_dtype", "autocast_enabled", "compilable", "is_capturing", "is_compiling"]
+__all__ = ["autocast_dtype", "autocast_enabled", "compilable", "is_capturing", "is_compiling", "rehearsing_capture"]
 
 #: torch 2.4+: the autocast functions take a device type
 DEVICE_AUTOCAST = hasattr(torch, "get_autocast_dtype")
@@ -54,14 +54,31 @@ def is_compiling() -> bool:
     return torch._dynamo.is_compiling()
 
 
+#: set by :func:`rehearsing_capture`
+_REHEARSING = False
+
+
 def is_capturing() -> bool:
     """Whether the current CUDA stream is being captured into a CUDA graph (``torch.cuda.graph``,
-    ``torch.cuda.make_graphed_callables``, ``torch.compile(mode="reduce-overhead")``'s capture of eager code): then no
-    value may be read on the host (``.item()``, ``.tolist()``, ``bool(tensor)`` end the capture with an error) and a
+    ``torch.cuda.make_graphed_callables``), or a warm-up step rehearses a capture (:func:`rehearsing_capture`): then no
+    value may be read on the host (``.item()``, ``.tolist()``, ``bool(tensor)`` end a capture with an error) and a
     data-dependent branch would be frozen into the graph. Asked only once CUDA is initialised, so that a process that
     never uses CUDA (a CPU-only build, where the question raises, or a machine whose GPU it leaves alone) pays one
     attribute read. Both functions are looked up at the call (a test may replace either)."""
-    return torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing()
+    return _REHEARSING or (torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing())
+
+
+@contextmanager
+def rehearsing_capture() -> Iterator[None]:
+    """Inside the block :func:`is_capturing` answers ``True``: the last warm-up step before a capture runs the code
+    the capture will record (the capture's branches, the kernels they launch and what they build once), and a stand-in
+    graph on a CPU runs it too."""
+    global _REHEARSING
+    previous, _REHEARSING = _REHEARSING, True
+    try:
+        yield
+    finally:
+        _REHEARSING = previous
 
 
 def autocast_enabled(device_type: str) -> bool:

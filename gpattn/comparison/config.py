@@ -194,6 +194,8 @@ class CompareConfig:
             raise ValueError(f"{where}: expected cuda_graphs to be a bool, got {self.cuda_graphs!r}")
         if self.cuda_graphs and torch.device(self.device).type != "cuda":
             raise ValueError(f"{where}: cuda_graphs=True needs device='cuda', got {self.device!r}")
+        if self.cuda_graphs and self.compile:  # the compiled model's own CUDA graphs cannot run inside a capture
+            raise ValueError(f"{where}: choose compile=True or cuda_graphs=True, not both")
         if not isinstance(self.tuned, bool):
             raise ValueError(f"{where}: expected tuned to be a bool, got {self.tuned!r}")
         if self.tuned_dir is not None:

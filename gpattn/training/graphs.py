@@ -25,51 +25,71 @@ tested without a GPU.
 
 from __future__ import annotations
 
+import contextlib
+import warnings
 from collections.abc import Callable, Sequence
 
 import torch
 from torch import Tensor
 
+from .._torch_compat import rehearsing_capture
+
 __all__ = ["CapturedStep", "EmulatedGraph", "capture_refusals", "graph_class"]
 
 
 class _CUDAGraph:
-    """``torch.cuda.CUDAGraph`` behind the interface of :class:`CapturedStep`: warm-up calls on a side stream, the
-    gradients set to ``None`` so that the graph allocates its own, and the capture."""
+    """``torch.cuda.CUDAGraph`` behind the interface of :class:`CapturedStep`, on ``device`` whatever the current
+    device is: warm-up calls on a side stream (the last one rehearsing the capture's code,
+    :func:`~gpattn._torch_compat.rehearsing_capture`), the gradients set to ``None`` so that the graph allocates its
+    own, and the capture on the same side stream. A capture that recorded nothing (work sent to another device's
+    stream) raises instead of leaving a graph whose replays do nothing."""
 
     def __init__(self, parameters: Sequence[Tensor], device: torch.device):
         self.parameters, self.device = list(parameters), device
         self.graph = torch.cuda.CUDAGraph()
 
     def capture(self, function: Callable[[], Tensor], warmup: int) -> Tensor:
-        side = torch.cuda.Stream(device=self.device)
-        side.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(side):  # Triton's compilation, cuBLAS's workspaces, the layers' cached constants
-            for _ in range(warmup):
-                function()
-        torch.cuda.current_stream(self.device).wait_stream(side)
-        for parameter in self.parameters:
-            parameter.grad = None
-        with torch.cuda.graph(self.graph):
-            return function()
+        with torch.cuda.device(self.device):
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):  # Triton's compilation, cuBLAS's workspaces, the layers' cached constants
+                for index in range(warmup):
+                    with rehearsing_capture() if index == warmup - 1 else contextlib.nullcontext():
+                        function()
+            torch.cuda.current_stream().wait_stream(side)
+            for parameter in self.parameters:
+                parameter.grad = None
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                with torch.cuda.graph(self.graph, stream=side):
+                    output = function()
+        for warning in caught:
+            if "graph is empty" in str(warning.message).lower():
+                raise RuntimeError(f"the CUDA graph of the training step on {self.device} captured nothing")
+            warnings.warn_explicit(warning.message, warning.category, warning.filename, warning.lineno)
+        return output
 
     def replay(self) -> None:
-        self.graph.replay()
+        with torch.cuda.device(self.device):
+            self.graph.replay()
 
 
 class EmulatedGraph:
     """A stand-in for a CUDA graph on any device (for tests): :meth:`capture` runs the step once without consuming the
-    global RNG's numbers (as a capture, which records kernels without running them) and keeps its output and
+    random numbers of ``device`` (as a capture, which records kernels without running them) and keeps its output and
     gradient tensors; :meth:`replay` runs it again and copies the new output and gradients into those tensors, leaving
     each parameter's ``.grad`` attribute as it found it (a replay writes into the captured memory and touches no
-    Python attribute). No speed-up: it checks how the loop uses a graph, not a graph.
+    Python attribute). Both run the capture's code (:func:`~gpattn._torch_compat.rehearsing_capture`). No speed-up,
+    and a constant a real capture would freeze (a Python number read by the step) is read afresh at each replay: it
+    checks how the loop uses a graph, not a graph.
 
     :param parameters: The parameters whose gradients the step writes.
-    :param device: Unused (the interface of the CUDA graph's).
+    :param device: The device whose random numbers the capture leaves untouched (default: the CPU's).
     """
 
     def __init__(self, parameters: Sequence[Tensor], device: torch.device | None = None):
         self.parameters = list(parameters)
+        self.device = torch.device("cpu") if device is None else torch.device(device)
         self.function: Callable[[], Tensor] | None = None
         self.output: Tensor | None = None
         self.gradients: list[Tensor | None] = []
@@ -79,7 +99,8 @@ class EmulatedGraph:
         self.function = function
         for parameter in self.parameters:
             parameter.grad = None
-        with torch.random.fork_rng(devices=[]):
+        devices = [self.device] if self.device.type == "cuda" else []
+        with torch.random.fork_rng(devices=devices), rehearsing_capture():
             self.output = function().clone()
         # the captured tensors, as a capture leaves the graph's gradients in the parameters' .grad
         self.gradients = [None if parameter.grad is None else parameter.grad.clone() for parameter in self.parameters]
@@ -91,7 +112,8 @@ class EmulatedGraph:
         if self.function is None or self.output is None:
             raise RuntimeError("EmulatedGraph: replay() before capture()")
         attributes = [parameter.grad for parameter in self.parameters]
-        self.output.copy_(self.function())
+        with rehearsing_capture():
+            self.output.copy_(self.function())
         for parameter, captured, attribute in zip(self.parameters, self.gradients, attributes, strict=True):
             if captured is not None:
                 captured.copy_(parameter.grad)
@@ -164,18 +186,18 @@ class CapturedStep:
         """The batch shape of the captured step (``None`` before the capture)."""
         return None if self.static is None else self.static[0].shape
 
-    def _step(self) -> Tensor:
-        assert self.static is not None
+    def _step(self, static: tuple[Tensor, Tensor | None, Tensor]) -> Tensor:
         for parameter in self.parameters:
             parameter.grad = None
-        parts = self.loss_parts(*self.static)
+        parts = self.loss_parts(*static)
         parts[0].backward()
         return parts.detach()
 
     def __call__(self, inputs: Tensor, mask: Tensor | None, labels: Tensor) -> Tensor:
         if self.static is None:
-            self.static = (inputs.clone(), None if mask is None else mask.clone(), labels.clone())
-            self.output = self.graph.capture(self._step, self.warmup)
+            static = (inputs.clone(), None if mask is None else mask.clone(), labels.clone())
+            self.output = self.graph.capture(lambda: self._step(static), self.warmup)
+            self.static = static  # only once captured: a failed capture is tried again, not replayed
             self.gradients = [parameter.grad for parameter in self.parameters]
         else:
             if inputs.shape != self.static[0].shape or (mask is None) != (self.static[1] is None):
@@ -184,8 +206,14 @@ class CapturedStep:
             for static, value in zip(self.static, (inputs, mask, labels), strict=True):
                 if static is not None:
                     static.copy_(value)
+        return self.replay()
+
+    def replay(self) -> Tensor:
+        """Replay the captured step on the static inputs as they are, point the parameters' gradients back to the
+        graph's and return the loss parts (overwritten by the next replay)."""
+        if self.static is None or self.output is None:
+            raise RuntimeError("CapturedStep: replay() before the first call captured the step")
         self.graph.replay()
         for parameter, gradient in zip(self.parameters, self.gradients, strict=True):
             parameter.grad = gradient
-        assert self.output is not None
         return self.output

@@ -455,7 +455,7 @@ def _triangle_selections(size: int, dtype: torch.dtype, device: torch.device) ->
     return _cached_triangle_selections(size, dtype, device)
 
 
-@functools.lru_cache(maxsize=32)
+@functools.cache  # never evicted: a CUDA graph that captured a step keeps reading these tensors
 def _cached_triangle_selections(size: int, dtype: torch.dtype, device: torch.device) -> tuple[Tensor, ...]:
     with torch.inference_mode(False):  # normal tensors, usable with autograd, even when first built for inference
         return _build_triangle_selections(size, dtype, device)

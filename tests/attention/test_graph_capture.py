@@ -15,7 +15,7 @@ import copy
 import pytest
 import torch
 
-from gpattn._torch_compat import is_capturing
+from gpattn._torch_compat import is_capturing, rehearsing_capture
 from gpattn.attention import attention_names, build_attention, select_arguments
 
 READS = ("item", "tolist", "__bool__", "__float__", "__int__", "__index__", "numpy")
@@ -26,6 +26,7 @@ CAPTURED = [
     ("kep_svgp", {}),
     ("kep_svgp", {"sampling": "marginal", "residual": "diag"}),
     ("kep_svgp", {"merge": "concat"}),
+    ("kep_svgp", {"merge": "concat_tokens", "max_len": 8}),
     ("kep_svgp", {"features": "primal_features", "max_len": 8}),
     ("kep_svgp_paper", {"max_len": 8}),
     ("kep_svgp_sym", {}),
@@ -107,6 +108,20 @@ def test_is_capturing_asks_cuda_only_once_it_is_initialised(monkeypatch):
         assert is_capturing() is answer
 
 
+def test_a_rehearsal_answers_as_a_capture_and_restores_the_answer(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
+    assert not is_capturing()
+    with rehearsing_capture():
+        assert is_capturing()
+        with rehearsing_capture():
+            assert is_capturing()
+        assert is_capturing()
+    assert not is_capturing()
+    with pytest.raises(KeyError), rehearsing_capture():
+        raise KeyError  # restored after an error too
+    assert not is_capturing()
+
+
 @pytest.mark.parametrize("mask_kind", [None, "padding", "causal"])
 @pytest.mark.parametrize("name, options", CAPTURED)
 def test_a_captured_training_step_reads_nothing_and_computes_the_uncaptured_step(monkeypatch, name, options, mask_kind):
@@ -117,6 +132,8 @@ def test_a_captured_training_step_reads_nothing_and_computes_the_uncaptured_step
     features = getattr(layer, "features", None)
     if mask_kind == "padding" and features is not None and not features.supports_padding_mask:
         pytest.skip(f"{name} {options} takes no padding mask")
+    if mask_kind is not None and options.get("merge") == "concat_tokens":
+        pytest.skip("merge='concat_tokens' takes no mask")
     x = torch.randn(2, 8, 16, dtype=torch.float64)
     mask = _mask(mask_kind, 2, 8)
     captured_layer = copy.deepcopy(layer)

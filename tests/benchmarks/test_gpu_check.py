@@ -197,3 +197,18 @@ def test_the_split_check_under_the_interpreter(tmp_path):
     assert found["kernels_ran"] and found["ok"], found
     assert found["tokens"] == 327 and found["programs_per_head"] == 3
     assert 0.0 < found["relative_difference"] < 1e-4  # float32 sums in another order: close, not equal
+
+
+@pytest.mark.parametrize("name", ["softmax", "floor", "kep_svgp"])
+def test_the_graphed_step_check_with_the_cpu_stand_in(check, name):
+    """The CUDA-graph check of the equivalence section, run on the CPU with the training loop's stand-in graph (which
+    replays by running the step again into the captured tensors): the graphed step equals the eager one in eval mode on
+    two inputs, its gradients stay in the captured tensors, and a stochastic layer's training replays differ."""
+    import torch
+
+    from gpattn.training.graphs import EmulatedGraph
+
+    result = check._graphed_against_eager(name, torch.device("cpu"), smoke=True, graph=EmulatedGraph)
+    assert result["ok"], result
+    assert result["eval_difference_0"] <= 1e-6 and result["eval_difference_1"] <= 1e-6
+    assert result["train_replays_differ"] is (True if name == "kep_svgp" else None)

@@ -82,6 +82,27 @@ def test_without_pointing_the_gradients_back_an_eager_step_would_freeze_them(dat
     assert _without_time(graphed.history) != _without_time(eager.history)
 
 
+def test_the_kl_weight_is_one_tensor_filled_before_each_replay(data, small_model, small_config, emulated, monkeypatch):
+    """A real graph freezes a Python number read by the step, which the emulated graph reads afresh: the annealed
+    weight must be one tensor, filled in place (the same object and memory at every step of the graph), with the
+    scheduled value."""
+    from gpattn.training import loop as loop_module
+
+    seen = []
+
+    class WatchedELBO(AttentionELBO):
+        def forward(self, logits, targets):
+            beta = self.beta
+            seen.append((id(beta), beta.data_ptr(), float(beta)) if torch.is_tensor(beta) else (None, None, beta))
+            return super().forward(logits, targets)
+
+    monkeypatch.setattr(loop_module, "AttentionELBO", WatchedELBO)
+    train_model(small_model(), data.train, data.val, small_config(cuda_graphs=True, kl_anneal_epochs=1.0, epochs=1))
+    assert len(seen) == 1 + 4  # the emulated capture, then the four steps' replays
+    assert len({(identity, pointer) for identity, pointer, _ in seen}) == 1 and seen[0][0] is not None
+    assert [value for _, _, value in seen[1:]] == [0.25, 0.5, 0.75, 1.0]  # beta min(1, (t + 1) / 4)
+
+
 def test_cuda_graphs_need_a_cuda_device(data, small_model, small_config):
     with pytest.raises(ValueError, match=r"cuda_graphs=True needs a CUDA device, got cpu"):
         train_model(small_model(), data.train, data.val, small_config(cuda_graphs=True))
@@ -190,3 +211,15 @@ def test_the_comparison_models_train_without_a_read_while_captured(monkeypatch, 
         assert reads == [], (task, row, reads)
         for value, reference in zip(captured, expected, strict=True):
             torch.testing.assert_close(value, reference, rtol=1e-12, atol=1e-12)
+
+
+def test_compare_refuses_cuda_graphs_without_cuda_or_with_compile(monkeypatch):
+    from gpattn.comparison import CompareConfig
+    from gpattn.comparison import config as config_module
+
+    with pytest.raises(ValueError, match=r"cuda_graphs=True needs device='cuda', got 'cpu'"):
+        CompareConfig(cuda_graphs=True)
+    monkeypatch.setattr(config_module, "check_device", lambda *args, **kwargs: None)  # no GPU here: accept "cuda"
+    assert CompareConfig(cuda_graphs=True, device="cuda").cuda_graphs
+    with pytest.raises(ValueError, match="choose compile=True or cuda_graphs=True, not both"):
+        CompareConfig(cuda_graphs=True, compile=True, device="cuda")
