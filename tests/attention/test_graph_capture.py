@@ -69,19 +69,19 @@ def simulated_capture(monkeypatch):
 
 
 def _mask(kind: str | None, batch: int, length: int):
-    if kind == "padding":  # the second sequence ends three tokens early
+    if kind == "padding":  # the second sequence ends two or three tokens early
         mask = torch.ones(batch, length, dtype=torch.bool)
-        mask[1, -3:] = False
+        mask[1, -min(3, length - 3) :] = False
         return mask
     return kind
 
 
-def _training_step(layer: torch.nn.Module, x: torch.Tensor, mask) -> list[torch.Tensor]:
+def _training_step(layer: torch.nn.Module, x: torch.Tensor, mask, context=None) -> list[torch.Tensor]:
     """Output, loss and every gradient (parameters and input) of one training step from seed 0."""
     torch.manual_seed(0)
     layer.zero_grad(set_to_none=True)
     x = x.detach().requires_grad_(True)
-    output = layer(x, mask)
+    output = layer(x, mask) if context is None else layer(x, mask, context=context)
     loss = output.sum() + layer.kl_divergence()
     for term in getattr(layer, "added_loss_terms", tuple)():
         loss = loss + term.loss()
@@ -122,7 +122,7 @@ def test_a_rehearsal_answers_as_a_capture_and_restores_the_answer(monkeypatch):
     assert not is_capturing()
 
 
-@pytest.mark.parametrize("mask_kind", [None, "padding", "causal"])
+@pytest.mark.parametrize("mask_kind", [None, "padding", "causal", "cross"])
 @pytest.mark.parametrize("name, options", CAPTURED)
 def test_a_captured_training_step_reads_nothing_and_computes_the_uncaptured_step(monkeypatch, name, options, mask_kind):
     layer = _layer(name, options)
@@ -134,15 +134,19 @@ def test_a_captured_training_step_reads_nothing_and_computes_the_uncaptured_step
         pytest.skip(f"{name} {options} takes no padding mask")
     if mask_kind is not None and options.get("merge") == "concat_tokens":
         pytest.skip("merge='concat_tokens' takes no mask")
+    if mask_kind == "cross" and not layer.supports_cross_attention:
+        pytest.skip(f"{name} {options} has no cross-attention")
     x = torch.randn(2, 8, 16, dtype=torch.float64)
-    mask = _mask(mask_kind, 2, 8)
+    # cross-attention: 5 keys of a context, the second sequence's last two padded
+    context = torch.randn(2, 5, 16, dtype=torch.float64) if mask_kind == "cross" else None
+    mask = _mask("padding", 2, 5) if mask_kind == "cross" else _mask(mask_kind, 2, 8)
     captured_layer = copy.deepcopy(layer)
-    _training_step(layer, x, mask)  # lazy initialisations (cached constants), as the warm-up before a capture
-    _training_step(captured_layer, x, mask)
+    _training_step(layer, x, mask, context)  # lazy initialisations (cached constants), as the warm-up before a capture
+    _training_step(captured_layer, x, mask, context)
     with counted_reads() as outside:
-        expected = _training_step(layer, x, mask)
+        expected = _training_step(layer, x, mask, context)
     with simulated_capture(monkeypatch), counted_reads() as inside:
-        captured = _training_step(captured_layer, x, mask)
+        captured = _training_step(captured_layer, x, mask, context)
     assert inside == []
     assert len(captured) == len(expected)
     for value, reference in zip(captured, expected, strict=True):
