@@ -3,6 +3,7 @@
 * :func:`is_compiling`: ``torch.compiler.is_compiling`` (torch 2.3+), else ``torch._dynamo.is_compiling``;
 * :func:`is_capturing`: whether a CUDA graph is being captured (``torch.cuda.is_current_stream_capturing``, asked only
   once CUDA is initialised), or a warm-up step rehearses the capture (:func:`rehearsing_capture`);
+  :func:`values_unreadable`: either, or compiling (no value can be read on the host);
 * :func:`autocast_enabled` and :func:`autocast_dtype`: ``torch.is_autocast_enabled(device_type)`` and
   ``torch.get_autocast_dtype(device_type)`` (torch 2.4+), else the per-device functions of older releases (CPU and
   CUDA: autocast on another device type reads as disabled there);
@@ -24,7 +25,15 @@ from typing import Any
 import torch
 from torch.torch_version import TorchVersion
 
-__all__ = ["autocast_dtype", "autocast_enabled", "compilable", "is_capturing", "is_compiling", "rehearsing_capture"]
+__all__ = [
+    "autocast_dtype",
+    "autocast_enabled",
+    "compilable",
+    "is_capturing",
+    "is_compiling",
+    "rehearsing_capture",
+    "values_unreadable",
+]
 
 #: torch 2.4+: the autocast functions take a device type
 DEVICE_AUTOCAST = hasattr(torch, "get_autocast_dtype")
@@ -66,6 +75,12 @@ def is_capturing() -> bool:
     never uses CUDA (a CPU-only build, where the question raises, or a machine whose GPU it leaves alone) pays one
     attribute read. Both functions are looked up at the call (a test may replace either)."""
     return _REHEARSING or (torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing())
+
+
+def values_unreadable() -> bool:
+    """Whether no value may be read on the host: while ``torch.compile`` traces (:func:`is_compiling`) or a CUDA graph
+    is captured (:func:`is_capturing`). The value checks are then skipped, or made on the device."""
+    return is_compiling() or is_capturing()
 
 
 @contextmanager

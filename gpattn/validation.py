@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ._torch_compat import autocast_enabled, is_capturing, is_compiling
+from ._torch_compat import autocast_enabled, values_unreadable
 
 
 class InputTypeError(TypeError, ValueError):
@@ -32,8 +32,8 @@ def _prefix(where: str) -> str:
 
 def _is_tracing() -> bool:
     """Whether no value can be read on the host: TorchScript, ``torch.jit.trace``, ``torch.compile`` or the capture of
-    a CUDA graph (:func:`~gpattn._torch_compat.is_capturing`): the value checks are then skipped."""
-    return torch.jit.is_scripting() or torch.jit.is_tracing() or is_compiling() or is_capturing()
+    a CUDA graph (:func:`~gpattn._torch_compat.values_unreadable`): the value checks are then skipped."""
+    return torch.jit.is_scripting() or torch.jit.is_tracing() or values_unreadable()
 
 
 def all_finite(value: Tensor) -> bool:
@@ -49,6 +49,14 @@ def all_finite(value: Tensor) -> bool:
         return True
     low, high = torch.aminmax(value)
     return bool(torch.isfinite(low) & torch.isfinite(high))
+
+
+def assert_indices_on_device(indices: Tensor, size: int, message: str) -> None:
+    """Check that every entry of ``indices`` lies in ``[0, size)`` without reading a value: an asynchronous assertion
+    (``torch._assert_async``) that raises ``RuntimeError(message)`` on a CPU and is a device-side assert on a GPU (the
+    process's CUDA context is then unusable). For a CUDA graph being captured, where the eager range checks cannot
+    read the values."""
+    torch._assert_async(((indices >= 0) & (indices < size)).all(), message)
 
 
 def non_finite_parameters(*modules: torch.nn.Module) -> list[str]:

@@ -49,7 +49,7 @@ import math
 import torch
 from torch import Tensor
 
-from .._torch_compat import is_capturing, is_compiling
+from .._torch_compat import is_compiling, values_unreadable
 from ..fused import autocast_state, full_precision, restored_autocast, wide_dtype
 from ..fused.triton_scores import runs_triton, scores_backward, scores_forward
 from ..kernels.cosine_feature_kernel import inverse_norms
@@ -218,7 +218,7 @@ class AmortizedSelfScores(torch.autograd.Function):
                     objective = coupling.neg() + weighted
                 else:
                     objective = weighted - coupling  # an output: not in place
-        if is_compiling() or is_capturing():  # nothing can be read
+        if values_unreadable():  # nothing can be read
             magnitude = scores.new_empty(0)
         else:  # one number for the caller's checks (see the docstring)
             magnitude = squared.sum() + (scores.sum() if sums is None else sums.sum())

@@ -8,7 +8,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from .._torch_compat import is_capturing, is_compiling
+from .._torch_compat import values_unreadable
 from ..ksvd import ksvd_objective
 from ..validation import all_finite, check_overflow, check_token_magnitude, square_limit, within_bound
 from .attention_kernel_eigen_features import AttentionKernelEigenFeatures
@@ -218,7 +218,7 @@ class LearnedAttentionFeatures(AttentionKernelEigenFeatures):
     def _watches_gradients(self) -> bool:
         # in training the gradients from the tokens are checked; not while compiling or capturing a CUDA graph (the
         # check is a branch on a value read)
-        return self.training and torch.is_grad_enabled() and not (is_compiling() or is_capturing())
+        return self.training and torch.is_grad_enabled() and not values_unreadable()
 
     def _watched(self, queries: Tensor, keys: Tensor, causal: bool, kernel_diag: bool) -> tuple[Tensor, Tensor]:
         # the tokens' gradients checked by _GradientGuard

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .._torch_compat import is_capturing, is_compiling
+from .._torch_compat import values_unreadable
 from ..validation import all_finite
 from .asymmetric_kernel import AsymmetricKernel
 from .feature_lift import FeatureLift
@@ -24,7 +24,7 @@ def inverse_norms(vectors: Tensor, dim: int) -> Tensor:
     :return: shape ``(..., 1, ...)``.
     """
     squared = vectors.pow(2).sum(dim, keepdim=True)
-    if not (is_compiling() or is_capturing()) and all_finite(squared):  # else no read: the safe path
+    if not values_unreadable() and all_finite(squared):  # else no read: the safe path
         return squared.clamp_min(1e-24).rsqrt()
     scale = vectors.abs().amax(dim, keepdim=True).clamp_min(torch.finfo(vectors.dtype).tiny)
     norms = (vectors / scale).pow(2).sum(dim, keepdim=True).sqrt() * scale

@@ -11,7 +11,7 @@ from gpytorch.mlls import AddedLossTerm
 from torch import Tensor
 
 from .._torch_compat import is_capturing
-from ..validation import all_finite, check_float, check_int, check_tensor
+from ..validation import all_finite, assert_indices_on_device, check_float, check_int, check_tensor
 from .sequence_kl_added_loss_term import SequenceKLAddedLossTerm
 
 
@@ -172,8 +172,7 @@ class AttentionELBO(torch.nn.Module):
             )
         num_classes = logits.shape[-1]
         if is_capturing():  # a CUDA graph: no read; the range checked on the device at every replay
-            within = ((targets >= 0) & (targets < num_classes)).all()
-            torch._assert_async(within, f"AttentionELBO: expected targets in [0, {num_classes - 1}]")
+            assert_indices_on_device(targets, num_classes, f"AttentionELBO: expected targets in [0, {num_classes - 1}]")
             low, high = 0, 0
         else:  # the range in one read of the device (one synchronisation on a GPU, not two)
             low, high = torch.stack((targets.min(), targets.max())).tolist() if targets.numel() else (0, 0)

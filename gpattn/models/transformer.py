@@ -11,7 +11,7 @@ from torch import Tensor
 
 from .._torch_compat import is_capturing
 from ..attention import AttentionLayer, SoftmaxAttention, attention_arguments, build_attention
-from ..validation import InputTypeError, check_choice, check_float, check_int, check_tensor
+from ..validation import InputTypeError, assert_indices_on_device, check_choice, check_float, check_int, check_tensor
 
 INPUTS = ("tokens", "patches", "vectors", "signal")
 #: The stem of ``input="signal"`` when its arguments are not given: two layers of kernel 5, the last of stride 2.
@@ -254,8 +254,9 @@ class Transformer(Module):
         if inputs.numel() == 0:
             raise ValueError(f"Transformer: expected non-empty inputs, got shape {tuple(inputs.shape)}")
         if integer and is_capturing():  # a CUDA graph: checked on the device at every replay, no read
-            within = ((inputs >= 0) & (inputs < self.vocab_size)).all()
-            torch._assert_async(within, f"Transformer: token ids must lie in [0, {self.vocab_size})")
+            assert_indices_on_device(
+                inputs, self.vocab_size, f"Transformer: token ids must lie in [0, {self.vocab_size})"
+            )
         elif integer and (inputs.min() < 0 or inputs.max() >= self.vocab_size):
             raise ValueError(f"token ids must lie in [0, {self.vocab_size}), got [{inputs.min()}, {inputs.max()}]")
         if self.input == "signal":

@@ -40,12 +40,12 @@ __all__ = ["CapturedStep", "EmulatedGraph", "capture_refusals", "graph_class"]
 class _CUDAGraph:
     """``torch.cuda.CUDAGraph`` behind the interface of :class:`CapturedStep`, on ``device`` whatever the current
     device is: warm-up calls on a side stream (the last one rehearsing the capture's code,
-    :func:`~gpattn._torch_compat.rehearsing_capture`), the gradients set to ``None`` so that the graph allocates its
-    own, and the capture on the same side stream. A capture that recorded nothing (work sent to another device's
-    stream) raises instead of leaving a graph whose replays do nothing."""
+    :func:`~gpattn._torch_compat.rehearsing_capture`), then the capture on the same side stream. A capture that
+    recorded nothing (work sent to another device's stream) raises instead of leaving a graph whose replays do
+    nothing."""
 
     def __init__(self, parameters: Sequence[Tensor], device: torch.device):
-        self.parameters, self.device = list(parameters), device
+        self.device = device  # the parameters are not needed here (EmulatedGraph's interface)
         self.graph = torch.cuda.CUDAGraph()
 
     def capture(self, function: Callable[[], Tensor], warmup: int) -> Tensor:
@@ -57,8 +57,6 @@ class _CUDAGraph:
                     with rehearsing_capture() if index == warmup - 1 else contextlib.nullcontext():
                         function()
             torch.cuda.current_stream().wait_stream(side)
-            for parameter in self.parameters:
-                parameter.grad = None
             with warnings.catch_warnings(record=True) as caught:
                 warnings.simplefilter("always")
                 with torch.cuda.graph(self.graph, stream=side):
@@ -97,8 +95,6 @@ class EmulatedGraph:
 
     def capture(self, function: Callable[[], Tensor], warmup: int) -> Tensor:
         self.function = function
-        for parameter in self.parameters:
-            parameter.grad = None
         devices = [self.device] if self.device.type == "cuda" else []
         with torch.random.fork_rng(devices=devices), rehearsing_capture():
             self.output = function().clone()
@@ -177,16 +173,8 @@ class CapturedStep:
         self.output: Tensor | None = None
         self.gradients: list[Tensor | None] = []
 
-    @property
-    def captured(self) -> bool:
-        """Whether the step has been captured."""
-        return self.static is not None
-
-    def shape(self) -> torch.Size | None:
-        """The batch shape of the captured step (``None`` before the capture)."""
-        return None if self.static is None else self.static[0].shape
-
     def _step(self, static: tuple[Tensor, Tensor | None, Tensor]) -> Tensor:
+        # the gradients set to None first: inside a capture the backward pass then allocates the graph's own
         for parameter in self.parameters:
             parameter.grad = None
         parts = self.loss_parts(*static)

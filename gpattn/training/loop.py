@@ -270,13 +270,10 @@ class _Loop:
         where = f"epoch {self.epoch}, step {step}/{self.steps_per_epoch} (global step {global_step + 1})"
         if self.anneal_steps:  # beta_t = beta min(1, (t + 1) / A), t the global step
             self._set_beta(self.config.beta * min(1.0, (global_step + 1) / self.anneal_steps))
-        names = LOSS_PARTS[:-1]
         if self.captured is not None and index.shape[0] == self.config.batch_size:
             # forward and backward passes replayed by the CUDA graph; the loss parts read after it, before the
             # optimiser step (a non-finite loss stops the run with the parameters unchanged)
-            values = dict(zip(names, self.captured(inputs, mask, labels).tolist(), strict=True))
-            if not math.isfinite(values["loss"]):
-                self._fail(f"non-finite training loss at {where}: {_describe(values, ELBO_PARTS)}", step)
+            values = self._read_loss_parts(self.captured(inputs, mask, labels), where, step)
         else:
             values = self._eager_forward_backward(inputs, mask, labels, where, step)
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.max_norm)
@@ -308,14 +305,18 @@ class _Loop:
             if "NaN or Inf" not in str(error) or not all_finite(inputs):
                 raise
             self._fail(f"non-finite values in the forward pass at {where} ({error})", step, error)
-        # the loss parts in one read of the device (the step's first of two synchronisations on a GPU); a non-finite
-        # loss on any process stops every process (one stopping alone would hang the others)
-        names = LOSS_PARTS[:-1]
-        values = dict(zip(names, torch.stack([parts[name].detach() for name in names]).tolist(), strict=True))
-        if self.strategy.any(not math.isfinite(values["loss"])):
-            self._fail(f"non-finite training loss at {where}: {_describe(values, parts)}", step)
+        values = self._read_loss_parts(torch.stack([parts[name].detach() for name in LOSS_PARTS[:-1]]), where, step)
         self.optimizer.zero_grad(set_to_none=True)
         parts["loss"].backward()  # a data-parallel wrapper all-reduces the gradients here
+        return values
+
+    def _read_loss_parts(self, stacked: Tensor, where: str, step: int) -> dict[str, float]:
+        """The loss parts of :data:`LOSS_PARTS` but the gradient norm, stacked, in one read of the device (the step's
+        first of two synchronisations on a GPU); a non-finite loss on any process stops every process (one stopping
+        alone would hang the others)."""
+        values = dict(zip(LOSS_PARTS[:-1], stacked.tolist(), strict=True))
+        if self.strategy.any(not math.isfinite(values["loss"])):
+            self._fail(f"non-finite training loss at {where}: {_describe(values, ELBO_PARTS)}", step)
         return values
 
     def _validate(self, totals: list[float], lr: float, started: float) -> dict[str, float] | None:

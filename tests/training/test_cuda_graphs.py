@@ -144,9 +144,9 @@ def test_a_captured_step_refuses_another_batch_shape():
         step(torch.ones(2, 3), torch.ones(2, 3, dtype=torch.bool), torch.zeros(2))
 
 
-def test_the_elbo_checks_the_targets_on_the_device_while_captured(monkeypatch, small_model):
-    """No read while a CUDA graph is captured: the target range becomes an asynchronous assertion (on a CPU it raises
-    at once, on a GPU at the replay)."""
+def test_the_elbo_and_the_model_check_their_indices_on_the_device_while_captured(monkeypatch, small_model):
+    """No read while a CUDA graph is captured: the targets' range, and the model's token ids', become asynchronous
+    assertions (on a CPU they raise at once, on a GPU at the replay)."""
     model = small_model()
     loss = AttentionELBO(model, num_data=10)
     tokens = torch.randint(0, 6, (3, 6))
@@ -157,6 +157,8 @@ def test_the_elbo_checks_the_targets_on_the_device_while_captured(monkeypatch, s
     assert torch.isfinite(loss(logits, torch.tensor([0, 1, 1])))
     with pytest.raises(RuntimeError, match=r"expected targets in \[0, 1\]"):
         loss(logits, torch.tensor([0, 2, 1]))
+    with pytest.raises(RuntimeError, match=r"Transformer: token ids must lie in \[0, 6\)"):
+        model(torch.tensor([[0, 1, 2, 3, 4, 6]]))  # an id past the vocabulary, checked on the device
 
 
 def _model_step(model, loss, inputs, mask, labels) -> list[torch.Tensor]:
