@@ -15,6 +15,7 @@ import torch
 from torch import Tensor
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from gpattn.attention import attention_names
 from gpattn.data import make_pointer_task
@@ -364,6 +365,62 @@ def test_a_training_step_reads_the_device_twice(data, small_model, small_config)
     steps = 4 * len(result.history)
     assert sum(count for (file, _), count in reads.counts.items() if file == "loop.py") == 2 * steps
     assert reads.counts[("attention_elbo.py", "forward")] == steps
+
+
+class _Operators(TorchDispatchMode):
+    """Counts the operators dispatched to the kernels, but the reads of 0-dim CPU tensors into Python
+    (``_local_scalar_dense``: AdamW's step counters, which launch nothing on a GPU either)."""
+
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += func is not torch.ops.aten._local_scalar_dense.default
+        return func(*args, **(kwargs or {}))
+
+
+def _optimiser_operators(step_of, model: torch.nn.Module) -> int:
+    """The operators of one optimiser step on ``model``'s parameters with gradients of one, ``step_of(parameters)``
+    making the optimiser."""
+    optimizer = step_of(list(model.parameters()))
+    for parameter in model.parameters():
+        parameter.grad = torch.ones_like(parameter)
+    with _Operators() as operators:
+        optimizer.step()
+    return operators.count
+
+
+def test_the_optimiser_step_does_not_loop_over_the_parameters(data, small_model, small_config, monkeypatch):
+    # AdamW's multi-tensor implementation on the CPU too: a step's operators do not grow with the number of parameter
+    # tensors (torch's default there loops over them, about ten operators each, which the counter sees)
+    counts = {}
+
+    class Counted(torch.optim.AdamW):
+        def step(self, closure=None):
+            with _Operators() as operators:
+                loss = super().step(closure)
+            counts.setdefault(self.tensors, []).append(operators.count)
+            return loss
+
+        def __init__(self, params, **kwargs):
+            params = list(params)
+            super().__init__(params, **kwargs)
+            self.tensors = len(params)
+
+    monkeypatch.setattr(torch.optim, "AdamW", Counted)
+    for depth in (1, 3):
+        train_model(small_model(depth=depth), data.train, data.val, small_config(epochs=1))
+    assert len(counts) == 2 and len(set(counts)) == 2  # two models with different numbers of parameter tensors
+    # after the first step, which creates the moments (one tensor each)
+    assert len({count for steps in counts.values() for count in steps[1:]}) == 1, counts
+    # the counter sees a per-parameter loop: torch's CPU default grows with the tensors
+    monkeypatch.undo()
+    looped = [
+        _optimiser_operators(lambda p: torch.optim.AdamW(p, foreach=False), small_model(depth=depth))
+        for depth in (1, 3)
+    ]
+    assert looped[1] > looped[0] + 10 * (max(counts) - min(counts))
 
 
 def test_a_float64_model_records_its_gradient_norms_in_float64(data, small_model, small_config):
