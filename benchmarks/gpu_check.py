@@ -9,7 +9,9 @@
    KEP-SVGP against float32 (largest entry and norm, relative; issue 25's bound 2e-2); KEP-SVGP, the official-style
    row and Primal-Attention compiled (``aot_eager``) against eager mode in float64 (the mean and every gradient);
    the training steps of the ``--graphed-rows`` captured as CUDA graphs (:class:`GraphedStep`) against eager steps
-   (float32 gradients in eval mode; in training, fresh draws at every replay).
+   (float32 gradients in eval mode; in training, fresh draws at every replay); a KEP-SVGP classifier's evaluation
+   passes replayed from CUDA graphs (``gpattn.training.graphs.CapturedForward``, as ``--cuda-graphs`` evaluates)
+   against eager passes (``captured_forward_vs_eager``).
 3. ``counts``: operators (top-level aten calls) and kernel launches of one training step per row.
 4. ``scaling``: forward + backward of one training step at N = 256 ... 16384 (B = 16, C = 128, 4 heads, s = 10) for
    softmax, the floor, KEP-SVGP (its default: the Triton kernels up to ``TRITON_MAX_TOKENS`` tokens; as
@@ -251,6 +253,11 @@ def equivalence(device: torch.device, smoke: bool, graphed_rows: tuple[str, ...]
             results[f"{name}_graphed_vs_eager"] = _graphed_against_eager(name, device, smoke)
         except Exception as error:  # noqa: BLE001 (recorded: the check goes on)
             results[f"{name}_graphed_vs_eager"] = {"error": f"{type(error).__name__}: {error}"}
+    if device.type == "cuda":
+        try:
+            results["captured_forward_vs_eager"] = _captured_forward_against_eager(device)
+        except Exception as error:  # noqa: BLE001 (recorded: the check goes on)
+            results["captured_forward_vs_eager"] = {"error": f"{type(error).__name__}: {error}"}
     for name in AUTOCAST_ROWS:
         try:
             results[f"{name}_bfloat16_error"] = _bfloat16_error(name, device, smoke)
@@ -360,6 +367,43 @@ def _graphed_against_eager(name: str, device: torch.device, smoke: bool, graph: 
     close = max(results["eval_difference_0"], results["eval_difference_1"]) <= 1e-4
     in_place = results["eval_gradients_in_place"] and results["train_gradients_in_place"]
     results["ok"] = close and results["train_finite"] and fresh and in_place
+    return results
+
+
+def _captured_forward_against_eager(device: torch.device, graph: type | None = None) -> dict:
+    """A KEP-SVGP token classifier's evaluation passes through :class:`~gpattn.training.graphs.CapturedForward`
+    against eager passes, float32: the predictive mean (no draw) on two inputs (the second a replay) and again after
+    the parameters changed in place (a stale graph fails), relative to the largest logit; four Monte Carlo passes by
+    ``monte_carlo_logits``, finite and pairwise different (fresh draws at every replay); every capture taken (no
+    eager fallback, no warning)."""
+    import warnings
+
+    from gpattn.attention import sample_attention
+    from gpattn.models import Transformer, monte_carlo_logits
+    from gpattn.training.graphs import CapturedForward
+
+    torch.manual_seed(0)
+    model = Transformer(4, embed_dim=32, depth=1, num_heads=2, attention="kep_svgp", vocab_size=8, max_len=16)
+    model = model.to(device).eval()
+    tokens = [torch.randint(0, 8, (64, 16), device=device) for _ in range(2)]
+    captured = CapturedForward(model, device, graph=graph)
+    results = {}
+    with warnings.catch_warnings(record=True) as caught, torch.no_grad():
+        warnings.simplefilter("always")
+        for index, value in enumerate(tokens):
+            results[f"mean_difference_{index}"] = _difference([model(value)], [captured(value)])
+        for parameter in model.parameters():
+            parameter.add_(0.01 * torch.randn_like(parameter))
+        results["mean_difference_after_a_step"] = _difference([model(tokens[0])], [captured(tokens[0])])
+        with sample_attention(captured):
+            samples = monte_carlo_logits(captured, tokens[0], num_samples=4)
+    results["samples_finite"] = bool(torch.isfinite(samples).all())
+    results["samples_differ"] = all(not torch.equal(samples[i], samples[j]) for i in range(4) for j in range(i))
+    results["graphs"] = len(captured.graphs)
+    results["all_captured"] = all(entry is not None for entry in captured.graphs.values())
+    results["warnings"] = [str(warning.message)[:300] for warning in caught]
+    close = max(value for key, value in results.items() if key.startswith("mean_difference")) <= 1e-5
+    results["ok"] = close and results["samples_finite"] and results["samples_differ"] and results["all_captured"]
     return results
 
 

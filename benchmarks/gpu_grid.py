@@ -16,8 +16,8 @@ context) in the variants asked for:
   mode reduce-overhead on CUDA: a step's kernels replayed as CUDA graphs; each worker compiles its models, and the
   compile time counts). Not run unless asked for (``--variants``);
 * ``graphs`` and ``mps-graphs``: ``plain`` and ``mps`` with ``gpattn compare --cuda-graphs`` (every full-size training
-  step of a row whose layers support it captured once as a CUDA graph and replayed; no compiler). Not run unless asked
-  for.
+  step of a row whose layers support it captured once as a CUDA graph and replayed, and the validation's and the
+  final evaluation's passes too; no compiler). Not run unless asked for.
 
 Before the variants, every task is loaded once, untimed, so that each variant reads its data from gpattn's disk
 cache (``data_cache`` in the JSON: the seconds it took). Every variant's records are compared with those of the first

@@ -95,9 +95,10 @@ class CompareConfig:
         graphs on CUDA, eager's random numbers); with torch 2.13 its numbers equal eager's up to float rounding (torch
         2.11 draws other dropout masks) (a field of the records' settings).
     :ivar cuda_graphs: Capture every full-size training step of a row whose layers support it as a CUDA graph
-        (:attr:`~gpattn.training.TrainConfig.cuda_graphs`; needs ``device="cuda"``); the other rows (SGPA) train
-        eagerly. Reproducible, but other random draws than the eager runs' (a field of the records' settings when
-        set).
+        (:attr:`~gpattn.training.TrainConfig.cuda_graphs`; needs ``device="cuda"``), and its validation and final
+        evaluation passes too (:class:`~gpattn.training.graphs.CapturedForward`); the other rows (SGPA) train and
+        evaluate eagerly. Reproducible, but other random draws than the eager runs' (a field of the records'
+        settings when set).
     :ivar tuned: Use the tuned configuration of every (task, row) that has one (``gpattn tune``; the files
         ``<tuned_dir>/<task>.json``) in place of the shared settings above (:meth:`hyperparameters`); ``False``
         (``gpattn compare --untuned``): the shared settings for every row.

@@ -37,7 +37,7 @@ from ..attention import build_attention
 from ..methods import Hyperparameters, MethodSpec, get_method, resolve_method
 from ..models import LastLayerLaplace, Transformer
 from ..training import Callback, TrainConfig, dataset_inputs, dataset_labels, member_seed, train_ensemble
-from ..training.graphs import capture_refusals
+from ..training.graphs import CapturedForward, capture_refusals
 from .config import CompareConfig
 from .evaluation import evaluate_models
 from .fidelity import model_fidelity
@@ -251,6 +251,8 @@ def train_and_evaluate(
         labels = dataset_labels(data.train)
         mask = None if mask is None else mask.to(config.device)
         predictors = [LastLayerLaplace(model).fit(inputs.to(config.device), labels, mask) for model in models]
+    elif train_config.cuda_graphs:  # the evaluation's passes replayed from CUDA graphs, as the validation's were
+        predictors = [CapturedForward(model, config.device) for model in models]
     evaluation = evaluate_models(
         predictors,
         data,
@@ -260,6 +262,9 @@ def train_and_evaluate(
         temperature_scaling=config.temperature_scaling and method.temperature_scaled,
         seed=seed,
     )
+    for predictor in predictors:
+        if isinstance(predictor, CapturedForward):
+            predictor.release()  # the graphs' memory back to the allocator before the next run
     fidelity = {}
     if config.fidelity_sequences:  # the first member against itself as train_ensemble built it, before training
         with torch.random.fork_rng(devices=[]):

@@ -44,7 +44,9 @@ class TrainConfig:
     :ivar cuda_graphs: Capture the forward and backward passes of the full-size training steps as one CUDA graph and
         replay it (:class:`~gpattn.training.graphs.CapturedStep`): a CUDA device, one process, and every attention layer
         of the model :attr:`~gpattn.attention.AttentionLayer.supports_graph_capture`; the last, smaller batch of an
-        epoch runs eagerly. The run is reproducible, but its random draws are not the eager run's.
+        epoch runs eagerly. The validation's Monte Carlo passes are replayed from CUDA graphs too
+        (:class:`~gpattn.training.graphs.CapturedForward`, one per batch shape). The run is reproducible, but its
+        random draws are not the eager run's.
     :ivar progress: Show a tqdm bar per epoch (only on a terminal).
     :ivar checkpoint_dir: Directory of ``best.pt`` and ``last.pt`` (created if missing), or ``None`` (in memory).
     :ivar schedule_epochs: Horizon of the cosine schedule in epochs (default ``epochs``). Set it to the planned total

@@ -17,6 +17,11 @@ points each parameter's ``.grad`` back to the graph's after a replay. Random dra
 dropout) are fresh at every replay, but not the eager step's draws: a run with graphs is reproducible (same seed,
 same device) without equalling the eager run.
 
+:class:`CapturedForward` does the same for the evaluation's passes (the validation after every epoch, and
+``gpattn compare``'s final evaluation): a model wrapper whose forward passes without gradients in eval mode are
+captured once per batch shape and mode (Monte Carlo samples or dropout masks drawn, or not) and replayed, :math:`T`
+replays per batch.
+
 :class:`EmulatedGraph` stands in for a CUDA graph on any device (the tests, on a CPU): its capture records the step
 without consuming random numbers and its replay runs it again, writing the outputs and gradients into the captured
 tensors as a replay does. With it a run equals the eager one bit for bit, which is how the loop's use of the graph is
@@ -28,13 +33,14 @@ from __future__ import annotations
 import contextlib
 import warnings
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 from torch import Tensor
 
-from .._torch_compat import rehearsing_capture
+from .._torch_compat import autocast_dtype, autocast_enabled, rehearsing_capture
 
-__all__ = ["CapturedStep", "EmulatedGraph", "capture_refusals", "graph_class"]
+__all__ = ["CapturedForward", "CapturedStep", "EmulatedGraph", "GraphCaptureError", "capture_refusals", "graph_class"]
 
 
 class _CUDAGraph:
@@ -48,28 +54,56 @@ class _CUDAGraph:
         self.device = device  # the parameters are not needed here (EmulatedGraph's interface)
         self.graph = torch.cuda.CUDAGraph()
 
-    def capture(self, function: Callable[[], Tensor], warmup: int) -> Tensor:
+    def capture(self, function: Callable[[], Tensor], warmup: int, check_syncs: bool = False) -> Tensor:
         with torch.cuda.device(self.device):
             side = torch.cuda.Stream()
             side.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(side):  # Triton's compilation, cuBLAS's workspaces, the layers' cached constants
                 for index in range(warmup):
-                    with rehearsing_capture() if index == warmup - 1 else contextlib.nullcontext():
-                        function()
+                    last = index == warmup - 1
+                    with rehearsing_capture() if last else contextlib.nullcontext():
+                        # a host synchronisation (a value read) in the rehearsal raises here, before the capture
+                        with _syncs_raise() if last and check_syncs else contextlib.nullcontext():
+                            function()
             torch.cuda.current_stream().wait_stream(side)
             with warnings.catch_warnings(record=True) as caught:
                 warnings.simplefilter("always")
-                with torch.cuda.graph(self.graph, stream=side):
-                    output = function()
+                try:
+                    with torch.cuda.graph(self.graph, stream=side):
+                        output = function()
+                except Exception as error:
+                    cause = error.__context__ if error.__context__ is not None else error
+                    raise GraphCaptureError(
+                        f"the capture of a CUDA graph on {self.device} failed ({type(cause).__name__}: {cause}); a "
+                        "failed capture can leave the process's CUDA state unusable (its stream, its memory pool, "
+                        "the random generator's capture state): restart it without cuda_graphs"
+                    ) from error
         for warning in caught:
             if "graph is empty" in str(warning.message).lower():
-                raise RuntimeError(f"the CUDA graph of the training step on {self.device} captured nothing")
+                raise RuntimeError(f"the CUDA graph on {self.device} captured nothing")
             warnings.warn_explicit(warning.message, warning.category, warning.filename, warning.lineno)
         return output
 
     def replay(self) -> None:
         with torch.cuda.device(self.device):
             self.graph.replay()
+
+
+class GraphCaptureError(RuntimeError):
+    """A CUDA graph's capture failed inside ``torch.cuda.graph``: nothing is retried or run in its place, since the
+    process's CUDA state may be unusable after it."""
+
+
+@contextlib.contextmanager
+def _syncs_raise():
+    """Within the block, an operation that synchronises the host with the GPU raises (``torch.cuda``'s sync debug
+    mode ``"error"``), as it would end a capture."""
+    previous = torch.cuda.get_sync_debug_mode()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        yield
+    finally:
+        torch.cuda.set_sync_debug_mode(previous)
 
 
 class EmulatedGraph:
@@ -93,7 +127,7 @@ class EmulatedGraph:
         self.gradients: list[Tensor | None] = []
         self.replays = 0
 
-    def capture(self, function: Callable[[], Tensor], warmup: int) -> Tensor:
+    def capture(self, function: Callable[[], Tensor], warmup: int, check_syncs: bool = False) -> Tensor:
         self.function = function
         devices = [self.device] if self.device.type == "cuda" else []
         with torch.random.fork_rng(devices=devices), rehearsing_capture():
@@ -205,3 +239,120 @@ class CapturedStep:
         for parameter, gradient in zip(self.parameters, self.gradients, strict=True):
             parameter.grad = gradient
         return self.output
+
+
+#: errors after which an eager pass would fail too: out of memory, and a device error (e.g. a device-side assertion)
+_FATAL_ERRORS = tuple(
+    error for error in (getattr(torch, "OutOfMemoryError", None), getattr(torch, "AcceleratorError", None)) if error
+)
+
+
+class CapturedForward(torch.nn.Module):
+    r"""A model whose evaluation passes are replayed from CUDA graphs: ``CapturedForward(model, device)(inputs,
+    mask=mask)`` returns ``model(inputs, mask=mask)`` (and ``(inputs)`` returns ``model(inputs)``; any other call,
+    e.g. a mapping of keyword arguments, runs the model eagerly).
+
+    A forward pass without gradients in evaluation mode (what :func:`~gpattn.training.evaluate` and
+    :func:`~gpattn.models.monte_carlo_logits` run :math:`T` times per batch) is captured once per *signature*, the
+    inputs' shape, dtype and device, the mask's shape (or the string, or ``None``), the modes of the model's modules
+    (train or eval, :func:`~gpattn.attention.sample_attention`), autocast's state and inference mode, and replayed
+    afterwards: the batch is copied into the graph's static inputs and a copy of its output is returned (the next
+    replay overwrites the graph's own). Random draws are fresh at each replay, but not those of eager passes (the
+    warm-up passes before a capture draw too): the numbers are reproducible, not the eager evaluation's. Any other call
+    (gradients on, the model in training mode) runs the model eagerly. The wrapper holds ``model`` as its submodule
+    ``model``, so that ``eval()``, ``sample_attention`` and ``mc_dropout`` reach the model's modules. The graphs read
+    the parameters and buffers where they were at the capture, which the optimiser's steps and ``load_state_dict``
+    update in place; a parameter or buffer moved elsewhere (``load_state_dict(..., assign=True)``, ``.to(dtype)``)
+    discards every graph, and the next passes capture again.
+
+    A host synchronisation in the model's last warm-up pass (a value read, which would end the capture) raises there,
+    before anything is captured (``torch.cuda``'s sync debug mode), as does any other error of the warm-up passes (a
+    model output that is not a tensor): that signature then runs eagerly, after a warning naming the error. A capture
+    that fails inside ``torch.cuda.graph`` raises :class:`GraphCaptureError` (the process's CUDA state may be
+    unusable after it), as do out-of-memory and device errors.
+
+    :param model: Maps ``(inputs, mask=mask)`` to a tensor of logits.
+    :param device: The model's device (a CUDA device; any device with ``graph=EmulatedGraph``).
+    :param warmup: Eager passes before each capture (CUDA only).
+    :param graph: The graph class (default :func:`graph_class` of ``device``).
+
+    .. note:: Cost: per signature, ``warmup`` passes, one capture and the graph's memory (kept until
+        :meth:`release` or until the wrapper is dropped); per call, a copy of the batch in and of the output out,
+        one look at the parameters' and buffers' addresses, and one graph launch instead of the pass's kernel
+        launches.
+    """
+
+    def __init__(self, model: torch.nn.Module, device: torch.device, warmup: int = 2, graph: type | None = None):
+        super().__init__()
+        self.model = model
+        self.device = torch.device(device)
+        self.graph_type = graph or graph_class(self.device)
+        self.warmup = warmup
+        self.graphs: dict[tuple, tuple[Any, Tensor, Tensor | str | None, Tensor] | None] = {}
+        self.addresses: tuple[int, ...] = ()
+        self.training = model.training  # the wrapper's own flag only: the model's modules keep theirs
+
+    def release(self) -> None:
+        """Drop every graph (their memory goes back to the allocator); later passes capture again."""
+        self.graphs.clear()
+
+    def _signature(self, inputs: Tensor, mask: Tensor | str | None) -> tuple:
+        masks = mask if mask is None or isinstance(mask, str) else (tuple(mask.shape), mask.dtype)
+        modes = tuple((module.training, getattr(module, "sample_in_eval", None)) for module in self.model.modules())
+        device = inputs.device.type
+        autocast = autocast_enabled(device) and autocast_dtype(device)
+        precision = (autocast, torch.is_inference_mode_enabled())
+        return tuple(inputs.shape), inputs.dtype, inputs.device, masks, modes, precision
+
+    def _addresses(self) -> tuple[int, ...]:
+        tensors = [*self.model.parameters(), *self.model.buffers()]
+        return tuple(tensor.data_ptr() for tensor in tensors)
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        simple = len(args) == 1 and isinstance(args[0], Tensor) and set(kwargs) <= {"mask"}
+        if torch.is_grad_enabled() or self.model.training or not simple:
+            return self.model(*args, **kwargs)
+        inputs, mask = args[0], kwargs.get("mask")
+        addresses = self._addresses()
+        if addresses != self.addresses:  # parameters or buffers moved: every graph reads the old memory
+            self.graphs.clear()
+            self.addresses = addresses
+        signature = self._signature(inputs, mask)
+        if signature not in self.graphs:
+            self.graphs[signature] = self._capture(inputs, mask)
+        captured = self.graphs[signature]
+        if captured is None:  # its warm-up failed: eager from then on
+            return self.model(*args, **kwargs)
+        graph, static_inputs, static_mask, output = captured
+        static_inputs.copy_(inputs)
+        if isinstance(static_mask, Tensor):
+            static_mask.copy_(mask)
+        graph.replay()
+        return output.clone()
+
+    def _capture(self, inputs: Tensor, mask: Tensor | str | None) -> tuple | None:
+        static_inputs = inputs.clone()
+        static_mask = mask.clone() if isinstance(mask, Tensor) else mask
+        graph = self.graph_type([], self.device)
+
+        def run() -> Tensor:  # the model called as the caller called it (with or without a mask argument)
+            output = self.model(static_inputs) if mask is None else self.model(static_inputs, mask=static_mask)
+            if not isinstance(output, Tensor):
+                raise TypeError(f"expected the model to return a tensor, got {type(output).__name__}")
+            return output
+
+        try:
+            output = graph.capture(run, self.warmup, check_syncs=True)
+        except GraphCaptureError:
+            raise
+        except (RuntimeError, TypeError, ValueError) as error:
+            if isinstance(error, _FATAL_ERRORS):  # out of memory, a device-side assertion: eager would fail too
+                raise
+            warnings.warn(
+                f"CapturedForward: the evaluation pass on {_describe(inputs, None if isinstance(mask, str) else mask)}"
+                f" cannot be captured in a CUDA graph ({type(error).__name__}: {error}); it runs eagerly",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+            return None
+        return graph, static_inputs, static_mask, output

@@ -44,7 +44,7 @@ from .checkpoint_files import save_run_checkpoints
 from .checkpoints import restore_run, rng_state
 from .config import TrainConfig, TrainResult
 from .errors import TrainingDivergedError
-from .graphs import CapturedStep, capture_refusals
+from .graphs import CapturedForward, CapturedStep, capture_refusals
 from .predictions import evaluate, validation_metrics
 from .progress import ProgressBar
 from .schedule import warmup_cosine_schedule
@@ -187,6 +187,8 @@ class _Loop:
         self.read_dtype = functools.reduce(torch.promote_types, [p.dtype for p in self.parameters], torch.float32)
         self.max_norm = math.inf if config.grad_clip is None else config.grad_clip
         self.captured = self._captured_step() if config.cuda_graphs else None
+        # the validation's passes replayed from CUDA graphs too (one per batch shape)
+        self.evaluated = CapturedForward(model, self.device) if config.cuda_graphs else model
         watchers = ([ProgressBar()] if config.progress else []) + list(callbacks)
         self.callbacks = CallbackList(watchers if strategy.is_main else [])
         self.epoch = 0
@@ -217,6 +219,10 @@ class _Loop:
         except BaseException as error:
             self.callbacks.on_exception(context, error)
             raise
+        finally:  # the graphs' memory back to the allocator (the loop holds a reference cycle)
+            self.captured = None
+            if isinstance(self.evaluated, CapturedForward):
+                self.evaluated.release()
         self.model.load_state_dict(self.best_state)
         self.model.eval()
         self.callbacks.on_train_end(context)
@@ -331,7 +337,7 @@ class _Loop:
         is_main = self.strategy.is_main
         config = self.config
         probabilities = (
-            evaluate(self.model, self.val, config.eval_samples, config.eval_batch_size, config.mc_dropout)
+            evaluate(self.evaluated, self.val, config.eval_samples, config.eval_batch_size, config.mc_dropout)
             if is_main
             else None
         )

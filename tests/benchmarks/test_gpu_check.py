@@ -212,3 +212,16 @@ def test_the_graphed_step_check_with_the_cpu_stand_in(check, name):
     assert result["ok"], result
     assert result["eval_difference_0"] <= 1e-6 and result["eval_difference_1"] <= 1e-6
     assert result["train_replays_differ"] is (True if name == "kep_svgp" else None)
+
+
+def test_the_captured_forward_check_with_the_cpu_stand_in(check):
+    """The evaluation-graph check of the equivalence section with the CPU's stand-in graph: the mean equals the eager
+    pass (before and after the parameters change in place), the Monte Carlo passes differ, every capture was taken."""
+    import torch
+
+    from gpattn.training.graphs import EmulatedGraph
+
+    result = check._captured_forward_against_eager(torch.device("cpu"), graph=EmulatedGraph)
+    assert result["ok"], result
+    assert result["graphs"] == 2 and result["warnings"] == []  # the mean's signature and the sampled one
+    assert max(result[key] for key in result if key.startswith("mean_difference")) == 0.0

@@ -12,10 +12,12 @@ from __future__ import annotations
 import pytest
 import torch
 
+from gpattn.attention import sample_attention
 from gpattn.mlls import AttentionELBO
+from gpattn.models import mc_dropout as mc_dropout_masks
 from gpattn.training import TrainConfig, TrainingDivergedError, train_model
 from gpattn.training import graphs as graphs_module
-from gpattn.training.graphs import CapturedStep, EmulatedGraph
+from gpattn.training.graphs import CapturedForward, CapturedStep, EmulatedGraph
 
 
 @pytest.fixture
@@ -53,8 +55,11 @@ def test_an_emulated_graph_trains_as_the_eager_loop(data, small_model, small_con
     assert _without_time(graphed.history) == _without_time(eager.history)
     for value, reference in zip(_parameters(graphed_model), _parameters(eager_model), strict=True):
         assert torch.equal(value, reference)
-    (graph,) = emulated
-    assert graph.replays == 2 * 5  # every full-size step of both epochs; the smaller batches ran eagerly
+    (step,) = [graph for graph in emulated if graph.parameters]
+    assert step.replays == 2 * 5  # every full-size step of both epochs; the smaller batches ran eagerly
+    # the validation's passes (one batch of 64, T = 2 samples for KEP-SVGP, one pass for softmax) from their own graph
+    (validation,) = [graph for graph in emulated if not graph.parameters]
+    assert validation.replays == 2 * (2 if attention == "kep_svgp" else 1)
 
 
 def test_without_pointing_the_gradients_back_an_eager_step_would_freeze_them(data, small_model, small_config, emulated):
@@ -169,6 +174,16 @@ def _model_step(model, loss, inputs, mask, labels) -> list[torch.Tensor]:
     return [parts["loss"].detach(), *(p.grad.clone() for p in model.parameters() if p.grad is not None)]
 
 
+def _evaluation_pass(model, inputs, mask, mc_dropout: bool) -> torch.Tensor:
+    model.eval()
+    try:
+        with torch.no_grad(), sample_attention(model), mc_dropout_masks(model, enabled=mc_dropout):
+            torch.manual_seed(1)
+            return model(inputs.double() if inputs.is_floating_point() else inputs, mask=mask)
+    finally:
+        model.train()
+
+
 def _counting(reads: list[str], name: str, original):
     def read(self, *args):
         reads.append(name)
@@ -180,8 +195,9 @@ def _counting(reads: list[str], name: str, original):
 @pytest.mark.parametrize("task", ["pointer", "digits", "mnist1d"])
 def test_the_comparison_models_train_without_a_read_while_captured(monkeypatch, task):
     """The models of ``gpattn compare --cuda-graphs`` (each task's input kind, every default row whose layers capture):
-    a training step's forward pass, loss and backward pass read no value on the host while captured (the token ids'
-    range and the targets' checked on the device) and compute the uncaptured step."""
+    a training step's forward pass, loss and backward pass, and an evaluation pass (eval mode, samples or dropout
+    masks drawn, no gradients), read no value on the host while captured (the token ids' range and the targets'
+    checked on the device) and compute the uncaptured ones."""
     from gpattn.comparison import CompareConfig, load_task
     from gpattn.comparison.runs import build_model
     from gpattn.methods import get_method
@@ -213,6 +229,18 @@ def test_the_comparison_models_train_without_a_read_while_captured(monkeypatch, 
         assert reads == [], (task, row, reads)
         for value, reference in zip(captured, expected, strict=True):
             torch.testing.assert_close(value, reference, rtol=1e-12, atol=1e-12)
+        # the evaluation's Monte Carlo pass (CapturedForward): eval mode, samples drawn, no gradients
+        mc_dropout = method.predictive.mc_dropout
+        expected = _evaluation_pass(model, inputs, mask, mc_dropout)
+        with monkeypatch.context() as patch:
+            patch.setattr(torch.cuda, "is_initialized", lambda: True)
+            patch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+            for name in ("item", "tolist", "__bool__", "__float__", "__int__"):
+                original = getattr(torch.Tensor, name)
+                patch.setattr(torch.Tensor, name, _counting(reads, name, original))
+            captured = _evaluation_pass(model, inputs, mask, mc_dropout)
+        assert reads == [], (task, row, "evaluation", reads)
+        torch.testing.assert_close(captured, expected, rtol=1e-12, atol=1e-12)
 
 
 def test_compare_refuses_cuda_graphs_without_cuda_or_with_compile(monkeypatch):
@@ -225,3 +253,166 @@ def test_compare_refuses_cuda_graphs_without_cuda_or_with_compile(monkeypatch):
     assert CompareConfig(cuda_graphs=True, device="cuda").cuda_graphs
     with pytest.raises(ValueError, match="choose compile=True or cuda_graphs=True, not both"):
         CompareConfig(cuda_graphs=True, compile=True, device="cuda")
+
+
+# -- the evaluation's passes -----------------------------------------------------------------------------------------
+def _emulated_forward(model, **kwargs) -> CapturedForward:
+    return CapturedForward(model, torch.device("cpu"), graph=EmulatedGraph, **kwargs)
+
+
+def test_a_captured_forward_gives_the_model_s_monte_carlo_logits(small_model):
+    """``monte_carlo_logits`` through the wrapper, batches of 5 over 12 sequences (two signatures: 5 and the last 2),
+    equals the model's, bit for bit; each pass returns its own tensor (the graph's output is copied out)."""
+    from gpattn.models import monte_carlo_logits
+
+    model = small_model()
+    tokens = torch.randint(0, 6, (12, 6), generator=torch.Generator().manual_seed(0))
+    torch.manual_seed(3)
+    expected = monte_carlo_logits(model, tokens, num_samples=4, batch_size=5)
+    captured = _emulated_forward(model)
+    torch.manual_seed(3)
+    value = monte_carlo_logits(captured, tokens, num_samples=4, batch_size=5)
+    assert torch.equal(value, expected)
+    assert not torch.equal(value[0], value[1])  # fresh draws at every replay, not one output repeated
+    assert len(captured.graphs) == 2
+    assert sorted(graph.replays for graph, *_ in captured.graphs.values()) == [4, 2 * 4]
+    assert model.training  # the modes restored through the wrapper
+
+
+def test_a_captured_forward_runs_other_calls_eagerly(small_model):
+    """With gradients on, or in training mode, or called otherwise than ``(inputs)`` / ``(inputs, mask=mask)``, the
+    wrapper is the model (nothing captured); a new mode of the modules (the samples switched off) is a new signature,
+    not a replay of the sampled graph."""
+    from gpattn.attention import sample_attention
+
+    model = small_model()
+    captured = _emulated_forward(model)
+    tokens = torch.randint(0, 6, (3, 6))
+    torch.manual_seed(0)
+    expected = model(tokens)
+    torch.manual_seed(0)
+    logits = captured(tokens)  # training mode, gradients on
+    assert torch.equal(logits, expected) and logits.requires_grad
+    assert captured.graphs == {}
+    captured.eval()
+    with torch.no_grad():
+        deterministic = captured(tokens)  # eval mode without sampling: the posterior mean
+        with sample_attention(captured):
+            captured(tokens)
+        assert torch.equal(captured(tokens), deterministic)
+        assert torch.equal(deterministic, model(tokens))
+        assert len(captured.graphs) == 2
+        assert torch.equal(captured(tokens, None), deterministic)  # a call of another form: eager
+    assert len(captured.graphs) == 2
+
+
+def test_a_captured_forward_whose_capture_fails_warns_and_runs_eagerly(small_model):
+    class Mapping(torch.nn.Module):  # an output the graph cannot hold
+        def __init__(self, model):
+            super().__init__()
+            self.inner = model
+
+        def forward(self, inputs, mask=None):
+            return {"logits": self.inner(inputs, mask=mask)}
+
+    model = Mapping(small_model()).eval()
+    captured = _emulated_forward(model)
+    tokens = torch.randint(0, 6, (3, 6))
+    with torch.no_grad():
+        with pytest.warns(RuntimeWarning, match=r"cannot be captured .*expected the model to return a tensor"):
+            first = captured(tokens)
+        second = captured(tokens)  # no second warning, no second attempt
+    assert torch.equal(first["logits"], second["logits"])
+    assert list(captured.graphs.values()) == [None]
+
+
+def test_a_comparison_run_with_graphs_evaluates_as_the_eager_run(monkeypatch, emulated):
+    """``gpattn compare --cuda-graphs``'s run (``train_and_evaluate``) with emulated graphs: the training steps, the
+    validation and the final evaluation (the test set, and the validation set for temperature scaling) replayed, the
+    record equal to the eager run's, for a GP row and the MC-dropout row; SGPA's run is refused the graphs and trains
+    and evaluates eagerly."""
+    import dataclasses
+
+    from gpattn.comparison import CompareConfig, load_task
+    from gpattn.comparison import runs as runs_module
+
+    data = load_task("pointer", 0)
+    eager_config = CompareConfig.quick(pointer_epochs=1, eval_samples=2, fidelity_sequences=0)
+    graphed_config = dataclasses.replace(eager_config)
+    object.__setattr__(graphed_config, "cuda_graphs", True)  # on the CPU: past CompareConfig's device check
+    for row in ("kep_svgp", "softmax_mc_dropout", "sgpa"):
+        emulated.clear()
+        eager = runs_module.train_and_evaluate(eager_config, "pointer", row, 0, data)
+        assert emulated == []
+        graphed = runs_module.train_and_evaluate(graphed_config, "pointer", row, 0, data)
+        assert graphed.metrics == eager.metrics and graphed.temperature_scaled == eager.temperature_scaled, row
+        assert graphed.per_example == eager.per_example, row
+        forward_graphs = [graph for graph in emulated if not graph.parameters]
+        if row == "sgpa":
+            assert emulated == []
+        else:
+            # the validation after the one epoch (one batch of 256, T = 2) and the final evaluation: the test set's
+            # two batches and the validation set's one (temperature scaling), T = 2 each, all of 256 sequences
+            assert [graph.replays for graph in forward_graphs] == [2, (2 + 1) * 2], row
+
+
+def test_a_captured_forward_captures_again_when_the_parameters_move(small_model):
+    """The graphs read the parameters' memory: ``load_state_dict(..., assign=True)`` puts new tensors in their place,
+    so every graph is dropped and the next pass captures again (a wrapper that replayed the old graphs would give the
+    old parameters' logits)."""
+    model = small_model().eval()
+    captured = _emulated_forward(model)
+    tokens = torch.randint(0, 6, (3, 6))
+    with torch.no_grad():
+        before = captured(tokens)
+        (old_graph,) = captured.graphs.values()
+        state = {
+            name: value + 0.25 if value.is_floating_point() else value for name, value in model.state_dict().items()
+        }
+        model.load_state_dict(state, assign=True)
+        after = captured(tokens)
+        assert torch.equal(after, model(tokens)) and not torch.equal(after, before)
+        (new_graph,) = captured.graphs.values()
+        assert new_graph is not old_graph
+        model.load_state_dict(model.state_dict())  # in place: the graph stays
+        captured(tokens)
+        assert next(iter(captured.graphs.values())) is new_graph
+    captured.release()
+    assert captured.graphs == {}
+
+
+class _FailingGraph:
+    """A graph class whose capture raises ``error``."""
+
+    error: BaseException = RuntimeError("warm-up failed")
+
+    def __init__(self, parameters, device):
+        pass
+
+    def capture(self, function, warmup, check_syncs=False):
+        raise self.error
+
+
+@pytest.mark.parametrize(
+    "error",
+    [
+        graphs_module.GraphCaptureError("the capture of a CUDA graph failed"),
+        torch.OutOfMemoryError("CUDA out of memory"),
+    ],
+)
+def test_a_failed_capture_and_a_lack_of_memory_are_raised_not_run_eagerly(small_model, error):
+    # after a capture that failed inside torch.cuda.graph the process's CUDA state may be unusable, and an eager pass
+    # would run out of memory too: neither is hidden behind the eager fallback
+    _FailingGraph.error = error
+    captured = CapturedForward(small_model().eval(), torch.device("cpu"), graph=_FailingGraph)
+    with torch.no_grad(), pytest.raises(type(error), match=str(error)):
+        captured(torch.randint(0, 6, (3, 6)))
+
+
+def test_a_failed_warm_up_runs_eagerly(small_model):
+    _FailingGraph.error = RuntimeError("synchronizing operation in the rehearsal")
+    model = small_model().eval()
+    captured = CapturedForward(model, torch.device("cpu"), graph=_FailingGraph)
+    tokens = torch.randint(0, 6, (3, 6))
+    with torch.no_grad(), pytest.warns(RuntimeWarning, match="synchronizing operation in the rehearsal"):
+        assert torch.equal(captured(tokens), model(tokens))
