@@ -3,6 +3,8 @@ each other)."""
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import importlib.util
 import math
 import os
@@ -14,8 +16,10 @@ from types import ModuleType
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import gpattn.training.loop as loop_module
+from gpattn._torch_compat import is_capturing
 from gpattn.attention import select_arguments
 from gpattn.data import disk_cache
 from gpattn.mlls import AttentionELBO
@@ -109,3 +113,78 @@ def load_benchmark() -> Callable[[str, str], ModuleType]:
         return module
 
     return load
+
+
+# -- CUDA graphs, simulated on the CPU ---------------------------------------------------------------------------------
+#: the tensor methods that read a value on the host (one synchronisation each on a GPU, an error while captured)
+HOST_READS = ("item", "tolist", "__bool__", "__float__", "__int__", "__index__", "numpy")
+
+
+class _SynchronisingOperators(TorchDispatchMode):
+    """Records the operators whose result's size or value a GPU must hand to the host (``nonzero``, boolean-mask
+    indexing, ``torch.equal``, ...), which no captured pass may run; the tensor methods' reads come through
+    ``_local_scalar_dense``."""
+
+    SYNCHRONISING = ("_local_scalar_dense", "nonzero", "equal", "masked_select", "is_nonzero", "unique", "_unique2")
+
+    def __init__(self, reads: list[str]):
+        super().__init__()
+        self.reads = reads
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.overloadpacket.__name__
+        if name in self.SYNCHRONISING:
+            self.reads.append(f"aten.{name}")
+        elif name in ("index", "index_put", "index_put_") and any(
+            isinstance(index, torch.Tensor) and index.dtype == torch.bool for index in args[1] if index is not None
+        ):
+            self.reads.append(f"aten.{name} with a boolean mask")
+        return func(*args, **(kwargs or {}))
+
+
+@contextlib.contextmanager
+def _counted_reads():
+    reads: list[str] = []
+    originals = {name: getattr(torch.Tensor, name) for name in HOST_READS}
+
+    def counting(name, original):
+        def read(self, *args, **kwargs):
+            reads.append(name)
+            return original(self, *args, **kwargs)
+
+        return read
+
+    for name, original in originals.items():
+        setattr(torch.Tensor, name, counting(name, original))
+    try:
+        with _SynchronisingOperators(reads):
+            yield reads
+    finally:
+        for name, original in originals.items():
+            setattr(torch.Tensor, name, original)
+
+
+@pytest.fixture
+def counted_reads() -> Callable[[], contextlib.AbstractContextManager[list[str]]]:
+    """``with counted_reads() as reads:``: the host reads made inside the block, in order: the tensor methods that
+    read a value (:data:`HOST_READS`) and the operators that synchronise with a GPU (``aten.nonzero``, boolean-mask
+    indexing, ...)."""
+    return _counted_reads
+
+
+@contextlib.contextmanager
+def _simulated_capture(monkeypatch):
+    with monkeypatch.context() as patch:
+        patch.setattr(torch.cuda, "is_initialized", lambda: True)
+        patch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+        assert is_capturing()
+        yield
+    assert not is_capturing()
+
+
+@pytest.fixture
+def simulated_capture(monkeypatch) -> Callable[[], contextlib.AbstractContextManager[None]]:
+    """``with simulated_capture():``: inside the block gpattn's :func:`~gpattn._torch_compat.is_capturing` answers
+    ``True``, as it does while a CUDA graph is captured (``torch.cuda.is_initialized`` and
+    ``is_current_stream_capturing`` patched)."""
+    return functools.partial(_simulated_capture, monkeypatch)

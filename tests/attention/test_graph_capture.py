@@ -9,7 +9,6 @@ passes). ``benchmarks/gpu_check.py`` captures real graphs of the KEP and floor s
 
 from __future__ import annotations
 
-import contextlib
 import copy
 
 import pytest
@@ -17,8 +16,6 @@ import torch
 
 from gpattn._torch_compat import is_capturing, rehearsing_capture
 from gpattn.attention import attention_names, build_attention, select_arguments
-
-READS = ("item", "tolist", "__bool__", "__float__", "__int__", "__index__", "numpy")
 
 #: configurations that capture (``supports_graph_capture``): every learned feature mode, both samplings, both merges
 CAPTURED = [
@@ -33,39 +30,6 @@ CAPTURED = [
     ("primal", {}),
     ("primal_paper", {"max_len": 8}),
 ]
-
-
-@contextlib.contextmanager
-def counted_reads():
-    """The names of the host reads made inside the block, in order."""
-    reads: list[str] = []
-    originals = {name: getattr(torch.Tensor, name) for name in READS}
-
-    def counting(name, original):
-        def read(self, *args, **kwargs):
-            reads.append(name)
-            return original(self, *args, **kwargs)
-
-        return read
-
-    for name, original in originals.items():
-        setattr(torch.Tensor, name, counting(name, original))
-    try:
-        yield reads
-    finally:
-        for name, original in originals.items():
-            setattr(torch.Tensor, name, original)
-
-
-@contextlib.contextmanager
-def simulated_capture(monkeypatch):
-    """Inside the block gpattn's :func:`is_capturing` answers ``True``, as it does while a CUDA graph is captured."""
-    with monkeypatch.context() as patch:
-        patch.setattr(torch.cuda, "is_initialized", lambda: True)
-        patch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
-        assert is_capturing()
-        yield
-    assert not is_capturing()
 
 
 def _mask(kind: str | None, batch: int, length: int):
@@ -124,7 +88,9 @@ def test_a_rehearsal_answers_as_a_capture_and_restores_the_answer(monkeypatch):
 
 @pytest.mark.parametrize("mask_kind", [None, "padding", "causal", "cross"])
 @pytest.mark.parametrize("name, options", CAPTURED)
-def test_a_captured_training_step_reads_nothing_and_computes_the_uncaptured_step(monkeypatch, name, options, mask_kind):
+def test_a_captured_training_step_reads_nothing_and_computes_the_uncaptured_step(
+    simulated_capture, counted_reads, name, options, mask_kind
+):
     layer = _layer(name, options)
     assert layer.supports_graph_capture
     if mask_kind == "causal" and not layer.supports_causal:
@@ -145,7 +111,7 @@ def test_a_captured_training_step_reads_nothing_and_computes_the_uncaptured_step
     _training_step(captured_layer, x, mask, context)
     with counted_reads() as outside:
         expected = _training_step(layer, x, mask, context)
-    with simulated_capture(monkeypatch), counted_reads() as inside:
+    with simulated_capture(), counted_reads() as inside:
         captured = _training_step(captured_layer, x, mask, context)
     assert inside == []
     assert len(captured) == len(expected)
@@ -156,37 +122,37 @@ def test_a_captured_training_step_reads_nothing_and_computes_the_uncaptured_step
 
 
 @pytest.mark.parametrize("name, options", CAPTURED)
-def test_a_captured_evaluation_reads_nothing(monkeypatch, name, options):
+def test_a_captured_evaluation_reads_nothing(simulated_capture, counted_reads, name, options):
     layer = _layer(name, options).eval()
     x = torch.randn(2, 8, 16, dtype=torch.float64)
     with torch.no_grad():
         layer(x)
         expected = layer(x)
-        with simulated_capture(monkeypatch), counted_reads() as inside:
+        with simulated_capture(), counted_reads() as inside:
             captured = layer(x)
     assert inside == []
     torch.testing.assert_close(captured, expected, rtol=1e-12, atol=1e-12)
 
 
 @pytest.mark.parametrize("name", attention_names())
-def test_supports_graph_capture_says_whether_a_step_reads_while_captured(monkeypatch, name):
+def test_supports_graph_capture_says_whether_a_step_reads_while_captured(simulated_capture, counted_reads, name):
     """Every registry layer: one that supports capture reads nothing while captured; one that does not (GPyTorch's
     Cholesky factorisation, the exact KSVD) does read, which would end a real capture."""
     options = {"max_len": 8} if name.endswith("_paper") else {}
     layer = _layer(name, options)
     x = torch.randn(2, 8, 16, dtype=torch.float64)
     _training_step(layer, x, None)
-    with simulated_capture(monkeypatch), counted_reads() as inside:
+    with simulated_capture(), counted_reads() as inside:
         _training_step(layer, x, None)
     assert (inside == []) is layer.supports_graph_capture, (name, inside)
     exact = _layer("kep_svgp", {"features": "exact"})
     assert not exact.supports_graph_capture
-    with simulated_capture(monkeypatch), counted_reads() as inside:
+    with simulated_capture(), counted_reads() as inside:
         _training_step(exact, x, None)
     assert inside
 
 
-def test_a_mask_hiding_a_sequence_fails_on_the_device_while_captured(monkeypatch):
+def test_a_mask_hiding_a_sequence_fails_on_the_device_while_captured(simulated_capture, counted_reads):
     """The eager check raises a ValueError naming the sequence; while captured it is an asynchronous assertion (on a
     GPU a device-side assert at the replay; on a CPU at once), a RuntimeError with the same explanation, without the
     sequence's index."""
@@ -196,7 +162,7 @@ def test_a_mask_hiding_a_sequence_fails_on_the_device_while_captured(monkeypatch
     mask[0] = False
     with pytest.raises(ValueError, match=r"hides every token of sequence\(s\) \[0\]"):
         layer(x, mask)
-    with simulated_capture(monkeypatch), counted_reads() as inside:
+    with simulated_capture(), counted_reads() as inside:
         with pytest.raises(RuntimeError, match="KEPSVGPAttention: every sequence needs at least one real token"):
             layer(x, mask)
     assert inside == []

@@ -184,16 +184,8 @@ def _evaluation_pass(model, inputs, mask, mc_dropout: bool) -> torch.Tensor:
         model.train()
 
 
-def _counting(reads: list[str], name: str, original):
-    def read(self, *args):
-        reads.append(name)
-        return original(self, *args)
-
-    return read
-
-
 @pytest.mark.parametrize("task", ["pointer", "digits", "mnist1d"])
-def test_the_comparison_models_train_without_a_read_while_captured(monkeypatch, task):
+def test_the_comparison_models_train_without_a_read_while_captured(simulated_capture, counted_reads, task):
     """The models of ``gpattn compare --cuda-graphs`` (each task's input kind, every default row whose layers capture):
     a training step's forward pass, loss and backward pass, and an evaluation pass (eval mode, samples or dropout
     masks drawn, no gradients), read no value on the host while captured (the token ids' range and the targets'
@@ -218,13 +210,7 @@ def test_the_comparison_models_train_without_a_read_while_captured(monkeypatch, 
         loss = AttentionELBO(model, num_data=100, combine_terms=False)
 
         expected = _model_step(model, loss, inputs, mask, labels)
-        reads: list[str] = []
-        with monkeypatch.context() as patch:
-            patch.setattr(torch.cuda, "is_initialized", lambda: True)
-            patch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
-            for name in ("item", "tolist", "__bool__", "__float__", "__int__"):
-                original = getattr(torch.Tensor, name)
-                patch.setattr(torch.Tensor, name, _counting(reads, name, original))
+        with simulated_capture(), counted_reads() as reads:
             captured = _model_step(model, loss, inputs, mask, labels)
         assert reads == [], (task, row, reads)
         for value, reference in zip(captured, expected, strict=True):
@@ -232,12 +218,7 @@ def test_the_comparison_models_train_without_a_read_while_captured(monkeypatch, 
         # the evaluation's Monte Carlo pass (CapturedForward): eval mode, samples drawn, no gradients
         mc_dropout = method.predictive.mc_dropout
         expected = _evaluation_pass(model, inputs, mask, mc_dropout)
-        with monkeypatch.context() as patch:
-            patch.setattr(torch.cuda, "is_initialized", lambda: True)
-            patch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
-            for name in ("item", "tolist", "__bool__", "__float__", "__int__"):
-                original = getattr(torch.Tensor, name)
-                patch.setattr(torch.Tensor, name, _counting(reads, name, original))
+        with simulated_capture(), counted_reads() as reads:
             captured = _evaluation_pass(model, inputs, mask, mc_dropout)
         assert reads == [], (task, row, "evaluation", reads)
         torch.testing.assert_close(captured, expected, rtol=1e-12, atol=1e-12)
