@@ -66,6 +66,7 @@ import subprocess
 import sys
 import time
 import traceback
+import warnings
 from pathlib import Path
 
 os.environ.setdefault("KINETO_LOG_LEVEL", "5")  # keep the profiler's start/stop lines out of the output
@@ -376,8 +377,6 @@ def _captured_forward_against_eager(device: torch.device, graph: type | None = N
     the parameters changed in place (a stale graph fails), relative to the largest logit; four Monte Carlo passes by
     ``monte_carlo_logits``, finite and pairwise different (fresh draws at every replay); every capture taken (no
     eager fallback, no warning)."""
-    import warnings
-
     from gpattn.attention import sample_attention
     from gpattn.models import Transformer, monte_carlo_logits
     from gpattn.training.graphs import CapturedForward

@@ -160,7 +160,9 @@ def capture_refusals(model: torch.nn.Module) -> list[str]:
     )
 
 
-def _describe(inputs: Tensor, mask: Tensor | None) -> str:
+def _describe(inputs: Tensor, mask: Tensor | str | None) -> str:
+    if isinstance(mask, str):
+        return f"inputs {tuple(inputs.shape)} with the mask {mask!r}"
     return f"inputs {tuple(inputs.shape)} {'without' if mask is None else 'with'} a mask"
 
 
@@ -349,8 +351,8 @@ class CapturedForward(torch.nn.Module):
             if isinstance(error, _FATAL_ERRORS):  # out of memory, a device-side assertion: eager would fail too
                 raise
             warnings.warn(
-                f"CapturedForward: the evaluation pass on {_describe(inputs, None if isinstance(mask, str) else mask)}"
-                f" cannot be captured in a CUDA graph ({type(error).__name__}: {error}); it runs eagerly",
+                f"CapturedForward: the evaluation pass on {_describe(inputs, mask)} cannot be captured in a CUDA graph "
+                f"({type(error).__name__}: {error}); it runs eagerly",
                 RuntimeWarning,
                 stacklevel=2,
             )

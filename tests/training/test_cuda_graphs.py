@@ -362,16 +362,17 @@ def test_a_captured_forward_captures_again_when_the_parameters_move(small_model)
     assert captured.graphs == {}
 
 
-class _FailingGraph:
+def _failing_graph(error: BaseException) -> type:
     """A graph class whose capture raises ``error``."""
 
-    error: BaseException = RuntimeError("warm-up failed")
+    class FailingGraph:
+        def __init__(self, parameters, device):
+            pass
 
-    def __init__(self, parameters, device):
-        pass
+        def capture(self, function, warmup, check_syncs=False):
+            raise error
 
-    def capture(self, function, warmup, check_syncs=False):
-        raise self.error
+    return FailingGraph
 
 
 @pytest.mark.parametrize(
@@ -384,16 +385,17 @@ class _FailingGraph:
 def test_a_failed_capture_and_a_lack_of_memory_are_raised_not_run_eagerly(small_model, error):
     # after a capture that failed inside torch.cuda.graph the process's CUDA state may be unusable, and an eager pass
     # would run out of memory too: neither is hidden behind the eager fallback
-    _FailingGraph.error = error
-    captured = CapturedForward(small_model().eval(), torch.device("cpu"), graph=_FailingGraph)
+    captured = CapturedForward(small_model().eval(), torch.device("cpu"), graph=_failing_graph(error))
     with torch.no_grad(), pytest.raises(type(error), match=str(error)):
         captured(torch.randint(0, 6, (3, 6)))
 
 
 def test_a_failed_warm_up_runs_eagerly(small_model):
-    _FailingGraph.error = RuntimeError("synchronizing operation in the rehearsal")
     model = small_model().eval()
-    captured = CapturedForward(model, torch.device("cpu"), graph=_FailingGraph)
+    failing = _failing_graph(RuntimeError("synchronizing operation in the rehearsal"))
+    captured = CapturedForward(model, torch.device("cpu"), graph=failing)
     tokens = torch.randint(0, 6, (3, 6))
     with torch.no_grad(), pytest.warns(RuntimeWarning, match="synchronizing operation in the rehearsal"):
         assert torch.equal(captured(tokens), model(tokens))
+    with torch.no_grad(), pytest.warns(RuntimeWarning, match=r"on inputs \(3, 6\) with the mask 'causal' cannot"):
+        captured(tokens, mask="causal")
