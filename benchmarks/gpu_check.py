@@ -9,7 +9,8 @@
    KEP-SVGP against float32 (largest entry and norm, relative; issue 25's bound 2e-2); KEP-SVGP, the official-style
    row and Primal-Attention compiled (``aot_eager``) against eager mode in float64 (the mean and every gradient);
    the training steps of the ``--graphed-rows`` captured as CUDA graphs (:class:`GraphedStep`) against eager steps
-   (float32 gradients in eval mode; in training, fresh draws at every replay); a KEP-SVGP classifier's evaluation
+   (float32 gradients in eval mode; in training, fresh draws at every replay; the autocast rows also with their
+   forward passes under bfloat16 autocast, ``*_bf16_graphed_vs_eager``); a KEP-SVGP classifier's evaluation
    passes replayed from CUDA graphs (``gpattn.training.graphs.CapturedForward``, as ``--cuda-graphs`` evaluates)
    against eager passes (``captured_forward_vs_eager``).
 3. ``counts``: operators (top-level aten calls) and kernel launches of one training step per row.
@@ -20,7 +21,9 @@
    for softmax and KEP-SVGP; ``torch.compile`` (``mode="reduce-overhead"``, CUDA graphs) rows at ``--compile-lengths``:
    the layer compiled (``*_compiled``; its KL and KSVD penalty eager) and the step's whole loss compiled
    (``*_compiled_loss``, :class:`CompiledLoss`); at every length the eager step of the ``--graphed-rows`` captured
-   as one CUDA graph and replayed (``*_graphed``, :class:`GraphedStep`: no compiler, the layers as they run eagerly).
+   as one CUDA graph and replayed (``*_graphed``, :class:`GraphedStep`: no compiler, the layers as they run eagerly),
+   for softmax and KEP-SVGP also under bfloat16 autocast (``*_bf16_graphed``: the bf16 targets without the host
+   time of autocast's casts).
    Medians of interleaved repetitions, CUDA events through synchronisation, every ratio from the same run.
 5. ``train_step``: one training step of the comparison's MNIST-1D model (``gpattn.training.train_model``'s steps,
    batches of 64, the shared settings) per ``--train-step-rows`` row, on the device eagerly, compiled as
@@ -67,6 +70,7 @@ import sys
 import time
 import traceback
 import warnings
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 os.environ.setdefault("KINETO_LOG_LEVEL", "5")  # keep the profiler's start/stop lines out of the output
@@ -249,11 +253,12 @@ def equivalence(device: torch.device, smoke: bool, graphed_rows: tuple[str, ...]
             results[f"{name}_compiled_vs_eager"] = _compiled_against_eager(name, device, x, probe)
         except Exception as error:  # noqa: BLE001 (recorded: the check goes on)
             results[f"{name}_compiled_vs_eager"] = {"error": f"{type(error).__name__}: {error}"}
-    for name in graphed_rows if device.type == "cuda" else ():
+    for row, name, context in _graphed_rows(device, graphed_rows):
         try:
-            results[f"{name}_graphed_vs_eager"] = _graphed_against_eager(name, device, smoke)
+            bfloat16 = context is not contextlib.nullcontext
+            results[f"{row}_vs_eager"] = _graphed_against_eager(name, device, smoke, bfloat16=bfloat16)
         except Exception as error:  # noqa: BLE001 (recorded: the check goes on)
-            results[f"{name}_graphed_vs_eager"] = {"error": f"{type(error).__name__}: {error}"}
+            results[f"{row}_vs_eager"] = {"error": f"{type(error).__name__}: {error}"}
     if device.type == "cuda":
         try:
             results["captured_forward_vs_eager"] = _captured_forward_against_eager(device)
@@ -312,16 +317,29 @@ class GraphedStep:
     :param warmup: Eager steps before the capture.
     :param graph: The graph class (default: a CUDA graph; the tests pass the CPU's stand-in,
         :class:`~gpattn.training.graphs.EmulatedGraph`).
+    :param context: A context for the forward pass (e.g. bfloat16 autocast, captured with it; the backward pass
+        outside it, as ``torch.autocast`` recommends).
     """
 
-    def __init__(self, layer: torch.nn.Module, x: torch.Tensor, warmup: int = 3, graph: type | None = None):
+    def __init__(
+        self,
+        layer: torch.nn.Module,
+        x: torch.Tensor,
+        warmup: int = 3,
+        graph: type | None = None,
+        context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
+    ):
         from gpattn.training.graphs import CapturedStep
 
         if not getattr(layer, "supports_graph_capture", True):  # the floor (a benchmark module) reads nothing
             raise ValueError(f"{type(layer).__name__} does not support graph capture")
         self.layer, self.labels = layer, x.new_zeros(0)
         parameters = [parameter for parameter in layer.parameters() if parameter.requires_grad]
-        loss = lambda inputs, mask, labels: BENCH.step_loss(layer, inputs)[None]  # noqa: E731
+
+        def loss(inputs: torch.Tensor, mask: None, labels: torch.Tensor) -> torch.Tensor:
+            with context():  # the forward pass under the row's context (autocast), the backward pass outside it
+                return BENCH.step_loss(layer, inputs)[None]
+
         self.step = CapturedStep(loss, parameters, x.device, warmup, graph)
         self.step(x, None, self.labels)  # the capture (and a first replay)
 
@@ -335,27 +353,34 @@ def _gradients(layer: torch.nn.Module) -> list[torch.Tensor]:
     return [parameter.grad.detach().clone() for parameter in layer.parameters() if parameter.grad is not None]
 
 
-def _graphed_against_eager(name: str, device: torch.device, smoke: bool, graph: type | None = None) -> dict:
-    """A CUDA-graph step of ``name`` against the eager step, float32, at the benchmark's sizes: in eval mode (the
-    predictive mean: no draw) the loss and every gradient, relative to the largest entry (same kernels, so close to
-    rounding), and the gradients of a replay on another input against the eager step's there (an empty or stale graph
-    fails); in training two replays, which must differ for a stochastic layer (fresh draws, not the captured ones) and
-    be finite, their gradients in the same tensors."""
+def _graphed_against_eager(
+    name: str, device: torch.device, smoke: bool, graph: type | None = None, bfloat16: bool = False
+) -> dict:
+    """A CUDA-graph step of ``name`` against the eager step, float32 (with ``bfloat16``: the forward passes of both
+    under bfloat16 autocast), at the benchmark's sizes: in eval mode (the predictive mean: no draw) the loss and every
+    gradient, relative to the largest entry (same kernels, so close to rounding: within 1e-4, 1e-3 under autocast),
+    and the gradients of a replay on another input against the eager step's there (an empty or stale graph fails); in
+    training two replays, which must differ for a stochastic layer (fresh draws, not the captured ones) and be finite,
+    their gradients in the same tensors."""
     batch, length, width, heads, rank = (2, 16, 16, 2, 4) if smoke else (16, 256, 128, 4, 10)
     torch.manual_seed(0)
     x, other = (torch.randn(batch, length, width, device=device) for _ in range(2))
+    context = _autocast(device) if bfloat16 else contextlib.nullcontext
     results = {}
     for mode in ("eval", "train"):
         layer = BENCH._build(name, width, heads, rank, device, length=length).train(mode == "train")
         eager = copy.deepcopy(layer)
-        graphed = GraphedStep(layer, x, graph=graph)
+        graphed = GraphedStep(layer, x, graph=graph, context=context)
         first = graphed().detach().clone()
         pointers = [parameter.grad.data_ptr() for parameter in layer.parameters() if parameter.grad is not None]
         if mode == "eval":
             for index, value in enumerate((x, other)):
                 loss = graphed(value).detach().clone() if index else first
-                BENCH._step(eager, value)
-                reference = [BENCH.step_loss(eager, value).detach(), *_gradients(eager)]
+                eager.zero_grad(set_to_none=True)
+                with context():
+                    reference_loss = BENCH.step_loss(eager, value)
+                reference_loss.backward()
+                reference = [reference_loss.detach(), *_gradients(eager)]
                 results[f"eval_difference_{index}"] = _difference(reference, [loss, *_gradients(layer)])
         else:
             second = graphed().detach().clone()
@@ -365,7 +390,7 @@ def _graphed_against_eager(name: str, device: torch.device, smoke: bool, graph: 
         after = [parameter.grad.data_ptr() for parameter in layer.parameters() if parameter.grad is not None]
         results[f"{mode}_gradients_in_place"] = after == pointers
     fresh = results["train_replays_differ"] is not False  # None: a deterministic layer
-    close = max(results["eval_difference_0"], results["eval_difference_1"]) <= 1e-4
+    close = max(results["eval_difference_0"], results["eval_difference_1"]) <= (1e-3 if bfloat16 else 1e-4)
     in_place = results["eval_gradients_in_place"] and results["train_gradients_in_place"]
     results["ok"] = close and results["train_finite"] and fresh and in_place
     return results
@@ -568,6 +593,16 @@ def _rows(device: torch.device, args: argparse.Namespace, length: int, compiled:
             yield f"{name}_compiled_loss", CompiledLoss(layer, mode=_compile_mode(device)), plain
 
 
+def _graphed_rows(device: torch.device, names: Sequence[str]):
+    """``(row, name, context)`` of the CUDA-graph rows (none off CUDA): each of ``names`` captured in float32
+    (``{name}_graphed``) and, for the autocast rows, with its forward pass under bfloat16 autocast
+    (``{name}_bf16_graphed``: the bf16 targets without the host time that autocast's casts add to an eager step)."""
+    for name in names if device.type == "cuda" else ():
+        yield f"{name}_graphed", name, contextlib.nullcontext
+        if name in AUTOCAST_ROWS:
+            yield f"{name}_bf16_graphed", name, _autocast(device)
+
+
 def scaling(device: torch.device, args: argparse.Namespace, deadline: float) -> dict:
     official = BENCH.load_official(args.official_path) if args.official_path else None
     timing = argparse.Namespace(warmup=2, min_reps=3, max_reps=args.max_reps, budget_s=args.budget_s)
@@ -584,12 +619,12 @@ def scaling(device: torch.device, args: argparse.Namespace, deadline: float) -> 
             step = BENCH.OfficialStep(official, args.embed_dim, args.num_heads, length, args.rank, device)
             steps[BENCH.OFFICIAL] = lambda step=step, x=x: step(x)
         row_errors = {}
-        for name in args.graphed_rows if device.type == "cuda" else ():  # captured here: a failure is recorded
+        for row, name, context in _graphed_rows(device, args.graphed_rows):  # captured here: failures are recorded
             try:
                 layer = BENCH._build(name, args.embed_dim, args.num_heads, args.rank, device, length=length)
-                steps[f"{name}_graphed"] = GraphedStep(layer, x)
+                steps[row] = GraphedStep(layer, x, context=context)
             except Exception as error:  # noqa: BLE001
-                row_errors[f"{name}_graphed"] = f"{type(error).__name__}: {error}"
+                row_errors[row] = f"{type(error).__name__}: {error}"
         for row, step in list(steps.items()):  # a row that cannot run (a kernel that does not compile, memory) is
             try:  # left out of this length and recorded; the other rows are still timed
                 step()
@@ -623,6 +658,8 @@ RATIOS = (
     ("official-style / official", "kep_svgp_official_style", BENCH.OFFICIAL),
     ("bf16 kep_svgp / bf16 softmax", "kep_svgp_bf16", "softmax_bf16"),
     ("bf16 kep_svgp / kep_svgp", "kep_svgp_bf16", "kep_svgp"),
+    ("graphed bf16 kep_svgp / graphed bf16 softmax", "kep_svgp_bf16_graphed", "softmax_bf16_graphed"),
+    ("graphed bf16 kep_svgp / graphed kep_svgp", "kep_svgp_bf16_graphed", "kep_svgp_graphed"),
 )
 
 

@@ -214,6 +214,55 @@ def test_the_graphed_step_check_with_the_cpu_stand_in(check, name):
     assert result["train_replays_differ"] is (True if name == "kep_svgp" else None)
 
 
+@pytest.mark.parametrize("name", ["softmax", "kep_svgp"])
+def test_the_bfloat16_graphed_step_check_with_the_cpu_stand_in(check, name):
+    """The bfloat16 rows of the CUDA-graph check on the CPU stand-in, under the CPU's bfloat16 autocast: the graphed
+    step equals the eager autocast step (forward pass under autocast, backward pass outside) in eval mode."""
+    import torch
+
+    from gpattn.training.graphs import EmulatedGraph
+
+    result = check._graphed_against_eager(name, torch.device("cpu"), True, graph=EmulatedGraph, bfloat16=True)
+    assert result["ok"], result
+    assert result["eval_difference_0"] <= 1e-6 and result["eval_difference_1"] <= 1e-6
+    assert result["train_replays_differ"] is (True if name == "kep_svgp" else None)
+
+
+@pytest.mark.parametrize("name", ["softmax", "kep_svgp"])
+def test_a_graphed_step_runs_its_forward_pass_in_its_context(check, name):
+    """GraphedStep's context reaches the captured forward pass: under bfloat16 autocast the graphed loss is the eager
+    autocast loss to the last bit, and not the float32 loss."""
+    import copy
+
+    import torch
+
+    from gpattn.training.graphs import EmulatedGraph
+
+    torch.manual_seed(0)
+    layer = check.BENCH._build(name, 16, 2, 4, torch.device("cpu"), length=16).eval()
+    eager = copy.deepcopy(layer)
+    x = torch.randn(2, 16, 16)
+    autocast = check._autocast(torch.device("cpu"))
+    graphed = check.GraphedStep(layer, x, graph=EmulatedGraph, context=autocast)
+    with torch.no_grad():
+        with autocast():
+            low = check.BENCH.step_loss(eager, x)
+        full = check.BENCH.step_loss(eager, x)
+    assert graphed(x).item() == low.item()
+    assert abs(low.item() - full.item()) > 1e-6 * abs(full.item())  # bfloat16 is visible in the loss
+
+
+def test_the_bfloat16_graphed_rows_come_with_the_autocast_rows_on_cuda_only(check):
+    import torch
+
+    rows = [(row, name) for row, name, _ in check._graphed_rows(torch.device("cuda"), ("softmax", "floor", "kep_svgp"))]
+    assert rows == [
+        ("softmax_graphed", "softmax"), ("softmax_bf16_graphed", "softmax"), ("floor_graphed", "floor"),
+        ("kep_svgp_graphed", "kep_svgp"), ("kep_svgp_bf16_graphed", "kep_svgp"),
+    ]  # fmt: skip
+    assert list(check._graphed_rows(torch.device("cpu"), ("softmax", "kep_svgp"))) == []
+
+
 def test_the_captured_forward_check_with_the_cpu_stand_in(check):
     """The evaluation-graph check of the equivalence section with the CPU's stand-in graph: the mean equals the eager
     pass (before and after the parameters change in place), the Monte Carlo passes differ, every capture was taken."""
