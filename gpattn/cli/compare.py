@@ -163,7 +163,8 @@ def add_compare(commands) -> None:
         action="store_true",
         help="with --device cuda: capture every full-size training step (forward and backward passes) as one CUDA "
         "graph and replay it, and the evaluation's passes too, for the rows whose layers support it (SGPA's run "
-        "eagerly); reproducible, but other random draws than the eager runs'; no compiler (see the attention guide)",
+        "eagerly; each record's train.cuda_graphs says which did); reproducible, but other random draws than the "
+        "eager runs'; no compiler (see the attention guide)",
     )
     compare.add_argument(
         "--resume",

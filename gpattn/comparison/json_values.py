@@ -11,6 +11,7 @@ from typing import Any, TypeVar
 
 __all__ = [
     "UNDEFINED_REASONS",
+    "as_bool",
     "as_integer",
     "as_list",
     "as_mapping",
@@ -92,6 +93,12 @@ def as_scalar(value: Any, where: str) -> Any:
     raise ValueError(f"{where}: expected a number, a string, true/false or null, got {value!r}")
 
 
+def as_bool(value: Any, where: str) -> bool:
+    if not isinstance(value, bool):
+        raise ValueError(f"{where}: expected true or false, got {value!r}")
+    return value
+
+
 def as_integer(value: Any, where: str) -> int:
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
         raise ValueError(f"{where}: expected an integer, got {value!r}")
@@ -99,7 +106,8 @@ def as_integer(value: Any, where: str) -> int:
 
 
 def read_fields(cls: type[Fields], values: Any, where: str) -> Fields:
-    """A flat dataclass of numbers (int fields stay integers) from a dict with exactly its fields."""
+    """A flat dataclass of numbers (int fields stay integers) and flags (bool fields) from a dict with exactly its
+    fields."""
     values = as_mapping(values, where)
     names = [entry.name for entry in dataclasses.fields(cls)]
     # a field with a default (added after the first release) may be missing: records written before it read back
@@ -113,6 +121,6 @@ def read_fields(cls: type[Fields], values: Any, where: str) -> Fields:
         if entry.name not in values:
             continue
         value = values[entry.name]
-        convert = as_integer if entry.type == "int" else as_number
+        convert = {"int": as_integer, "bool": as_bool}.get(entry.type, as_number)
         converted[entry.name] = convert(value, f"{where}.{entry.name}")
     return cls(**converted)

@@ -15,7 +15,8 @@ JSON: the layout below) and read back with :meth:`RunRecord.from_dict` or :func:
      "ood_scores": {"in": [...], "held_out": [...], "noise": [...]},          # max probabilities
      "per_example": {"test_nll": [...], "test_correct": [...], "test_confidence": [...]},  # test order
      "spectra": {"layer_2": [[sigma_1, sigma_2, ...], ...]},                  # one list per head
-     "train": {"seconds": ..., "epochs": ..., "best_epoch": ..., "num_parameters": ..., "ensemble": ...},
+     "train": {"seconds": ..., "epochs": ..., "best_epoch": ..., "num_parameters": ..., "ensemble": ...,
+               "epochs_trained": ..., "cuda_graphs": false},  # replayed from CUDA graphs (--cuda-graphs)
      "temperature_scaled": {"temperature": ..., "metrics": {...}, "reliability": {...},  # the "+ts" row
                             "per_example": {...}},
      "fidelity": {"layer_2": {"relative_objective": [...], "left_cosine": [...], ...}},  # one value per head
@@ -191,6 +192,9 @@ class TrainingSummary:
     :ivar num_parameters: Parameters of the model (summed over the members).
     :ivar ensemble: Number of members (1: a single model).
     :ivar epochs_trained: Epochs trained, the mean over the members; NaN in records written before it existed.
+    :ivar cuda_graphs: The training steps, the validation and the final evaluation were replayed from CUDA graphs
+        (``gpattn compare --cuda-graphs`` on a row whose layers support capture; a row whose layers read values on
+        the host, SGPA's, runs eagerly under that option); ``False`` in records written before it existed.
     """
 
     seconds: float
@@ -199,6 +203,7 @@ class TrainingSummary:
     num_parameters: int
     ensemble: int
     epochs_trained: float = math.nan
+    cuda_graphs: bool = False
 
 
 @dataclass(frozen=True)

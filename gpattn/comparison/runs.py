@@ -286,6 +286,7 @@ def train_and_evaluate(
             num_parameters=sum(parameter.numel() for model in models for parameter in model.parameters()),
             ensemble=size,
             epochs_trained=statistics.fmean(len(result.history) for _, result in members),
+            cuda_graphs=train_config.cuda_graphs,  # False for a row refused the graphs
         ),
         temperature_scaled=evaluation.temperature_scaled,
         fidelity=fidelity,

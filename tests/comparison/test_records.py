@@ -64,7 +64,7 @@ def test_to_dict_is_the_documented_layout():
     assert data["metrics"]["ood"]["noise"]["aupr_max_prob"] == 0.95
     assert data["reliability"] == {"confidence": [None, 0.55, 0.95], "accuracy": [None, 0.5, 1.0], "count": [0, 4, 6]}
     assert data["train"] == {"seconds": 1.5, "epochs": 3, "best_epoch": 2, "num_parameters": 1234, "ensemble": 1,
-                             "epochs_trained": None}  # fmt: skip
+                             "epochs_trained": None, "cuda_graphs": False}  # fmt: skip
     assert data["undefined"]["train.epochs_trained"] == "nan: not in records written before it existed"
 
 
@@ -207,6 +207,7 @@ def _broken(edit) -> dict:
         (lambda d: d.update(task=3), r"expected 'task' to be a string"),
         (lambda d: d["metrics"]["shift"]["blur"].update({"3": {"accuracy": 1.0}}), r"shift.blur.3: missing entries"),
         (lambda d: d["train"].update(epochs=2.5), r"record.train.epochs: expected an integer, got 2.5"),
+        (lambda d: d["train"].update(cuda_graphs=1), r"record.train.cuda_graphs: expected true or false, got 1"),
         (lambda d: d["reliability"]["count"].pop(), r"differ in length \(ragged bins\)"),
         (lambda d: d.update(spectra={"layer_1": 3.0}), r"record.spectra.layer_1: expected a list"),
         (lambda d: d.update(ood_scores=[]), r"record.ood_scores: expected a dict, got list"),
@@ -225,6 +226,7 @@ def _broken(edit) -> dict:
         "task",
         "shift",
         "epochs",
+        "graphs",
         "ragged",
         "spectra",
         "ood-scores",
@@ -265,3 +267,12 @@ def test_epochs_trained_is_recorded_or_derived_where_the_loop_stops():
     assert epochs_trained(recorded) == 47.4
     again = RunRecord.from_dict(json.loads(json.dumps(recorded.to_dict())))
     assert again.train.epochs_trained == 47.4
+
+
+def test_the_use_of_cuda_graphs_round_trips_and_older_records_read_as_eager():
+    record = _record()
+    graphed = dataclasses.replace(record, train=dataclasses.replace(record.train, cuda_graphs=True))
+    assert RunRecord.from_dict(graphed.to_dict()).train.cuda_graphs is True
+    older = record.to_dict()
+    del older["train"]["cuda_graphs"]  # a record written before the field existed
+    assert RunRecord.from_dict(older).train.cuda_graphs is False

@@ -329,6 +329,7 @@ def test_a_comparison_run_with_graphs_evaluates_as_the_eager_run(monkeypatch, em
         assert graphed.metrics == eager.metrics and graphed.temperature_scaled == eager.temperature_scaled, row
         assert graphed.per_example == eager.per_example, row
         forward_graphs = [graph for graph in emulated if not graph.parameters]
+        assert not eager.train.cuda_graphs and graphed.train.cuda_graphs is (row != "sgpa"), row  # said as it ran
         if row == "sgpa":
             assert emulated == []
         else:
