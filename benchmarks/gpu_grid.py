@@ -17,7 +17,8 @@ context) in the variants asked for:
   compile time counts). Not run unless asked for (``--variants``);
 * ``graphs`` and ``mps-graphs``: ``plain`` and ``mps`` with ``gpattn compare --cuda-graphs`` (every full-size training
   step of a row whose layers support it captured once as a CUDA graph and replayed, and the validation's and the
-  final evaluation's passes too; no compiler). Not run unless asked for.
+  final evaluation's passes too; no compiler). Not run unless asked for; ``graphed_runs`` counts the runs whose
+  records say they used the graphs (SGPA's rows run eagerly).
 
 Before the variants, every task is loaded once, untimed, so that each variant reads its data from gpattn's disk
 cache (``data_cache`` in the JSON: the seconds it took). Every variant's records are compared with those of the first
@@ -136,6 +137,11 @@ def metrics_vs_eager(records: dict[str, dict], eager: dict[str, dict]) -> dict |
     return {"runs": len(shared), "accuracy": largest("accuracy"), "nll": largest("nll")}
 
 
+def graphed_runs(records: dict[str, dict]) -> int:
+    """How many of the run files say that their run used CUDA graphs (the record's ``train.cuda_graphs``)."""
+    return sum(bool((content.get("record") or {}).get("train", {}).get("cuda_graphs")) for content in records.values())
+
+
 def warm_data_cache(args: argparse.Namespace) -> dict:
     """Load every task once in a subprocess, untimed, so that every variant reads its data from the disk cache
     (``gpattn.data.disk_cache``) instead of the first one generating them: MNIST-1D's sets take about 10 s to
@@ -216,12 +222,16 @@ def main(argv: list[str] | None = None) -> dict:
             entry["identical_records"] = bool(records) and records == references[_kind(name)]
             if _kind(name) != "eager" and "eager" in references:
                 entry["metrics_vs_eager"] = metrics_vs_eager(records, references["eager"])
+            if _kind(name) == "graphs":  # the rows whose layers read values on the host (SGPA's) run eagerly
+                entry["graphed_runs"] = graphed_runs(records)
         line = f"{name}: " + (
             entry["unavailable"]
             if "unavailable" in entry
             else f"{entry['runs']} runs in {entry['seconds']:.1f} s (rc {entry['returncode']}, load "
             f"{entry['load_before']:.2f} -> {entry['load_after']:.2f}), identical records {entry['identical_records']}"
         )
+        if "graphed_runs" in entry:
+            line += f"; {entry['graphed_runs']} of {entry['runs']} runs in CUDA graphs"
         if entry.get("metrics_vs_eager"):
             differences = entry["metrics_vs_eager"]
             accuracy, nll = (_short(differences[metric]) for metric in ("accuracy", "nll"))

@@ -160,16 +160,19 @@ def test_metrics_vs_eager_reads_only_the_runs_in_both(grid):
     assert grid.metrics_vs_eager({"a.json": run(0.25, None)}, eager) == {"runs": 1, "accuracy": 0.25, "nll": None}
 
 
-def test_graphs_variants_pass_cuda_graphs_and_compare_with_their_own_kind(grid, tmp_path, monkeypatch):
+def test_graphs_variants_pass_cuda_graphs_and_compare_with_their_own_kind(grid, tmp_path, monkeypatch, capsys):
     """``graphs`` and ``mps-graphs`` run ``gpattn compare --cuda-graphs`` (not ``--compile``); their records are
-    compared with each other's (a graph's random draws are not the eager step's) and their metrics with eager's."""
+    compared with each other's (a graph's random draws are not the eager step's) and their metrics with eager's, and
+    the runs that used the graphs are counted from the records."""
     _stand_in_mps(tmp_path / "bin")
     monkeypatch.setenv("PATH", f"{tmp_path / 'bin'}{os.pathsep}{os.environ['PATH']}")
     writer = (
         "import json, pathlib, sys; out = pathlib.Path(sys.argv[1]) / 'runs'; out.mkdir(parents=True);"
         "graphs = sys.argv[2] == '--cuda-graphs';"
         "test = {'accuracy': 0.75 if graphs else 0.875, 'nll': 0.5};"
-        "(out / 'mnist1d-kep_svgp-0.json').write_text(json.dumps({'record': {'metrics': {'test': test}}}))"
+        "record = lambda graphed: {'record': {'metrics': {'test': test}, 'train': {'cuda_graphs': graphed}}};"
+        "(out / 'mnist1d-kep_svgp-0.json').write_text(json.dumps(record(graphs)));"
+        "(out / 'mnist1d-sgpa-0.json').write_text(json.dumps(record(False)))"
     )
     commands, real_command = [], grid.compare_command
 
@@ -185,4 +188,6 @@ def test_graphs_variants_pass_cuda_graphs_and_compare_with_their_own_kind(grid, 
     ]
     graphs, plain, mps = (results["variants"][name] for name in ("graphs", "plain", "mps-graphs"))
     assert graphs["identical_records"] and plain["identical_records"] and mps["identical_records"]
-    assert graphs["metrics_vs_eager"] == mps["metrics_vs_eager"] == {"runs": 1, "accuracy": 0.125, "nll": 0.0}
+    assert graphs["metrics_vs_eager"] == mps["metrics_vs_eager"] == {"runs": 2, "accuracy": 0.125, "nll": 0.0}
+    assert graphs["graphed_runs"] == mps["graphed_runs"] == 1 and "graphed_runs" not in plain  # SGPA's ran eagerly
+    assert "1 of 2 runs in CUDA graphs" in capsys.readouterr().out
