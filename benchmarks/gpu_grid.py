@@ -139,7 +139,9 @@ def metrics_vs_eager(records: dict[str, dict], eager: dict[str, dict]) -> dict |
 
 def graphed_runs(records: dict[str, dict]) -> int:
     """How many of the run files say that their run used CUDA graphs (the record's ``train.cuda_graphs``)."""
-    return sum(bool((content.get("record") or {}).get("train", {}).get("cuda_graphs")) for content in records.values())
+    return sum(
+        bool(((content.get("record") or {}).get("train") or {}).get("cuda_graphs")) for content in records.values()
+    )
 
 
 def warm_data_cache(args: argparse.Namespace) -> dict:

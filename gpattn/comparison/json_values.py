@@ -121,6 +121,7 @@ def read_fields(cls: type[Fields], values: Any, where: str) -> Fields:
         if entry.name not in values:
             continue
         value = values[entry.name]
-        convert = {"int": as_integer, "bool": as_bool}.get(entry.type, as_number)
+        # the annotation is a string under ``from __future__ import annotations``, else the type itself
+        convert = {"int": as_integer, int: as_integer, "bool": as_bool, bool: as_bool}.get(entry.type, as_number)
         converted[entry.name] = convert(value, f"{where}.{entry.name}")
     return cls(**converted)

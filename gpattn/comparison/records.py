@@ -194,7 +194,8 @@ class TrainingSummary:
     :ivar epochs_trained: Epochs trained, the mean over the members; NaN in records written before it existed.
     :ivar cuda_graphs: The training steps, the validation and the final evaluation were replayed from CUDA graphs
         (``gpattn compare --cuda-graphs`` on a row whose layers support capture; a row whose layers read values on
-        the host, SGPA's, runs eagerly under that option); ``False`` in records written before it existed.
+        the host, SGPA's, runs eagerly under that option); ``False`` in records written before it existed, whatever
+        their settings.
     """
 
     seconds: float

@@ -276,3 +276,16 @@ def test_the_use_of_cuda_graphs_round_trips_and_older_records_read_as_eager():
     older = record.to_dict()
     del older["train"]["cuda_graphs"]  # a record written before the field existed
     assert RunRecord.from_dict(older).train.cuda_graphs is False
+
+
+def test_flags_are_read_whether_or_not_annotations_are_strings():
+    from dataclasses import make_dataclass
+
+    from gpattn.comparison.json_values import read_fields
+
+    flags = make_dataclass("Flags", [("graphed", bool), ("count", int), ("value", float)])  # types, not strings
+    assert read_fields(flags, {"graphed": True, "count": 2, "value": 0.5}, "x") == flags(True, 2, 0.5)
+    with pytest.raises(ValueError, match=r"x.graphed: expected true or false, got 1"):
+        read_fields(flags, {"graphed": 1, "count": 2, "value": 0.5}, "x")
+    with pytest.raises(ValueError, match=r"x.count: expected an integer, got 2.5"):
+        read_fields(flags, {"graphed": True, "count": 2.5, "value": 0.5}, "x")
