@@ -253,9 +253,8 @@ def equivalence(device: torch.device, smoke: bool, graphed_rows: tuple[str, ...]
             results[f"{name}_compiled_vs_eager"] = _compiled_against_eager(name, device, x, probe)
         except Exception as error:  # noqa: BLE001 (recorded: the check goes on)
             results[f"{name}_compiled_vs_eager"] = {"error": f"{type(error).__name__}: {error}"}
-    for row, name, context in _graphed_rows(device, graphed_rows):
+    for row, name, bfloat16 in _graphed_rows(device, graphed_rows):
         try:
-            bfloat16 = context is not contextlib.nullcontext
             results[f"{row}_vs_eager"] = _graphed_against_eager(name, device, smoke, bfloat16=bfloat16)
         except Exception as error:  # noqa: BLE001 (recorded: the check goes on)
             results[f"{row}_vs_eager"] = {"error": f"{type(error).__name__}: {error}"}
@@ -365,7 +364,7 @@ def _graphed_against_eager(
     batch, length, width, heads, rank = (2, 16, 16, 2, 4) if smoke else (16, 256, 128, 4, 10)
     torch.manual_seed(0)
     x, other = (torch.randn(batch, length, width, device=device) for _ in range(2))
-    context = _autocast(device) if bfloat16 else contextlib.nullcontext
+    context = _forward_context(device, bfloat16)
     results = {}
     for mode in ("eval", "train"):
         layer = BENCH._build(name, width, heads, rank, device, length=length).train(mode == "train")
@@ -547,6 +546,11 @@ def _autocast(device: torch.device):
     return lambda: torch.autocast(device.type, dtype=torch.bfloat16)
 
 
+def _forward_context(device: torch.device, bfloat16: bool) -> Callable[[], contextlib.AbstractContextManager]:
+    """The context of a graphed row's forward pass: bfloat16 autocast on ``device``, or none (float32)."""
+    return _autocast(device) if bfloat16 else contextlib.nullcontext
+
+
 class CompiledLoss(torch.nn.Module):
     """A training step's whole loss compiled as one function: the layer's forward pass, its KL and its added loss terms
     (the KSVD penalty), so that a CUDA graph captures all of it; ``torch.compile(layer)`` alone leaves the KL and the
@@ -594,13 +598,14 @@ def _rows(device: torch.device, args: argparse.Namespace, length: int, compiled:
 
 
 def _graphed_rows(device: torch.device, names: Sequence[str]):
-    """``(row, name, context)`` of the CUDA-graph rows (none off CUDA): each of ``names`` captured in float32
+    """``(row, name, bfloat16)`` of the CUDA-graph rows (none off CUDA): each of ``names`` captured in float32
     (``{name}_graphed``) and, for the autocast rows, with its forward pass under bfloat16 autocast
-    (``{name}_bf16_graphed``: the bf16 targets without the host time that autocast's casts add to an eager step)."""
+    (``{name}_bf16_graphed``, :func:`_forward_context`: the bf16 targets without the host time that autocast's casts
+    add to an eager step)."""
     for name in names if device.type == "cuda" else ():
-        yield f"{name}_graphed", name, contextlib.nullcontext
+        yield f"{name}_graphed", name, False
         if name in AUTOCAST_ROWS:
-            yield f"{name}_bf16_graphed", name, _autocast(device)
+            yield f"{name}_bf16_graphed", name, True
 
 
 def scaling(device: torch.device, args: argparse.Namespace, deadline: float) -> dict:
@@ -619,10 +624,10 @@ def scaling(device: torch.device, args: argparse.Namespace, deadline: float) -> 
             step = BENCH.OfficialStep(official, args.embed_dim, args.num_heads, length, args.rank, device)
             steps[BENCH.OFFICIAL] = lambda step=step, x=x: step(x)
         row_errors = {}
-        for row, name, context in _graphed_rows(device, args.graphed_rows):  # captured here: failures are recorded
+        for row, name, bfloat16 in _graphed_rows(device, args.graphed_rows):  # captured here: failures are recorded
             try:
                 layer = BENCH._build(name, args.embed_dim, args.num_heads, args.rank, device, length=length)
-                steps[row] = GraphedStep(layer, x, context=context)
+                steps[row] = GraphedStep(layer, x, context=_forward_context(device, bfloat16))
             except Exception as error:  # noqa: BLE001
                 row_errors[row] = f"{type(error).__name__}: {error}"
         for row, step in list(steps.items()):  # a row that cannot run (a kernel that does not compile, memory) is

@@ -105,6 +105,11 @@ def as_integer(value: Any, where: str) -> int:
     return int(value)
 
 
+#: the reader of a dataclass field by its annotation: a string under ``from __future__ import annotations``, else the
+#: type itself; any other annotation is read as a number
+_FIELD_READERS = {"int": as_integer, int: as_integer, "bool": as_bool, bool: as_bool}
+
+
 def read_fields(cls: type[Fields], values: Any, where: str) -> Fields:
     """A flat dataclass of numbers (int fields stay integers) and flags (bool fields) from a dict with exactly its
     fields."""
@@ -121,7 +126,6 @@ def read_fields(cls: type[Fields], values: Any, where: str) -> Fields:
         if entry.name not in values:
             continue
         value = values[entry.name]
-        # the annotation is a string under ``from __future__ import annotations``, else the type itself
-        convert = {"int": as_integer, int: as_integer, "bool": as_bool, bool: as_bool}.get(entry.type, as_number)
+        convert = _FIELD_READERS.get(entry.type, as_number)
         converted[entry.name] = convert(value, f"{where}.{entry.name}")
     return cls(**converted)

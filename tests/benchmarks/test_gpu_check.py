@@ -255,12 +255,14 @@ def test_a_graphed_step_runs_its_forward_pass_in_its_context(check, name):
 def test_the_bfloat16_graphed_rows_come_with_the_autocast_rows_on_cuda_only(check):
     import torch
 
-    rows = list(check._graphed_rows(torch.device("cuda"), ("softmax", "floor", "kep_svgp")))
+    cuda = torch.device("cuda")
+    rows = list(check._graphed_rows(cuda, ("softmax", "floor", "kep_svgp")))
     assert [(row, name) for row, name, _ in rows] == [
         ("softmax_graphed", "softmax"), ("softmax_bf16_graphed", "softmax"), ("floor_graphed", "floor"),
         ("kep_svgp_graphed", "kep_svgp"), ("kep_svgp_bf16_graphed", "kep_svgp"),
     ]  # fmt: skip
-    for row, _, context in rows:  # float32 rows without a context, the bf16 rows under bfloat16 autocast on CUDA
+    for row, _, bfloat16 in rows:  # float32 rows without a context, the bf16 rows under bfloat16 autocast on CUDA
+        context = check._forward_context(cuda, bfloat16)
         if "bf16" in row:
             entered = context()
             assert isinstance(entered, torch.autocast), row
