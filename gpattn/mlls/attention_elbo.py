@@ -148,7 +148,7 @@ class AttentionELBO(torch.nn.Module):
             KL terms), ``"ksvd"`` (the sum of the other added loss terms, :math:`\\eta J^2` each) and their sum
             ``"loss"``.
         :raises ValueError: NaN or infinite logits (e.g. a diverged model), naming how many entries (unless
-            ``check_finite=False``).
+            ``check_finite=False``); an empty batch (no sample, sequence or class).
         """
         # O(1) checks, one min/max over the targets and one over the logits
         if isinstance(logits, Mapping):
@@ -156,6 +156,11 @@ class AttentionELBO(torch.nn.Module):
         check_tensor("logits", logits, floating=True, where="AttentionELBO")
         if logits.dim() not in (2, 3):
             raise ValueError(f"AttentionELBO: expected logits of shape (B, C) or (T, B, C), got {tuple(logits.shape)}")
+        if logits.numel() == 0:  # the mean cross-entropy of no sequence is NaN
+            raise ValueError(
+                f"AttentionELBO: expected logits of at least one sample, sequence and class, got shape "
+                f"{tuple(logits.shape)} (the loss of an empty batch is undefined)"
+            )
         check_tensor(
             "targets",
             targets,

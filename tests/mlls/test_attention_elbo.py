@@ -130,6 +130,16 @@ def test_invalid_arguments():
         elbo(model()[0], targets)
 
 
+@pytest.mark.parametrize("shape", [(0, CLASSES), (BATCH, 0), (0, BATCH, CLASSES), (2, 0, CLASSES)])
+def test_an_empty_batch_is_a_clear_error_not_nan(shape):
+    # F.cross_entropy's mean over no sequence is NaN: a silent NaN loss before the check
+    model, _, _, _ = _toy()
+    elbo = AttentionELBO(model, 10)
+    targets = torch.zeros(shape[-2], dtype=torch.long)
+    with pytest.raises(ValueError, match=r"empty batch"):
+        elbo(torch.zeros(shape), targets)
+
+
 class _NoisyLayer(AttentionLayer):
     """Identity plus unit Gaussian noise when sampling."""
 
