@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 
@@ -136,6 +137,51 @@ def test_overwrite_replaces_the_earlier_results_and_output_is_strict_json(tmp_pa
     table = (tmp_path / "table.md").read_text()
     assert "| softmax | 1 |" in table and "± 0.00" not in table  # one seed: n once per row, no made-up spread
     assert "Smoke test" not in table
+
+
+@pytest.mark.parametrize("command", [["compare"], ["tune"], ["train"]])
+def test_resume_and_overwrite_together_are_refused_before_anything_runs(command, tmp_path, capsys, no_runs) -> None:
+    # --overwrite used to win silently over --resume's contract (continue, keep what is there), or the reverse
+    (tmp_path / "results.json").write_text("{}")
+    with pytest.raises(SystemExit) as error:
+        main([*command, "--out", str(tmp_path), "--resume", "--overwrite"])
+    assert error.value.code == 2
+    err = capsys.readouterr().err
+    assert (
+        err == f"gpattn {command[0]}: error: --resume and --overwrite exclude each other: --resume continues the "
+        "run in --out, --overwrite replaces it\n"
+    )
+    assert (tmp_path / "results.json").read_text() == "{}"
+
+
+def test_resume_of_a_folder_that_holds_nothing_warns_and_runs_everything(tmp_path) -> None:
+    from gpattn.cli.options import NothingToResume
+
+    out = tmp_path / "typo"
+    expected = f"--resume: --out {out} holds no earlier run; everything runs from the start"
+    with pytest.warns(NothingToResume, match=re.escape(expected)):
+        assert main([*TINY_COMPARE, "--out", str(out), "--resume"]) == 0
+    assert len(json.loads((out / "results.json").read_text())["records"]) == 1
+
+
+def test_a_resumed_run_removes_the_results_and_figures_it_did_not_write(tmp_path) -> None:
+    # an earlier run with more rows left figures of rows that the resumed run's results do not hold
+    from gpattn.cli.compare import _remove_stale_outputs, run_folder_outputs
+
+    (tmp_path / "runs").mkdir()
+    record = tmp_path / "runs" / "pointer-kep_svgp-0.json"
+    record.write_text("{}")
+    for name in ("spectra.png", "fidelity.png", "reliability_pointer.png", "results.csv", "notes.txt"):
+        (tmp_path / name).write_text("earlier")
+    assert "spectra.png" in run_folder_outputs() and "notes.txt" not in run_folder_outputs()
+    _remove_stale_outputs(tmp_path, [tmp_path / "results.csv", tmp_path / "reliability_pointer.png"])
+    assert sorted(path.name for path in tmp_path.iterdir()) == [
+        "notes.txt",  # not gpattn's: kept
+        "reliability_pointer.png",
+        "results.csv",
+        "runs",
+    ]
+    assert record.read_text() == "{}"  # the records are kept
 
 
 def test_quick_is_labelled_a_smoke_test(tmp_path, capsys) -> None:

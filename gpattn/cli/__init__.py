@@ -41,7 +41,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run ``gpattn`` with ``argv`` (default: the process's arguments) and return the exit status."""
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if getattr(args, "resume", False) and getattr(args, "overwrite", False):  # a bad option: before anything runs
+        parser.exit(
+            2,
+            f"gpattn {args.command}: error: --resume and --overwrite exclude each other: --resume continues the run "
+            "in --out, --overwrite replaces it\n",
+        )
     runners = {
         "compare": run_compare,
         "tune": run_tune,

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from pathlib import Path
 
 from .options import (
     CommandError,
@@ -170,7 +171,8 @@ def add_compare(commands) -> None:
         "--resume",
         action="store_true",
         help="continue an interrupted comparison in OUT: the runs whose records are in OUT/runs are read back (they "
-        "must have been made with the same settings), the others trained",
+        "must have been made with the same settings), the others trained; the results and figures are written anew "
+        "for the runs asked for (records of other runs in OUT/runs are kept, and left out)",
     )
     compare.add_argument("--no-progress", action="store_true", help="print no line per finished run and no live bar")
     add_common(compare, resume="continues it")
@@ -226,6 +228,17 @@ def run_folder_outputs() -> tuple[str, ...]:
     return ("runs", *OUTPUT_FILES, *comparison_figure_names(TASKS))
 
 
+def _remove_stale_outputs(out: Path, written: list[Path]) -> None:
+    """Delete the results and figures in ``out`` that this run did not write (after it wrote its own): a resumed run
+    with fewer rows or tasks than the one before would otherwise leave figures of rows its results do not hold. The
+    records in ``out/runs`` are kept."""
+    kept = {Path(path).name for path in written}
+    for name in run_folder_outputs():
+        path = out / name
+        if name != "runs" and name not in kept and (path.is_file() or path.is_symlink()):
+            path.unlink()
+
+
 def run_compare(args: argparse.Namespace) -> int:
     """Run ``gpattn compare``; returns the exit status."""
     from ..comparison import CompareConfig, plan_runs
@@ -277,6 +290,7 @@ def run_compare(args: argparse.Namespace) -> int:
             ) from None
         try:
             written = write_outputs(records, config, out) + write_comparison_figures(records, out)
+            _remove_stale_outputs(out, written)
         except OSError as error:
             raise CommandError(
                 f"{error}; the {len(records)} runs are kept in {out / 'runs'}: make room (or fix the folder) and run "

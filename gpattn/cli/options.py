@@ -12,6 +12,7 @@ import contextlib
 import os
 import shutil
 import tempfile
+import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -26,6 +27,7 @@ from ..validation import check_device, check_float, check_int
 
 __all__ = [
     "LOCK_FILE",
+    "NothingToResume",
     "CommandError",
     "CommandInterrupted",
     "add_common",
@@ -195,6 +197,10 @@ def make_executor(args: argparse.Namespace) -> Any:
     return RayExecutor(args.jobs, args.threads, args.device, args.ray_address)
 
 
+class NothingToResume(UserWarning):
+    """``--resume`` on a run folder that holds nothing (missing, or empty): the command starts from the beginning."""
+
+
 #: The lock file that :func:`prepare_out` holds in a run folder while a command writes to it.
 LOCK_FILE = ".gpattn.lock"
 
@@ -205,7 +211,8 @@ def prepare_out(out: str | os.PathLike, *, overwrite: bool, resume: bool, replac
     created if missing and must be writable; :data:`LOCK_FILE` in it is locked (``fcntl.flock``, released when the
     block or the process ends, also after a kill), so that a second command on the same folder stops at once; a folder
     that already holds files is refused unless ``resume`` (continue it) or ``overwrite`` (the entries ``replaced``,
-    e.g. ``"results.json"``, ``"runs"``, are deleted first, so no stale result is mixed with new ones).
+    e.g. ``"results.json"``, ``"runs"``, are deleted first, so no stale result is mixed with new ones); ``resume`` on
+    a folder that holds nothing warns (:class:`NothingToResume`) and goes on.
 
     :raises CommandError: The folder cannot be created or written, another gpattn command is writing to it, or it
         holds an earlier run.
@@ -222,6 +229,9 @@ def prepare_out(out: str | os.PathLike, *, overwrite: bool, resume: bool, replac
     with lock:
         _lock(lock, out)
         held = sorted(path.name for path in out.iterdir() if path.name != LOCK_FILE)
+        if resume and not held:  # a mistyped folder would otherwise start everything again without a word
+            message = f"--resume: --out {out} holds no earlier run; everything runs from the start"
+            warnings.warn(message, NothingToResume, stacklevel=3)  # the command's call of prepare_out
         if held and not resume:
             if not overwrite:
                 shown = ", ".join(held[:4]) + (", ..." if len(held) > 4 else "")
