@@ -31,7 +31,11 @@ def add_report(commands) -> None:
     )
     report.add_argument("runs", nargs="+", type=_folder, metavar="RUN", help="run folders (with results.json)")
     report.add_argument(
-        "--page", type=Path, default=None, help="write the results page there (e.g. docs/guide/results.md)"
+        "--page",
+        type=_page,
+        default=None,
+        help="write the results page there, a markdown file (e.g. docs/guide/results.md; an earlier page there is "
+        "replaced)",
     )
     report.add_argument(
         "--same-verdict",
@@ -42,6 +46,17 @@ def add_report(commands) -> None:
         help="run folders whose primary verdict must each be the same: exit status 0 when it holds for every one, 1 "
         "otherwise; with --page, a section of the page",
     )
+
+
+def _page(text: str) -> Path:
+    """An argparse type: the results page's path, a file name ending in ``.md`` that is not a folder (its figures go
+    into ``<stem>_figures/`` beside it, so two pages of one stem would share them)."""
+    path = Path(text)
+    if not text or path.suffix != ".md" or path.stem in ("", "."):
+        raise argparse.ArgumentTypeError(f"expected a markdown file name ending in .md, got {text!r}")
+    if path.is_dir():
+        raise argparse.ArgumentTypeError(f"expected a markdown file, got the folder {text!r}")
+    return path
 
 
 def run_report(args: argparse.Namespace) -> int:

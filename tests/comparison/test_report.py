@@ -17,7 +17,7 @@ import pytest
 import torch
 from scipy import stats
 
-from gpattn.cli import main
+from gpattn.cli import build_parser, main
 from gpattn.comparison import (
     CompareConfig,
     RunRecord,
@@ -497,6 +497,24 @@ def test_gpattn_report_command(records, tmp_path, capsys) -> None:
     assert main(["report", str(tmp_path / "a")]) == 0 and "**Verdict**" in capsys.readouterr().out
     with pytest.raises(SystemExit):  # not a run folder: a usage error
         main(["report", str(tmp_path / "docs")])
+
+
+@pytest.mark.parametrize(
+    ("page", "message"),
+    [
+        ("", "expected a markdown file name ending in .md, got ''"),
+        ("results.txt", "expected a markdown file name ending in .md, got 'results.txt'"),  # results_figures/ shared
+        (".md", "expected a markdown file name ending in .md, got '.md'"),
+        ("{folder}", "expected a markdown file, got the folder"),
+    ],
+)
+def test_a_page_that_is_not_a_markdown_file_is_refused_by_the_parser(page, message, tmp_path, capsys) -> None:
+    folder = tmp_path / "pages.md"
+    folder.mkdir()
+    with pytest.raises(SystemExit) as error:
+        build_parser().parse_args(["report", "--page", page.format(folder=folder), str(tmp_path)])  # --page first
+    assert error.value.code == 2
+    assert message in capsys.readouterr().err
 
 
 def test_each_other_folder_is_checked_and_the_checks_are_a_section_of_the_page(records, tmp_path, capsys) -> None:
