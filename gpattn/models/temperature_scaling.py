@@ -82,7 +82,9 @@ def fit_temperature(logits: Tensor, labels: Tensor, bounds: tuple[float, float] 
     :param logits: Validation logits ``(n, C)``, or Monte Carlo samples ``(T, n, C)``. Never the test split's.
     :param labels: Validation labels ``(n,)``, integers in ``[0, C)``.
     :param bounds: Search interval ``(low, high)`` of :math:`\tau`, ``0 < low < high``. An optimum on the boundary
-        warns (e.g. a perfectly separated validation set, whose NLL falls as :math:`\tau \to 0`).
+        warns (e.g. a perfectly separated validation set, whose NLL falls as :math:`\tau \to 0`, or confidently
+        wrong predictions, whose NLL falls as :math:`\tau \to \infty`); so do logits equal across the classes in
+        every sample (no temperature changes the prediction: 1, or the bound nearest to it, is returned).
     :return: :math:`\hat\tau` as a Python float.
     """
     where = "fit_temperature"
@@ -95,6 +97,14 @@ def fit_temperature(logits: Tensor, labels: Tensor, bounds: tuple[float, float] 
     def objective(log_temperature: float) -> float:
         return _scaled_nll(samples, targets, math.exp(log_temperature))
 
+    if bool((samples == samples[..., :1]).all()):  # uniform predictions at every temperature: nothing to fit
+        temperature = min(max(1.0, low), high)
+        warnings.warn(
+            f"fit_temperature: every validation sample's logits are equal across the classes, so the NLL does not "
+            f"depend on the temperature; temperature {temperature:.4g} (the logits unscaled where the bounds allow)",
+            stacklevel=2,
+        )
+        return temperature
     grid = torch.linspace(math.log(low), math.log(high), GRID_POINTS, dtype=torch.float64).tolist()
     best = min(range(GRID_POINTS), key=lambda k: objective(grid[k]))
     left, right = grid[max(best - 1, 0)], grid[min(best + 1, GRID_POINTS - 1)]
@@ -112,10 +122,17 @@ def fit_temperature(logits: Tensor, labels: Tensor, bounds: tuple[float, float] 
             value_right = objective(inner_right)
     temperature = math.exp((left + right) / 2)
     if not low * (1 + 1e-6) < temperature < high * (1 - 1e-6):
+        lower = temperature <= low * (1 + 1e-6)
+        why = (
+            "falling as the temperature goes down (e.g. every validation sample classified correctly with growing "
+            "confidence)"
+            if lower
+            else "falling as the temperature grows (predictions worse than uniform on validation, e.g. confidently "
+            "wrong: the NLL falls towards log C)"
+        )
         warnings.warn(
             f"fit_temperature: the optimum lies on the boundary of bounds={bounds} (temperature {temperature:.4g}); "
-            f"the validation NLL keeps falling beyond it (e.g. every validation sample classified correctly with "
-            f"growing confidence); widen the bounds or use a larger validation set",
+            f"the validation NLL keeps {why}; widen the bounds or use a larger validation set",
             stacklevel=2,
         )
     return temperature

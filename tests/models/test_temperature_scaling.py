@@ -10,6 +10,7 @@ import warnings
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 from gpytorch.constraints import Positive
 from scipy.optimize import minimize_scalar
 
@@ -159,12 +160,27 @@ def test_boundary_optimum_warns() -> None:
     # every sample correct with a margin: the NLL keeps falling as tau -> 0
     logits = torch.tensor([[5.0, 0.0], [0.0, 5.0], [4.0, 1.0]])
     labels = torch.tensor([0, 1, 0])
-    with pytest.warns(UserWarning, match="boundary"):
+    with pytest.warns(UserWarning, match="boundary.*falling as the temperature goes down"):
         fitted = fit_temperature(logits, labels, bounds=(0.1, 10.0))
     assert fitted == pytest.approx(0.1, rel=1e-6)
+    # every sample confidently wrong: the NLL falls towards log C as tau -> infinity (the upper bound's reason)
+    with pytest.warns(UserWarning, match="boundary.*falling as the temperature grows .*worse than uniform"):
+        fitted = fit_temperature(torch.tensor([[10.0, -10.0], [-10.0, 10.0]]), torch.tensor([1, 0]))
+    assert fitted == pytest.approx(100.0, rel=1e-6)
+    nll = F.cross_entropy(torch.tensor([[10.0, -10.0], [-10.0, 10.0]]) / fitted, torch.tensor([1, 0])).item()
+    assert math.log(2) < nll < F.cross_entropy(torch.tensor([[10.0, -10.0]]) / 50.0, torch.tensor([1])).item()
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         fit_temperature(*calibrated_logits(200, 3, seed=0))
+
+
+@pytest.mark.parametrize("bounds", [(0.01, 100.0), (2.0, 5.0), (0.1, 0.5)])
+def test_logits_equal_across_the_classes_give_the_unscaled_temperature_with_a_warning(bounds) -> None:
+    # the NLL is log C at every temperature: the grid's argmin was rounding noise (0.01, "the NLL keeps falling")
+    logits = torch.full((2, 5, 3), 0.7)  # Monte Carlo samples, each uniform
+    with pytest.warns(UserWarning, match="equal across the classes, so the NLL does not depend on the temperature"):
+        fitted = fit_temperature(logits, torch.tensor([0, 1, 2, 0, 1]), bounds=bounds)
+    assert fitted == min(max(1.0, bounds[0]), bounds[1])
 
 
 @pytest.mark.parametrize(
