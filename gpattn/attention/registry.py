@@ -149,7 +149,7 @@ def register_attention(name: str, layer_cls: type[AttentionLayer], defaults: Map
         **kwargs)``.
     :param defaults: Keyword arguments passed to every layer built under ``name`` (overridden by the caller's).
     :raises ValueError: ``name`` is taken or malformed, or ``defaults`` names an argument the class does not take.
-    :raises TypeError: ``layer_cls`` is not an ``AttentionLayer`` subclass.
+    :raises TypeError: ``layer_cls`` is not an ``AttentionLayer`` subclass, or does not take two positional arguments.
     """
     if not isinstance(name, str) or not name or any(character.isspace() for character in name):
         raise ValueError(f"expected the attention name to be a non-empty string without spaces, got {name!r}")
@@ -157,6 +157,14 @@ def register_attention(name: str, layer_cls: type[AttentionLayer], defaults: Map
         raise ValueError(f"the attention {name!r} is already registered ({ATTENTIONS[name][0].__name__})")
     if not (isinstance(layer_cls, type) and issubclass(layer_cls, AttentionLayer)):
         raise TypeError(f"expected layer_cls to be a subclass of AttentionLayer, got {layer_cls!r}")
+    signature = inspect.signature(layer_cls)
+    try:  # the layers are built as layer_cls(embed_dim, num_heads, **kwargs): refused now, not at the first build
+        signature.bind_partial(0, 0)
+    except TypeError as error:
+        raise TypeError(
+            f"expected layer_cls to take (embed_dim, num_heads, **kwargs), but {layer_cls.__name__}{signature} does "
+            f"not take two positional arguments ({error})"
+        ) from None
     defaults = dict(defaults or {})
     unknown = sorted(set(defaults) - set(_arguments(layer_cls)))
     if unknown:

@@ -32,6 +32,13 @@ class ScaledSoftmax(SoftmaxAttention):
         return self.scale * super().forward(x, mask=mask, context=context)
 
 
+class WidthOnly(SoftmaxAttention):
+    """A layer whose constructor takes the width alone: build_attention could never build it."""
+
+    def __init__(self, embed_dim: int):
+        super().__init__(embed_dim, 1)
+
+
 @pytest.fixture
 def registered():
     register_attention("scaled", ScaledSoftmax, {"scale": 2.0})
@@ -85,6 +92,13 @@ def test_unregister_removes_the_name(registered) -> None:
         ("two words", SoftmaxAttention, None, ValueError, "without spaces"),
         ("linear", torch.nn.Linear, None, TypeError, "subclass of AttentionLayer"),
         ("bad", SoftmaxAttention, {"num_inducing": 4}, ValueError, r"defaults \['num_inducing'\] are not arguments"),
+        (
+            "one",
+            WidthOnly,
+            None,
+            TypeError,
+            r"take \(embed_dim, num_heads, \*\*kwargs\), but WidthOnly\(embed_dim.*two positional",
+        ),
     ],
 )
 def test_bad_registrations_are_refused(name, layer_cls, defaults, error, match) -> None:
