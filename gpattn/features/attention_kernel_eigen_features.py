@@ -128,8 +128,8 @@ class AttentionKernelEigenFeatures(KernelEigenFeaturesBase):
         check_int("num_inducing", num_inducing, where=where)
         if kernel == "cosine" and num_inducing > feature_dim:  # K = Phi_q Phi_k^T has rank <= p
             raise ValueError(
-                f"num_inducing ({num_inducing}) must not exceed the feature dimension ({feature_dim}) of a cosine "
-                "kernel"
+                f"{where}: num_inducing ({num_inducing}) must not exceed the feature dimension ({feature_dim}) of a "
+                "cosine kernel (its rank)"
             )
         self.embed_dim, self.num_heads, self.num_inducing = embed_dim, num_heads, num_inducing
         self.tie_qk, self.max_len, self.ksvd_form = bool(tie_qk), max_len, ksvd_form

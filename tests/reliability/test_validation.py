@@ -207,7 +207,12 @@ def test_input_type_error_is_both():
         (SoftmaxAttention, {"embed_dim": 8, "num_heads": 2, "dropout": "0.1"}, TypeError, "dropout.*got '0.1'"),
         (KEPSVGPAttention, {"num_inducing": 0}, ValueError, "num_inducing.*got 0"),
         (KEPSVGPAttention, {"num_inducing": 2.5}, TypeError, "num_inducing.*got 2.5"),
-        (KEPSVGPAttention, {"num_inducing": 5}, ValueError, r"num_inducing \(5\).*feature dimension \(4\)"),
+        (
+            KEPSVGPAttention,
+            {"num_inducing": 5},
+            ValueError,
+            r"AttentionFeatures: num_inducing \(5\) must not exceed the feature dimension \(4\) of a cosine kernel",
+        ),
         (KEPSVGPAttention, {"features": "dense"}, ValueError, "features.*'dense'"),
         (KEPSVGPAttention, {"merge": "max"}, ValueError, "merge.*'max'"),
         (KEPSVGPAttention, {"sampling": "iid"}, ValueError, "sampling.*'iid'"),
