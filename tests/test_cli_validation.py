@@ -63,6 +63,11 @@ CASES = [
     (["train", "--num-inducing", "0"], ["--num-inducing", "positive integer"]),
     (["train", "--num-inducing", "17"], ["gpattn train: error:", "num_inducing (17)", "head width", "16"]),
     (["train", "--seed", "-2"], ["--seed", "non-negative integer"]),
+    (  # a row without an inducing set: the option was ignored
+        ["train", "--attention", "cgpt", "--num-inducing", "4", "--untuned"],
+        ["gpattn train: error: --num-inducing: the cgpt attention has no inducing set to size"],
+    ),
+    (["train", "--attention", "softmax", "--num-inducing", "4"], ["--num-inducing: the softmax attention has no"]),
     (["train", "--device", "banana"], ["--device", "'cpu', 'cuda' or 'cuda:0', got 'banana'"]),
     (["train", "--device", "meta"], ["--device", "'cpu', 'cuda' or 'cuda:<index>', got 'meta'"]),
     (["compare", "--attentions", "softmax", "nope"], ["--attentions", "invalid choice: 'nope'"]),

@@ -91,6 +91,7 @@ def add_train(commands) -> None:
 
 def run_train(args: argparse.Namespace) -> int:
     """Run ``gpattn train``; returns the exit status."""
+    from ..attention import attention_arguments
     from ..comparison import CompareConfig, plan_runs
     from ..comparison import runs as run_module
     from ..comparison.local_executor import torch_threads
@@ -115,6 +116,8 @@ def run_train(args: argparse.Namespace) -> int:
             **epochs,
         )
         plan_runs(config)  # the layer's own checks (e.g. a rank above the head width), before any folder is made
+        if args.num_inducing is not None and "num_inducing" not in attention_arguments(args.attention):
+            raise ValueError(f"--num-inducing: the {args.attention} attention has no inducing set to size")
         if missing_tuned_files(config):  # an explicit folder without the task's file: a wrong folder, most likely
             raise ValueError(
                 f"--tuned-dir {args.tuned_dir} has no {args.task}.json (the tuned configurations of {args.task}); "

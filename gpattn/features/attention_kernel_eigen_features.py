@@ -131,6 +131,8 @@ class AttentionKernelEigenFeatures(KernelEigenFeaturesBase):
                 f"{where}: num_inducing ({num_inducing}) must not exceed the feature dimension ({feature_dim}) of a "
                 "cosine kernel (its rank)"
             )
+        if max_len is not None:  # also where the mode does not use it: a wrong value is a mistake either way
+            max_len = check_int("max_len", max_len, where=where)
         self.embed_dim, self.num_heads, self.num_inducing = embed_dim, num_heads, num_inducing
         self.tie_qk, self.max_len, self.ksvd_form = bool(tie_qk), max_len, ksvd_form
         self.ksvd_weight = check_float("ksvd_weight", ksvd_weight, 0.0, where=where)

@@ -213,6 +213,13 @@ def test_input_type_error_is_both():
             ValueError,
             r"AttentionFeatures: num_inducing \(5\) must not exceed the feature dimension \(4\) of a cosine kernel",
         ),
+        (
+            KEPSVGPAttention,
+            {"max_len": 0},
+            ValueError,
+            "max_len to be a positive integer, got 0",
+        ),  # unused, not ignored
+        (KEPSVGPAttention, {"max_len": 2.0}, TypeError, "max_len.*got 2.0"),
         (KEPSVGPAttention, {"features": "dense"}, ValueError, "features.*'dense'"),
         (KEPSVGPAttention, {"merge": "max"}, ValueError, "merge.*'max'"),
         (KEPSVGPAttention, {"sampling": "iid"}, ValueError, "sampling.*'iid'"),
