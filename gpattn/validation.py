@@ -1,6 +1,6 @@
 """Checks shared by the public entry points: every error says what was expected and what came.
 
-Scalars (constructor and CLI arguments) are checked with :func:`check_int`, :func:`check_float`,
+Scalars (constructor and CLI arguments) are checked with :func:`check_int`, :func:`check_seed`, :func:`check_float`,
 :func:`check_choice` and :func:`check_device`; tensors with :func:`check_tensor`, which costs O(1) apart from one
 elementwise pass when ``finite=True`` (skipped while TorchScript or ``torch.compile`` trace, and on the ``meta``
 device, where values do not exist). Layers guard their results with :func:`check_overflow`, which refuses input
@@ -95,6 +95,28 @@ def check_int(name: str, value: Any, minimum: int | None = 1, maximum: int | Non
     if (minimum is not None and value < minimum) or (maximum is not None and value > maximum):
         raise ValueError(f"{_prefix(where)}expected {name} to be {wanted}, got {value!r}")
     return int(value)
+
+
+#: The largest seed :func:`check_seed` accepts: ``torch.Generator.manual_seed`` reads its seed as a 64-bit integer
+#: and refuses :math:`2^{64}` and beyond ("Overflow when unpacking long long").
+MAX_SEED = 2**64 - 1
+
+
+def check_seed(name: str, value: Any, where: str = "") -> int:
+    """A seed for a local ``torch.Generator``: a non-negative integer (as :func:`check_int`) up to :data:`MAX_SEED`,
+    so that ``torch.Generator().manual_seed(seed)`` takes every accepted seed.
+
+    :raises InputTypeError: For a non-integer.
+    :raises ValueError: For a negative seed or one above :data:`MAX_SEED`.
+    :return: ``value`` as a Python ``int``.
+    """
+    seed = check_int(name, value, minimum=0, where=where)
+    if seed > MAX_SEED:
+        raise ValueError(
+            f"{_prefix(where)}expected {name} to be a non-negative integer at most 2**64 - 1 = {MAX_SEED} (the "
+            f"largest seed torch.Generator.manual_seed takes), got {value!r}"
+        )
+    return seed
 
 
 def check_float(

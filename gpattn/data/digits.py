@@ -47,7 +47,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ..validation import InputTypeError, check_int, check_tensor
+from ..validation import InputTypeError, check_int, check_seed, check_tensor
 from .image_dataset import ImageDataset
 from .patches import images_to_patches, patches_to_images
 
@@ -101,10 +101,6 @@ class ImageSplits:
     label_map: dict[int, int]
 
 
-def _check_seed(seed: int) -> None:
-    check_int("seed", seed, minimum=0)
-
-
 @lru_cache(maxsize=1)
 def _digits_raw() -> tuple[np.ndarray, np.ndarray]:
     """The 1797 digits as ``float32 (n, 8, 8)`` in ``[0, 1]`` and ``int64 (n,)`` labels (bundled, no download;
@@ -136,18 +132,18 @@ def load_digits_splits(
     and every image of a held-out class goes to ``ood_classes`` (labels ``0 .. len(held_out_classes) - 1`` in the
     given order).
 
-    :param seed: Seed of the local generator.
+    :param seed: Seed of the local generator, in ``[0, 2**64 - 1]``.
     :param val_fraction: Fraction of every kept class for validation.
     :param test_fraction: Fraction of every kept class for test.
     :param held_out_classes: Digits to hold out as OOD (default ``(8, 9)``, leaving 8 classes); ``None`` or ``()``
         for the full 10-class problem.
     :param val_seed: Seed of the validation split's draw from the images that are not test images; ``None``
-        (default): the permutation of ``seed`` decides it too.
+        (default): the permutation of ``seed`` decides it too. Seeds are in ``[0, 2**64 - 1]``.
     :return: The splits, the OOD set and the label mapping.
     """
-    _check_seed(seed)
+    check_seed("seed", seed, where="load_digits_splits")
     if val_seed is not None:
-        check_int("val_seed", val_seed, minimum=0, where="load_digits_splits")
+        check_seed("val_seed", val_seed, where="load_digits_splits")
     for name, value in (("val_fraction", val_fraction), ("test_fraction", test_fraction)):
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < 1:
             raise ValueError(f"expected {name} in [0, 1), got {value!r}")
@@ -208,13 +204,17 @@ def load_digits_splits(
     return ImageSplits(*datasets, ood_classes=ood, held_out_classes=held, label_map=label_map)
 
 
-def _check_images(images: Tensor) -> None:
+def _check_images(images: Tensor, where: str) -> None:
     # one elementwise pass (finiteness); shift_images checks once and calls the unchecked _rotate / _blur
     if not isinstance(images, Tensor):
-        raise InputTypeError(f"expected images to be a torch.Tensor (n, C, H, W), got {type(images).__name__}")
+        raise InputTypeError(f"{where}: expected images to be a torch.Tensor (n, C, H, W), got {type(images).__name__}")
     if not images.is_floating_point():
-        raise InputTypeError(f"expected floating images (n, C, H, W), got {images.dtype}")
-    check_tensor("images", images, ("n", "C", "H", "W"), finite=True)
+        raise InputTypeError(f"{where}: expected floating images (n, C, H, W), got {images.dtype}")
+    check_tensor("images", images, ("n", "C", "H", "W"), finite=True, where=where)
+    if 0 in images.shape[1:]:  # no pixel to rotate or blur; an empty batch (n = 0) is fine
+        raise ValueError(
+            f"{where}: expected images (n, C, H, W) with C, H and W at least 1, got shape {tuple(images.shape)}"
+        )
 
 
 def rotate_images(images: Tensor, degrees: float | Tensor) -> Tensor:
@@ -222,16 +222,18 @@ def rotate_images(images: Tensor, degrees: float | Tensor) -> Tensor:
 
     Positive angles turn the content counter-clockwise as displayed (row 0 at the top).
 
-    :param images: ``(n, C, H, W)``.
+    :param images: ``(n, C, H, W)``, ``C, H, W >= 1`` (``n = 0`` gives an empty result).
     :param degrees: One angle, or one per image ``(n,)``.
     :return: Rotated images ``(n, C, H, W)`` (not clipped; bilinear interpolation stays within the input range).
     """
-    _check_images(images)
+    _check_images(images, "rotate_images")
     return _rotate(images, degrees)
 
 
 def _rotate(images: Tensor, degrees: float | Tensor) -> Tensor:
     n, _, height, width = images.shape
+    if n == 0:  # affine_grid refuses an empty batch
+        return images.clone()
     angles = torch.as_tensor(degrees, dtype=images.dtype, device=images.device).expand(n) * (math.pi / 180)
     cos, sin = angles.cos(), angles.sin()
     zero = torch.zeros_like(cos)
@@ -246,11 +248,11 @@ def _rotate(images: Tensor, degrees: float | Tensor) -> Tensor:
 def gaussian_blur(images: Tensor, sigma: float) -> Tensor:
     """Blur every channel with a normalised separable Gaussian kernel of radius ``ceil(3 sigma)`` (replicate padding).
 
-    :param images: ``(n, C, H, W)``.
+    :param images: ``(n, C, H, W)``, ``C, H, W >= 1``.
     :param sigma: Standard deviation in pixels (``0`` returns a copy).
     :return: Blurred images ``(n, C, H, W)``.
     """
-    _check_images(images)
+    _check_images(images, "gaussian_blur")
     if not sigma >= 0:
         raise ValueError(f"expected sigma >= 0, got {sigma!r}")
     return _blur(images, sigma)
@@ -276,18 +278,18 @@ def shift_images(images: Tensor, kind: str, severity: int, seed: int = 0) -> Ten
     random sign per image; ``blur`` is deterministic (``seed`` unused). Random draws come from a local
     ``torch.Generator`` seeded with ``seed``.
 
-    :param images: ``(n, C, H, W)`` in ``[0, 1]``.
+    :param images: ``(n, C, H, W)`` in ``[0, 1]``, ``C, H, W >= 1`` (``n = 0`` gives an empty result).
     :param kind: ``"gaussian_noise"``, ``"rotation"`` or ``"blur"``.
     :param severity: ``1 .. 5``.
-    :param seed: Seed of the local generator.
+    :param seed: Seed of the local generator, in ``[0, 2**64 - 1]``.
     :return: Shifted images, same shape and dtype.
     """
-    _check_images(images)
+    _check_images(images, "shift_images")
     if kind not in SHIFT_PARAMETERS:
         raise ValueError(f"expected kind in {SHIFT_KINDS}, got {kind!r}")
     if isinstance(severity, bool) or not isinstance(severity, int) or not 1 <= severity <= 5:
         raise ValueError(f"expected an integer severity in 1..5, got {severity!r}")
-    _check_seed(seed)
+    seed = check_seed("seed", seed, where="shift_images")
     value = SHIFT_PARAMETERS[kind][severity - 1]
     generator = torch.Generator().manual_seed(seed)
     if kind == "gaussian_noise":
@@ -313,14 +315,14 @@ def make_shifted_test_sets(
     and the severity by ``numpy.random.SeedSequence``, so the sets are independent and reproducible.
 
     :param dataset: The clean data set.
-    :param seed: Base seed.
+    :param seed: Base seed, in ``[0, 2**64 - 1]``.
     :param kinds: Shift kinds (default all of ``SHIFT_KINDS``).
     :param severities: Severities (default ``1 .. 5``).
     :return: ``{(kind, severity): ImageDataset}``.
     """
     if not isinstance(dataset, ImageDataset):
         raise TypeError(f"expected dataset to be an ImageDataset, got {type(dataset).__name__}")
-    _check_seed(seed)
+    check_seed("seed", seed, where="make_shifted_test_sets")
     shifted = {}
     for kind in kinds:
         if kind not in SHIFT_PARAMETERS:
@@ -360,16 +362,14 @@ def make_noise_ood(n: int, seed: int = 0, image_size: int = 8) -> ImageDataset:
     quantiles (about half of them exactly 0, mean about 0.3, maximum 1), so every noise image has the same intensity
     histogram as an average digit and differs only in spatial structure.
 
-    :param n: Number of images.
-    :param seed: Seed of the local ``torch.Generator``.
-    :param image_size: Side of the square images (8 for the digits).
+    :param n: Number of images, at least 1.
+    :param seed: Seed of the local ``torch.Generator``, in ``[0, 2**64 - 1]``.
+    :param image_size: Side of the square images (8 for the digits), at least 2.
     :return: ``float32 (n, 1, image_size, image_size)`` in ``[0, 1]``, labels the family index.
     """
-    if isinstance(n, bool) or not isinstance(n, int) or n < 0:
-        raise ValueError(f"expected a non-negative integer n, got {n!r}")
-    if isinstance(image_size, bool) or not isinstance(image_size, int) or image_size < 2:
-        raise ValueError(f"expected an integer image_size >= 2, got {image_size!r}")
-    _check_seed(seed)
+    n = check_int("n", n, minimum=1, where="make_noise_ood")
+    image_size = check_int("image_size", image_size, minimum=2, where="make_noise_ood")
+    seed = check_seed("seed", seed, where="make_noise_ood")
     generator = torch.Generator().manual_seed(seed)
     side = image_size
     labels = torch.arange(n) % len(NOISE_OOD_FAMILIES)

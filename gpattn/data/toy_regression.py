@@ -61,7 +61,7 @@ from typing import Literal
 import torch
 from torch import Tensor
 
-from ..validation import InputTypeError, check_int
+from ..validation import InputTypeError, check_seed
 
 __all__ = ["RegressionData", "make_asymmetric_regression_1d", "make_asymmetric_regression_2d"]
 
@@ -130,7 +130,7 @@ def make_asymmetric_regression_1d(
         shift: The scalar shift :math:`\delta` of the kernel.
         lengthscale: The kernel lengthscale :math:`\ell > 0`.
         num_sources: Number of source points :math:`M`, at least 1.
-        seed: Seed of the local random generator.
+        seed: Seed of the local random generator, in ``[0, 2**64 - 1]``.
         dtype: Floating dtype of the returned tensors.
 
     Returns:
@@ -141,7 +141,7 @@ def make_asymmetric_regression_1d(
     """
     _validate(n_train, n_test, noise_std, lengthscale, num_sources, dtype, seed)
     shift_vec = _as_shift([shift], dim=1)
-    generator = torch.Generator().manual_seed(seed)
+    generator = torch.Generator().manual_seed(int(seed))  # an int: manual_seed refuses NumPy integers
     low, high = _BOX_1D
     gap_low, gap_high = _GAP_1D
     sources, unit_weights = _draw_sources(num_sources, 1, low, high, generator)
@@ -196,7 +196,7 @@ def make_asymmetric_regression_2d(
         shift: The shift vector :math:`\delta`, two finite numbers.
         lengthscale: The kernel lengthscale :math:`\ell > 0`.
         num_sources: Number of source points :math:`M`, at least 1.
-        seed: Seed of the local random generator.
+        seed: Seed of the local random generator, in ``[0, 2**64 - 1]``.
         dtype: Floating dtype of the returned tensors.
 
     Returns:
@@ -207,7 +207,7 @@ def make_asymmetric_regression_2d(
     """
     _validate(n_train, n_test, noise_std, lengthscale, num_sources, dtype, seed)
     shift_vec = _as_shift(shift, dim=2)
-    generator = torch.Generator().manual_seed(seed)
+    generator = torch.Generator().manual_seed(int(seed))  # an int: manual_seed refuses NumPy integers
     low, high = _BOX_2D
     sources, unit_weights = _draw_sources(num_sources, 2, low, high, generator)
 
@@ -397,7 +397,7 @@ def _validate(
         raise ValueError(f"lengthscale must be a finite number > 0, got {lengthscale!r}")
     if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
         raise ValueError(f"dtype must be a floating torch.dtype (e.g. torch.float64), got {dtype!r}")
-    check_int("seed", seed, minimum=0)
+    check_seed("seed", seed)
 
 
 def _as_shift(shift: Sequence[float], dim: int) -> Tensor:

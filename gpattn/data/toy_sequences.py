@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from ..validation import check_int
+from ..validation import check_seed
 
 __all__ = ["SequenceDataset", "SequenceSplits", "make_pointer_task", "make_successor_task"]
 
@@ -103,10 +103,11 @@ def _make_splits(
     draw: Callable[[Tensor, Tensor, torch.Generator], Tensor],
     vocab_size: int,
     description: str,
+    where: str,
 ) -> SequenceSplits:
     """Draw each split's balanced labels and lengths, then ``draw(labels, lengths, generator) -> tokens (n, N)``
     (padding left to this function)."""
-    generator = torch.Generator().manual_seed(check_int("seed", seed, minimum=0))
+    generator = torch.Generator().manual_seed(check_seed("seed", seed, where=where))
     datasets = []
     for count in sizes:
         labels = _balanced_labels(count, generator)
@@ -140,7 +141,7 @@ def make_pointer_task(
     :param n_val: Validation sequences.
     :param n_test: Test sequences.
     :param length: Padded length ``N`` (at least 2).
-    :param seed: Seed of the local generator.
+    :param seed: Seed of the local generator, in ``[0, 2**64 - 1]``.
     :param vocab_size: Token ids including padding, ``a`` and ``b`` (at least 4).
     :param min_length: ``None`` for fixed-length sequences (``mask`` is ``None``), else the shortest length.
     :return: The three splits.
@@ -161,7 +162,9 @@ def make_pointer_task(
         return tokens
 
     description = "label 1 iff token 1 (a) comes before token 2 (b); one of each among distractors 3.."
-    return _make_splits((n_train, n_val, n_test), length, min_length, seed, draw, vocab_size, description)
+    return _make_splits(
+        (n_train, n_val, n_test), length, min_length, seed, draw, vocab_size, description, "make_pointer_task"
+    )
 
 
 def make_successor_task(
@@ -188,7 +191,7 @@ def make_successor_task(
     :param n_val: Validation sequences.
     :param n_test: Test sequences.
     :param length: Padded length ``N`` (at least 2).
-    :param seed: Seed of the local generator.
+    :param seed: Seed of the local generator, in ``[0, 2**64 - 1]``.
     :param num_symbols: ``V`` (at least 5, so that unrelated steps exist beside ``0, +1, -1``).
     :param min_length: The shortest length (variable lengths, padded, with a ``mask``; default 4), or ``None`` for
         fixed-length sequences without a mask.
@@ -208,4 +211,6 @@ def make_successor_task(
         return symbols + 1
 
     description = f"label 1 iff the one adjacent pair (t, t+1 mod {num_symbols}) is forward; ids = symbol + 1"
-    return _make_splits((n_train, n_val, n_test), length, min_length, seed, draw, num_symbols + 1, description)
+    return _make_splits(
+        (n_train, n_val, n_test), length, min_length, seed, draw, num_symbols + 1, description, "make_successor_task"
+    )

@@ -232,6 +232,87 @@ def test_noise_ood(splits):
     assert not (ood.images[:, None] == splits.train.images[None]).flatten(2).all(-1).any()
 
 
+@pytest.mark.parametrize(
+    ("arguments", "error", "match"),
+    [
+        ({"n": 0}, ValueError, r"make_noise_ood: expected n to be a positive integer, got 0"),
+        ({"n": -1}, ValueError, r"make_noise_ood: expected n to be a positive integer, got -1"),
+        ({"n": 2.0}, TypeError, r"make_noise_ood: expected n to be a positive integer, got 2\.0"),
+        ({"n": 3, "image_size": 1}, ValueError, r"make_noise_ood: expected image_size to be an integer >= 2, got 1"),
+    ],
+    ids=["zero", "negative", "float", "image_size"],
+)
+def test_noise_ood_needs_at_least_one_image(arguments, error, match):
+    with pytest.raises(error, match=match):
+        make_noise_ood(**arguments)
+    assert len(make_noise_ood(1)) == 1
+
+
+MAX_SEED = 2**64 - 1  # the largest seed torch.Generator.manual_seed takes
+
+
+@pytest.mark.parametrize(
+    ("make", "where"),
+    [
+        (lambda seed: make_noise_ood(3, seed=seed), "make_noise_ood"),
+        (lambda seed: shift_images(torch.full((2, 1, 8, 8), 0.5), "rotation", 1, seed=seed), "shift_images"),
+        (lambda seed: shift_images(torch.full((2, 1, 8, 8), 0.5), "gaussian_noise", 1, seed=seed), "shift_images"),
+        (lambda seed: load_digits_splits(seed=seed), "load_digits_splits"),
+        (lambda seed: load_digits_splits(seed=0, val_seed=seed), "load_digits_splits"),
+    ],
+    ids=["noise_ood", "rotation", "gaussian_noise", "splits", "val_seed"],
+)
+def test_seeds_up_to_the_largest_torch_generator_seed(make, where):
+    # 2**64 used to reach torch.Generator.manual_seed: "Overflow when unpacking long long"
+    with pytest.raises(
+        ValueError, match=rf"{where}: expected (val_)?seed to be a non-negative integer at most 2\*\*64 - 1"
+    ):
+        make(2**64)
+    with pytest.raises(ValueError, match=rf"{where}: expected (val_)?seed to be a non-negative integer, got -1"):
+        make(-1)
+    make(MAX_SEED)  # the largest accepted seed works
+    make(np.int64(7))  # NumPy integers too (manual_seed itself refuses them)
+
+
+def test_shifted_test_sets_take_the_largest_seed():
+    dataset = ImageDataset(torch.full((2, 1, 8, 8), 0.5), torch.zeros(2, dtype=torch.long), 1, ("0",), "two")
+    with pytest.raises(ValueError, match=r"make_shifted_test_sets: expected seed .* at most 2\*\*64 - 1"):
+        make_shifted_test_sets(dataset, seed=2**64, severities=(1,))
+    sets = make_shifted_test_sets(dataset, seed=MAX_SEED, severities=(1,))
+    assert all(shifted.images.shape == (2, 1, 8, 8) for shifted in sets.values())
+
+
+@pytest.mark.parametrize("kind", SHIFT_KINDS)
+def test_shifts_of_an_empty_batch_are_empty(kind):
+    # rotation used to fail in affine_grid: "Expected non-zero, positive output size"
+    empty = torch.empty(0, 1, 8, 8)
+    assert shift_images(empty, kind, 3).shape == (0, 1, 8, 8)
+    assert rotate_images(empty, 30.0).shape == (0, 1, 8, 8)
+    dataset = ImageDataset(empty, torch.empty(0, dtype=torch.long), 1, ("0",), "no image")
+    assert all(
+        len(shifted) == 0 for shifted in make_shifted_test_sets(dataset, kinds=(kind,), severities=(1,)).values()
+    )
+
+
+@pytest.mark.parametrize("shape", [(2, 0, 8, 8), (2, 1, 0, 8), (2, 1, 8, 0)])
+@pytest.mark.parametrize(
+    ("transform", "where"),
+    [
+        (lambda images: rotate_images(images, 30.0), "rotate_images"),
+        (lambda images: gaussian_blur(images, 1.0), "gaussian_blur"),
+        (lambda images: shift_images(images, "rotation", 2), "shift_images"),
+        (lambda images: shift_images(images, "blur", 2), "shift_images"),
+    ],
+    ids=["rotate_images", "gaussian_blur", "shift_rotation", "shift_blur"],
+)
+def test_images_without_pixels_are_refused(shape, transform, where):
+    # used to fail in affine_grid / conv2d with torch's messages
+    with pytest.raises(
+        ValueError, match=rf"{where}: expected images \(n, C, H, W\) with C, H and W at least 1, got shape"
+    ):
+        transform(torch.empty(shape))
+
+
 @pytest.mark.parametrize("patch_size", [1, 2, 4, 8])
 def test_patches_round_trip(splits, patch_size):
     images = splits.val.images

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 
+import numpy as np
 import pytest
 import torch
 from torch import Tensor
@@ -244,6 +245,20 @@ def test_component_rejects_unknown_side() -> None:
 def test_bad_arguments_raise(make: Callable[..., RegressionData], kwargs: dict[str, object], message: str) -> None:
     with pytest.raises(ValueError, match=message):
         make(**kwargs)
+
+
+@pytest.mark.parametrize("make", MAKERS)
+def test_seeds_up_to_the_largest_torch_generator_seed(make: Callable[..., RegressionData]) -> None:
+    # 2**64 used to reach torch.Generator.manual_seed: "Overflow when unpacking long long"
+    with pytest.raises(
+        ValueError, match=r"expected seed to be a non-negative integer at most 2\*\*64 - 1 .*got 18446744073709551616"
+    ):
+        make(n_train=2, n_test=2, seed=2**64)
+    with pytest.raises(ValueError, match=r"expected seed to be a non-negative integer, got -1"):
+        make(n_train=2, n_test=2, seed=-1)
+    largest = make(n_train=2, n_test=2, seed=2**64 - 1)  # the largest accepted seed works
+    assert torch.equal(largest.train_x, make(n_train=2, n_test=2, seed=2**64 - 1).train_x)
+    assert torch.equal(make(n_train=2, n_test=2, seed=np.int64(3)).train_x, make(n_train=2, n_test=2, seed=3).train_x)
 
 
 def test_bad_shift_raises() -> None:

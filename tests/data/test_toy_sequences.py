@@ -107,3 +107,16 @@ def test_invalid_arguments(make, kwargs, match):
     arguments = {"n_train": 4, "n_val": 2, "n_test": 2, "length": 10, "seed": 0, **kwargs}
     with pytest.raises(ValueError, match=match):
         make(**arguments)
+
+
+@pytest.mark.parametrize(
+    ("make", "where"), [(make_pointer_task, "make_pointer_task"), (make_successor_task, "make_successor_task")]
+)
+def test_seeds_up_to_the_largest_torch_generator_seed(make, where):
+    # 2**64 used to reach torch.Generator.manual_seed: "Overflow when unpacking long long"
+    with pytest.raises(ValueError, match=rf"{where}: expected seed to be a non-negative integer at most 2\*\*64 - 1"):
+        make(4, 1, 1, seed=2**64)
+    with pytest.raises(ValueError, match=rf"{where}: expected seed to be a non-negative integer, got -1"):
+        make(4, 1, 1, seed=-1)
+    largest = make(4, 1, 1, seed=2**64 - 1)  # the largest accepted seed works, reproducibly
+    assert torch.equal(largest.train.tokens, make(4, 1, 1, seed=2**64 - 1).train.tokens)

@@ -826,7 +826,7 @@ def test_metric_options_reject():
         (lambda: load_digits_splits(seed=-1), ValueError, "seed"),
         (lambda: load_digits_splits(val_fraction=1.0), ValueError, "val_fraction"),
         (lambda: load_digits_splits(held_out_classes=(10,)), ValueError, "held_out_classes"),
-        (lambda: make_noise_ood(-1), ValueError, "non-negative integer n"),
+        (lambda: make_noise_ood(-1), ValueError, "make_noise_ood: expected n to be a positive integer, got -1"),
         (lambda: make_noise_ood(4, image_size=1), ValueError, "image_size"),
         (lambda: make_noise_ood(4, seed=2.0), ValueError, "seed"),
     ],
