@@ -10,7 +10,8 @@
   labels repeated per severity). ``root`` may be that folder or its parent holding ``CIFAR-10-C``.
 
 A file that cannot be used (empty, truncated, not a pickle or ``.npy`` of the expected kind, labels that are not
-integers or out of range) raises :class:`DataFileError` (a ``ValueError``) naming the file and what is wrong.
+integers or out of range, class names that are not a list of names, batches without a single image) raises
+:class:`DataFileError` (a ``ValueError``) naming the file and what is wrong.
 
 Both return :class:`~gpattn.data.ImageDataset` with ``float32 (n, 3, 32, 32)`` images in ``[0, 1]`` (the
 layout of :class:`~gpattn.models.Transformer` with ``input="patches"``, see ``VIT_CIFAR_PRESET``) and int64 labels.
@@ -173,6 +174,24 @@ def _get(content: dict, key: str, path: Path):
     raise DataFileError(f"expected {path} to hold the key b{key!r}, found {sorted(map(repr, content))}")
 
 
+def _class_names(names, path: Path) -> tuple[str, ...]:
+    """The ``b"label_names"`` of the meta file as strings: a non-empty list (or tuple, or 1-D string array) of
+    byte or text strings, else a :class:`DataFileError` (a byte string alone would read as its character codes)."""
+    if isinstance(names, np.ndarray) and names.ndim == 1 and names.dtype.kind in "SU":
+        names = names.tolist()
+    if not isinstance(names, (list, tuple)) or not names or not all(isinstance(name, (bytes, str)) for name in names):
+        shown = repr(names)
+        shown = shown if len(shown) <= 80 else shown[:77] + "..."
+        raise DataFileError(
+            f"expected b'label_names' in {path} to be a non-empty list of class names (byte strings), got "
+            f"{type(names).__name__} {shown}"
+        )
+    try:
+        return tuple(name.decode() if isinstance(name, bytes) else name for name in names)
+    except UnicodeDecodeError as error:
+        raise DataFileError(f"the class names b'label_names' in {path} are not UTF-8 text ({error})") from error
+
+
 def _to_float_images(array: np.ndarray) -> torch.Tensor:
     return torch.from_numpy(np.ascontiguousarray(array)).to(torch.float32).div_(255.0)
 
@@ -187,7 +206,8 @@ def load_cifar10(root: str | Path, split: str = "train") -> ImageDataset:
     :raises FileNotFoundError: When a required file is missing (the message lists the expected files).
     :raises ValueError: For an unknown split.
     :raises DataFileError: For a file that is empty, truncated, not a pickled batch, of the wrong format, or with
-        labels that are not integers in ``0..9`` (the message names the file).
+        labels that are not integers in ``0..9``, a meta file whose ``b"label_names"`` is not a non-empty list of
+        names, or batches that hold no image at all (the message names the file or files).
     """
     if split not in ("train", "test"):
         raise ValueError(f'expected split "train" or "test", got {split!r}')
@@ -195,8 +215,7 @@ def load_cifar10(root: str | Path, split: str = "train") -> ImageDataset:
     folder = _resolve(root, "cifar-10-batches-py", [*batches, _META_FILE], f"CIFAR-10 ({split})")
 
     meta_path = folder / _META_FILE
-    names = _get(_unpickle(meta_path), "label_names", meta_path)
-    class_names = tuple(name.decode() if isinstance(name, bytes) else str(name) for name in names)
+    class_names = _class_names(_get(_unpickle(meta_path), "label_names", meta_path), meta_path)
 
     images, labels = [], []
     for name in batches:
@@ -212,6 +231,13 @@ def load_cifar10(root: str | Path, split: str = "train") -> ImageDataset:
             raise DataFileError(f"labels in {path} outside 0..{len(class_names) - 1}")
         images.append(data.reshape(-1, 3, 32, 32))
         labels.append(batch_labels)
+    if not sum(len(batch) for batch in images):
+        paths = ", ".join(str(folder / name) for name in batches)
+        what = f"batches {paths} hold" if len(batches) > 1 else f"batch {paths} holds"
+        raise DataFileError(
+            f"the CIFAR-10 {split} {what} no image (b'data' of shape (0, 3072)): expected at least one; re-extract "
+            f"cifar-10-python.tar.gz"
+        )
     return ImageDataset(
         _to_float_images(np.concatenate(images)),
         torch.from_numpy(np.concatenate(labels)),

@@ -224,3 +224,50 @@ def test_cifar10_c_float_labels_are_an_error(cifar_c_root):
     np.save(root / "labels.npy", labels.astype(np.float64) + 0.25)
     with pytest.raises(DataFileError, match=r"labels array in .*labels\.npy are float64 \(e\.g\. \d\.25\), expected"):
         load_cifar10_c(root, "gaussian_noise", 1)
+
+
+@pytest.mark.parametrize(
+    ("label_names", "match"),
+    [
+        (
+            b"abc",
+            r"expected b'label_names' in .*batches\.meta to be a non-empty list of class names .*got bytes b'abc'",
+        ),
+        ("abc", r"batches\.meta to be a non-empty list of class names .*got str 'abc'"),
+        ([], r"batches\.meta to be a non-empty list of class names .*got list \[\]"),
+        ([0, 1, 2], r"batches\.meta to be a non-empty list of class names .*got list \[0, 1, 2\]"),
+        (None, r"batches\.meta to be a non-empty list of class names .*got NoneType None"),
+    ],
+    ids=["bytes", "str", "empty", "ints", "none"],
+)
+def test_cifar10_meta_file_without_a_list_of_names_is_named(cifar_root, label_names, match):
+    # b"abc" used to give the class names ('97', '98', '99'), its character codes
+    root, _ = cifar_root
+    with (root / "batches.meta").open("wb") as handle:
+        pickle.dump({b"label_names": label_names, b"num_vis": 3072}, handle)
+    with pytest.raises(DataFileError, match=match) as caught:
+        load_cifar10(root, "test")
+    assert str(root / "batches.meta") in str(caught.value)
+
+
+def test_cifar10_meta_file_names_may_be_text_or_an_array(cifar_root):
+    root, _ = cifar_root
+    for names in (list(CIFAR10_CLASSES), np.array([name.encode() for name in CIFAR10_CLASSES])):
+        with (root / "batches.meta").open("wb") as handle:
+            pickle.dump({b"label_names": names}, handle)
+        assert load_cifar10(root, "test").class_names == CIFAR10_CLASSES
+
+
+@pytest.mark.parametrize("split", ["train", "test"])
+def test_cifar10_batches_without_images_are_named(cifar_root, split):
+    # used to give an empty data set without complaint
+    root, _ = cifar_root
+    names = [f"data_batch_{i}" for i in range(1, 6)] if split == "train" else ["test_batch"]
+    for name in names:
+        _write_batch(root / name, np.zeros((0, 3072), dtype=np.uint8), [])
+    with pytest.raises(DataFileError, match=rf"the CIFAR-10 {split} batch(es)? .* no image") as caught:
+        load_cifar10(root, split)
+    assert all(str(root / name) in str(caught.value) for name in names)
+    # one empty batch among others is fine: the images of the others
+    _write_batch(root / names[0], np.zeros((2, 3072), dtype=np.uint8), [3, 4])
+    assert load_cifar10(root, split).labels.tolist() == [3, 4]
