@@ -14,7 +14,8 @@ prediction splits into an expected entropy and the mutual information between th
 
 with natural logarithms and :math:`0 \log 0 = 0`. The mutual information is non-negative (the entropy is concave)
 and zero for a deterministic model or when all samples agree. :func:`ood_auroc_mutual_information` scores OOD
-detection with it (a lower mutual information reads as more in-distribution).
+detection with it (a lower mutual information reads as more in-distribution); it needs :math:`T \geq 2` samples of
+each data set, since the mutual information of a single sample is 0 for every input.
 
 Sample probabilities are ``(T, n, C)`` tensors or arrays (rows summing to one); results are float64 NumPy arrays
 of shape ``(n,)``.
@@ -41,15 +42,25 @@ def _entropy(probabilities: np.ndarray) -> np.ndarray:
     return -(probabilities * np.log(safe)).sum(axis=-1)
 
 
-def _as_samples(samples: Tensor | np.ndarray, name: str = "samples") -> np.ndarray:
-    """Validate ``(T, n, C)`` sample probabilities (each row as in the other metrics, with the tolerance of the
-    input's dtype) and return them as float64."""
+def _as_samples(
+    samples: Tensor | np.ndarray, name: str = "samples", *, at_least_two: bool = False, where: str = ""
+) -> np.ndarray:
+    r"""Validate ``(T, n, C)`` sample probabilities (each row as in the other metrics, with the tolerance of the
+    input's dtype) and return them as float64. ``at_least_two`` requires :math:`T \geq 2` (a score that needs the
+    samples to vary: the mutual information of one sample is 0 for every input); ``where`` names the caller."""
     if not isinstance(samples, (Tensor, np.ndarray)):
         samples = np.asarray(samples, dtype=np.float64)
     if samples.ndim != 3 or min(samples.shape) < 1:
         raise ValueError(
             f"expected {name} of shape (T, n, C) (Monte Carlo samples of class probabilities), got shape "
             f"{tuple(samples.shape)}"
+        )
+    if at_least_two and samples.shape[0] < 2:
+        prefix = f"{where}: " if where else ""
+        raise ValueError(
+            f"{prefix}expected {name} of shape (T, n, C) with T >= 2 Monte Carlo samples, got T = {samples.shape[0]} "
+            f"(shape {tuple(samples.shape)}): the mutual information of a single sample is 0 for every input, so it "
+            f"cannot separate the data sets; score a deterministic model with ood_auroc instead"
         )
     shape = tuple(samples.shape)
     return _as_probabilities(samples.reshape(-1, shape[-1]), name).reshape(shape)
@@ -78,7 +89,7 @@ def mutual_information(samples: Tensor | np.ndarray) -> np.ndarray:
     :math:`\bar p = \tfrac1T \sum_t p^{(t)}`, floored at 0 (rounding can make it slightly negative).
 
     :param samples: ``(T, n, C)`` Monte Carlo predictions.
-    :return: Shape ``(n,)``, in :math:`[0, \log \min(T, C)]`.
+    :return: Shape ``(n,)``, in :math:`[0, \log \min(T, C)]` (0 for every input when :math:`T = 1`).
 
     .. note:: Cost O(T n C).
     """
@@ -91,11 +102,15 @@ def ood_auroc_mutual_information(samples_in: Tensor | np.ndarray, samples_out: T
     (:func:`mutual_information`): the Mann-Whitney statistic, ties counted half, as
     :func:`~gpattn.metrics.ood_auroc`.
 
-    :param samples_in: In-distribution samples, ``(T, n_in, C)``.
-    :param samples_out: OOD samples, ``(T', n_out, C)`` (the same classes).
-    :return: A fraction in :math:`[0, 1]`; 0.5 for a deterministic model (every score 0).
+    :param samples_in: In-distribution samples, ``(T, n_in, C)``, :math:`T \geq 2`.
+    :param samples_out: OOD samples, ``(T', n_out, C)`` (the same classes), :math:`T' \geq 2`.
+    :return: A fraction in :math:`[0, 1]`; 0.5 when every input's samples agree (every score 0).
+    :raises ValueError: For a single sample (:math:`T = 1` or :math:`T' = 1`), whose mutual information is 0 for every
+        input: a deterministic model has no such score (use :func:`~gpattn.metrics.ood_auroc`).
     """
-    inside, outside = _as_samples(samples_in, "samples_in"), _as_samples(samples_out, "samples_out")
+    where = "ood_auroc_mutual_information"
+    inside = _as_samples(samples_in, "samples_in", at_least_two=True, where=where)
+    outside = _as_samples(samples_out, "samples_out", at_least_two=True, where=where)
     if inside.shape[-1] != outside.shape[-1]:
         raise ValueError(
             f"expected samples_in and samples_out over the same number of classes, got C = {inside.shape[-1]} and "

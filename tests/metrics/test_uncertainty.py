@@ -50,8 +50,8 @@ def test_ood_auroc_by_mutual_information_ranks_disagreement_as_ood() -> None:
     outside = _samples(1, (8, 100, 4), 5.0)  # samples that disagree: large MI
     assert ood_auroc_mutual_information(inside, outside) > 0.99
     assert ood_auroc_mutual_information(outside, inside) < 0.01
-    # a deterministic model (one sample) has MI 0 everywhere: no separation
-    assert ood_auroc_mutual_information(inside[:1], outside[:1]) == 0.5
+    # samples that agree on every input have MI 0 everywhere: no separation
+    assert ood_auroc_mutual_information(inside[:1].expand(2, -1, -1), outside[:1].expand(4, -1, -1)) == 0.5
     # the max-probability score of the mean prediction is a different score
     assert ood_auroc(inside.mean(0), outside.mean(0)) != ood_auroc_mutual_information(inside, outside)
 
@@ -63,6 +63,18 @@ def test_bad_samples_raise() -> None:
         mutual_information(torch.ones(2, 4, 3))
     with pytest.raises(ValueError, match="number of classes"):
         ood_auroc_mutual_information(torch.ones(2, 4, 3) / 3, torch.ones(2, 4, 2) / 2)
+
+
+@pytest.mark.parametrize(("t_in", "t_out", "name"), [(2, 1, "samples_out"), (1, 3, "samples_in"), (1, 1, "samples_in")])
+def test_ood_auroc_mutual_information_needs_two_samples_of_each_set(t_in, t_out, name) -> None:
+    # one sample has mutual information 0 on every input: its AUROC would be a number that means nothing
+    inside, outside = _samples(0, (t_in, 5, 3), 1.0), _samples(1, (t_out, 6, 3), 1.0)
+    match = rf"ood_auroc_mutual_information: expected {name} of shape \(T, n, C\) with T >= 2 .*got T = 1"
+    with pytest.raises(ValueError, match=match):
+        ood_auroc_mutual_information(inside, outside)
+    with pytest.raises(ValueError, match=match):  # NumPy arrays alike
+        ood_auroc_mutual_information(inside.numpy(), outside.numpy())
+    assert 0.0 <= ood_auroc_mutual_information(_samples(0, (2, 5, 3), 1.0), _samples(1, (2, 6, 3), 1.0)) <= 1.0
 
 
 def test_low_precision_samples_use_their_dtype_tolerance() -> None:
