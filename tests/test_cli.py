@@ -154,6 +154,16 @@ def test_resume_and_overwrite_together_are_refused_before_anything_runs(command,
     assert (tmp_path / "results.json").read_text() == "{}"
 
 
+def test_prepare_out_refuses_resume_with_overwrite(tmp_path) -> None:
+    from gpattn.cli import prepare_out
+
+    (tmp_path / "results.json").write_text("{}")
+    with pytest.raises(ValueError, match="resume and overwrite exclude each other"):
+        with prepare_out(tmp_path, overwrite=True, resume=True, replaced=("results.json",)):
+            pass
+    assert (tmp_path / "results.json").read_text() == "{}"
+
+
 def test_resume_of_a_folder_that_holds_nothing_warns_and_runs_everything(tmp_path) -> None:
     from gpattn.cli.options import NothingToResume
 
@@ -162,6 +172,21 @@ def test_resume_of_a_folder_that_holds_nothing_warns_and_runs_everything(tmp_pat
     with pytest.warns(NothingToResume, match=re.escape(expected)):
         assert main([*TINY_COMPARE, "--out", str(out), "--resume"]) == 0
     assert len(json.loads((out / "results.json").read_text())["records"]) == 1
+
+
+def test_a_resume_with_fewer_rows_leaves_no_figure_of_the_missing_row(tmp_path, capsys) -> None:
+    # the earlier run's kep_svgp drew spectra.png; the resumed run asks for softmax only: its results hold softmax
+    kep = [*TINY_COMPARE[:2], "kep_svgp", *TINY_COMPARE[3:]]
+    assert main([*kep, "--out", str(tmp_path)]) == 0
+    assert (tmp_path / "spectra.png").exists()
+    capsys.readouterr()
+    assert main([*TINY_COMPARE, "--out", str(tmp_path), "--resume"]) == 0
+    assert not (tmp_path / "spectra.png").exists()
+    assert "gpattn compare: note: removed spectra.png" in capsys.readouterr().err
+    assert [record["attention"] for record in json.loads((tmp_path / "results.json").read_text())["records"]] == [
+        "softmax"
+    ]
+    assert (tmp_path / "runs" / "pointer-kep_svgp-0.json").exists()  # the earlier run's record is kept
 
 
 def test_a_resumed_run_removes_the_results_and_figures_it_did_not_write(tmp_path) -> None:
@@ -174,7 +199,8 @@ def test_a_resumed_run_removes_the_results_and_figures_it_did_not_write(tmp_path
     for name in ("spectra.png", "fidelity.png", "reliability_pointer.png", "results.csv", "notes.txt"):
         (tmp_path / name).write_text("earlier")
     assert "spectra.png" in run_folder_outputs() and "notes.txt" not in run_folder_outputs()
-    _remove_stale_outputs(tmp_path, [tmp_path / "results.csv", tmp_path / "reliability_pointer.png"])
+    removed = _remove_stale_outputs(tmp_path, [tmp_path / "results.csv", tmp_path / "reliability_pointer.png"])
+    assert sorted(removed) == ["fidelity.png", "spectra.png"]
     assert sorted(path.name for path in tmp_path.iterdir()) == [
         "notes.txt",  # not gpattn's: kept
         "reliability_pointer.png",

@@ -8,6 +8,7 @@ import os
 import signal
 import subprocess
 import sys
+import warnings
 from collections import Counter
 
 import optuna
@@ -77,6 +78,28 @@ def test_bad_options_are_one_line_with_status_2(argument, message, tmp_path, cap
     error = capsys.readouterr().err
     assert status == 2 and message in error and "Traceback" not in error
     assert not (tmp_path / "study.db").exists()
+
+
+class _Reached(Exception):
+    """The tuning was reached: what the test checks happened before it."""
+
+
+@pytest.mark.parametrize("storage", [False, True])
+def test_resume_of_an_empty_out_warns_unless_the_studies_are_in_a_storage(storage, tmp_path, monkeypatch):
+    from gpattn.cli.options import NothingToResume
+
+    def reached(*args, **kwargs):
+        raise _Reached
+
+    monkeypatch.setattr(tuning_module, "tune", reached)
+    argv = [*TINY, "--out", str(tmp_path / "out"), "--resume"]
+    if storage:  # the studies live in the storage: an empty OUT is the documented set-up, not a typo
+        argv += ["--storage", f"sqlite:///{tmp_path / 'shared.db'}"]
+    with warnings.catch_warnings(record=True) as caught, pytest.raises(_Reached):
+        warnings.simplefilter("always")
+        main(argv)
+    resumed = [warning for warning in caught if issubclass(warning.category, NothingToResume)]
+    assert len(resumed) == (0 if storage else 1)
 
 
 def test_a_run_writes_the_tuned_files_and_resume_adds_nothing(tmp_path, capsys, monkeypatch):

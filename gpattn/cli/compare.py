@@ -228,15 +228,19 @@ def run_folder_outputs() -> tuple[str, ...]:
     return ("runs", *OUTPUT_FILES, *comparison_figure_names(TASKS))
 
 
-def _remove_stale_outputs(out: Path, written: list[Path]) -> None:
-    """Delete the results and figures in ``out`` that this run did not write (after it wrote its own): a resumed run
-    with fewer rows or tasks than the one before would otherwise leave figures of rows its results do not hold. The
-    records in ``out/runs`` are kept."""
-    kept = {Path(path).name for path in written}
+def _remove_stale_outputs(out: Path, written: list[Path]) -> list[str]:
+    """Delete the results and figures in ``out`` that this run did not write (after it wrote its own) and return
+    their names: a resumed run with fewer rows or tasks than the one before would otherwise leave figures of rows its
+    results do not hold. Only files of :func:`run_folder_outputs`' names directly in ``out`` go (a link, not its
+    target); the records in ``out/runs`` stay."""
+    kept = {Path(path).absolute() for path in written}
+    removed = []
     for name in run_folder_outputs():
         path = out / name
-        if name != "runs" and name not in kept and (path.is_file() or path.is_symlink()):
+        if name != "runs" and path.absolute() not in kept and (path.is_file() or path.is_symlink()):
             path.unlink()
+            removed.append(name)
+    return removed
 
 
 def run_compare(args: argparse.Namespace) -> int:
@@ -290,12 +294,18 @@ def run_compare(args: argparse.Namespace) -> int:
             ) from None
         try:
             written = write_outputs(records, config, out) + write_comparison_figures(records, out)
-            _remove_stale_outputs(out, written)
         except OSError as error:
             raise CommandError(
                 f"{error}; the {len(records)} runs are kept in {out / 'runs'}: make room (or fix the folder) and run "
                 "the same command with --resume to write the results"
             ) from error
+        removed = _remove_stale_outputs(out, written)
+        if removed:
+            print(
+                f"gpattn compare: note: removed {', '.join(removed)} from {out}: results and figures of an earlier "
+                "run that this one did not write",
+                file=sys.stderr,
+            )
     print(table_text(records, config))
     where = f"executor {args.executor}, jobs {config.jobs}, threads {config.threads}"
     print(f"{len(records)} runs in {time.perf_counter() - start:.0f} s ({where})")

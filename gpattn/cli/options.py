@@ -158,7 +158,7 @@ def add_common(parser: argparse.ArgumentParser, resume: str | None) -> None:
         "--overwrite",
         action="store_true",
         help="replace the results of an earlier run in OUT (without it, an OUT that holds files is refused"
-        + (f"; --resume {resume})" if resume else ")"),
+        + (f"; --resume {resume}; not with --resume)" if resume else ")"),
     )
 
 
@@ -206,17 +206,31 @@ LOCK_FILE = ".gpattn.lock"
 
 
 @contextmanager
-def prepare_out(out: str | os.PathLike, *, overwrite: bool, resume: bool, replaced: tuple[str, ...]) -> Iterator[Path]:
+def prepare_out(
+    out: str | os.PathLike,
+    *,
+    overwrite: bool,
+    resume: bool,
+    replaced: tuple[str, ...],
+    resumes_from_out: bool = True,
+) -> Iterator[Path]:
     """Check and lock the run folder ``out`` before anything runs, for the duration of the ``with`` block: it is
     created if missing and must be writable; :data:`LOCK_FILE` in it is locked (``fcntl.flock``, released when the
     block or the process ends, also after a kill), so that a second command on the same folder stops at once; a folder
     that already holds files is refused unless ``resume`` (continue it) or ``overwrite`` (the entries ``replaced``,
     e.g. ``"results.json"``, ``"runs"``, are deleted first, so no stale result is mixed with new ones); ``resume`` on
-    a folder that holds nothing warns (:class:`NothingToResume`) and goes on.
+    a folder that holds nothing warns (:class:`NothingToResume`) and goes on, unless ``resumes_from_out`` is false
+    (what the command continues is kept elsewhere, e.g. ``gpattn tune --storage``).
+
+    :raises ValueError: ``resume`` and ``overwrite`` together.
 
     :raises CommandError: The folder cannot be created or written, another gpattn command is writing to it, or it
         holds an earlier run.
     """
+    if resume and overwrite:
+        raise ValueError(
+            "resume and overwrite exclude each other: resume continues the run in out, overwrite replaces it"
+        )
     out = Path(out)
     try:
         out.mkdir(parents=True, exist_ok=True)
@@ -229,7 +243,9 @@ def prepare_out(out: str | os.PathLike, *, overwrite: bool, resume: bool, replac
     with lock:
         _lock(lock, out)
         held = sorted(path.name for path in out.iterdir() if path.name != LOCK_FILE)
-        if resume and not held:  # a mistyped folder would otherwise start everything again without a word
+        if (
+            resume and resumes_from_out and not held
+        ):  # a mistyped folder would otherwise start everything again without a word
             message = f"--resume: --out {out} holds no earlier run; everything runs from the start"
             warnings.warn(message, NothingToResume, stacklevel=3)  # the command's call of prepare_out
         if held and not resume:

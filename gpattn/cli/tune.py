@@ -151,6 +151,7 @@ def run_tune(args: argparse.Namespace) -> int:
         overwrite=args.overwrite,
         resume=args.resume,
         replaced=("study.db", "study.db.lock", "trials", "tuned"),
+        resumes_from_out=args.storage is None,  # with --storage the studies are there, not in OUT
     ) as out:
         start = time.perf_counter()
         try:
