@@ -127,8 +127,8 @@ def fit_temperature(logits: Tensor, labels: Tensor, bounds: tuple[float, float] 
             "falling as the temperature goes down (e.g. every validation sample classified correctly with growing "
             "confidence)"
             if lower
-            else "falling as the temperature grows (predictions worse than uniform on validation, e.g. confidently "
-            "wrong: the NLL falls towards log C)"
+            else "falling as the temperature grows (predictions overconfident even at the largest temperature, "
+            "e.g. confidently wrong ones, whose NLL falls towards log C)"
         )
         warnings.warn(
             f"fit_temperature: the optimum lies on the boundary of bounds={bounds} (temperature {temperature:.4g}); "

@@ -164,11 +164,17 @@ def test_boundary_optimum_warns() -> None:
         fitted = fit_temperature(logits, labels, bounds=(0.1, 10.0))
     assert fitted == pytest.approx(0.1, rel=1e-6)
     # every sample confidently wrong: the NLL falls towards log C as tau -> infinity (the upper bound's reason)
-    with pytest.warns(UserWarning, match="boundary.*falling as the temperature grows .*worse than uniform"):
+    with pytest.warns(
+        UserWarning, match="boundary.*falling as the temperature grows .*overconfident even at the largest"
+    ):
         fitted = fit_temperature(torch.tensor([[10.0, -10.0], [-10.0, 10.0]]), torch.tensor([1, 0]))
     assert fitted == pytest.approx(100.0, rel=1e-6)
     nll = F.cross_entropy(torch.tensor([[10.0, -10.0], [-10.0, 10.0]]) / fitted, torch.tensor([1, 0])).item()
     assert math.log(2) < nll < F.cross_entropy(torch.tensor([[10.0, -10.0]]) / 50.0, torch.tensor([1])).item()
+    # better than uniform (3 of 4 right) but overconfident beyond the bound: the same reason, no claim of "worse"
+    margin = torch.tensor([[250.0, 0.0], [250.0, 0.0], [250.0, 0.0], [250.0, 0.0]])
+    with pytest.warns(UserWarning, match="overconfident even at the largest temperature"):
+        assert fit_temperature(margin, torch.tensor([0, 0, 0, 1])) == pytest.approx(100.0, rel=1e-6)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         fit_temperature(*calibrated_logits(200, 3, seed=0))
