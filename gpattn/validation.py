@@ -103,8 +103,9 @@ MAX_SEED = 2**64 - 1
 
 
 def check_seed(name: str, value: Any, where: str = "") -> int:
-    """A seed for a local ``torch.Generator``: a non-negative integer (as :func:`check_int`) up to :data:`MAX_SEED`,
-    so that ``torch.Generator().manual_seed(seed)`` takes every accepted seed.
+    """A seed of gpattn's random generators: a non-negative integer (as :func:`check_int`) up to :data:`MAX_SEED`,
+    so that ``torch.Generator().manual_seed(seed)`` takes every accepted seed (also where NumPy, which takes larger
+    ones, draws: one range for every seed of the package).
 
     :raises InputTypeError: For a non-integer.
     :raises ValueError: For a negative seed or one above :data:`MAX_SEED`.
@@ -113,8 +114,8 @@ def check_seed(name: str, value: Any, where: str = "") -> int:
     seed = check_int(name, value, minimum=0, where=where)
     if seed > MAX_SEED:
         raise ValueError(
-            f"{_prefix(where)}expected {name} to be a non-negative integer at most 2**64 - 1 = {MAX_SEED} (the "
-            f"largest seed torch.Generator.manual_seed takes), got {value!r}"
+            f"{_prefix(where)}expected {name} to be a non-negative integer at most 2**64 - 1 = {MAX_SEED} (gpattn's "
+            f"seeds are 64-bit, as torch.Generator.manual_seed takes them), got {value!r}"
         )
     return seed
 

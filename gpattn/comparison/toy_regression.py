@@ -18,7 +18,7 @@ from ..data import RegressionData, make_asymmetric_regression_1d
 from ..kernels import InducedKernel, ShiftedRBFKernel
 from ..models import KernelEigenPairSVGP
 from ..training import TrainingDivergedError
-from ..validation import check_float, check_int, non_finite_parameters
+from ..validation import check_float, check_int, check_seed, non_finite_parameters
 
 
 @dataclass
@@ -60,7 +60,7 @@ class ToyRegressionConfig:
 
     def __post_init__(self) -> None:
         where = "ToyRegressionConfig"
-        check_int("seed", self.seed, minimum=0, where=where)
+        check_seed("seed", self.seed, where=where)
         for name in ("num_landmarks", "num_inducing", "iterations", "pyro_iterations", "pyro_particles"):
             check_int(name, getattr(self, name), where=where)
         if self.num_inducing > self.num_landmarks:

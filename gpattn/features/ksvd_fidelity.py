@@ -34,7 +34,7 @@ from dataclasses import dataclass, fields
 import torch
 from torch import Tensor
 
-from ..validation import check_int
+from ..validation import check_int, check_seed
 from .attention_kernel_eigen_features import AttentionKernelEigenFeatures
 from .kernel_eigen_scores import numerically_nonzero
 
@@ -247,7 +247,7 @@ def ksvd_fidelity(
             f"Primal-Attention), got {type(features).__name__}"
         )
     check_int("random_samples", random_samples, where="ksvd_fidelity")
-    check_int("seed", seed, minimum=0, where="ksvd_fidelity")
+    seed = check_seed("seed", seed, where="ksvd_fidelity")
     keys = queries if keys is None else keys
     row_mask = key_mask if keys is queries else None  # self-attention: the mask masks the queries too
     rank = module.num_inducing

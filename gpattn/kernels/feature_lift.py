@@ -9,7 +9,7 @@ from gpytorch.constraints import Positive
 from gpytorch.module import Module
 from torch import Tensor
 
-from ..validation import check_choice, check_int, check_positive
+from ..validation import MAX_SEED, check_choice, check_int, check_positive
 
 LIFTS = ("none", "rff", "mlp")
 
@@ -41,7 +41,8 @@ class FeatureLift(Module):
         check_int("input_dim", input_dim, where="FeatureLift")
         if kind != "none":
             check_int("lift_dim", lift_dim, where="FeatureLift")
-            check_int("seed", seed, minimum=None, where="FeatureLift")
+            # torch.Generator.manual_seed takes 64-bit seeds (negative ones too) as Python ints only
+            seed = check_int("seed", seed, minimum=-(2**63), maximum=MAX_SEED, where="FeatureLift")
         self.kind = kind
         self.input_dim = input_dim
         self.output_dim = input_dim if kind == "none" else lift_dim

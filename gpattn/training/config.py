@@ -8,7 +8,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..validation import check_device, check_float, check_int
+from ..validation import MAX_SEED, check_device, check_float, check_int
 
 __all__ = ["DEVICE_TYPES", "TrainConfig", "TrainResult"]
 
@@ -88,7 +88,7 @@ class TrainConfig:
         for name in ("warmup_steps", "schedule_epochs", "patience"):
             if getattr(self, name) is not None:
                 check_int(name, getattr(self, name), minimum=0 if name == "warmup_steps" else 1, where=where)
-        check_int("seed", self.seed, minimum=None, where=where)
+        check_int("seed", self.seed, minimum=-(2**63), maximum=MAX_SEED, where=where)  # torch.manual_seed's range
         check_float("lr", self.lr, 0.0, strict_minimum=True, where=where)
         check_float("min_lr", self.min_lr, 0.0, self.lr, where=where)
         for name in ("weight_decay", "warmup_epochs", "beta", "kl_anneal_epochs"):

@@ -263,7 +263,8 @@ MAX_SEED = 2**64 - 1  # the largest seed torch.Generator.manual_seed takes
     ids=["noise_ood", "rotation", "gaussian_noise", "splits", "val_seed"],
 )
 def test_seeds_up_to_the_largest_torch_generator_seed(make, where):
-    # 2**64 used to reach torch.Generator.manual_seed: "Overflow when unpacking long long"
+    # 2**64 reached torch.Generator.manual_seed ("Overflow when unpacking long long"); NumPy's generators (splits,
+    # val_seed) take it, but every seed of the package has one range
     with pytest.raises(
         ValueError, match=rf"{where}: expected (val_)?seed to be a non-negative integer at most 2\*\*64 - 1"
     ):

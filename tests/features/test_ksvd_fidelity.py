@@ -317,3 +317,5 @@ def test_other_layers_are_refused():
         ksvd_fidelity(SoftmaxAttention(C, H), _tokens(1, LENGTH, C, seed=6).float())
     with pytest.raises(ValueError, match="random_samples"):
         ksvd_fidelity(KEPSVGPAttention(C, H, num_inducing=RANK), _tokens(1, LENGTH, C, seed=6), random_samples=0)
+    with pytest.raises(ValueError, match=r"ksvd_fidelity: expected seed to be a non-negative integer at most 2\*\*64"):
+        ksvd_fidelity(KEPSVGPAttention(C, H, num_inducing=RANK), _tokens(1, LENGTH, C, seed=6), seed=2**64)

@@ -458,11 +458,19 @@ def test_rejected_training_step_leaves_parameters_finite():
         (lambda: ShiftedRBFKernel(1, shift=[0.1, 0.2]), ValueError, r"shift.*\(1,\).*\(2,\)"),
         (lambda: FeatureLift("rff", 2, lengthscale=math.inf), ValueError, "lengthscale"),
         (lambda: FeatureLift("mlp", 0), ValueError, "input_dim"),
+        (lambda: FeatureLift("rff", 2, seed=2**64), ValueError, r"seed to be an integer in \[-9223372036854775808, "),
     ],
 )
 def test_kernel_constructor_rejects(make, error, match):
     with pytest.raises(error, match=match):
         make()
+
+
+def test_feature_lift_takes_numpy_and_negative_seeds():
+    # torch.Generator.manual_seed refuses NumPy integers: the checked seed is handed on as a Python int
+    reference = FeatureLift("rff", 2, 4, seed=3).frequencies
+    torch.testing.assert_close(FeatureLift("rff", 2, 4, seed=np.int64(3)).frequencies, reference, rtol=0, atol=0)
+    FeatureLift("rff", 2, 4, seed=-(2**63))
 
 
 @pytest.mark.parametrize("value", [-1.0, 0.0, math.nan, math.inf])
@@ -940,6 +948,7 @@ def test_compare_config_without_cuda(monkeypatch):
         ({"pyro_particles": 0}, "pyro_particles"),
         ({"initial_lengthscale": 0.0}, "initial_lengthscale"),
         ({"seed": -1}, "seed"),
+        ({"seed": 2**64}, r"seed to be a non-negative integer at most 2\*\*64 - 1"),
     ],
 )
 def test_toy_regression_config_rejects(kwargs, match):

@@ -65,6 +65,7 @@ def _assert_same_parameters(first: torch.nn.Module, second: torch.nn.Module) -> 
         {"device": "tpu"},
         {"warmup_steps": -1},
         {"beta": math.nan},
+        {"seed": 2**64},  # beyond torch.manual_seed's 64-bit range: refused here, not at the first epoch
     ],
 )
 def test_config_rejects_bad_values(overrides):
