@@ -259,7 +259,7 @@ def load_cifar10_c(root: str | Path, corruption: str, severity: int) -> ImageDat
     :raises FileNotFoundError: When a file is missing (the message lists the expected files).
     :raises ValueError: For an unknown corruption or a bad severity.
     :raises DataFileError: For a file that is empty, truncated or not a ``.npy`` array, arrays of the wrong shape or
-        type, or labels that are not integers in ``0..9`` (the message names the file).
+        type or without a single image, or labels that are not integers in ``0..9`` (the message names the file).
     """
     if corruption not in CIFAR10_C_CORRUPTIONS:
         raise ValueError(f"unknown CIFAR-10-C corruption {corruption!r}; expected one of {CIFAR10_C_CORRUPTIONS}")
@@ -275,6 +275,8 @@ def load_cifar10_c(root: str | Path, corruption: str, severity: int) -> ImageDat
         raise DataFileError(
             f"expected {data_path} to be uint8 (5 m, 32, 32, 3) (5 severities stacked), got {data.dtype} {data.shape}"
         )
+    if not data.shape[0]:  # as the CIFAR-10 batches: no image is a damaged file, not an empty data set
+        raise DataFileError(f"{data_path} holds no image (shape {data.shape}): expected 5 m images, m at least 1")
     if all_labels.shape != (data.shape[0],):
         raise DataFileError(f"expected {labels_path} to hold {data.shape[0]} labels, got shape {all_labels.shape}")
     block = data.shape[0] // 5

@@ -219,6 +219,14 @@ def test_cifar10_c_damaged_npy_files_name_the_file(cifar_c_root, name, damage, m
     assert str(path) in str(caught.value)
 
 
+def test_cifar10_c_without_images_is_named(cifar_c_root):
+    root, _, _ = cifar_c_root
+    np.save(root / "gaussian_noise.npy", np.zeros((0, 32, 32, 3), dtype=np.uint8))
+    np.save(root / "labels.npy", np.zeros(0, dtype=np.int64))
+    with pytest.raises(DataFileError, match=r"gaussian_noise\.npy holds no image \(shape \(0, 32, 32, 3\)\)"):
+        load_cifar10_c(root, "gaussian_noise", 1)
+
+
 def test_cifar10_c_float_labels_are_an_error(cifar_c_root):
     root, _, labels = cifar_c_root
     np.save(root / "labels.npy", labels.astype(np.float64) + 0.25)
