@@ -191,7 +191,8 @@ def test_a_resume_with_fewer_rows_leaves_no_figure_of_the_missing_row(tmp_path, 
 
 def test_a_resumed_run_removes_the_results_and_figures_it_did_not_write(tmp_path) -> None:
     # an earlier run with more rows left figures of rows that the resumed run's results do not hold
-    from gpattn.cli.compare import _remove_stale_outputs, run_folder_outputs
+    from gpattn.cli.compare import run_folder_outputs
+    from gpattn.cli.options import remove_stale_files
 
     (tmp_path / "runs").mkdir()
     record = tmp_path / "runs" / "pointer-kep_svgp-0.json"
@@ -199,7 +200,8 @@ def test_a_resumed_run_removes_the_results_and_figures_it_did_not_write(tmp_path
     for name in ("spectra.png", "fidelity.png", "reliability_pointer.png", "results.csv", "notes.txt"):
         (tmp_path / name).write_text("earlier")
     assert "spectra.png" in run_folder_outputs() and "notes.txt" not in run_folder_outputs()
-    removed = _remove_stale_outputs(tmp_path, [tmp_path / "results.csv", tmp_path / "reliability_pointer.png"])
+    outputs = [name for name in run_folder_outputs() if name != "runs"]
+    removed = remove_stale_files(tmp_path, outputs, [tmp_path / "results.csv", tmp_path / "reliability_pointer.png"])
     assert sorted(removed) == ["fidelity.png", "spectra.png"]
     assert sorted(path.name for path in tmp_path.iterdir()) == [
         "notes.txt",  # not gpattn's: kept

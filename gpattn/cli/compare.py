@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from pathlib import Path
 
 from .options import (
     CommandError,
@@ -21,6 +20,7 @@ from .options import (
     out_dir,
     positive_int,
     prepare_out,
+    remove_stale_files,
     tuned_dir,
 )
 
@@ -228,21 +228,6 @@ def run_folder_outputs() -> tuple[str, ...]:
     return ("runs", *OUTPUT_FILES, *comparison_figure_names(TASKS))
 
 
-def _remove_stale_outputs(out: Path, written: list[Path]) -> list[str]:
-    """Delete the results and figures in ``out`` that this run did not write (after it wrote its own) and return
-    their names: a resumed run with fewer rows or tasks than the one before would otherwise leave figures of rows its
-    results do not hold. Only files of :func:`run_folder_outputs`' names directly in ``out`` go (a link, not its
-    target); the records in ``out/runs`` stay."""
-    kept = {Path(path).absolute() for path in written}
-    removed = []
-    for name in run_folder_outputs():
-        path = out / name
-        if name != "runs" and path.absolute() not in kept and (path.is_file() or path.is_symlink()):
-            path.unlink()
-            removed.append(name)
-    return removed
-
-
 def run_compare(args: argparse.Namespace) -> int:
     """Run ``gpattn compare``; returns the exit status."""
     from ..comparison import CompareConfig, plan_runs
@@ -299,7 +284,8 @@ def run_compare(args: argparse.Namespace) -> int:
                 f"{error}; the {len(records)} runs are kept in {out / 'runs'}: make room (or fix the folder) and run "
                 "the same command with --resume to write the results"
             ) from error
-        removed = _remove_stale_outputs(out, written)
+        # a resumed run with fewer rows or tasks than the one before: no figure of a row its results do not hold
+        removed = remove_stale_files(out, [name for name in run_folder_outputs() if name != "runs"], written)
         if removed:
             print(
                 f"gpattn compare: note: removed {', '.join(removed)} from {out}: results and figures of an earlier "

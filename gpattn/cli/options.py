@@ -43,6 +43,7 @@ __all__ = [
     "positive_int",
     "tuned_dir",
     "prepare_out",
+    "remove_stale_files",
 ]
 
 
@@ -195,6 +196,20 @@ def make_executor(args: argparse.Namespace) -> Any:
     from ..comparison.ray_executor import RayExecutor
 
     return RayExecutor(args.jobs, args.threads, args.device, args.ray_address)
+
+
+def remove_stale_files(folder: Path, names: list[str], written: list[Path]) -> list[str]:
+    """Delete the files ``names`` directly in ``folder`` that are not among the paths ``written`` (a command's own
+    outputs from an earlier run that this one did not write again) and return the names deleted. A link goes, not its
+    target; folders stay."""
+    kept = {Path(path).absolute() for path in written}
+    removed = []
+    for name in names:
+        path = folder / name
+        if path.absolute() not in kept and (path.is_file() or path.is_symlink()):
+            path.unlink()
+            removed.append(name)
+    return removed
 
 
 class NothingToResume(UserWarning):

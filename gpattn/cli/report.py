@@ -4,9 +4,10 @@ the check that the primary verdict holds in another run (e.g. one that differs o
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 
-from .options import CommandError
+from .options import CommandError, remove_stale_files
 
 __all__ = ["add_report", "run_report"]
 
@@ -25,7 +26,8 @@ def add_report(commands) -> None:
         description="Read the results.json of one or more run folders of gpattn compare (their records merged: a run "
         "held by several folders must be the same in each) and print the headline of the declared endpoints and the "
         "full tables. --page writes the results page (markdown, every number from the records) and its figures "
-        "beside it, in <page stem>_figures/. --same-verdict compares the primary verdict with that of each other run "
+        "beside it, in <page stem>_figures/ (figures there that the page does not show are removed). --same-verdict "
+        "compares the primary verdict with that of each other run "
         "folder (e.g. the same run with --threads 2, or another seed block) and exits with status 1 when it differs "
         "or cannot be checked (a run without the primary pair); with --page the checks are a section of the page.",
     )
@@ -65,7 +67,8 @@ def run_report(args: argparse.Namespace) -> int:
     from ..comparison.records import write_text_atomically
     from ..comparison.report import markdown_table
     from ..comparison.results_page import compare_verdicts, read_run_folders, results_page
-    from ..plotting import write_comparison_figures
+    from ..comparison.tasks import TASKS
+    from ..plotting import comparison_figure_names, write_comparison_figures
 
     runs = read_run_folders(args.runs)
     if not runs.records:
@@ -85,5 +88,12 @@ def run_report(args: argparse.Namespace) -> int:
     figures = write_comparison_figures(runs.records, figures_dir)
     page = results_page(runs, [f"{figures_dir.name}/{path.name}" for path in figures], checks)
     write_text_atomically(args.page, page)
+    # an earlier page's figures that this page does not show (e.g. of a task its runs do not have)
+    removed = remove_stale_files(figures_dir, comparison_figure_names(TASKS), figures)
     print(f"wrote {args.page} and {len(figures)} figures in {figures_dir}")
+    if removed:
+        print(
+            f"gpattn report: note: removed {', '.join(removed)} from {figures_dir}: figures this page does not show",
+            file=sys.stderr,
+        )
     return status

@@ -489,9 +489,17 @@ def test_gpattn_report_command(records, tmp_path, capsys) -> None:
     printed = capsys.readouterr().out
     assert printed.startswith("The primary verdict holds") and "settings that differ: threads: 1 / 2" in printed
     page = tmp_path / "docs" / "results.md"
-    page.parent.mkdir()
+    (tmp_path / "docs" / "results_figures").mkdir(parents=True)
+    # an earlier page's figure of a task these runs do not have, and a file that is not gpattn's
+    (tmp_path / "docs" / "results_figures" / "shift_digits.png").write_bytes(b"earlier")
+    (tmp_path / "docs" / "results_figures" / "notes.txt").write_text("the user's")
+    capsys.readouterr()
     assert main(["report", str(tmp_path / "a"), "--page", str(page)]) == 0
+    assert "gpattn report: note: removed shift_digits.png from" in capsys.readouterr().err
+    assert (tmp_path / "docs" / "results_figures" / "notes.txt").read_text() == "the user's"
+    (tmp_path / "docs" / "results_figures" / "notes.txt").unlink()
     figures = sorted(path.name for path in (tmp_path / "docs" / "results_figures").iterdir())
+    assert "shift_digits.png" not in figures
     assert "shift_mnist1d.png" in figures and "gap_vs_shift_ece_mnist1d.png" in figures
     assert all(f"(results_figures/{name})" in page.read_text() for name in figures)
     assert main(["report", str(tmp_path / "a")]) == 0 and "**Verdict**" in capsys.readouterr().out
