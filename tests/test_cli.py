@@ -212,6 +212,25 @@ def test_a_resumed_run_removes_the_results_and_figures_it_did_not_write(tmp_path
     assert record.read_text() == "{}"  # the records are kept
 
 
+def test_num_inducing_for_rows_without_an_inducing_set_is_a_note() -> None:
+    import argparse
+
+    from gpattn.cli.compare import _unused_num_inducing
+    from gpattn.comparison import CompareConfig, plan_runs
+
+    def note(*rows: str) -> str | None:
+        runs = plan_runs(CompareConfig(attentions=rows, tasks=("pointer",), seeds=(0,), num_inducing=4))
+        return _unused_num_inducing(runs, argparse.Namespace(num_inducing=4))
+
+    assert (
+        note("softmax", "cgpt")
+        == "--num-inducing 4: no row of this comparison (cgpt, softmax) has an inducing set to size"
+    )
+    assert note("softmax", "kep_svgp") is None  # kep_svgp's rank is set by it
+    assert note("deep_ensemble", "softmax_mc_dropout") is not None  # softmax rows under other names
+    assert _unused_num_inducing([("pointer", "cgpt", 0)], argparse.Namespace(num_inducing=None)) is None
+
+
 def test_quick_is_labelled_a_smoke_test(tmp_path, capsys) -> None:
     argv = ["compare", "--quick", "--attentions", "softmax", "--tasks", "pointer", "--pointer-epochs", "1"]
     assert main([*argv, "--eval-samples", "2", "--no-progress", "--out", str(tmp_path)]) == 0

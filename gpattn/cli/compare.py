@@ -217,6 +217,21 @@ def _tuned_note(config, runs, args: argparse.Namespace) -> str | None:
     )
 
 
+def _unused_num_inducing(runs, args: argparse.Namespace) -> str | None:
+    """The note for ``--num-inducing`` given to a comparison none of whose rows has an inducing set, or ``None``."""
+    from ..attention import attention_arguments
+    from ..methods import get_method
+
+    if args.num_inducing is None:
+        return None
+    rows = sorted({row for _, row, _ in runs})
+    if any("num_inducing" in attention_arguments(get_method(row).attention) for row in rows):
+        return None
+    return (
+        f"--num-inducing {args.num_inducing}: no row of this comparison ({', '.join(rows)}) has an inducing set to size"
+    )
+
+
 def run_folder_outputs() -> tuple[str, ...]:
     """Every entry ``gpattn compare`` can write into a run folder, derived from the writers (what ``--overwrite``
     deletes first): ``runs/``, :data:`~gpattn.comparison.report.OUTPUT_FILES` and every figure of every task
@@ -252,7 +267,8 @@ def run_compare(args: argparse.Namespace) -> int:
     except ValueError as error:
         print(f"gpattn compare: error: {error}", file=sys.stderr)
         return 2
-    for note in (_tuned_note(config, runs, args), mps_note(config.device, min(config.jobs, len(runs)), args.executor)):
+    notes = (_tuned_note(config, runs, args), _unused_num_inducing(runs, args))
+    for note in (*notes, mps_note(config.device, min(config.jobs, len(runs)), args.executor)):
         if note:
             print(f"gpattn compare: note: {note}", file=sys.stderr)
     missing = missing_tuned_files(config)

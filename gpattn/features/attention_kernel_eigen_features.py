@@ -108,7 +108,7 @@ class AttentionKernelEigenFeatures(KernelEigenFeaturesBase):
         check_choice("ksvd_form", ksvd_form, KSVD_FORMS, where=where)
         if kernel not in self.kernels:
             raise ValueError(
-                f"the {kernel} kernel has no finite primal features: use features='exact', not {self.mode!r}"
+                f"{where}: the {kernel} kernel has no finite primal features: use features='exact', not {self.mode!r}"
             )
         if ksvd_form not in self.ksvd_forms:
             raise ValueError(

@@ -225,7 +225,12 @@ def test_input_type_error_is_both():
         (KEPSVGPAttention, {"sampling": "iid"}, ValueError, "sampling.*'iid'"),
         (KEPSVGPAttention, {"residual": "full"}, ValueError, "residual.*'full'"),
         (KEPSVGPAttention, {"kernel": "rbf"}, ValueError, "kernel.*'rbf'"),
-        (KEPSVGPAttention, {"kernel": "exponential"}, ValueError, "features='exact'"),
+        (
+            KEPSVGPAttention,
+            {"kernel": "exponential"},
+            ValueError,
+            "AttentionFeatures: the exponential kernel has no finite primal features: use features='exact'",
+        ),
         (KEPSVGPAttention, {"features": "primal_tokens"}, ValueError, "primal_tokens' needs max_len"),
         (
             KEPSVGPAttention,
