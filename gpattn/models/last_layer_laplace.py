@@ -15,6 +15,11 @@ from ..validation import check_int, check_tensor
 __all__ = ["LastLayerLaplace"]
 
 
+def _check_non_empty(inputs: Tensor, where: str) -> None:
+    if inputs.dim() == 0 or inputs.shape[0] == 0:
+        raise ValueError(f"{where}: expected at least one input, got shape {tuple(inputs.shape)}")
+
+
 class LastLayerLaplace(torch.nn.Module):
     r"""The last-layer Laplace approximation (Daxberger et al., "Laplace Redux", NeurIPS 2021) of a trained
     classifier whose last layer is a linear map :math:`f(x) = W \phi(x) + b` of its features :math:`\phi(x)`, fitted
@@ -90,6 +95,7 @@ class LastLayerLaplace(torch.nn.Module):
         r"""The last layer's inputs :math:`\phi(x)` ``(B, D)``, from one eval-mode pass of the model (by batches of
         ``batch_size`` inputs, all at once for ``None``); the model's training mode is restored."""
         check_tensor("inputs", inputs, where="LastLayerLaplace")
+        _check_non_empty(inputs, "LastLayerLaplace")
         if batch_size is not None:
             check_int("batch_size", batch_size, where="LastLayerLaplace")
         captured: list[Tensor] = []
@@ -121,11 +127,20 @@ class LastLayerLaplace(torch.nn.Module):
         :raises ImportError: laplace-torch is not installed (``pip install 'gpattn[laplace]'``).
         """
         check_int("batch_size", batch_size, where="LastLayerLaplace.fit")
+        check_tensor("inputs", inputs, where="LastLayerLaplace.fit")
+        _check_non_empty(inputs, "LastLayerLaplace.fit")
         check_tensor("labels", labels, where="LastLayerLaplace.fit")
         if labels.dim() != 1 or labels.shape[0] != inputs.shape[0] or labels.is_floating_point():
             raise ValueError(
                 f"LastLayerLaplace.fit: expected integer labels of shape ({inputs.shape[0]},), got "
                 f"{labels.dtype} {tuple(labels.shape)}"
+            )
+        classes = self.model.get_submodule(self.last_layer).out_features
+        low, high = int(labels.min()), int(labels.max())
+        if low < 0 or high >= classes:
+            raise ValueError(
+                f"LastLayerLaplace.fit: expected labels in [0, {classes - 1}] (the {classes} classes of the last "
+                f"layer {self.last_layer!r}), got values in [{low}, {high}]"
             )
         # laplace-torch is an optional dependency, and imports torchmetrics, which imports torchvision: imported here,
         # through gpattn.integrations (which makes a torchvision built for another torch importable), not by every
@@ -179,8 +194,10 @@ class LastLayerLaplace(torch.nn.Module):
         """:math:`T` = ``num_samples`` draws of the GLM predictive's logits (see the class docstring), shape
         ``(T, B, C)``, in float64 (the Cholesky factor of the covariance is taken in float64)."""
         check_int("num_samples", num_samples, where="LastLayerLaplace.sample_logits")
+        check_tensor("inputs", inputs, where="LastLayerLaplace.sample_logits")
+        _check_non_empty(inputs, "LastLayerLaplace.sample_logits")
         parts = []
-        step = inputs.shape[0] if batch_size is None else check_int("batch_size", batch_size)
+        step = inputs.shape[0] if batch_size is None else check_int("batch_size", batch_size, where="LastLayerLaplace")
         for start in range(0, inputs.shape[0], step):
             batch_mask = mask[start : start + step] if isinstance(mask, Tensor) else mask
             mean, covariance = self.predictive_moments(inputs[start : start + step], batch_mask)

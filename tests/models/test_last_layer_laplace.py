@@ -155,6 +155,14 @@ def test_a_padding_mask_reaches_the_model():
     assert laplace.sample_logits(tokens, mask, num_samples=3, batch_size=16).shape == (3, 40, 2)
 
 
+def test_sampling_errors_name_the_method(problem, fitted):
+    _, _, _, test_inputs = problem
+    with pytest.raises(ValueError, match=r"sample_logits: expected at least one input"):
+        fitted.sample_logits(test_inputs[:0])  # was "range() arg 3 must not be zero"
+    with pytest.raises(ValueError, match=r"LastLayerLaplace: expected batch_size to be a positive integer, got 0"):
+        fitted.sample_logits(test_inputs, batch_size=0)
+
+
 def test_errors():
     model = _model()
     with pytest.raises(ValueError, match=r"expected the submodule 'norm' of the model to be its last layer, a "):
@@ -169,6 +177,11 @@ def test_errors():
         laplace.sample_logits(inputs)
     with pytest.raises(ValueError, match=r"expected integer labels of shape \(5,\), got torch.float32 \(5,\)"):
         laplace.fit(inputs, torch.zeros(5))
+    classes = model.head.out_features
+    with pytest.raises(ValueError, match=rf"fit: expected labels in \[0, {classes - 1}\] \(the {classes} classes of"):
+        laplace.fit(inputs, torch.full((5,), classes))  # was laplace-torch's raw IndexError
+    with pytest.raises(ValueError, match=r"LastLayerLaplace.fit: expected at least one input, got shape \(0, 6, 4\)"):
+        laplace.fit(inputs[:0], torch.zeros(0, dtype=torch.long))  # was torch.cat's "non-empty list of Tensors"
     model.train()
     laplace.features(inputs)
     assert model.training  # the training mode is restored
