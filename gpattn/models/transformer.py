@@ -126,7 +126,7 @@ class Transformer(Module):
         **attention_kwargs: Any,
     ):
         super().__init__()
-        _positive_int("num_classes", num_classes)
+        check_int("num_classes", num_classes, minimum=2, where="Transformer")  # one class: nothing to predict
         _positive_int("embed_dim", embed_dim)
         _positive_int("depth", depth)
         check_int("gp_layers", gp_layers, 0, depth, where="Transformer")
@@ -145,10 +145,10 @@ class Transformer(Module):
         )
         for name, value, kinds in arguments:
             if input in kinds and value is None and name not in SIGNAL_STEM_DEFAULTS:
-                raise ValueError(f"input={input!r} needs {name}")
+                raise ValueError(f"Transformer: input={input!r} needs {name}")
             if input not in kinds and value is not None:
                 users = " or ".join(map(repr, kinds))
-                raise ValueError(f"{name} is only used with input={users}, got input={input!r}")
+                raise ValueError(f"Transformer: {name} is only used with input={users}, got input={input!r}")
 
         self.input = input
         self.embed_dim = embed_dim
@@ -156,13 +156,13 @@ class Transformer(Module):
         if input == "patches":
             sides = (image_size, image_size) if isinstance(image_size, int) else tuple(image_size)
             if len(sides) != 2:
-                raise ValueError(f"expected image_size to be an int or (H, W), got {image_size!r}")
+                raise ValueError(f"Transformer: expected image_size to be an int or (H, W), got {image_size!r}")
             height, width = sides
             for name, value in (("image_size", height), ("image_size", width), ("patch_size", patch_size)):
                 _positive_int(name, value)
             _positive_int("in_channels", in_channels)
             if height % patch_size or width % patch_size:
-                raise ValueError(f"patch_size {patch_size} must divide the image size {(height, width)}")
+                raise ValueError(f"Transformer: patch_size {patch_size} must divide the image size {(height, width)}")
             self.image_size, self.in_channels = (height, width), in_channels
             self.embedding = torch.nn.Conv2d(in_channels, embed_dim, kernel_size=patch_size, stride=patch_size)
             self.max_len = (height // patch_size) * (width // patch_size)
@@ -177,7 +177,7 @@ class Transformer(Module):
             )
             if kernel % 2 == 0:
                 raise ValueError(
-                    f"expected an odd stem_kernel_size (padded by (k - 1) / 2 on both sides), got {kernel}"
+                    f"Transformer: expected an odd stem_kernel_size (padded by (k - 1) / 2 on both sides), got {kernel}"
                 )
             self.stem_kernel_size, self.stem_stride, self.stem_layers = kernel, stride, layers
             convolutions = [
@@ -230,17 +230,18 @@ class Transformer(Module):
     def embed(self, inputs: Tensor) -> Tensor:
         """Tokens with positional embedding, shape ``(B, N, C)``."""
         if not isinstance(inputs, Tensor):
-            raise TypeError(f"expected inputs to be a torch.Tensor, got {type(inputs).__name__}")
+            raise TypeError(f"Transformer: expected inputs to be a torch.Tensor, got {type(inputs).__name__}")
         integer = self.input == "tokens"
         if not (inputs.dtype in (torch.int32, torch.int64) if integer else inputs.is_floating_point()):
             kind = "integer token ids" if integer else "floating-point inputs"
-            raise TypeError(f"expected {kind} for input={self.input!r}, got {inputs.dtype}")
+            raise TypeError(f"Transformer: expected {kind} for input={self.input!r}, got {inputs.dtype}")
         shape = self.input_shape
         if inputs.dim() != len(shape) or any(
             isinstance(want, int) and got != want for got, want in zip(inputs.shape, shape, strict=True)
         ):
             raise ValueError(
-                f"expected input={self.input!r} of shape ({', '.join(map(str, shape))}), got {tuple(inputs.shape)}"
+                f"Transformer: expected input={self.input!r} of shape ({', '.join(map(str, shape))}), got "
+                f"{tuple(inputs.shape)}"
             )
         # device (and for float inputs dtype and finiteness: one elementwise pass) before any value is read
         check_tensor(
@@ -258,10 +259,14 @@ class Transformer(Module):
                 inputs, self.vocab_size, f"Transformer: token ids must lie in [0, {self.vocab_size})"
             )
         elif integer and (inputs.min() < 0 or inputs.max() >= self.vocab_size):
-            raise ValueError(f"token ids must lie in [0, {self.vocab_size}), got [{inputs.min()}, {inputs.max()}]")
+            raise ValueError(
+                f"Transformer: token ids must lie in [0, {self.vocab_size}), got [{inputs.min()}, {inputs.max()}]"
+            )
         if self.input == "signal":
             if inputs.shape[1] > self.max_signal_length:
-                raise ValueError(f"signal length {inputs.shape[1]} exceeds max_len={self.max_signal_length}")
+                raise ValueError(
+                    f"Transformer: signal length {inputs.shape[1]} exceeds max_len={self.max_signal_length}"
+                )
             tokens = self.embedding(inputs.transpose(1, 2)).transpose(1, 2)  # (B, L, D) -> (B, D, L) -> (B, N, C)
         else:
             tokens = self.embedding(inputs)
@@ -269,7 +274,7 @@ class Transformer(Module):
             tokens = tokens.flatten(2).transpose(1, 2)  # (B, C, H/p, W/p) -> (B, N, C)
         length = tokens.shape[1]
         if length > self.max_len:
-            raise ValueError(f"sequence length {length} exceeds max_len={self.max_len}")
+            raise ValueError(f"Transformer: sequence length {length} exceeds max_len={self.max_len}")
         return self.embedding_dropout(tokens + self.position_embedding[:, :length])
 
     # -- forward -----------------------------------------------------------------------------------------------------

@@ -171,9 +171,12 @@ def test_vit_cifar_preset_builds():
         ({"gp_layers": -1}, "gp_layers"),
         ({"depth": 0}, "depth"),
         ({"input": "pixels"}, "input"),
-        ({"vocab_size": None}, "needs vocab_size"),
+        ({"vocab_size": None}, "Transformer: input='tokens' needs vocab_size"),
         ({"input": "vectors", "vocab_size": None}, "needs input_dim"),
-        ({"input": "patches", "vocab_size": None, "image_size": 8, "patch_size": 3, "in_channels": 1}, "divide"),
+        (
+            {"input": "patches", "vocab_size": None, "image_size": 8, "patch_size": 3, "in_channels": 1},
+            r"Transformer: patch_size 3 must divide the image size \(8, 8\)",
+        ),
         ({"input": "patches", "vocab_size": None, "image_size": 8, "patch_size": 2}, "needs in_channels"),
         ({"input": "signal", "vocab_size": None}, "needs input_dim"),
         ({"input": "signal", "vocab_size": None, "input_dim": 1, "stem_kernel_size": 4}, "odd stem_kernel_size"),
@@ -191,6 +194,11 @@ def test_invalid_arguments(kwargs, match):
         small_model(**kwargs)
 
 
+def test_one_class_is_refused():  # a softmax over one logit is 1 whatever the input: nothing to learn or predict
+    with pytest.raises(ValueError, match="^Transformer: expected num_classes to be an integer >= 2, got 1"):
+        Transformer(1, embed_dim=16, depth=1, num_heads=2, attention="softmax", vocab_size=VOCAB, max_len=16)
+
+
 def test_invalid_inputs():
     model = small_model()
     ids, mask = token_batch()
@@ -198,9 +206,9 @@ def test_invalid_inputs():
         model(ids.double())
     with pytest.raises(ValueError, match="shape"):
         model(ids[0])
-    with pytest.raises(ValueError, match="token ids"):
+    with pytest.raises(ValueError, match=r"^Transformer: token ids must lie in \[0, "):
         model(ids + VOCAB)
-    with pytest.raises(ValueError, match="max_len"):
+    with pytest.raises(ValueError, match="^Transformer: sequence length 17 exceeds max_len"):
         model(torch.ones(1, 17, dtype=torch.long))
     with pytest.raises(ValueError, match="padding mask"):
         model(ids, mask=mask[:, :-1])
