@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -75,6 +76,30 @@ class Callback:
     def on_exception(self, context: TrainingContext, error: BaseException) -> None:
         """Called when training stops by ``error`` (a divergence, Ctrl-C, an error of a hook, ...), before it is
         re-raised: e.g. to close what :meth:`on_epoch_begin` opened."""
+
+
+def check_callbacks(callbacks: Any, where: str) -> list[Callback]:
+    """``callbacks`` (an iterable of :class:`Callback` s, as the ``callbacks`` argument of ``where`` takes them) as a
+    list.
+
+    :raises TypeError: For a single callback (not in a list), a non-iterable, or an item that is not a
+        :class:`Callback`.
+    """
+    if isinstance(callbacks, Callback):
+        raise TypeError(
+            f"{where}: expected callbacks to be a list of Callbacks, got a single {type(callbacks).__name__}; pass "
+            "callbacks=[callback]"
+        )
+    if isinstance(callbacks, (str, bytes, Mapping)) or not isinstance(callbacks, Iterable):
+        raise TypeError(f"{where}: expected callbacks to be a list of Callbacks, got {type(callbacks).__name__}")
+    callbacks = list(callbacks)
+    for index, callback in enumerate(callbacks):
+        if not isinstance(callback, Callback):
+            raise TypeError(
+                f"{where}: expected callbacks[{index}] to be a Callback (gpattn.training.Callback), got "
+                f"{type(callback).__name__}"
+            )
+    return callbacks
 
 
 class CallbackList(Callback):

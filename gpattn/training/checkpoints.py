@@ -39,6 +39,8 @@ __all__ = [
     "WARNED_CHANGES",
     "check_pair",
     "check_resumable",
+    "check_rng_state",
+    "check_schedule_state",
     "check_state_fits",
     "load_checkpoint",
     "restore_rng_state",
@@ -79,6 +81,9 @@ WARNED_CHANGES = ("device", "threads")
 #: settings added to :class:`~gpattn.training.TrainConfig` after checkpoints were first written, with the value that
 #: every run before them had: a checkpoint without the setting resumes when the current value is that one
 LATER_SETTINGS = {"mc_dropout": False, "cuda_graphs": False}
+#: recorded facts of the run besides its TrainConfig, stored with the settings by later versions only: compared when
+#: the checkpoint has them (``num_data``: the number of training examples, the ELBO's :math:`n`)
+LATER_RECORDS = ("num_data",)
 
 
 # -- reading ---------------------------------------------------------------------------------------------------------
@@ -206,31 +211,33 @@ def check_resumable(saved: dict[str, Any], current: dict[str, Any], epoch: int, 
     """Check the settings ``current`` of a resumed run (``TrainConfig.to_dict()``) against ``saved``, those stored in
     the checkpoint ``path`` of epoch ``epoch``.
 
-    A setting that changes the trained model or the recorded metrics (seed, learning rate, batch size, ...; every
-    setting but :data:`RESUMABLE_CHANGES`), a schedule horizon (``schedule_epochs or epochs``) other than the saved
-    one, or ``epochs`` below the epoch already trained raises :class:`~gpattn.training.CheckpointError` naming what
-    differs.
+    A setting that changes the trained model or the recorded metrics (seed, learning rate, batch size, ..., the
+    number of training examples ``num_data`` when the checkpoint records it; every setting but
+    :data:`RESUMABLE_CHANGES`), a schedule horizon (``schedule_epochs or epochs``) other than the saved one, or
+    ``epochs`` below the epoch already trained raises :class:`~gpattn.training.CheckpointError` naming what differs
+    (for a run extended past a horizon that ended at ``min_lr=0``: that it cannot continue, its epochs would train
+    at rate 0).
 
     :return: Descriptions of the allowed changes worth a warning (:data:`WARNED_CHANGES`: the device, the thread
         count).
     """
     changed = [
-        f"{name} ({saved[name]!r} in the checkpoint, {value!r} now)"
+        _describe_change(name, saved[name], value)
         for name, value in current.items()
         if name not in RESUMABLE_CHANGES and name in saved and saved[name] != value
     ]
     missing = [
         name
         for name in current
-        if name not in saved and name not in RESUMABLE_CHANGES
+        if name not in saved and name not in RESUMABLE_CHANGES and name not in LATER_RECORDS
         and not (name in LATER_SETTINGS and current[name] == LATER_SETTINGS[name])
     ]  # fmt: skip
     saved_horizon = saved.get("schedule_epochs") or saved.get("epochs")
     horizon = current.get("schedule_epochs") or current["epochs"]
     if saved_horizon != horizon:
         changed.append(
-            f"the schedule horizon ({saved_horizon} epochs in the checkpoint, {horizon} now; set schedule_epochs="
-            f"{saved_horizon} to continue the same schedule)"
+            f"the schedule horizon ({saved_horizon} epochs in the checkpoint, {horizon} now; "
+            f"{_horizon_advice(saved, saved_horizon, current['epochs'])})"
         )
     if current["epochs"] < epoch:
         changed.append(f"epochs ({current['epochs']} now, but the checkpoint already holds epoch {epoch})")
@@ -247,6 +254,34 @@ def check_resumable(saved: dict[str, Any], current: dict[str, Any], epoch: int, 
         for name in WARNED_CHANGES
         if name in saved and name in current and saved[name] != current[name]
     ]
+
+
+def _describe_change(name: str, saved: Any, value: Any) -> str:
+    if name == "num_data":
+        return (
+            f"the training set ({saved!r} examples in the checkpoint, {value!r} now: the ELBO's num_data and the "
+            "steps per epoch would change; resume with the training set that trained it)"
+        )
+    return f"{name} ({saved!r} in the checkpoint, {value!r} now)"
+
+
+def _horizon_advice(saved: dict[str, Any], saved_horizon: Any, epochs: int) -> str:
+    """What to do about a schedule horizon other than the saved one, for a resumed run of ``epochs`` epochs."""
+    if not isinstance(saved_horizon, int):
+        return "the checkpoint records no horizon"
+    if epochs > saved_horizon and not saved.get("min_lr"):
+        # a horizon below epochs with min_lr=0 trains at rate 0 (TrainConfig refuses it): no continuation exists
+        return (
+            f"its schedule ended at learning rate 0 (min_lr=0) after epoch {saved_horizon}, so later epochs would "
+            "not train; for a longer run train from scratch with resume=False (in stages, set schedule_epochs to the "
+            "planned total from the first stage)"
+        )
+    if epochs > saved_horizon:
+        return (
+            f"set schedule_epochs={saved_horizon} to continue the same schedule: the epochs after epoch "
+            f"{saved_horizon} train at its floor min_lr={saved['min_lr']!r}"
+        )
+    return f"set schedule_epochs={saved_horizon} to continue the same schedule"
 
 
 def check_state_fits(state: dict[str, Tensor], model: torch.nn.Module, path: str | os.PathLike) -> None:
@@ -316,6 +351,73 @@ def restore_rng_state(state: dict[str, Any], generator: torch.Generator, device:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
+def check_rng_state(state: dict[str, Any], device: torch.device, path: str | os.PathLike) -> None:
+    """Raise :class:`~gpattn.training.CheckpointError` unless :func:`restore_rng_state` can set the RNG states
+    ``state`` (read from ``path``) on ``device``: each is tried on a new generator, never on the global ones."""
+    for key in ("torch", "batch_generator"):
+        try:
+            torch.Generator().set_state(state[key])
+        except (RuntimeError, TypeError, ValueError) as error:
+            raise CheckpointError(
+                f"the checkpoint {path} holds an RNG state rng[{key!r}] that cannot be restored ({error}): it is "
+                "damaged or not written by gpattn.training.train_model; delete it or train with resume=False"
+            ) from error
+    states = state["cuda"]
+    if device.type != "cuda" or states is None:
+        return
+    if not isinstance(states, (list, tuple)) or len(states) > torch.cuda.device_count():
+        count = len(states) if isinstance(states, (list, tuple)) else type(states).__name__
+        raise CheckpointError(
+            f"the checkpoint {path} holds CUDA RNG states rng['cuda'] ({count}) that cannot be restored on this "
+            f"machine's {torch.cuda.device_count()} CUDA device(s)"
+        )
+    for index, value in enumerate(states):
+        try:
+            torch.Generator(device=f"cuda:{index}").set_state(value)
+        except (RuntimeError, TypeError, ValueError) as error:
+            raise CheckpointError(
+                f"the checkpoint {path} holds a CUDA RNG state rng['cuda'][{index}] that cannot be restored ({error})"
+            ) from error
+
+
+def check_schedule_state(
+    state: dict[str, Any],
+    scheduler: torch.optim.lr_scheduler.LRScheduler,
+    epoch: int,
+    steps_per_epoch: int | None,
+    path: str | os.PathLike,
+) -> None:
+    """Raise :class:`~gpattn.training.CheckpointError` unless ``state``, the schedule state of the checkpoint
+    ``path`` of epoch ``epoch``, can be loaded into ``scheduler`` (a ``LambdaLR`` of
+    :func:`~gpattn.training.warmup_cosine_schedule`) and, given ``steps_per_epoch``, has taken the
+    ``epoch * steps_per_epoch`` steps of this run (another number means another training set size, batch size or
+    number of processes than the run that wrote it)."""
+    groups = len(scheduler.optimizer.param_groups)
+    problems = []
+    last_epoch = state.get("last_epoch")
+    if isinstance(last_epoch, bool) or not isinstance(last_epoch, int):
+        problems.append(f"its 'last_epoch' is {last_epoch!r}, not an integer")
+    lambdas = state.get("lr_lambdas")
+    if not isinstance(lambdas, list) or len(lambdas) != groups or any(item is not None for item in lambdas):
+        problems.append(f"its 'lr_lambdas' is {lambdas!r}, expected {[None] * groups}")
+    for key in ("base_lrs", "_last_lr"):
+        values = state.get(key)
+        if not isinstance(values, list) or len(values) != groups:
+            problems.append(f"its {key!r} is {values!r}, expected a list of {groups} learning rates")
+    if problems:
+        raise CheckpointError(
+            f"the checkpoint {path} holds a malformed schedule state: {'; '.join(problems)}: it is damaged or not "
+            "written by gpattn.training.train_model; delete it or train with resume=False"
+        )
+    if steps_per_epoch is not None and last_epoch != epoch * steps_per_epoch:
+        raise CheckpointError(
+            f"the checkpoint {path} does not fit this run: its schedule has taken {last_epoch} optimiser steps in "
+            f"{epoch} epochs, but this run takes {steps_per_epoch} steps an epoch ({epoch * steps_per_epoch} in "
+            f"{epoch}): another training set size, batch size or number of processes than the run that wrote it? "
+            "Resume with those of that run, or train with resume=False"
+        )
+
+
 def restore_run(
     directory: str | os.PathLike,
     model: torch.nn.Module,
@@ -324,13 +426,19 @@ def restore_run(
     generator: torch.Generator,
     config: dict[str, Any],
     device: torch.device,
+    *,
+    steps_per_epoch: int | None = None,
 ) -> tuple[dict[str, Any], dict[str, Tensor] | None]:
-    """Load ``directory / "last.pt"`` into the model, optimiser, schedule and RNGs of a resumed run (every file, the
-    pair and the settings ``config``, a ``TrainConfig.to_dict()``, are checked before anything is loaded).
+    """Load ``directory / "last.pt"`` into the model, optimiser, schedule and RNGs of a resumed run. Everything that
+    can fail is checked before anything is loaded: every file, the pair, the settings ``config`` (a
+    ``TrainConfig.to_dict()`` with the run's recorded facts, :func:`check_resumable`), the schedule state (against
+    ``steps_per_epoch``, the run's optimiser steps per epoch, when given: :func:`check_schedule_state`) and the RNG
+    states (:func:`check_rng_state`).
 
     :return: The checkpoint of ``last.pt`` and the model state of ``best.pt`` (``None`` before any best epoch).
-    :raises CheckpointError: A file cannot be used, the pair does not match, or the settings differ
-        (:func:`check_resumable`); the model and optimiser are then untouched.
+    :raises CheckpointError: A file cannot be used, the pair does not match, the settings differ, the schedule or RNG
+        states cannot be restored or the schedule took another number of steps; the model, the optimiser, the
+        schedule and the RNGs are then untouched.
     """
     directory = Path(directory)
     path, best_path = directory / "last.pt", directory / "best.pt"
@@ -344,16 +452,22 @@ def restore_run(
         best_state = best["model"]
         check_state_fits(best_state, model, best_path)
     changes = check_resumable(checkpoint["config"], config, checkpoint["epoch"], path)
+    check_schedule_state(checkpoint["scheduler"], scheduler, checkpoint["epoch"], steps_per_epoch, path)
+    check_rng_state(checkpoint["rng"], device, path)
+    try:  # the optimiser validates its groups before changing anything: it is loaded first
+        optimizer.load_state_dict(checkpoint["optimizer"])
+    except (RuntimeError, KeyError, ValueError, TypeError) as error:
+        raise CheckpointError(
+            f"the checkpoint {path} holds an optimiser state that does not fit this model ({type(error).__name__}: "
+            f"{error})"
+        ) from error
     if changes:
         warnings.warn(
             f"resuming from {path} with changed settings {changes}: the run will not match an uninterrupted one",
             stacklevel=4,  # the caller of train_model
         )
-    try:  # the optimiser validates its groups before changing anything; the model fits (checked above)
-        optimizer.load_state_dict(checkpoint["optimizer"])
-        model.load_state_dict(checkpoint["model"])
-        scheduler.load_state_dict(checkpoint["scheduler"])
-        restore_rng_state(checkpoint["rng"], generator, device)
-    except (RuntimeError, KeyError, ValueError, TypeError) as error:
-        raise CheckpointError(f"the checkpoint {path} does not fit this model or optimiser: {error}") from error
+    # what is left cannot fail: the model state fits (names and shapes), the schedule and RNG states were checked
+    model.load_state_dict(checkpoint["model"])
+    scheduler.load_state_dict(checkpoint["scheduler"])
+    restore_rng_state(checkpoint["rng"], generator, device)
     return checkpoint, best_state

@@ -18,7 +18,8 @@ DEVICE_TYPES = ("cpu", "cuda")
 
 @dataclass
 class TrainConfig:
-    """Settings of :func:`~gpattn.training.train_model` (validated on construction: a bad value raises ``ValueError``).
+    """Settings of :func:`~gpattn.training.train_model` (validated on construction: a bad value raises ``ValueError``;
+    NumPy numbers are stored as Python ``int`` and ``float``, so that the checkpoints hold plain values).
 
     :ivar epochs: Epochs to train (in total, counting those of a resumed run).
     :ivar batch_size: Training minibatch size (the last batch of an epoch may be smaller); per process in
@@ -51,7 +52,9 @@ class TrainConfig:
     :ivar checkpoint_dir: Directory of ``best.pt`` and ``last.pt`` (created if missing), or ``None`` (in memory).
     :ivar schedule_epochs: Horizon of the cosine schedule in epochs (default ``epochs``). Set it to the planned total
         when a run is deliberately split into stages (``epochs=2`` now, ``epochs=4, resume=True`` later), so that
-        the staged run follows the same schedule as an uninterrupted one.
+        the staged run follows the same schedule as an uninterrupted one. A horizon below ``epochs`` needs ``min_lr >
+        0``: the epochs past it train at the constant rate ``min_lr`` (e.g. to extend a finished run, resumed with
+        its ``schedule_epochs``); with ``min_lr=0`` they would train at rate 0, and the config refuses it.
     :ivar patience: Early stopping on the validation NLL: training stops once ``patience`` epochs have passed without
         a lower validation NLL than the best one (epoch :math:`e` is the last when :math:`e - e^\\star \\ge`
         ``patience``, :math:`e^\\star` the best epoch), and the model keeps the best state as always; ``None``
@@ -82,31 +85,51 @@ class TrainConfig:
     patience: int | None = None
 
     def __post_init__(self) -> None:
+        # every numeric setting is stored as a plain Python int or float (a NumPy scalar or a 0-dim tensor is
+        # converted), so that to_dict() and the checkpoints hold plain values only (torch.load(weights_only=True)
+        # reads no NumPy scalar, and the content checksum takes none)
         where = "TrainConfig"
         for name in ("epochs", "batch_size", "eval_samples", "eval_batch_size"):
-            check_int(name, getattr(self, name), where=where)
+            setattr(self, name, check_int(name, getattr(self, name), where=where))
         for name in ("warmup_steps", "schedule_epochs", "patience"):
             if getattr(self, name) is not None:
-                check_int(name, getattr(self, name), minimum=0 if name == "warmup_steps" else 1, where=where)
-        check_int("seed", self.seed, minimum=-(2**63), maximum=MAX_SEED, where=where)  # torch.manual_seed's range
-        check_float("lr", self.lr, 0.0, strict_minimum=True, where=where)
-        check_float("min_lr", self.min_lr, 0.0, self.lr, where=where)
+                minimum = 0 if name == "warmup_steps" else 1
+                setattr(self, name, check_int(name, getattr(self, name), minimum=minimum, where=where))
+        # torch.manual_seed's range
+        self.seed = check_int("seed", self.seed, minimum=-(2**63), maximum=MAX_SEED, where=where)
+        self.lr = check_float("lr", self.lr, 0.0, strict_minimum=True, where=where)
+        self.min_lr = check_float("min_lr", self.min_lr, 0.0, self.lr, where=where)
         for name in ("weight_decay", "warmup_epochs", "beta", "kl_anneal_epochs"):
-            check_float(name, getattr(self, name), 0.0, where=where)
+            setattr(self, name, check_float(name, getattr(self, name), 0.0, where=where))
         if self.grad_clip is not None:
-            check_float("grad_clip", self.grad_clip, 0.0, strict_minimum=True, where=where)
-        check_device("device", self.device, where=where, types=DEVICE_TYPES)
+            self.grad_clip = check_float("grad_clip", self.grad_clip, 0.0, strict_minimum=True, where=where)
+        device = check_device("device", self.device, where=where, types=DEVICE_TYPES)
+        if type(self.device) is not str:  # a torch.device or a str subclass (numpy.str_): a plain string
+            self.device = str(self.device) if isinstance(self.device, str) else str(device)
         for name in ("progress", "mc_dropout", "cuda_graphs"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{where}: expected {name} to be a bool, got {getattr(self, name)!r}")
         if self.checkpoint_dir is not None and not isinstance(self.checkpoint_dir, (str, os.PathLike)):
             raise ValueError(f"{where}: expected checkpoint_dir to be a path or None, got {self.checkpoint_dir!r}")
+        if self.checkpoint_dir is not None and os.fspath(self.checkpoint_dir) == "":
+            # Path("") is the current directory: best.pt and last.pt would land wherever the run was started
+            raise ValueError(
+                f"{where}: expected checkpoint_dir to be a folder or None, got the empty string (use '.' for the "
+                "current directory)"
+            )
         if self.checkpoint_dir is not None and Path(self.checkpoint_dir).exists():
             if not Path(self.checkpoint_dir).is_dir():
                 raise ValueError(
                     f"{where}: expected checkpoint_dir to be a folder (created if missing), got the existing file "
                     f"{str(self.checkpoint_dir)!r}"
                 )
+        if self.schedule_epochs is not None and self.schedule_epochs < self.epochs and self.min_lr == 0:
+            raise ValueError(
+                f"{where}: schedule_epochs={self.schedule_epochs} is below epochs={self.epochs} with min_lr=0: the "
+                f"cosine schedule reaches learning rate 0 at the end of epoch {self.schedule_epochs} and stays there, "
+                f"so epochs {self.schedule_epochs + 1}..{self.epochs} would not change the model; set schedule_epochs "
+                "to at least epochs (or None: epochs), or min_lr > 0 to train the epochs past the horizon at that floor"
+            )
 
     @property
     def horizon_epochs(self) -> int:

@@ -9,6 +9,8 @@ independent ensembles. ``gpattn compare --ensemble K`` uses the same rule.
 
 from __future__ import annotations
 
+import os
+import re
 from collections.abc import Callable, Iterable
 from dataclasses import replace
 from pathlib import Path
@@ -17,8 +19,9 @@ from typing import Any
 import torch
 
 from ..validation import check_int
-from .callbacks import Callback
+from .callbacks import Callback, check_callbacks
 from .config import TrainConfig, TrainResult
+from .errors import CheckpointError
 from .loop import train_model
 
 __all__ = ["member_seed", "train_ensemble"]
@@ -62,9 +65,13 @@ def train_ensemble(
     :param resume: Continue interrupted members from their ``last.pt``.
     :param callbacks: :class:`~gpattn.training.Callback` s told about every member's training, in member order.
     :return: ``[(model, result), ...]`` in member order.
+    :raises TypeError: ``make_model`` returns something else than a ``torch.nn.Module`` (the message names the
+        member), or ``callbacks`` is not a list of callbacks.
+    :raises CheckpointError: As :func:`~gpattn.training.train_model`; resuming from the checkpoints of an ensemble of
+        another size names the sizes.
     """
     check_int("size", size)
-    callbacks = list(callbacks)
+    callbacks = check_callbacks(callbacks, "train_ensemble")
     members = []
     for k in range(size):
         directory = config.checkpoint_dir
@@ -73,5 +80,41 @@ def train_ensemble(
         member_config = replace(config, seed=member_seed(config.seed, k, size), checkpoint_dir=directory)
         torch.manual_seed(member_config.seed)
         model = make_model(k)
-        members.append((model, train_model(model, train, val, member_config, resume, callbacks=callbacks)))
+        if not isinstance(model, torch.nn.Module):
+            raise TypeError(
+                f"train_ensemble: expected make_model({k}) to return a torch.nn.Module (member {k}), got "
+                f"{type(model).__name__}"
+            )
+        try:
+            result = train_model(model, train, val, member_config, resume, callbacks=callbacks)
+        except (CheckpointError, FileNotFoundError) as error:
+            hint = _size_hint(config.checkpoint_dir, size) if resume else ""
+            if not hint:
+                raise
+            raise type(error)(f"{error} ({hint})") from error
+        members.append((model, result))
     return members
+
+
+def _size_hint(directory: str | os.PathLike | None, size: int) -> str:
+    """When ``directory`` holds the checkpoints of an ensemble of another size than ``size``: which (else ``""``)."""
+    if directory is None:
+        return ""
+    directory = Path(directory)
+    members = [
+        int(match.group(1))
+        for path in (directory.glob("member_*") if directory.is_dir() else ())
+        if (match := re.fullmatch(r"member_(\d+)", path.name)) and (path / "last.pt").is_file()
+    ]
+    if size > 1 and not members and (directory / "last.pt").is_file():
+        return (
+            f"{directory} holds the checkpoints of a single model, written by an ensemble of size 1, but size={size} "
+            "now: resume with size=1"
+        )
+    if members and (size == 1 or max(members) >= size):
+        least = max(max(members) + 1, 2)  # an ensemble of one writes no member folders
+        return (
+            f"{directory} holds the checkpoints of members up to member_{max(members)}, written by an ensemble of at "
+            f"least {least} members, but size={size} now: resume with the size that wrote them"
+        )
+    return ""

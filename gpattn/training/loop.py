@@ -39,7 +39,7 @@ from torch import Tensor
 from ..mlls import AttentionELBO
 from ..validation import all_finite, non_finite_parameters
 from .batches import batch_to_device, dataset_inputs, dataset_labels
-from .callbacks import Callback, CallbackList, TrainingContext
+from .callbacks import Callback, CallbackList, TrainingContext, check_callbacks
 from .checkpoint_files import save_run_checkpoints
 from .checkpoints import restore_run, rng_state
 from .config import TrainConfig, TrainResult
@@ -85,18 +85,20 @@ def train_model(
         bit for bit, provided the settings (and the schedule horizon) are unchanged.
     :param strategy: How the processes of the run cooperate (default: one process,
         :class:`~gpattn.training.TrainingStrategy`).
-    :param callbacks: :class:`~gpattn.training.Callback` s told about the run in the main process (after a
-        :class:`~gpattn.training.ProgressBar`, which ``config.progress`` adds).
+    :param callbacks: A list (any iterable) of :class:`~gpattn.training.Callback` s told about the run in the main
+        process (after a :class:`~gpattn.training.ProgressBar`, which ``config.progress`` adds).
     :return: The :class:`~gpattn.training.TrainResult` (on processes other than the main one: an empty history).
     :raises TrainingDivergedError: At the step where the loss, the gradient norm, a parameter after the optimiser step
         or the forward pass (a ``NaN or Inf`` error of a layer on finite inputs) becomes NaN or infinite, or when the
-        validation predictions do; the message names the epoch and step. The model then holds the best state so far
-        (the initial one before the first evaluation) and the checkpoints on disk stay those of the last completed
-        epoch.
+        validation's forward pass or predictions do; the message names the epoch and step. The model then holds the
+        best state so far (the initial one before the first evaluation) and the checkpoints on disk stay those of the
+        last completed epoch.
+    :raises TypeError: ``model`` is not a ``torch.nn.Module``, or ``callbacks`` not a list of callbacks (e.g. one
+        :class:`~gpattn.training.Callback` not in a list).
     :raises FileNotFoundError: ``resume=True`` without ``last.pt``.
     :raises CheckpointError: ``resume=True`` with a checkpoint that cannot be read, is damaged or inconsistent, does
         not pair with ``best.pt``, was written for another model or by a run with other settings (seed, learning rate,
-        ..., a schedule horizon, or ``epochs`` below the epoch already trained; see
+        ..., a schedule horizon, ``epochs`` below the epoch already trained, or a training set of another size; see
         :func:`~gpattn.training.checkpoints.check_resumable`) (the message names the file and what differs). The
         model is then left untouched.
 
@@ -123,8 +125,11 @@ def train_model(
         after the forward pass, then the gradient norm with the largest parameter entry after the optimiser step (a
         non-finite gradient norm is reported as such; the model is restored either way).
     """
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"train_model: expected model to be a torch.nn.Module, got {type(model).__name__}")
     if not isinstance(config, TrainConfig):
         raise TypeError(f"expected a TrainConfig, got {type(config).__name__}")
+    callbacks = check_callbacks(callbacks, "train_model")
     if resume and config.checkpoint_dir is None:
         raise ValueError("resume=True needs config.checkpoint_dir (the directory holding last.pt), got None")
     loop = _Loop(model, train, val, config, TrainingStrategy() if strategy is None else strategy, callbacks)
@@ -197,7 +202,9 @@ class _Loop:
     def run(self, resume: bool) -> TrainResult:
         if resume:
             state = (self.model, self.optimizer, self.scheduler, self.generator)
-            checkpoint, best = restore_run(self.directory, *state, self._settings(), self.device)
+            checkpoint, best = restore_run(
+                self.directory, *state, self._settings(), self.device, steps_per_epoch=self.steps_per_epoch
+            )
             start_epoch = checkpoint["epoch"]
             self.result = TrainResult(list(checkpoint["history"]), checkpoint["best_epoch"], checkpoint["best_val_nll"])
             best = _state_copy(self.model) if best is None else best
@@ -336,12 +343,25 @@ class _Loop:
         validation runs on the main process (``None`` on the others)."""
         is_main = self.strategy.is_main
         config = self.config
-        probabilities = (
-            evaluate(self.evaluated, self.val, config.eval_samples, config.eval_batch_size, config.mc_dropout)
-            if is_main
-            else None
-        )
-        if self.strategy.any(probabilities is not None and not all_finite(probabilities)):
+        probabilities, overflow = None, None
+        if is_main:
+            try:
+                probabilities = evaluate(
+                    self.evaluated, self.val, config.eval_samples, config.eval_batch_size, config.mc_dropout
+                )
+            except ValueError as error:
+                # as in a step: a layer that finds NaN or Inf in its input when the validation inputs are finite
+                # means the activations overflowed (finite but huge parameters), i.e. training diverged
+                if "NaN or Inf" not in str(error) or not all_finite(dataset_inputs(self.val)[0]):
+                    raise
+                overflow = error
+        non_finite = overflow is not None or (probabilities is not None and not all_finite(probabilities))
+        if self.strategy.any(non_finite):  # every process stops (one stopping alone would hang the others)
+            if overflow is not None:
+                self._fail(
+                    f"non-finite values in the validation's forward pass after epoch {self.epoch} ({overflow})",
+                    cause=overflow,
+                )
             self._fail(f"non-finite validation predictions after epoch {self.epoch}")  # e.g. Monte Carlo samples
         if not is_main:
             return None
@@ -400,9 +420,10 @@ class _Loop:
             ) from error
 
     def _settings(self) -> dict[str, Any]:
-        """The run's settings as the checkpoints store them: the config and the torch thread count (the numbers on
-        the CPU depend on it; a resumed run with another count is warned about)."""
-        return {**self.config.to_dict(), "threads": torch.get_num_threads()}
+        """The run's settings as the checkpoints store them: the config, the torch thread count (the numbers on the
+        CPU depend on it; a resumed run with another count is warned about) and the number of training examples
+        ``num_data`` (the ELBO's :math:`n`; a resumed run with another training set size is refused)."""
+        return {**self.config.to_dict(), "threads": torch.get_num_threads(), "num_data": self.num_data}
 
     # -- divergence ---------------------------------------------------------------------------------------------------
     def _largest_parameter(self) -> Tensor:

@@ -140,6 +140,18 @@ def test_callbacks_must_be_callbacks():
         CallbackList([3])
 
 
+def test_a_single_callback_not_in_a_list_is_a_clear_error(data, small_model, small_config):
+    # was "'Recorder' object is not iterable", raised from inside the loop
+    model = small_model()
+    match = r"^train_model: expected callbacks to be a list of Callbacks, got a single Recorder; pass callbacks=\[cal"
+    with pytest.raises(TypeError, match=match):
+        train_model(model, data.train, data.val, small_config(), callbacks=Recorder())
+    with pytest.raises(TypeError, match=r"^train_model: expected callbacks\[1\] to be a Callback .*got builtin_func"):
+        train_model(model, data.train, data.val, small_config(), callbacks=[Recorder(), print])
+    with pytest.raises(TypeError, match=r"^train_model: expected callbacks to be a list of Callbacks, got int"):
+        train_model(model, data.train, data.val, small_config(), callbacks=3)
+
+
 # -- the progress callbacks ------------------------------------------------------------------------------------------
 def test_the_progress_bar_closes_after_each_epoch_and_on_an_error(data, small_model, small_config):
     bar = ProgressBar()
@@ -159,9 +171,8 @@ def test_the_progress_bar_closes_after_each_epoch_and_on_an_error(data, small_mo
 def test_epoch_log_prints_one_line_per_epoch_and_the_restored_ones_on_resume(data, tmp_path, small_model, small_config):
     stream = io.StringIO()
     model = small_model()
-    first = train_model(
-        model, data.train, data.val, small_config(checkpoint_dir=tmp_path), callbacks=[EpochLog(stream)]
-    )
+    config = small_config(schedule_epochs=3, checkpoint_dir=tmp_path)  # the first 2 epochs of a 3-epoch schedule
+    first = train_model(model, data.train, data.val, config, callbacks=[EpochLog(stream)])
 
     def line(record, epochs):
         return (
@@ -171,6 +182,6 @@ def test_epoch_log_prints_one_line_per_epoch_and_the_restored_ones_on_resume(dat
 
     assert stream.getvalue().splitlines() == [line(record, 2) for record in first.history]
     stream = io.StringIO()
-    config = small_config(epochs=3, schedule_epochs=2, checkpoint_dir=tmp_path)
+    config = small_config(epochs=3, checkpoint_dir=tmp_path)
     resumed = train_model(model, data.train, data.val, config, resume=True, callbacks=[EpochLog(stream)])
     assert stream.getvalue().splitlines() == [line(record, 3) for record in resumed.history]  # 2 restored, 1 new

@@ -72,14 +72,16 @@ def _parameters(model) -> dict[str, torch.Tensor]:
     return {name: value.detach().clone() for name, value in model.state_dict().items()}
 
 
-def _resume_fails(make_transformer, data, directory, match: str):
-    """Resume from ``directory``: it must raise a CheckpointError matching ``match`` and leave the model untouched."""
+def _resume_fails(make_transformer, data, directory, match: str, epochs: int = 3, train=None):
+    """Resume from ``directory`` (for ``epochs`` in all, on the training set ``train``, default ``data.train``): it
+    must raise a CheckpointError matching ``match`` and leave the model and the global RNG untouched."""
     model = _fresh_model(make_transformer)
-    before = _parameters(model)
+    before, rng = _parameters(model), torch.get_rng_state()
     with pytest.raises(CheckpointError, match=match) as caught:
-        train_model(model, data.train, data.val, _config(directory, epochs=3), resume=True)
+        train_model(model, data.train if train is None else train, data.val, _config(directory, epochs=epochs), True)
     assert isinstance(caught.value, ValueError) and isinstance(caught.value, RuntimeError)
     assert all(torch.equal(value, before[name]) for name, value in model.state_dict().items())
+    assert torch.equal(torch.get_rng_state(), rng)
     return caught.value
 
 
@@ -196,6 +198,63 @@ def test_incomplete_or_malformed_checkpoints_raise(make_transformer, data, train
     _resume_fails(make_transformer, data, directory, match)
     with pytest.raises(CheckpointError, match=match):
         load_checkpoint(directory / "last.pt")
+
+
+@pytest.mark.parametrize(
+    ("edit", "match"),
+    [
+        (
+            lambda c: {**c, "scheduler": {"foo": 1}},
+            r"last\.pt holds a malformed schedule state: its 'last_epoch' is None",
+        ),
+        (
+            lambda c: {**c, "scheduler": {**c["scheduler"], "base_lrs": []}},
+            r"last\.pt holds a malformed schedule state: its 'base_lrs' is \[\], expected a list of 1 learning rates",
+        ),
+        (
+            lambda c: {**c, "rng": {**c["rng"], "torch": torch.zeros(3, dtype=torch.uint8)}},
+            r"last\.pt holds an RNG state rng\['torch'\] that cannot be restored",
+        ),
+        (
+            lambda c: {**c, "rng": {**c["rng"], "batch_generator": torch.zeros(3, dtype=torch.uint8)}},
+            r"last\.pt holds an RNG state rng\['batch_generator'\] that cannot be restored",
+        ),
+    ],
+    ids=["scheduler_garbage", "scheduler_groups", "torch_rng", "batch_rng"],
+)
+def test_a_bad_schedule_or_rng_state_leaves_the_model_untouched(make_transformer, data, trained, tmp_path, edit, match):
+    # a valid checksum, but a state that fails to load: the model's tensors were overwritten before the schedule and
+    # the RNGs failed, and the RNG's failure was called "does not fit this model or optimiser"
+    directory = _rewrite(trained, tmp_path, edit)
+    error = _resume_fails(make_transformer, data, directory, match, epochs=2)
+    assert "does not fit this model" not in str(error)
+
+
+def test_resuming_on_a_training_set_of_another_size_is_refused(make_transformer, data, trained, tmp_path):
+    # 144 sequences make 3 steps an epoch, not 2: the schedule and the ELBO's num_data changed silently
+    other = make_pointer_task(144, 32, 16, length=6, seed=0, vocab_size=6)
+    directory = _copy_run(trained, tmp_path / "run")
+    match = r"last\.pt with other settings .*the training set \(96 examples in the checkpoint, 144 now"
+    _resume_fails(make_transformer, data, directory, match, epochs=2, train=other.train)
+    # a checkpoint that predates the record of num_data: the schedule's step count tells
+    (tmp_path / "old").mkdir()
+    directory = _rewrite(trained, tmp_path / "old", lambda c: {**c, "config": _without(c["config"], "num_data")})
+    match = (
+        r"last\.pt does not fit this run: its schedule has taken 4 optimiser steps in 2 epochs, but this run takes 3"
+    )
+    _resume_fails(make_transformer, data, directory, match, epochs=2, train=other.train)
+    result = train_model(_fresh_model(make_transformer), data.train, data.val, _config(directory), resume=True)
+    assert [record["epoch"] for record in result.history] == [1, 2]  # and it resumes on its own training set
+
+
+def test_a_schedule_state_of_another_step_count_is_refused(make_transformer, data, trained, tmp_path):
+    directory = _rewrite(trained, tmp_path, lambda c: {**c, "scheduler": {**c["scheduler"], "last_epoch": 1000}})
+    match = r"last\.pt does not fit this run: its schedule has taken 1000 optimiser steps in 2 epochs, .*\(4 in 2\)"
+    _resume_fails(make_transformer, data, directory, match, epochs=2)
+
+
+def _without(values: dict, name: str) -> dict:
+    return {key: value for key, value in values.items() if key != name}
 
 
 @pytest.mark.parametrize(

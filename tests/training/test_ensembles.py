@@ -6,7 +6,15 @@ import pytest
 import torch
 
 from gpattn.models import Transformer
-from gpattn.training import ensemble_probabilities, evaluate, member_seed, train_ensemble, train_model
+from gpattn.training import (
+    Callback,
+    CheckpointError,
+    ensemble_probabilities,
+    evaluate,
+    member_seed,
+    train_ensemble,
+    train_model,
+)
 
 
 # -- the seed rule ---------------------------------------------------------------------------------------------------
@@ -46,6 +54,19 @@ def test_members_are_built_and_trained_under_their_seeds(data, small_model, smal
         assert all(torch.equal(a, b) for a, b in zip(model.parameters(), reference.parameters(), strict=True))
 
 
+def test_a_factory_that_returns_no_model_names_the_member(data, small_config):
+    # was a raw AttributeError from inside the loop
+    with pytest.raises(
+        TypeError, match=r"^train_ensemble: expected make_model\(0\) to return a torch\.nn\.Module \(memb"
+    ):
+        train_ensemble(lambda k: None, data.train, data.val, small_config(), 2)
+
+
+def test_a_single_callback_not_in_a_list_is_refused(data, small_model, small_config):
+    with pytest.raises(TypeError, match=r"^train_ensemble: expected callbacks to be a list of Callbacks, got a single"):
+        train_ensemble(lambda k: small_model(), data.train, data.val, small_config(), 2, callbacks=Callback())
+
+
 # -- checkpoints -----------------------------------------------------------------------------------------------------
 def test_members_write_their_own_checkpoints(data, tmp_path, small_model, small_config):
     train_ensemble(
@@ -57,6 +78,27 @@ def test_members_write_their_own_checkpoints(data, tmp_path, small_model, small_
         lambda k: small_model("softmax"), data.train, data.val, small_config(checkpoint_dir=tmp_path / "one"), 1
     )
     assert sorted(path.name for path in (tmp_path / "one").iterdir()) == ["best.pt", "checkpoints.json", "last.pt"]
+
+
+def test_resuming_an_ensemble_of_another_size_names_the_sizes(data, tmp_path, small_model, small_config):
+    # the seeds s K + k of another size differ: the error named only the seed
+    def make_model(k: int):
+        return small_model("softmax", seed=None)
+
+    config = small_config(epochs=1, seed=1, checkpoint_dir=tmp_path / "three")
+    train_ensemble(make_model, data.train, data.val, config, 3)
+    match = r"seed \(3 in the checkpoint, 2 now\).*written by an ensemble of at least 3 members, but size=2 now"
+    with pytest.raises(CheckpointError, match=match):
+        train_ensemble(make_model, data.train, data.val, config, 2, resume=True)
+    with pytest.raises(FileNotFoundError, match=r"an ensemble of at least 3 members, but size=1 now"):
+        train_ensemble(make_model, data.train, data.val, config, 1, resume=True)
+    assert len(train_ensemble(make_model, data.train, data.val, config, 3, resume=True)) == 3  # the same size resumes
+    single = small_config(epochs=1, seed=1, checkpoint_dir=tmp_path / "one")
+    train_ensemble(make_model, data.train, data.val, single, 1)
+    with pytest.raises(
+        FileNotFoundError, match=r"holds the checkpoints of a single model, .*but size=2 now: resume wi"
+    ):
+        train_ensemble(make_model, data.train, data.val, single, 2, resume=True)
 
 
 # -- predictions -----------------------------------------------------------------------------------------------------

@@ -73,6 +73,61 @@ def test_config_rejects_bad_values(overrides):
         TrainConfig(**overrides)
 
 
+def test_numpy_settings_are_stored_as_python_numbers_and_their_checkpoints_resume(
+    data, tmp_path, small_model, small_config
+):
+    # numpy.float64 subclasses float and numpy.int64 passes the integer check: stored as such, every checkpoint was
+    # unreadable with weights_only=True (float64) or its writing failed ("cannot checksum a int64")
+    np = pytest.importorskip("numpy")
+    settings = dict(
+        batch_size=np.int64(64),
+        lr=np.float64(1e-2),
+        min_lr=np.float32(0.0),
+        weight_decay=np.float64(0.01),
+        warmup_epochs=np.float64(1.0),
+        grad_clip=np.float64(1.0),
+        beta=np.float32(1.0),
+        eval_samples=np.int32(2),
+        eval_batch_size=np.int64(64),
+        seed=np.int64(3),
+        schedule_epochs=np.int64(2),
+        patience=np.int16(5),
+    )
+    config = small_config(epochs=np.int64(1), checkpoint_dir=tmp_path, **settings)
+    values = config.to_dict()
+    for name in [*settings, "epochs"]:
+        expected = int if isinstance(settings.get(name, np.int64(1)), np.integer) else float
+        assert type(values[name]) is expected and type(getattr(config, name)) is expected, name
+    assert values["lr"] == 1e-2 and values["seed"] == 3
+    train_model(small_model(), data.train, data.val, config)
+    assert torch.load(tmp_path / "last.pt", weights_only=True)["epoch"] == 1
+    resumed = train_model(
+        small_model(), data.train, data.val, small_config(epochs=np.int64(2), checkpoint_dir=tmp_path, **settings), True
+    )
+    assert [record["epoch"] for record in resumed.history] == [1, 2]
+    assert load_checkpoint(tmp_path / "last.pt")["config"]["lr"] == 1e-2
+
+
+def test_an_empty_checkpoint_dir_is_refused(tmp_path, monkeypatch, small_config):
+    # Path("") is the current directory: best.pt and last.pt landed wherever the run was started
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ValueError, match=r"^TrainConfig: expected checkpoint_dir to be a folder or None, got the emp"):
+        small_config(checkpoint_dir="")
+    assert small_config(checkpoint_dir=".").checkpoint_dir == "."  # the current directory, said explicitly
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_schedule_shorter_than_the_run_needs_a_floor(data, small_model, small_config):
+    # with min_lr=0 the epochs past the horizon trained at learning rate 0, changing nothing
+    match = r"^TrainConfig: schedule_epochs=2 is below epochs=3 with min_lr=0: .* epochs 3\.\.3 would not change"
+    with pytest.raises(ValueError, match=match):
+        small_config(epochs=3, schedule_epochs=2)
+    # with a floor, they train at min_lr (the cosine ends there and stays)
+    result = train_model(small_model(), data.train, data.val, small_config(epochs=3, schedule_epochs=2, min_lr=1e-3))
+    lrs = [record["lr"] for record in result.history]
+    assert lrs[1] > 1e-3 and lrs[2] == pytest.approx(1e-3, rel=1e-12)
+
+
 # -- learning and determinism ----------------------------------------------------------------------------------------
 @pytest.mark.parametrize("attention", ["softmax", "kep_svgp"])
 def test_loss_decreases_and_beats_chance(data, attention, small_model, small_config):
@@ -221,16 +276,34 @@ def test_interrupted_run_resumes_bit_identically(make_transformer, masked_data, 
 def test_resuming_with_other_settings_is_an_error(data, tmp_path, small_model, small_config, changes, match):
     # the record of a resumed run would claim settings that did not train the model: refuse, naming what differs
     model = small_model()
-    train_model(model, data.train, data.val, small_config(epochs=2, checkpoint_dir=tmp_path))
+    train_model(model, data.train, data.val, small_config(epochs=2, min_lr=1e-4, checkpoint_dir=tmp_path))
     before = {name: value.clone() for name, value in model.state_dict().items()}
-    config = small_config(**{"epochs": 2, "checkpoint_dir": tmp_path, **changes})
+    config = small_config(**{"epochs": 2, "min_lr": 1e-4, "checkpoint_dir": tmp_path, **changes})
     with pytest.raises(CheckpointError, match=r"cannot resume from .*last\.pt with other settings.*" + match):
         train_model(model, data.train, data.val, config, resume=True)
     assert all(torch.equal(value, before[name]) for name, value in model.state_dict().items())
-    # what may change: the total (with the same horizon), the progress bar, the evaluation batch size
-    same = small_config(epochs=3, schedule_epochs=2, progress=False, eval_batch_size=7, checkpoint_dir=tmp_path)
+    # what may change: the total (with the same horizon: past it, the run trains at min_lr > 0), the progress bar,
+    # the evaluation batch size
+    same = small_config(
+        epochs=3, schedule_epochs=2, min_lr=1e-4, progress=False, eval_batch_size=7, checkpoint_dir=tmp_path
+    )
     result = train_model(model, data.train, data.val, same, resume=True)
     assert [record["epoch"] for record in result.history] == [1, 2, 3]
+
+
+def test_extending_a_run_whose_schedule_ended_at_zero_says_to_train_again(data, tmp_path, small_model, small_config):
+    # the advice was "set schedule_epochs=1 to continue the same schedule": epochs at learning rate 0
+    model = small_model()
+    train_model(model, data.train, data.val, small_config(epochs=1, checkpoint_dir=tmp_path))
+    match = (
+        r"the schedule horizon \(1 epochs in the checkpoint, 2 now; its schedule ended at learning rate 0 \(min_lr=0\) "
+        r"after epoch 1, so later epochs would not train; for a longer run train from scratch with resume=False"
+    )
+    with pytest.raises(CheckpointError, match=match) as caught:
+        train_model(model, data.train, data.val, small_config(epochs=2, checkpoint_dir=tmp_path), resume=True)
+    assert "set schedule_epochs=1" not in str(caught.value)
+    with pytest.raises(ValueError, match="schedule_epochs=1 is below epochs=2 with min_lr=0"):
+        small_config(epochs=2, schedule_epochs=1)
 
 
 def test_resume_errors_name_the_problem(data, tmp_path, small_model, small_config):
@@ -249,10 +322,11 @@ def test_resuming_with_another_thread_count_warns(data, tmp_path, small_model, s
     previous = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
-        train_model(small_model(), data.train, data.val, small_config(epochs=2, checkpoint_dir=tmp_path))
+        config = small_config(epochs=2, schedule_epochs=3, checkpoint_dir=tmp_path)
+        train_model(small_model(), data.train, data.val, config)
         assert load_checkpoint(tmp_path / "last.pt")["config"]["threads"] == 1
         torch.set_num_threads(2)
-        config = small_config(epochs=3, schedule_epochs=2, checkpoint_dir=tmp_path)
+        config = small_config(epochs=3, checkpoint_dir=tmp_path)
         with pytest.warns(UserWarning, match=r"changed settings \['threads \(1 -> 2\)'\]: the run will not match"):
             train_model(small_model(), data.train, data.val, config, resume=True)
     finally:
@@ -558,6 +632,26 @@ def test_an_overflowing_forward_pass_is_divergence_but_bad_data_is_not(data, sma
     with pytest.raises(ValueError, match="NaN or Inf") as caught:
         train_model(patches, images, images, small_config(epochs=1, batch_size=8))
     assert not isinstance(caught.value, TrainingDivergedError)
+
+
+def test_an_overflowing_validation_pass_is_divergence(data, tmp_path, small_model, small_config):
+    # finite but huge parameters can overflow in the validation's forward pass: that was a raw ValueError, with the
+    # model left non-finite in train mode; now as in a step: TrainingDivergedError, the best state restored
+    model = small_model()
+    initial = {name: value.clone() for name, value in model.state_dict().items()}
+
+    def overflow(module, args):  # the validation runs in eval mode
+        return None if module.training else (args[0] * math.inf, *args[1:])
+
+    model.blocks[0].register_forward_pre_hook(overflow)
+    match = r"^training diverged: non-finite values in the validation's forward pass after epoch 1 \(.*NaN or Inf"
+    with pytest.raises(TrainingDivergedError, match=match) as caught:
+        train_model(model, data.train, data.val, small_config(checkpoint_dir=tmp_path))
+    error = caught.value
+    assert (error.epoch, error.step, error.best_epoch) == (1, None, 0)
+    assert isinstance(error.__cause__, ValueError) and "no checkpoint of this run was written" in str(error)
+    _assert_holds(model, initial)
+    assert not model.training and not (tmp_path / "last.pt").exists()
 
 
 # -- output ----------------------------------------------------------------------------------------------------------
