@@ -15,7 +15,7 @@ from .._torch_compat import SETS_STANCE
 from ..methods import Hyperparameters, MethodSpec, get_method, method_names
 from ..training import TrainConfig
 from ..training.config import DEVICE_TYPES
-from ..validation import check_choice, check_device, check_float, check_int
+from ..validation import InputTypeError, check_choice, check_device, check_float, check_int, check_seed
 from .endpoints import DECLARED_PRIMARY_SEEDS, PRIMARY_ENDPOINT
 from .evaluation import DEFAULT_ECE_BINS
 from .tasks import DEFAULT_TASKS, TASK_DEFAULTS, TASKS
@@ -38,6 +38,29 @@ MAIN_TABLE_ROWS = (
     "kep_svgp", "kep_svgp_paper", "sgpa", "primal", "primal_paper",
     "softmax", "softmax_mc_dropout", "deep_ensemble", "laplace",
 )  # fmt: skip
+
+#: The settings of :class:`CompareConfig` that must be bools (a string such as ``"no"`` is truthy).
+_BOOLEANS = ("progress", "temperature_scaling", "smoke_test", "compile", "cuda_graphs", "tuned")
+
+
+def _sequence(name: str, value: Any, items: str) -> tuple:
+    # a tuple of the items of a sequence or other iterable; a bare string (a sequence of characters) and a
+    # non-iterable are refused by name
+    if isinstance(value, (str, bytes)):
+        raise InputTypeError(f"CompareConfig: expected {name} to be a sequence of {items}, got the string {value!r}")
+    try:
+        return tuple(value)
+    except TypeError:
+        raise InputTypeError(f"CompareConfig: expected {name} to be a sequence of {items}, got {value!r}") from None
+
+
+def _names(name: str, value: Any) -> tuple[str, ...]:
+    return _sequence(name, value, "names")
+
+
+def _seeds(name: str, value: Any) -> tuple[int, ...]:
+    # stored as Python ints (numpy's integers are accepted and converted)
+    return tuple(check_seed(name, seed, where="CompareConfig") for seed in _sequence(name, value, "integers"))
 
 
 @dataclass
@@ -67,7 +90,8 @@ class CompareConfig:
     :ivar embed_dim: Transformer width.
     :ivar depth: Encoder blocks.
     :ivar num_heads: Heads per block.
-    :ivar gp_layers: Blocks (the last ones) using the attention under test.
+    :ivar gp_layers: Blocks (the last ones) using the attention under test, from 1 to ``depth`` (0, a softmax model
+        whatever the row, is refused).
     :ivar num_inducing: Size of the inducing set of every attention that has one (the KSVD rank :math:`s` of
         KEP-SVGP and Primal-Attention, the global inducing keys of SGPA, the inducing points of the symmetric SVGP);
         ``None``: the task's size, else each layer's own default (:math:`s = \\min(10, p)`, 16 for SGPA and the SVGP).
@@ -140,8 +164,8 @@ class CompareConfig:
 
     def __post_init__(self) -> None:
         where = "CompareConfig"
-        self.attentions, self.tasks, self.seeds = tuple(self.attentions), tuple(self.tasks), tuple(self.seeds)
-        self.primary_seeds = tuple(self.primary_seeds)
+        self.attentions, self.tasks = _names("attentions", self.attentions), _names("tasks", self.tasks)
+        self.seeds, self.primary_seeds = _seeds("seeds", self.seeds), _seeds("primary_seeds", self.primary_seeds)
         if not self.attentions:
             raise ValueError(f"{where}: expected attentions among {method_names()}, got none")
         for name in self.attentions:
@@ -150,18 +174,17 @@ class CompareConfig:
             raise ValueError(f"{where}: expected tasks among {TASKS}, got none")
         for task in self.tasks:
             check_choice("tasks", task, TASKS, where=where)
+        for name in _BOOLEANS:  # a truthy string or number would switch the setting on
+            if not isinstance(getattr(self, name), bool):
+                raise InputTypeError(f"{where}: expected {name} to be a bool, got {getattr(self, name)!r}")
         if not self.seeds or len(set(self.seeds)) != len(self.seeds):
             raise ValueError(f"{where}: expected distinct seeds, got {list(self.seeds)}")
-        for seed in self.seeds:
-            check_int("seeds", seed, minimum=0, where=where)
-        for seed in self.primary_seeds:
-            check_int("primary_seeds", seed, minimum=0, where=where)
         if len(set(self.primary_seeds)) != len(self.primary_seeds) or set(self.primary_seeds) & set(self.seeds):
             raise ValueError(
                 f"{where}: expected distinct primary_seeds, none of them among seeds {list(self.seeds)}, got "
                 f"{list(self.primary_seeds)}"
             )
-        check_int("ensemble size", self.ensemble, where=where)
+        self.ensemble = check_int("ensemble size", self.ensemble, where=where)
         ensembles = [name for name in self.attentions if get_method(name).predictive.members > 1]
         if self.ensemble > 1 and ensembles:
             raise ValueError(
@@ -169,36 +192,33 @@ class CompareConfig:
                 f"ensembles already; compare them with ensemble=1"
             )
         for name in ("pointer_epochs", "digits_epochs", "mnist1d_epochs", "batch_size", "embed_dim", "depth"):
-            check_int(name, getattr(self, name), where=where)
-        check_int("num_heads", self.num_heads, where=where)
-        check_int("ece_bins", self.ece_bins, where=where)
-        check_int("fidelity_sequences", self.fidelity_sequences, minimum=0, where=where)
+            setattr(self, name, check_int(name, getattr(self, name), where=where))  # stored as Python ints
+        self.num_heads = check_int("num_heads", self.num_heads, where=where)
+        self.ece_bins = check_int("ece_bins", self.ece_bins, where=where)
+        self.fidelity_sequences = check_int("fidelity_sequences", self.fidelity_sequences, minimum=0, where=where)
         check_float("mc_dropout", self.mc_dropout, 0.0, 1.0, strict_minimum=True, strict_maximum=True, where=where)
-        check_int("eval_samples", self.eval_samples, where=where)
+        self.eval_samples = check_int("eval_samples", self.eval_samples, where=where)
         if self.num_inducing is not None:
-            check_int("num_inducing", self.num_inducing, where=where)
-        check_int("gp_layers", self.gp_layers, 0, self.depth, where=where)
+            self.num_inducing = check_int("num_inducing", self.num_inducing, where=where)
+        # at least 1: with 0 every block is softmax attention, and a GP row would train a softmax model under its name
+        self.gp_layers = check_int("gp_layers", self.gp_layers, 1, self.depth, where=where)
         if self.embed_dim % self.num_heads:
             raise ValueError(f"{where}: embed_dim ({self.embed_dim}) must be divisible by num_heads ({self.num_heads})")
         check_float("lr", self.lr, 0.0, strict_minimum=True, where=where)
         check_float("beta", self.beta, 0.0, where=where)
         check_float("ksvd_weight", self.ksvd_weight, 0.0, where=where)
         check_device("device", self.device, where=where, types=DEVICE_TYPES)
-        check_int("threads", self.threads, where=where)
-        check_int("jobs", self.jobs, where=where)
+        self.threads = check_int("threads", self.threads, where=where)
+        self.jobs = check_int("jobs", self.jobs, where=where)
         if self.compile and not SETS_STANCE:  # the hooked passes (Laplace features, KSVD fidelity) run eagerly by it
             raise ValueError(
                 f"{where}: compile=True needs torch 2.6 or later (torch.compiler.set_stance), got torch "
                 f"{torch.__version__}"
             )
-        if not isinstance(self.cuda_graphs, bool):
-            raise ValueError(f"{where}: expected cuda_graphs to be a bool, got {self.cuda_graphs!r}")
         if self.cuda_graphs and torch.device(self.device).type != "cuda":
             raise ValueError(f"{where}: cuda_graphs=True needs device='cuda', got {self.device!r}")
         if self.cuda_graphs and self.compile:  # the compiled model's own CUDA graphs cannot run inside a capture
             raise ValueError(f"{where}: choose compile=True or cuda_graphs=True, not both")
-        if not isinstance(self.tuned, bool):
-            raise ValueError(f"{where}: expected tuned to be a bool, got {self.tuned!r}")
         if self.tuned_dir is not None:
             self.tuned_dir = str(self.tuned_dir)
             if not Path(self.tuned_dir).is_dir():
@@ -244,7 +264,13 @@ class CompareConfig:
             dropout=self.mc_dropout if method.predictive.mc_dropout else defaults.get("dropout", 0.0),
         )
         entry = self.tuned_entry(task, method.name)
-        return shared if entry is None else shared.updated(entry.hyperparameters)
+        hyperparameters = shared if entry is None else shared.updated(entry.hyperparameters)
+        if hyperparameters.gp_layers < 1:  # a tuned configuration's own: the row's attention would be in no block
+            raise ValueError(
+                f"CompareConfig: expected gp_layers >= 1 for the row {method.name!r} on {task} (with 0 every block is "
+                f"softmax attention, whatever the row), got {hyperparameters.gp_layers}"
+            )
+        return hyperparameters
 
     def tuned_entry(self, task: str, row: str) -> TunedRow | None:
         """The tuned configuration the row ``row`` uses on ``task`` (its own, or the one it inherits:

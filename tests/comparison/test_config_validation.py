@@ -1,0 +1,71 @@
+"""CompareConfig refuses settings that would run something other than what they name: no GP block (``gp_layers=0``),
+truthy non-bools, a bare string for a list of names, a seed count for a list of seeds; and it stores numpy integers
+as Python ints."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from gpattn.comparison import CompareConfig, plan_runs
+from gpattn.comparison.tuned_configuration import TunedRow, write_tuned
+from gpattn.methods import get_method
+
+POINTER = dict(tasks=("pointer",), seeds=(0,), progress=False, tuned=False)
+
+
+@pytest.mark.parametrize("rows", [("kep_svgp", "sgpa"), ("softmax", "softmax_mc_dropout")])
+def test_no_gp_block_is_refused(rows) -> None:
+    # gp_layers=0 built a softmax Transformer under the GP row's name; the softmax rows gain nothing from it either
+    with pytest.raises(ValueError, match=r"CompareConfig: expected gp_layers to be an integer in \[1, 2\], got 0"):
+        CompareConfig(gp_layers=0, attentions=rows, **POINTER)
+    config = CompareConfig(gp_layers=2, attentions=rows, **POINTER)
+    assert len(plan_runs(config)) == len(rows)
+
+
+def test_a_tuned_configuration_without_a_gp_block_is_refused(tmp_path) -> None:
+    entry = TunedRow(
+        hyperparameters={"epochs": 1, "patience": 1, "lr": 1e-3, "gp_layers": 0},
+        parameters={"lr": 1e-3},
+        best_val_nll=0.5,
+        best_trial=3,
+        trials=20,
+        search_space={"lr": {"log_uniform": [3e-4, 1e-2]}},
+        study={"tuning_seed": 100, "label": "test"},
+    )
+    write_tuned("digits", {"kep_svgp": entry}, tmp_path)
+    assert json.loads((tmp_path / "digits.json").read_text())["rows"]["kep_svgp"]["hyperparameters"]["gp_layers"] == 0
+    with pytest.raises(ValueError, match=r"row 'kep_svgp'.*expected gp_layers >= 1 for the row 'kep_svgp' on digits"):
+        CompareConfig(attentions=("kep_svgp",), tasks=("digits",), tuned_dir=str(tmp_path))
+    untuned = CompareConfig(attentions=("kep_svgp",), tasks=("digits",), tuned_dir=str(tmp_path), tuned=False)
+    assert untuned.hyperparameters("digits", get_method("kep_svgp")).gp_layers == 1
+
+
+@pytest.mark.parametrize("name", ["temperature_scaling", "compile", "progress", "smoke_test", "cuda_graphs", "tuned"])
+@pytest.mark.parametrize("value", ["no", 1, 0, None])
+def test_the_switches_must_be_bools(name, value) -> None:
+    # "no" is truthy: it switched temperature scaling, compile or the progress lines on
+    with pytest.raises(TypeError, match=rf"CompareConfig: expected {name} to be a bool, got {value!r}"):
+        CompareConfig(**{**POINTER, name: value})
+
+
+@pytest.mark.parametrize(("name", "value"), [("attentions", "softmax"), ("tasks", "pointer")])
+def test_a_bare_string_is_not_a_list_of_names(name, value) -> None:
+    message = rf"CompareConfig: expected {name} to be a sequence of names, got the string '{value}'"
+    with pytest.raises(TypeError, match=message):
+        CompareConfig(**{**POINTER, name: value})
+    assert getattr(CompareConfig(**{**POINTER, name: [value]}), name) == (value,)
+
+
+@pytest.mark.parametrize("name", ["seeds", "primary_seeds"])
+def test_seeds_must_be_a_sequence_and_are_stored_as_python_ints(name) -> None:
+    with pytest.raises(TypeError, match=rf"CompareConfig: expected {name} to be a sequence of integers, got 3"):
+        CompareConfig(**{**POINTER, "seeds": (0,), name: 3})
+    with pytest.raises(TypeError, match=rf"expected {name} to be a sequence of integers, got the string '01'"):
+        CompareConfig(**{**POINTER, "seeds": (0,), name: "01"})
+    seeds = np.arange(5, 7)
+    config = CompareConfig(**{**POINTER, "seeds": (0,), name: seeds})
+    assert getattr(config, name) == (5, 6) and all(type(seed) is int for seed in getattr(config, name))
+    assert type(CompareConfig(**{**POINTER, "seeds": (0,), "batch_size": np.int64(8)}).batch_size) is int
