@@ -31,7 +31,8 @@ __all__ = [
     "verdict",
 ]
 
-#: Fewest paired seeds from which the report forms an interval.
+#: Fewest paired seeds from which the report forms an interval, and tests: the paired-t interval and the paired-t
+#: test are one inference, so below it an estimate has neither (no p-value, no Holm-adjusted p, no verdict).
 MIN_SEEDS_FOR_INTERVALS = 5
 #: The family-wise error rate at which a secondary difference is stated.
 FAMILY_WISE_LEVEL = 0.05
@@ -50,7 +51,8 @@ class EndpointEstimate:
     :ivar hierarchical: The 95 % seeds-and-examples bootstrap interval
         (:func:`~gpattn.comparison.hierarchical_difference`) where the records hold per-example values, else ``None``.
     :ivar examples: Test examples per seed of ``hierarchical`` (0 without it).
-    :ivar p_value: The paired-t test's two-sided p-value (NaN: no test).
+    :ivar p_value: The paired-t test's two-sided p-value (NaN: no test, also below :data:`MIN_SEEDS_FOR_INTERVALS`
+        paired seeds, where there is no interval either).
     :ivar holm: The Holm-adjusted p-value within the secondary family (NaN: not in it, or no test).
     :ivar note: How the values were read (e.g. the OOD scores used), ``""`` if nothing to say.
     :ivar missing: Why there is no estimate, ``""`` when there is one.
@@ -100,7 +102,9 @@ def estimate_endpoint(
     records: list[RunRecord], endpoint: Endpoint, *, hierarchical: bool = True, num_resamples: int = 10000
 ) -> EndpointEstimate:
     """The endpoint's paired difference over seeds with its 95 % paired-t interval and p-value and, where the records
-    hold per-example values of the metric and ``hierarchical``, the 95 % seeds-and-examples interval.
+    hold per-example values of the metric and ``hierarchical``, the 95 % seeds-and-examples interval. Below
+    :data:`MIN_SEEDS_FOR_INTERVALS` paired seeds: the mean difference only (no interval and no p-value: the test is
+    the interval's inference).
 
     .. note:: Cost: O(seeds) for the t interval; O(``num_resamples`` seeds examples) for the bootstrap.
 
@@ -116,10 +120,10 @@ def estimate_endpoint(
     if not reference or not other:
         return EndpointEstimate(endpoint, math.nan, 0, missing=_missing(rows, endpoint, (reference, other), note))
     mean = math.fsum(reference[seed] - other[seed] for seed in seeds) / len(seeds) if seeds else math.nan
-    p_value = paired_p_value(reference, other)
-    if len(seeds) < MIN_SEEDS_FOR_INTERVALS:
+    if len(seeds) < MIN_SEEDS_FOR_INTERVALS:  # no interval, hence no test (p stays NaN)
         reason = f"{len(seeds)} paired seed(s), fewer than {MIN_SEEDS_FOR_INTERVALS}: no interval"
-        return EndpointEstimate(endpoint, mean, len(seeds), p_value=p_value, note=note, missing=reason)
+        return EndpointEstimate(endpoint, mean, len(seeds), note=note, missing=reason)
+    p_value = paired_p_value(reference, other)
     interval = paired_difference(reference, other, min_pairs=MIN_SEEDS_FOR_INTERVALS)
     bootstrap, examples = None, 0
     key = PER_EXAMPLE.get(endpoint.column)
@@ -139,8 +143,8 @@ def estimate_endpoint(
 
 def estimate_secondaries(records: list[RunRecord]) -> list[EndpointEstimate]:
     """The secondary endpoints (:data:`~gpattn.comparison.endpoints.SECONDARY_ENDPOINTS`), each with its paired-t
-    p-value Holm-adjusted over the family (:func:`~gpattn.comparison.holm_adjusted`; an endpoint without a test does
-    not count)."""
+    p-value Holm-adjusted over the family (:func:`~gpattn.comparison.holm_adjusted`; an endpoint without a test, e.g.
+    one with fewer than :data:`MIN_SEEDS_FOR_INTERVALS` paired seeds, does not count and has no adjusted p-value)."""
     estimates = [estimate_endpoint(records, endpoint, hierarchical=False) for endpoint in SECONDARY_ENDPOINTS]
     adjusted = holm_adjusted([estimate.p_value for estimate in estimates])
     return [dataclasses.replace(estimate, holm=holm) for estimate, holm in zip(estimates, adjusted, strict=True)]
@@ -237,16 +241,24 @@ def headline_text(records: list[RunRecord], num_resamples: int = 10000, declarat
     lines += [f"**Verdict**: {verdict(primary)[1]}", ""]
     secondaries = estimate_secondaries(records)
     tests = sum(not math.isnan(estimate.p_value) for estimate in secondaries)
+    untested = len(secondaries) - tests
+    lines += [f"### Secondary endpoints (Holm-adjusted over m = {tests} tests)", ""]
+    if untested:
+        lines += [
+            f"Note: {untested} of the {len(secondaries)} declared secondaries {'has' if untested == 1 else 'have'} "
+            f"no test in these records (fewer than {MIN_SEEDS_FOR_INTERVALS} paired seeds, or not measured): no "
+            "interval, p, adjusted p or statement (n/a), and no count in m.",
+            "",
+        ]
     lines += [
-        f"### Secondary endpoints (Holm-adjusted over m = {tests} tests)",
-        "",
         "| endpoint | difference | 95 % paired-t interval | n | p | p (Holm) | stated at 5 % |",
         "|---|---|---|---|---|---|---|",
         *_secondary_rows(secondaries, tested=True),
         "",
         f"p: the two-sided paired-t test over the seeds; p (Holm): Holm-adjusted over the m = {tests} secondary tests "
         "that have a p-value, so that the chance of any false statement among them is at most 5 %; stated: p (Holm) "
-        "<= 0.05. The interval beside it is the unadjusted 95 % paired-t interval.",
+        "<= 0.05. The interval beside it is the unadjusted 95 % paired-t interval. With fewer than "
+        f"{MIN_SEEDS_FOR_INTERVALS} paired seeds there is neither interval nor test.",
         "",
         "### Reported without a test",
         "",

@@ -203,7 +203,10 @@ def format_difference(reference: dict[int, float], other: dict[int, float], perc
 def paired_table(records: list[RunRecord], task: str, scaled: bool, reference: str = REFERENCE_ROW) -> list[str]:
     """The paired differences ``reference - row`` over seeds on ``task``, like for like: the untempered rows against
     ``reference`` (``scaled=False``), or the ``+ts`` rows against ``reference+ts`` (``scaled=True``); one column per
-    :data:`PAIRED_COLUMNS` entry (:func:`format_difference`). ``[]`` without the reference row."""
+    :data:`PAIRED_COLUMNS` entry (:func:`format_difference`). ``n`` is the seeds both rows ran (as the main table's
+    ``n`` counts a row's runs); a cell paired on fewer seeds (a value undefined on some) says on how many: ``(n = k <
+    5, no interval)`` below :data:`MIN_SEEDS_FOR_INTERVALS`, else ``(n=k)`` as the main table's cells. ``[]`` without
+    the reference row."""
     rows = flat_rows(records)
     groups = _task_groups(rows, task)
     name = reference + (TS_SUFFIX if scaled else "")
@@ -216,11 +219,16 @@ def paired_table(records: list[RunRecord], task: str, scaled: bool, reference: s
     for attention, group in groups.items():
         if attention == name or attention.endswith(TS_SUFFIX) != scaled:
             continue
-        paired = [seed for seed in seed_values(groups[name], "test_nll") if seed in seed_values(group, "test_nll")]
+        seeds = {row["seed"] for row in group}
+        paired = [row["seed"] for row in groups[name] if row["seed"] in seeds]  # the runs both rows have
         cells = [attention, str(len(paired))]
         for column, _, percent in columns:
             left, right = seed_values(groups[name], column), seed_values(group, column)
-            cells.append(format_difference(left, right, percent, _digits(column)) if right else "n/a")
+            cell = format_difference(left, right, percent, _digits(column)) if right else "n/a"
+            count = sum(seed in right for seed in left)
+            if MIN_SEEDS_FOR_INTERVALS <= count < len(paired):  # below it, format_difference gives the count
+                cell += f" (n={count})"
+            cells.append(cell)
         body.append(cells)
     return _table([f"{name} − row", "n", *(header for _, header, _ in columns)], body) if body else []
 
@@ -306,7 +314,8 @@ def _legend(tasks: list[str]) -> str:
             f"[{low:g}, {high:g}]; a T at a bound means the validation NLL was still falling there, so the fit is not",
             "an optimum: say so before reading the row). n/a: the value does not exist, with the reason. Paired",
             "tables: mean difference [95 % paired-t interval] over the paired seeds, like for like (untempered against",
-            "untempered, +ts against +ts); descriptive, not corrected for multiplicity: the declared tests are the",
+            "untempered, +ts against +ts), n the seeds both rows ran, with (n=k) where a difference is defined on",
+            "fewer; descriptive, not corrected for multiplicity: the declared tests are the",
             "headline's. deep_ensemble has no +ts row. Training: max epochs is the budget; epochs trained the mean",
             "over seeds (and ensemble members) of the epochs before early stopping (records written before it was",
             "recorded: min(max, best epoch + patience), where the loop stops a single model).",
@@ -351,7 +360,8 @@ def table_text(records: list[RunRecord], config: CompareConfig) -> str:
     """``table.md``: a title that says what was run (a smoke test for ``--quick``), the settings, the headline of the
     declared endpoints (:func:`~gpattn.comparison.headline.headline_text`), then :func:`markdown_table`."""
     seeds = len(config.seeds)
-    title = f"# gpattn compare: {len(records)} runs, {seeds} seed{'s' if seeds > 1 else ''}"
+    runs = len(records)
+    title = f"# gpattn compare: {runs} run{'' if runs == 1 else 's'}, {seeds} seed{'' if seeds == 1 else 's'}"
     if config.primary_seeds:
         title += f" ({seeds + len(config.primary_seeds)} for {' and '.join(PRIMARY_ROWS)})"
     if config.smoke_test:

@@ -114,12 +114,16 @@ def read_run_folders(folders: list[str | os.PathLike]) -> RunFolders:
     return RunFolders(names, [record for record, _, _ in merged.values()], configs, environments, codes)
 
 
+def _seeds(count: int) -> str:
+    return f"{count} seed{'' if count == 1 else 's'}"
+
+
 def _runs_summary(runs: RunFolders) -> list[str]:
     lines = []
     for name, config in zip(runs.names, runs.configs, strict=True):
         count = len(config.get("seeds", [])) if config else 0
         extra = len(config.get("primary_seeds", [])) if config else 0
-        seeds = f"{count} seeds per row" + (f" ({count + extra} for the primary pair)" if extra else "")
+        seeds = f"{_seeds(count)} per row" + (f" ({count + extra} for the primary pair)" if extra else "")
         settings = ", ".join(f"{key}={value}" for key, value in config.items() if key not in SCHEDULING)
         lines.append(f"* `{name}`: {seeds}; shared settings (of the rows without a tuned configuration) `{settings}`")
     tasks = list(dict.fromkeys(record.task for record in runs.records))
@@ -130,7 +134,7 @@ def _runs_summary(runs: RunFolders) -> list[str]:
             group = [r for r in runs.records if r.task == task and r.attention == row]
             tuned = {r.tuned for r in group}
             kind = "tuned" if tuned == {True} else ("default configuration" if tuned == {False} else "mixed")
-            described.append(f"{row} ({len(group)} seeds, {kind})")
+            described.append(f"{row} ({_seeds(len(group))}, {kind})")
         lines.append(f"* {task}: " + ", ".join(described))
         for row in rows:
             group = [r for r in runs.records if r.task == task and r.attention == row]

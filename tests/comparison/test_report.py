@@ -600,3 +600,97 @@ def test_two_executions_of_one_run_merge_but_other_numbers_do_not(records, tmp_p
     write_outputs(changed, config, tmp_path / "other")
     with pytest.raises(ValueError, match="differs between"):
         read_run_folders([tmp_path / "one", tmp_path / "other"])
+
+
+# -- fewer seeds than an interval needs: no test either ----------------------------------------------------------------
+def _secondary_cells(text: str, label: str) -> list[str]:
+    line = next(line for line in text.splitlines() if line.startswith(f"| {label} ("))
+    return [cell.strip() for cell in line.strip("|").split("|")]
+
+
+@pytest.mark.parametrize("seeds", [2, 3, 4])
+def test_below_five_seeds_the_secondaries_have_no_p_value_and_no_statement(seeds, tmp_path) -> None:
+    """The paired-t interval and the paired-t test are one inference: below MIN_SEEDS_FOR_INTERVALS neither exists.
+    The fixture's accuracy differs by the same 2 points on every seed, whose p-value would be exactly 0 ("stated")."""
+    records = _records(seeds=seeds)
+    estimates = estimate_secondaries(records)
+    assert all(e.n == seeds and e.t is None for e in estimates)
+    assert all(math.isnan(e.p_value) and math.isnan(e.holm) for e in estimates)
+    assert all(math.isnan(estimate_endpoint(records, e).p_value) for e in (PRIMARY_ENDPOINT, *SECONDARY_ENDPOINTS))
+    text = headline_text(records, num_resamples=200)
+    assert "### Secondary endpoints (Holm-adjusted over m = 0 tests)" in text
+    assert "Note: 6 of the 6 declared secondaries have no test in these records" in text
+    cells = _secondary_cells(text, "accuracy")
+    assert cells[1] == "+2.00" and cells[2] == f"n/a: {seeds} paired seed(s), fewer than 5: no interval"
+    assert cells[3:] == [str(seeds), "n/a", "n/a", "n/a"]
+    assert "| yes |" not in text and "| no |" not in text
+    # the verdict check between two such folders, and the results page, say the same
+    config = CompareConfig(seeds=tuple(range(seeds)))
+    write_outputs(records, config, tmp_path / "one")
+    write_outputs(records, dataclasses.replace(config, threads=2), tmp_path / "two")
+    folders = [read_run_folders([tmp_path / name]) for name in ("one", "two")]
+    _, lines = compare_verdicts(*folders)
+    assert "secondary accuracy: no test / no test (same)" in lines
+    assert (
+        "| yes |" not in results_page(folders[0], []) and "| yes |" not in (tmp_path / "one" / "table.md").read_text()
+    )
+
+
+def test_a_secondary_below_five_seeds_leaves_the_holm_family() -> None:
+    """With 10 seeds but the accuracy of kep_svgp+ts defined on 3, that endpoint has no test and does not count in
+    m: the others are Holm-adjusted over the 5 tests there are (holm_adjusted's NaN, the declared treatment)."""
+    records = []
+    for record in _records():
+        if (record.task, record.attention) == ("mnist1d", "kep_svgp") and record.seed >= 3:
+            scaled = record.temperature_scaled
+            test = dataclasses.replace(scaled.metrics.test, accuracy=math.nan)
+            scaled = dataclasses.replace(scaled, metrics=dataclasses.replace(scaled.metrics, test=test))
+            record = dataclasses.replace(record, temperature_scaled=scaled)
+        records.append(record)
+    estimates = estimate_secondaries(records)
+    accuracy = next(e for e in estimates if e.endpoint.column == "test_accuracy")
+    assert accuracy.n == 3 and math.isnan(accuracy.p_value) and math.isnan(accuracy.holm)
+    others = [e for e in estimates if e is not accuracy]
+    assert all(e.n == 10 and not math.isnan(e.p_value) for e in others)
+    assert [e.holm for e in others] == holm_adjusted([e.p_value for e in others])
+    text = headline_text(records, num_resamples=200)
+    assert "### Secondary endpoints (Holm-adjusted over m = 5 tests)" in text
+    assert "Note: 1 of the 6 declared secondaries has no test in these records" in text
+    assert _secondary_cells(text, "accuracy")[3:] == ["3", "n/a", "n/a", "n/a"]
+
+
+def test_the_paired_n_counts_the_seeds_both_rows_ran_and_each_cell_its_own(records) -> None:
+    """n beside the paired cells is the seeds both rows ran (the main table's n); a cell defined on fewer seeds says
+    how many, as the main table's cells do."""
+
+    def without_nll(records, seeds):  # kep_svgp's untempered NLL undefined on ``seeds`` of mnist1d
+        changed = []
+        for r in records:
+            if (r.task, r.attention) == ("mnist1d", "kep_svgp") and r.seed in seeds:
+                test = dataclasses.replace(r.metrics.test, nll=math.nan)
+                r = dataclasses.replace(r, metrics=dataclasses.replace(r.metrics, test=test))
+            changed.append(r)
+        return changed
+
+    def softmax_cells(records):
+        table = markdown_table(records).split("### digits")[0]
+        section = table.split("Paired differences, kep_svgp − every other row")[1].split("\n\n", 2)[1]
+        header, *_ = section.splitlines()
+        line = next(line for line in section.splitlines() if line.startswith("| softmax |"))
+        names = [cell.strip() for cell in header.strip("|").split("|")]
+        return dict(zip(names, (cell.strip() for cell in line.strip("|").split("|")), strict=True))
+
+    three = [r for r in records if r.seed < 3]
+    cells = softmax_cells(without_nll(three, {0}))
+    assert cells["n"] == "3" and cells["accuracy"].endswith("(n = 3 < 5, no interval)")
+    assert cells["NLL"].endswith("(n = 2 < 5, no interval)")
+    cells = softmax_cells(without_nll(records, {0, 1}))
+    assert cells["n"] == "10" and cells["NLL"].endswith("] (n=8)") and cells["accuracy"].endswith("]")
+
+
+def test_the_page_says_one_seed_not_one_seeds(records, tmp_path) -> None:
+    single = [r for r in records if r.seed == 0]
+    write_outputs(single, CompareConfig(seeds=(0,)), tmp_path)
+    page = results_page(read_run_folders([tmp_path]), [])
+    assert "1 seed per row;" in page and "kep_svgp (1 seed, tuned)" in page
+    assert "1 seeds" not in page and "1 seeds" not in (tmp_path / "table.md").read_text()
