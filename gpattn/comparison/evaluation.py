@@ -226,6 +226,17 @@ def _metrics_from_logits(
     return RunMetrics(test=test, shift=shift, ood=ood), bins, ood_scores, per_example
 
 
+def _check_classes(classes: int, data: TaskData) -> None:
+    # a model built for another task: say so in its terms, before the metrics' own label check (the sets evaluated)
+    high = max(int(dataset_labels(dataset).max()) for dataset in [data.test, data.val, *data.shifted.values()])
+    if high >= classes:
+        task = max(high + 1, getattr(data.train, "num_classes", 0))
+        raise ValueError(
+            f"evaluate_models: the model's logits have {classes} classes, but the {data.name} task's labels are in "
+            f"[0, {task}) ({task} classes): build the model with num_classes={task}"
+        )
+
+
 def evaluate_models(
     models: torch.nn.Module | Sequence[torch.nn.Module],
     data: TaskData,
@@ -277,6 +288,8 @@ def evaluate_models(
     for name, dataset in sets.items():
         with random_stream(seed, name):
             logits[name] = ensemble_logits(members, dataset, num_samples, mc_dropout)
+        if name == "test":
+            _check_classes(logits[name].shape[-1], data)
     run_metrics, reliability, ood_scores, per_example = _metrics_from_logits(logits, data, 1.0, num_bins)
     scaled = None
     if temperature_scaling:

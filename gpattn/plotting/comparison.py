@@ -22,6 +22,7 @@ import numpy as np
 from matplotlib.figure import Figure
 
 from ..comparison.records import RunRecord
+from ..validation import InputTypeError
 from ._records import (
     DPI,
     attention_order,
@@ -302,8 +303,20 @@ def plot_spectra(records: list[RunRecord]) -> Figure:
 def comparison_figure_names(tasks: Iterable[str]) -> list[str]:
     """Every file name :func:`write_comparison_figures` can write for records of ``tasks`` (each
     :data:`FIGURE_FILES` entry, ``{task}`` filled in per task), then :data:`FORMER_FIGURE_FILES`: what a run folder
-    may hold from an earlier run, and ``gpattn compare --overwrite`` deletes."""
-    tasks = list(tasks)
+    may hold from an earlier run, and ``gpattn compare --overwrite`` deletes.
+
+    :raises InputTypeError: ``tasks`` a bare string (a sequence of its characters: pass ``[task]``), or not iterable.
+    """
+    if isinstance(tasks, (str, bytes)):  # as CompareConfig's tasks
+        raise InputTypeError(
+            f"comparison_figure_names: expected tasks to be a sequence of names, got the string {tasks!r}"
+        )
+    try:
+        tasks = list(tasks)
+    except TypeError:
+        raise InputTypeError(
+            f"comparison_figure_names: expected tasks to be a sequence of names, got {tasks!r}"
+        ) from None
     names = [name.format(task=task) for name in FIGURE_FILES for task in (tasks if "{task}" in name else [None])]
     return unique([*names, *FORMER_FIGURE_FILES])
 

@@ -321,3 +321,15 @@ def test_ensemble_logits_give_the_ensemble_probabilities(digits):
     torch.testing.assert_close(
         logits.softmax(-1).mean((0, 1)), ensemble_probabilities(members, digits.test, 4).double(), rtol=0, atol=1e-6
     )
+
+
+def test_a_model_of_another_class_count_is_named_as_such(digits):
+    torch.manual_seed(0)
+    model = Transformer(3, embed_dim=16, depth=1, num_heads=2, attention="softmax", **digits.model_kwargs).eval()
+    message = (
+        rf"evaluate_models: the model's logits have 3 classes, but the digits task's labels are in \[0, "
+        rf"{digits.num_classes}\) \({digits.num_classes} classes\): build the model with num_classes="
+        rf"{digits.num_classes}"
+    )
+    with pytest.raises(ValueError, match=message):
+        evaluate_models(model, digits, num_samples=1)

@@ -374,3 +374,13 @@ def test_figure_names_cover_everything_the_writers_write(records, tmp_path) -> N
     fidelity = dataclasses.replace(records[0], fidelity={"layer_2": {"relative_objective": [0.5], "energy": [0.9]}})
     assert [path.name for path in write_fidelity_figure([fidelity], tmp_path / "fidelity")] == ["fidelity.png"]
     assert "fidelity.png" in names
+
+
+def test_figure_names_refuse_a_bare_task_string() -> None:
+    # "pointer" was split into its characters; a list of names, as CompareConfig's tasks
+    with pytest.raises(TypeError, match="expected tasks to be a sequence of names, got the string 'pointer'"):
+        comparison_figure_names("pointer")
+    with pytest.raises(TypeError, match="expected tasks to be a sequence of names, got 3"):
+        comparison_figure_names(3)
+    assert "reliability_pointer.png" in comparison_figure_names(["pointer"])
+    assert comparison_figure_names(("pointer",)) == comparison_figure_names(iter(["pointer"]))
