@@ -15,6 +15,7 @@ every callback's ``on_exception`` and re-raises the error, and ``resume=True`` c
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -75,7 +76,9 @@ class Callback:
 
     def on_exception(self, context: TrainingContext, error: BaseException) -> None:
         """Called when training stops by ``error`` (a divergence, Ctrl-C, an error of a hook, ...), before it is
-        re-raised: e.g. to close what :meth:`on_epoch_begin` opened."""
+        re-raised: e.g. to close what :meth:`on_epoch_begin` opened. An exception raised here does not replace
+        ``error``: it is named in a note of ``error`` (Python 3.11+) and in a warning, and the other callbacks are
+        still told."""
 
 
 def check_callbacks(callbacks: Any, where: str) -> list[Callback]:
@@ -135,5 +138,13 @@ class CallbackList(Callback):
             callback.on_train_end(context)
 
     def on_exception(self, context: TrainingContext, error: BaseException) -> None:
+        # every callback is told, and the run's own error stays the one raised: a callback that fails here is named
+        # in a note of that error (Python 3.11+) and in a warning, not raised in its place
         for callback in self.callbacks:
-            callback.on_exception(context, error)
+            try:
+                callback.on_exception(context, error)
+            except Exception as failure:  # noqa: BLE001 (any failure of a hook while the run's error propagates)
+                message = f"{type(callback).__name__}.on_exception raised {type(failure).__name__}: {failure}"
+                if hasattr(error, "add_note"):
+                    error.add_note(message)
+                warnings.warn(f"{message} (while training stopped by {type(error).__name__})", stacklevel=2)

@@ -5,6 +5,7 @@ the progress callbacks (the tqdm bar, the per-epoch lines of ``gpattn train``)."
 from __future__ import annotations
 
 import io
+import sys
 
 import pytest
 import torch
@@ -124,6 +125,22 @@ def test_a_callback_raising_at_the_end_of_an_epoch_leaves_that_epoch_on_disk(dat
         train_model(small_model(), data.train, data.val, small_config(checkpoint_dir=tmp_path), callbacks=[stopper])
     assert stopper.events[-2:] == [("epoch_end", 1), ("exception", "KeyboardInterrupt")]
     assert load_checkpoint(tmp_path / "last.pt")["epoch"] == 1
+
+
+def test_a_failing_on_exception_does_not_replace_the_run_s_error(data, small_model, small_config):
+    # was: the cleanup's RuntimeError raised in place of the run's Stop, and the callbacks after it never told
+    class FailingCleanup(Recorder):
+        def on_exception(self, context, error):
+            super().on_exception(context, error)
+            raise RuntimeError("cleanup failed")
+
+    stopper, cleanup, last = Recorder(raise_at=("step", 1, 2), error=Stop("stop here")), FailingCleanup(), Recorder()
+    with pytest.warns(UserWarning, match=r"FailingCleanup.on_exception raised RuntimeError: cleanup failed \(while"):
+        with pytest.raises(Stop, match="stop here") as caught:
+            train_model(small_model(), data.train, data.val, small_config(), callbacks=[stopper, cleanup, last])
+    assert last.events[-1] == ("exception", "Stop")  # told after the failing one
+    if sys.version_info >= (3, 11):
+        assert caught.value.__notes__ == ["FailingCleanup.on_exception raised RuntimeError: cleanup failed"]
 
 
 def test_only_the_main_process_calls_the_hooks(data, small_model, small_config):
