@@ -4,14 +4,10 @@ as Python ints."""
 
 from __future__ import annotations
 
-import json
-
 import numpy as np
 import pytest
 
 from gpattn.comparison import CompareConfig, plan_runs
-from gpattn.comparison.tuned_configuration import TunedRow, write_tuned
-from gpattn.methods import get_method
 
 POINTER = dict(tasks=("pointer",), seeds=(0,), progress=False, tuned=False)
 
@@ -23,24 +19,6 @@ def test_no_gp_block_is_refused(rows) -> None:
         CompareConfig(gp_layers=0, attentions=rows, **POINTER)
     config = CompareConfig(gp_layers=2, attentions=rows, **POINTER)
     assert len(plan_runs(config)) == len(rows)
-
-
-def test_a_tuned_configuration_without_a_gp_block_is_refused(tmp_path) -> None:
-    entry = TunedRow(
-        hyperparameters={"epochs": 1, "patience": 1, "lr": 1e-3, "gp_layers": 0},
-        parameters={"lr": 1e-3},
-        best_val_nll=0.5,
-        best_trial=3,
-        trials=20,
-        search_space={"lr": {"log_uniform": [3e-4, 1e-2]}},
-        study={"tuning_seed": 100, "label": "test"},
-    )
-    write_tuned("digits", {"kep_svgp": entry}, tmp_path)
-    assert json.loads((tmp_path / "digits.json").read_text())["rows"]["kep_svgp"]["hyperparameters"]["gp_layers"] == 0
-    with pytest.raises(ValueError, match=r"row 'kep_svgp'.*expected gp_layers >= 1 for the row 'kep_svgp' on digits"):
-        CompareConfig(attentions=("kep_svgp",), tasks=("digits",), tuned_dir=str(tmp_path))
-    untuned = CompareConfig(attentions=("kep_svgp",), tasks=("digits",), tuned_dir=str(tmp_path), tuned=False)
-    assert untuned.hyperparameters("digits", get_method("kep_svgp")).gp_layers == 1
 
 
 @pytest.mark.parametrize("name", ["temperature_scaling", "compile", "progress", "smoke_test", "cuda_graphs", "tuned"])

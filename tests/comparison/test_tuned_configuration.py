@@ -29,6 +29,16 @@ def _entry(**hyperparameters) -> TunedRow:
     )
 
 
+def test_a_tuned_configuration_without_a_gp_block_is_refused(tmp_path) -> None:
+    # with gp_layers=0 every block is softmax attention: the GP row would train a softmax model under its name
+    write_tuned("digits", {"kep_svgp": _entry(gp_layers=0)}, tmp_path)
+    assert json.loads((tmp_path / "digits.json").read_text())["rows"]["kep_svgp"]["hyperparameters"]["gp_layers"] == 0
+    with pytest.raises(ValueError, match=r"row 'kep_svgp'.*expected gp_layers >= 1 for the row 'kep_svgp' on digits"):
+        CompareConfig(attentions=("kep_svgp",), tasks=("digits",), tuned_dir=str(tmp_path))
+    untuned = CompareConfig(attentions=("kep_svgp",), tasks=("digits",), tuned_dir=str(tmp_path), tuned=False)
+    assert untuned.hyperparameters("digits", get_method("kep_svgp")).gp_layers == 1
+
+
 @pytest.fixture
 def tuned_dir(tmp_path):
     write_tuned("digits", {"softmax": _entry(), "kep_svgp": _entry(beta=3.0, ksvd_weight=0.5)}, tmp_path)
