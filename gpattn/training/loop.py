@@ -145,6 +145,13 @@ def _describe(values: dict[str, float], order: Iterable[str]) -> str:
     return ", ".join(f"{name}={values[name]:.6g}" for name in order)
 
 
+def _activations_overflowed(error: ValueError, inputs: Tensor) -> bool:
+    """Whether ``error``, raised by a forward pass on ``inputs``, means that training diverged: a layer found NaN or
+    Inf in its input although the inputs are finite (and the parameters too: checked after every step), so the
+    activations overflowed."""
+    return "NaN or Inf" in str(error) and all_finite(inputs)
+
+
 class _Loop:
     """The state of one call of :func:`train_model` and its helpers: a step, an epoch, its validation and checkpoint."""
 
@@ -319,9 +326,7 @@ class _Loop:
         try:
             parts = self.loss_fn(self.forward(inputs, mask=mask), labels)
         except ValueError as error:
-            # the parameters are finite (checked after every step): a layer that finds NaN or Inf in its input when
-            # the batch is finite means the activations overflowed, i.e. training diverged
-            if "NaN or Inf" not in str(error) or not all_finite(inputs):
+            if not _activations_overflowed(error, inputs):
                 raise
             self._fail(f"non-finite values in the forward pass at {where} ({error})", step, error)
         values = self._read_loss_parts(torch.stack([parts[name].detach() for name in LOSS_PARTS[:-1]]), where, step)
@@ -350,9 +355,7 @@ class _Loop:
                     self.evaluated, self.val, config.eval_samples, config.eval_batch_size, config.mc_dropout
                 )
             except ValueError as error:
-                # as in a step: a layer that finds NaN or Inf in its input when the validation inputs are finite
-                # means the activations overflowed (finite but huge parameters), i.e. training diverged
-                if "NaN or Inf" not in str(error) or not all_finite(dataset_inputs(self.val)[0]):
+                if not _activations_overflowed(error, dataset_inputs(self.val)[0]):
                     raise
                 overflow = error
         non_finite = overflow is not None or (probabilities is not None and not all_finite(probabilities))
