@@ -258,9 +258,8 @@ def prepare_out(
     with lock:
         _lock(lock, out)
         held = sorted(path.name for path in out.iterdir() if path.name != LOCK_FILE)
-        if (
-            resume and resumes_from_out and not held
-        ):  # a mistyped folder would otherwise start everything again without a word
+        # a mistyped folder would otherwise start everything again without a word
+        if resume and resumes_from_out and not held:
             message = f"--resume: --out {out} holds no earlier run; everything runs from the start"
             warnings.warn(message, NothingToResume, stacklevel=3)  # the command's call of prepare_out
         if held and not resume:
