@@ -13,7 +13,7 @@ import torch
 
 from .._torch_compat import SETS_STANCE
 from ..methods import Hyperparameters, MethodSpec, get_method, method_names
-from ..training import TrainConfig
+from ..training import TrainConfig, member_seed
 from ..training.config import DEVICE_TYPES
 from ..validation import InputTypeError, check_choice, check_device, check_float, check_int, check_seed
 from .endpoints import DECLARED_PRIMARY_SEEDS, PRIMARY_ENDPOINT
@@ -191,6 +191,13 @@ class CompareConfig:
                 f"{where}: ensemble={self.ensemble} makes ensembles of single-model rows, but {ensembles} are "
                 f"ensembles already; compare them with ensemble=1"
             )
+        for name in self.attentions:  # every member seed within torch's range, refused here rather than mid-grid
+            members = max(self.ensemble, get_method(name).predictive.members)
+            for seed in self.row_seeds(name):
+                try:
+                    member_seed(seed, members - 1, members)
+                except ValueError as error:
+                    raise ValueError(f"{where}: row {name!r}: {error}") from None
         for name in ("pointer_epochs", "digits_epochs", "mnist1d_epochs", "batch_size", "embed_dim", "depth"):
             setattr(self, name, check_int(name, getattr(self, name), where=where))  # stored as Python ints
         self.num_heads = check_int("num_heads", self.num_heads, where=where)

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from ..validation import check_int
+from ..validation import MAX_SEED, check_int
 from .callbacks import Callback, check_callbacks
 from .config import TrainConfig, TrainResult
 from .errors import CheckpointError
@@ -31,11 +31,20 @@ def member_seed(seed: int, member: int, size: int) -> int:
     """The seed :math:`sK + k` of member ``member`` (:math:`k`) of an ensemble of ``size`` (:math:`K`) members with
     seed ``seed`` (:math:`s`); see the module docstring.
 
-    :raises ValueError: Unless ``0 <= member < size``.
+    :raises ValueError: Unless ``0 <= member < size``, or if :math:`sK + k` leaves the range of
+        ``torch.manual_seed`` (:math:`-2^{63}` to :data:`~gpattn.validation.MAX_SEED`).
     """
-    check_int("size", size)
-    check_int("member", member, minimum=0, maximum=size - 1)
-    return seed * size + member
+    seed = check_int("seed", seed, minimum=None)
+    size = check_int("size", size)
+    member = check_int("member", member, minimum=0, maximum=size - 1)
+    value = seed * size + member
+    if not -(2**63) <= value <= MAX_SEED:
+        raise ValueError(
+            f"member {member} of an ensemble of {size} with seed {seed} would train with the seed seed * size + member "
+            f"= {value}, outside torch.manual_seed's range [-2**63, 2**64 - 1]: ensembles of {size} take seeds "
+            f"from {-(2**63 // size)} to {(MAX_SEED - size + 1) // size}"
+        )
+    return value
 
 
 def train_ensemble(

@@ -47,3 +47,15 @@ def test_seeds_must_be_a_sequence_and_are_stored_as_python_ints(name) -> None:
     config = CompareConfig(**{**POINTER, "seeds": (0,), name: seeds})
     assert getattr(config, name) == (5, 6) and all(type(seed) is int for seed in getattr(config, name))
     assert type(CompareConfig(**{**POINTER, "seeds": (0,), "batch_size": np.int64(8)}).batch_size) is int
+
+
+def test_seeds_whose_ensemble_members_leave_torchs_range_are_refused_up_front() -> None:
+    # member k of an ensemble of K with seed s trains with s * K + k (member_seed): with K = 2, the seed 2**63 gives
+    # 2**64 + 1 for member 1, which torch.manual_seed refuses; a single model takes every 64-bit seed
+    assert CompareConfig(**{**POINTER, "seeds": (2**64 - 1,)}).seeds == (2**64 - 1,)
+    largest = (2**64 - 2) // 2
+    assert CompareConfig(**{**POINTER, "seeds": (largest,), "ensemble": 2}).ensemble == 2
+    with pytest.raises(ValueError, match=r"row 'kep_svgp': member 1 of an ensemble of 2 with seed 9223372036854775808"):
+        CompareConfig(**{**POINTER, "seeds": (largest + 1,), "ensemble": 2})
+    with pytest.raises(ValueError, match="row 'deep_ensemble': member 4 of an ensemble of 5"):  # an ensemble row
+        CompareConfig(**{**POINTER, "attentions": ("deep_ensemble",), "seeds": (2**62,)})

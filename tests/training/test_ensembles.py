@@ -36,6 +36,20 @@ def test_member_outside_the_ensemble_is_refused():
         member_seed(0, 0, 0)
 
 
+def test_member_seeds_outside_torchs_range_are_refused_with_the_range_of_seeds():
+    # torch.manual_seed takes [-2**63, 2**64 - 1]; the largest and smallest seeds an ensemble of 3 can take
+    largest, smallest = (2**64 - 1 - 2) // 3, -(2**63 // 3)
+    assert 2**64 - 4 <= member_seed(largest, 2, 3) <= 2**64 - 1
+    assert member_seed(smallest, 0, 3) >= -(2**63)
+    torch.Generator().manual_seed(member_seed(largest, 2, 3))
+    torch.Generator().manual_seed(member_seed(smallest, 0, 3))
+    for seed in (largest + 1, smallest - 1):
+        with pytest.raises(ValueError, match=f"from {smallest} to {largest}"):
+            member_seed(seed, 2 if seed > 0 else 0, 3)
+        with pytest.raises((RuntimeError, ValueError)):  # what torch says without the check
+            torch.Generator().manual_seed(seed * 3 + (2 if seed > 0 else 0))
+
+
 def test_members_are_built_and_trained_under_their_seeds(data, small_model, small_config):
     built = {}
 
