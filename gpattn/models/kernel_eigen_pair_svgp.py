@@ -58,7 +58,7 @@ class KernelEigenPairSVGP(ApproximateGP):
     SVI through :meth:`pyro_model`/:meth:`pyro_guide` (one sample site ``{prefix}.u`` holding both branches).
 
     :param inducing_points: Landmarks :math:`X = Z`, shape ``(*batch, M, d)``.
-    :param kernel: The asymmetric kernel (becomes ``covar_module``).
+    :param kernel: The asymmetric kernel, ``covar_module`` (held once, by the features: see :attr:`covar_module`).
     :param num_inducing: :math:`s \leq M`, the KSVD rank.
     :param merge: ``"sum"`` or ``"concat"``.
     :param shared_posterior: One :math:`q(u)` for both branches (the official code's choice).
@@ -139,8 +139,45 @@ class KernelEigenPairSVGP(ApproximateGP):
             features=features,
         )
         super().__init__(strategy)
-        self.covar_module = kernel
         self.mean_module = ZeroMean() if mean_module is None else mean_module
+
+    @property
+    def covar_module(self) -> AsymmetricKernel:
+        r"""The asymmetric kernel :math:`\kappa`, GPyTorch's name for what the features hold
+        (``features.base_kernel``): one module, read by the prior (:meth:`forward`) and the posterior alike, and one set
+        of ``state_dict`` keys. Assigning another kernel (``model.covar_module = kernel``) replaces it for both and
+        clears the memoised KSVD, in exact mode; in primal mode the learned feature weights belong to the kernel they
+        were initialised from, so a new kernel needs a new model.
+
+        :raises TypeError: Assigning anything but an :class:`~gpattn.kernels.AsymmetricKernel`.
+        :raises ValueError: Assigning a kernel of another input width than the landmarks, or in primal mode.
+        """
+        return self.features.kernel
+
+    def __setattr__(self, name: str, value) -> None:
+        # torch.nn.Module.__setattr__ files a module under _modules before any property setter could see it
+        if name == "covar_module" and "variational_strategy" in self.__dict__.get("_modules", {}):
+            self._replace_kernel(value)
+        else:
+            super().__setattr__(name, value)
+
+    def _replace_kernel(self, kernel: AsymmetricKernel) -> None:
+        where = f"{type(self).__name__}.covar_module"
+        if not isinstance(kernel, AsymmetricKernel):
+            raise TypeError(f"{where}: expected an AsymmetricKernel (gpattn.kernels), got {type(kernel).__name__}")
+        features = self.features
+        width = features.landmarks.shape[-1]
+        if kernel.input_dim != width:
+            raise ValueError(
+                f"{where}: expected a kernel of input_dim {width} (the landmarks'), got {kernel.input_dim}"
+            )
+        if features.mode == "primal":
+            raise ValueError(
+                f"{where}: cannot replace the kernel of a primal-mode model (its feature weights W_e, W_r were "
+                "initialised from the old kernel's features); build a new model with the new kernel"
+            )
+        features.base_kernel = kernel
+        self.variational_strategy._clear_cache()
 
     def get_fantasy_model(self, inputs: Tensor, targets: Tensor, **kwargs):
         """Not supported: raises ``NotImplementedError`` explaining why (:data:`FANTASY_UNSUPPORTED`): GPyTorch's

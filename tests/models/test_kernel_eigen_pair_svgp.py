@@ -243,6 +243,49 @@ def test_eval_mode_caches_the_ksvd_and_train_clears_it(data):
         assert kernel_svd.call_count == 4
 
 
+def test_a_replaced_covar_module_is_the_kernel_of_the_prior_and_the_posterior(data):
+    # one kernel module, held by the features: model.covar_module = k replaces it for q(f) and p(f) alike
+    x, y, landmarks = data
+    gp = _model(landmarks)
+    likelihood = gpytorch.likelihoods.GaussianLikelihood().double()
+    _train(gp, likelihood, gpytorch.mlls.VariationalELBO(likelihood, gp, num_data=x.shape[0]), x, y, steps=3)
+    old = gp.covar_module
+    assert gp.features.kernel is old and sum(key.startswith("covar_module.") for key in gp.state_dict()) == 0
+    gp.eval()
+    with torch.no_grad():
+        before = gp(x).mean  # memoises the old kernel's KSVD
+    kernel = ShiftedRBFKernel(1, lengthscale=0.3, shift=1.0).double()
+    gp.covar_module = kernel
+    assert gp.covar_module is kernel and gp.features.kernel is kernel
+    assert {id(p) for p in kernel.parameters()} <= {id(p) for p in gp.parameters()}
+    assert not {id(p) for p in old.parameters()} & {id(p) for p in gp.parameters()}
+    # the reference: a model built with that kernel and the same q(u)
+    reference = _model(landmarks, kernel=ShiftedRBFKernel(1, lengthscale=0.3, shift=1.0))
+    reference.load_state_dict(gp.state_dict())
+    reference.eval()
+    with torch.no_grad():
+        posterior, expected = gp(x), reference(x)
+        assert not torch.allclose(posterior.mean, before)  # the memoised KSVD was cleared
+        torch.testing.assert_close(posterior.mean, expected.mean, rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(posterior.covariance_matrix, expected.covariance_matrix, rtol=1e-12, atol=1e-12)
+        prior = gp(x, prior=True).covariance_matrix
+        torch.testing.assert_close(prior, reference(x, prior=True).covariance_matrix, rtol=1e-12, atol=1e-12)
+    gp.train()
+    (-gpytorch.mlls.VariationalELBO(likelihood, gp, num_data=x.shape[0])(gp(x), y)).backward()
+    assert kernel.raw_lengthscale.grad is not None and kernel.raw_lengthscale.grad.abs().item() > 0
+
+    with pytest.raises(TypeError, match="covar_module: expected an AsymmetricKernel"):
+        gp.covar_module = gpytorch.kernels.RBFKernel()
+    with pytest.raises(ValueError, match="input_dim 1"):
+        gp.covar_module = ShiftedRBFKernel(2).double()
+    primal = _model(
+        landmarks, kernel=CosineFeatureKernel(1, feature_dim=16, lift="rff", lift_dim=32), mode="primal", num_inducing=4
+    )
+    with pytest.raises(ValueError, match="primal-mode"):
+        primal.covar_module = CosineFeatureKernel(1, feature_dim=16, lift="rff", lift_dim=32).double()
+    assert gp.covar_module is kernel  # the refused kernels changed nothing
+
+
 @pytest.mark.parametrize(
     "kwargs, match",
     [
