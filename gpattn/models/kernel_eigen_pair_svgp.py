@@ -17,7 +17,7 @@ from torch import Tensor
 
 from ..features import KernelEigenFeatures
 from ..kernels import AsymmetricKernel
-from ..validation import check_choice, check_tensor
+from ..validation import check_choice, check_int, check_tensor
 from ..variational import KernelEigenPairVariationalStrategy
 from ..variational.structured_covariance import low_rank_plus_diag
 
@@ -264,16 +264,26 @@ class KernelEigenPairSVGP(ApproximateGP):
             pyro.sample(f"{name_prefix}.u", q_u.to_event(len(q_u.batch_shape)))
         return self._masked_function_dist(function_dist)
 
-    def pyro_model(self, input: Tensor, beta: float = 1.0, name_prefix: str = "") -> pyro.distributions.Distribution:
+    def pyro_model(
+        self, input: Tensor, beta: float = 1.0, name_prefix: str = "", *, num_data: int | None = None
+    ) -> pyro.distributions.Distribution:
         r"""Pyro model: samples :math:`u` of both branches from :math:`p(u) = \mathcal N(0, \Lambda^2)`, adds GPyTorch
         priors and subtracts the added loss terms (the KSVD penalty), and returns the prior :math:`p(f(x))`.
+
+        Pyro's loss is a sum over the data set, :math:`n` times :class:`gpytorch.mlls.VariationalELBO`'s per-datum loss
+        (whose KL and GPyTorch priors are divided by :math:`n`, and whose added loss terms, the KSVD penalty
+        :math:`\eta J^2`, are not). So that both train the same objective, the penalty enters the log joint as
+        :math:`-n \eta J^2`, with :math:`n` = ``num_data``.
 
         :param input: Inputs, shape ``(*batch, N, d)``.
         :param beta: Scale of the sample site (the KL weight).
         :param name_prefix: Prefix of the sample site (as in :meth:`pyro_guide`).
+        :param num_data: :math:`n`, the size of the training set (default: ``N``, the points of this call, which is
+            :math:`n` for full-batch SVI; pass it when ``input`` is a minibatch).
         :return: The marginals of :math:`p(f(x))` as a masked ``pyro.distributions.Normal`` with event shape
             ``(N,)`` (``(N, 2)`` for ``"concat"``).
         """
+        check_tensor("x", input, where=type(self).__name__)
         with pyro.poutine.scale(scale=beta):
             p_u = self.variational_strategy.prior_distribution
             pyro.sample(f"{name_prefix}.u", p_u.to_event(len(p_u.batch_shape)))
@@ -283,6 +293,7 @@ class KernelEigenPairSVGP(ApproximateGP):
         )
         pyro.factor(f"{name_prefix}.log_prior", log_prior)
         # a penalty lowers the log joint (GPyTorch's own mixin adds it with the opposite sign)
+        num_data = input.shape[-2] if num_data is None else check_int("num_data", num_data, where=type(self).__name__)
         added_loss = sum((term.loss() for term in self.added_loss_terms()), torch.zeros(()))
-        pyro.factor(f"{name_prefix}.added_loss", -added_loss)
+        pyro.factor(f"{name_prefix}.added_loss", -num_data * added_loss)
         return self._masked_function_dist(self(input, prior=True))

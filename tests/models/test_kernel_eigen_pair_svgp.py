@@ -186,6 +186,46 @@ def test_pyro_svi_lowers_the_loss(data):
     assert model_trace.nodes["gp.y"]["is_observed"]
 
 
+@pytest.mark.parametrize("num_data", [None, 600])
+def test_pyro_svi_weighs_the_ksvd_penalty_as_the_variational_elbo_does(data, num_data):
+    # Pyro's loss sums over the data set: n times VariationalELBO's per-datum loss, whose penalty eta J^2 is not divided
+    # by n. With the same sampling (one seed), two penalty weights must therefore differ by n * eta * J^2 in Pyro's loss
+    x, y, landmarks = data
+    n = x.shape[0] if num_data is None else num_data
+    torch.manual_seed(0)
+    kernel = CosineFeatureKernel(1, feature_dim=16, lift="rff", lift_dim=32)
+    gp = _model(landmarks, kernel=kernel, num_inducing=4, mode="primal", ksvd_weight=2.0)
+    with torch.no_grad():  # J off its stationary 0
+        gp.features.left_weights.add_(0.1 * torch.randn_like(gp.features.left_weights))
+    likelihood = gpytorch.likelihoods.GaussianLikelihood().double()
+    gp.train()
+    likelihood.train()
+    gp(x)  # initialises q(u) (a random jitter of its mean): both losses below then draw the same samples
+
+    def model(x, y):
+        function_dist = gp.pyro_model(x, name_prefix="gp", num_data=num_data)
+        with pyro.plate("gp.data_plate", dim=-1):
+            function_samples = pyro.sample("gp.f(x)", function_dist)
+            return pyro.sample("gp.y", pyro.distributions.Normal(function_samples, likelihood.noise.sqrt()), obs=y)
+
+    def guide(x, y):
+        function_dist = gp.pyro_guide(x, name_prefix="gp")
+        with pyro.plate("gp.data_plate", dim=-1):
+            pyro.sample("gp.f(x)", function_dist)
+
+    losses, penalties = {}, {}
+    for eta in (2.0, 0.0):
+        gp.features.ksvd_weight = eta
+        pyro.set_rng_seed(1)
+        losses[eta] = pyro.infer.Trace_ELBO().loss(model, guide, x, y)
+        mll = gpytorch.mlls.VariationalELBO(likelihood, gp, num_data=x.shape[0], combine_terms=False)
+        penalties[eta] = mll(gp(x), y)[3].item()  # the added loss term, as VariationalELBO subtracts it
+    objective = gp.features.ksvd_objective().item()
+    assert abs(objective) > 0.1 and penalties[0.0] == 0.0
+    assert penalties[2.0] == pytest.approx(2.0 * objective**2, rel=1e-12)
+    assert losses[2.0] - losses[0.0] == pytest.approx(n * penalties[2.0], rel=1e-9)
+
+
 def test_pyro_shared_posterior_samples_one_u_for_both_branches(data):
     x, y, landmarks = data
     pyro.clear_param_store()
