@@ -299,7 +299,7 @@ class KernelEigenFeatures(KernelEigenFeaturesBase):
     def refresh_ksvd_loss(self) -> None:
         """Recompute the added loss term ``"ksvd_loss"`` (:math:`\\eta J^2`; primal mode, a no-op in exact mode).
 
-        Strategies call this on every training forward pass.
+        Strategies call this on every forward pass.
         """
         if self.learns_spectrum:
             self.update_added_loss_term("ksvd_loss", KSVDAddedLossTerm(self.ksvd_objective(), self.ksvd_weight))

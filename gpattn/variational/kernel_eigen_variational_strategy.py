@@ -302,9 +302,9 @@ class KernelEigenVariationalStrategy(_VariationalStrategy):
 
     def _evaluate_features(self, x: Tensor) -> KernelEigenScores:
         # the landmark features at x for this strategy's branches (with the kernel diagonals when the residual is
-        # kept), checked by __call__; refreshes the KSVD penalty in training
-        if self.training:
-            self.features.refresh_ksvd_loss()
+        # kept), checked by __call__; refreshes the KSVD penalty (in eval mode too: an mll read there, e.g. a validation
+        # loss, must see the current eta J^2, not the last training step's; O(M p s))
+        self.features.refresh_ksvd_loss()
         return self.features(x, sides=self._branch_sides, kernel_diag=self.residual == "diag", check=False)
 
     def _interpolation(self, scores: KernelEigenScores, side: str) -> tuple[Tensor, Tensor | None]:

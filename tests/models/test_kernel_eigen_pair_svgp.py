@@ -186,6 +186,26 @@ def test_pyro_svi_lowers_the_loss(data):
     assert model_trace.nodes["gp.y"]["is_observed"]
 
 
+def test_an_eval_mode_elbo_reads_the_current_ksvd_penalty(data):
+    # a validation loss in eval mode after an optimiser step: the penalty of the current weights, not the last step's
+    x, y, landmarks = data
+    torch.manual_seed(0)
+    kernel = CosineFeatureKernel(1, feature_dim=16, lift="rff", lift_dim=32)
+    gp = _model(landmarks, kernel=kernel, num_inducing=4, mode="primal", ksvd_weight=2.0)
+    likelihood = gpytorch.likelihoods.GaussianLikelihood().double()
+    mll = gpytorch.mlls.VariationalELBO(likelihood, gp, num_data=x.shape[0], combine_terms=False)
+    _train(gp, likelihood, gpytorch.mlls.VariationalELBO(likelihood, gp, num_data=x.shape[0]), x, y, steps=1)
+    with torch.no_grad():
+        gp.features.left_weights.add_(0.2)  # J far from where the training step left it
+    gp.eval()
+    likelihood.eval()
+    with torch.no_grad():
+        added = mll(gp(x), y)[3]
+        objective = gp.features.ksvd_objective()
+    assert abs(objective.item()) > 1.0
+    torch.testing.assert_close(added, 2.0 * objective.pow(2), rtol=1e-12, atol=0.0)
+
+
 @pytest.mark.parametrize("num_data", [None, 600])
 def test_pyro_svi_weighs_the_ksvd_penalty_as_the_variational_elbo_does(data, num_data):
     # Pyro's loss sums over the data set: n times VariationalELBO's per-datum loss, whose penalty eta J^2 is not divided
