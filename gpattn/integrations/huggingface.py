@@ -10,7 +10,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from .conversion import AttentionAdapter, build_layer, convert_modules, copy_projections, padding_mask
+from .conversion import MASKED_BELOW, AttentionAdapter, build_layer, convert_modules, copy_projections, padding_mask
 
 WHERE = "gpattn.integrations.huggingface.convert_attention"
 
@@ -53,11 +53,14 @@ class HuggingFaceAttentionAdapter(AttentionAdapter):
     ``(hidden_states, attention_mask=None, **kwargs) -> (output, None)`` (the attention weights of the replaced
     module are not defined: ``None``).
 
-    ``attention_mask`` is the mask the encoder builds for its layers: a 2-D ``(B, N)`` mask (1 = real token, the
-    form of the ``attention_mask`` argument of the model), a 4-D boolean mask (``sdpa``) or a 4-D additive mask
-    (``eager``, :math:`-\infty`/``torch.finfo(dtype).min`` on padding); it becomes gpattn's boolean padding mask
-    (:func:`~gpattn.integrations.padding_mask`). Other keyword arguments the encoder passes (``position_ids``,
-    ``output_attentions``, ...) are ignored; cross-attention, cached decoding and head masks are refused.
+    ``attention_mask`` is the mask the encoder builds for its layers: a 4-D boolean mask (``sdpa``), a 4-D additive
+    mask (``eager``, :math:`-\infty`/``torch.finfo(dtype).min`` on padding) or a 2-D ``(B, N)`` mask, either a
+    keep-mask (boolean, or 0/1 integers or floats: 1 = real token, the form of the ``attention_mask`` argument of
+    the model and of the flash-attention path) or an additive one (floats, 0 = real token, a value
+    :math:`\leq -10^4` or :math:`-\infty` = padding; an all-zero floating mask hides nothing); it becomes gpattn's
+    boolean padding mask (:func:`~gpattn.integrations.padding_mask`); a 2-D mask of other values is refused. Other
+    keyword arguments the encoder passes (``position_ids``, ``output_attentions``, ...) are ignored; cross-attention,
+    cached decoding and head masks are refused.
 
     :param layer: The gpattn layer.
     :param copied: The names of the layer's parameters copied from the replaced module.
@@ -71,10 +74,12 @@ class HuggingFaceAttentionAdapter(AttentionAdapter):
         """Attend, as the replaced module did.
 
         :param hidden_states: Tokens, shape ``(B, N, C)``.
-        :param attention_mask: ``None``, ``(B, N)`` (1 = real token) or the encoder's 4-D mask
-            ``(B, 1, N, N)``.
+        :param attention_mask: ``None``, ``(B, N)`` (a keep-mask, 1 = real token, or an additive mask, 0 = real
+            token) or the encoder's 4-D mask ``(B, 1, N, N)``.
         :param kwargs: Further arguments of the encoder's call.
         :return: The output ``(B, N, C)`` and ``None`` for the attention weights.
+        :raises ValueError: Cross-attention, a cache or a head mask, or a mask that is neither a keep-mask nor an
+            additive padding mask.
         """
         where = type(self).__name__
         refused = [
@@ -83,9 +88,35 @@ class HuggingFaceAttentionAdapter(AttentionAdapter):
         if refused:
             raise ValueError(f"{where}: a converted encoder layer supports self-attention only, got {refused}")
         batch, length = hidden_states.shape[:2]
-        if attention_mask is not None and attention_mask.dim() == 2:  # (B, N), 1 = real token: as SDPA's (B, 1, 1, N)
-            attention_mask = attention_mask.bool()[:, None, None, :]
+        if attention_mask is not None and attention_mask.dim() == 2:  # (B, N): as SDPA's (B, 1, 1, N)
+            attention_mask = _key_mask(attention_mask, where)[:, None, None, :]
         return self.layer(hidden_states, mask=padding_mask(attention_mask, batch, length, where=where)), None
+
+
+def _key_mask(attention_mask: Tensor, where: str) -> Tensor:
+    r"""A 2-D ``(B, N)`` attention mask as a boolean keep-mask (``True``: real token) or, when it is additive, as it is.
+
+    Boolean masks are keep-masks; integer masks must hold 0/1 (1 = real token). A floating mask of 0/1 values with
+    at least one 1 is a keep-mask; a floating mask of 0 and values :math:`\leq -10^4` or :math:`-\infty` (or of 0
+    alone: nothing hidden) is additive, returned unchanged for :func:`~gpattn.integrations.padding_mask`.
+
+    :raises ValueError: Any other values (e.g. 0.5, NaN, or 1 beside a hidden value): neither form.
+    """
+    if attention_mask.dtype == torch.bool:
+        return attention_mask
+    one = attention_mask == 1
+    binary = bool(((attention_mask == 0) | one).all())
+    floating = attention_mask.is_floating_point()
+    if binary and (not floating or bool(one.any())):
+        return one
+    if floating and bool(((attention_mask == 0) | (attention_mask <= MASKED_BELOW)).all()):
+        return attention_mask
+    low, high = (float(value) for value in attention_mask.double().aminmax())
+    raise ValueError(
+        f"{where}: a 2-D attention_mask must be a keep-mask (1 = real token, 0 = padding) or, floating, an additive "
+        f"mask (0 = real token, a value <= {MASKED_BELOW:g} or -inf = padding), got a {attention_mask.dtype} mask "
+        f"with values in [{low}, {high}]"
+    )
 
 
 def _linear(module: torch.nn.Module, path: str, where: str) -> torch.nn.Linear:

@@ -13,7 +13,7 @@ import pytest
 import torch
 import transformers
 
-from gpattn.attention import sample_attention
+from gpattn.attention import SoftmaxAttention, sample_attention
 from gpattn.integrations.huggingface import HuggingFaceAttentionAdapter, convert_attention
 from gpattn.mlls import AttentionELBO
 from gpattn.models import predict_probabilities
@@ -227,6 +227,46 @@ def test_the_adapter_reads_two_dimensional_masks_and_refuses_cross_attention():
     torch.testing.assert_close(output, adapter(tokens, real.bool()[:, None, None, :])[0], rtol=0, atol=0)
     with pytest.raises(ValueError, match=r"self-attention only, got \['encoder_hidden_states'\]"):
         adapter(tokens, real, encoder_hidden_states=tokens)
+
+
+@pytest.mark.parametrize("hidden", [float("-inf"), torch.finfo(torch.float64).min, -1e4], ids=["-inf", "min", "-1e4"])
+def test_the_adapter_reads_two_dimensional_additive_masks(hidden):
+    """A 2-D additive mask (0 = real token) hides the padding as the keep-mask does, and as the replaced module does
+    with the 4-D additive mask of its eager path; rows 0 and 3 are all zeros (nothing hidden)."""
+    model = _model("distilbert", "eager")
+    original = _encoder_layers(model)[-1].attention  # DistilBertSelfAttention, its output projection inside
+    adapter = _encoder_layers(convert_attention(copy.deepcopy(model), "softmax"))[-1].attention
+    tokens = torch.randn(BATCH, LENGTH, WIDTH, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
+    real = _real_tokens(LENGTH)
+    zero, lowest = torch.tensor(0.0, dtype=torch.float64), torch.finfo(torch.float64).min
+    additive = torch.where(real.bool(), zero, torch.tensor(hidden, dtype=torch.float64))
+    with torch.no_grad():
+        output, weights = adapter(tokens, additive)
+        assert weights is None
+        eager_mask = torch.where(real.bool(), zero, torch.tensor(lowest, dtype=torch.float64))[:, None, None, :]
+        reference = original(tokens, attention_mask=eager_mask)[0]
+        torch.testing.assert_close(output, reference, rtol=0, atol=ATOL)
+        torch.testing.assert_close(output, adapter.layer(tokens, mask=real.bool()), rtol=0, atol=0)
+        for keep in (real, real.bool(), real.double()):  # the model's 0/1 argument, the flash path's, 0/1 floats
+            torch.testing.assert_close(output, adapter(tokens, keep)[0], rtol=0, atol=0)
+        unmasked = adapter(tokens)[0]
+        torch.testing.assert_close(adapter(tokens, torch.zeros(BATCH, LENGTH, dtype=torch.float64))[0], unmasked)
+        torch.testing.assert_close(output[[0, 3]], unmasked[[0, 3]], rtol=0, atol=0)  # all-zero rows hide nothing
+        assert (output[[1, 2]] - unmasked[[1, 2]]).abs().max() > 1e-3  # the padding was hidden
+
+
+@pytest.mark.parametrize(
+    "values",
+    [[1.0, 0.5], [1.0, float("-inf")], [0.0, -5.0], [1.0, float("nan")], [1, 2]],
+    ids=["half", "keep-and-additive", "bias", "nan", "integer-2"],
+)
+def test_the_adapter_refuses_two_dimensional_masks_of_neither_form(values):
+    adapter = HuggingFaceAttentionAdapter(SoftmaxAttention(WIDTH, HEADS).double().eval())
+    tokens = torch.randn(1, 4, WIDTH, dtype=torch.float64)
+    mask = torch.tensor([[values[0], values[0], values[0], values[1]]])
+    mask = mask.double() if mask.is_floating_point() else mask
+    with pytest.raises(ValueError, match=r"HuggingFaceAttentionAdapter: a 2-D attention_mask must be a keep-mask"):
+        adapter(tokens, mask)
 
 
 # -- errors --------------------------------------------------------------------------------------------------------
