@@ -40,7 +40,7 @@ from ._records import (
     values_array,
 )
 from .fidelity import write_fidelity_figure
-from .shift import plot_gap_vs_shift_ece, plot_shift_curves, shift_records
+from .shift import gap_records, plot_gap_vs_shift_ece, plot_shift_curves, shift_records
 
 OOD_SETS = {"in": "in-distribution (test)", "held_out": "held-out classes", "noise": "noise"}
 #: The OOD set that pools every family: its scores are the families' together, so the histograms leave it out.
@@ -205,11 +205,14 @@ def plot_ood_histograms(records: list[RunRecord], task: str | None = None) -> Fi
     Scores are pooled over seeds; the density axis is logarithmic (most scores sit near 1, where a linear axis hides
     the rest). The panel title gives the AUROC against the pooled OOD set (else against every OOD set) by the maximum
     probability and, where the record has it, by the mutual information (MI): the mean ± std over the seeds of
-    ``metrics.ood.<set>``. Records without OOD scores are skipped.
+    ``metrics.ood.<set>``. Records without OOD scores are skipped; non-finite scores are left out (the legend counts
+    the inputs drawn), and a panel without a finite score says so.
 
     :param records: The comparison records.
     :param task: The task to draw; ``None``: every task with OOD scores (a panel per task and row).
     :return: The figure, one panel per row (per task and row for several tasks).
+    :raises ValueError: No OOD scores (for ``task``), or a score outside [0, 1]: the scores are maximum probabilities
+        (:attr:`~gpattn.comparison.RunRecord.ood_scores`), drawn on [0, 1].
     """
     records = validate(records)
     if task is None:
@@ -218,6 +221,16 @@ def plot_ood_histograms(records: list[RunRecord], task: str | None = None) -> Fi
             raise ValueError("no records with OOD scores")
     else:
         task, selected = task_records(records, task, _ood_records, "OOD scores")
+    for record in selected:  # before any figure is made
+        for name, values in record.ood_scores.items():
+            scores = np.asarray(values, dtype=np.float64)
+            outside = scores[(scores < 0.0) | (scores > 1.0)]
+            if outside.size:
+                raise ValueError(
+                    f"plot_ood_histograms: the {name!r} OOD scores of {record.attention} (task {record.task!r}, seed "
+                    f"{record.seed}) must be maximum probabilities in [0, 1], got {outside.size} outside, in "
+                    f"[{outside.min():g}, {outside.max():g}]"
+                )
     tasks, groups, figure, axes = _task_attention_panels(selected)
     bins = np.linspace(0.0, 1.0, 41)
     for axis, (name_of_task, attention) in zip(axes, groups, strict=True):
@@ -239,7 +252,10 @@ def plot_ood_histograms(records: list[RunRecord], task: str | None = None) -> Fi
         axis.set_yscale("log")  # most scores sit near 1: a linear axis hides everything below 0.95
         axis.set_xlabel("max probability")
         axis.set_ylabel("density (log)")
-        axis.legend(fontsize=7, loc="upper left")
+        if axis.get_legend_handles_labels()[0]:
+            axis.legend(fontsize=7, loc="upper left")
+        else:
+            axis.text(0.5, 0.5, "no finite scores", transform=axis.transAxes, ha="center", va="center", gid="note")
     figure.suptitle(f"Maximum-probability OOD scores on {', '.join(tasks)} (seeds pooled)")
     return figure
 
@@ -253,7 +269,9 @@ def plot_spectra(records: list[RunRecord]) -> Figure:
     """Learned KSVD singular values :math:`\\lambda_i` of every attention layer and head (mean over seeds), on one
     linear y-scale shared by all panels and starting at 0, so that panels compare by eye.
 
-    Records without spectra are skipped; seeds with spectra of different lengths are truncated to the shortest.
+    Records without spectra are skipped; seeds with spectra of different lengths are truncated to the shortest. NaN
+    values are left out of the mean: an index that is NaN in every seed is a gap in the line, and a head without
+    any finite mean is not drawn (the panel says how many were left out).
 
     :param records: The comparison records.
     :return: The figure, one panel per attention (per task and attention when several tasks have spectra).
@@ -266,7 +284,7 @@ def plot_spectra(records: list[RunRecord]) -> Figure:
     for axis, (task, attention) in zip(axes, groups, strict=True):
         group = [r for r in selected if r.task == task and r.attention == attention]
         layers = sorted(unique(layer for r in group for layer in r.spectra), key=natural_key)
-        lines = 0
+        lines = left_out = 0
         for layer_index, layer in enumerate(layers):
             num_heads = max(len(r.spectra.get(layer, [])) for r in group)
             for head in range(num_heads):
@@ -278,7 +296,14 @@ def plot_spectra(records: list[RunRecord]) -> Figure:
                 if not curves:
                     continue
                 length = min(len(c) for c in curves)
-                mean = np.nanmean(np.stack([c[:length] for c in curves]), axis=0)
+                stacked = np.stack([c[:length] for c in curves])
+                known = ~np.isnan(stacked)
+                seeds = known.sum(axis=0)  # np.nanmean warns where it is 0
+                mean = np.where(known, stacked, 0.0).sum(axis=0) / np.maximum(seeds, 1)
+                mean[seeds == 0] = np.nan
+                if not np.isfinite(mean).any():
+                    left_out += 1
+                    continue
                 index = np.arange(1, length + 1)
                 axis.plot(
                     index, mean, color=f"C{layer_index % 10}", ls=("-", "--", ":", "-.")[head % 4], marker=".",
@@ -286,7 +311,10 @@ def plot_spectra(records: list[RunRecord]) -> Figure:
                 )  # fmt: skip
                 lines += 1
                 finite = mean[np.isfinite(mean)]
-                top = max(top, float(finite.max()) if finite.size else 0.0)
+                top = max(top, float(finite.max()))
+        if left_out:
+            note = f"{left_out} head{'' if left_out == 1 else 's'} without a finite value not drawn"
+            axis.text(0.5, 0.5, note, transform=axis.transAxes, ha="center", va="center", fontsize=8, gid="note")
         axis.set_title(f"{panel_name(task, attention, tasks)} ({seeds_text(len(group))})", fontsize=10)
         axis.set_xlabel("index i")
         axis.set_ylabel(r"singular value $\lambda_i$")
@@ -345,7 +373,8 @@ def write_comparison_figures(records: list[RunRecord], out_dir: str | Path) -> l
             jobs.append((RELIABILITY_FILE, task, lambda t: plot_reliability_diagrams(records, t)))
         if any(r.task == task for r in shift_records(records)):
             jobs.append((SHIFT_FILE, task, lambda t: plot_shift_curves(records, SHIFT_FIGURE_METRICS, t, scaled=True)))
-            jobs.append((GAP_FILE, task, lambda t: plot_gap_vs_shift_ece(records, t)))
+            if any(r.task == task for r in gap_records(records)):
+                jobs.append((GAP_FILE, task, lambda t: plot_gap_vs_shift_ece(records, t)))
         if any(r.task == task for r in _ood_records(records)):
             jobs.append((OOD_FILE, task, lambda t: plot_ood_histograms(records, t)))
     if _spectra_records(records):

@@ -72,7 +72,8 @@ def fidelity_values(records: Sequence[RunRecord]) -> dict[tuple[str, str, str], 
     """The fidelity values of the records that have them, pooled over seeds and heads, per layer.
 
     :param records: Comparison records (:func:`~gpattn.comparison.read_records` of a ``results.json``).
-    :return: ``(task, attention, layer)`` -> field -> values, in record order; ``{}`` when no record has fidelity.
+    :return: ``(task, attention, layer)`` -> field -> values, in record order; a layer without any value (no
+        fields, or only empty ones) is left out; ``{}`` when no record has fidelity values.
     """
     groups: dict[tuple[str, str, str], dict[str, list[float]]] = {}
     for record in _checked(records):
@@ -80,7 +81,7 @@ def fidelity_values(records: Sequence[RunRecord]) -> dict[tuple[str, str, str], 
             group = groups.setdefault((record.task, record.attention, layer), {})
             for name, values in fields.items():
                 group.setdefault(name, []).extend(float(value) for value in values)
-    return groups
+    return {key: fields for key, fields in groups.items() if any(fields.values())}
 
 
 def _finite(values: list[float]) -> np.ndarray:
@@ -112,13 +113,17 @@ def plot_fidelity(records: Sequence[RunRecord]) -> Figure:
     sideways), a bar at their mean, a dotted line at the exact-KSVD value and black dashes at the reference of
     :data:`REFERENCES`.
 
-    :param records: Comparison records; those without fidelity (softmax, SGPA, ...) are skipped.
+    :param records: Comparison records; those without fidelity (softmax, SGPA, ...) and layers without values are
+        skipped.
     :return: The figure (2 x 4 panels, the legend below them).
-    :raises ValueError: No record has fidelity data.
+    :raises ValueError: No record has fidelity values.
     """
     groups = fidelity_values(records)
     if not groups:
-        raise ValueError("no record has KSVD fidelity data (only KEP-SVGP and Primal-Attention runs have it)")
+        raise ValueError(
+            "plot_fidelity: no record has KSVD fidelity data (only KEP-SVGP and Primal-Attention runs have it; "
+            "layers without values do not count)"
+        )
     names = [f"{task}\n{attention}\n{layer}" for task, attention, layer in groups]
     columns = 4
     width = max(3.6, 1.1 * len(groups) + 1.2)
@@ -146,7 +151,7 @@ def plot_fidelity(records: Sequence[RunRecord]) -> Figure:
 def write_fidelity_figure(records: Sequence[RunRecord], out_dir: str | Path) -> list[Path]:
     """Write ``fidelity.png`` (:func:`plot_fidelity`, 110 dpi) into ``out_dir`` when a record has fidelity data.
 
-    :return: ``[path]``, or ``[]`` when no record has fidelity data (nothing written).
+    :return: ``[path]``, or ``[]`` when no record has fidelity values (nothing written).
     """
     if not fidelity_values(records):
         return []

@@ -30,8 +30,10 @@ from ._records import (
     validate,
 )
 
-__all__ = ["SHIFT_METRICS", "plot_gap_vs_shift_ece", "plot_shift_curves", "shift_records"]
+__all__ = ["SHIFT_METRICS", "gap_records", "plot_gap_vs_shift_ece", "plot_shift_curves", "shift_records"]
 
+#: The shift kind of the spatially shuffled MNIST-1D split, apart from the others in the mean shift ECE.
+SHUFFLED = "shuffled"
 #: The metrics a shift curve can show (those of :class:`~gpattn.comparison.ShiftMetrics`).
 SHIFT_METRICS = tuple(entry.name for entry in dataclasses.fields(ShiftMetrics))
 
@@ -39,6 +41,19 @@ SHIFT_METRICS = tuple(entry.name for entry in dataclasses.fields(ShiftMetrics))
 def shift_records(records: list[RunRecord]) -> list[RunRecord]:
     """The records with shift data."""
     return [r for r in records if r.metrics.shift]
+
+
+def gap_records(records: list[RunRecord]) -> list[RunRecord]:
+    """The records with shift data besides the spatially shuffled MNIST-1D split (:func:`plot_gap_vs_shift_ece`'s)."""
+    return [r for r in records if any(levels for kind, levels in r.metrics.shift.items() if kind != SHUFFLED)]
+
+
+def _shift_ece(record: RunRecord) -> float:
+    # the mean ECE over the kinds (the shuffled split apart) and severities; NaN without any
+    values = [
+        entry.ece for kind, levels in record.metrics.shift.items() if kind != SHUFFLED for entry in levels.values()
+    ]
+    return float(np.mean(values)) if values else math.nan
 
 
 def _shifted(record: RunRecord, kind: str, severity: str, metric: str) -> float:
@@ -130,20 +145,22 @@ def plot_gap_vs_shift_ece(records: list[RunRecord], task: str | None = None) -> 
     shift ECEs is the order of their clean-data gaps, so a low shift ECE says no more than "under-confident on
     clean data".
 
-    :param records: The comparison records (their ``+ts`` variants are drawn too).
-    :param task: The task; ``None``: the only task with shift data.
+    :param records: The comparison records (their ``+ts`` variants are drawn too); records without shift data
+        besides the shuffled split are skipped.
+    :param task: The task; ``None``: the only task with shift data besides the shuffled split.
     :return: The figure, one panel.
+    :raises ValueError: No record (of ``task``) has shift data besides the shuffled split, or several tasks do and
+        ``task`` is ``None``.
     """
     records = validate(records)
-    task, selected = task_records(records, task, shift_records, "shift data")
+    task, selected = task_records(records, task, gap_records, "shift data besides the shuffled split")
     selected = with_temperature_scaled(selected)
     figure, axis = plt.subplots(figsize=(7.0, 5.2), layout="constrained")
     points = []
     groups = {a: [r for r in selected if r.attention == a] for a in attention_order(r.attention for r in selected)}
     for attention, group in groups.items():
         gaps = [100 * (r.metrics.test.confidence - r.metrics.test.accuracy) for r in group]
-        shift = [100 * np.mean([e.ece for k, levels in r.metrics.shift.items() if k != "shuffled"
-                                for e in levels.values()]) for r in group]  # fmt: skip
+        shift = [100 * _shift_ece(r) for r in group]
         (gap, gap_std, _), (ece, ece_std, _) = mean_std(gaps), mean_std(shift)
         hollow = attention.endswith("+ts")
         axis.errorbar(

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import warnings
 import zlib
 
 import matplotlib
@@ -384,3 +385,78 @@ def test_figure_names_refuse_a_bare_task_string() -> None:
         comparison_figure_names(3)
     assert "reliability_pointer.png" in comparison_figure_names(["pointer"])
     assert comparison_figure_names(("pointer",)) == comparison_figure_names(iter(["pointer"]))
+
+
+# -- empty and out-of-range data: a deliberate note or a clear error, never a NumPy warning or a silent drop -----------
+def _with_shift(record: RunRecord, shift: dict) -> RunRecord:
+    return dataclasses.replace(record, metrics=dataclasses.replace(record.metrics, shift=shift))
+
+
+def test_spectra_leave_nan_out_of_the_seed_mean_without_warnings(records) -> None:
+    nan = float("nan")
+    group = [r for r in records if r.task == "pointer" and r.attention == "kep_svgp"]  # seeds 0 and 1
+    spectra = (  # head 1: index 1 NaN in both seeds, index 2 in one; head 2: NaN everywhere
+        {"layer_1": [[nan, 6.0, 2.0], [nan, nan]]},
+        {"layer_1": [[nan, nan, 4.0], [nan, nan]]},
+    )
+    nan_records = [dataclasses.replace(r, spectra=s) for r, s in zip(group, spectra, strict=True)]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # NumPy's "Mean of empty slice" was a RuntimeWarning
+        figure = plot_spectra(nan_records)
+    (axis,) = figure.axes
+    (line,) = axis.get_lines()  # head 2 has no finite value: not drawn, and the panel says so
+    np.testing.assert_allclose(line.get_xdata(), [1, 2, 3])
+    np.testing.assert_allclose(line.get_ydata(), [nan, 6.0, 3.0])  # the mean over the seeds with a value
+    notes = [text.get_text() for text in axis.texts if text.get_gid() == "note"]
+    assert notes == ["1 head without a finite value not drawn"]
+    assert axis.get_ylim() == pytest.approx((0.0, 1.05 * 6.0))
+
+
+def test_gap_against_shift_ece_refuses_only_the_shuffled_split(records, tmp_path) -> None:
+    digits = [r for r in records if r.task == "digits"]
+    blur = digits[0].metrics.shift["blur"]["1"]
+    shuffled = [_with_shift(r, {"shuffled": {"1": dataclasses.replace(blur, ece=0.9)}}) for r in digits]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # NumPy's "Mean of empty slice" was a RuntimeWarning
+        with pytest.raises(ValueError, match="no records with shift data besides the shuffled split"):
+            plot_gap_vs_shift_ece(shuffled)
+        assert plt.get_fignums() == []  # refused before a figure was made
+        paths = write_comparison_figures(shuffled, tmp_path)  # the shift curves, without the gap figure
+    names = [path.name for path in paths]
+    assert names == ["reliability_digits.png", "shift_digits.png", "ood_histograms_digits.png", "spectra.png"]
+    # beside the other kinds, the shuffled split stays out of the mean shift ECE
+    both = [_with_shift(r, {**r.metrics.shift, **s.metrics.shift}) for r, s in zip(digits, shuffled, strict=True)]
+    (axis,) = plot_gap_vs_shift_ece(both).axes
+    for container in axis.containers:
+        group = [r for r in digits if r.attention == container.get_label().split(" (")[0]]
+        ece = np.mean(
+            [100 * np.mean([e.ece for kind in r.metrics.shift.values() for e in kind.values()]) for r in group]
+        )
+        assert float(container.lines[0].get_data()[1][0]) == pytest.approx(ece, rel=1e-12)
+
+
+@pytest.mark.parametrize("bad", [1.5, -0.25], ids=["above-1", "negative"])
+def test_ood_histograms_refuse_scores_that_are_not_probabilities(records, bad) -> None:
+    digits = [r for r in records if r.task == "digits"]
+    scores = dict(digits[1].ood_scores, noise=[0.5, bad, bad])  # e.g. entropies in place of max probabilities
+    broken = [digits[0], dataclasses.replace(digits[1], ood_scores=scores), *digits[2:]]
+    message = (
+        r"plot_ood_histograms: the 'noise' OOD scores of kep_svgp \(task 'digits', seed 1\) must be maximum "
+        rf"probabilities in \[0, 1\], got 2 outside, in \[{bad:g}, {bad:g}\]"
+    )
+    with pytest.raises(ValueError, match=message):
+        plot_ood_histograms(broken)
+    assert plt.get_fignums() == []
+
+
+def test_ood_histograms_say_when_a_panel_has_no_finite_score(records) -> None:
+    digits = [r for r in records if r.task == "digits"]
+    blank = [
+        dataclasses.replace(r, ood_scores={"in": [float("nan")]}) if r.attention == "softmax" else r for r in digits
+    ]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # matplotlib warned of a legend without entries
+        figure = plot_ood_histograms(blank)
+    kep, softmax = figure.axes
+    assert [text.get_text() for text in softmax.texts] == ["no finite scores"] and softmax.get_legend() is None
+    assert not kep.texts and "(120 inputs)" in kep.get_legend().get_texts()[0].get_text()

@@ -113,3 +113,19 @@ def test_write_only_with_data(records, tmp_path):
         plot_fidelity(records[3:])
     with pytest.raises(TypeError, match="RunRecord"):
         plot_fidelity([{"task": "mnist1d"}])
+
+
+def test_layers_without_values_are_no_fidelity_data(records, tmp_path):
+    empty = [_record("kep_svgp", 2, {"layer_1": {}}), _record("primal", 1, {"layer_3": {"left_cosine": []}})]
+    assert fidelity_values(empty) == {}
+    with pytest.raises(ValueError, match="plot_fidelity: no record has KSVD fidelity data"):
+        plot_fidelity(empty)  # it drew 8 empty panels
+    assert plt.get_fignums() == []
+    assert write_fidelity_figure(empty, tmp_path / "none") == [] and not (tmp_path / "none").exists()
+    assert fidelity_values([*records, *empty]) == fidelity_values(records)  # beside layers with values: left out
+    figure = plot_fidelity([*records, *empty])
+    try:
+        labels = [tick.get_text() for tick in figure.axes[1].get_xticklabels()]
+        assert labels == ["mnist1d\nkep_svgp\nlayer_2", "mnist1d\nprimal\nlayer_1", "mnist1d\nprimal\nlayer_2"]
+    finally:
+        plt.close(figure)
