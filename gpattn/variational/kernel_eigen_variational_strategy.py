@@ -222,7 +222,26 @@ class KernelEigenVariationalStrategy(_VariationalStrategy):
             :meth:`~gpattn.variational.KernelEigenPairVariationalStrategy.forward`).
         """
         self.features.check_inputs(x, type(self.model).__name__)
+        if not prior and not self.variational_params_initialized.item() and self.features.inducing_points is not None:
+            self._check_prior_batch()
         return super().__call__(x, prior=prior, **kwargs)
+
+    def _check_prior_batch(self) -> None:
+        # GPyTorch starts q(u) at p(u) by copying the prior's parameters into q(u)'s: with landmarks of a batch q(u)
+        # lacks, each batch member has its own Lambda and one q(u) cannot start at all of them
+        q_batch = self._variational_distribution.batch_shape
+        try:
+            prior_batch = self._prior_variances().shape[:-1]
+        except RuntimeError:  # not even broadcastable
+            prior_batch = None
+        if prior_batch != q_batch:
+            landmark_batch = tuple(self.features.landmarks.shape[:-2])
+            raise ValueError(
+                f"{type(self.model).__name__}: the landmarks of batch shape {landmark_batch} "
+                f"give a prior p(u) that q(u) of batch shape {tuple(q_batch)} cannot start at (GPyTorch starts q(u) "
+                "at the prior): give q(u) the landmarks' batch shape (e.g. KernelEigenPairSVGP(..., batch_shape=...)), "
+                "or landmarks without a batch"
+            )
 
     def forward(
         self,

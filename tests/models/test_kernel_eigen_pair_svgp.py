@@ -346,6 +346,23 @@ def test_a_replaced_covar_module_is_the_kernel_of_the_prior_and_the_posterior(da
     assert gp.covar_module is kernel  # the refused kernels changed nothing
 
 
+def test_landmarks_of_a_batch_that_q_u_lacks_are_refused_clearly() -> None:
+    # GPyTorch starts q(u) at p(u): with landmarks (3, M, d) each batch member has its own Lambda, which one unbatched
+    # q(u) cannot start at (it failed with "output with shape [2, 5] doesn't match the broadcast shape [3, 2, 5]")
+    torch.manual_seed(0)
+    kernel, x = ShiftedRBFKernel(2).double(), torch.randn(5, 2, dtype=torch.float64)
+    for landmarks, batch_shape in ((torch.randn(3, 8, 2), ()), (torch.randn(2, 8, 2), (3,))):
+        model = KernelEigenPairSVGP(landmarks.double(), kernel, 5, batch_shape=torch.Size(batch_shape)).double()
+        with pytest.raises(ValueError, match=r"KernelEigenPairSVGP: the landmarks of batch shape \(\d,\)"):
+            model(x)
+        assert model(x, prior=True).mean.shape[-1] == 5  # the prior needs no q(u)
+    # with the landmarks' batch in q(u), or landmarks without a batch, as in GPyTorch
+    batched = KernelEigenPairSVGP(torch.randn(3, 8, 2).double(), kernel, 5, batch_shape=torch.Size([3])).double()
+    assert batched(x).mean.shape == (3, 5)
+    shared = KernelEigenPairSVGP(torch.randn(8, 2).double(), kernel, 5, batch_shape=torch.Size([3])).double()
+    assert shared(x).mean.shape == (3, 5)
+
+
 @pytest.mark.parametrize(
     "kwargs, match",
     [
