@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -9,6 +10,7 @@ import torch
 from gpytorch.module import Module
 from torch import Tensor
 
+from .._module_state import GraphFreeState, restored_modes
 from .._torch_compat import COMPILES_ASSERTS, autocast_enabled, compilable, is_capturing, is_compiling
 from ..validation import check_float, check_int, check_tensor
 
@@ -35,7 +37,7 @@ class AttentionInputs:
     is_cross: bool
 
 
-class AttentionLayer(Module):
+class AttentionLayer(GraphFreeState, Module):
     r"""Base class of the attention layers: one signature for all.
 
     ``forward(x, mask=None, context=None)`` maps tokens ``x`` of shape ``(B, N, C)`` to ``(B, N, C)``:
@@ -47,7 +49,12 @@ class AttentionLayer(Module):
 
     Stochastic layers return a reparameterised sample in training mode and the predictive mean in eval mode,
     unless sampling is switched on with :func:`sample_attention`. They expose ``kl_divergence()`` (zero for
-    deterministic layers) and ``posterior(x, ...)`` (predictive mean and variance of the output).
+    deterministic layers) and ``posterior(x, ...)`` (predictive mean and variance of the output, as in eval mode in
+    either mode: no sampling, no dropout, and the results of the last ``forward`` call, its added loss terms and KL,
+    left as they are).
+
+    ``copy.deepcopy`` and ``pickle`` work after a training step too: the copy holds the last call's added loss terms
+    (and any per-call KL) detached from its autograd graph (``gpattn._module_state.GraphFreeState``).
 
     A layer's training recipe (e.g. SGPA's KL annealing) belongs to its comparison row, not to the layer: see
     :class:`~gpattn.methods.TrainingRecipe`.
@@ -68,6 +75,9 @@ class AttentionLayer(Module):
     supports_cross_attention: bool = True
     supports_causal: bool = True
     supports_graph_capture: bool = False
+    #: attributes besides the added loss terms that a ``forward`` call sets for the loss (e.g. a KL that belongs to the
+    #: call): :meth:`predictive_mean` and :meth:`posterior` leave them as the last ``forward`` call set them
+    call_results: tuple[str, ...] = ()
 
     # torch's call (forward hooks, forward pre-hooks) rather than gpytorch.Module's, which bypasses the hooks:
     # attention layers return plain tensors, and users capture their inputs with register_forward_pre_hook
@@ -242,21 +252,44 @@ class AttentionLayer(Module):
     def posterior(
         self, x: Tensor, mask: Tensor | str | None = None, context: Tensor | None = None
     ) -> tuple[Tensor, Tensor]:
-        """Predictive mean and variance of the output, each ``(B, N, C)``; deterministic layers have zero variance."""
+        """Predictive mean and variance of the output, each ``(B, N, C)``, as in eval mode (no dropout) whatever the
+        layer's mode (:meth:`predictive_mean`); deterministic layers have zero variance."""
         mean = self.predictive_mean(x, mask, context)
         return mean, torch.zeros_like(mean)
 
     def predictive_mean(self, x: Tensor, mask: Tensor | str | None = None, context: Tensor | None = None) -> Tensor:
-        """The output with sampling switched off (and dropout as the current mode has it), shape ``(B, N, C)``."""
-        previous_training, previous_sample = self.training, self.sample_in_eval
-        self.sample_in_eval = False
-        try:
-            if self.is_stochastic:
-                self.train(False)
+        """The output as eval mode gives it, whatever the layer's mode: the predictive mean of a stochastic layer
+        (sampling off, also inside :func:`sample_attention`), without dropout, shape ``(B, N, C)``. The call runs
+        :meth:`forward` :meth:`as_in_eval`: the layer and every submodule keep their own modes, and the added loss
+        terms and :attr:`call_results` of the last ``forward`` call (the loss of a training step) stay as they were."""
+        with self.as_in_eval():
             return self(x, mask=mask, context=context)
-        finally:
-            self.train(previous_training)
-            self.sample_in_eval = previous_sample
+
+    @contextmanager
+    def as_in_eval(self) -> Iterator[AttentionLayer]:
+        """Within the block the layer is in eval mode with sampling off (no dropout, no sample); on exit every
+        submodule gets back its own mode (:func:`restored_modes`), every attention layer its sampling switch, and every
+        submodule the added loss terms and :attr:`call_results` it had on entry (a ``forward`` call inside the block
+        does not replace the loss of the last training step). Cost O(number of submodules)."""
+        modules = list(self.modules())
+        terms = [(module, dict(module._added_loss_terms)) for module in modules if _has_loss_terms(module)]
+        layers = [module for module in modules if isinstance(module, AttentionLayer)]
+        results = [(layer, {name: getattr(layer, name) for name in layer.call_results}) for layer in layers]
+        sampling = [layer.sample_in_eval for layer in layers]
+        with restored_modes(self):
+            try:
+                self.eval()
+                for layer in layers:
+                    layer.sample_in_eval = False
+                yield self
+            finally:
+                for layer, value in zip(layers, sampling, strict=True):
+                    layer.sample_in_eval = value
+                for module, saved in terms:
+                    module._added_loss_terms.update(saved)
+                for layer, saved in results:
+                    for name, value in saved.items():
+                        setattr(layer, name, value)
 
     def forward(self, x: Tensor, mask: Tensor | str | None = None, context: Tensor | None = None) -> Tensor:
         """Attend: a reparameterised sample of the output (stochastic layers in training, or inside
@@ -298,6 +331,10 @@ class _ColumnsOutputGEMM(torch.autograd.Function):
 
 # as torch.compile should meet it (gpattn._torch_compat.compilable: a graph break on torch < 2.4)
 _columns_output_gemm = compilable(_ColumnsOutputGEMM.apply)
+
+
+def _has_loss_terms(module: torch.nn.Module) -> bool:
+    return isinstance(getattr(module, "_added_loss_terms", None), dict)
 
 
 @contextmanager

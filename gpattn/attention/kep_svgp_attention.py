@@ -91,6 +91,7 @@ class KEPSVGPAttention(AttentionLayer):
     """
 
     is_stochastic = True
+    call_results = ("_call_kl",)  # the KL of the last forward call (features with a Lambda per call)
 
     def __init__(
         self,
@@ -235,8 +236,9 @@ class KEPSVGPAttention(AttentionLayer):
     def kl_divergence(self) -> Tensor:
         r""":math:`\sum_{h, c, \text{branch}} \mathrm{KL}(q(u) \| \mathcal N(0, \Lambda^2))`, a scalar: the strategy's
         KL summed over heads and outputs. With features whose :math:`\Lambda` belongs to each sequence (exact), the KL
-        of the last ``forward`` call, averaged over its sequences (computed by that call; :meth:`posterior` leaves it
-        unchanged)."""
+        of the last ``forward`` call, averaged over its sequences (computed by that call; :meth:`posterior` and
+        :meth:`~gpattn.attention.AttentionLayer.predictive_mean` leave it unchanged). In the dtype of :math:`q(u)`: a
+        half-precision layer's KL is computed and returned in half precision (SGPA computes its KL in float32)."""
         if not self.features.spectrum_per_call:
             return self.readout.kl_divergence()
         if self._call_kl is None:
@@ -254,12 +256,9 @@ class KEPSVGPAttention(AttentionLayer):
         (:meth:`~gpattn.variational.KernelEigenReadout.output_variance`)."""
         if self.merge == "concat_tokens":
             raise NotImplementedError("posterior() is not available for merge='concat_tokens' (token mixing)")
-        previous = self.training
-        try:
-            scores, is_cross = self.train(False)._features(x, mask, context)
+        with self.as_in_eval():
+            scores, is_cross = self._features(x, mask, context)
             sides = self._sides(is_cross)
             maps = self._output_maps(len(sides)).expand(len(sides), -1, -1, -1)
             variance = self.readout.output_variance(scores, sides, list(maps))
             return self._output(scores, is_cross, sample=False), variance
-        finally:
-            self.train(previous)

@@ -339,12 +339,3 @@ class SGPAAttention(AttentionLayer):
         ``None`` before any ``forward``."""
         term = self._added_loss_terms.get("sequence_kl")
         return None if term is None else term.objective
-
-    def __getstate__(self) -> dict:
-        # the per-sequence KL term hangs on an autograd graph, which neither deepcopy nor pickle accept
-        state = self.__dict__.copy()
-        terms = state.get("_added_loss_terms")
-        if terms and terms.get("sequence_kl") is not None:
-            term = terms["sequence_kl"]
-            state["_added_loss_terms"] = {**terms, "sequence_kl": SequenceKLAddedLossTerm(term.objective.detach())}
-        return state

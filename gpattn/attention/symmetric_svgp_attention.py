@@ -178,6 +178,7 @@ class SymmetricSVGPAttention(AttentionLayer):
         return super()._apply(fn, *args, **kwargs)
 
     def __getstate__(self) -> dict:
-        # the eval-mode caches may hang on an autograd graph, which neither deepcopy nor pickle accept
+        # the eval-mode caches may hang on an autograd graph, which neither deepcopy nor pickle accept (the base
+        # detaches the results of the last call)
         self.gp.variational_strategy._clear_cache()
-        return self.__dict__.copy()
+        return super().__getstate__()

@@ -7,6 +7,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from .._module_state import GraphFreeState
 from ..kernels import CosineFeatureKernel, ExponentialDotProductKernel
 from ..mlls import KSVDAddedLossTerm
 from ..validation import check_choice, check_float, check_int
@@ -20,7 +21,7 @@ DEFAULT_NUM_INDUCING = 10
 KERNELS = ("cosine", "exponential")
 
 
-class AttentionKernelEigenFeatures(KernelEigenFeaturesBase):
+class AttentionKernelEigenFeatures(GraphFreeState, KernelEigenFeaturesBase):
     r"""Per-sequence KSVD scores of the attention kernel of every head (docs/math.md section 2): the base class of the
     attention feature modes.
 
