@@ -7,6 +7,7 @@ from .kep_svgp_attention import KEPSVGPAttention
 from .primal_attention import PrimalAttention
 from .registry import (
     ATTENTIONS,
+    accepts_argument,
     attention_arguments,
     attention_names,
     build_attention,
@@ -28,6 +29,7 @@ __all__ = [
     "SGPAAttention",
     "SoftmaxAttention",
     "SymmetricSVGPAttention",
+    "accepts_argument",
     "attention_arguments",
     "attention_names",
     "build_attention",

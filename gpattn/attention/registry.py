@@ -79,14 +79,26 @@ def _layer_class(name: str) -> type[AttentionLayer]:
     return ATTENTIONS[name][0]
 
 
+#: the kinds of parameter a keyword argument can name
+_NAMED = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+
+
 def _arguments(layer_cls: type[AttentionLayer]) -> list[str]:
-    parameters = inspect.signature(layer_cls).parameters
-    return [key for key in parameters if key not in ("embed_dim", "num_heads")]
+    # the named keyword arguments besides embed_dim and num_heads (not *args, **kwargs or positional-only ones)
+    parameters = inspect.signature(layer_cls).parameters.values()
+    return [p.name for p in parameters if p.kind in _NAMED and p.name not in ("embed_dim", "num_heads")]
+
+
+def _takes_any(layer_cls: type[AttentionLayer]) -> bool:
+    # **kwargs in the signature: any keyword argument is accepted
+    parameters = inspect.signature(layer_cls).parameters.values()
+    return any(parameter.kind is inspect.Parameter.VAR_KEYWORD for parameter in parameters)
 
 
 def attention_arguments(name: str) -> list[str]:
-    """The keyword arguments the layer registered as ``name`` accepts besides ``embed_dim`` and ``num_heads``
-    (e.g. to pass ``num_inducing`` only to the layers that have one).
+    """The keyword arguments the layer registered as ``name`` names besides ``embed_dim`` and ``num_heads``
+    (e.g. to pass ``num_inducing`` only to the layers that have one). A class that also takes ``**kwargs`` accepts
+    any other keyword (see :func:`accepts_argument`), which is not listed here.
 
     :param name: One of :func:`attention_names`.
     :return: Argument names, in signature order.
@@ -94,10 +106,27 @@ def attention_arguments(name: str) -> list[str]:
     return _arguments(_layer_class(name))
 
 
+def accepts_argument(name: str, argument: str) -> bool:
+    """Whether the layer registered as ``name`` accepts the keyword ``argument``: one of its
+    :func:`attention_arguments`, or any keyword when its class takes ``**kwargs``.
+
+    Example:
+        >>> accepts_argument("softmax", "dropout"), accepts_argument("softmax", "num_inducing")
+        (True, False)
+
+    :param name: One of :func:`attention_names`.
+    :param argument: A keyword argument name.
+    :return: ``True`` if :func:`build_attention` passes it on.
+    """
+    layer_cls = _layer_class(name)
+    return argument in _arguments(layer_cls) or _takes_any(layer_cls)
+
+
 def select_arguments(name: str, **settings: Any) -> dict[str, Any]:
     """The shared ``settings`` that the layer registered as ``name`` takes: how a runner passes one setting (e.g.
-    ``num_inducing`` or ``ksvd_weight``) to every attention that has it. A setting the layer does not take is left
-    out, and so is a ``None`` value (the layer then uses its own default).
+    ``num_inducing`` or ``ksvd_weight``) to every attention that has it. A setting the layer does not name
+    (:func:`attention_arguments`) is left out, also for a class that takes ``**kwargs`` (which would accept it but
+    may not use it), and so is a ``None`` value (the layer then uses its own default).
 
     Example:
         >>> select_arguments("softmax", num_inducing=8, ksvd_weight=1.0)
@@ -119,13 +148,13 @@ def build_attention(name: str, embed_dim: int, num_heads: int, **kwargs: Any) ->
     :param name: One of :func:`attention_names`.
     :param embed_dim: Token width :math:`C`.
     :param num_heads: Number of heads (must divide ``embed_dim``).
-    :param kwargs: Keyword arguments of the layer class (:func:`attention_arguments`); they override the registry
-        defaults.
+    :param kwargs: Keyword arguments of the layer class (:func:`attention_arguments`, or any keyword for a class
+        that takes ``**kwargs``); they override the registry defaults.
     :return: The layer, an :class:`~gpattn.attention.AttentionLayer`.
     """
     layer_cls = _layer_class(name)
     accepted = attention_arguments(name)
-    unknown = sorted(set(kwargs) - set(accepted))
+    unknown = [] if _takes_any(layer_cls) else sorted(set(kwargs) - set(accepted))
     if unknown:
         raise TypeError(f"{layer_cls.__name__} ({name!r}) got unexpected arguments {unknown}; it accepts {accepted}")
     return layer_cls(embed_dim, num_heads, **{**ATTENTIONS[name][1], **kwargs})
@@ -146,7 +175,8 @@ def register_attention(name: str, layer_cls: type[AttentionLayer], defaults: Map
 
     :param name: A new name (a non-empty string without spaces).
     :param layer_cls: A subclass of :class:`~gpattn.attention.AttentionLayer` taking ``(embed_dim, num_heads,
-        **kwargs)``.
+        **kwargs)``: named keyword arguments (:func:`attention_arguments`), or ``**kwargs`` itself (then any keyword is
+        passed on; a :class:`~gpattn.models.Transformer` passes its ``dropout`` to layers that accept one).
     :param defaults: Keyword arguments passed to every layer built under ``name`` (overridden by the caller's).
     :raises ValueError: ``name`` is taken or malformed, or ``defaults`` names an argument the class does not take.
     :raises TypeError: ``layer_cls`` is not an ``AttentionLayer`` subclass, or does not take two positional arguments.
@@ -166,7 +196,7 @@ def register_attention(name: str, layer_cls: type[AttentionLayer], defaults: Map
             f"not take two positional arguments ({error})"
         ) from None
     defaults = dict(defaults or {})
-    unknown = sorted(set(defaults) - set(_arguments(layer_cls)))
+    unknown = [] if _takes_any(layer_cls) else sorted(set(defaults) - set(_arguments(layer_cls)))
     if unknown:
         raise ValueError(f"defaults {unknown} are not arguments of {layer_cls.__name__} ({_arguments(layer_cls)})")
     ATTENTIONS[name] = (layer_cls, defaults)

@@ -10,7 +10,7 @@ import torch
 from timm.models.vision_transformer import Attention
 from torch import Tensor
 
-from ..attention import attention_arguments
+from ..attention import accepts_argument
 from .conversion import AttentionAdapter, build_layer, convert_modules, copy_projections, padding_mask
 
 WHERE = "gpattn.integrations.timm.convert_attention"
@@ -111,7 +111,7 @@ def convert_attention(
         _check_plain(module, where)
         width = module.qkv.in_features
         options = dict(layer_options)
-        if "dropout" in attention_arguments(attention):
+        if accepts_argument(attention, "dropout"):
             options.setdefault("dropout", module.proj_drop.p)
         layer = build_layer(attention, width, module.num_heads, options, module.qkv.weight, where)
         qkv_bias = [None] * 3 if module.qkv.bias is None else module.qkv.bias.chunk(3)

@@ -10,7 +10,7 @@ from gpytorch.module import Module
 from torch import Tensor
 
 from .._torch_compat import is_capturing
-from ..attention import AttentionLayer, SoftmaxAttention, attention_arguments, build_attention
+from ..attention import AttentionLayer, SoftmaxAttention, accepts_argument, attention_arguments, build_attention
 from ..validation import InputTypeError, assert_indices_on_device, check_choice, check_float, check_int, check_tensor
 
 INPUTS = ("tokens", "patches", "vectors", "signal")
@@ -77,7 +77,7 @@ class Transformer(Module):
     :param num_classes: Number of classes of the linear head.
     :param embed_dim: Token width :math:`C`.
     :param depth: Number of encoder blocks.
-    :param num_heads: Heads of every attention layer.
+    :param num_heads: Heads of every attention layer (must divide ``embed_dim``).
     :param attention: Registry name of the attention of the last ``gp_layers`` blocks
         (:func:`~gpattn.attention.attention_names`).
     :param gp_layers: How many of the last blocks use ``attention`` (``0 <= gp_layers <= depth``; with 0, ``attention``
@@ -94,8 +94,9 @@ class Transformer(Module):
     :param stem_stride: Stride :math:`s` of the stem's last convolution (``input="signal"``; default 2).
     :param stem_layers: Convolutions of the stem (``input="signal"``; default 2).
     :param mlp_ratio: Hidden width of the MLPs as a multiple of ``embed_dim``.
-    :param dropout: Dropout on the embeddings, the MLPs and every attention output (unless ``attention_kwargs``
-        sets the GP layers' own).
+    :param dropout: Dropout on the embeddings, the MLPs and every attention output. A registered ``attention`` whose
+        class takes no ``dropout`` argument (neither named nor through ``**kwargs``) is built without one, with
+        ``dropout=0`` only: a positive ``dropout`` is refused (``ValueError``) rather than left off its outputs.
     :param attention_kwargs: Keyword arguments of the ``attention`` layers (e.g. ``num_inducing=10``). Layers that
         take a ``max_len`` get the model's (the number of patches for images) unless it is given here.
 
@@ -128,6 +129,9 @@ class Transformer(Module):
         super().__init__()
         check_int("num_classes", num_classes, minimum=2, where="Transformer")  # one class: nothing to predict
         _positive_int("embed_dim", embed_dim)
+        _positive_int("num_heads", num_heads)
+        if embed_dim % num_heads:
+            raise ValueError(f"Transformer: embed_dim ({embed_dim}) must be divisible by num_heads ({num_heads})")
         _positive_int("depth", depth)
         check_int("gp_layers", gp_layers, 0, depth, where="Transformer")
         check_choice("input", input, INPUTS, where="Transformer")
@@ -154,6 +158,8 @@ class Transformer(Module):
         self.embed_dim = embed_dim
         self.num_classes = num_classes
         if input == "patches":
+            if isinstance(image_size, (str, bytes)):  # tuple("88") would be ("8", "8")
+                raise InputTypeError(f"Transformer: expected image_size to be an int or (H, W), got {image_size!r}")
             sides = (image_size, image_size) if isinstance(image_size, int) else tuple(image_size)
             if len(sides) != 2:
                 raise ValueError(f"Transformer: expected image_size to be an int or (H, W), got {image_size!r}")
@@ -210,7 +216,14 @@ class Transformer(Module):
         torch.nn.init.trunc_normal_(self.position_embedding, std=0.02)
         self.embedding_dropout = torch.nn.Dropout(dropout)
 
-        attention_kwargs = {"dropout": dropout, **attention_kwargs}
+        if gp_layers:  # the model's dropout, where the layer takes one
+            if accepts_argument(attention, "dropout"):
+                attention_kwargs["dropout"] = dropout
+            elif dropout > 0:
+                raise ValueError(
+                    f"Transformer: the attention {attention!r} takes no dropout argument, so dropout={dropout} cannot "
+                    "reach its output: pass dropout=0, or register a layer that takes a dropout"
+                )
         if gp_layers and "max_len" in attention_arguments(attention):
             # the sequence length bound of fixed-length parametrisations (features="primal_tokens")
             attention_kwargs.setdefault("max_len", self.max_len)

@@ -9,6 +9,7 @@ from gpattn.attention import (
     ATTENTIONS,
     AttentionLayer,
     SoftmaxAttention,
+    accepts_argument,
     attention_arguments,
     attention_names,
     build_attention,
@@ -37,6 +38,21 @@ class WidthOnly(SoftmaxAttention):
 
     def __init__(self, embed_dim: int):
         super().__init__(embed_dim, 1)
+
+
+class KeywordsOnly(SoftmaxAttention):
+    """A layer that passes ``**kwargs`` on to its base, the signature :func:`register_attention` asks for."""
+
+    def __init__(self, embed_dim: int, num_heads: int, *args, **kwargs):
+        super().__init__(embed_dim, num_heads, *args, **kwargs)
+
+
+class NoDropout(SoftmaxAttention):
+    """A layer without a dropout argument."""
+
+    def __init__(self, embed_dim: int, num_heads: int, scale: float = 1.0):
+        super().__init__(embed_dim, num_heads)
+        self.scale = scale
 
 
 @pytest.fixture
@@ -129,3 +145,47 @@ def test_paper_rows_run_the_official_configuration(name: str):
     # the variants keep gpattn's amortised features and the sum form
     variant = build_attention(name.removesuffix("_paper"), 32, 2)
     assert variant.features.mode == "amortized" and variant.features.ksvd_form == "sum"
+
+
+def test_a_layer_taking_kwargs_accepts_any_keyword():
+    """``*args`` and ``**kwargs`` are not argument names; a class with ``**kwargs`` is built with any keyword (its base
+    refuses what it does not take), also as a registry default, but select_arguments passes it only named ones."""
+    register_attention("keywords", KeywordsOnly, {"dropout": 0.2})
+    try:
+        assert attention_arguments("keywords") == []
+        assert accepts_argument("keywords", "dropout") and accepts_argument("keywords", "anything")
+        assert build_attention("keywords", 8, 2).dropout.p == 0.2
+        layer = build_attention("keywords", 8, 2, dropout=0.1)
+        assert isinstance(layer, KeywordsOnly) and layer.dropout.p == 0.1
+        with pytest.raises(TypeError, match="num_inducing"):  # refused by SoftmaxAttention itself
+            build_attention("keywords", 8, 2, num_inducing=4)
+        assert select_arguments("keywords", dropout=0.1, num_inducing=4) == {}
+    finally:
+        unregister_attention("keywords")
+    assert accepts_argument("softmax", "dropout") and not accepts_argument("softmax", "num_inducing")
+
+
+def test_a_layer_without_dropout_builds_in_a_transformer_without_dropout():
+    """The model passes its dropout only to a layer that takes one; a positive dropout that such a layer could not
+    apply is refused, naming the layer (with gp_layers=0 the layer is not built, and nothing is refused)."""
+    register_attention("no_dropout", NoDropout)
+    register_attention("keywords", KeywordsOnly)
+    try:
+        assert attention_arguments("no_dropout") == ["scale"] and not accepts_argument("no_dropout", "dropout")
+        sizes = {"embed_dim": 8, "depth": 2, "num_heads": 2, "vocab_size": 5, "max_len": 4}
+        model = Transformer(2, attention="no_dropout", scale=2.0, **sizes)
+        layer = model.attention_layers()[-1]
+        assert isinstance(layer, NoDropout) and layer.scale == 2.0 and layer.dropout.p == 0.0
+        with pytest.raises(ValueError, match=r"^Transformer: the attention 'no_dropout' takes no dropout argument"):
+            Transformer(2, attention="no_dropout", dropout=0.1, **sizes)
+        model = Transformer(2, attention="no_dropout", gp_layers=0, dropout=0.1, **sizes)
+        assert [type(layer) for layer in model.attention_layers()] == [SoftmaxAttention, SoftmaxAttention]
+        model = Transformer(2, attention="keywords", dropout=0.1, **sizes)  # **kwargs: the model's dropout reaches it
+        assert [(type(layer), layer.dropout.p) for layer in model.attention_layers()] == [
+            (SoftmaxAttention, 0.1),
+            (KeywordsOnly, 0.1),
+        ]
+        assert Transformer(2, attention="softmax", dropout=0.1, **sizes).attention_layers()[-1].dropout.p == 0.1
+    finally:
+        unregister_attention("no_dropout")
+        unregister_attention("keywords")

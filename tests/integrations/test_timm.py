@@ -11,7 +11,13 @@ import pytest
 import timm
 import torch
 
-from gpattn.attention import KEPSVGPAttention, sample_attention
+from gpattn.attention import (
+    KEPSVGPAttention,
+    SoftmaxAttention,
+    register_attention,
+    sample_attention,
+    unregister_attention,
+)
 from gpattn.integrations.timm import TimmAttentionAdapter, convert_attention
 from gpattn.mlls import AttentionELBO
 from gpattn.models import predict_probabilities
@@ -122,6 +128,17 @@ def test_output_dropout_carries_over_unless_set():
     model = _vit(proj_drop_rate=0.25)
     assert convert_attention(copy.deepcopy(model), "softmax").blocks[-1].attn.layer.dropout.p == 0.25
     assert convert_attention(copy.deepcopy(model), "softmax", dropout=0.0).blocks[-1].attn.layer.dropout.p == 0.0
+    # a registered layer taking **kwargs (the form register_attention asks for) gets it too
+    register_attention("keywords", _KeywordsOnly)
+    try:
+        assert convert_attention(copy.deepcopy(model), "keywords").blocks[-1].attn.layer.dropout.p == 0.25
+    finally:
+        unregister_attention("keywords")
+
+
+class _KeywordsOnly(SoftmaxAttention):
+    def __init__(self, embed_dim: int, num_heads: int, **kwargs):
+        super().__init__(embed_dim, num_heads, **kwargs)
 
 
 # -- training, prediction, masks -----------------------------------------------------------------------------------

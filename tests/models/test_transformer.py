@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
@@ -153,6 +155,23 @@ def test_every_registry_name_builds_and_trains(name):
     assert torch.count_nonzero(model.embedding.weight.grad) > 0
 
 
+@pytest.mark.parametrize("name", attention_names())
+def test_a_model_is_copied_after_a_training_step(name):
+    """``copy.deepcopy`` after a training step (before and after its backward pass): the copy predicts as the
+    original in eval mode, and has the same KL."""
+    model = small_model(name).train()
+    ids, mask = token_batch()
+    torch.manual_seed(2)
+    loss = model(ids, mask=mask).sum() + model.kl_divergence()
+    before = copy.deepcopy(model)
+    loss.backward()
+    after = copy.deepcopy(model)
+    expected = model.eval()(ids, mask=mask)
+    for duplicate in (before, after):
+        torch.testing.assert_close(duplicate.kl_divergence(), model.kl_divergence().detach(), rtol=0, atol=0)
+        torch.testing.assert_close(duplicate.eval()(ids, mask=mask), expected, rtol=0, atol=0)
+
+
 def test_vit_cifar_preset_builds():
     torch.manual_seed(0)
     model = Transformer(num_classes=10, **VIT_CIFAR_PRESET).eval()
@@ -186,7 +205,13 @@ def test_vit_cifar_preset_builds():
         ({"attention": "nope"}, "expected one of"),
         ({"mlp_ratio": 0.0}, "mlp_ratio"),
         ({"dropout": 1.0}, "dropout"),
-        ({"num_heads": 3}, "divisible"),
+        ({"num_heads": 3}, r"^Transformer: embed_dim \(16\) must be divisible by num_heads \(3\)"),
+        ({"num_heads": 3, "gp_layers": 0}, r"^Transformer: embed_dim \(16\) must be divisible"),
+        ({"num_heads": 0}, "^Transformer: expected num_heads to be a positive integer"),
+        (
+            {"input": "patches", "vocab_size": None, "image_size": "88", "patch_size": 2, "in_channels": 1},
+            r"^Transformer: expected image_size to be an int or \(H, W\), got '88'",
+        ),
     ],
 )
 def test_invalid_arguments(kwargs, match):
