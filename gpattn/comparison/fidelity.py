@@ -16,6 +16,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from .._module_state import restored_modes
 from .._torch_compat import eager_calls
 from ..features import AttentionKernelEigenFeatures, KSVDFidelity, ksvd_fidelity
 from ..features.ksvd_fidelity import DEFAULT_RANDOM_SAMPLES
@@ -62,13 +63,11 @@ def _layer_inputs(
         return hook
 
     handles = [layer.register_forward_pre_hook(capture(n), with_kwargs=True) for n, layer in layers]
-    was_training = model.training
-    model.eval()
     try:
-        with eager_calls():  # a compiled model runs eagerly here: its compiled graphs would skip the hooks
-            model(inputs, mask=mask)
+        # a compiled model runs eagerly here: its compiled graphs would skip the hooks
+        with restored_modes(model), eager_calls():
+            model.eval()(inputs, mask=mask)
     finally:
-        model.train(was_training)
         for handle in handles:
             handle.remove()
     return captured

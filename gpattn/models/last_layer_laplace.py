@@ -9,6 +9,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from .._module_state import restored_modes
 from .._torch_compat import eager_calls
 from ..validation import check_int, check_tensor
 
@@ -102,17 +103,16 @@ class LastLayerLaplace(torch.nn.Module):
         handle = self.model.get_submodule(self.last_layer).register_forward_pre_hook(
             lambda module, args: captured.append(args[0].detach())
         )
-        was_training = self.model.training
-        self.model.eval()
         step = inputs.shape[0] if batch_size is None else batch_size
         try:
-            with eager_calls():  # a compiled model runs eagerly here: its compiled graphs would skip the hook
+            # a compiled model runs eagerly here: its compiled graphs would skip the hook
+            with restored_modes(self.model), eager_calls():
+                self.model.eval()
                 for start in range(0, inputs.shape[0], step):
                     batch_mask = mask[start : start + step] if isinstance(mask, Tensor) else mask
                     self.model(inputs[start : start + step], mask=batch_mask)
         finally:
             handle.remove()
-            self.model.train(was_training)
         return torch.cat(captured)
 
     def fit(

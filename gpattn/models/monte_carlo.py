@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from .._module_state import restored_modes
 from ..attention import AttentionLayer, sample_attention
 from ..validation import check_int, check_tensor
 from .monte_carlo_dropout import mc_dropout as dropout_masks
@@ -53,15 +54,10 @@ def monte_carlo_logits(
     stochastic = mc_dropout or any(isinstance(m, AttentionLayer) and m.is_stochastic for m in model.modules())
     passes = num_samples if stochastic else 1
     step = inputs.shape[0] if batch_size is None else batch_size
-    was_training = model.training
-    model.eval()
-    try:
-        with sample_attention(model), dropout_masks(model, enabled=mc_dropout):
-            batches = []
-            for start in range(0, inputs.shape[0], step):
-                batch_mask = mask[start : start + step] if isinstance(mask, Tensor) else mask
-                batch = inputs[start : start + step]
-                batches.append(torch.stack([model(batch, mask=batch_mask) for _ in range(passes)]))
-    finally:
-        model.train(was_training)
+    with restored_modes(model), sample_attention(model.eval()), dropout_masks(model, enabled=mc_dropout):
+        batches = []
+        for start in range(0, inputs.shape[0], step):
+            batch_mask = mask[start : start + step] if isinstance(mask, Tensor) else mask
+            batch = inputs[start : start + step]
+            batches.append(torch.stack([model(batch, mask=batch_mask) for _ in range(passes)]))
     return torch.cat(batches, dim=1)  # shape: (T, B, C)

@@ -8,6 +8,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from .._module_state import restored_modes
 from ..attention import AttentionLayer, sample_attention
 from ..mlls.attention_elbo import model_logits
 from ..validation import check_choice, check_int
@@ -60,15 +61,10 @@ def predict_probabilities(
         arguments, keywords = (inputs,), ({} if mask is None else {"mask": mask})
     if not mc_dropout and not any(isinstance(m, AttentionLayer) and m.is_stochastic for m in model.modules()):
         num_samples = 1  # deterministic in eval mode: every pass would be identical
-    was_training = model.training
-    model.eval()
-    try:
-        with sample_attention(model), dropout_masks(model, enabled=mc_dropout):
-            logits = torch.stack(
-                [model_logits(model(*arguments, **keywords), "predict_probabilities") for _ in range(num_samples)]
-            )  # shape: (T, B, C)
-    finally:
-        model.train(was_training)
+    with restored_modes(model), sample_attention(model.eval()), dropout_masks(model, enabled=mc_dropout):
+        logits = torch.stack(
+            [model_logits(model(*arguments, **keywords), "predict_probabilities") for _ in range(num_samples)]
+        )  # shape: (T, B, C)
     if average == "probabilities":
         return logits.softmax(dim=-1).mean(dim=0)
     return logits.mean(dim=0).softmax(dim=-1)

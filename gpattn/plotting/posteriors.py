@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+from contextlib import ExitStack
+
 # no backend switching here: matplotlib falls back to Agg on headless machines, and notebooks keep their inline backend
 import matplotlib.pyplot as plt
 import torch
 from matplotlib.figure import Figure
 
+from .._module_state import restored_modes
 from ..data import RegressionData
 from ..models import KernelEigenPairSVGP
 
@@ -28,9 +31,11 @@ def plot_pair_posterior(
     The branches are identified up to swapping: a learned shift of the opposite sign to the generating one
     explains the left component with the right branch and vice versa.
 
-    :param model: A trained :class:`~gpattn.models.KernelEigenPairSVGP` with ``merge="sum"`` on 1-D inputs.
+    :param model: A trained :class:`~gpattn.models.KernelEigenPairSVGP` with ``merge="sum"`` on 1-D inputs, evaluated
+        in eval mode (it, ``exact_gp`` and ``pyro_model`` get back their modes afterwards, every submodule its own).
     :param data: The 1-D :class:`~gpattn.data.RegressionData`.
-    :param exact_gp: Optional trained exact GP (its posterior mean dashed, its :math:`\pm 2\sigma` band hatched).
+    :param exact_gp: Optional trained exact GP (its posterior mean dashed, its :math:`\pm 2\sigma` band hatched),
+        evaluated in eval mode.
     :param pyro_model: Optional second :class:`~gpattn.models.KernelEigenPairSVGP`, trained by Pyro SVI (its merged
         posterior mean is drawn dash-dotted in the merged panel).
     :return: The figure.
@@ -49,14 +54,14 @@ def plot_pair_posterior(
         )
     if data.grid_x.shape[-1] != 1:
         raise ValueError(f"expected 1-D inputs, got grid of shape {tuple(data.grid_x.shape)}")
-    model.eval()
     grid = data.grid_x
     x = grid.squeeze(-1).numpy()
-    with torch.no_grad():
+    with torch.no_grad(), ExitStack() as modes:  # the posteriors in eval mode; every module's own mode restored
+        for evaluated in (model, pyro_model, exact_gp):
+            if isinstance(evaluated, torch.nn.Module):  # (an exact GP may be any callable)
+                modes.enter_context(restored_modes(evaluated)).eval()
         left, right, merged = model.branch(grid, "left"), model.branch(grid, "right"), model(grid)
         exact = exact_gp(grid) if exact_gp is not None else None
-        if pyro_model is not None:
-            pyro_model.eval()
         pyro_mean = pyro_model(grid).mean if pyro_model is not None else None
     figure, axes = plt.subplots(1, 3, figsize=(16, 4.2), sharex=True)
     panels = (

@@ -85,3 +85,21 @@ def test_bad_arguments() -> None:
         monte_carlo_logits(model, TOKENS, batch_size=0)
     with pytest.raises(ValueError, match="inputs"):
         monte_carlo_logits(model, TOKENS[:0])
+
+
+def test_mixed_modes_survive_and_the_passes_run_in_eval_mode() -> None:
+    # a model in training with its first block frozen in eval mode: both functions predict in eval mode (no dropout)
+    # and give every module back its own mode (model.train(was_training) flattened them)
+    model = small_model("kep_svgp", dropout=0.3).train()
+    model.blocks[0].eval()
+    modes = [module.training for module in model.modules()]
+    torch.manual_seed(3)
+    logits = monte_carlo_logits(model, TOKENS, mask=MASK, num_samples=3)
+    assert [module.training for module in model.modules()] == modes
+    torch.manual_seed(3)
+    probabilities = predict_probabilities(model, TOKENS, mask=MASK, num_samples=3)
+    assert [module.training for module in model.modules()] == modes
+    torch.testing.assert_close(logits.softmax(-1).mean(0), probabilities, rtol=1e-12, atol=1e-12)
+    torch.manual_seed(3)
+    expected = monte_carlo_logits(model.eval(), TOKENS, mask=MASK, num_samples=3)  # all in eval mode
+    torch.testing.assert_close(logits, expected, rtol=0, atol=0)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gpytorch
 import pytest
 import torch
 
@@ -58,3 +59,43 @@ def test_exact_gp_band_and_pyro_fit_are_drawn() -> None:
     pyro_line = next(line for line in merged.get_lines() if line.get_label() == "KEP-SVGP by Pyro SVI: mean")
     with torch.no_grad():
         np.testing.assert_allclose(pyro_line.get_ydata(), pyro_model(data.grid_x.double()).mean.numpy())
+
+
+def test_the_models_get_back_their_modes() -> None:
+    """The posteriors are drawn in eval mode; afterwards the model (in training, with one submodule left in eval) and
+    the Pyro model (in eval) have every module's own mode back."""
+    data = make_asymmetric_regression_1d(n_train=30, n_test=10)
+    model, pyro_model = _model().train(), _model().eval()
+    child = next(module for module in model.modules() if module is not model)
+    child.eval()
+    modes = [module.training for module in model.modules()]
+    assert any(modes) and not all(modes)
+    figure = plot_pair_posterior(model, data, pyro_model=pyro_model)
+    assert [module.training for module in model.modules()] == modes
+    assert not any(module.training for module in pyro_model.modules())
+    with torch.no_grad():
+        expected = model.eval()(data.grid_x.double()).mean.numpy()
+    merged = next(line for line in figure.axes[2].get_lines() if line.get_label() == "posterior mean")
+    torch.testing.assert_close(torch.as_tensor(merged.get_ydata()), torch.as_tensor(expected), rtol=0, atol=0)
+
+
+def test_an_exact_gp_in_training_mode_is_drawn_in_eval_mode_and_gets_its_mode_back() -> None:
+    # GPyTorch's ExactGP in training mode refuses inputs other than its training data ("You must train on the
+    # training inputs!"): the figure evaluates it in eval mode, as it does the KEP-SVGP models
+    data = make_asymmetric_regression_1d(n_train=30, n_test=10)
+
+    class Exact(gpytorch.models.ExactGP):
+        def __init__(self):
+            super().__init__(data.train_x.double(), data.train_y.double(), gpytorch.likelihoods.GaussianLikelihood())
+            self.mean_module, self.covar_module = gpytorch.means.ZeroMean(), gpytorch.kernels.RBFKernel()
+
+        def forward(self, x):
+            return gpytorch.distributions.MultivariateNormal(self.mean_module(x), self.covar_module(x))
+
+    exact = Exact().double().train()
+    figure = plot_pair_posterior(_model(), data, exact_gp=exact)
+    assert exact.training and all(module.training for module in exact.modules())
+    with torch.no_grad():
+        expected = exact.eval()(data.grid_x.double()).mean.numpy()
+    line = next(line for line in figure.axes[2].get_lines() if line.get_label().startswith("exact GP"))
+    torch.testing.assert_close(torch.as_tensor(line.get_ydata()), torch.as_tensor(expected), rtol=0, atol=0)

@@ -99,3 +99,22 @@ def test_evaluate_with_mc_dropout_is_the_mean_of_dropout_passes(digits):
         evaluate(_digits_model(), subset, num_samples=2, mc_dropout=True)
     with pytest.raises(ValueError, match="mc_dropout to be a bool"):
         evaluate(model, subset, mc_dropout=1)
+
+
+def test_evaluate_restores_mixed_modes(digits):
+    """A model in training with a block left in eval mode (and one dropout of an eval block in training) gets back
+    every module's own mode, and predicts as in eval mode (no dropout)."""
+    torch.manual_seed(0)
+    model = Transformer(8, embed_dim=16, depth=2, num_heads=2, attention="sgpa", input="patches", image_size=8,
+                        patch_size=2, in_channels=1, dropout=0.3).train()  # fmt: skip
+    model.blocks[0].eval()
+    model.blocks[0].mlp[2].train()
+    modes = [module.training for module in model.modules()]
+    subset = ImageDataset(digits.images[:20], digits.labels[:20], digits.num_classes, digits.class_names, "digits")
+    torch.manual_seed(5)
+    got = evaluate(model, subset, num_samples=3)
+    assert [module.training for module in model.modules()] == modes
+    assert model.training and not model.blocks[0].training and model.blocks[0].mlp[2].training
+    torch.manual_seed(5)
+    expected = predict_probabilities(model.eval(), subset.images, num_samples=3)
+    torch.testing.assert_close(got, expected, rtol=0, atol=0)
