@@ -54,14 +54,15 @@ class AsymmetricKernel(Module):
 
     def _check_tokens(self, tokens: Tensor, name: str, finite: bool = False) -> None:
         # O(1), plus one elementwise pass with finite=True (the dense path only: the feature maps run inside the
-        # attention layers, which check their inputs once). The dtype is not checked: mixed dtypes promote here.
+        # attention layers, which check their inputs once). Kernels with projections W_q (W_k) need tokens of their
+        # dtype (a matrix product does not promote); others promote mixed dtypes elementwise.
         check_tensor(
             name,
             tokens,
             ("...", "n", self.input_dim),
             floating=True,
-            like=self.raw_outputscale,
-            match_dtype=False,
+            like=self.query_weight if "query_weight" in self._parameters else self.raw_outputscale,
+            match_dtype="query_weight" in self._parameters,
             finite=finite,
             where=type(self).__name__,
         )

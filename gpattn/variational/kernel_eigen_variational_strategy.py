@@ -14,7 +14,7 @@ from torch import Tensor
 
 from .._torch_compat import compilable
 from ..features import KernelEigenFeatures, KernelEigenFeaturesBase, KernelEigenScores
-from ..validation import check_choice, check_int
+from ..validation import InputTypeError, check_choice, check_int
 from .cholesky_prior_kl import CholeskyPriorKL
 from .structured_covariance import diagonal_prior_kl, low_rank_plus_diag, times_covariance_root
 
@@ -222,6 +222,12 @@ class KernelEigenVariationalStrategy(_VariationalStrategy):
             :meth:`~gpattn.variational.KernelEigenPairVariationalStrategy.forward`).
         """
         self.features.check_inputs(x, type(self.model).__name__)
+        variational = next(self._variational_distribution.parameters(), None)
+        if variational is not None and variational.dtype != x.dtype:  # a kernel may promote, q(u)'s products do not
+            raise InputTypeError(
+                f"{type(self.model).__name__}: x and the landmarks are {x.dtype} but q(u) is {variational.dtype}: cast "
+                f"the model (model.to({x.dtype})) or the inputs"
+            )
         if not prior and not self.variational_params_initialized.item() and self.features.inducing_points is not None:
             self._check_prior_batch()
         return super().__call__(x, prior=prior, **kwargs)

@@ -346,3 +346,25 @@ def test_exact_attention_on_huge_float32_tokens_equals_float64() -> None:
         output, expected = layer(tokens * scale), reference(tokens.double() * scale)
         torch.testing.assert_close(output.double(), expected, rtol=1e-4, atol=1e-4)
         torch.testing.assert_close(output, layer(tokens), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize(
+    "kernel",
+    [CosineFeatureKernel(3, 4), CosineFeatureKernel(3, 4, lift="rff"), ExponentialDotProductKernel(3, 4)],
+    ids=["cosine", "cosine-rff", "exponential"],
+)
+def test_kernels_with_projections_refuse_tokens_of_another_dtype(kernel):
+    # W_q x is a matrix product, which does not promote: name the dtypes instead of torch's "mat1 and mat2 ..."
+    with pytest.raises(TypeError, match=rf"{type(kernel).__name__}: x is torch.float64 but the parameters are"):
+        kernel(torch.randn(5, 3, dtype=torch.float64))
+    with pytest.raises(TypeError, match="z is torch.float64"):
+        kernel(torch.randn(5, 3), torch.randn(4, 3, dtype=torch.float64))
+    assert kernel.double()(torch.randn(5, 3, dtype=torch.float64)).dtype == torch.float64
+
+
+def test_a_kernel_without_projections_promotes_mixed_dtypes():
+    kernel = ShiftedRBFKernel(3, shift=0.3)  # float32 parameters, elementwise arithmetic only
+    x = torch.randn(5, 3, dtype=torch.float64)
+    matrix = kernel(x)
+    assert matrix.dtype == torch.float64
+    torch.testing.assert_close(matrix, kernel.double()(x), rtol=1e-6, atol=1e-7)  # the float32 parameters, rounded

@@ -363,6 +363,15 @@ def test_landmarks_of_a_batch_that_q_u_lacks_are_refused_clearly() -> None:
     assert shared(x).mean.shape == (3, 5)
 
 
+def test_inputs_of_another_dtype_than_q_u_are_refused_clearly() -> None:
+    # float64 landmarks and inputs, a float32 kernel and q(u): the shifted RBF kernel promotes, q(u)'s products do not
+    landmarks, x = torch.randn(8, 2, dtype=torch.float64), torch.randn(3, 2, dtype=torch.float64)
+    model = KernelEigenPairSVGP(landmarks, ShiftedRBFKernel(2), num_inducing=4)
+    with pytest.raises(TypeError, match=r"KernelEigenPairSVGP: x and the landmarks are torch.float64 but q\(u\) is"):
+        model(x)
+    assert model.double()(x).mean.dtype == torch.float64  # the usual order: build, then cast the model
+
+
 @pytest.mark.parametrize(
     "kwargs, match",
     [
