@@ -110,7 +110,9 @@ class KernelEigenFeatures(KernelEigenFeaturesBase):
     def _register_landmarks(self, name: str, landmarks: Tensor, learn: bool, width: int | str) -> None:
         if landmarks is not getattr(self, "landmarks", None):  # the shared key landmarks are checked once
             shape = ("...", "M", width)
-            check_tensor(name, landmarks, shape, floating=True, finite=True, where="KernelEigenFeatures")
+            check_tensor(
+                name, landmarks, shape, floating=True, non_empty=True, finite=True, where="KernelEigenFeatures"
+            )
         if isinstance(landmarks, torch.nn.Parameter):
             self.register_parameter(name, landmarks)
         elif name == "key_landmarks" and landmarks is getattr(self, "landmarks", None):

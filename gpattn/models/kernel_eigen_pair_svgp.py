@@ -87,8 +87,8 @@ class KernelEigenPairSVGP(ApproximateGP):
         (torch.Size([]), True)
 
     .. note:: Cost per call: O(N M p) for the scores in exact mode plus O(M^2 p + M^3) for the KSVD of the
-        landmarks (primal mode: O(N p s)), O(N s^2) for the covariance roots, O(s^3) for the KL of a
-        full-covariance :math:`q(u)` and O(s) for its prior terms.
+        landmarks (primal mode: O(N p s)), O(N s^2) for the covariance roots, O(s^2) for the KL of a Cholesky
+        :math:`q(u)` (O(s) mean-field, O(s^3) natural: its own factorisation) and O(s) for its prior terms.
     """
 
     def __init__(

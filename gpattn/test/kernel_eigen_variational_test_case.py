@@ -21,7 +21,9 @@ inputs has full rank 16), and the O(s) claim is checked on every iteration: no C
   :class:`~gpattn.models.KernelEigenPairSVGP` does.
 
 A pair strategy (``branches = 2``) gets a variational distribution with a trailing branch dimension, as
-:class:`~gpattn.variational.KernelEigenPairVariationalStrategy` expects.
+:class:`~gpattn.variational.KernelEigenPairVariationalStrategy` expects; a pair with one shared posterior
+(``shared_posterior = True``, ``strategy_cls = functools.partial(KernelEigenPairVariationalStrategy,
+shared_posterior=True)``) a branch dimension of size 1.
 
 Example::
 
@@ -92,12 +94,15 @@ class KernelEigenVariationalTestCase(VariationalTestCase):
 
     :ivar strategy_cls: The strategy class (called as GPyTorch's harness calls strategies).
     :ivar branches: 2 for a pair strategy (the variational distribution gets a trailing branch dimension), else 1.
+    :ivar shared_posterior: A pair strategy with one :math:`q(u)` for both branches (``branches = 1``): the variational
+        distribution gets a trailing branch dimension of size 1.
     :ivar tie: Tie the cosine kernel's query and key maps (a symmetric kernel).
     """
 
     seed = 0
     tie = True
     branches = 1
+    shared_posterior = False
     strategy_cls = KernelEigenVariationalStrategy
     mll_cls = gpytorch.mlls.VariationalELBO
     distribution_cls = gpytorch.variational.CholeskyVariationalDistribution
@@ -122,7 +127,12 @@ class KernelEigenVariationalTestCase(VariationalTestCase):
         constant_mean=True,
     ):
         inducing_points = torch.randn(num_inducing, 2).repeat(*inducing_batch_shape, 1, 1)
-        branch_shape = torch.Size([self.branches]) if self.branches > 1 else torch.Size()
+        if self.shared_posterior and self.branches != 1:
+            raise ValueError(
+                f"{type(self).__name__}: a shared posterior is one branch of q(u), got branches = {self.branches}"
+            )
+        paired = self.branches > 1 or self.shared_posterior
+        branch_shape = torch.Size([self.branches]) if paired else torch.Size()
         variational_distribution = distribution_cls(num_inducing, batch_shape=torch.Size(batch_shape) + branch_shape)
         model = _KernelEigenSVGP(inducing_points, variational_distribution, strategy_cls, constant_mean, self.tie)
         return model, self.likelihood_cls()

@@ -6,7 +6,11 @@ import torch
 from gpytorch.distributions import MultitaskMultivariateNormal, MultivariateNormal
 from gpytorch.models import ApproximateGP
 from gpytorch.module import Module
-from gpytorch.variational import _VariationalDistribution
+from gpytorch.variational import (
+    IndependentMultitaskVariationalStrategy,
+    LMCVariationalStrategy,
+    _VariationalDistribution,
+)
 from linear_operator.operators import LinearOperator
 from torch import Tensor
 
@@ -38,6 +42,14 @@ class KernelEigenPairVariationalStrategy(KernelEigenVariationalStrategy):
     * ``shared_posterior=True`` (the official KEP-SVGP code): both branches use the *same* :math:`q(u)`, a batch
       shape ``(*batch, 1)`` broadcast over the two branches, so :math:`F = (e + r)\Lambda^{-1} u` for ``"sum"``
       (the roots add) and there is one KL.
+
+    GPyTorch's multi-output wrappers (:class:`~gpytorch.variational.IndependentMultitaskVariationalStrategy`,
+    :class:`~gpytorch.variational.LMCVariationalStrategy`) take single-branch strategies only: their KL is GPyTorch's
+    generic one of ``variational_distribution`` and ``prior_distribution``, which would not sum the branch dimension,
+    so a wrapped pair raises ``NotImplementedError`` on its first call. For :math:`T` independent outputs, give the
+    model a batch of outputs (``KernelEigenPairSVGP(..., batch_shape=(T,))``, :math:`q(u)` of batch ``(T, 2)``), a
+    likelihood of that batch (``GaussianLikelihood(batch_shape=(T,))``) and targets ``y.mT`` of shape ``(T, N)``: the
+    ELBO of output :math:`t` is entry :math:`t` of ``VariationalELBO``'s, to be summed.
 
     :param model: The owning model (its ``mean_module`` adds a prior mean to the merged output).
     :param inducing_points: Landmarks, shape ``(*batch, M, d)`` (``None`` when ``features`` are given).
@@ -127,6 +139,18 @@ class KernelEigenPairVariationalStrategy(KernelEigenVariationalStrategy):
         if covariance is None:
             return None
         return covariance[..., 0 if covariance.shape[-3] == 1 else SIDES.index(side), :, :]
+
+    def __call__(self, x: Tensor, prior: bool = False, **kwargs) -> MultivariateNormal:
+        """As :meth:`KernelEigenVariationalStrategy.__call__`, after refusing a multi-output wrapper of GPyTorch around
+        the pair (see the class docstring)."""
+        outer = getattr(self.model, "variational_strategy", None)
+        if isinstance(outer, (IndependentMultitaskVariationalStrategy, LMCVariationalStrategy)):
+            raise NotImplementedError(
+                f"{type(self).__name__} inside {type(outer).__name__}: GPyTorch's multi-output wrappers take "
+                "single-branch strategies (their generic KL would not sum the pair's branch dimension): wrap "
+                "KernelEigenVariationalStrategy, or give the pair a batch of outputs (see its docstring)"
+            )
+        return super().__call__(x, prior=prior, **kwargs)
 
     def kl_divergence(self, scores: KernelEigenScores | None = None) -> Tensor:
         r""":math:`\mathrm{KL}_e + \mathrm{KL}_r` (one KL with a shared posterior), shape ``(*batch)``: the single

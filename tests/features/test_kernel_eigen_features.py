@@ -325,6 +325,11 @@ def test_feature_errors() -> None:
         KernelEigenFeatures(kernel, landmarks, 2, mode="amortised")
     with pytest.raises(ValueError, match="landmarks"):
         KernelEigenFeatures(kernel, landmarks[0], 1)
+    # no landmarks: named as such (it was a rank "in [1, 0]")
+    with pytest.raises(ValueError, match=r"expected landmarks of shape \(\.\.\., M, 3\), non-empty, got \(0, 3\)"):
+        KernelEigenFeatures(kernel, landmarks[:0], 1)
+    with pytest.raises(ValueError, match=r"expected key_landmarks of shape \(\.\.\., M, 3\), non-empty"):
+        KernelEigenFeatures(kernel, landmarks, 1, key_landmarks=keys[:0])
     with pytest.raises(TypeError):
         KernelEigenFeatures("cosine", landmarks, 2)
     features = KernelEigenFeatures(kernel, landmarks, 2)

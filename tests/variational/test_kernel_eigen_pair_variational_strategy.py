@@ -12,6 +12,8 @@ import gpytorch
 import pytest
 import torch
 
+from gpattn.kernels import ShiftedRBFKernel
+from gpattn.models import KernelEigenPairSVGP
 from gpattn.test import KernelEigenVariationalTestCase
 from gpattn.variational import KernelEigenPairVariationalStrategy
 
@@ -52,11 +54,8 @@ class TestPairSharedPosteriorELBO(KernelEigenVariationalTestCase, unittest.TestC
     """One shared q(u) for both branches: a branch dimension of size 1."""
 
     tie = False
-    branches = 1  # the shared posterior's branch dimension is added below
+    shared_posterior = True  # the harness gives q(u) a branch dimension of size 1
     strategy_cls = functools.partial(KernelEigenPairVariationalStrategy, shared_posterior=True)
-
-    def _make_model_and_likelihood(self, *args, batch_shape=torch.Size([]), **kwargs):
-        return super()._make_model_and_likelihood(*args, batch_shape=torch.Size(batch_shape) + (1,), **kwargs)
 
 
 def test_the_branch_dimension_is_checked():
@@ -71,6 +70,35 @@ def test_the_branch_dimension_is_checked():
         KernelEigenPairVariationalStrategy(
             *model_args, gpytorch.variational.CholeskyVariationalDistribution(4, (2,)), merge="product"
         )
+
+
+def test_a_pair_inside_a_multi_output_wrapper_is_refused_and_a_batch_of_outputs_works():
+    # GPyTorch's IndependentMultitaskVariationalStrategy takes GPyTorch's generic KL of the base strategy's
+    # distributions, which would not sum the branch dimension (it failed with "a Tensor with 3 elements cannot be
+    # converted to Scalar" in the ELBO): refused on the first call, naming what to do instead
+    torch.manual_seed(0)
+    x, y = torch.randn(12, 2, dtype=torch.float64), torch.randn(12, 3, dtype=torch.float64)
+    landmarks, kernel = torch.randn(8, 2, dtype=torch.float64), ShiftedRBFKernel(2).double()
+
+    class Wrapped(gpytorch.models.ApproximateGP):
+        def __init__(self):
+            q_u = gpytorch.variational.CholeskyVariationalDistribution(4, batch_shape=torch.Size([3, 2]))
+            pair = KernelEigenPairVariationalStrategy(self, landmarks, q_u)
+            super().__init__(gpytorch.variational.IndependentMultitaskVariationalStrategy(pair, num_tasks=3))
+            self.covar_module, self.mean_module = kernel, gpytorch.means.ZeroMean()
+
+    with pytest.raises(NotImplementedError, match="inside IndependentMultitaskVariationalStrategy"):
+        Wrapped().double()(x)
+    # the batch of outputs: entry t of the ELBO is output t's, by hand from the likelihood and the KL
+    model = KernelEigenPairSVGP(landmarks, kernel, 4, batch_shape=torch.Size([3])).double()
+    likelihood = gpytorch.likelihoods.GaussianLikelihood(batch_shape=torch.Size([3])).double()
+    output = model(x)
+    elbo = gpytorch.mlls.VariationalELBO(likelihood, model, num_data=12)(output, y.mT)
+    kl = model.variational_strategy.kl_divergence()
+    assert elbo.shape == kl.shape == (3,)
+    expected = likelihood.expected_log_prob(y.mT, output).sum(-1) / 12 - kl / 12
+    torch.testing.assert_close(elbo, expected, rtol=1e-12, atol=1e-12)
+    elbo.sum().backward()
 
 
 if __name__ == "__main__":
