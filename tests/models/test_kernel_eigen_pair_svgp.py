@@ -140,11 +140,11 @@ def test_primal_mode_includes_the_ksvd_penalty_and_keeps_J_small(data):
     assert log_prior.item() == 0.0
 
 
-def _pyro_model_and_guide(gp, likelihood):
+def _pyro_model_and_guide(gp, likelihood, num_data=None):
     def model(x, y):
         pyro.module("gp", gp)
         pyro.module("likelihood", likelihood)
-        function_dist = gp.pyro_model(x, name_prefix="gp")
+        function_dist = gp.pyro_model(x, name_prefix="gp", num_data=num_data)
         with pyro.plate("gp.data_plate", dim=-1):
             function_samples = pyro.sample("gp.f(x)", function_dist)
             return pyro.sample("gp.y", pyro.distributions.Normal(function_samples, likelihood.noise.sqrt()), obs=y)
@@ -221,18 +221,8 @@ def test_pyro_svi_weighs_the_ksvd_penalty_as_the_variational_elbo_does(data, num
     gp.train()
     likelihood.train()
     gp(x)  # initialises q(u) (a random jitter of its mean): both losses below then draw the same samples
-
-    def model(x, y):
-        function_dist = gp.pyro_model(x, name_prefix="gp", num_data=num_data)
-        with pyro.plate("gp.data_plate", dim=-1):
-            function_samples = pyro.sample("gp.f(x)", function_dist)
-            return pyro.sample("gp.y", pyro.distributions.Normal(function_samples, likelihood.noise.sqrt()), obs=y)
-
-    def guide(x, y):
-        function_dist = gp.pyro_guide(x, name_prefix="gp")
-        with pyro.plate("gp.data_plate", dim=-1):
-            pyro.sample("gp.f(x)", function_dist)
-
+    pyro.clear_param_store()
+    model, guide = _pyro_model_and_guide(gp, likelihood, num_data)
     losses, penalties = {}, {}
     for eta in (2.0, 0.0):
         gp.features.ksvd_weight = eta
