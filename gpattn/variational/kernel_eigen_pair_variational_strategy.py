@@ -142,7 +142,15 @@ class KernelEigenPairVariationalStrategy(KernelEigenVariationalStrategy):
 
     def __call__(self, x: Tensor, prior: bool = False, **kwargs) -> MultivariateNormal:
         """As :meth:`KernelEigenVariationalStrategy.__call__`, after refusing a multi-output wrapper of GPyTorch around
-        the pair (see the class docstring)."""
+        the pair (see the class docstring).
+
+        :param x: Inputs, shape ``(*batch, N, d)``.
+        :param prior: Return the prior :math:`p(f(x))` instead.
+        :return: The merged :math:`q(f(x))` (see :meth:`forward`): mean shape ``(*batch, N)`` (``"sum"``) or
+            ``(*batch, N, 2)`` (``"concat"``).
+        :raises NotImplementedError: Inside GPyTorch's ``IndependentMultitaskVariationalStrategy`` or
+            ``LMCVariationalStrategy``.
+        """
         outer = getattr(self.model, "variational_strategy", None)
         if isinstance(outer, (IndependentMultitaskVariationalStrategy, LMCVariationalStrategy)):
             raise NotImplementedError(
