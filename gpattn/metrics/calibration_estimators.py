@@ -137,18 +137,46 @@ def sweep_calibration_error(
     :param power: :math:`p \in \{1, 2\}` (1: the ECE).
     :return: A fraction in :math:`[0, 1]`.
 
-    .. note:: Cost O(n B^\star) after one sort per binary problem.
+    .. note:: Cost O(n log n) per binary problem for one sort, then O(B log n) per number of bins tried (from
+        cumulative sums), O(n log n) in all when the outcomes are monotone in the scores (then every binning is, and
+        :math:`B^\star` is the largest: no search).
     """
     if power not in (1, 2):
         raise ValueError(f"expected power 1 or 2, got {power!r}")
     errors = []
     for scores, outcomes in _outcomes(probs, labels, kind):
-        chosen = _binned(scores, outcomes, equal_mass_bin_indices(scores, 1))
-        for num_bins in range(2, scores.shape[0] + 1):
-            candidate = _binned(scores, outcomes, equal_mass_bin_indices(scores, num_bins))
-            if np.any(np.diff(candidate[2]) < 0):
-                break
-            chosen = candidate
-        count, mean_score, mean_outcome = chosen
+        count, mean_score, mean_outcome = _sweep_bins(scores, outcomes)
         errors.append(float((count * np.abs(mean_score - mean_outcome) ** power).sum() / count.sum()))
     return float(np.mean(errors)) ** (1.0 / power)
+
+
+def _sweep_bins(scores: np.ndarray, outcomes: np.ndarray) -> tuple[np.ndarray, ...]:
+    # counts, mean scores and mean outcomes of the filled bins of the sweep's B*, the bins of equal_mass_bin_indices
+    # found on the sorted scores: a bin is a run of the sorted scores, so its sums are differences of cumulative sums
+    order = np.argsort(scores, kind="stable")
+    sorted_scores, sorted_outcomes = scores[order], outcomes[order]
+    size = sorted_scores.shape[0]
+    score_sums = np.concatenate([[0.0], np.cumsum(sorted_scores)])
+    outcome_sums = np.concatenate([[0.0], np.cumsum(sorted_outcomes)])
+
+    def binned(num_bins: int) -> tuple[np.ndarray, ...]:
+        # numpy.array_split's groups: the first size % B of size // B + 1, then size // B; an edge between two
+        # groups is the midpoint of their neighbouring scores, and a score equal to an edge goes below it
+        quotient, remainder = divmod(size, num_bins)
+        groups = np.arange(1, num_bins)
+        starts = groups * quotient + np.minimum(groups, remainder)
+        edges = np.unique((sorted_scores[starts - 1] + sorted_scores[starts]) / 2.0)
+        bounds = np.unique(np.concatenate([[0], np.searchsorted(sorted_scores, edges, side="right"), [size]]))
+        count = np.diff(bounds).astype(np.float64)  # no empty bin: the bounds are distinct
+        return count, np.diff(score_sums[bounds]) / count, np.diff(outcome_sums[bounds]) / count
+
+    finest = binned(size)  # one bin per distinct score
+    if not np.any(np.diff(finest[2]) < 0):  # monotone outcomes: every coarser binning is monotone too
+        return finest
+    chosen = binned(1)
+    for num_bins in range(2, size + 1):
+        candidate = binned(num_bins)
+        if np.any(np.diff(candidate[2]) < 0):
+            break
+        chosen = candidate
+    return chosen
