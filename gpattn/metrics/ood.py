@@ -17,6 +17,7 @@ from torch import Tensor
 
 from .calibration import _as_probabilities
 from .selective import _average_precision, _binary_auroc, _fpr_at_tpr
+from .uncertainty import _entropies
 
 SCORES = ("max_prob", "entropy")
 POSITIVES = ("in", "out")
@@ -25,8 +26,7 @@ POSITIVES = ("in", "out")
 def _scores(probabilities: np.ndarray, score: str) -> np.ndarray:
     if score == "max_prob":
         return probabilities.max(axis=1)
-    safe = np.where(probabilities > 0.0, probabilities, 1.0)  # 0 log 0 = 0
-    return (probabilities * np.log(safe)).sum(axis=1)
+    return -_entropies(probabilities)  # summed in a fixed order: permuted rows tie
 
 
 def _in_out_scores(

@@ -37,9 +37,13 @@ __all__ = [
 ]
 
 
-def _entropy(probabilities: np.ndarray) -> np.ndarray:
-    safe = np.where(probabilities > 0.0, probabilities, 1.0)  # 0 log 0 = 0
-    return -(probabilities * np.log(safe)).sum(axis=-1)
+def _entropies(probabilities: np.ndarray) -> np.ndarray:
+    r""":math:`H[p]` of every row (the last axis) of a float array, summed in a fixed (sorted) order, so that rows that
+    are permutations of each other get the same value, not values apart by rounding (which a ranking by the entropy,
+    e.g. an AUROC, would read as an order instead of a tie); :math:`0 \log 0 = 0`."""
+    ordered = np.sort(probabilities, axis=-1)
+    safe = np.where(ordered > 0.0, ordered, 1.0)
+    return -(ordered * np.log(safe)).sum(axis=-1)
 
 
 def _as_samples(
@@ -72,7 +76,7 @@ def predictive_entropy(probs: Tensor | np.ndarray) -> np.ndarray:
 
     :return: Shape ``(n,)``, in :math:`[0, \log C]`.
     """
-    return _entropy(_as_probabilities(probs))
+    return _entropies(_as_probabilities(probs))
 
 
 def expected_entropy(samples: Tensor | np.ndarray) -> np.ndarray:
@@ -81,12 +85,14 @@ def expected_entropy(samples: Tensor | np.ndarray) -> np.ndarray:
     :param samples: ``(T, n, C)``.
     :return: Shape ``(n,)``.
     """
-    return _entropy(_as_samples(samples)).mean(axis=0)
+    return _entropies(_as_samples(samples)).mean(axis=0)
 
 
 def mutual_information(samples: Tensor | np.ndarray) -> np.ndarray:
     r"""The mutual information :math:`H[\bar p] - \tfrac1T \sum_t H[p^{(t)}]` of each input (epistemic uncertainty),
-    :math:`\bar p = \tfrac1T \sum_t p^{(t)}`, floored at 0 (rounding can make it slightly negative).
+    :math:`\bar p = \tfrac1T \sum_t p^{(t)}`, floored at 0 (rounding can make it slightly negative), and exactly 0 for
+    an input whose samples are all equal (where rounding would leave values of order 1e-16 that a ranking, e.g.
+    :func:`ood_auroc_mutual_information`, would read as an order instead of a tie).
 
     :param samples: ``(T, n, C)`` Monte Carlo predictions.
     :return: Shape ``(n,)``, in :math:`[0, \log \min(T, C)]` (0 for every input when :math:`T = 1`).
@@ -94,7 +100,9 @@ def mutual_information(samples: Tensor | np.ndarray) -> np.ndarray:
     .. note:: Cost O(T n C).
     """
     array = _as_samples(samples)
-    return np.maximum(_entropy(array.mean(axis=0)) - _entropy(array).mean(axis=0), 0.0)
+    information = np.maximum(_entropies(array.mean(axis=0)) - _entropies(array).mean(axis=0), 0.0)
+    information[(array == array[:1]).all(axis=(0, 2))] = 0.0
+    return information
 
 
 def ood_auroc_mutual_information(samples_in: Tensor | np.ndarray, samples_out: Tensor | np.ndarray) -> float:

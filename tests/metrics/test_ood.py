@@ -25,7 +25,8 @@ def _random_probs(seed: int, num_samples: int, num_classes: int, ties: bool) -> 
 def _reference_scores(probs: np.ndarray, score: str) -> np.ndarray:
     if score == "max_prob":
         return probs.max(axis=1)
-    return np.array([sum(p * np.log(p) for p in row if p > 0) for row in probs])
+    # summed in ascending order: rows that are permutations of each other (the integer weights of ``ties``) tie
+    return np.array([sum(p * np.log(p) for p in sorted(row) if p > 0) for row in probs])
 
 
 def test_hand_computed_max_prob() -> None:
@@ -74,6 +75,18 @@ def test_against_sklearn(seed: int, num_in: int, num_out: int, num_classes: int,
     assert ood_aupr(probs_in, probs_out, score=score, positive="out") == pytest.approx(expected_out, abs=1e-12)
     fpr, tpr, _ = roc_curve(is_in, scores, drop_intermediate=False)
     assert ood_fpr_at_95_tpr(probs_in, probs_out, score=score) == pytest.approx(fpr[np.argmax(tpr >= 0.95)], abs=1e-12)
+
+
+def test_rows_that_are_permutations_of_each_other_tie_by_entropy() -> None:
+    # the negative entropy of permuted rows differed by rounding (summed in the rows' own orders), which the AUROC read
+    # as an order: 0.4825 where max_prob gave 0.5
+    rng = np.random.default_rng(0)
+    row = rng.dirichlet(np.ones(6))
+    inside = np.stack([rng.permutation(row) for _ in range(50)])
+    outside = np.stack([rng.permutation(row) for _ in range(50)])
+    assert len({float(sum(p * np.log(p) for p in permuted)) for permuted in inside}) > 1  # not vacuous
+    for score in ("entropy", "max_prob"):
+        assert ood_auroc(inside, outside, score) == 0.5
 
 
 @pytest.mark.parametrize("score", ["max_prob", "entropy"])

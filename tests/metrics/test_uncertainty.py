@@ -45,6 +45,19 @@ def test_mutual_information_is_zero_when_samples_agree_and_maximal_when_they_dis
     assert mutual_information(disagree) == pytest.approx([np.log(2.0)])
 
 
+@pytest.mark.parametrize(("num_samples", "dtype"), [(3, torch.float64), (7, torch.float64), (10, torch.float32)])
+def test_samples_that_agree_tie_exactly(num_samples, dtype) -> None:
+    # T equal samples: the mean differs from them by rounding, so H(mean) - mean H is 0 up to ~1e-16, at random; the
+    # AUROC ranked those values (0.4744 for T = 7) where the docstring promises ties and 0.5
+    rows = _samples(5, (1, 400, 10), 1.0)[0].to(dtype)
+    samples = rows.expand(num_samples, -1, -1)
+    as_float64 = samples.double()
+    by_formula = Categorical(probs=as_float64.mean(0)).entropy() - Categorical(probs=as_float64).entropy().mean(0)
+    assert (by_formula != 0).any()  # not vacuous: rounding alone separates some of them
+    assert np.all(mutual_information(samples) == 0.0)
+    assert ood_auroc_mutual_information(samples[:, :200], samples[:, 200:]) == 0.5
+
+
 def test_ood_auroc_by_mutual_information_ranks_disagreement_as_ood() -> None:
     inside = _samples(0, (8, 100, 4), 0.1)  # samples that agree: small MI
     outside = _samples(1, (8, 100, 4), 5.0)  # samples that disagree: large MI
