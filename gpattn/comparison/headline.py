@@ -182,7 +182,10 @@ def verdict(estimate: EndpointEstimate) -> tuple[str, str]:
     low, high = min(i.low for i in intervals), max(i.high for i in intervals)
     bound = _value(estimate, max(abs(low), abs(high)), sign=False)
     partial = [name for i, name in zip(intervals, names, strict=True) if i.significant]
-    aside = f" (only the {partial[0]} interval excludes 0)" if partial else ""
+    if len(partial) > 1:  # every interval excludes 0, but not on the same side
+        aside = " (the intervals exclude 0 on opposite sides)"
+    else:
+        aside = f" (only the {partial[0]} interval excludes 0)" if partial else ""
     return "none", (
         f"No difference detected{aside}: {difference}; the intervals exclude differences larger than {bound} {unit} "
         "in either direction."

@@ -238,7 +238,9 @@ def paired_p_value(reference: SeedValues, other: SeedValues) -> float:
     :param reference: One value per seed of the reference method: a sequence, or ``{seed: value}``.
     :param other: The other method's values, paired as in :func:`paired_difference`.
     :return: A float in :math:`[0, 1]`: 1 when every difference is 0 (no evidence of one; scipy's NaN there), 0 for
-        the same non-zero difference on every seed (a zero-width interval that excludes 0), NaN for fewer than 2
+        the same non-zero difference on every seed (equal up to rounding, a relative spread of at most
+        :math:`10^{-12}`: a zero-width interval that excludes 0; scipy warns of catastrophic cancellation), NaN for
+        fewer than 2
         paired seeds (no test).
     :raises ValueError: NaN or infinite values, or sequences of different lengths.
     """
@@ -248,7 +250,7 @@ def paired_p_value(reference: SeedValues, other: SeedValues) -> float:
         return math.nan
     if np.all(differences == 0.0):
         return 1.0
-    if np.all(differences == differences[0]):  # no spread: t is infinite
+    if np.ptp(differences) <= 1e-12 * np.abs(differences).max():  # no spread beyond rounding: t is infinite
         return 0.0
     return float(stats.ttest_rel(left, right).pvalue)
 

@@ -164,7 +164,7 @@ def negative_log_likelihood(probs: Tensor | np.ndarray, labels: Tensor | np.ndar
     check_float("eps", eps, 0.0, 1.0, strict_minimum=True, strict_maximum=True, where="negative_log_likelihood")
     probabilities, targets = _check_inputs(probs, labels)
     true_class = probabilities[np.arange(targets.shape[0]), targets]
-    return float(-np.log(np.maximum(true_class, eps)).mean())
+    return float(-np.log(np.maximum(true_class, eps)).mean()) + 0.0  # + 0.0: -0.0 (one class) reads as 0.0
 
 
 def brier_score(probs: Tensor | np.ndarray, labels: Tensor | np.ndarray) -> float:

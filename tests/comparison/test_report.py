@@ -305,6 +305,9 @@ def test_verdict_rule() -> None:
     kind, sentence = verdict(EndpointEstimate(PRIMARY_ENDPOINT, -0.02, 10, t, wide, EXAMPLES))
     assert kind == "none" and "(only the paired t interval excludes 0)" in sentence
     assert "exclude differences larger than 0.045 nats in either direction" in sentence
+    opposite = PairedDifference(-0.02, 0.01, 0.05, 10, 0.95, "hierarchical", tuple(range(10)))  # both exclude 0
+    kind, sentence = verdict(EndpointEstimate(PRIMARY_ENDPOINT, -0.02, 10, t, opposite, EXAMPLES))
+    assert kind == "none" and "(the intervals exclude 0 on opposite sides)" in sentence and "only" not in sentence
 
 
 def test_secondaries_are_holm_adjusted_over_the_family(records) -> None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import statistics as stdlib_statistics
+import warnings
 
 import numpy as np
 import pytest
@@ -174,6 +175,10 @@ def test_p_value_against_scipy(seed: int, n: int, shift: float) -> None:
 def test_p_value_limits_and_pairing() -> None:
     assert paired_p_value([0.3, 0.4, 0.5], [0.3, 0.4, 0.5]) == 1.0  # no difference at all (scipy: NaN)
     assert paired_p_value([1.5, 2.5, 3.5], [1.0, 2.0, 3.0]) == 0.0  # the same non-zero difference on every seed
+    # equal up to rounding (0.19999999999999998, 0.19999999999999996, 0.20000000000000007): no scipy warning either
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert paired_p_value([0.3, 0.7, 1.1], [0.1, 0.5, 0.9]) == 0.0
     assert math.isnan(paired_p_value([0.5], [0.4]))  # one pair: no test
     assert math.isnan(paired_p_value({0: 0.5, 1: 0.6}, {1: 0.4, 2: 0.3}))
     by_seed = paired_p_value({0: 0.9, 1: 0.8, 2: 0.85, 4: 0.7}, {4: 0.6, 2: 0.8, 1: 0.75, 3: 0.1})

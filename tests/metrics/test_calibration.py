@@ -59,6 +59,8 @@ def test_nll_eps_floors_zero_probability() -> None:
     assert negative_log_likelihood(np.array([[1.0, 0.0]]), np.array([1])) == pytest.approx(27.6310211, abs=1e-6)
     with pytest.raises(ValueError, match="eps"):
         negative_log_likelihood(PROBS, LABELS, eps=0.0)
+    # one class: -log 1 = -0.0 in IEEE arithmetic, reported as 0.0 (the docstring's ">= 0")
+    assert math.copysign(1.0, negative_log_likelihood(np.ones((3, 1)), np.zeros(3, dtype=int))) == 1.0
 
 
 def test_brier_hand_computed() -> None:
