@@ -133,7 +133,6 @@ class KEPSVGPAttention(AttentionLayer):
         num_outputs = num_inducing if num_outputs == "num_inducing" else num_outputs  # the official code's d_out = s
         self.num_outputs = check_int("num_outputs", self.head_dim if num_outputs is None else num_outputs, where=where)
         self.merge, self.residual, self.sampling_mode = merge, residual, sampling
-        self.joint_sampling = sampling == "joint"
         self.shared_posterior, self.tie_qk, self.max_len = bool(shared_posterior), bool(tie_qk), max_len
         outputs = torch.Size([num_heads, self.num_outputs])
         options = dict(features=kernel_features, residual=residual, num_output_dims=1)
@@ -233,6 +232,17 @@ class KEPSVGPAttention(AttentionLayer):
         return self.dropout(output) if self.dropout.p > 0 else output
 
     # -- probabilistic interface -----------------------------------------------------------------------------------
+    @property
+    def sampling_mode(self) -> str:
+        """``"joint"`` or ``"marginal"`` sampling of the output (the ``sampling`` argument); assignable, e.g. to draw
+        both kinds of samples from one trained layer."""
+        return "joint" if self.joint_sampling else "marginal"
+
+    @sampling_mode.setter
+    def sampling_mode(self, sampling: str) -> None:
+        check_choice("sampling", sampling, SAMPLINGS, where=type(self).__name__)
+        self.joint_sampling = sampling == "joint"
+
     def kl_divergence(self) -> Tensor:
         r""":math:`\sum_{h, c, \text{branch}} \mathrm{KL}(q(u) \| \mathcal N(0, \Lambda^2))`, a scalar: the strategy's
         KL summed over heads and outputs. With features whose :math:`\Lambda` belongs to each sequence (exact), the KL

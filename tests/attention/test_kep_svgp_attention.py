@@ -817,3 +817,26 @@ def test_exact_features_leave_numerically_zero_directions_out_of_the_output_and_
         changed = layer(x)
     torch.testing.assert_close(changed[0], output[0], rtol=1e-12, atol=1e-12)
     assert (changed[1] - output[1]).abs().max() > 1e-3
+
+
+def test_the_sampling_mode_of_a_built_layer_can_be_switched():
+    # sampling_mode is the switch the forward pass reads: a joint layer switched to "marginal" draws what a layer built
+    # marginal draws (it was a plain attribute, set once, which the forward pass ignored)
+    x = _randn(2, 5, C, seed=42)
+    switched, marginal = _layer(residual="diag"), _layer(residual="diag", sampling="marginal")
+    switched.sampling_mode = "marginal"
+    assert switched.sampling_mode == "marginal" and not switched.joint_sampling
+    draws = []
+    for layer in (switched, marginal, _layer(residual="diag")):
+        torch.manual_seed(7)
+        with torch.no_grad(), sample_attention(layer.eval()):
+            draws.append(layer(x))
+    assert torch.equal(draws[0], draws[1])
+    assert not torch.allclose(draws[0], draws[2])  # a joint draw differs
+    switched.sampling_mode = "joint"
+    torch.manual_seed(7)
+    with torch.no_grad(), sample_attention(switched):
+        assert torch.equal(switched(x), draws[2])
+    with pytest.raises(ValueError, match="sampling"):
+        switched.sampling_mode = "independent"
+    assert switched.sampling_mode == "joint"
