@@ -29,14 +29,17 @@ class GraphFreeState:
     state they copy holds those results detached (same values, no graph).
 
     :meth:`__getstate__` returns a shallow copy of the instance dictionary in which every tensor attribute that is not
-    a graph leaf is detached and every added loss term holding such a tensor is replaced by a copy with it detached;
-    the module itself is left as it is (its terms still reach the graph for the backward pass of the step). Cost O(the
+    a graph leaf is detached, every added loss term holding such a tensor is replaced by a copy with it detached, and
+    GPyTorch's memos (``_memoize_cache``: e.g. a KSVD memoised in eval mode, recomputed on demand) are emptied; the
+    module itself is left as it is (its terms still reach the graph for the backward pass of the step). Cost O(the
     number of attributes); no tensor is copied (the copy's detached tensors share the storage until deepcopy copies
     them).
     """
 
     def __getstate__(self) -> dict:
         state = {name: _detached(value) for name, value in self.__dict__.items()}
+        if "_memoize_cache" in state:
+            state["_memoize_cache"] = {}
         terms = state.get("_added_loss_terms")
         if terms:
             state["_added_loss_terms"] = type(terms)((name, _detached_term(term)) for name, term in terms.items())

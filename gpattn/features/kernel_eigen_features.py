@@ -8,6 +8,7 @@ import torch
 from gpytorch.utils.memoize import cached, clear_cache_hook
 from torch import Tensor
 
+from .._module_state import GraphFreeState
 from ..kernels import AsymmetricKernel
 from ..ksvd import SVD_METHODS, KernelSVD, kernel_svd, ksvd_objective
 from ..mlls import KSVDAddedLossTerm
@@ -18,7 +19,7 @@ from .kernel_eigen_scores import SIDES, KernelEigenScores, induced_kernel_diag, 
 MODES = ("exact", "primal")
 
 
-class KernelEigenFeatures(KernelEigenFeaturesBase):
+class KernelEigenFeatures(GraphFreeState, KernelEigenFeaturesBase):
     r"""Kernel-eigen inducing features of an asymmetric kernel on a landmark set.
 
     Holds the rank-:math:`s` KSVD :math:`\kappa(X, Z) \approx H_e \Lambda H_r^\top` of the kernel between query

@@ -12,6 +12,7 @@ from gpytorch.variational._variational_strategy import _VariationalStrategy
 from linear_operator.operators import DiagLinearOperator, LinearOperator
 from torch import Tensor
 
+from .._module_state import GraphFreeState
 from .._torch_compat import compilable
 from ..features import KernelEigenFeatures, KernelEigenFeaturesBase, KernelEigenScores
 from ..validation import InputTypeError, check_choice, check_int
@@ -36,7 +37,7 @@ class _CovarModuleOf:
         return self.model.covar_module
 
 
-class KernelEigenVariationalStrategy(_VariationalStrategy):
+class KernelEigenVariationalStrategy(GraphFreeState, _VariationalStrategy):
     r"""Sparse variational GP with kernel-eigen inducing variables (KEP-SVGP, Chen et al. 2024, one branch).
 
     For ``side="left"`` the GP is the weight-space prior :math:`f_e(x) = \kappa(x, Z) w`,

@@ -6,6 +6,7 @@ is compared is float64 and every run is seeded, so the loss drops asserted below
 
 from __future__ import annotations
 
+import copy
 from unittest.mock import patch
 
 import gpytorch
@@ -269,6 +270,32 @@ def test_state_dict_round_trip_gives_identical_predictions(data):
         expected, actual = gp(test_x), fresh(test_x)
         assert torch.equal(actual.mean, expected.mean)
         assert torch.equal(actual.covariance_matrix, expected.covariance_matrix)
+
+
+@pytest.mark.parametrize("mode", ["exact", "primal"])
+def test_the_model_is_deep_copied_after_a_call(data, mode):
+    # a call leaves results on its autograd graph (GPyTorch's memos, the KSVD penalty), which deepcopy refuses ("Only
+    # Tensors created explicitly by the user..."; GPyTorch's own SVGP too): the copy takes them detached, or not at all
+    x, y, landmarks = data
+    torch.manual_seed(0)
+    kernel = ShiftedRBFKernel(1) if mode == "exact" else CosineFeatureKernel(1, feature_dim=16, lift="rff", lift_dim=32)
+    gp = _model(landmarks, kernel=kernel, num_inducing=4, mode=mode)
+    likelihood = gpytorch.likelihoods.GaussianLikelihood().double()
+    _train(gp, likelihood, gpytorch.mlls.VariationalELBO(likelihood, gp, num_data=x.shape[0]), x, y, steps=2)
+    loss = -gpytorch.mlls.VariationalELBO(likelihood, gp, num_data=x.shape[0])(gp(x), y)
+    copies = [copy.deepcopy(gp)]
+    loss.backward()  # the original's graph is intact
+    copies.append(copy.deepcopy(gp))
+    gp.eval()
+    with torch.no_grad():
+        expected = gp(x)
+    gp(x)  # an eval-mode call with gradients: the memoised KSVD hangs on the graph
+    copies.append(copy.deepcopy(gp))
+    for duplicate in copies:
+        with torch.no_grad():
+            got = duplicate.eval()(x)
+        assert torch.equal(got.mean, expected.mean) and torch.equal(got.covariance_matrix, expected.covariance_matrix)
+        assert duplicate.covar_module is duplicate.features.kernel and duplicate.covar_module is not gp.covar_module
 
 
 def test_eval_mode_caches_the_ksvd_and_train_clears_it(data):
