@@ -55,3 +55,25 @@ def batch_to_device(
 ) -> tuple[Tensor, Tensor | None]:
     """Rows ``index`` of ``inputs`` ``(n, ...)`` and of ``mask`` ``(n, N)`` (or ``None``), moved to ``device``."""
     return inputs[index].to(device), None if mask is None else mask[index].to(device)
+
+
+def check_label_range(model: torch.nn.Module, labels: dict[str, Tensor]) -> None:
+    """Refuse labels outside ``[0, num_classes - 1]`` of a model that declares its classes (an integer
+    ``num_classes`` attribute, as :class:`~gpattn.models.Transformer`), before anything trains: the loss would refuse
+    training labels at the first step, the validation metrics validation labels only after the first epoch, and
+    neither would name the data set. Models without the attribute are not checked. O(n), on the labels' device.
+
+    :param model: The model to train.
+    :param labels: Data set name (as the message names it) -> its labels, shape ``(n,)``.
+    :raises ValueError: A label outside the model's classes.
+    """
+    num_classes = getattr(model, "num_classes", None)
+    if isinstance(num_classes, bool) or not isinstance(num_classes, int):
+        return
+    for name, values in labels.items():
+        low, high = int(values.min()), int(values.max())
+        if low < 0 or high >= num_classes:
+            raise ValueError(
+                f"train_model: the {name} labels must be class indices in [0, {num_classes - 1}] (the model has "
+                f"num_classes = {num_classes}), got values in [{low}, {high}]"
+            )

@@ -38,7 +38,7 @@ from torch import Tensor
 
 from ..mlls import AttentionELBO
 from ..validation import all_finite, non_finite_parameters
-from .batches import batch_to_device, dataset_inputs, dataset_labels
+from .batches import batch_to_device, check_label_range, dataset_inputs, dataset_labels
 from .callbacks import Callback, CallbackList, TrainingContext, check_callbacks
 from .checkpoint_files import save_run_checkpoints
 from .checkpoints import restore_run, rng_state
@@ -95,6 +95,8 @@ def train_model(
         last completed epoch.
     :raises TypeError: ``model`` is not a ``torch.nn.Module``, or ``callbacks`` not a list of callbacks (e.g. one
         :class:`~gpattn.training.Callback` not in a list).
+    :raises ValueError: Training or validation labels outside ``[0, num_classes - 1]`` of a model with an integer
+        ``num_classes`` attribute (as :class:`~gpattn.models.Transformer`), before anything trains.
     :raises FileNotFoundError: ``resume=True`` without ``last.pt``.
     :raises CheckpointError: ``resume=True`` with a checkpoint that cannot be read, is damaged or inconsistent, does
         not pair with ``best.pt``, was written for another model or by a run with other settings (seed, learning rate,
@@ -169,6 +171,7 @@ class _Loop:
         self.train_inputs, self.train_mask = dataset_inputs(train)
         self.train_labels = dataset_labels(train)
         self.val_labels = dataset_labels(val)
+        check_label_range(model, {"training": self.train_labels, "validation": self.val_labels})
         self.directory = None if config.checkpoint_dir is None else Path(config.checkpoint_dir)
         if self.directory is not None:
             try:
@@ -453,3 +456,4 @@ class _Loop:
             step,
             self.result.best_epoch,
         ) from cause
+

@@ -4,6 +4,7 @@ failures, model selection on the reported NLL, and the strategy hooks that data-
 from __future__ import annotations
 
 import copy
+import dataclasses
 import math
 import os
 import traceback
@@ -736,3 +737,16 @@ def test_processes_other_than_the_main_one_neither_validate_nor_write(data, tmp_
     assert not (tmp_path / "last.pt").exists() and not (tmp_path / "best.pt").exists()
     # the best state is the main process's (DataParallelStrategy.finish broadcasts it): alone, this one keeps its own
     _assert_same_parameters(model, initial)
+
+
+@pytest.mark.parametrize("split", ["train", "val"])
+def test_labels_outside_the_models_classes_are_refused_before_training(data, small_model, small_config, split):
+    # validation labels were refused only after the first epoch, by a metric that named no data set
+    model = small_model()
+    before = {name: value.clone() for name, value in model.state_dict().items()}
+    sets = {"train": data.train, "val": data.val}
+    sets[split] = dataclasses.replace(sets[split], labels=sets[split].labels + 3)
+    name = {"train": "training", "val": "validation"}[split]
+    with pytest.raises(ValueError, match=rf"^train_model: the {name} labels must be class indices in \[0, 1\] \(the "):
+        train_model(model, sets["train"], sets["val"], small_config())
+    assert all(torch.equal(value, before[key]) for key, value in model.state_dict().items())  # nothing trained
