@@ -125,13 +125,14 @@ for mode, (acc, nll, ece, seconds, best) in summary.items():
 
 
 # %% [markdown]
-# All three modes solve the task after 20 epochs (test accuracy 1.000, 1.000 and 0.996, NLL at most 0.027,
-# ECE at most 0.019): with positional embeddings the order of two tokens is easy for a two-block model, so the
+# All three modes solve the task after 20 epochs (test accuracy 1.000, 1.000 and 0.994, NLL at most 0.020,
+# ECE at most 0.014): with positional embeddings the order of two tokens is easy for a two-block model, so the
 # differences below are about *how* the modes represent the sequence, not about accuracy. They converge at
-# different speeds, though: in a shorter 8-epoch run (not shown) the amortised model was at 80% and the exact one
-# still at chance while `primal_features` had already solved the task. Exact features need an SVD per sequence and
-# head and its backward pass; at $N = 10$ tokens this costs little extra training time (the times above were
-# taken on a shared machine and vary by a few seconds between runs).
+# different speeds, though: in a shorter 8-epoch run (not shown) the amortised model was at 82% and the exact one
+# still at chance (50%) while `primal_features` had already solved the task. Exact features need an SVD per
+# sequence and head and its backward pass; at $N = 10$ tokens this costs about 1.4 times the training time of the
+# learned modes (7.0 s against 4.8-5.2 s; the times were taken on a shared machine and vary by a few seconds
+# between runs).
 #
 # ## 2. Per-token predictive mean and variance
 #
@@ -175,11 +176,13 @@ plt.show()
 
 # %% [markdown]
 # The three modes spread mean and uncertainty very differently over the same sequence. The amortised layer puts
-# its output, and its uncertainty, on the distractors right after `a` and `b`, while `a` and `b` themselves get
-# an output and a standard deviation close to zero. The `primal_features` layer writes nearly the same vector to
-# every position (a global summary of the sequence broadcast to all tokens) with the largest standard
-# deviation at `b`. The exact layer is most uncertain exactly at `a` and `b`, the tokens that dominate the top
-# singular vectors of their kernel, with standard deviations up to about four times those of the learned modes.
+# its largest output, and its largest uncertainty, on the two `4` distractors (positions 3 and 10; standard
+# deviations up to 0.18), less on `a` and the `6` tokens, and the least on `b`, `5` and `7` (at most 0.06). The
+# `primal_features` layer writes nearly the same vector to every position (a global summary of the sequence
+# broadcast to all tokens) with the largest standard deviations at `b` and `a` (0.17 and 0.16, against 0.11-0.12
+# elsewhere). The exact layer is most uncertain exactly at `a` and `b`, the tokens that dominate the top singular
+# vectors of their kernel, with standard deviations up to 0.83, nearly five times the largest of the learned
+# modes (0.18 amortised, 0.17 `primal_features`).
 #
 # Does the layer's variance react to inputs unlike the training data? We compare the test sequences with three
 # modified versions: `a` and `b` replaced by distractors (no pointer at all), `b` replaced by a second `a`, and
@@ -228,14 +231,14 @@ plt.show()
 
 # %% [markdown]
 # The layer variance is no out-of-distribution score. For sequences without `a` and `b` it barely moves in the
-# amortised model (0.0053 → 0.0056) and *falls* in the `primal_features` model (0.0112 → 0.0012); it rises for two
-# sources or random tokens (amortised 0.0129 and 0.0160). In exact mode the mean variance is the same number,
-# 0.0459, for every input set, and must be:
+# amortised model (0.0054 → 0.0058) and *falls* in the `primal_features` model (0.0112 → 0.0012); it rises for two
+# sources or random tokens (amortised 0.0111 and 0.0141). In exact mode the mean variance is the same number,
+# 0.0767, for every input set, and must be:
 # $e(X) \Lambda^{-1} = H_e$ has orthonormal columns, so the variance summed over the tokens of a sequence is
 # $\sum_n \|H_e[n] L\|^2 = \operatorname{tr}(S)$ whatever the input; per-sequence exact features normalise the
 # input away. The model's predictive entropy rises on every modified set, most for `primal_features` on sequences
-# without a pointer (0.45 nats, against $\ln 2 = 0.69$ for a coin flip) and for the exact model (0.23-0.43 nats),
-# least for the amortised model (at most 0.12 nats).
+# without a pointer (0.45 nats, against $\ln 2 = 0.69$ for a coin flip) and for the exact model (0.19-0.29 nats);
+# the amortised model stays at or below 0.12 nats.
 #
 # ## 3. Joint against marginal sampling
 #
@@ -291,13 +294,14 @@ plt.show()
 
 # %% [markdown]
 # Joint sampling gives strongly correlated tokens (correlations up to 0.986): one $u$ per sequence drives all
-# tokens through the rank-4 scores of each head, so tokens with similar scores move together (the distractors
-# after `a` and after `b` form one block, anti-correlated with `a`). Marginal sampling has the same per-token
-# variances, both match `posterior()` within Monte Carlo error, but no correlation (off-diagonal at most 0.05,
-# sampling noise at 4000 samples). Token-wise quantities cannot tell the two apart; anything that pools tokens
-# can: the variance of the mean over the tokens, which is what the classifier's mean pooling sees, is 0.0018 under
-# joint sampling and 0.0008 under marginal sampling. Dropping the correlations underestimates the uncertainty of
-# the pooled representation by a factor 2.3 here.
+# tokens through the rank-4 scores of each head, so tokens with similar scores move together (the `4` and `6`
+# distractors at positions 3, 6, 7 and 10 form one block, anti-correlated with `a`, which the `6` at position 2
+# joins less strongly). Marginal sampling has the same per-token variances, both match `posterior()` within
+# Monte Carlo error, but no correlation (off-diagonal at most 0.05, sampling noise at 4000 samples). Token-wise
+# quantities cannot tell the two apart; anything that pools tokens can: the variance of the mean over the tokens,
+# which is what the classifier's mean pooling sees, is 0.0027 under joint sampling and 0.0009 under marginal
+# sampling. Dropping the correlations underestimates the uncertainty of the pooled representation by a factor 2.9
+# here.
 #
 # ## 4. Attention maps of the three feature modes
 #
@@ -340,13 +344,13 @@ figure.suptitle(f"Attention kernels and KSVD-implied maps, test sequence {exampl
 plt.show()
 
 # %% [markdown]
-# The exact mode's kernel shows the directed relation the task is about: in head 1 the largest positive entry
+# The exact mode's kernel shows the directed relation the task is about: in head 2 the largest positive entry
 # is query `b` attending to key `a`, and query `a` attending to key `b` is the most negative, an asymmetry a
 # symmetric kernel could not express. Its $\hat K$ is the best rank-4 approximation and visibly close to $K$.
-# In the `primal_features` model the kernel is organised around the pointer tokens (rows `a` and `b` in head 1,
-# columns `a` and `b` in head 2), and $\hat K$ of head 2 reproduces the column pattern at a much smaller scale.
-# The amortised $\hat K$ reproduces the row and column pattern of $K$, at about 1/100 of its scale (note the
-# colour bars).
+# In the `primal_features` model the kernel is organised around the pointer tokens (the rows and columns of `a`
+# and `b` in head 1, mainly the columns `a` and `b` in head 2), and $\hat K$ of head 2 reproduces the column
+# pattern at a much smaller scale. The amortised $\hat K$ roughly reproduces the row and column pattern of $K$,
+# at about 1/200 (head 1) and 1/140 (head 2) of its scale (note the colour bars).
 #
 # How far are the learned scores from the exact KSVD of the same kernel? For every test sequence we compare
 # $\hat K$ with the best rank-4 approximation of $K$, measure the scale $\alpha$ that best fits $\hat K$ to
@@ -395,11 +399,12 @@ plt.show()
 
 # %% [markdown]
 # The learned modes do reach small $J$ (mean $|J|$ 0.009 amortised, 0.022 `primal_features`), and their scores
-# do span the leading singular directions of the kernel (principal-angle cosines 1.000, 0.998-1.000, 0.95-0.98), but they
-# miss the fourth (cosine 0.56-0.59) and, above all, the scale: $\hat K$ is about 150 times (amortised) and 8 times
-# (`primal_features`) smaller than $K$, so its relative error is about 1, no better than $\hat K = 0$, against 0.099
-# and 0.010 for the best rank-4 approximation. The learned $\Lambda$ are flat (0.4-0.85) while the exact spectra
-# of the same kernels fall by a factor 5 to 40 from $\lambda_1$ to $\lambda_4$. One reason is structural: at fixed
+# do span the leading singular directions of the kernel (principal-angle cosines 1.000, 0.997-1.000, 0.95-0.98), but they
+# miss the fourth (cosine 0.54-0.61) and, above all, the scale: $\hat K$ is about 150 times (amortised) and 8 times
+# (`primal_features`) smaller than $K$, so its relative error is about 1, no better than $\hat K = 0$, against 0.100
+# and 0.009 for the best rank-4 approximation. The learned $\Lambda$ are flat (0.42-0.82) while the exact spectra
+# of the same kernels fall from $\lambda_1$ to $\lambda_4$ by a factor of about 4 to 8 (amortised) and 50 to 60
+# (`primal_features`). One reason is structural: at fixed
 # $\Lambda$, $J$ is homogeneous of degree 2 in the scores, so the penalty $\eta J^2$ is also reduced by shrinking
 # the scores, which the GP means $m$ can compensate. The penalty pushes the learned scores into a subspace
 # compatible with the KSVD, not onto the KSVD itself. Only exact features give the layer the prior that the GP
