@@ -456,4 +456,3 @@ class _Loop:
             step,
             self.result.best_epoch,
         ) from cause
-
