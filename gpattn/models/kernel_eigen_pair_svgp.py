@@ -17,7 +17,7 @@ from torch import Tensor
 
 from ..features import KernelEigenFeatures
 from ..kernels import AsymmetricKernel
-from ..validation import check_choice, check_int, check_tensor
+from ..validation import InputTypeError, check_choice, check_int, check_tensor
 from ..variational import KernelEigenPairVariationalStrategy
 from ..variational.structured_covariance import low_rank_plus_diag
 
@@ -58,7 +58,7 @@ class KernelEigenPairSVGP(ApproximateGP):
     SVI through :meth:`pyro_model`/:meth:`pyro_guide` (one sample site ``{prefix}.u`` holding both branches).
 
     :param inducing_points: Landmarks :math:`X = Z`, shape ``(*batch, M, d)``.
-    :param kernel: The asymmetric kernel, ``covar_module`` (held once, by the features: see :attr:`covar_module`).
+    :param kernel: The asymmetric kernel, ``covar_module`` (one module with the features': see :attr:`covar_module`).
     :param num_inducing: :math:`s \leq M`, the KSVD rank.
     :param merge: ``"sum"`` or ``"concat"``.
     :param shared_posterior: One :math:`q(u)` for both branches (the official code's choice).
@@ -139,17 +139,22 @@ class KernelEigenPairSVGP(ApproximateGP):
             features=features,
         )
         super().__init__(strategy)
+        # the features' kernel under GPyTorch's name too (state_dict keys, initialize("covar_module.<name>")); torch's
+        # own __setattr__: the redirect below is for later assignments
+        torch.nn.Module.__setattr__(self, "covar_module", kernel)
         self.mean_module = ZeroMean() if mean_module is None else mean_module
 
     @property
     def covar_module(self) -> AsymmetricKernel:
         r"""The asymmetric kernel :math:`\kappa`, GPyTorch's name for what the features hold
-        (``features.base_kernel``): one module, read by the prior (:meth:`forward`) and the posterior alike, and one set
-        of ``state_dict`` keys. Assigning another kernel (``model.covar_module = kernel``) replaces it for both and
-        clears the memoised KSVD, in exact mode; in primal mode the learned feature weights belong to the kernel they
-        were initialised from, so a new kernel needs a new model.
+        (``features.base_kernel``): one module, read by the prior (:meth:`forward`) and the posterior alike (registered
+        under both names, as a shared module: both ``state_dict`` key sets, ``initialize(**{"covar_module.shift":
+        ...})``). Assigning another kernel (``model.covar_module = kernel``) replaces it under both names and clears
+        the memoised KSVD, in exact mode; in primal mode the learned feature weights belong to the kernel they were
+        initialised from, so a new kernel needs a new model.
 
-        :raises TypeError: Assigning anything but an :class:`~gpattn.kernels.AsymmetricKernel`.
+        :raises TypeError: Assigning anything but an :class:`~gpattn.kernels.AsymmetricKernel`, or one of another dtype
+            than the landmarks.
         :raises ValueError: Assigning a kernel of another input width than the landmarks, or in primal mode.
         """
         return self.features.kernel
@@ -176,7 +181,13 @@ class KernelEigenPairSVGP(ApproximateGP):
                 f"{where}: cannot replace the kernel of a primal-mode model (its feature weights W_e, W_r were "
                 "initialised from the old kernel's features); build a new model with the new kernel"
             )
+        if kernel.raw_outputscale.dtype != features.landmarks.dtype:
+            raise InputTypeError(
+                f"{where}: expected a kernel of the landmarks' dtype {features.landmarks.dtype}, got "
+                f"{kernel.raw_outputscale.dtype} (cast it with .to())"
+            )
         features.base_kernel = kernel
+        torch.nn.Module.__setattr__(self, "covar_module", kernel)
         self.variational_strategy._clear_cache()
 
     def get_fantasy_model(self, inputs: Tensor, targets: Tensor, **kwargs):

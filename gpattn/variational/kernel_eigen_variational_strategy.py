@@ -13,7 +13,7 @@ from linear_operator.operators import DiagLinearOperator, LinearOperator
 from torch import Tensor
 
 from .._module_state import GraphFreeState
-from .._torch_compat import compilable
+from .._torch_compat import autocast_enabled, compilable
 from ..features import KernelEigenFeatures, KernelEigenFeaturesBase, KernelEigenScores
 from ..validation import InputTypeError, check_choice, check_int
 from .cholesky_prior_kl import CholeskyPriorKL
@@ -224,7 +224,9 @@ class KernelEigenVariationalStrategy(GraphFreeState, _VariationalStrategy):
         """
         self.features.check_inputs(x, type(self.model).__name__)
         variational = next(self._variational_distribution.parameters(), None)
-        if variational is not None and variational.dtype != x.dtype:  # a kernel may promote, q(u)'s products do not
+        # a kernel may promote mixed dtypes, q(u)'s products do not (autocast mixes them on purpose); outside autocast
+        # check_inputs has matched x to the landmarks
+        if variational is not None and variational.dtype != x.dtype and not autocast_enabled(x.device.type):
             raise InputTypeError(
                 f"{type(self.model).__name__}: x and the landmarks are {x.dtype} but q(u) is {variational.dtype}: cast "
                 f"the model (model.to({x.dtype})) or the inputs"
@@ -243,11 +245,17 @@ class KernelEigenVariationalStrategy(GraphFreeState, _VariationalStrategy):
             prior_batch = None
         if prior_batch != q_batch:
             landmark_batch = tuple(self.features.landmarks.shape[:-2])
+            prior = (
+                "a prior p(u) not broadcastable to q(u)"
+                if prior_batch is None
+                else f"p(u) of batch {tuple(prior_batch)}"
+            )
+            branches = " (its last dimension: the pair's branches)" if len(self._branch_sides) > 1 else ""
             raise ValueError(
-                f"{type(self.model).__name__}: the landmarks of batch shape {landmark_batch} "
-                f"give a prior p(u) that q(u) of batch shape {tuple(q_batch)} cannot start at (GPyTorch starts q(u) "
-                "at the prior): give q(u) the landmarks' batch shape (e.g. KernelEigenPairSVGP(..., batch_shape=...)), "
-                "or landmarks without a batch"
+                f"{type(self.model).__name__}: the landmarks of batch shape {landmark_batch} give {prior}, which "
+                f"q(u) of batch shape {tuple(q_batch)}{branches} cannot start at (GPyTorch starts q(u) at the "
+                "prior): give q(u) the landmarks' batch shape (e.g. KernelEigenPairSVGP(..., batch_shape=...)), or "
+                "landmarks without a batch"
             )
 
     def forward(

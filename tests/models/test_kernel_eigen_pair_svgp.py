@@ -327,7 +327,14 @@ def test_a_replaced_covar_module_is_the_kernel_of_the_prior_and_the_posterior(da
     likelihood = gpytorch.likelihoods.GaussianLikelihood().double()
     _train(gp, likelihood, gpytorch.mlls.VariationalELBO(likelihood, gp, num_data=x.shape[0]), x, y, steps=3)
     old = gp.covar_module
-    assert gp.features.kernel is old and sum(key.startswith("covar_module.") for key in gp.state_dict()) == 0
+    # one module under two names (GPyTorch's covar_module and the features'): both key sets, one set of parameters
+    state = gp.state_dict()
+    assert gp.features.kernel is old and gp._modules["covar_module"] is old
+    shared = [key.removeprefix("covar_module.") for key in state if key.startswith("covar_module.")]
+    features_key = "variational_strategy.features.base_kernel."
+    assert shared and all(state[f"covar_module.{k}"].data_ptr() == state[features_key + k].data_ptr() for k in shared)
+    gp.initialize(**{"covar_module.shift": 0.25})  # GPyTorch's dotted names reach the features' kernel
+    assert gp.features.kernel.shift.item() == 0.25
     gp.eval()
     with torch.no_grad():
         before = gp(x).mean  # memoises the old kernel's KSVD
@@ -355,12 +362,14 @@ def test_a_replaced_covar_module_is_the_kernel_of_the_prior_and_the_posterior(da
         gp.covar_module = gpytorch.kernels.RBFKernel()
     with pytest.raises(ValueError, match="input_dim 1"):
         gp.covar_module = ShiftedRBFKernel(2).double()
+    with pytest.raises(TypeError, match="landmarks' dtype torch.float64, got torch.float32"):
+        gp.covar_module = ShiftedRBFKernel(1)
     primal = _model(
         landmarks, kernel=CosineFeatureKernel(1, feature_dim=16, lift="rff", lift_dim=32), mode="primal", num_inducing=4
     )
     with pytest.raises(ValueError, match="primal-mode"):
         primal.covar_module = CosineFeatureKernel(1, feature_dim=16, lift="rff", lift_dim=32).double()
-    assert gp.covar_module is kernel  # the refused kernels changed nothing
+    assert gp.covar_module is kernel and gp._modules["covar_module"] is kernel  # the refused kernels changed nothing
 
 
 def test_landmarks_of_a_batch_that_q_u_lacks_are_refused_clearly() -> None:
@@ -387,6 +396,22 @@ def test_inputs_of_another_dtype_than_q_u_are_refused_clearly() -> None:
     with pytest.raises(TypeError, match=r"KernelEigenPairSVGP: x and the landmarks are torch.float64 but q\(u\) is"):
         model(x)
     assert model.double()(x).mean.dtype == torch.float64  # the usual order: build, then cast the model
+
+
+def test_a_deep_kernel_model_trains_under_bfloat16_autocast() -> None:
+    # autocast hands the GP bfloat16 features while q(u) stays float32 on purpose: the dtype check of the inputs
+    # against q(u) must not refuse it (it did, for one commit)
+    torch.manual_seed(0)
+    network, x, y = torch.nn.Linear(3, 4), torch.randn(20, 3), torch.randn(20)
+    model = KernelEigenPairSVGP(torch.randn(10, 4), ShiftedRBFKernel(4), num_inducing=4)
+    likelihood = gpytorch.likelihoods.GaussianLikelihood()
+    mll = gpytorch.mlls.VariationalELBO(likelihood, model, num_data=20)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        features = network(x)
+        loss = -mll(model(features), y)
+    assert features.dtype == torch.bfloat16 and torch.isfinite(loss)
+    loss.backward()
+    assert network.weight.grad is not None and torch.isfinite(network.weight.grad).all()
 
 
 @pytest.mark.parametrize(
