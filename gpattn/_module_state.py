@@ -37,7 +37,8 @@ class GraphFreeState:
     """
 
     def __getstate__(self) -> dict:
-        state = {name: _detached(value) for name, value in self.__dict__.items()}
+        # torch's Module.__getstate__ first (it leaves out what Module.compile() set, which a copy must not share)
+        state = {name: _detached(value) for name, value in super().__getstate__().items()}
         if "_memoize_cache" in state:
             state["_memoize_cache"] = {}
         terms = state.get("_added_loss_terms")
@@ -62,7 +63,8 @@ def restored_modes(module: torch.nn.Module) -> Iterator[torch.nn.Module]:
     gets back its own ``training`` flag, so that mixed modes survive (a submodule left in eval mode inside a model in
     training, e.g. a frozen part), which ``module.train(was_training)`` would flatten. A module whose flag changed is
     restored by its own ``train(mode)`` (parents first, as ``train`` recurses), so that modules which act on a change
-    of mode (GPyTorch's variational strategies clear their caches) see it.
+    of mode (GPyTorch's variational strategies clear their caches) see it; a module shared by two parents of different
+    modes, which the second parent's ``train`` would set again, then gets its flag back directly.
 
     .. note:: Cost O(number of submodules) on entry; on exit O(size of the subtree) per module whose mode changed.
     """
@@ -75,3 +77,5 @@ def restored_modes(module: torch.nn.Module) -> Iterator[torch.nn.Module]:
         for child, mode in modes:
             if child.training != mode:
                 child.train(mode)
+        for child, mode in modes:  # shared modules, set again by a later parent's train()
+            child.training = mode

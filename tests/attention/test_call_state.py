@@ -186,3 +186,30 @@ def test_restored_modes_restores_every_module_on_exit_and_on_error():
     assert _modes(model) == before
     with pytest.raises(TypeError, match="restored_modes: expected a torch.nn.Module"), restored_modes(object()):
         pass
+
+
+def test_restored_modes_restores_a_module_shared_by_parents_of_different_modes():
+    # the second parent's train(False) recursed into the shared module after it had got its mode back
+    shared = torch.nn.Linear(2, 2)
+    model = torch.nn.ModuleDict({"a": torch.nn.Sequential(shared), "b": torch.nn.Sequential(shared)}).train()
+    model["b"].training = False  # a frozen branch sharing a module that trains
+    before = _modes(model)
+    with restored_modes(model):
+        model.eval()
+    assert _modes(model) == before and shared.training and not model["b"].training
+
+
+def test_a_copy_of_a_compiled_layer_runs_its_own_weights():
+    # Module.compile() stores the compiled call on the instance, which torch's Module.__getstate__ leaves out and the
+    # copy must not share: GraphFreeState starts from it (a copy with zeroed weights gave the original's output)
+    layer, x = _layer("softmax", {}), _tokens()
+    layer.compile(backend="eager")
+    expected = layer(x)
+    duplicate = copy.deepcopy(layer)
+    assert "_compiled_call_impl" not in duplicate.__dict__
+    with torch.no_grad():
+        for parameter in duplicate.parameters():
+            parameter.zero_()
+        assert (duplicate(x) == 0).all()
+        torch.testing.assert_close(layer(x), expected, rtol=0, atol=0)
+    pickle.loads(pickle.dumps(layer))
