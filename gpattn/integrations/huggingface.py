@@ -57,7 +57,8 @@ class HuggingFaceAttentionAdapter(AttentionAdapter):
     mask (``eager``, :math:`-\infty`/``torch.finfo(dtype).min`` on padding) or a 2-D ``(B, N)`` mask, either a
     keep-mask (boolean, or 0/1 integers or floats: 1 = real token, the form of the ``attention_mask`` argument of
     the model and of the flash-attention path) or an additive one (floats, 0 = real token, a value
-    :math:`\leq -10^4` or :math:`-\infty` = padding; an all-zero floating mask hides nothing); it becomes gpattn's
+    :math:`\leq -10^4` or :math:`-\infty` = padding; a floating mask of zeros only, which could be either, is
+    refused); it becomes gpattn's
     boolean padding mask (:func:`~gpattn.integrations.padding_mask`); a 2-D mask of other values is refused. Other
     keyword arguments the encoder passes (``position_ids``, ``output_attentions``, ...) are ignored; cross-attention,
     cached decoding and head masks are refused.
@@ -97,16 +98,22 @@ def _key_mask(attention_mask: Tensor, where: str) -> Tensor:
     r"""A 2-D ``(B, N)`` attention mask as a boolean keep-mask (``True``: real token) or, when it is additive, as it is.
 
     Boolean masks are keep-masks; integer masks must hold 0/1 (1 = real token). A floating mask of 0/1 values with
-    at least one 1 is a keep-mask; a floating mask of 0 and values :math:`\leq -10^4` or :math:`-\infty` (or of 0
-    alone: nothing hidden) is additive, returned unchanged for :func:`~gpattn.integrations.padding_mask`.
+    at least one 1 is a keep-mask; a floating mask of 0 and values :math:`\leq -10^4` or :math:`-\infty` with at least
+    one of those is additive, returned unchanged for :func:`~gpattn.integrations.padding_mask`.
 
-    :raises ValueError: Any other values (e.g. 0.5, NaN, or 1 beside a hidden value): neither form.
+    :raises ValueError: Any other values (e.g. 0.5, NaN, or 1 beside a hidden value): neither form; or a floating mask
+        of zeros only, which is either (a keep-mask that hides every token, an additive mask that hides none).
     """
     if attention_mask.dtype == torch.bool:
         return attention_mask
     one = attention_mask == 1
     binary = bool(((attention_mask == 0) | one).all())
     floating = attention_mask.is_floating_point()
+    if floating and not bool(attention_mask.any()):
+        raise ValueError(
+            f"{where}: a floating 2-D attention_mask of zeros only is ambiguous: a keep-mask that hides every token or "
+            "an additive mask that hides none; pass None (no padding) or a boolean mask"
+        )
     if binary and (not floating or bool(one.any())):
         return one
     if floating and bool(((attention_mask == 0) | (attention_mask <= MASKED_BELOW)).all()):

@@ -250,7 +250,6 @@ def test_the_adapter_reads_two_dimensional_additive_masks(hidden):
         for keep in (real, real.bool(), real.double()):  # the model's 0/1 argument, the flash path's, 0/1 floats
             torch.testing.assert_close(output, adapter(tokens, keep)[0], rtol=0, atol=0)
         unmasked = adapter(tokens)[0]
-        torch.testing.assert_close(adapter(tokens, torch.zeros(BATCH, LENGTH, dtype=torch.float64))[0], unmasked)
         torch.testing.assert_close(output[[0, 3]], unmasked[[0, 3]], rtol=0, atol=0)  # all-zero rows hide nothing
         assert (output[[1, 2]] - unmasked[[1, 2]]).abs().max() > 1e-3  # the padding was hidden
 
@@ -267,6 +266,17 @@ def test_the_adapter_refuses_two_dimensional_masks_of_neither_form(values):
     mask = mask.double() if mask.is_floating_point() else mask
     with pytest.raises(ValueError, match=r"HuggingFaceAttentionAdapter: a 2-D attention_mask must be a keep-mask"):
         adapter(tokens, mask)
+
+
+def test_a_floating_mask_of_zeros_only_is_refused_as_ambiguous():
+    # a keep-mask hiding every token, or an additive mask hiding none: neither is guessed (a long all-zero mask is the
+    # model's argument hiding every token, refused as such)
+    adapter = HuggingFaceAttentionAdapter(SoftmaxAttention(WIDTH, HEADS).double().eval())
+    tokens = torch.randn(2, 4, WIDTH, dtype=torch.float64)
+    with pytest.raises(ValueError, match="of zeros only is ambiguous"):
+        adapter(tokens, torch.zeros(2, 4, dtype=torch.float64))
+    with pytest.raises(ValueError, match="hides every token"):
+        adapter(tokens, torch.zeros(2, 4, dtype=torch.long))
 
 
 # -- errors --------------------------------------------------------------------------------------------------------
