@@ -6,9 +6,10 @@ the SHA-256 of its key: the arguments of the generation, the contents of the sou
 versions of everything else its values depend on (``mnist1d``, NumPy, SciPy and the format of the entries), so that
 other code generates and stores its own entry instead of reading one it would not have made. Entries are written
 atomically (a temporary file in the same folder, then :func:`os.replace`): processes that generate the same entry at
-once each write a whole file, and a reader never sees half of one. An entry that cannot be read (truncated, or not
-an ``.npz``) is generated again and replaced; a folder that cannot be written leaves the data uncached, with one
-warning per process.
+once each write a whole file, and a reader never sees half of one. Each entry carries the SHA-256 of its arrays (their
+names, dtypes, shapes and bytes): an entry that cannot be read (truncated, or not an ``.npz``) or whose arrays do not
+match it (altered, replaced, missing an array) is generated again and replaced; a folder that cannot be written leaves
+the data uncached, with one warning per process.
 
 The folder is ``$GPATTN_CACHE_DIR`` if set, else ``$XDG_CACHE_HOME/gpattn``, else ``~/.cache/gpattn``;
 ``GPATTN_CACHE_DIR=off`` turns the cache off. Deleting the folder, or any file in it, is always safe; nothing
@@ -38,7 +39,9 @@ __all__ = ["CACHE_VARIABLE", "cache_directory", "cached_arrays", "entry_path"]
 #: The environment variable naming the cache folder (``off``: no cache).
 CACHE_VARIABLE = "GPATTN_CACHE_DIR"
 #: The version of the entries' layout; raising it makes every entry of an older layout unused.
-FORMAT = 1
+FORMAT = 2
+#: The name of the entry's checksum array (the SHA-256 of the other arrays, :func:`_digest`).
+_CHECKSUM = "__sha256__"
 _warned: set[str] = set()
 
 
@@ -90,13 +93,28 @@ def entry_path(name: str, key: Mapping[str, Any], directory: Path, code: str | o
     return directory / f"{name}-{hashlib.sha256(text.encode()).hexdigest()[:20]}.npz"
 
 
+def _digest(arrays: Mapping[str, np.ndarray]) -> np.ndarray:
+    """The SHA-256 of the arrays' names, dtypes, shapes and bytes (in name order), as 32 ``uint8``."""
+    digest = hashlib.sha256()
+    for name in sorted(arrays):
+        array = np.ascontiguousarray(arrays[name])
+        digest.update(json.dumps([name, array.dtype.str, list(array.shape)]).encode())
+        digest.update(array.tobytes())
+    return np.frombuffer(digest.digest(), dtype=np.uint8)
+
+
 def _read(path: Path) -> dict[str, np.ndarray] | None:
-    """The entry's arrays, or ``None`` for a missing or damaged entry (generated again by the caller)."""
+    """The entry's arrays, or ``None`` for a missing or damaged entry (generated again by the caller): unreadable, or
+    not matching its checksum."""
     try:
-        with np.load(path, allow_pickle=False) as stored:
-            return {name: stored[name] for name in stored.files}
+        with open(path, "rb") as file, np.load(file, allow_pickle=False) as stored:  # the file closed on every error
+            arrays = {name: stored[name] for name in stored.files}
     except (OSError, ValueError, EOFError, zipfile.BadZipFile):  # FileNotFoundError is an OSError
         return None
+    checksum = arrays.pop(_CHECKSUM, None)
+    if checksum is None or not np.array_equal(checksum, _digest(arrays)):
+        return None
+    return arrays
 
 
 def _write(path: Path, arrays: Mapping[str, np.ndarray]) -> None:
@@ -107,7 +125,7 @@ def _write(path: Path, arrays: Mapping[str, np.ndarray]) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
         try:
             with open(temporary, "xb") as file:
-                np.savez(file, **arrays)
+                np.savez(file, **arrays, **{_CHECKSUM: _digest(arrays)})
             os.replace(temporary, path)
         except BaseException:
             temporary.unlink(missing_ok=True)

@@ -8,6 +8,7 @@ import os
 import stat
 import sys
 import warnings
+import zipfile
 from pathlib import Path
 
 import numpy as np
@@ -79,6 +80,54 @@ def test_a_damaged_entry_is_generated_again_and_replaced(folder, damage):
         cached_arrays("probe", {"n": 7}, generate, __file__)["y"].tolist() == again["y"].tolist()
         and generate.calls == 1
     )
+
+
+def _rewrite(path: Path, change) -> None:
+    # the entry rewritten as a valid .npz whose arrays (checksum included) are change(arrays)
+    with np.load(path) as stored:
+        arrays = {name: stored[name] for name in stored.files}
+    with open(path, "wb") as file:
+        np.savez(file, **change(arrays))
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        lambda arrays: {**arrays, "y": np.roll(arrays["y"], 1)},  # labels shifted by one row
+        lambda arrays: {**arrays, "x": arrays["x"].astype(np.float32)},  # another dtype
+        lambda arrays: {name: value for name, value in arrays.items() if name != "y"},  # an array missing
+        lambda arrays: {name: value for name, value in arrays.items() if name != "__sha256__"},  # no checksum
+    ],
+    ids=["shifted", "dtype", "missing", "unchecked"],
+)
+def test_a_readable_entry_that_does_not_match_its_checksum_is_generated_again(folder, change):
+    # a valid .npz with other arrays than were stored (an older or shared entry, an edit) was returned as it was
+    cached_arrays("probe", {"n": 7}, Generator(), __file__)
+    path = entry_path("probe", {"n": 7}, folder, __file__)
+    _rewrite(path, change)
+    generate = Generator()
+    again = cached_arrays("probe", {"n": 7}, generate, __file__)
+    assert generate.calls == 1
+    assert {name: value.tobytes() for name, value in again.items()} == {
+        name: value.tobytes() for name, value in Generator()().items()
+    }
+    assert cached_arrays("probe", {"n": 7}, generate, __file__)["y"].tolist() == again["y"].tolist()
+    assert generate.calls == 1  # the entry was replaced
+
+
+def test_a_damaged_entry_leaves_no_open_file(folder, monkeypatch):
+    # numpy.load(path) leaves the file it opened open when the zip is damaged (a ResourceWarning): the cache opens it
+    cached_arrays("probe", {"n": 7}, Generator(), __file__)
+    opened = []
+
+    def damaged(file, **kwargs):
+        opened.append(file)
+        raise zipfile.BadZipFile("damaged")
+
+    monkeypatch.setattr(disk_cache.np, "load", damaged)
+    generate = Generator()
+    cached_arrays("probe", {"n": 7}, generate, __file__)
+    assert generate.calls == 1 and len(opened) == 1 and opened[0].closed
 
 
 def test_an_unwritable_folder_generates_every_time_with_one_warning(tmp_path, monkeypatch):
