@@ -18,7 +18,7 @@ from ..data.mnist1d import (
     make_mnist1d_shuffled_test_set,
     mnist1d_noise_families,
 )
-from ..validation import check_choice, check_int
+from ..validation import check_choice, check_int, check_seed
 
 __all__ = ["DEFAULT_TASKS", "PUBLISHED_ACCURACIES", "TASKS", "TASK_DEFAULTS", "TaskData", "load_task"]
 
@@ -120,7 +120,7 @@ def load_task(task: str, seed: int = 0, test_size: int | None = None) -> TaskDat
     :return: The :class:`TaskData`.
     """
     check_choice("task", task, TASKS)
-    check_int("seed", seed, minimum=0, where="load_task")
+    check_seed("seed", seed, where="load_task")
     if test_size is not None:
         check_int("test_size", test_size, where="load_task")
     fixed = _fixed_sets(task, test_size)

@@ -72,7 +72,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..validation import InputTypeError, check_choice, check_float, check_int
+from ..validation import InputTypeError, check_choice, check_float, check_int, check_seed
 from .mnist1d_generator import (
     MNIST1D_LENGTH,
     MNIST1D_SHIFT_ARGUMENTS,
@@ -154,6 +154,15 @@ def _check_digits(name: str, value: Any) -> tuple[int, ...]:
     return tuple(int(c) for c in digits)
 
 
+def _check_every_class_trains(train_digits: np.ndarray, kept: list[int], fractions: str, where: str) -> None:
+    # a split that leaves a kept class without a training example (large fractions round whole classes away)
+    missing = sorted(set(kept) - set(np.unique(train_digits).tolist()))
+    if missing:
+        raise ValueError(
+            f"{where}: {fractions} leaves no training example of the digit(s) {missing}; use a smaller fraction"
+        )
+
+
 def load_mnist1d(
     seed: int = 0,
     val_fraction: float = 0.1,
@@ -176,7 +185,7 @@ def load_mnist1d(
     :param dtype: Floating dtype of the tokens (``torch.float64`` keeps ``make_dataset``'s values bit for bit).
     :return: The splits, the OOD set of held-out classes and the bookkeeping.
     """
-    check_int("seed", seed, minimum=0, where="load_mnist1d")
+    check_seed("seed", seed, where="load_mnist1d")
     check_float("val_fraction", val_fraction, 0.0, 1.0, strict_maximum=True, where="load_mnist1d")
     check_choice("patch_size", patch_size, PATCH_SIZES, where="load_mnist1d")
     check_dtype(dtype, "load_mnist1d")
@@ -196,6 +205,7 @@ def load_mnist1d(
         val_parts.append(members[: round(val_fraction * len(members))])
     val_indices = np.sort(np.concatenate(val_parts))
     train_indices = np.setdiff1d(np.flatnonzero(np.isin(data["y"], kept)), val_indices)
+    _check_every_class_trains(data["y"][train_indices], kept, f"val_fraction={val_fraction}", "load_mnist1d")
     test_rows = np.flatnonzero(np.isin(data["y_test"], kept))
 
     held_text = f", digits {', '.join(map(str, held))} held out" if held else ""

@@ -65,6 +65,8 @@ def test_the_validation_split_varies_with_the_seed_and_nothing_else_does(task):
     assert all(second.ood[name] is first.ood[name] for name in first.ood)
     with pytest.raises(ValueError, match="seed"):
         load_task(task, -1)
+    with pytest.raises(ValueError, match=r"at most 2\*\*64 - 1"):  # one seed range for every task
+        load_task(task, 2**64)
 
 
 def _inputs(dataset):

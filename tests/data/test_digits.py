@@ -216,6 +216,20 @@ def test_shift_bad_arguments(splits, bad):
         shift_images(splits.test.images, **{"kind": "blur", "severity": 1, **bad})
 
 
+def test_numpy_integer_severities_are_severities(splits):
+    # as in MNIST-1D's shifts (they were refused as "not an integer")
+    images = splits.test.images[:4]
+    assert torch.equal(shift_images(images, "blur", np.int64(3)), shift_images(images, "blur", 3))
+    sets = make_shifted_test_sets(splits.test, seed=0, kinds=("blur",), severities=tuple(np.arange(1, 3)))
+    assert sorted(severity for _, severity in sets) == [1, 2]
+
+
+def test_fractions_that_leave_a_class_without_training_images_are_refused():
+    # rounding per class took every training image of seven digits, with num_classes still 8
+    with pytest.raises(ValueError, match=r"leave no training image of the digit\(s\) \[1, 2, 3, 4, 5, 6, 7\]"):
+        load_digits_splits(val_fraction=0.7499, test_fraction=0.25, held_out_classes=(8, 9))
+
+
 def test_noise_ood(splits):
     ood = make_noise_ood(90, seed=0)
     assert ood.images.shape == (90, 1, 8, 8) and ood.images.dtype == torch.float32

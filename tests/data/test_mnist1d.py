@@ -282,6 +282,8 @@ def test_signals_to_tokens_round_trip() -> None:
         ({"held_out_classes": (1, 1)}, "distinct"),
         ({"held_out_classes": tuple(range(9))}, "distinct"),
         ({"dtype": torch.int64}, "dtype"),
+        ({"seed": 2**64}, "at most 2\\*\\*64 - 1"),  # the package's one seed range (it was unbounded here)
+        ({"val_fraction": 0.9999}, r"leaves no training example of the digit\(s\) \[0, 1, 2"),
     ],
 )
 def test_load_mnist1d_bad_arguments(arguments: dict, match: str) -> None:
