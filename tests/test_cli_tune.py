@@ -61,12 +61,41 @@ def test_an_unreachable_storage_is_one_line_before_any_training(storage, tmp_pat
     assert error.count("\n") == 1 and "Traceback" not in error
 
 
+def test_a_storage_password_is_not_printed(tmp_path, capsys, no_training):
+    # --help suggests postgresql://user:password@host/db: the password stays out of the message (and of logs)
+    storage = "postgresql+nonexistentdriver://user:secret@127.0.0.1:1/db"
+    assert main([*TINY, "--out", str(tmp_path), "--storage", storage]) == 1
+    error = capsys.readouterr().err
+    assert "secret" not in error and "'postgresql+nonexistentdriver://user:***@127.0.0.1:1/db'" in error
+
+
+def test_a_refused_start_leaves_the_out_folder_for_the_corrected_command(tmp_path, capsys):
+    # a study made with other settings refuses the start; the folder it would have written to stays empty, so the
+    # corrected command is not refused as "already holds files (trials)"
+    storage = f"sqlite:///{tmp_path / 'shared.db'}"
+    assert main([*TINY, "--out", str(tmp_path / "first"), "--storage", storage]) == 0
+    other = [("3" if index == TINY.index("--trials") + 1 else value) for index, value in enumerate(TINY)]
+    capsys.readouterr()
+    assert main([*other, "--out", str(tmp_path / "second"), "--storage", storage, "--resume"]) == 1
+    assert "other settings" in capsys.readouterr().err
+    assert not (tmp_path / "second" / "trials").exists()
+
+
+def test_the_default_study_file_is_inside_an_out_folder_with_a_query_character(tmp_path):
+    # the SQLite URL is built, not formatted: "q?x=1" is a folder name, not a URL query (it wrote tmp_path / "q")
+    out = tmp_path / "q?x=1"
+    assert main([*TINY, "--out", str(out)]) == 0
+    assert (out / "study.db").is_file() and not (tmp_path / "q").exists()
+
+
 @pytest.mark.parametrize(
     ("argument", "message"),
     [
         (["--rows", "nope"], "expected rows to be one of"),
         (["--rows", "deep_ensemble"], "uses the tuned configuration of the row 'softmax'"),
-        (["--seed", "3"], "must not be an evaluation seed (0-9), got 3"),
+        (["--seed", "3"], "must not be an evaluation seed (0-9) nor a member seed of their ensembles (0-49), got 3"),
+        (["--seed", "12"], "nor a member seed of their ensembles (0-49), got 12"),
+        (["--seed", "5000000"], "expected seed to be an integer in [0, 4294967]"),
         (["--trials", "0"], "--trials: expected the value to be a positive integer"),
     ],
 )

@@ -6,6 +6,7 @@ import argparse
 import sys
 import time
 
+from ..comparison.studies import shown_url
 from .options import (
     CommandError,
     CommandInterrupted,
@@ -106,7 +107,7 @@ def add_tune(commands) -> None:
         "gpattn compare uses by default",
     )
     numbers = (
-        ("seed", non_negative_int, "tuning seed, not an evaluation seed 0-9"),
+        ("seed", non_negative_int, "tuning seed, not an evaluation seed 0-9 nor their ensembles' member seeds 0-49"),
         ("mnist1d_epochs", positive_int, "most epochs of a trial on MNIST-1D"),
         ("digits_epochs", positive_int, "most epochs of a trial on digits"),
         ("pointer_epochs", positive_int, "most epochs of a trial on the pointer task"),
@@ -159,7 +160,7 @@ def run_tune(args: argparse.Namespace) -> int:
         except KeyboardInterrupt as interrupt:
             finished = getattr(interrupt, "finished", None)
             done = "" if finished is None else f"{finished} of {interrupt.total} trials finished, "
-            where = args.storage or out / "study.db"
+            where = out / "study.db" if args.storage is None else shown_url(args.storage)
             raise CommandInterrupted(
                 f"interrupted; {done}kept in {where}; the same command with --resume continues"
             ) from None

@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 import optuna
+import sqlalchemy
 from optuna.exceptions import DuplicatedStudyError, UpdateFinishedTrialError
 from optuna.trial import TrialState
 from sqlalchemy.engine import make_url
@@ -103,7 +104,22 @@ def open_storage(url: str) -> optuna.storages.RDBStorage:
             return optuna.storages.RDBStorage(url)
     except Exception as error:  # sqlalchemy's ArgumentError/OperationalError, a driver's ImportError, ...
         reason = " ".join(str(error).split("\n")[0].split()) or type(error).__name__
-        raise StorageError(f"cannot open the study storage {url!r}: {reason}") from None
+        raise StorageError(f"cannot open the study storage {shown_url(url)!r}: {reason}") from None
+
+
+def shown_url(url: str) -> str:
+    """A storage URL as messages show it: its password hidden (``postgresql://user:***@host/db``); a URL that
+    SQLAlchemy cannot parse as it is."""
+    try:
+        return sqlalchemy.engine.make_url(url).render_as_string(hide_password=True)
+    except Exception:  # noqa: BLE001 (malformed: nothing to hide that the parser could find)
+        return url
+
+
+def sqlite_url(path: Path) -> str:
+    """The SQLAlchemy URL of the SQLite file ``path`` (built, not formatted: a ``?`` or ``%`` in a folder name is part
+    of the path, not a query or an escape)."""
+    return sqlalchemy.engine.URL.create("sqlite", database=str(path)).render_as_string()
 
 
 #: The states of the trials that hold a sampling slot (a failed trial gives its slot back).

@@ -19,6 +19,9 @@ __all__ = ["DEFAULT_TRIALS", "EVALUATION_SEEDS", "TuneConfig"]
 DEFAULT_TRIALS = 20
 #: The evaluation seeds of the comparison, which the tuning seed must not be.
 EVALUATION_SEEDS = range(10)
+#: The member seeds of their ensembles of up to 5 members (:func:`~gpattn.training.member_seed`: seed * 5 + member),
+#: which the tuning seed must not be either.
+MEMBER_SEEDS = range(EVALUATION_SEEDS.stop * 5)
 
 
 @dataclass
@@ -80,11 +83,14 @@ class TuneConfig:
         names = ("trials", "pointer_epochs", "digits_epochs", "mnist1d_epochs", "patience", "eval_samples", "threads")
         for name in (*names, "jobs"):
             check_int(name, getattr(self, name), where=where)
-        check_int("seed", self.seed, minimum=0, where=where)
-        if self.seed in EVALUATION_SEEDS:
+        # the TPE sampler of trial slot k is seeded with seed * 1000 + k, which numpy takes below 2**32
+        largest = (2**32 - 1 - self.trials) // 1000
+        check_int("seed", self.seed, minimum=0, maximum=largest, where=where)
+        if self.seed in MEMBER_SEEDS:
             raise ValueError(
                 f"{where}: the tuning seed must not be an evaluation seed ({EVALUATION_SEEDS.start}-"
-                f"{EVALUATION_SEEDS.stop - 1}), got {self.seed}; the default is {TUNING_SEED}"
+                f"{EVALUATION_SEEDS.stop - 1}) nor a member seed of their ensembles ({MEMBER_SEEDS.start}-"
+                f"{MEMBER_SEEDS.stop - 1}), got {self.seed}; the default is {TUNING_SEED}"
             )
         check_device("device", self.device, where=where, types=DEVICE_TYPES)
         if not isinstance(self.progress, bool) or not isinstance(self.label, str):

@@ -51,6 +51,7 @@ from .studies import (
     open_storage,
     prepare_study,
     release_trials,
+    sqlite_url,
     study_counts,
     summarize_study,
     worker_name,
@@ -344,8 +345,8 @@ def tune(
         raise ValueError("tune needs an out folder or a storage URL (the studies' storage), got neither")
     out = None if out is None else Path(out)
     if out is not None:
-        (out / "trials").mkdir(parents=True, exist_ok=True)
-    url = storage or f"sqlite:///{out / 'study.db'}"
+        out.mkdir(parents=True, exist_ok=True)  # (trials/ once the studies are prepared: a refused start leaves none)
+    url = storage or sqlite_url(out / "study.db")
     database = open_storage(url)
     lock = StudyLock(url)
     studies = {}
@@ -368,6 +369,8 @@ def tune(
             }
             prepare_study(database, lock, study_name(task, row), settings, resume)
             studies[task, row] = space
+    if out is not None:
+        (out / "trials").mkdir(exist_ok=True)
     total = config.trials * len(studies)
     finished = sum(study_counts(database, study_name(*key))["complete"] for key in studies)
     bar = tqdm(total=total, initial=finished, desc="tune", file=sys.stderr, disable=None if config.progress else True)
