@@ -131,6 +131,30 @@ def test_resume_of_an_empty_out_warns_unless_the_studies_are_in_a_storage(storag
     assert len(resumed) == (0 if storage else 1)
 
 
+def test_write_tuned_with_another_budget_than_the_files_rows_is_refused_before_any_trial(
+    tmp_path, capsys, monkeypatch, no_training
+):
+    # the package's file holds sgpa tuned with 3 trials of 4 epochs: softmax with 2 trials of 1 epoch would sit beside
+    # it under "tuned"
+    package = tmp_path / "package"
+    monkeypatch.setattr(tuned_module, "TUNED_DIRECTORY", package)
+    sgpa = tuned_module.TunedRow(
+        hyperparameters={"epochs": 4, "patience": 2},
+        parameters={},
+        best_val_nll=0.5,
+        best_trial=0,
+        trials=3,
+        search_space={},
+        study={"tuning_seed": 100, "eval_samples": 2},
+    )
+    tuned_module.write_tuned("pointer", {"sgpa": sgpa}, package)
+    status = main([*TINY, "--out", str(tmp_path / "run"), "--write-tuned"])
+    error = capsys.readouterr().err
+    assert status == 2 and "the row 'softmax' is tuned with another budget than the row 'sgpa'" in error
+    assert "epochs 1 (theirs 4)" in error and "trials 2 (theirs 3)" in error and "patience" in error
+    assert not (tmp_path / "run").exists()
+
+
 def test_a_run_writes_the_tuned_files_and_resume_adds_nothing(tmp_path, capsys, monkeypatch):
     package = tmp_path / "package"
     monkeypatch.setattr(tuned_module, "TUNED_DIRECTORY", package)

@@ -132,12 +132,20 @@ def run_tune(args: argparse.Namespace) -> int:
     except ImportError as error:
         raise CommandError(f"gpattn tune needs Optuna ({error}): pip install 'gpattn[tune]'") from None
     from ..comparison.tune_config import TuneConfig
-    from ..comparison.tuned_configuration import TUNED_DIRECTORY, tuned_path, write_tuned
+    from ..comparison.tuned_configuration import TUNED_DIRECTORY, check_same_budget, read_tuned, tuned_path, write_tuned
 
     settings = {name: getattr(args, name) for name in FIELDS if getattr(args, name) is not None}
     settings.update(device=args.device, threads=args.threads, jobs=args.jobs, progress=not args.no_progress)
     try:
         config = TuneConfig(**settings)
+        if args.write_tuned:  # the package's files keep one budget per task: refused now, not after the trials
+            for task in config.tasks:
+                kept = {
+                    row: entry for row, entry in read_tuned(task, TUNED_DIRECTORY).items() if row not in config.rows
+                }
+                budget = {"trials": config.trials, "tuning_seed": config.seed, "epochs": config.max_epochs(task)}
+                budget.update(patience=config.patience, eval_samples=config.eval_samples)
+                check_same_budget(dict.fromkeys(config.rows, budget), kept, str(tuned_path(task, TUNED_DIRECTORY)))
         executor = make_executor(args)  # a Ray cluster's address checked, before any folder is made
     except ValueError as error:
         print(f"gpattn tune: error: {error}", file=sys.stderr)

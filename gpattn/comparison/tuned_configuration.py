@@ -28,7 +28,17 @@ from ..methods import Hyperparameters, get_method, method_names
 from .records import write_json_atomically
 from .tuning_space import TUNED_ROWS
 
-__all__ = ["TUNED_DIRECTORY", "TUNED_FORMAT", "TunedRow", "read_tuned", "tuned_path", "tuned_source", "write_tuned"]
+__all__ = [
+    "TUNED_DIRECTORY",
+    "TUNED_FORMAT",
+    "TunedRow",
+    "check_same_budget",
+    "read_tuned",
+    "tuned_path",
+    "tuned_source",
+    "tuning_budget",
+    "write_tuned",
+]
 
 #: The package's folder of tuned configurations (``<task>.json``).
 TUNED_DIRECTORY = Path(__file__).resolve().parent / "tuned"
@@ -48,10 +58,11 @@ class TunedRow:
     :ivar best_trial: Its Optuna trial number.
     :ivar trials: Finished trials of the study.
     :ivar search_space: Parameter name -> ``{kind: [low, high]}`` or ``{"choice": [...]}``.
-    :ivar study: The study's record: ``tuning_seed``, ``sampler``, ``wall_seconds`` (first trial's start to last
-        trial's end), ``trial_seconds`` and ``trial_cpu_seconds`` (summed over the finished trials), ``failed_trials``,
-        ``jobs`` and ``threads`` (of the process that wrote it), ``load_average`` (mean 1-minute load at the trials'
-        ends), ``date``, ``gpattn``, ``commit``, ``machine``, ``label``.
+    :ivar study: The study's record: ``tuning_seed``, ``eval_samples`` (of the validation predictions), ``sampler``,
+        ``wall_seconds`` (first trial's start to last trial's end), ``trial_seconds`` and ``trial_cpu_seconds``
+        (summed over the finished trials), ``failed_trials``, ``jobs`` and ``threads`` (of the process that wrote it),
+        ``load_average`` (mean 1-minute load at the trials' ends), ``date``, ``gpattn``, ``commit``, ``machine``,
+        ``label``.
     """
 
     hyperparameters: dict[str, Any]
@@ -129,13 +140,58 @@ def read_tuned(task: str, directory: str | os.PathLike | None = None) -> dict[st
     return rows
 
 
+def tuning_budget(row: TunedRow) -> dict[str, Any]:
+    """The budget ``row`` was tuned with: its ``trials``, ``tuning_seed``, the most ``epochs`` and the ``patience`` of
+    a trial, and the validation's ``eval_samples`` (recorded since this check exists: absent from older entries)."""
+    budget = {
+        "trials": row.trials,
+        "tuning_seed": row.study.get("tuning_seed"),
+        "epochs": row.hyperparameters.get("epochs"),
+        "patience": row.hyperparameters.get("patience"),
+    }
+    if "eval_samples" in row.study:
+        budget["eval_samples"] = row.study["eval_samples"]
+    return budget
+
+
+def check_same_budget(budgets: Mapping[str, Mapping[str, Any]], kept: Mapping[str, TunedRow], where: str) -> None:
+    """Refuse rows whose tuning budget differs from that of the rows ``kept`` beside them in one tuned file (the
+    protocol gives every row the same budget; a file mixing budgets would compare them unequally without saying so).
+    Keys absent from either side are not compared.
+
+    :param budgets: Row -> the budget it was (or is to be) tuned with (:func:`tuning_budget`).
+    :param kept: The rows already in the file that stay there.
+    :param where: The file, named in the message.
+    :raises ValueError: A budget that differs, naming both.
+    """
+    for row, budget in budgets.items():
+        for other, entry in kept.items():
+            theirs = tuning_budget(entry)
+            differences = {key: (budget[key], theirs[key]) for key in budget.keys() & theirs.keys()}
+            differences = {key: pair for key, pair in differences.items() if pair[0] != pair[1]}
+            if differences:
+                shown = ", ".join(f"{key} {new} (theirs {old})" for key, (new, old) in sorted(differences.items()))
+                raise ValueError(
+                    f"{where}: the row {row!r} is tuned with another budget than the row {other!r} already there: "
+                    f"{shown}; every row of a tuned file has the same budget (docs/guide/tuning.md): tune the rows "
+                    "with the same options, or write them to another folder"
+                )
+
+
 def write_tuned(task: str, rows: Mapping[str, TunedRow], directory: str | os.PathLike | None = None) -> Path:
     """Write the tuned ``rows`` of ``task`` to :func:`tuned_path` (atomically), keeping the entries of the other rows
     already in the file; rows are stored in the order of :func:`~gpattn.methods.method_names`.
 
     :return: The file's path.
+    :raises ValueError: A row tuned with another budget than the rows kept in the file (:func:`check_same_budget`);
+        the file is then left as it was.
     """
-    merged = {**read_tuned(task, directory), **rows}
+    existing = read_tuned(task, directory)
+    kept = {row: entry for row, entry in existing.items() if row not in rows}
+    check_same_budget(
+        {row: tuning_budget(entry) for row, entry in rows.items()}, kept, str(tuned_path(task, directory))
+    )
+    merged = {**existing, **rows}
     order = {name: index for index, name in enumerate(method_names())}
     ordered = {row: merged[row].to_dict() for row in sorted(merged, key=lambda row: order.get(row, len(order)))}
     path = tuned_path(task, directory)

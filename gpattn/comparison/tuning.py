@@ -412,7 +412,8 @@ def tune(
 def _summaries(
     config: TuneConfig, database: Any, studies: dict[tuple[str, str], Any], out: Path | None
 ) -> dict[tuple[str, str], TunedRow | None]:
-    record = {"tuning_seed": config.seed, "jobs": config.jobs, "threads": config.threads, "label": config.label}
+    record = {"tuning_seed": config.seed, "eval_samples": config.eval_samples, "jobs": config.jobs}
+    record.update(threads=config.threads, label=config.label)
     summaries = {}
     for (task, row), space in studies.items():
         fixed = config.fixed_hyperparameters(task)

@@ -4,6 +4,7 @@ before any run."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -11,7 +12,15 @@ import pytest
 import gpattn.comparison.runner as runner_module
 from gpattn.cli import main
 from gpattn.comparison import CompareConfig, train_and_evaluate
-from gpattn.comparison.tuned_configuration import TUNED_DIRECTORY, TunedRow, read_tuned, tuned_path, write_tuned
+from gpattn.comparison.tuned_configuration import (
+    TUNED_DIRECTORY,
+    TunedRow,
+    check_same_budget,
+    read_tuned,
+    tuned_path,
+    tuning_budget,
+    write_tuned,
+)
 from gpattn.methods import get_method
 
 TUNED = {"epochs": 1, "patience": 1, "lr": 1e-3, "weight_decay": 0.05, "dropout": 0.2, "embed_dim": 48, "depth": 1}
@@ -45,12 +54,33 @@ def tuned_dir(tmp_path):
     return tmp_path
 
 
-def test_the_package_tuned_files_are_valid_and_equal_in_trials():
-    # the protocol: the same number of trials for every tuned row of a task
+def test_the_package_tuned_files_are_valid_and_equal_in_budget():
+    # the protocol: the same budget (trials, seed, epochs, patience) for every tuned row of a task
     for path in TUNED_DIRECTORY.glob("*.json"):
         rows = read_tuned(path.stem)
-        assert len({entry.trials for entry in rows.values()}) == 1, path
+        budgets = {json.dumps(tuning_budget(entry), sort_keys=True) for entry in rows.values()}
+        assert len(budgets) == 1, (path, budgets)
     CompareConfig()  # reads and checks the package's files of the default tasks
+
+
+def test_a_row_tuned_with_another_budget_is_not_merged_into_a_file(tuned_dir):
+    # a file mixed rows tuned with 1 trial and 1 epoch beside rows with 3 trials and 4 epochs, all labelled "tuned"
+    before = (tuned_dir / "digits.json").read_text()
+    other = dataclasses.replace(_entry(), trials=3)
+    with pytest.raises(ValueError, match=r"the row 'sgpa' is tuned with another budget than the row 'kep_svgp' .*"
+                       r"trials 3 \(theirs 20\)"):  # fmt: skip
+        write_tuned("digits", {"sgpa": other}, tuned_dir)
+    longer = _entry(epochs=4)
+    with pytest.raises(ValueError, match=r"epochs 4 \(theirs 1\)"):
+        write_tuned("digits", {"sgpa": longer}, tuned_dir)
+    with_samples = dataclasses.replace(_entry(), study={"tuning_seed": 100, "eval_samples": 3})
+    write_tuned("digits", {"sgpa": with_samples}, tuned_dir)  # older entries lack eval_samples: not compared
+    with pytest.raises(ValueError, match=r"eval_samples 5 \(theirs 3\)"):
+        check_same_budget({"primal": {"eval_samples": 5}}, {"sgpa": with_samples}, "file")
+    assert (tuned_dir / "digits.json").read_text() != before  # the agreeing row was written
+    # replacing every row of the file with another budget is a new tuning: allowed
+    write_tuned("digits", {row: other for row in read_tuned("digits", tuned_dir)}, tuned_dir)
+    assert {entry.trials for entry in read_tuned("digits", tuned_dir).values()} == {3}
 
 
 def test_a_tuned_file_round_trips_and_keeps_the_other_rows(tuned_dir):
