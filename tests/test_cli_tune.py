@@ -228,3 +228,26 @@ def test_sigint_during_jobs_2_fails_the_trials_in_flight_and_resume_completes_th
     complete = [trial for trial in trials if trial.state.name == "COMPLETE"]
     assert len(complete) == 6 and {trial.state.name for trial in trials} <= {"COMPLETE", "FAIL"}
     assert len({json.dumps(trial.params, sort_keys=True) for trial in complete}) == 6  # no configuration twice
+
+
+def test_a_failing_trial_with_two_workers_is_one_line_without_a_traceback(tmp_path):
+    # the parent terminates the workers on a failure: the worker that reported it, exiting, raised KeyboardInterrupt
+    # from its SIGTERM handler (a traceback beside the line); killing it instead could hang the other worker
+    inject = tmp_path / "inject"
+    inject.mkdir()
+    (inject / "sitecustomize.py").write_text(
+        "import gpattn.comparison.tuning as tuning\n"
+        "original = tuning.run_trial\n"
+        "def run_trial(config, data, row, parameters):\n"
+        "    if row == 'sgpa':\n"
+        "        raise RuntimeError('injected failure')\n"
+        "    return original(config, data, row, parameters)\n"
+        "tuning.run_trial = run_trial\n"
+    )
+    command = [sys.executable, "-m", "gpattn.cli", *TINY, "--rows", "softmax", "sgpa", "--jobs", "2"]
+    command += ["--out", str(tmp_path / "run")]
+    environment = {**os.environ, "PYTHONPATH": os.pathsep.join([str(inject), os.environ.get("PYTHONPATH", "")])}
+    completed = subprocess.run(command, capture_output=True, text=True, env=environment, timeout=240)
+    assert completed.returncode == 1, completed.stderr
+    assert "trial 0 of pointer-sgpa failed: injected failure" in completed.stderr
+    assert "Traceback" not in completed.stderr and "KeyboardInterrupt" not in completed.stderr, completed.stderr

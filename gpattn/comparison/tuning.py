@@ -264,8 +264,13 @@ def _worker_main(config: TuneConfig, url: str, out: Path | None, messages: Any) 
     except KeyboardInterrupt:
         pass
     except BaseException as error:
+        # the parent terminates the workers on this message: from now on this one, whose work is over, ignores it and
+        # exits by itself (the handler raised KeyboardInterrupt in the middle of the exit, a traceback beside the
+        # one-line error; killing it instead could leave the queue's shared write lock held, and the others hanging)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
         messages.put(("error", str(error)))
     finally:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
         messages.put(("exit",))
 
 
