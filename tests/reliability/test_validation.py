@@ -856,8 +856,8 @@ IMAGES = torch.rand(3, 1, 8, 8, generator=torch.Generator().manual_seed(0))
     ("make", "error", "match"),
     [
         (lambda: shift_images(IMAGES, "fog", 1), ValueError, "kind.*'fog'"),
-        (lambda: shift_images(IMAGES, "blur", 0), ValueError, "severity in 1..5, got 0"),
-        (lambda: shift_images(IMAGES, "blur", 6), ValueError, "severity in 1..5, got 6"),
+        (lambda: shift_images(IMAGES, "blur", 0), ValueError, r"severity to be an integer in \[1, 5\], got 0"),
+        (lambda: shift_images(IMAGES, "blur", 6), ValueError, r"severity to be an integer in \[1, 5\], got 6"),
         (lambda: shift_images(IMAGES, "blur", 2.0), ValueError, "severity"),
         (lambda: shift_images(IMAGES, "rotation", 1, seed=-1), ValueError, "seed"),
         (lambda: shift_images((IMAGES * 16).long(), "blur", 1), TypeError, "floating images"),
