@@ -17,6 +17,7 @@ import pytest
 import gpattn.comparison.tuned_configuration as tuned_module
 import gpattn.comparison.tuning as tuning_module
 from gpattn.cli import main
+from gpattn.comparison.tune_config import TuneConfig
 from gpattn.comparison.tuning_space import ARCHITECTURES, TUNED_ROWS
 
 TINY = ["tune", "--tasks", "pointer", "--rows", "softmax", "--trials", "2", "--pointer-epochs", "1"]
@@ -166,6 +167,11 @@ def test_a_run_writes_the_tuned_files_and_resume_adds_nothing(tmp_path, capsys, 
     assert written == json.loads((package / "pointer.json").read_text())
     entry = written["rows"]["softmax"]
     assert entry["trials"] == 2 and entry["study"]["label"] == "a smoke run" and entry["study"]["tuning_seed"] == 100
+    # the budget read back from the row is the one the command's config states (the --write-tuned check compares them)
+    budget = {"trials": 2, "tuning_seed": 100, "epochs": 1, "patience": 15, "eval_samples": 2}
+    assert tuned_module.tuning_budget(tuned_module.TunedRow.from_dict(entry, "pointer.json")) == budget
+    config = TuneConfig(tasks=("pointer",), rows=("softmax",), trials=2, pointer_epochs=1, eval_samples=2)
+    assert config.budget("pointer") == budget
     assert sorted(path.name for path in (out / "trials").iterdir()) == [
         "pointer-softmax-0.json",
         "pointer-softmax-1.json",

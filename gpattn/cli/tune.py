@@ -143,9 +143,8 @@ def run_tune(args: argparse.Namespace) -> int:
                 kept = {
                     row: entry for row, entry in read_tuned(task, TUNED_DIRECTORY).items() if row not in config.rows
                 }
-                budget = {"trials": config.trials, "tuning_seed": config.seed, "epochs": config.max_epochs(task)}
-                budget.update(patience=config.patience, eval_samples=config.eval_samples)
-                check_same_budget(dict.fromkeys(config.rows, budget), kept, str(tuned_path(task, TUNED_DIRECTORY)))
+                budgets = dict.fromkeys(config.rows, config.budget(task))
+                check_same_budget(budgets, kept, str(tuned_path(task, TUNED_DIRECTORY)))
         executor = make_executor(args)  # a Ray cluster's address checked, before any folder is made
     except ValueError as error:
         print(f"gpattn tune: error: {error}", file=sys.stderr)

@@ -98,6 +98,18 @@ class TuneConfig:
                 f"{where}: expected progress to be a bool and label a string, got {self.progress!r}, {self.label!r}"
             )
 
+    def budget(self, task: str) -> dict[str, int]:
+        """The tuning budget of every row on ``task``, as :func:`~gpattn.comparison.tuned_configuration.tuning_budget`
+        reads it back from a tuned row: ``trials``, ``tuning_seed``, the most ``epochs``, ``patience`` and
+        ``eval_samples``."""
+        return {
+            "trials": self.trials,
+            "tuning_seed": self.seed,
+            "epochs": self.max_epochs(task),
+            "patience": self.patience,
+            "eval_samples": self.eval_samples,
+        }
+
     def max_epochs(self, task: str) -> int:
         """The most epochs of a trial on ``task``."""
         check_choice("task", task, TASKS, where="TuneConfig.max_epochs")

@@ -154,15 +154,6 @@ def _check_digits(name: str, value: Any) -> tuple[int, ...]:
     return tuple(int(c) for c in digits)
 
 
-def _check_every_class_trains(train_digits: np.ndarray, kept: list[int], fractions: str, where: str) -> None:
-    # a split that leaves a kept class without a training example (large fractions round whole classes away)
-    missing = sorted(set(kept) - set(np.unique(train_digits).tolist()))
-    if missing:
-        raise ValueError(
-            f"{where}: {fractions} leaves no training example of the digit(s) {missing}; use a smaller fraction"
-        )
-
-
 def load_mnist1d(
     seed: int = 0,
     val_fraction: float = 0.1,
@@ -205,7 +196,12 @@ def load_mnist1d(
         val_parts.append(members[: round(val_fraction * len(members))])
     val_indices = np.sort(np.concatenate(val_parts))
     train_indices = np.setdiff1d(np.flatnonzero(np.isin(data["y"], kept)), val_indices)
-    _check_every_class_trains(data["y"][train_indices], kept, f"val_fraction={val_fraction}", "load_mnist1d")
+    missing = sorted(set(kept) - set(np.unique(data["y"][train_indices]).tolist()))
+    if missing:  # a large fraction rounds whole classes away
+        raise ValueError(
+            f"load_mnist1d: val_fraction={val_fraction} leaves no training example of the digit(s) {missing}; use a "
+            "smaller fraction"
+        )
     test_rows = np.flatnonzero(np.isin(data["y_test"], kept))
 
     held_text = f", digits {', '.join(map(str, held))} held out" if held else ""
