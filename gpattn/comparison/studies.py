@@ -39,13 +39,14 @@ from optuna.trial import TrialState
 from sqlalchemy.engine import make_url
 
 from .. import __version__
-from .environment import code_version
+from .environment import code_label, code_version
 from .tuned_configuration import TunedRow
 from .tuning_space import SearchParameter, hyperparameter_values
 
 __all__ = [
     "StorageError",
     "StudyLock",
+    "TrialsFromOtherCodeWarning",
     "claim_trial",
     "fail_trial",
     "finish_trial",
@@ -54,6 +55,7 @@ __all__ = [
     "release_trials",
     "study_counts",
     "summarize_study",
+    "trial_codes",
     "worker_name",
 ]
 
@@ -268,6 +270,24 @@ def fail_trial(study: optuna.Study, trial: optuna.Trial, lock: StudyLock, reason
         study.tell(trial, state=TrialState.FAIL)
 
 
+class TrialsFromOtherCodeWarning(UserWarning):
+    """``gpattn tune --resume`` continues studies whose finished trials another code ran (another gpattn version or
+    git commit, or a trial recorded before trials recorded it): they are kept, and their values may differ from what
+    this code gives. The tuned file's ``study`` record counts the trials of each code (``trial_codes``)."""
+
+
+def trial_codes(storage: optuna.storages.RDBStorage, name: str) -> dict[str, int]:
+    """The codes that ran the finished trials of the study ``name``: :func:`~gpattn.comparison.environment.code_label`
+    -> number of trials (``"not recorded"`` for trials recorded before trials stored their code), the code of the
+    most trials first."""
+    study_id = storage.get_study_id_from_name(name)
+    counts: dict[str, int] = {}
+    for trial in _trials(storage, study_id, TrialState.COMPLETE):
+        label = code_label(trial.user_attrs.get("code"))
+        counts[label] = counts.get(label, 0) + 1
+    return dict(sorted(counts.items(), key=lambda item: (-item[1], item[0])))
+
+
 def summarize_study(
     storage: optuna.storages.RDBStorage,
     name: str,
@@ -306,6 +326,7 @@ def summarize_study(
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "gpattn": __version__,
         "commit": code_version()["git_commit"],  # +dirty.<hash> with uncommitted changes, as in the run files
+        "trial_codes": trial_codes(storage, name),  # more than one entry when --resume continued other code's trials
         "machine": {"platform": platform.platform(), "processor": platform.processor(), "cpus": os.cpu_count()},
     }
     return TunedRow(

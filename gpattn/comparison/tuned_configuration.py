@@ -61,8 +61,10 @@ class TunedRow:
     :ivar study: The study's record: ``tuning_seed``, ``eval_samples`` (of the validation predictions), ``sampler``,
         ``wall_seconds`` (first trial's start to last trial's end), ``trial_seconds`` and ``trial_cpu_seconds``
         (summed over the finished trials), ``failed_trials``, ``jobs`` and ``threads`` (of the process that wrote it),
-        ``load_average`` (mean 1-minute load at the trials' ends), ``date``, ``gpattn``, ``commit``, ``machine``,
-        ``label``.
+        ``load_average`` (mean 1-minute load at the trials' ends), ``date``, ``gpattn``, ``commit`` (of the process
+        that wrote it), ``trial_codes`` (the code that ran the finished trials -> their number; more than one when
+        ``--resume`` continued trials of other code; absent from files written before trials recorded it),
+        ``machine``, ``label``.
     """
 
     hyperparameters: dict[str, Any]

@@ -27,6 +27,7 @@ import queue
 import signal
 import sys
 import time
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -39,12 +40,14 @@ from ..attention import build_attention
 from ..methods import get_method
 from ..training import TrainingDivergedError, train_ensemble
 from .deferred_interrupts import interrupt, interrupt_handler, signals_deferred
+from .environment import code_label, code_version
 from .local_executor import TaskFailedError, torch_threads
 from .records import write_json_atomically
 from .runs import build_model, layer_arguments, make_train_config
 from .sealed_split import tuning_data
 from .studies import (
     StudyLock,
+    TrialsFromOtherCodeWarning,
     claim_trial,
     fail_trial,
     finish_trial,
@@ -54,6 +57,7 @@ from .studies import (
     sqlite_url,
     study_counts,
     summarize_study,
+    trial_codes,
     worker_name,
 )
 from .tasks import TaskData, load_task
@@ -117,12 +121,14 @@ def run_trial(config: TuneConfig, data: TaskData, row: str, parameters: dict[str
     :return: The trial's record (JSON data): ``value`` (the run's best validation NLL; ``None`` when training
         diverged, with the reason in ``diverged``), ``best_epoch``, ``epochs`` trained, the per-epoch ``history``
         (training loss, validation NLL and accuracy), the wall and CPU time of this process ``seconds`` and
-        ``cpu_seconds``, ``parameters`` and the run's ``hyperparameters``.
+        ``cpu_seconds``, ``parameters``, the run's ``hyperparameters``, and the ``code`` that trained it
+        (:func:`~gpattn.comparison.environment.code_version` of this process).
     """
     method = get_method(row)
     hyperparameters = config.trial_hyperparameters(data.name, method, parameters, data.defaults)
     train_config = make_train_config(config.compare_config(), method, hyperparameters, config.seed)
     record: dict[str, Any] = {"parameters": parameters, "hyperparameters": hyperparameters.to_dict()}
+    record["code"] = code_version()
 
     def make_model(member: int) -> torch.nn.Module:
         return build_model(method, hyperparameters, data.num_classes, data.model_kwargs)
@@ -193,7 +199,7 @@ def _keep(
     """Record the finished ``trial`` of ``run = (task, row)`` in its study (value and attributes), write its record
     file and report it."""
     value = math.inf if record["value"] is None else record["value"]
-    attributes = {key: record[key] for key in ("hyperparameters", "best_epoch", "epochs", "diverged")}
+    attributes = {key: record[key] for key in ("hyperparameters", "best_epoch", "epochs", "diverged", "code")}
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
     attributes.update(seconds=record["seconds"], cpu_seconds=record["cpu_seconds"], load_average=load)
     with signals_deferred():
@@ -351,6 +357,7 @@ def tune(
     out = None if out is None else Path(out)
     if out is not None:
         out.mkdir(parents=True, exist_ok=True)  # (trials/ once the studies are prepared: a refused start leaves none)
+    code_version()  # read now, before any trial trains: the label of the code this process imported (kept for it)
     url = storage or sqlite_url(out / "study.db")
     database = open_storage(url)
     lock = StudyLock(url)
@@ -376,6 +383,8 @@ def tune(
             studies[task, row] = space
     if out is not None:
         (out / "trials").mkdir(exist_ok=True)
+    if resume:
+        _warn_other_code(database, [study_name(*key) for key in studies])
     total = config.trials * len(studies)
     finished = sum(study_counts(database, study_name(*key))["complete"] for key in studies)
     bar = tqdm(total=total, initial=finished, desc="tune", file=sys.stderr, disable=None if config.progress else True)
@@ -412,6 +421,26 @@ def tune(
     finally:
         bar.close()
     return _summaries(config, database, studies, out)
+
+
+def _warn_other_code(database: Any, names: list[str]) -> None:
+    """Warn (:class:`~gpattn.comparison.studies.TrialsFromOtherCodeWarning`) when finished trials of the studies
+    ``names`` were run by other code than this process's."""
+    current = code_label(code_version())
+    other = {}
+    for name in names:
+        counts = {label: count for label, count in trial_codes(database, name).items() if label != current}
+        if counts:
+            other[name] = ", ".join(f"{count} by {label}" for label, count in counts.items())
+    if other:
+        shown = "; ".join(f"{name}: {text}" for name, text in other.items())
+        warnings.warn(
+            f"--resume: finished trials were run by other code than this call's ({current}): {shown}. They are kept "
+            "(their values may differ from what this code gives) and counted in the tuned file's trial_codes; use "
+            "another --out / --storage to tune every trial with this code",
+            TrialsFromOtherCodeWarning,
+            stacklevel=3,
+        )
 
 
 def _summaries(

@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -20,7 +21,9 @@ from optuna.trial import TrialState
 
 from gpattn.comparison import load_task
 from gpattn.comparison import tuning as tuning_module
+from gpattn.comparison.environment import code_label, code_version
 from gpattn.comparison.sealed_split import SealedSplit, tuning_data
+from gpattn.comparison.studies import TrialsFromOtherCodeWarning
 from gpattn.comparison.tune_config import TuneConfig
 from gpattn.comparison.tuning import TuningInterrupted, run_trial, study_name, tune
 from gpattn.comparison.tuning_space import (
@@ -213,6 +216,23 @@ def test_a_study_with_other_settings_is_refused(reference, tmp_path):
     copy.write_bytes((out / "study.db").read_bytes())
     with pytest.raises(ValueError, match=r"trials: stored 3, now 4"):
         tune(TuneConfig(**{**TINY, "trials": 4}), tmp_path, resume=True)
+
+
+def test_resume_warns_of_trials_run_by_other_code_and_counts_each_code(reference, tmp_path, monkeypatch):
+    out, expected = reference
+    here = code_label(code_version())
+    assert expected["pointer", "kep_svgp"].study["trial_codes"] == {here: 3}
+    (tmp_path / "study.db").write_bytes((out / "study.db").read_bytes())
+    assert tune(TuneConfig(**TINY), tmp_path, resume=True)["pointer", "softmax"].study["trial_codes"] == {here: 3}
+
+    other = {"gpattn": "0.0.1", "git_commit": "0123abc"}
+    monkeypatch.setattr(tuning_module, "code_version", lambda: other)
+    with pytest.warns(TrialsFromOtherCodeWarning, match=rf"pointer-softmax: 3 by {re.escape(here)}; pointer-kep_svgp"):
+        summaries = tune(TuneConfig(**{**TINY, "trials": 3}), tmp_path, resume=True)
+    assert summaries["pointer", "softmax"].study["trial_codes"] == {here: 3}
+    # a trial run now records the code that ran it
+    record = run_trial(TuneConfig(**TINY), tuning_data(load_task("pointer")), "softmax", {"architecture": "32x1x2"})
+    assert record["code"] == other
 
 
 def test_a_diverged_trial_scores_infinity_and_says_why():
