@@ -8,8 +8,10 @@ share one GPU locally), retried once when it raises or its worker dies (Ray's ``
 shared file system, only gpattn installed.
 
 Ray is an optional dependency (``pip install 'gpattn[ray]'``), imported by this module only when an executor starts.
-Connecting to an address where no Ray cluster answers makes ``ray.init`` retry for minutes, so the address is checked
-first with one TCP connection (:func:`check_ray_address`, a few seconds at most).
+Connecting to an address where no Ray cluster answers makes ``ray.init`` retry for minutes, and to a port where another
+service listens (a web server, SSH) hang, so the address is checked first with one TCP connection that must answer as
+a gRPC (HTTP/2) server, as a cluster's GCS and the Ray Client server do (:func:`check_ray_address`, a few seconds at
+most).
 """
 
 from __future__ import annotations
@@ -31,6 +33,9 @@ __all__ = ["CONNECT_TIMEOUT", "RayExecutor", "RayUnavailableError", "check_ray_a
 CONNECT_TIMEOUT = 5.0
 #: Default ports: a cluster's GCS (``ray start --head``) and the Ray Client server (``ray://``).
 GCS_PORT, CLIENT_PORT = 6379, 10001
+#: The start of an HTTP/2 connection (RFC 9113, section 3.4): the client's preface and an empty SETTINGS frame. A
+#: gRPC server answers with its own SETTINGS frame (a 9-byte header whose fourth byte, the frame type, is 4).
+_HTTP2_PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + bytes([0, 0, 0, 4, 0, 0, 0, 0, 0])
 
 
 class RayUnavailableError(RuntimeError):
@@ -66,13 +71,16 @@ def _resolve_auto() -> str:
 
 def check_ray_address(address: str, timeout: float = CONNECT_TIMEOUT) -> tuple[str, int]:
     """Check that a Ray cluster's port answers at ``address`` before ``ray.init`` (which retries an unreachable
-    address for minutes): one TCP connection, at most ``timeout`` seconds.
+    address for minutes, and hangs on a port where another service listens): one TCP connection, at most ``timeout``
+    seconds to connect and ``timeout`` more for the answer to an HTTP/2 preface, which a gRPC server (a cluster's GCS,
+    the Ray Client server) gives at once. With ``RAY_USE_TLS`` set the answer is not read (the port speaks TLS first).
 
     :param address: ``host[:port]`` (a cluster's GCS, port 6379 by default), ``ray://host[:port]`` (Ray Client, port
         10001 by default) or ``auto`` (``RAY_ADDRESS``, else the cluster started on this machine).
     :return: ``(host, port)`` that answered.
     :raises ValueError: ``address`` is not of one of these forms.
-    :raises RayUnavailableError: Nothing answers there (or ``auto`` finds no cluster); one line, with what to do.
+    :raises RayUnavailableError: Nothing answers there, or not as a gRPC server (or ``auto`` finds no cluster); one
+        line, with what to do.
     """
     shown = address
     if address == "auto":
@@ -87,18 +95,46 @@ def check_ray_address(address: str, timeout: float = CONNECT_TIMEOUT) -> tuple[s
         host = None
     if not host:
         raise ValueError(f"--ray-address: expected host:port, ray://host:port or auto, got {shown!r}")
+    resolved = "" if shown == address else f" ({address})"
     try:
-        with socket.create_connection((host, port), timeout=timeout):
-            pass
+        with socket.create_connection((host, port), timeout=timeout) as connection:
+            answer = None if _uses_tls() else _http2_answer(connection)
     except OSError as error:
         reason = "no answer" if isinstance(error, TimeoutError) else (error.strerror or str(error))
-        resolved = "" if shown == address else f" ({address})"
         raise RayUnavailableError(
             f"--ray-address {shown}{resolved}: no Ray cluster answers at {host}:{port} ({reason}, {timeout:g} s "
             "timeout); start one there with `ray start --head`, or leave --ray-address out to start a local Ray "
             "instance"
         ) from None
+    if answer is not None and not (len(answer) == 9 and answer[3] == 4):
+        said = f"it answered {answer!r}" if answer else f"no gRPC answer within {timeout:g} s"
+        raise RayUnavailableError(
+            f"--ray-address {shown}{resolved}: the service at {host}:{port} is not a Ray cluster ({said}; a cluster's "
+            f"GCS, port {GCS_PORT} by default, and the Ray Client server, ray://host:{CLIENT_PORT}, answer as gRPC "
+            "servers); check the host and port"
+        )
     return host, port
+
+
+def _uses_tls() -> bool:
+    """Whether Ray connects with TLS (``RAY_USE_TLS``, as Ray reads it)."""
+    return os.environ.get("RAY_USE_TLS", "0").lower() in ("1", "true")
+
+
+def _http2_answer(connection: socket.socket) -> bytes:
+    """Send the HTTP/2 preface on ``connection`` and return the first 9 bytes of the answer (fewer when the peer
+    closes or says nothing before the connection's timeout)."""
+    connection.sendall(_HTTP2_PREFACE)
+    answer = b""
+    try:
+        while len(answer) < 9:
+            chunk = connection.recv(9 - len(answer))
+            if not chunk:
+                break
+            answer += chunk
+    except (TimeoutError, ConnectionResetError):
+        pass
+    return answer
 
 
 def _call(threads: int, device: str, fn: Callable[..., Any], *args: Any) -> Any:

@@ -10,6 +10,7 @@ import json
 import os
 import socket
 import sys
+import threading
 import time
 
 import pytest
@@ -191,11 +192,47 @@ def test_an_unreachable_ray_address_is_one_line_and_status_1_before_anything(com
     assert not (tmp_path / "o").exists()  # no folder made, nothing trained
 
 
+class _Server:
+    """A TCP server on 127.0.0.1 answering every connection with ``answer`` (after reading what the client sends
+    first), or saying nothing (``None``); the server's ``port`` while in a ``with`` block."""
+
+    def __init__(self, answer: bytes | None) -> None:
+        self.answer, self.socket = answer, socket.socket()
+        self.socket.bind(("127.0.0.1", 0))
+        self.socket.listen()
+        self.port = self.socket.getsockname()[1]
+        self.connections: list[socket.socket] = []
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                connection, _ = self.socket.accept()
+            except OSError:  # closed
+                return
+            self.connections.append(connection)
+            if self.answer is not None:
+                connection.recv(64)
+                connection.sendall(self.answer)
+
+    def __enter__(self) -> _Server:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        for connection in [self.socket, *self.connections]:
+            connection.close()
+
+
+#: what a gRPC server sends first: a SETTINGS frame (9-byte header, type 4) with one setting
+GRPC_ANSWER = bytes([0, 0, 6, 4, 0, 0, 0, 0, 0]) + bytes([0, 3, 0, 0, 0, 100])
+
+
 def test_the_address_forms(monkeypatch):
-    with socket.socket() as server:
-        server.bind(("127.0.0.1", 0))
-        server.listen()
-        port = server.getsockname()[1]
+    gcs = ray.get_runtime_context().gcs_address  # the module's Ray instance: a real cluster's GCS answers
+    host, port = gcs.rsplit(":", 1)
+    assert check_ray_address(gcs) == (host, int(port))
+    with _Server(GRPC_ANSWER) as server:
+        port = server.port
         assert check_ray_address(f"127.0.0.1:{port}") == ("127.0.0.1", port)
         assert check_ray_address(f"ray://127.0.0.1:{port}") == ("127.0.0.1", port)
         monkeypatch.setenv("RAY_ADDRESS", f"127.0.0.1:{port}")
@@ -209,6 +246,26 @@ def test_the_address_forms(monkeypatch):
     for malformed in ("http://head:6379", "head:port", ":6379"):
         with pytest.raises(ValueError, match="expected host:port, ray://host:port or auto"):
             check_ray_address(malformed)
+
+
+def test_another_service_at_the_address_is_refused_before_ray_init_hangs_on_it(monkeypatch):
+    """ray.init waits on a port where a web server listens (measured: more than 90 s); the check answers in well
+    under a second, or after its timeout when the service says nothing."""
+    with _Server(b"HTTP/1.0 400 Bad request\r\n\r\n") as web:
+        start = time.perf_counter()
+        with pytest.raises(RayUnavailableError) as refused:
+            check_ray_address(f"127.0.0.1:{web.port}")
+        assert time.perf_counter() - start < 2
+        assert str(refused.value) == (
+            f"--ray-address 127.0.0.1:{web.port}: the service at 127.0.0.1:{web.port} is not a Ray cluster (it "
+            "answered b'HTTP/1.0 '; a cluster's GCS, port 6379 by default, and the Ray Client server, "
+            "ray://host:10001, answer as gRPC servers); check the host and port"
+        )
+    with _Server(None) as silent:
+        with pytest.raises(RayUnavailableError, match=r"is not a Ray cluster \(no gRPC answer within 0\.5 s;"):
+            check_ray_address(f"127.0.0.1:{silent.port}", timeout=0.5)
+        monkeypatch.setenv("RAY_USE_TLS", "1")  # the port speaks TLS first: only the connection is checked
+        assert check_ray_address(f"127.0.0.1:{silent.port}", timeout=0.5) == ("127.0.0.1", silent.port)
 
 
 def test_ray_address_without_the_ray_executor_is_a_bad_option(capsys):
