@@ -50,7 +50,7 @@ import torch
 from torch import Tensor
 
 from .._torch_compat import is_compiling, values_unreadable
-from ..fused import autocast_state, full_precision, restored_autocast, wide_dtype
+from ..fused import autocast_state, first_derivatives_only, full_precision, restored_autocast, wide_dtype
 from ..fused.triton_scores import runs_triton, scores_backward, scores_forward
 from ..kernels.cosine_feature_kernel import inverse_norms
 from ..validation import check_token_magnitude, within_bound
@@ -236,6 +236,7 @@ class AmortizedSelfScores(torch.autograd.Function):
         return scores, objective, magnitude
 
     @staticmethod
+    @first_derivatives_only("AmortizedSelfScores")
     def backward(ctx, grad_scores, grad_objective, grad_magnitude):
         with restored_autocast(ctx.autocast):
             return _backward(ctx, grad_scores, grad_objective)
@@ -290,9 +291,10 @@ def _torch_backward(ctx, columns, values, paired, scores, sweep, grad_scores, gr
     batch, _, heads, rank, _ = scores.shape
     if weights.dtype != paired.dtype:  # under autocast: [W_e^T; W_r^T] in J's dtype, as paired
         weights = paired.flip(1)
-    # eager and not differentiable (no create_graph): the (s, N) gradients are written into the first half of
-    # the forward pass's buffer, which then serves as the right operand of the columns' GEMM and as scratch
-    in_place = operand is not None and not torch.is_grad_enabled()
+    # eager (first derivatives only: first_derivatives_only refuses create_graph): the (s, N) gradients are written
+    # into the first half of the forward pass's buffer, which then serves as the right operand of the columns' GEMM and
+    # as scratch
+    in_place = operand is not None
     if grad_scores is None:
         grad_scores = torch.zeros_like(scores)
     with_objective = sums_factor is not None
@@ -311,10 +313,10 @@ def _torch_backward(ctx, columns, values, paired, scores, sweep, grad_scores, gr
         else:
             torch.mul(grad_scores, scale, out=grad_beta)
         right_operand = operand
-    else:  # compiled, or differentiable (create_graph): no writes into buffers
+    else:  # compiled: no writes into buffers
         total = torch.addcmul(grad_scores, masked, sums_factor, value=2.0) if with_objective else grad_scores
         grad_beta = total * scale
-        alpha = compiled[0] if operand is None else operand[..., rank:, :]
+        alpha = compiled[0]
         right_operand = torch.cat([grad_beta, alpha], dim=-2)  # (B, 2, H, 2s, N)
     # the total gradient of [W_r^T; W_e^T] = alpha columns^T: through the scores, and -dJ [W_e^T; W_r^T] from the
     # trace Tr(W_e^T W_r)

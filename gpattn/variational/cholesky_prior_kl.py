@@ -23,7 +23,7 @@ with :math:`\bar k` the gradient of the KL. Autograd through GPyTorch's distribu
 ``CholLinearOperator`` and its root) and the closed form of
 :func:`~gpattn.variational.structured_covariance.diagonal_prior_kl` runs about eighty small operators per training
 step, forward and backward; this function about twenty-five. The backward pass reuses the forward pass's
-intermediates: first derivatives only (no double backward).
+intermediates: first derivatives only (a second derivative is refused: :func:`~gpattn.fused.first_derivatives_only`).
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ..fused import autocast_state, full_precision
+from ..fused import autocast_state, first_derivatives_only, full_precision
 
 
 class CholeskyPriorKL(torch.autograd.Function):
@@ -53,6 +53,7 @@ class CholeskyPriorKL(torch.autograd.Function):
             return _forward(ctx, mean, factor, scales, total, singletons)
 
     @staticmethod
+    @first_derivatives_only("CholeskyPriorKL")
     def backward(ctx, grad: Tensor):
         mean, lower, scales, inverse, ratio, diagonal = ctx.saved_tensors
         grad = grad if ctx.total else grad.unsqueeze(-1)  # broadcast against (*batch, s)

@@ -35,7 +35,7 @@ import torch
 from torch import Tensor
 
 from .._torch_compat import is_compiling
-from ..fused import autocast_state, restored_autocast
+from ..fused import autocast_state, first_derivatives_only, restored_autocast
 
 
 class LinearOutput(torch.autograd.Function):
@@ -109,6 +109,7 @@ class LinearOutput(torch.autograd.Function):
         return output
 
     @staticmethod
+    @first_derivatives_only("LinearOutput")
     def backward(ctx, grad: Tensor):
         with restored_autocast(ctx.autocast):
             return _backward(ctx, grad)

@@ -37,7 +37,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ..fused import autocast_state, restored_autocast, wide_dtype
+from ..fused import autocast_state, first_derivatives_only, restored_autocast, wide_dtype
 
 
 def _variance_floor(dtype: torch.dtype) -> float:
@@ -88,6 +88,7 @@ class MarginalNoiseOutput(torch.autograd.Function):
         return output
 
     @staticmethod
+    @first_derivatives_only("MarginalNoiseOutput")
     def backward(ctx, grad: Tensor):
         with restored_autocast(ctx.autocast):
             return _backward(ctx, grad)
