@@ -3,7 +3,8 @@
 1. ``environment``: the device's name, capability and driver, the torch, CUDA and Triton versions.
 2. ``equivalence``: every registry attention (and the KEP variants of ``attention_scaling.py``) on the CPU and on the
    device in float64: the predictive mean and the gradients of every parameter and of the input within 1e-10; one
-   float32 and one bfloat16-autocast training step on the device, finite; KEP-SVGP's Triton kernels against its
+   float32, one bfloat16-autocast and one bfloat16-layer (converted, no autocast) training step on the device,
+   finite; KEP-SVGP's Triton kernels against its
    PyTorch path on the device (float32, the benchmark's sizes, and at 8263 tokens, where the kernels split each
    sequence over three programs per head); the bfloat16-autocast output of softmax and
    KEP-SVGP against float32 (largest entry and norm, relative; issue 25's bound 2e-2); KEP-SVGP, the official-style
@@ -223,11 +224,26 @@ def _training_steps_finite(layer: torch.nn.Module, x: torch.Tensor, device: torc
         loss.backward()
         grads = [p.grad for p in layer.parameters() if p.grad is not None]
         results[label] = bool(torch.isfinite(loss)) and all(bool(torch.isfinite(g).all()) for g in grads)
+    # a layer converted to bfloat16, outside autocast (on CUDA the Triton kernels are the default for it); a layer
+    # that needs float32 parameters refuses it (a TypeError that says so): recorded as refused
+    half = copy.deepcopy(layer).to(torch.bfloat16).train()
+    try:
+        output = half(x.to(torch.bfloat16))
+    except TypeError as error:
+        results["bfloat16_layer"] = f"refused: {error}"
+        return results
+    loss = output.float().square().mean() + half.kl_divergence().float()
+    for term in getattr(half, "added_loss_terms", tuple)():
+        loss = loss + term.loss().float()
+    loss.backward()
+    grads = [p.grad for p in half.parameters() if p.grad is not None]
+    results["bfloat16_layer"] = bool(torch.isfinite(loss)) and all(bool(torch.isfinite(g).all()) for g in grads)
     return results
 
 
 def equivalence(device: torch.device, smoke: bool, graphed_rows: tuple[str, ...] = GRAPHED_ROWS) -> dict:
-    """CPU against ``device`` in float64 for every layer; finite float32/bfloat16 steps; Triton against PyTorch;
+    """CPU against ``device`` in float64 for every layer; finite float32/bfloat16/bfloat16-layer steps; Triton against
+    PyTorch;
     CUDA-graph steps against eager ones."""
     length, results = 12, {}
     x = torch.randn(2, length, 16, dtype=torch.float64, generator=torch.Generator().manual_seed(1))

@@ -199,6 +199,8 @@ class AmortizedSelfScores(torch.autograd.Function):
         # autocast (its parameters half too) computes them in its own dtype, as its magnitude guard assumes
         wide = wide_dtype(scores.dtype) if ctx.autocast is not None else scores.dtype
         paired = paired if paired.dtype == wide else paired.to(wide)
+        if sums is not None and sums.dtype != wide:  # the kernels' float32 token sums, for a half-precision layer
+            sums = sums.to(wide)
         if singular_values is not None:
             with full_precision(ctx.autocast):
                 if sums is None:  # the PyTorch sweep: the token sums here

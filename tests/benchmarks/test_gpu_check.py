@@ -46,7 +46,11 @@ def test_smoke_run_on_cpu(check, tmp_path, capsys, monkeypatch):
     assert {"kep_svgp", "softmax", "sgpa", "kep_svgp_exact", "kep_svgp_official_style"} <= set(layers)
     for name in layers:  # CPU against CPU: identical, and finite float32 and bfloat16 training steps
         assert equivalence[name]["ok"] and equivalence[name]["float64_difference"] == 0.0, (name, equivalence[name])
-        assert equivalence[name]["steps_finite"] == {"float32": True, "bfloat16": True}, name
+        steps = equivalence[name]["steps_finite"]
+        assert (steps["float32"], steps["bfloat16"]) == (True, True), name
+        # a bfloat16 layer without autocast: finite, or refused by the layers whose GPyTorch strategy needs float32
+        refused = name in ("svgp",)
+        assert steps["bfloat16_layer"] is True or (refused and steps["bfloat16_layer"].startswith("refused: ")), name
     assert equivalence["kep_svgp_triton_vs_pytorch"]["ok"]
     # the split kernels forced: the failing stand-in above is recorded, the check goes on
     assert equivalence["kep_svgp_split_triton_vs_pytorch"] == {"error": "RuntimeError: the kernels do not compile here"}

@@ -191,6 +191,31 @@ def test_kernels_under_bfloat16_autocast(interpreter, monkeypatch):
         assert (grads[name] - value).norm() <= 3e-2 * value.norm(), name
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_a_half_precision_layer_outside_autocast_trains_through_the_kernels(interpreter, monkeypatch, dtype):
+    """A layer converted to bfloat16/float16 (no autocast; on CUDA the kernels are the default for these dtypes): the
+    kernels' float32 token sums meet J's half-precision terms (a dtype error at the first training step before), and
+    the scores, J and gradients agree with the PyTorch path within the dtype's rounding."""
+    torch.manual_seed(7)
+    features = AmortizedAttentionFeatures(32, 2, num_inducing=4).to(dtype)
+    x = torch.randn(3, 40, 32).to(dtype)
+    results = {}
+    for kernels in ("0", "1"):
+        monkeypatch.setenv(triton_scores.TRITON_VARIABLE, kernels)
+        features.zero_grad(set_to_none=True)
+        scores = features(x, objective=True, kernel_diag=False)
+        assert scores.stacked.dtype == dtype and scores.objective.dtype == dtype
+        (scores.stacked.float().square().mean() + scores.objective.float().square().mean()).backward()
+        grads = {name: value.grad.float() for name, value in features.named_parameters()}
+        results[kernels] = (scores.stacked.float(), scores.objective.detach().float(), grads)
+    (reference, reference_objective, reference_grads), (got, objective, grads) = results["0"], results["1"]
+    assert (got - reference).norm() / reference.norm() < 2e-2
+    assert (objective - reference_objective).norm() <= 3e-2 * reference_objective.norm()
+    for name, value in reference_grads.items():
+        assert torch.isfinite(grads[name]).all(), name
+        assert (grads[name] - value).norm() <= 5e-2 * value.norm() + 1e-3, name
+
+
 def test_a_captured_training_step_through_the_kernels_reads_nothing(interpreter, monkeypatch):
     """A KEP-SVGP training step through both kernels while a CUDA graph is captured (simulated: gpattn's
     ``is_capturing`` answers ``True``, see tests/attention/test_graph_capture.py) reads no value on the host, and
