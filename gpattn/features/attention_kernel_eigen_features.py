@@ -166,7 +166,9 @@ class AttentionKernelEigenFeatures(GraphFreeState, KernelEigenFeaturesBase):
 
         :param queries: ``(B, N, C)``.
         :param keys: ``(B, M, C)``, or ``None`` (self-attention: the queries).
-        :param key_mask: ``(B, M)`` bool, ``True`` for real tokens (in self-attention it masks the queries too).
+        :param key_mask: ``(B, M)`` bool, ``True`` for real tokens (in self-attention it masks the queries too), at
+            least one per sequence (a sequence without any gives NaN; the attention layers refuse such masks, a
+            check that reads the mask on the host, so it is not repeated here).
         :param causal: Prefix sums (self-attention; :attr:`supports_causal` modes only).
         :param objective: Compute :math:`J` (O(N p s); needed in training only).
         :param kernel_diag: Compute :math:`k_e(x, x)`, :math:`k_r(z, z)` (O(N p^2), or O(N p^2) memory per
@@ -202,7 +204,8 @@ class AttentionKernelEigenFeatures(GraphFreeState, KernelEigenFeaturesBase):
         return None
 
     def _check_call(self, queries: Tensor, keys: Tensor, key_mask: Tensor | None, causal: bool) -> None:
-        """Reject a call the capabilities exclude (a subclass adds its checks of the sequence length)."""
+        """Reject a call the capabilities exclude, a causal call with a padding mask (the causal scores read no mask)
+        and empty batches or sequences; O(1) (a subclass adds its checks of the sequence length)."""
         cross = queries is not keys
         if (
             (causal and not self.supports_causal)
@@ -210,6 +213,16 @@ class AttentionKernelEigenFeatures(GraphFreeState, KernelEigenFeaturesBase):
             or (key_mask is not None and not self.supports_padding_mask)
         ):
             raise ValueError(f"features={self.mode!r} supports {self.supported_calls}")
+        if causal and key_mask is not None:
+            raise ValueError(
+                f"features={self.mode!r}: a causal call takes no key_mask (the causal scores would ignore it); "
+                "left-padded sequences need their padding dropped, or a padding mask without causal"
+            )
+        if 0 in (queries.shape[0], queries.shape[-2], keys.shape[-2]):
+            raise ValueError(
+                f"features={self.mode!r}: expected at least one sequence and one token, got queries of shape "
+                f"{tuple(queries.shape)} and keys of shape {tuple(keys.shape)}"
+            )
 
     def _penalised(self, scores: KernelEigenScores, official: Tensor | None = None) -> KernelEigenScores:
         # a training call refreshes the KSVD penalty: eta J^2 averaged over the sequences and summed over the heads

@@ -75,10 +75,12 @@ class PrimalTokensAttentionFeatures(LearnedAttentionFeatures):
       (all its real tokens, row ``i`` for the ``i``-th, when ``max_len <= m s``). A real token's output does not depend
       on how much padding its batch has, and a sequence without padding gives the official numbers;
     * ``"included"``: the official CoLA layer (``inputs_mask``): :math:`\tilde X` samples the padded sequence as it
-      is, padded tokens included (``linspace(0, N - 1, N')`` of the padded length :math:`N`), and the padded tokens'
-      projections are zeroed before the normalisation, so their scores vanish and the official KSVD number averages
-      over every position. A real token's output then depends on the padded length of its batch and on the padding
-      tokens: use it to reproduce the official numbers (``rank_multiple=2`` for CoLA), not for new work.
+      is, padded tokens included (``linspace(0, N - 1, N')`` of the padded length :math:`N`), and the official KSVD
+      number (:meth:`official_objective`) zeroes the padded tokens' scores, as the official code zeroes their
+      projections before the normalisation, and averages over every position. The scores returned at padded positions
+      are not zeroed (they are the padding's, whose outputs a caller ignores). A real token's output then depends on
+      the padded length of its batch and on the padding tokens: use it to reproduce the official numbers
+      (``rank_multiple=2`` for CoLA), not for new work.
 
     The KSVD penalty may take the official code's form (``ksvd_form="official"``, :meth:`official_objective`). The
     arguments are those of :class:`~gpattn.features.AttentionKernelEigenFeatures` and the options

@@ -180,6 +180,24 @@ def test_amortized_causal_prefix_means():
     torch.testing.assert_close(scores.left_scores[..., -1, :], full.left_scores[..., -1, :], atol=ATOL, rtol=0)
 
 
+def test_a_causal_call_with_a_padding_mask_and_empty_calls_are_refused():
+    """The causal scores read no mask: a causal call with one gave the unmasked scores (a left-padded sequence's
+    first real token mixed in its padding); empty batches and sequences raised torch's reshape error or a
+    ZeroDivisionError."""
+    module = _features(num_inducing=3)
+    x = _randn(2, 6, C, seed=14)
+    mask = torch.ones(2, 6, dtype=torch.bool)
+    mask[0, :2] = False
+    with pytest.raises(ValueError, match=r"^features='amortized': a causal call takes no key_mask"):
+        module(x, x, mask, causal=True)
+    for empty in (x[:0], x[:, :0]):
+        for kernel_diag in (False, True):  # the fused path and the general one
+            with pytest.raises(ValueError, match=r"expected at least one sequence and one token, got queries of sh"):
+                module(empty, empty, kernel_diag=kernel_diag)
+    with pytest.raises(ValueError, match=r"keys of shape \(2, 0, 16\)"):
+        module(x, x[:, :0])
+
+
 @pytest.mark.parametrize("masked", [False, True])
 def test_amortized_cross_attention(masked: bool):
     module = _features(num_inducing=3)
