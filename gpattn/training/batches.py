@@ -14,40 +14,74 @@ from torch import Tensor
 __all__ = ["batch_to_device", "dataset_inputs", "dataset_labels"]
 
 
-def dataset_inputs(dataset: Any) -> tuple[Tensor, Tensor | None]:
+def _set(name: str | None) -> str:
+    # how the messages name the data set: "training set", or "data set" without a name
+    return f"{'data' if name is None else name} set"
+
+
+def dataset_inputs(dataset: Any, name: str | None = None) -> tuple[Tensor, Tensor | None]:
     """``(inputs, mask or None)`` of a data set: ``.tokens`` and ``.mask`` (:class:`~gpattn.data.SequenceDataset`),
     ``.images`` (:class:`~gpattn.data.ImageDataset`, no mask) or a generic ``.inputs`` (and ``.mask`` if present).
+    A mask is checked to be a tensor with one row per input (O(1)).
 
     :param dataset: The data set.
+    :param name: What the messages call it (``"training"``: "the training set"), or ``None`` ("the data set").
     :return: The inputs, shape ``(n, ...)``, and the boolean mask ``(n, N)`` or ``None``.
-    :raises TypeError: For an object without such a tensor attribute.
+    :raises TypeError: For an object without such a tensor attribute, or a mask that is not a tensor.
+    :raises ValueError: A mask with another number of rows than the inputs.
     """
-    for name in ("tokens", "images", "inputs"):
-        inputs = getattr(dataset, name, None)
+    for attribute in ("tokens", "images", "inputs"):
+        inputs = getattr(dataset, attribute, None)
         if isinstance(inputs, Tensor):
-            return inputs, None if name == "images" else getattr(dataset, "mask", None)
+            mask = None if attribute == "images" else getattr(dataset, "mask", None)
+            if mask is not None and not isinstance(mask, Tensor):
+                raise TypeError(
+                    f"expected the .mask of the {_set(name)} to be a boolean tensor of shape (n, N) or None, got "
+                    f"{type(mask).__name__}"
+                )
+            if mask is not None and (mask.dim() == 0 or mask.shape[0] != inputs.shape[0]):
+                rows = mask.shape[0] if mask.dim() else 0
+                raise ValueError(
+                    f"expected the .mask of the {_set(name)} to have one row per input, got {rows} rows (shape "
+                    f"{tuple(mask.shape)}) for {inputs.shape[0]} inputs (shape {tuple(inputs.shape)}); give the "
+                    "mask of these inputs"
+                )
+            return inputs, mask
     raise TypeError(
-        f"expected a data set with a tensor attribute .tokens, .images or .inputs (and .labels), "
+        f"expected a {_set(name)} with a tensor attribute .tokens, .images or .inputs (and .labels), "
         f"got {type(dataset).__name__}"
     )
 
 
-def dataset_labels(dataset: Any) -> Tensor:
-    """The integer class labels ``.labels`` of a data set, shape ``(n,)``, checked against its inputs.
+def dataset_labels(dataset: Any, name: str | None = None) -> Tensor:
+    """The integer class labels ``.labels`` of a data set, shape ``(n,)``, checked against its inputs
+    (:func:`dataset_inputs`) and returned as ``int64``, the dtype the losses index with: the labels themselves when
+    they are ``int64``, else a converted copy (exact for every integer dtype; O(n)).
 
-    :raises TypeError: Labels missing or not an integer vector.
-    :raises ValueError: An empty data set, or as many labels as inputs.
+    :param dataset: The data set.
+    :param name: What the messages call it (``"validation"``: "the validation set"), or ``None`` ("the data set").
+    :raises TypeError: Labels missing, not a vector, or not of an integer dtype (floating point, complex, bool).
+    :raises ValueError: An empty data set, or not as many labels as inputs.
     """
     labels = getattr(dataset, "labels", None)
-    inputs, _ = dataset_inputs(dataset)
-    if not isinstance(labels, Tensor) or labels.dim() != 1 or labels.is_floating_point():
-        raise TypeError(f"expected integer class labels .labels of shape (n,), got {type(labels).__name__}")
-    if labels.shape[0] != inputs.shape[0] or labels.shape[0] == 0:
+    inputs, _ = dataset_inputs(dataset, name)
+    if not isinstance(labels, Tensor):
+        raise TypeError(
+            f"expected integer class labels .labels of shape (n,) in the {_set(name)}, got {type(labels).__name__}"
+        )
+    if labels.dim() != 1 or labels.is_floating_point() or labels.is_complex() or labels.dtype == torch.bool:
+        raise TypeError(
+            f"expected integer class labels .labels of shape (n,) in the {_set(name)}, got a {labels.dtype} tensor of "
+            f"shape {tuple(labels.shape)}; give one class index per input"
+        )
+    if labels.shape[0] == 0:
+        raise ValueError(f"expected a non-empty {_set(name)}, got 0 labels for {inputs.shape[0]} inputs")
+    if labels.shape[0] != inputs.shape[0]:
         raise ValueError(
-            f"expected a non-empty data set with as many labels as inputs, got {labels.shape[0]} labels for "
+            f"expected as many labels as inputs in the {_set(name)}, got {labels.shape[0]} labels for "
             f"{inputs.shape[0]} inputs"
         )
-    return labels
+    return labels.to(torch.int64)
 
 
 def batch_to_device(

@@ -37,6 +37,7 @@ __all__ = [
     "RESUMABLE_CHANGES",
     "RNG_KEYS",
     "WARNED_CHANGES",
+    "WARNED_REASONS",
     "check_pair",
     "check_resumable",
     "check_rng_state",
@@ -64,8 +65,10 @@ CHECKPOINT_KEYS = (
 #: Keys of ``checkpoint["rng"]``: the global torch CPU RNG state, the batch-order generator's state and the CUDA
 #: states (``None`` unless training on CUDA).
 RNG_KEYS = ("torch", "batch_generator", "cuda")
-#: Settings that may differ between an interrupted run and its resumption: they change neither the trained model
-#: nor the recorded metrics (``epochs`` only when the schedule horizon stays the same and no completed epoch is cut).
+#: Settings that may differ between an interrupted run and its resumption, since they change neither its objective,
+#: data nor schedule (``epochs`` only when the schedule horizon stays the same and no completed epoch is cut): the
+#: progress bar and the checkpoint folder change no number; those of :data:`WARNED_CHANGES` change the numbers the run
+#: records (and are warned about).
 RESUMABLE_CHANGES = (
     "epochs",
     "schedule_epochs",
@@ -75,9 +78,16 @@ RESUMABLE_CHANGES = (
     "device",
     "threads",
 )
-#: Allowed changes that still make the resumed run differ from an uninterrupted one (warned about): the device, and
-#: the torch thread count (torch splits its reductions by threads on the CPU)
-WARNED_CHANGES = ("device", "threads")
+#: Allowed changes that still make the resumed run differ from an uninterrupted one (warned about, with the reason of
+#: :data:`WARNED_REASONS`): the evaluation batch size, the device and the torch thread count
+WARNED_CHANGES = ("eval_batch_size", "device", "threads")
+#: why each of :data:`WARNED_CHANGES` changes the numbers, as the warning says it
+WARNED_REASONS = {
+    "eval_batch_size": "the Monte Carlo samples of the validation are drawn batch by batch, so the recorded validation "
+    "metrics and the best epoch may differ",
+    "device": "other kernels and random number generators give other numbers",
+    "threads": "torch splits its CPU reductions by threads",
+}
 #: settings added to :class:`~gpattn.training.TrainConfig` after checkpoints were first written, with the value that
 #: every run before them had: a checkpoint without the setting resumes when the current value is that one
 LATER_SETTINGS = {"mc_dropout": False, "cuda_graphs": False}
@@ -218,8 +228,8 @@ def check_resumable(saved: dict[str, Any], current: dict[str, Any], epoch: int, 
     (for a run extended past a horizon that ended at ``min_lr=0``: that it cannot continue, its epochs would train
     at rate 0).
 
-    :return: Descriptions of the allowed changes worth a warning (:data:`WARNED_CHANGES`: the device, the thread
-        count).
+    :return: Descriptions of the allowed changes worth a warning, each with its reason (:data:`WARNED_CHANGES`: the
+        evaluation batch size, the device, the thread count).
     """
     changed = [
         _describe_change(name, saved[name], value)
@@ -250,7 +260,7 @@ def check_resumable(saved: dict[str, Any], current: dict[str, Any], epoch: int, 
             f"from scratch with resume=False"
         )
     return [
-        f"{name} ({saved[name]!r} -> {current[name]!r})"
+        f"{name} ({saved[name]!r} -> {current[name]!r}: {WARNED_REASONS[name]})"
         for name in WARNED_CHANGES
         if name in saved and name in current and saved[name] != current[name]
     ]
@@ -286,7 +296,9 @@ def _horizon_advice(saved: dict[str, Any], saved_horizon: Any, epochs: int) -> s
 
 def check_state_fits(state: dict[str, Tensor], model: torch.nn.Module, path: str | os.PathLike) -> None:
     """Raise :class:`~gpattn.training.CheckpointError` unless the state dict ``state`` (read from ``path``) has exactly
-    the model's parameter and buffer names, with the model's shapes."""
+    the model's parameter and buffer names, with the model's shapes and dtypes (loading would convert another dtype
+    silently, and a resumed run would then train with other numbers than the run that wrote it). O(number of
+    tensors)."""
     expected = model.state_dict()
     missing = [name for name in expected if name not in state]
     unexpected = [name for name in state if name not in expected]
@@ -305,14 +317,22 @@ def check_state_fits(state: dict[str, Tensor], model: torch.nn.Module, path: str
             f"the checkpoint {path} was written for another model configuration: {'; '.join(parts)} (a different "
             f"attention, width, depth, inducing-set size or number of classes?)"
         )
+    other = [name for name, value in expected.items() if state[name].dtype != value.dtype]
+    if other:
+        listed = [f"{name}: {state[name].dtype} in the file, {expected[name].dtype} in the model" for name in other[:5]]
+        more = f" and {len(other) - 5} more" if len(other) > 5 else ""
+        raise CheckpointError(
+            f"the checkpoint {path} was written for a model of other dtypes: {listed}{more}; convert the model to "
+            f"the file's dtypes before loading (e.g. model.to({state[other[0]].dtype})), or train with resume=False"
+        )
 
 
 def load_checkpoint(path: str | os.PathLike, model: torch.nn.Module | None = None) -> dict[str, Any]:
     """Read and validate a checkpoint written by :func:`~gpattn.training.train_model` (``last.pt`` or
     ``best.pt``) and, given a model, load its parameters into it.
 
-    The model is checked first (every parameter and buffer name and shape must match) and left untouched when the
-    checkpoint does not fit, so a failed load never leaves a half-loaded model.
+    The model is checked first (every parameter and buffer name, shape and dtype must match) and left untouched when
+    the checkpoint does not fit, so a failed load never leaves a half-loaded model.
 
     :param path: The checkpoint file.
     :param model: The model to load the ``"model"`` state into, or ``None`` to only read and validate.
@@ -320,8 +340,8 @@ def load_checkpoint(path: str | os.PathLike, model: torch.nn.Module | None = Non
     :raises FileNotFoundError: There is no such file.
     :raises CheckpointError: The file is unreadable (truncated, garbage), damaged (content checksum, or the SHA-256
         recorded in the folder's ``checkpoints.json``), inconsistent (epoch against history, best epoch against the
-        validation NLLs, NaN in the optimiser moments), incomplete, malformed, or written for another model; the
-        message names the file and the problem.
+        validation NLLs, NaN in the optimiser moments), incomplete, malformed, or written for another model (other
+        parameter names, shapes or dtypes); the message names the file and the problem.
 
     Cost: reading the file and one SHA-256 pass over its content.
     """
@@ -463,7 +483,8 @@ def restore_run(
         ) from error
     if changes:
         warnings.warn(
-            f"resuming from {path} with changed settings {changes}: the run will not match an uninterrupted one",
+            f"resuming from {path} with changed settings, so the run will not match an uninterrupted one: "
+            f"{'; '.join(changes)}",
             stacklevel=4,  # the caller of train_model
         )
     # what is left cannot fail: the model state fits (names and shapes), the schedule and RNG states were checked

@@ -17,9 +17,10 @@ Launch with ``torchrun --standalone --nproc_per_node K -m gpattn.training.distri
 
 The global torch RNG (reparameterisation noise, dropout) is seeded with ``config.seed + r``, so the ranks draw
 independent Monte Carlo samples. Rank 0 evaluates on ``val`` after every epoch and keeps the state with the lowest
-validation NLL; a non-finite loss on any rank stops every rank. At the end the ranks check that their replicas still
-agree (parameter checksums, else ``RuntimeError``) and rank 0's best state is broadcast so that every rank holds the
-same parameters, and rank 0 returns the :class:`~gpattn.training.TrainResult` (the other ranks ``None``).
+validation NLL; a non-finite loss on any rank stops every rank, each then holding rank 0's best state so far (it is
+broadcast). At the end the ranks check that their replicas still agree (parameter checksums, else ``RuntimeError``)
+and rank 0's best state is broadcast so that every rank holds the same parameters, and rank 0 returns the
+:class:`~gpattn.training.TrainResult` (the other ranks ``None``).
 Checkpoints and resumption are not supported (``config.checkpoint_dir`` is ignored with a warning).
 
 DDP notes: the GP attention layers compute their KL divergence and KSVD added loss terms inside ``forward`` and
@@ -86,10 +87,12 @@ def parameter_checksum(model: torch.nn.Module) -> float:
 class DataParallelStrategy(TrainingStrategy):
     """The :class:`~gpattn.training.TrainingStrategy` of data-parallel training over the initialised default
     process group (see the module docstring): DDP-wrapped forward passes, sharded batches, loss sums and stop
-    decisions all-reduced over the ranks, and at the end a replica check and rank 0's best state broadcast.
+    decisions all-reduced over the ranks, and at the end (or when training diverges) rank 0's best state broadcast,
+    after a replica check at the end.
 
     .. note:: Per step one all-reduce of the gradients (DDP) and one of a stop flag; per epoch two small
-        all-reduces; at the end one all-gather and one broadcast per state tensor.
+        all-reduces; at the end one all-gather (the replica check); at the end or at a divergence one broadcast per
+        state tensor and one of the best epoch.
     """
 
     def __init__(self) -> None:
@@ -132,8 +135,16 @@ class DataParallelStrategy(TrainingStrategy):
         dist.all_gather_object(checksums, parameter_checksum(model))
         if any(not math.isclose(value, checksums[0], rel_tol=1e-9, abs_tol=1e-9) for value in checksums):
             raise RuntimeError(f"the DDP replicas diverged during training: parameter checksums per rank {checksums}")
+        self.share_best(best_state, 0)
+
+    def share_best(self, best_state: dict[str, Tensor], best_epoch: int) -> int:
+        """Broadcast rank 0's best state into ``best_state`` on every rank, in place (same shapes), and its best epoch
+        (returned): one broadcast per state tensor and one of the epoch."""
         for value in best_state.values():
             dist.broadcast(value, src=0)
+        epoch = torch.tensor([best_epoch], dtype=torch.int64)
+        dist.broadcast(epoch, src=0)
+        return int(epoch.item())
 
 
 def _free_port() -> int:
@@ -171,7 +182,10 @@ def train_distributed(
     :param callbacks: :class:`~gpattn.training.Callback` s, told about the run on rank 0.
     :return: The :class:`~gpattn.training.TrainResult` on rank 0, ``None`` on the other ranks. Every rank's
         model holds the best state (of rank 0's validation) in eval mode.
-    :raises NonFiniteLossError: On every rank, when a loss on some rank or the gradient norm is not finite.
+    :raises TrainingDivergedError: On every rank (``NonFiniteLossError`` is the same class), when a loss or a forward
+        pass on some rank, the gradient norm, a parameter or the validation is not finite; every rank's model then
+        holds rank 0's best state so far (the initial one before the first validation), in eval mode, and the error's
+        ``best_epoch`` is its epoch.
     """
     if not isinstance(config, TrainConfig):
         raise TypeError(f"expected a TrainConfig, got {type(config).__name__}")

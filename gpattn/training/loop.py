@@ -77,7 +77,8 @@ def train_model(
 
     :param model: Maps ``(inputs, mask=mask)`` to logits ``(B, C)`` and has ``kl_divergence()``
         (e.g. :class:`~gpattn.models.Transformer`). Moved to the strategy's device (``config.device``).
-    :param train: Training set with ``.labels`` and ``.tokens`` (and ``.mask``), ``.images`` or ``.inputs``.
+    :param train: Training set with ``.labels`` (class indices of any integer dtype, used as ``int64``) and
+        ``.tokens`` (and ``.mask``), ``.images`` or ``.inputs``.
     :param val: Validation set of the same kind.
     :param config: The settings.
     :param resume: Continue from ``config.checkpoint_dir / "last.pt"`` (model, optimiser, schedule, RNG states and
@@ -91,12 +92,15 @@ def train_model(
     :raises TrainingDivergedError: At the step where the loss, the gradient norm, a parameter after the optimiser step
         or the forward pass (a ``NaN or Inf`` error of a layer on finite inputs) becomes NaN or infinite, or when the
         validation's forward pass or predictions do; the message names the epoch and step. The model then holds the
-        best state so far (the initial one before the first evaluation) and the checkpoints on disk stay those of the
-        last completed epoch.
-    :raises TypeError: ``model`` is not a ``torch.nn.Module``, or ``callbacks`` not a list of callbacks (e.g. one
-        :class:`~gpattn.training.Callback` not in a list).
-    :raises ValueError: Training or validation labels outside ``[0, num_classes - 1]`` of a model with an integer
-        ``num_classes`` attribute (as :class:`~gpattn.models.Transformer`), before anything trains.
+        best state so far (the initial one before the first evaluation; with several processes the main process's,
+        on every process) and the checkpoints on disk stay those of the last completed epoch.
+    :raises TypeError: ``model`` is not a ``torch.nn.Module``, ``callbacks`` not a list of callbacks (e.g. one
+        :class:`~gpattn.training.Callback` not in a list), or a data set without a tensor of inputs, with a mask that
+        is not a tensor or labels that are not a vector of an integer dtype (:func:`~gpattn.training.dataset_labels`;
+        the message names the data set).
+    :raises ValueError: An empty data set, a mask or labels of another row count than its inputs, or training or
+        validation labels outside ``[0, num_classes - 1]`` of a model with an integer ``num_classes`` attribute (as
+        :class:`~gpattn.models.Transformer`), before anything trains.
     :raises FileNotFoundError: ``resume=True`` without ``last.pt``.
     :raises CheckpointError: ``resume=True`` with a checkpoint that cannot be read, is damaged or inconsistent, does
         not pair with ``best.pt``, was written for another model or by a run with other settings (seed, learning rate,
@@ -168,9 +172,9 @@ class _Loop:
     ) -> None:
         self.model, self.val, self.config, self.strategy = model, val, config, strategy
         self.device = strategy.device(config)
-        self.train_inputs, self.train_mask = dataset_inputs(train)
-        self.train_labels = dataset_labels(train)
-        self.val_labels = dataset_labels(val)
+        self.train_inputs, self.train_mask = dataset_inputs(train, "training")
+        self.train_labels = dataset_labels(train, "training")  # int64, whatever integer dtype they came in
+        self.val_labels = dataset_labels(val, "validation")
         check_label_range(model, {"training": self.train_labels, "validation": self.val_labels})
         self.directory = None if config.checkpoint_dir is None else Path(config.checkpoint_dir)
         if self.directory is not None:
@@ -331,6 +335,7 @@ class _Loop:
         except ValueError as error:
             if not _activations_overflowed(error, inputs):
                 raise
+            self.strategy.any(True)  # the stop flag of _read_loss_parts: the other processes stop at this step too
             self._fail(f"non-finite values in the forward pass at {where} ({error})", step, error)
         values = self._read_loss_parts(torch.stack([parts[name].detach() for name in LOSS_PARTS[:-1]]), where, step)
         self.optimizer.zero_grad(set_to_none=True)
@@ -342,7 +347,10 @@ class _Loop:
         first of two synchronisations on a GPU); a non-finite loss on any process stops every process (one stopping
         alone would hang the others)."""
         values = dict(zip(LOSS_PARTS[:-1], stacked.tolist(), strict=True))
-        if self.strategy.any(not math.isfinite(values["loss"])):
+        finite = math.isfinite(values["loss"])
+        if self.strategy.any(not finite):
+            if finite:  # only another process found one (a non-finite loss or forward pass)
+                self._fail(f"non-finite training loss or forward pass on another process at {where}", step)
             self._fail(f"non-finite training loss at {where}: {_describe(values, ELBO_PARTS)}", step)
         return values
 
@@ -414,15 +422,19 @@ class _Loop:
             save_run_checkpoints(self.directory, checkpoint, checkpoint if improved else None)
         except OSError as error:  # a full disk, a folder that became unwritable: say what is still there
             reason = error.strerror or str(error)
-            kept = (
-                f"it still holds the checkpoints of epoch {self.epoch - 1}, the last complete pair"
-                if self.epoch > 1
-                else "it holds no checkpoint of this run"
-            )
+            if self.epoch > 1:  # a resumed run's first epoch too: the pair it resumed from is still there
+                kept = (
+                    f"it still holds the checkpoints of epoch {self.epoch - 1}, the last complete pair; make room and "
+                    "resume from it (resume=True, or --resume of gpattn train)"
+                )
+            else:
+                kept = (
+                    "it holds no checkpoint of this run, so there is nothing to resume; make room and train again "
+                    "from the start (resume=False, or the same gpattn train command with --overwrite)"
+                )
             raise OSError(
                 error.errno,
-                f"cannot write the checkpoints of epoch {self.epoch} to {self.directory} ({reason}); {kept}; make "
-                "room and resume from it (resume=True, or --resume of gpattn train)",
+                f"cannot write the checkpoints of epoch {self.epoch} to {self.directory} ({reason}); {kept}",
             ) from error
 
     def _settings(self) -> dict[str, Any]:
@@ -441,6 +453,10 @@ class _Loop:
         return torch.stack([norm.to(self.read_dtype) for norm in norms]).amax()
 
     def _fail(self, message: str, step: int | None = None, cause: BaseException | None = None) -> None:
+        """Load the best state so far into the model (on every process: the strategy shares the main process's,
+        which alone selects) and raise :class:`~gpattn.training.TrainingDivergedError`. Every process calls it at the
+        same step: the divergence checks read values that agree across the processes."""
+        self.result.best_epoch = self.strategy.share_best(self.best_state, self.result.best_epoch)
         self.model.load_state_dict(self.best_state)
         self.model.eval()
         if self.directory is None:

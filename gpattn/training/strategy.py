@@ -51,6 +51,14 @@ class TrainingStrategy:
         """Elementwise sums of ``values`` over the processes."""
         return values
 
+    def share_best(self, best_state: dict[str, Tensor], best_epoch: int) -> int:
+        """Make every process hold the main process's best state and return its best epoch, before ``best_state``
+        (name -> tensor of the model's state of that shape) is loaded into the model when training diverges (a
+        data-parallel :meth:`finish` calls it at the end too). Only the main process selects, so the others hold the
+        initial state and epoch 0 until then. Every process calls it at the same step. Here (one process): returns
+        ``best_epoch``, at no cost."""
+        return best_epoch
+
     def finish(self, model: torch.nn.Module, best_state: dict[str, Tensor]) -> None:
         """Called once after the last epoch, before ``best_state`` (name -> tensor of the model's state of that shape)
         is loaded into ``model`` (e.g. to check that the replicas agree and to broadcast the main process's best state

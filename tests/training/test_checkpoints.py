@@ -7,6 +7,7 @@ from __future__ import annotations
 import math
 import pickle
 import random
+import re
 import shutil
 
 import pytest
@@ -117,6 +118,37 @@ def test_a_state_of_another_model_is_described(tmp_path):
     with pytest.raises(CheckpointError, match=r"missing \['0\.weight', .*\] and 3 more; unexpected \['extra'\]"):
         check_state_fits(state, model, tmp_path / "x.pt")
     check_state_fits(model.state_dict(), model, tmp_path / "x.pt")  # a fitting state passes
+
+
+def test_a_model_of_another_dtype_is_refused(make_transformer, data, trained, tmp_path):
+    # load_state_dict converts dtypes silently: a float32 run resumed in float64 trained on with other numbers than
+    # the run recorded, and nothing said so
+    directory = _copy_run(trained, tmp_path / "copy", manifest=True)
+    model = _fresh_model(make_transformer).double()
+    before, names = _parameters(model), list(model.state_dict())
+    floating = [name for name, value in model.state_dict().items() if value.is_floating_point()]  # the others agree
+    first = f"{names[0]}: torch.float32 in the file, torch.float64 in the model"
+    match = (
+        rf"the checkpoint .*last\.pt was written for a model of other dtypes: \['{re.escape(first)}', .*\] and "
+        rf"{len(floating) - 5} more; convert the model to the file's dtypes before loading \(e\.g\. "
+        r"model\.to\(torch\.float32\)\), or train with resume=False$"
+    )
+    with pytest.raises(CheckpointError, match=match):
+        train_model(model, data.train, data.val, _config(directory), True)
+    assert all(torch.equal(value, before[name]) for name, value in model.state_dict().items())  # untouched
+    assert all(model.state_dict()[name].dtype == torch.float64 for name in floating)
+    with pytest.raises(CheckpointError, match="other dtypes"):
+        load_checkpoint(directory / "best.pt", model)
+    # one buffer or parameter of another dtype is named alone
+    state = model.float().state_dict()
+    state[names[-1]] = state[names[-1]].half()
+    message = (
+        f"x.pt was written for a model of other dtypes: ['{names[-1]}: torch.float16 in the file, torch.float32 in"
+    )
+    with pytest.raises(CheckpointError, match=re.escape(message)):
+        check_state_fits(state, model, tmp_path / "x.pt")
+    load_checkpoint(directory / "best.pt", model)  # in the file's dtypes it loads
+    assert torch.equal(model.state_dict()[names[0]], load_checkpoint(directory / "best.pt")["model"][names[0]])
 
 
 # -- damaged files ---------------------------------------------------------------------------------------------------

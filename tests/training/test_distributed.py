@@ -10,6 +10,7 @@ import subprocess
 import sys
 import time
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -32,25 +33,15 @@ pytestmark = pytest.mark.skipif(
 
 
 def _torchrun(attention: str, out) -> subprocess.CompletedProcess:
+    return _launch(["-m", "gpattn.training.distributed", "--attention", attention, "--epochs", "2", "--out", str(out)])
+
+
+def _launch(program: list[str]) -> subprocess.CompletedProcess:
+    """``program`` (a script or ``-m module`` and its arguments) started by torchrun on two ranks."""
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(name, None)
-    command = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc_per_node",
-        "2",
-        "-m",
-        "gpattn.training.distributed",
-        "--attention",
-        attention,
-        "--epochs",
-        "2",
-        "--out",
-        str(out),
-    ]
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", *program]
     # A worker process aborted now and then (SIGABRT, "terminate called without an active exception", within two
     # seconds of the launch, before gpattn's imports had finished) while the full suite loaded the 2-core machine,
     # e.g. beside the Ray tests: a launch whose worker died of that signal is made again, at most twice. Any other
@@ -89,6 +80,35 @@ def test_ranks_end_with_identical_parameters(launched):
     checksums = [json.loads((out / f"rank{rank}.json").read_text())["checksum"] for rank in range(2)]
     assert checksums[0] == checksums[1]
     assert checksums[0] == json.loads((out / "result.json").read_text())["checksum"]
+
+
+def test_a_divergence_leaves_every_rank_with_rank_0s_best_state(tmp_path):
+    """Two ranks diverge in the first step of epoch 2 (a NaN loss on both; a forward pass that overflows on rank 1
+    only): every rank's model holds rank 0's state after epoch 1 (the best one), bit for bit, as an uninterrupted
+    one-epoch run of the same schedule ends with it, and every rank's error names epoch 1. Before, rank 1 kept its
+    initial parameters and named epoch 0."""
+    script = Path(__file__).with_name("ddp_divergence.py")
+    completed = _launch([str(script), str(tmp_path)])
+    assert completed.returncode == 0, f"torchrun failed:\n{completed.stdout[-3000:]}\n{completed.stderr[-3000:]}"
+    reports = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(2)]
+    where = "epoch 2, step 1/3 (global step 4)"
+    expected_messages = {
+        ("nan_loss", 0): f"training diverged: non-finite training loss at {where}: nll=nan",
+        ("nan_loss", 1): f"training diverged: non-finite training loss at {where}: nll=nan",
+        ("overflow_on_rank_1", 0): f"training diverged: non-finite training loss or forward pass on another process "
+        f"at {where}; the model now holds the state of epoch 1",
+        ("overflow_on_rank_1", 1): f"training diverged: non-finite values in the forward pass at {where} "
+        "(SimulatedLayer: NaN or Inf in the activations)",
+    }
+    for rank, report in enumerate(reports):
+        assert report["reference_checksum"] == reports[0]["reference_checksum"] != report["initial_checksum"]
+        for case in ("nan_loss", "overflow_on_rank_1"):
+            outcome = report[case]
+            assert outcome["diverged"] and outcome["epoch"] == 2 and outcome["best_epoch"] == 1, (rank, case, outcome)
+            assert outcome["message"].startswith(expected_messages[case, rank]), (rank, case, outcome["message"])
+            assert "the model now holds the state of epoch 1" in outcome["message"]
+            assert outcome["holds_reference"], (rank, case)
+            assert outcome["checksum"] == report["reference_checksum"] and outcome["training"] is False
 
 
 def test_shards_are_disjoint_and_padded():

@@ -7,9 +7,12 @@ import copy
 import dataclasses
 import math
 import os
+import re
 import traceback
+import warnings
 from collections import Counter
 from dataclasses import dataclass
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -283,13 +286,36 @@ def test_resuming_with_other_settings_is_an_error(data, tmp_path, small_model, s
     with pytest.raises(CheckpointError, match=r"cannot resume from .*last\.pt with other settings.*" + match):
         train_model(model, data.train, data.val, config, resume=True)
     assert all(torch.equal(value, before[name]) for name, value in model.state_dict().items())
-    # what may change: the total (with the same horizon: past it, the run trains at min_lr > 0), the progress bar,
-    # the evaluation batch size
-    same = small_config(
-        epochs=3, schedule_epochs=2, min_lr=1e-4, progress=False, eval_batch_size=7, checkpoint_dir=tmp_path
-    )
-    result = train_model(model, data.train, data.val, same, resume=True)
+    # what may change without a warning: the total (with the same horizon: past it, the run trains at min_lr > 0)
+    # and the progress bar (the evaluation batch size warns: test_resuming_with_another_evaluation_batch_size_warns)
+    same = small_config(epochs=3, schedule_epochs=2, min_lr=1e-4, progress=True, checkpoint_dir=tmp_path)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        result = train_model(model, data.train, data.val, same, resume=True)
     assert [record["epoch"] for record in result.history] == [1, 2, 3]
+
+
+def test_resuming_with_another_evaluation_batch_size_warns(data, tmp_path, small_model, small_config):
+    # the validation's Monte Carlo samples are drawn batch by batch: another evaluation batch size records other
+    # validation numbers (and may select another best epoch) than the uninterrupted run, though it trains the same
+    reference = small_model()
+    uninterrupted = train_model(reference, data.train, data.val, small_config(eval_batch_size=16))
+    model = small_model()
+    staged = small_config(epochs=1, schedule_epochs=2, eval_batch_size=16, checkpoint_dir=tmp_path)
+    train_model(model, data.train, data.val, staged)
+    match = (
+        r"resuming from .*last\.pt with changed settings, so the run will not match an uninterrupted one: "
+        r"eval_batch_size \(16 -> 64: the Monte Carlo samples of the validation are drawn batch by batch, so the "
+        r"recorded validation metrics and the best epoch may differ\)$"
+    )
+    with pytest.warns(UserWarning, match=match):
+        resumed = train_model(
+            model, data.train, data.val, small_config(eval_batch_size=64, checkpoint_dir=tmp_path), resume=True
+        )
+    first, second = _without_time(uninterrupted.history), _without_time(resumed.history)
+    assert first[0] == second[0]  # the epoch trained before the interruption
+    assert first[1]["loss"] == second[1]["loss"]  # the training numbers of epoch 2 are the same
+    assert first[1]["val_nll"] != second[1]["val_nll"]  # its validation was sampled otherwise
 
 
 def test_extending_a_run_whose_schedule_ended_at_zero_says_to_train_again(data, tmp_path, small_model, small_config):
@@ -328,7 +354,8 @@ def test_resuming_with_another_thread_count_warns(data, tmp_path, small_model, s
         assert load_checkpoint(tmp_path / "last.pt")["config"]["threads"] == 1
         torch.set_num_threads(2)
         config = small_config(epochs=3, checkpoint_dir=tmp_path)
-        with pytest.warns(UserWarning, match=r"changed settings \['threads \(1 -> 2\)'\]: the run will not match"):
+        match = r"changed settings, so the run will not match an uninterrupted one: threads \(1 -> 2: torch splits its"
+        with pytest.warns(UserWarning, match=match):
             train_model(small_model(), data.train, data.val, config, resume=True)
     finally:
         torch.set_num_threads(previous)
@@ -360,6 +387,31 @@ def test_a_full_disk_keeps_the_last_pair_and_says_so(data, tmp_path, small_model
     assert load_checkpoint(tmp_path / "last.pt")["epoch"] == 1
     result = train_model(small_model(), data.train, data.val, small_config(epochs=2, checkpoint_dir=tmp_path), True)
     assert [record["epoch"] for record in result.history] == [1, 2]  # room again: the run goes on from epoch 1
+
+
+def test_a_full_disk_in_the_first_epoch_says_to_train_again(data, tmp_path, small_model, small_config, monkeypatch):
+    # the message said that the folder held no checkpoint, then to resume from it (FileNotFoundError)
+    import errno
+    import os
+
+    def full(descriptor):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(os, "fsync", full)
+        with pytest.raises(OSError) as caught:
+            train_model(small_model(), data.train, data.val, small_config(checkpoint_dir=tmp_path))
+    assert str(caught.value) == (
+        f"[Errno 28] cannot write the checkpoints of epoch 1 to {tmp_path} (No space left on device); it holds no "
+        "checkpoint of this run, so there is nothing to resume; make room and train again from the start "
+        "(resume=False, or the same gpattn train command with --overwrite)"
+    )
+    assert list(tmp_path.iterdir()) == []
+    # following the advice: the run from the start, the same as one that never met a full disk
+    expected = train_model(small_model(), data.train, data.val, small_config())
+    result = train_model(small_model(), data.train, data.val, small_config(checkpoint_dir=tmp_path))
+    assert _without_time(result.history) == _without_time(expected.history)
+    assert load_checkpoint(tmp_path / "last.pt")["epoch"] == 2
 
 
 # -- schedule and clipping -------------------------------------------------------------------------------------------
@@ -716,7 +768,9 @@ def test_a_strategy_sees_every_hook_and_leaves_the_run_unchanged(data, small_mod
 
 def test_a_stop_vote_from_another_process_stops_this_one(data, small_model, small_config):
     model = small_model()
-    with pytest.raises(NonFiniteLossError, match=r"non-finite training loss at epoch 1, step 3/4"):
+    # this process's loss is finite: the message says that another one stopped the run
+    match = r"non-finite training loss or forward pass on another process at epoch 1, step 3/4 \(global step 3\); the"
+    with pytest.raises(NonFiniteLossError, match=match):
         train_model(model, data.train, data.val, small_config(), strategy=RecordingStrategy(stop_at_call=3))
     assert not model.training  # the best state (the initial one) is back, in eval mode
 
@@ -748,5 +802,90 @@ def test_labels_outside_the_models_classes_are_refused_before_training(data, sma
     sets[split] = dataclasses.replace(sets[split], labels=sets[split].labels + 3)
     name = {"train": "training", "val": "validation"}[split]
     with pytest.raises(ValueError, match=rf"^train_model: the {name} labels must be class indices in \[0, 1\] \(the "):
+        train_model(model, sets["train"], sets["val"], small_config())
+    assert all(torch.equal(value, before[key]) for key, value in model.state_dict().items())  # nothing trained
+
+
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int16, torch.int8, torch.uint8])
+def test_labels_of_any_integer_dtype_train_as_int64(data, small_model, small_config, dtype):
+    # int32 labels passed the checks, then failed inside torch's cross-entropy at the first step
+    reference, model = small_model("softmax"), small_model("softmax")
+    expected = train_model(reference, data.train, data.val, small_config(epochs=1))
+    train, val = (dataclasses.replace(split, labels=split.labels.to(dtype)) for split in (data.train, data.val))
+    result = train_model(model, train, val, small_config(epochs=1))
+    assert _without_time(result.history) == _without_time(expected.history)  # the int64 run's numbers, bit for bit
+    _assert_same_parameters(model, reference)
+
+
+def _with(dataset, **changes):
+    """A generic data set (tokens, mask, labels) of ``dataset`` with ``changes``."""
+    fields = {
+        "tokens": dataset.tokens,
+        "mask": torch.ones_like(dataset.tokens, dtype=torch.bool),
+        "labels": dataset.labels,
+    }
+    return SimpleNamespace(**{**fields, **changes})
+
+
+@pytest.mark.parametrize(
+    ("split", "changes", "error", "message"),
+    [
+        (
+            "train",
+            lambda d: {"mask": torch.ones(10, 6, dtype=torch.bool)},
+            ValueError,
+            "expected the .mask of the training set to have one row per input, got 10 rows (shape (10, 6)) for 256 "
+            "inputs (shape (256, 6)); give the mask of these inputs",
+        ),
+        (
+            "val",
+            lambda d: {"mask": torch.ones(65, 6, dtype=torch.bool)},
+            ValueError,
+            "expected the .mask of the validation set to have one row per input, got 65 rows (shape (65, 6)) for 64 "
+            "inputs (shape (64, 6)); give the mask of these inputs",
+        ),
+        (
+            "train",
+            lambda d: {"mask": [[True] * 6] * 256},
+            TypeError,
+            "expected the .mask of the training set to be a boolean tensor of shape (n, N) or None, got list",
+        ),
+        (
+            "train",
+            lambda d: {"labels": d.labels[:, None]},
+            TypeError,
+            "expected integer class labels .labels of shape (n,) in the training set, got a torch.int64 tensor of "
+            "shape (256, 1); give one class index per input",
+        ),
+        (
+            "val",
+            lambda d: {"labels": d.labels.bool()},
+            TypeError,
+            "expected integer class labels .labels of shape (n,) in the validation set, got a torch.bool tensor of "
+            "shape (64,); give one class index per input",
+        ),
+        (
+            "val",
+            lambda d: {"tokens": d.tokens[:0], "mask": None, "labels": d.labels[:0]},
+            ValueError,
+            "expected a non-empty validation set, got 0 labels for 0 inputs",
+        ),
+        (
+            "train",
+            lambda d: {"labels": d.labels[:-1]},
+            ValueError,
+            "expected as many labels as inputs in the training set, got 255 labels for 256 inputs",
+        ),
+    ],
+    ids=["mask_rows", "val_mask_rows", "mask_list", "labels_2d", "labels_bool", "val_empty", "labels_short"],
+)
+def test_bad_data_sets_are_named_before_training(data, small_model, small_config, split, changes, error, message):
+    # a mask of another row count raised a bare IndexError at the first step; 2-D labels were reported without their
+    # shape or dtype; an empty validation set was "a non-empty data set"
+    model = small_model()
+    before = {name: value.clone() for name, value in model.state_dict().items()}
+    sets = {"train": _with(data.train), "val": _with(data.val)}
+    sets[split] = _with(getattr(data, split), **changes(getattr(data, split)))
+    with pytest.raises(error, match=f"^{re.escape(message)}$"):
         train_model(model, sets["train"], sets["val"], small_config())
     assert all(torch.equal(value, before[key]) for key, value in model.state_dict().items())  # nothing trained
