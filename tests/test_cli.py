@@ -548,6 +548,69 @@ def test_train_on_a_full_disk_names_the_files_and_what_was_kept(tmp_path, capsys
     assert sorted(path.name for path in checkpoints.iterdir()) == ["best.pt", "checkpoints.json", "last.pt"]
 
 
+def test_train_interrupted_in_its_first_epoch_starts_again_with_the_same_command(tmp_path, capsys, monkeypatch) -> None:
+    # the advice was "run the same command (without --resume)", which the left run.json and checkpoints/ refused
+    import gpattn.training.loop as loop
+
+    def interrupt(self, index, step):
+        raise KeyboardInterrupt  # Ctrl-C in the first step
+
+    argv = [*TINY_TRAIN, "--no-progress"]
+    assert main([*argv, "--out", str(tmp_path / "reference")]) == 0  # an uninterrupted run
+    reference = json.loads((tmp_path / "reference" / "record.json").read_text())
+    capsys.readouterr()
+    out = tmp_path / "t"
+    with monkeypatch.context() as patch:
+        patch.setattr(loop._Loop, "_step", interrupt)
+        assert main([*argv, "--out", str(out)]) == 130
+    assert capsys.readouterr().err == (
+        "gpattn train: interrupted; no epoch had finished, so nothing was kept: the same command starts the run again\n"
+    )
+    assert sorted(path.name for path in out.iterdir()) == [".gpattn.lock"]
+    assert main([*argv, "--out", str(out)]) == 0  # following the advice
+    record = json.loads((out / "record.json").read_text())
+    assert record["metrics"] == reference["metrics"] and record["metrics"]["test"]["nll"] > 0
+
+
+def test_train_on_a_full_disk_in_its_first_epoch_says_to_start_again(tmp_path, capsys, monkeypatch) -> None:
+    # the message said that the folder held no checkpoint, then to resume from it
+    import errno
+    import os
+
+    real_fsync, calls = os.fsync, []
+
+    def fill_up(descriptor):  # the first epoch's checkpoints meet a full disk
+        calls.append(descriptor)
+        if len(calls) > 1:  # run.json
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_fsync(descriptor)
+
+    out, argv = tmp_path / "t", [*TINY_TRAIN, "--no-progress"]
+    with monkeypatch.context() as patch:
+        patch.setattr(os, "fsync", fill_up)
+        assert main([*argv, "--out", str(out)]) == 1
+    checkpoints = out / "checkpoints"
+    assert capsys.readouterr().err == (
+        f"gpattn train: error: [Errno 28] cannot write the checkpoints of epoch 1 to {checkpoints} (No space left on "
+        "device); it holds no checkpoint of this run, so there is nothing to resume; make room and train again from "
+        "the start (resume=False, or the same gpattn train command with --overwrite)\n"
+    )
+    assert list(checkpoints.iterdir()) == []
+    assert main([*argv, "--out", str(out), "--overwrite"]) == 0  # following the advice
+    assert json.loads((out / "record.json").read_text())["metrics"]["test"]["nll"] > 0
+
+
+def test_train_help_says_that_resume_checks_the_stored_settings(capsys) -> None:
+    # the help said that --resume continued "with the settings stored in OUT/run.json", which it does not read
+    with pytest.raises(SystemExit):
+        main(["train", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert (
+        "--resume continue from OUT/checkpoints/last.pt; give the options that started the run: they are checked "
+        "against the settings stored in OUT/run.json (another value is refused), not read from it"
+    ) in text
+
+
 def test_compare_on_a_full_disk_at_the_end_keeps_the_runs(tmp_path, capsys, monkeypatch) -> None:
     import errno
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import sys
 import warnings
 from dataclasses import asdict
@@ -68,7 +69,8 @@ def add_train(commands) -> None:
     train.add_argument(
         "--resume",
         action="store_true",
-        help="continue from OUT/checkpoints/last.pt, with the settings stored in OUT/run.json",
+        help="continue from OUT/checkpoints/last.pt; give the options that started the run: they are checked "
+        "against the settings stored in OUT/run.json (another value is refused), not read from it",
     )
     train.add_argument(
         "--untuned",
@@ -151,7 +153,8 @@ def run_train(args: argparse.Namespace) -> int:
                     config, *run, checkpoint_dir=checkpoints, resume=args.resume, callbacks=callbacks
                 )
         except KeyboardInterrupt:
-            raise CommandInterrupted(f"interrupted; {_kept(checkpoints, config, args.task, args.attention)}") from None
+            kept = _kept(checkpoints, config, args.task, args.attention, forget=None if args.resume else out / RUN_FILE)
+            raise CommandInterrupted(f"interrupted; {kept}") from None
         try:
             write_json_atomically(out / "record.json", record.to_dict())
         except OSError as error:
@@ -216,18 +219,35 @@ def _note_other_code(path: Path) -> None:
     write_json_atomically(path, content)
 
 
-def _kept(checkpoints: Path, config, task: str, row: str) -> str:
-    """What an interrupted ``gpattn train`` leaves: the epoch of its last checkpoints, read from their manifest."""
+def _kept(checkpoints: Path, config, task: str, row: str, forget: Path | None = None) -> str:
+    """What an interrupted ``gpattn train`` leaves: the epoch of its last checkpoints, read from their manifest. When
+    no epoch finished there is nothing to resume: given ``forget``, the run file of a run that did not ``--resume``
+    (the folder then holds nothing of an earlier run), that file and the checkpoint folder (no committed checkpoint in
+    it) are removed, so that the same command starts the run again; else the advice is ``--overwrite``."""
     from ..comparison.runner import run_hyperparameters
     from ..training import CheckpointError
-    from ..training.checkpoint_files import read_manifest
+    from ..training.checkpoint_files import MANIFEST, read_manifest
 
     try:
         manifest = read_manifest(checkpoints)
     except CheckpointError:
         manifest = None
     if manifest is None or not isinstance(manifest.get("epoch"), int):
-        return f"no epoch had finished, so {checkpoints} holds no checkpoint: run the same command (without --resume)"
+        if (checkpoints / "last.pt").exists() and not (checkpoints / MANIFEST).exists():  # written before manifests
+            return f"the checkpoints in {checkpoints} are kept; the same command with --resume continues"
+        if forget is not None and not (checkpoints / MANIFEST).exists():
+            try:
+                if checkpoints.exists():
+                    shutil.rmtree(checkpoints)
+                forget.unlink(missing_ok=True)
+            except OSError:
+                pass  # what is left is replaced by --overwrite
+            else:
+                return "no epoch had finished, so nothing was kept: the same command starts the run again"
+        return (
+            f"no epoch had finished, so {checkpoints} holds no checkpoint: the same command with --overwrite (not "
+            "--resume) starts the run again"
+        )
     epochs = run_hyperparameters(config, task, row)["epochs"]  # the tuned configuration's, or the shared setting
     return (
         f"the checkpoints of epoch {manifest['epoch']} of {epochs} are kept in {checkpoints}; the same command with "
