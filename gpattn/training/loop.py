@@ -101,6 +101,9 @@ def train_model(
     :raises ValueError: An empty data set, a mask or labels of another row count than its inputs, or training or
         validation labels outside ``[0, num_classes - 1]`` of a model with an integer ``num_classes`` attribute (as
         :class:`~gpattn.models.Transformer`), before anything trains.
+    :raises KeyboardInterrupt: Ctrl-C, passed on as it came: the model then holds the parameters of the last step
+        taken (in training mode), not the best state, and the checkpoints on disk stay those of the last completed
+        epoch, from which ``resume=True`` continues as if uninterrupted (on the CPU).
     :raises FileNotFoundError: ``resume=True`` without ``last.pt``.
     :raises CheckpointError: ``resume=True`` with a checkpoint that cannot be read, is damaged or inconsistent, does
         not pair with ``best.pt``, was written for another model or by a run with other settings (seed, learning rate,
