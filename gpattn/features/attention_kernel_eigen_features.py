@@ -161,8 +161,10 @@ class AttentionKernelEigenFeatures(GraphFreeState, KernelEigenFeaturesBase):
         r"""The features of a batch of sequences: :math:`e` at the queries, :math:`r` at the keys, :math:`\Lambda`.
 
         The inputs are the layer's checked tokens (the attention layers check them once per call); a call the mode
-        does not support (see the capability attributes) raises ``ValueError``. A training call refreshes the KSVD
-        penalty ``"ksvd_loss"``.
+        does not support (see the capability attributes) raises ``ValueError``. A training call with ``objective``
+        refreshes the KSVD penalty ``"ksvd_loss"``; any other call clears it (``None``: an
+        :class:`~gpattn.mlls.AttentionELBO` after an eval-mode pass has a zero ``"ksvd"`` part, not the last
+        training pass's penalty).
 
         :param queries: ``(B, N, C)``.
         :param keys: ``(B, M, C)``, or ``None`` (self-attention: the queries).
@@ -235,4 +237,6 @@ class AttentionKernelEigenFeatures(GraphFreeState, KernelEigenFeaturesBase):
             # registered in __init__; a plain store (gpytorch's update_added_loss_term reads the previous entry, so
             # torch.compile would guard on it being None and recompile on the second step)
             self._added_loss_terms["ksvd_loss"] = penalty
+        else:  # no J of this call (eval mode): no penalty, not the last training call's (stale, holding its graph)
+            self._added_loss_terms["ksvd_loss"] = None
         return scores

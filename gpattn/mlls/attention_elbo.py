@@ -194,7 +194,8 @@ class AttentionELBO(torch.nn.Module):
             )
         num_samples = logits.shape[0] if logits.dim() == 3 else 1
         # mean over samples and batch: -1/(T B) sum_{t, b} log p(y_b | F^(t))
-        nll = F.cross_entropy(logits.reshape(-1, num_classes), targets.repeat(num_samples))
+        # class indices of any integer dtype (cross_entropy takes int64 or uint8 only): a no-op for int64
+        nll = F.cross_entropy(logits.reshape(-1, num_classes), targets.to(torch.int64).repeat(num_samples))
         kl = torch.zeros_like(nll)
         for module in _kl_modules(self.model):
             kl = kl + module.kl_divergence().to(nll)

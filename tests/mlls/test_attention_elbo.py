@@ -115,6 +115,38 @@ def test_transformer_terms():
     assert all(p.grad is None or torch.isfinite(p.grad).all() for p in model.parameters())
 
 
+@pytest.mark.parametrize("attention", ["kep_svgp", "primal"])
+def test_an_eval_pass_has_no_ksvd_penalty_not_the_last_training_passs(attention):
+    """The ELBO after an eval-mode pass (no J computed) read the penalty of the last training pass, still attached to
+    its graph (a second backward raised torch's "backward through the graph a second time")."""
+    torch.manual_seed(0)
+    model = Transformer(CLASSES, embed_dim=16, num_heads=2, attention=attention, vocab_size=7, max_len=8).double()
+    ids, targets = torch.randint(0, 7, (BATCH, 6)), torch.tensor([0, 1, 2, 0, 1])
+    elbo = AttentionELBO(model, 100, combine_terms=False)
+    model.train()
+    trained = elbo(model(ids), targets)
+    assert trained["ksvd"] > 0
+    trained["loss"].backward()
+    model.eval()
+    logits = model(ids.flip(0))
+    evaluated = elbo(logits, targets)
+    assert evaluated["ksvd"] == 0.0
+    torch.testing.assert_close(
+        evaluated["loss"], F.cross_entropy(logits, targets) + evaluated["kl"], rtol=1e-14, atol=0
+    )
+    evaluated["loss"].backward()  # its own graph only
+    model.train()
+    assert elbo(model(ids), targets)["ksvd"] > 0  # the next training pass registers its penalty again
+
+
+def test_targets_of_any_integer_dtype_give_the_int64_loss():
+    model, _, _, targets = _toy()
+    elbo = AttentionELBO(model, 10)
+    expected = elbo(model(), targets)
+    for dtype in (torch.int32, torch.int16, torch.int8, torch.uint8):
+        torch.testing.assert_close(elbo(model(), targets.to(dtype)), expected, rtol=0, atol=0)
+
+
 def test_invalid_arguments():
     model, _, _, targets = _toy()
     with pytest.raises(ValueError, match="num_data"):
