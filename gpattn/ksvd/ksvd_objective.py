@@ -57,13 +57,21 @@ def ksvd_objective(
         ``(B, H, N, s)``), positive.
     :param form: ``"sum"`` or ``"official"``.
     :param mask: ``form="official"``: ``(B, N)`` bool, the real tokens the means run over (self-attention), or
-        ``None`` (all). The sum form expects masked scores zeroed by the caller.
-    :param weights_per_position: Sum form with one pair of weights per position (see above).
+        ``None`` (all). The sum form expects masked scores zeroed by the caller (a mask is refused).
+    :param weights_per_position: Sum form with one pair of weights per position (see above; refused with the
+        official form).
     :return: :math:`J`, shape ``(*batch)`` (sum form), or a scalar (official form).
 
     .. note:: Cost O((N + M + p) s), or O(N p s) with weights per position.
     """
     check_choice("form", form, FORMS, where="ksvd_objective")
+    if form == "sum" and mask is not None:  # the sum form reads no mask: refused, not ignored
+        raise ValueError(
+            "ksvd_objective: mask= is read by form='official' only; for the sum form zero the masked tokens' scores "
+            "(their rows of left_scores and right_scores) and pass mask=None"
+        )
+    if form == "official" and weights_per_position:
+        raise ValueError("ksvd_objective: weights_per_position is read by form='sum' only (causal attention)")
     if form == "official":
         # the token sums of the squares per head and direction first, (H, s), then one scaled sum: the divisions by
         # Lambda and the counts act on (H, s) tensors, not on the (B, H, N, s) scores (fewer, smaller operators, and

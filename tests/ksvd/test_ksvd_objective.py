@@ -97,3 +97,13 @@ def test_official_objective_from_sums_equals_the_official_form(masked: bool):
     expected = ksvd_objective(e, r, raw_e, raw_r, lam, form="official", mask=mask if masked else None)
     got = official_objective_from_sums(sums, lam, mask.sum() * H, raw_e, raw_r)
     torch.testing.assert_close(got, expected, atol=1e-12, rtol=0)
+
+
+def test_options_a_form_does_not_read_are_refused():
+    """The sum form ignored a mask of any shape (J over the padded tokens, no error); the official form ignored
+    weights_per_position."""
+    scores, weights, values = torch.ones(2, 3, 4), torch.ones(2, 5, 4), torch.ones(2, 4)
+    with pytest.raises(ValueError, match=r"mask= is read by form='official' only"):
+        ksvd_objective(scores, scores, weights, weights, values, mask=torch.ones(2, 3, dtype=torch.bool))
+    with pytest.raises(ValueError, match=r"weights_per_position is read by form='sum' only"):
+        ksvd_objective(scores, scores, weights, weights, values, form="official", weights_per_position=True)
