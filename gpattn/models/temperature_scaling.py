@@ -3,8 +3,11 @@ with the temperature fitted on validation logits, including Monte Carlo logits o
 
 For logits :math:`f(x) \in \mathbb{R}^C` the scaled prediction is :math:`\operatorname{softmax}(f(x) / \tau)` with
 one temperature :math:`\tau > 0` for all classes, fitted by minimising the negative log-likelihood on a held-out
-(validation) set; :math:`\tau > 1` softens over-confident predictions. Accuracy never changes (the arg max of
-every sample's logits is kept).
+(validation) set; :math:`\tau > 1` softens over-confident predictions. For one logit vector per input the accuracy
+never changes (the arg max of the logits is kept); for Monte Carlo logits (below) it can: the prediction is the arg
+max of the mean of the scaled probabilities, which moves with :math:`\tau` (e.g. three samples with logits
+:math:`(5, 0)`, :math:`(0, 0.5)`, :math:`(0, 0.5)` give class 0 probability 0.58 at :math:`\tau = 1` and 0.34 at
+:math:`\tau = 0.1`).
 
 Stochastic models (GP attention, MC dropout) give :math:`T` logit samples :math:`f^{(t)}(x)` per input. The
 temperature divides every sample's logits, and the prediction is the mean of the scaled probabilities,
