@@ -234,8 +234,40 @@ def test_num_inducing_for_rows_without_an_inducing_set_is_a_note() -> None:
 def test_quick_is_labelled_a_smoke_test(tmp_path, capsys) -> None:
     argv = ["compare", "--quick", "--attentions", "softmax", "--tasks", "pointer", "--pointer-epochs", "1"]
     assert main([*argv, "--eval-samples", "2", "--no-progress", "--out", str(tmp_path)]) == 0
-    assert "**Smoke test (`--quick`)**" in (tmp_path / "table.md").read_text()
+    assert "**Smoke test (`--quick`)**: 1 seed and 1 epoch on pointer, to check" in (tmp_path / "table.md").read_text()
     assert json.loads((tmp_path / "results.json").read_text())["config"]["smoke_test"] is True
+
+
+@pytest.mark.parametrize(("option", "names"), [("--attentions", ["softmax", "softmax"]), ("--tasks", ["pointer"] * 2)])
+def test_a_repeated_row_or_task_is_a_bad_option(option, names, tmp_path, capsys, no_runs) -> None:
+    # it trained each run twice and wrote duplicate records (n doubled in table.md)
+    assert main([*TINY_COMPARE, option, *names, "--out", str(tmp_path / "c")]) == 2
+    assert capsys.readouterr().err == (
+        f"gpattn compare: error: CompareConfig: expected distinct {option[2:]}, got {names!r} ({names[0]} more than "
+        "once)\n"
+    )
+    assert not (tmp_path / "c").exists()
+
+
+def test_full_with_seeds_trains_those_seeds_for_every_row(tmp_path, monkeypatch) -> None:
+    """--full --seeds 5 failed on "expected distinct primary_seeds, ..." (an option that does not exist): the given
+    seeds are those of every row, the primary pair's included (the preset's seeds 5-9 of the pair are dropped)."""
+    import gpattn.comparison.runner as runner
+    from gpattn.comparison import MAIN_TABLE_ROWS
+
+    class Planned(Exception):
+        pass
+
+    planned = []
+
+    def execute_runs(config, runs, **kwargs):
+        planned.extend(runs)
+        raise Planned
+
+    monkeypatch.setattr(runner, "execute_runs", execute_runs)
+    with pytest.raises(Planned):
+        main(["compare", "--full", "--seeds", "5", "--no-progress", "--out", str(tmp_path / "f")])
+    assert planned == [(task, row, 5) for task in ("mnist1d", "digits") for row in MAIN_TABLE_ROWS]
 
 
 @pytest.mark.parametrize(

@@ -82,7 +82,8 @@ def add_compare(commands) -> None:
         "--full",
         action="store_true",
         help="the protocol's full grid: every main-table row (" + " ".join(MAIN_TABLE_ROWS) + ") on mnist1d and "
-        "digits, seeds 0-4, and seeds 5-9 for the primary pair; the other options override a preset's settings",
+        "digits, seeds 0-4, and seeds 5-9 for the primary pair (--seeds replaces both: every row on those seeds); the "
+        "other options override a preset's settings",
     )
     others = " and ".join(name for name in method_names() if name not in attention_names())
     papers = " / ".join(name for name in attention_names() if name.endswith("_paper"))

@@ -82,7 +82,8 @@ def run_report(args: argparse.Namespace) -> int:
         status = status if holds else 1
     if args.page is None:
         if not checks:
-            print(headline_text(runs.records) + "\n## Full tables\n\n" + markdown_table(runs.records))
+            headline = headline_text(runs.records, ece_bins=runs.ece_bins)
+            print(headline + "\n## Full tables\n\n" + markdown_table(runs.records, runs.ece_bins))
         return status
     figures_dir = args.page.parent / f"{args.page.stem}_figures"
     figures = write_comparison_figures(runs.records, figures_dir)

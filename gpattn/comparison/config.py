@@ -174,6 +174,13 @@ class CompareConfig:
             raise ValueError(f"{where}: expected tasks among {TASKS}, got none")
         for task in self.tasks:
             check_choice("tasks", task, TASKS, where=where)
+        for name in ("attentions", "tasks"):  # a repeated name would train its runs twice and count them twice
+            values = getattr(self, name)
+            repeated = list(dict.fromkeys(value for value in values if values.count(value) > 1))
+            if repeated:
+                raise ValueError(
+                    f"{where}: expected distinct {name}, got {list(values)} ({', '.join(repeated)} more than once)"
+                )
         for name in _BOOLEANS:  # a truthy string or number would switch the setting on
             if not isinstance(getattr(self, name), bool):
                 raise InputTypeError(f"{where}: expected {name} to be a bool, got {getattr(self, name)!r}")
@@ -337,9 +344,16 @@ class CompareConfig:
     @classmethod
     def full(cls, **overrides: Any) -> CompareConfig:
         """The protocol's full grid (``gpattn compare --full``): every row of :data:`MAIN_TABLE_ROWS` on MNIST-1D and
-        digits, seeds 0-4, and seeds 5-9 too for the primary pair, in the tuned configurations."""
+        digits, seeds 0-4, and seeds 5-9 too for the primary pair, in the tuned configurations. ``seeds`` given
+        without ``primary_seeds`` (``--full --seeds ...``) are the seeds of every row, the primary pair's included:
+        the preset's further seeds 5-9 are dropped (they could repeat the given ones).
+
+        Example:
+            >>> CompareConfig.full(seeds=(5,)).row_seeds("kep_svgp")
+            (5,)
+        """
         settings = {"attentions": MAIN_TABLE_ROWS, "tasks": ("mnist1d", "digits"), "seeds": tuple(range(5))}
-        settings["primary_seeds"] = tuple(range(5, DECLARED_PRIMARY_SEEDS))
+        settings["primary_seeds"] = () if "seeds" in overrides else tuple(range(5, DECLARED_PRIMARY_SEEDS))
         return cls(**{**settings, **overrides})
 
     @classmethod

@@ -13,9 +13,10 @@ import textwrap
 from dataclasses import dataclass
 from typing import Any
 
-from .table_rows import group_rows, pooled_ood_set, seed_values
+from .table_rows import ensemble_row, group_rows, pooled_ood_set, seed_values
 
 __all__ = [
+    "DECLARED_ECE_BINS",
     "DECLARED_OOD_SCORE",
     "DECLARED_PRIMARY_SEEDS",
     "DESCRIPTIVE_ENDPOINTS",
@@ -29,6 +30,8 @@ __all__ = [
 DECLARED_OOD_SCORE = "ood_declared_auroc"
 #: The seeds the primary endpoint is declared on (``gpattn compare --full`` runs the primary pair with seeds 0-9).
 DECLARED_PRIMARY_SEEDS = 10
+#: The equal-width bins the ECE endpoint is declared on (``gpattn compare``'s default ``--ece-bins``).
+DECLARED_ECE_BINS = 15
 
 
 @dataclass(frozen=True)
@@ -72,6 +75,20 @@ class Endpoint:
     def on_task(self, task: str) -> Endpoint:
         """The same difference on another task (descriptive: the declared endpoints are on their own task)."""
         return dataclasses.replace(self, task=task)
+
+    def measured_as(self, ensemble: int = 1, ece_bins: int = DECLARED_ECE_BINS) -> Endpoint:
+        """The same difference as a grid of other settings measures it: between the ensembles of ``ensemble``
+        members of its rows (``gpattn compare --ensemble K`` records ``kep_svgp_ens<K>+ts``), and for the ECE on
+        ``ece_bins`` bins, labelled so (``"ECE (5 bins)"``); the endpoint itself for the declared settings. O(1).
+
+        Example:
+            >>> from gpattn.comparison.endpoints import PRIMARY_ENDPOINT
+            >>> PRIMARY_ENDPOINT.measured_as(ensemble=2).describe()
+            'test NLL of kep_svgp_ens2+ts minus softmax_ens2+ts on mnist1d'
+        """
+        label = f"ECE ({ece_bins} bins)" if self.column == "test_ece" else self.label
+        reference, other = (ensemble_row(row, ensemble) for row in (self.reference, self.other))
+        return dataclasses.replace(self, label=label, reference=reference, other=other)
 
     def scale(self) -> float:
         """100 for a rate shown in percentage points, else 1."""
@@ -120,7 +137,7 @@ PRIMARY_ENDPOINT = Endpoint("test NLL", "test_nll", *_PAIR, unit="nats")
 SECONDARY_ENDPOINTS = (
     Endpoint("test NLL, untempered", "test_nll", "kep_svgp", "softmax", unit="nats"),
     Endpoint("accuracy", "test_accuracy", *_PAIR, percent=True, higher_is_better=True, unit="points"),
-    Endpoint("ECE (15 bins)", "test_ece", *_PAIR, percent=True, unit="points"),
+    Endpoint(f"ECE ({DECLARED_ECE_BINS} bins)", "test_ece", *_PAIR, percent=True, unit="points"),
     Endpoint("shift NLL", "shift_nll", *_PAIR, unit="nats"),
     Endpoint("shift ECE", "shift_ece", *_PAIR, percent=True, unit="points"),
     Endpoint("OOD AUROC", DECLARED_OOD_SCORE, *_PAIR, percent=True, higher_is_better=True, unit="points"),

@@ -9,7 +9,9 @@ import dataclasses
 import math
 from dataclasses import dataclass
 
+from .config import MAIN_SEEDS
 from .endpoints import (
+    DECLARED_ECE_BINS,
     DECLARED_PRIMARY_SEEDS,
     DESCRIPTIVE_ENDPOINTS,
     PRIMARY_ENDPOINT,
@@ -19,15 +21,17 @@ from .endpoints import (
 )
 from .records import RunRecord
 from .statistics import PairedDifference, hierarchical_difference, holm_adjusted, paired_difference, paired_p_value
-from .table_rows import flat_rows, group_rows, missing_reason, with_temperature_scaled
+from .table_rows import flat_rows, group_rows, missing_reason, split_ensemble_row, with_temperature_scaled
 
 __all__ = [
     "FAMILY_WISE_LEVEL",
     "MIN_SEEDS_FOR_INTERVALS",
     "EndpointEstimate",
+    "ensemble_size",
     "estimate_endpoint",
     "estimate_secondaries",
     "headline_text",
+    "measured_endpoints",
     "verdict",
 ]
 
@@ -55,7 +59,8 @@ class EndpointEstimate:
         paired seeds, where there is no interval either).
     :ivar holm: The Holm-adjusted p-value within the secondary family (NaN: not in it, or no test).
     :ivar note: How the values were read (e.g. the OOD scores used), ``""`` if nothing to say.
-    :ivar missing: Why there is no estimate, ``""`` when there is one.
+    :ivar missing: Why there is no interval (no estimate at all where ``n`` is 0), ``""`` when there is one.
+    :ivar seeds: The paired seeds, in the reference's order.
     """
 
     endpoint: Endpoint
@@ -68,6 +73,7 @@ class EndpointEstimate:
     holm: float = math.nan
     note: str = ""
     missing: str = ""
+    seeds: tuple[int, ...] = ()
 
     def intervals(self) -> list[PairedDifference]:
         """The intervals there are: the paired t, then the seeds-and-examples one."""
@@ -122,7 +128,7 @@ def estimate_endpoint(
     mean = math.fsum(reference[seed] - other[seed] for seed in seeds) / len(seeds) if seeds else math.nan
     if len(seeds) < MIN_SEEDS_FOR_INTERVALS:  # no interval, hence no test (p stays NaN)
         reason = f"{len(seeds)} paired seed(s), fewer than {MIN_SEEDS_FOR_INTERVALS}: no interval"
-        return EndpointEstimate(endpoint, mean, len(seeds), note=note, missing=reason)
+        return EndpointEstimate(endpoint, mean, len(seeds), note=note, missing=reason, seeds=tuple(seeds))
     p_value = paired_p_value(reference, other)
     interval = paired_difference(reference, other, min_pairs=MIN_SEEDS_FOR_INTERVALS)
     bootstrap, examples = None, 0
@@ -138,14 +144,40 @@ def estimate_endpoint(
             note = (
                 note + "; " if note else ""
             ) + "no per-example values in these records: no seeds-and-examples interval"
-    return EndpointEstimate(endpoint, mean, len(seeds), interval, bootstrap, examples, p_value, note=note)
+    return EndpointEstimate(
+        endpoint, mean, len(seeds), interval, bootstrap, examples, p_value, note=note, seeds=tuple(seeds)
+    )
 
 
-def estimate_secondaries(records: list[RunRecord]) -> list[EndpointEstimate]:
-    """The secondary endpoints (:data:`~gpattn.comparison.endpoints.SECONDARY_ENDPOINTS`), each with its paired-t
-    p-value Holm-adjusted over the family (:func:`~gpattn.comparison.holm_adjusted`; an endpoint without a test, e.g.
-    one with fewer than :data:`MIN_SEEDS_FOR_INTERVALS` paired seeds, does not count and has no adjusted p-value)."""
-    estimates = [estimate_endpoint(records, endpoint, hierarchical=False) for endpoint in SECONDARY_ENDPOINTS]
+def ensemble_size(records: list[RunRecord]) -> int:
+    """The members per model of the primary pair's rows in ``records``: 1 for single models (or no such rows), ``K``
+    for the ensembles ``kep_svgp_ens<K>`` / ``softmax_ens<K>`` of ``gpattn compare --ensemble K`` (the smallest ``K``
+    when the records hold several, and 1 when they hold single models too). O(records)."""
+    pair = {row.removesuffix("+ts") for row in (PRIMARY_ENDPOINT.reference, PRIMARY_ENDPOINT.other)}
+    sizes = {size for row, size in map(split_ensemble_row, (r.attention for r in records)) if row in pair}
+    return 1 if not sizes or 1 in sizes else min(sizes)
+
+
+def measured_endpoints(
+    records: list[RunRecord], ece_bins: int = DECLARED_ECE_BINS
+) -> tuple[Endpoint, tuple[Endpoint, ...], tuple[Endpoint, ...]]:
+    """The primary, secondary and descriptive endpoints as ``records`` measure them
+    (:meth:`~gpattn.comparison.endpoints.Endpoint.measured_as`): on the ensembles of :func:`ensemble_size` members
+    (an ``--ensemble K`` grid: ``kep_svgp_ens<K>+ts − softmax_ens<K>+ts``, as its tables pair them), the ECE on the
+    run's ``ece_bins``; the declared endpoints for single models on the declared bins. O(records)."""
+    size = ensemble_size(records)
+    primary = PRIMARY_ENDPOINT.measured_as(size, ece_bins)
+    secondaries = tuple(endpoint.measured_as(size, ece_bins) for endpoint in SECONDARY_ENDPOINTS)
+    return primary, secondaries, tuple(endpoint.measured_as(size, ece_bins) for endpoint in DESCRIPTIVE_ENDPOINTS)
+
+
+def estimate_secondaries(records: list[RunRecord], ece_bins: int = DECLARED_ECE_BINS) -> list[EndpointEstimate]:
+    """The secondary endpoints (:data:`~gpattn.comparison.endpoints.SECONDARY_ENDPOINTS`, as the records measure them:
+    :func:`measured_endpoints`, ``ece_bins`` the run's ECE bins), each with its paired-t p-value Holm-adjusted over the
+    family (:func:`~gpattn.comparison.holm_adjusted`; an endpoint without a test, e.g. one with fewer than
+    :data:`MIN_SEEDS_FOR_INTERVALS` paired seeds, does not count and has no adjusted p-value). O(records) each."""
+    _, secondaries, _ = measured_endpoints(records, ece_bins)
+    estimates = [estimate_endpoint(records, endpoint, hierarchical=False) for endpoint in secondaries]
     adjusted = holm_adjusted([estimate.p_value for estimate in estimates])
     return [dataclasses.replace(estimate, holm=holm) for estimate, holm in zip(estimates, adjusted, strict=True)]
 
@@ -164,10 +196,17 @@ def verdict(estimate: EndpointEstimate) -> tuple[str, str]:
 
     ``kind`` is ``"lower"`` / ``"higher"`` (every interval excludes 0 on that side: the reference's metric is lower /
     higher), ``"none"`` (an interval holds 0: no difference detected; the sentence gives the hull of the intervals,
-    the differences the run excludes) or ``"missing"`` (no interval).
+    the differences the run excludes) or ``"missing"`` (no interval: the sentence gives the mean difference where
+    there are paired seeds, fewer than :data:`MIN_SEEDS_FOR_INTERVALS`, and says that it is no verdict).
     """
     endpoint, unit = estimate.endpoint, estimate.endpoint.unit
     intervals = estimate.intervals()
+    if not intervals and estimate.n and not math.isnan(estimate.mean):
+        return "missing", (
+            f"No verdict: {endpoint.reference} − {endpoint.other} = {_value(estimate, estimate.mean)} {unit}, the mean "
+            f"over {estimate.n} paired seed{'' if estimate.n == 1 else 's'} without an interval (an interval, and so "
+            f"a verdict, needs at least {MIN_SEEDS_FOR_INTERVALS})."
+        )
     if not intervals:
         return "missing", f"Not measured: {estimate.missing}."
     names = ["paired t"] + (["seeds and examples"] if estimate.hierarchical is not None else [])
@@ -213,13 +252,67 @@ def _secondary_rows(estimates: list[EndpointEstimate], tested: bool) -> list[str
     return lines
 
 
-def headline_text(records: list[RunRecord], num_resamples: int = 10000, declaration: bool = True) -> str:
+def _measured_notes(records: list[RunRecord], ece_bins: int) -> list[str]:
+    # where the records measure the endpoints otherwise than they are declared: ensembles, another ECE binning
+    notes = []
+    size = ensemble_size(records)
+    if size > 1:
+        primary = PRIMARY_ENDPOINT.measured_as(size)
+        notes += [
+            f"Note: these records are ensembles of {size} members (`gpattn compare --ensemble {size}`): every "
+            f"endpoint below is read on them ({primary.reference} − {primary.other}, and likewise), not on the single "
+            "models it is declared on.",
+            "",
+        ]
+    if ece_bins != DECLARED_ECE_BINS:
+        notes += [
+            f"Note: the ECE is on {ece_bins} equal-width bins (`--ece-bins {ece_bins}`), not the {DECLARED_ECE_BINS} "
+            "it is declared on.",
+            "",
+        ]
+    return notes
+
+
+def _subset_note(primary: EndpointEstimate) -> list[str]:
+    # the primary endpoint on fewer seeds than declared: make main's subset, or another count
+    if not 0 < primary.n < DECLARED_PRIMARY_SEEDS:
+        return []
+    if sorted(primary.seeds) == sorted(MAIN_SEEDS):
+        which = f"these records are the subset of `make main` (seeds {MAIN_SEEDS[0]}-{MAIN_SEEDS[-1]}); "
+    else:
+        which = ""
+    return [
+        f"Note: {primary.n} paired seed{'' if primary.n == 1 else 's'}, fewer than the {DECLARED_PRIMARY_SEEDS} the "
+        "endpoint is declared on: "
+        f"{which}the declared estimate is the one of `gpattn compare --full` (seeds 0-{DECLARED_PRIMARY_SEEDS - 1}).",
+        "",
+    ]
+
+
+def headline_text(
+    records: list[RunRecord], num_resamples: int = 10000, declaration: bool = True, ece_bins: int = DECLARED_ECE_BINS
+) -> str:
     """The headline block (markdown): the declared endpoints in words (unless ``declaration`` is false: a page that
-    states them earlier), the primary estimate with both intervals and its verdict, the secondaries with paired-t and
-    Holm-adjusted p-values, the differences reported without a test, and the primary difference on the other tasks
-    of the records (descriptive)."""
-    primary = estimate_endpoint(records, PRIMARY_ENDPOINT, num_resamples=num_resamples)
-    lines = ["## Headline", "", *([declaration_text(), ""] if declaration else []), "### Primary endpoint", ""]
+    states them earlier), the primary estimate with both intervals and its verdict (below
+    :data:`MIN_SEEDS_FOR_INTERVALS` paired seeds its mean difference, without interval or verdict), the secondaries
+    with paired-t and Holm-adjusted p-values, the differences reported without a test, and the primary difference on
+    the other tasks of the records (descriptive). The endpoints are read as the records measure them
+    (:func:`measured_endpoints`: an ``--ensemble K`` grid's ensembles, the run's ``ece_bins``), with a note where
+    that is not as declared.
+
+    .. note:: Cost: dominated by the seeds-and-examples bootstrap, O(``num_resamples`` seeds examples).
+    """
+    measured, _, descriptives = measured_endpoints(records, ece_bins)
+    primary = estimate_endpoint(records, measured, num_resamples=num_resamples)
+    lines = ["## Headline", "", *([declaration_text(), ""] if declaration else [])]
+    lines += [*_measured_notes(records, ece_bins), "### Primary endpoint", ""]
+    if primary.t is None and primary.n:  # the mean alone, said plainly
+        lines += ["| interval | difference | 95 % interval | over |", "|---|---|---|---|"]
+        lines.append(
+            f"| paired t | {_value(primary, primary.mean)} {primary.endpoint.unit} | none: fewer than "
+            f"{MIN_SEEDS_FOR_INTERVALS} paired seeds | {primary.n} seed{'' if primary.n == 1 else 's'} |"
+        )
+        lines.append("")
     if primary.t is not None:
         lines += ["| interval | difference | 95 % interval | over |", "|---|---|---|---|"]
         lines.append(
@@ -235,14 +328,9 @@ def headline_text(records: list[RunRecord], num_resamples: int = 10000, declarat
         lines.append("")
     if primary.note:
         lines += [f"Note: {primary.note}.", ""]
-    if 0 < primary.n < DECLARED_PRIMARY_SEEDS:
-        lines += [
-            f"Note: {primary.n} paired seeds, fewer than the {DECLARED_PRIMARY_SEEDS} the endpoint is declared on: "
-            "these records are a subset (`make main`); the declared estimate is the one of `gpattn compare --full`.",
-            "",
-        ]
+    lines += _subset_note(primary)
     lines += [f"**Verdict**: {verdict(primary)[1]}", ""]
-    secondaries = estimate_secondaries(records)
+    secondaries = estimate_secondaries(records, ece_bins)
     tests = sum(not math.isnan(estimate.p_value) for estimate in secondaries)
     untested = len(secondaries) - tests
     lines += [f"### Secondary endpoints (Holm-adjusted over m = {tests} tests)", ""]
@@ -267,11 +355,11 @@ def headline_text(records: list[RunRecord], num_resamples: int = 10000, declarat
         "",
         "| difference | value | 95 % paired-t interval | n |",
         "|---|---|---|---|",
-        *_secondary_rows([estimate_endpoint(records, e, hierarchical=False) for e in DESCRIPTIVE_ENDPOINTS], False),
+        *_secondary_rows([estimate_endpoint(records, e, hierarchical=False) for e in descriptives], False),
         "",
     ]
-    others = [task for task in dict.fromkeys(r.task for r in records) if task != PRIMARY_ENDPOINT.task]
-    estimates = [estimate_endpoint(records, PRIMARY_ENDPOINT.on_task(task), hierarchical=False) for task in others]
+    others = [task for task in dict.fromkeys(r.task for r in records) if task != measured.task]
+    estimates = [estimate_endpoint(records, measured.on_task(task), hierarchical=False) for task in others]
     estimates = [estimate for estimate in estimates if estimate.n]
     if estimates:
         lines += [

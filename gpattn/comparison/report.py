@@ -17,6 +17,7 @@ from typing import Any
 
 from ..models import fit_temperature
 from .config import PRIMARY_ROWS, CompareConfig
+from .endpoints import DECLARED_ECE_BINS
 from .environment import run_environment, run_file_codes
 from .headline import MIN_SEEDS_FOR_INTERVALS, headline_text
 from .records import RunRecord, write_json_atomically, write_text_atomically
@@ -24,12 +25,14 @@ from .statistics import paired_difference
 from .table_rows import (
     POOLED,
     TS_SUFFIX,
+    ensemble_row,
     flat_rows,
     group_rows,
     missing_reason,
     ood_sets,
     pooled_ood_set,
     seed_values,
+    split_ensemble_row,
     with_temperature_scaled,
 )
 from .tasks import PUBLISHED_ACCURACIES
@@ -84,7 +87,8 @@ FIDELITY_COLUMNS = (
     "kernel_scale",
     "effective_rank",
 )
-#: The reference row of the paired tables (its ``+ts`` variant in the temperature-scaled one).
+#: The reference row of the paired tables (its ``+ts`` variant in the temperature-scaled one; in an ``--ensemble K``
+#: grid its ensemble ``kep_svgp_ens<K>``: :func:`~gpattn.comparison.table_rows.ensemble_row`).
 REFERENCE_ROW = "kep_svgp"
 #: The columns of the paired differences: (flat-row column, header, percent).
 PAIRED_COLUMNS = (
@@ -205,19 +209,21 @@ def paired_table(records: list[RunRecord], task: str, scaled: bool, reference: s
     ``reference`` (``scaled=False``), or the ``+ts`` rows against ``reference+ts`` (``scaled=True``); one column per
     :data:`PAIRED_COLUMNS` entry (:func:`format_difference`). ``n`` is the seeds both rows ran (as the main table's
     ``n`` counts a row's runs); a cell paired on fewer seeds (a value undefined on some) says on how many: ``(n = k <
-    5, no interval)`` below :data:`MIN_SEEDS_FOR_INTERVALS`, else ``(n=k)`` as the main table's cells. ``[]`` without
-    the reference row."""
+    5, no interval)`` below :data:`MIN_SEEDS_FOR_INTERVALS`, else ``(n=k)`` as the main table's cells. Only the rows of
+    the reference's ensemble size are paired with it (``reference="kep_svgp_ens2"``: the ``<row>_ens2`` rows). ``[]``
+    without the reference row. O(records x columns)."""
     rows = flat_rows(records)
     groups = _task_groups(rows, task)
     name = reference + (TS_SUFFIX if scaled else "")
     if name not in groups:
         return []
+    size = split_ensemble_row(name)[1]
     ood_set = pooled_ood_set([row for group in groups.values() for row in group])
     columns = [(_resolved(c, ood_set), header, percent) for c, header, percent in PAIRED_COLUMNS]
     columns = [entry for entry in columns if seed_values(groups[name], entry[0])]
     body = []
     for attention, group in groups.items():
-        if attention == name or attention.endswith(TS_SUFFIX) != scaled:
+        if attention == name or attention.endswith(TS_SUFFIX) != scaled or split_ensemble_row(attention)[1] != size:
             continue
         seeds = {row["seed"] for row in group}
         paired = [row["seed"] for row in groups[name] if row["seed"] in seeds]  # the runs both rows have
@@ -298,16 +304,17 @@ def published_table(tasks: list[str]) -> str:
     return "\n".join(lines)
 
 
-def _legend(tasks: list[str]) -> str:
+def _legend(tasks: list[str], ece_bins: int) -> str:
     low, high = TEMPERATURE_BOUNDS
     return " ".join(
         [
             "Legend. Rates (accuracy, ECE, debiased CE, conf − acc, Brier, AUROC) in percent (Brier: the sum over",
             "classes x 100), NLL in nats; mean ± standard deviation over the n seeds of the row, with (n=k) where a",
-            "value is defined on fewer seeds; one seed: the value alone. ECE: 15 equal-width bins, top label;",
-            "debiased CE: Kumar et al. 2019's debiased estimate on 15 equal-mass bins (top label); conf − acc: mean",
-            "confidence minus accuracy on the clean test set (positive: over-confident). shift_*: mean over the shift",
-            "kinds at severities 1-5 (MNIST-1D's shuffled split apart). OOD AUROC: in-distribution test set against",
+            f"value is defined on fewer seeds; one seed: the value alone. ECE: {ece_bins} equal-width bins, top label;",
+            f"debiased CE: Kumar et al. 2019's debiased estimate on {ece_bins} equal-mass bins (top label);",
+            "conf − acc: mean confidence minus accuracy on the clean test set (positive: over-confident). shift_*:",
+            "mean over the shift kinds at severities 1-5 (MNIST-1D's shuffled split apart). OOD AUROC:",
+            "in-distribution test set against",
             "the pooled OOD set (every family; older records of a task with one OOD set: that set), by the maximum",
             "probability; (MI): by the mutual information of the Monte Carlo samples, defined for stochastic rows.",
             "`+ts` rows: the same trained models, temperature-scaled (T fitted by NLL on the validation split, in",
@@ -323,22 +330,26 @@ def _legend(tasks: list[str]) -> str:
     )
 
 
-def markdown_table(records: list[RunRecord]) -> str:
+def markdown_table(records: list[RunRecord], ece_bins: int = DECLARED_ECE_BINS) -> str:
     """The full tables, per task: the main table (n once per row, then the metrics of :data:`MAIN_COLUMNS`, n/a
     with its reason where a value does not exist), the OOD AUROC per set (tasks with several OOD sets), the paired
     differences of :data:`REFERENCE_ROW` (untempered) and of its ``+ts`` row against the others like for like
-    (:func:`paired_table`), the KSVD fidelity, the training; then the published reference accuracies and a
-    legend."""
+    (:func:`paired_table`; in an ``--ensemble K`` grid, of ``kep_svgp_ens<K>`` against the other ensembles of
+    ``K``), the KSVD fidelity, the training; then the published reference accuracies and a legend, which states
+    ``ece_bins``, the run's ECE bins (``--ece-bins``). O(records x columns)."""
     rows = flat_rows(records)
     tasks = list(dict.fromkeys(row["task"] for row in rows))
     lines: list[str] = []
     for task in tasks:
         lines += [f"### {task}", "", *_main_table(rows, task), *_ood_tables(rows, task)]
-        for scaled in (False, True):
-            paired = paired_table(records, task, scaled)
-            if paired:
-                title = f"{REFERENCE_ROW}{TS_SUFFIX if scaled else ''} − every other {'+ts ' if scaled else ''}row"
-                lines += ["", f"Paired differences, {title} (same units):", "", *paired]
+        sizes = dict.fromkeys(split_ensemble_row(r.attention)[1] for r in records if r.task == task)
+        for reference in (ensemble_row(REFERENCE_ROW, size) for size in sizes):
+            for scaled in (False, True):
+                paired = paired_table(records, task, scaled, reference)
+                if paired:
+                    suffix = TS_SUFFIX if scaled else ""
+                    title = f"{reference}{suffix} − every other {'+ts ' if scaled else ''}row"
+                    lines += ["", f"Paired differences, {title} (same units):", "", *paired]
         fidelity = _fidelity_table(rows, task)
         if fidelity:
             lines += ["", "KSVD fidelity on test sequences (mean over layers and heads):", "", *fidelity]
@@ -346,7 +357,7 @@ def markdown_table(records: list[RunRecord]) -> str:
         if training:
             lines += ["", "Training:", "", *training]
         lines.append("")
-    text = "\n".join(lines) + "\n" + _legend(tasks) + "\n"
+    text = "\n".join(lines) + "\n" + _legend(tasks, ece_bins) + "\n"
     published = published_table(tasks)
     if published:
         text += (
@@ -356,21 +367,34 @@ def markdown_table(records: list[RunRecord]) -> str:
     return text
 
 
+def _smoke_test_banner(config: CompareConfig) -> str:
+    # what the --quick run trained: its seed count and epochs as set (options override the preset's)
+    seeds = len(config.seeds)
+    epochs = ", ".join(
+        f"{getattr(config, f'{task}_epochs')} epoch{'' if getattr(config, f'{task}_epochs') == 1 else 's'} on {task}"
+        for task in config.tasks
+    )
+    pointer = "The pointer task is not learned in this budget; these" if "pointer" in config.tasks else "These"
+    return (
+        f"**Smoke test (`--quick`)**: {seeds} seed{'' if seeds == 1 else 's'} and {epochs}, to check that everything "
+        f"runs. {pointer} numbers compare nothing."
+    )
+
+
 def table_text(records: list[RunRecord], config: CompareConfig) -> str:
-    """``table.md``: a title that says what was run (a smoke test for ``--quick``), the settings, the headline of the
-    declared endpoints (:func:`~gpattn.comparison.headline.headline_text`), then :func:`markdown_table`."""
+    """``table.md``: a title that says what was run (a smoke test for ``--quick``, with its seed count and epochs), the
+    settings, the headline of the declared endpoints (:func:`~gpattn.comparison.headline.headline_text`), then
+    :func:`markdown_table`, both with the run's ECE bins. Cost: :func:`~gpattn.comparison.headline.headline_text`'s."""
     seeds = len(config.seeds)
     runs = len(records)
     title = f"# gpattn compare: {runs} run{'' if runs == 1 else 's'}, {seeds} seed{'' if seeds == 1 else 's'}"
     if config.primary_seeds:
         title += f" ({seeds + len(config.primary_seeds)} for {' and '.join(PRIMARY_ROWS)})"
     if config.smoke_test:
-        title += (
-            "\n\n**Smoke test (`--quick`)**: one seed and a few epochs, to check that everything runs. The pointer task"
-            " is not learned in this budget; these numbers compare nothing."
-        )
+        title += "\n\n" + _smoke_test_banner(config)
     settings = f"threads {config.threads} per run, jobs {config.jobs}, device {config.device}"
-    return f"{title}\n\n{settings}\n\n{headline_text(records)}\n## Full tables\n\n{markdown_table(records)}"
+    headline = headline_text(records, ece_bins=config.ece_bins)
+    return f"{title}\n\n{settings}\n\n{headline}\n## Full tables\n\n{markdown_table(records, config.ece_bins)}"
 
 
 def write_outputs(records: list[RunRecord], config: CompareConfig, out: str | Path) -> list[Path]:

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from ..methods import get_method
-from .endpoints import PRIMARY_ENDPOINT, declaration_text
+from .endpoints import DECLARED_ECE_BINS, declaration_text
 from .environment import code_label, environment_lines
 from .headline import (
     FAMILY_WISE_LEVEL,
@@ -24,10 +24,13 @@ from .headline import (
     estimate_endpoint,
     estimate_secondaries,
     headline_text,
+    measured_endpoints,
     verdict,
 )
 from .records import RunRecord
 from .report import markdown_table
+from .runner import result_entries
+from .table_rows import split_ensemble_row
 from .tuning_space import TUNED_ROWS, search_space
 
 __all__ = ["RunFolders", "compare_verdicts", "read_run_folders", "results_page"]
@@ -54,6 +57,17 @@ class RunFolders:
     environments: list[dict[str, Any]]
     codes: list[list[dict[str, Any]]]
 
+    @property
+    def ece_bins(self) -> int:
+        """The equal-width ECE bins of the runs (``--ece-bins``; :func:`read_run_folders` checked that the folders
+        agree): the first folder's ``config``, else the bins of a record's reliability diagram, else the declared
+        :data:`~gpattn.comparison.endpoints.DECLARED_ECE_BINS`. O(records) at most."""
+        bins = self.configs[0].get("ece_bins") if self.configs else None
+        if isinstance(bins, int) and not isinstance(bins, bool):
+            return bins
+        counts = [len(record.reliability.count) for record in self.records if record.reliability is not None]
+        return counts[0] if counts else DECLARED_ECE_BINS
+
 
 def _display(folder: str | os.PathLike) -> str:
     # a folder below the working directory by its relative path, another one by its name (no machine paths on a page)
@@ -78,12 +92,76 @@ def _numbers(record: RunRecord) -> dict:
     return data
 
 
-def read_run_folders(folders: list[str | os.PathLike]) -> RunFolders:
-    """Read the ``results.json`` of every folder and merge their records: a ``(task, row, seed)`` in several folders
-    must hold the same record in each (e.g. ``make main``'s runs inside the full run), apart from its wall time, and is
-    kept once (the first folder's).
+_JSON_KINDS = {dict: "an object", list: "a list", str: "a string", bool: "a boolean", type(None): "null"}
 
-    :raises ValueError: A folder without a readable ``results.json``, or two different records of one run.
+
+def _json_kind(value: Any) -> str:
+    return _JSON_KINDS.get(type(value), "a number" if isinstance(value, (int, float)) else type(value).__name__)
+
+
+def _checked_entries(path: Path, content: dict[str, Any]) -> tuple[dict, dict, list]:
+    """The ``config``, ``environment`` and ``codes`` entries of a ``results.json``, checked to be of the types
+    :func:`results_page` reads (``{}``, ``{}`` and ``[]`` where missing, as in a folder of an older gpattn)."""
+    again = "(edited or damaged: the same gpattn compare command with --resume writes it again from the folder's runs/)"
+
+    def expect(value: Any, kind: type, what: str) -> Any:
+        if not isinstance(value, kind):
+            raise ValueError(f"{path}: expected {what} to be {_JSON_KINDS[kind]}, got {_json_kind(value)} {again}")
+        return value
+
+    config = expect(content.get("config", {}), dict, "'config'")
+    for key in ("seeds", "primary_seeds"):
+        seeds = expect(config.get(key, []), list, f"config '{key}'")
+        if not all(isinstance(seed, int) and not isinstance(seed, bool) for seed in seeds):
+            raise ValueError(f"{path}: expected config '{key}' to be a list of integers, got {seeds!r} {again}")
+    environment = expect(content.get("environment", {}), dict, "'environment'")
+    for key in ("machine", "threads"):
+        expect(environment.get(key, {}), dict, f"environment '{key}'")
+    codes = expect(content.get("codes") or [], list, "'codes'")
+    for group in codes:
+        expect(expect(group, dict, "each entry of 'codes'").get("runs", []), list, "the 'runs' of each 'codes' entry")
+    return config, environment, codes
+
+
+def _run_identity(entry: Any) -> str:
+    # the run a record of results.json names, as far as it names one
+    if not isinstance(entry, dict):
+        return f"not an object but {_json_kind(entry)}"
+    return f"task {entry.get('task', '?')}, row {entry.get('attention', '?')}, seed {entry.get('seed', '?')}"
+
+
+def _check_same_settings(folders: list[str | os.PathLike], configs: list[dict[str, Any]]) -> None:
+    """Refuse to merge folders whose runs were made under settings that change the numbers: those
+    :func:`~gpattn.comparison.runner.result_entries` keeps, the ones ``--resume`` checks (the rows, tasks, seeds and
+    the scheduling may differ)."""
+    first = result_entries(configs[0]) if configs[0] else None
+    for folder, config in zip(folders[1:], configs[1:], strict=True):
+        if first is None or not config:
+            bare = folders[0] if first is None else folder
+            raise ValueError(
+                f"{bare}: its results.json records no settings ('config'), so its runs cannot be checked against "
+                f"those of {folder if first is None else folders[0]}: report it on its own"
+            )
+        other = result_entries(config)
+        changed = sorted(key for key in set(first) | set(other) if first.get(key) != other.get(key))
+        if changed:
+            shown = ", ".join(f"{key}: {first.get(key)!r} / {other.get(key)!r}" for key in changed)
+            raise ValueError(
+                f"{folders[0]} and {folder} were made with other settings ({shown}): their runs are not comparable; "
+                "report each folder on its own (--same-verdict compares the verdicts of two folders)"
+            )
+
+
+def read_run_folders(folders: list[str | os.PathLike]) -> RunFolders:
+    """Read the ``results.json`` of every folder and merge their records: the folders must have been made with the
+    same settings that determine a run's numbers (those ``--resume`` checks:
+    :func:`~gpattn.comparison.runner.result_entries`; the rows, tasks, seeds and scheduling may differ), and a
+    ``(task, row, seed)`` in several folders must hold the same record in each (e.g. ``make main``'s runs inside the
+    full run), apart from its wall time, and is kept once (the first folder's). O(records).
+
+    :raises ValueError: One line naming the file or folders: a folder without a readable ``results.json``, an entry
+        of the wrong type, a record that cannot be read (with its run), folders made with other settings (with the
+        settings that differ), or two different records of one run.
     """
     if not folders:
         raise ValueError("expected at least one run folder")
@@ -97,11 +175,17 @@ def read_run_folders(folders: list[str | os.PathLike]) -> RunFolders:
             raise ValueError(f"{path}: cannot be read as a run folder's results.json ({error})") from None
         if not isinstance(content, dict) or not isinstance(content.get("records"), list):
             raise ValueError(f"{path}: expected a results.json with a list of 'records'")
-        configs.append(content.get("config", {}))
-        environments.append(content.get("environment", {}))
-        codes.append(content.get("codes") or [])
-        for entry in content["records"]:
-            record = RunRecord.from_dict(entry)
+        config, environment, folder_codes = _checked_entries(path, content)
+        if configs:  # before its records: a run of another setting would only "differ" from the first folder's
+            _check_same_settings([folders[0], folder], [configs[0], config])
+        configs.append(config)
+        environments.append(environment)
+        codes.append(folder_codes)
+        for index, entry in enumerate(content["records"], start=1):
+            try:
+                record = RunRecord.from_dict(entry)
+            except ValueError as error:
+                raise ValueError(f"{path}: record {index} ({_run_identity(entry)}): {error}") from None
             key = (record.task, record.attention, record.seed)
             data = _numbers(record)
             if key in merged and merged[key][1] != data:
@@ -164,6 +248,7 @@ def _hyperparameters_text(row: str, values: list[dict]) -> str:
     if any(value != values[0] for value in values):
         return "hyperparameters differ between seeds"
     value = values[0]
+    row = split_ensemble_row(row)[0]  # an ensemble of --ensemble K: its members are the row's models
     arguments = get_method(row).layer_arguments(num_inducing=1, ksvd_weight=1.0)
     uses = {"num_inducing": "num_inducing" in arguments, "ksvd_weight": "ksvd_weight" in arguments}
     source = row if row in TUNED_ROWS else get_method(row).attention
@@ -251,11 +336,11 @@ def results_page(runs: RunFolders, figures: list[str], checks: list[tuple[RunFol
         "",
         *_runs_summary(runs),
         "",
-        headline_text(runs.records, declaration=False),
+        headline_text(runs.records, declaration=False, ece_bins=runs.ece_bins),
         *_checks_text(checks),
         "## Full tables",
         "",
-        markdown_table(runs.records),
+        markdown_table(runs.records, runs.ece_bins),
         "## Figures",
         "",
         *[line for figure in figure_lines for line in (figure, "")],
@@ -307,13 +392,14 @@ def compare_verdicts(first: RunFolders, second: RunFolders) -> tuple[bool, list[
     """
     kinds, lines = [], []
     for runs in (first, second):
-        kind, sentence = verdict(estimate_endpoint(runs.records, PRIMARY_ENDPOINT))
+        primary, _, _ = measured_endpoints(runs.records, runs.ece_bins)
+        kind, sentence = verdict(estimate_endpoint(runs.records, primary))
         kinds.append(kind)
         lines.append(f"{', '.join(runs.names)}: {sentence}")
     holds = kinds[0] == kinds[1] and "missing" not in kinds
     state = "holds" if holds else ("cannot be checked" if "missing" in kinds else "differs")
     lines.insert(0, f"The primary verdict {state} ({kinds[0]} / {kinds[1]}).")
-    secondaries = [estimate_secondaries(runs.records) for runs in (first, second)]
+    secondaries = [estimate_secondaries(runs.records, runs.ece_bins) for runs in (first, second)]
     for estimate, other in zip(*secondaries, strict=True):
         left, right = _stated(estimate), _stated(other)
         mark = "same" if left == right else "DIFFERS"

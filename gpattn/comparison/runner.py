@@ -31,7 +31,7 @@ import sys
 import tempfile
 import time
 import warnings
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import asdict
 from pathlib import Path
@@ -45,6 +45,7 @@ from .config import CompareConfig
 from .environment import code_label, code_version
 from .local_executor import LocalExecutor, TaskFailedError, worker_environment
 from .records import RunRecord, write_json_atomically
+from .table_rows import ensemble_row
 from .tasks import TASK_DEFAULTS, TaskData, load_task
 
 __all__ = [
@@ -57,6 +58,7 @@ __all__ = [
     "execute_runs",
     "read_run_file",
     "run_environment",
+    "result_entries",
     "result_settings",
     "run_comparison",
     "run_file_content",
@@ -92,16 +94,22 @@ def run_name(task: str, attention: str, seed: int) -> str:
 
 
 def result_settings(config: CompareConfig) -> dict[str, Any]:
-    """The settings of ``config`` that determine a run's numbers (every field but
-    :data:`RESULT_INDEPENDENT_FIELDS`, and those of :data:`LATER_FIELDS` at their earlier value), as JSON data: what a
-    stored run is checked against on resume."""
-    settings = asdict(config)
-    for name in RESULT_INDEPENDENT_FIELDS:
-        settings.pop(name, None)
+    """The settings of ``config`` that determine a run's numbers (:func:`result_entries` of its fields), as JSON
+    data: what a stored run is checked against on resume."""
+    return result_entries(asdict(config))
+
+
+def result_entries(settings: Mapping[str, Any]) -> dict[str, Any]:
+    """The entries of a :class:`CompareConfig`'s settings (its fields as a mapping, or the ``config`` entry of a run
+    folder's ``results.json``) that determine a run's numbers: every entry but :data:`RESULT_INDEPENDENT_FIELDS`, and
+    those of :data:`LATER_FIELDS` at their earlier value (or missing, as in a folder written before they existed),
+    as JSON data (tuples as lists). What ``--resume`` checks a stored run against, and ``gpattn report`` the folders
+    it merges. O(entries)."""
+    entries = {name: value for name, value in settings.items() if name not in RESULT_INDEPENDENT_FIELDS}
     for name, earlier in LATER_FIELDS.items():
-        if settings.get(name) == earlier:
-            settings.pop(name)
-    return json.loads(json.dumps(settings))  # tuples -> lists, as read back from a file
+        if entries.get(name) == earlier:
+            entries.pop(name)
+    return json.loads(json.dumps(entries))  # tuples -> lists, as read back from a file
 
 
 # -- one run ---------------------------------------------------------------------------------------------------------
@@ -241,7 +249,7 @@ def read_run_file(
     except ValueError as error:
         raise ValueError(f"{path}: {error}") from None
     ensemble = settings.get("ensemble", 1)
-    attention = row if ensemble == 1 else f"{row}_ens{ensemble}"  # as train_and_evaluate names it
+    attention = ensemble_row(row, ensemble)  # as train_and_evaluate names it
     if (result.task, result.attention, result.seed) != (task, attention, seed):
         raise ValueError(
             f"{path}: its record is of the run {run_name(result.task, result.attention, result.seed)}, not "

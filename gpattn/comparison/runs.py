@@ -42,6 +42,7 @@ from .config import CompareConfig
 from .evaluation import evaluate_models
 from .fidelity import model_fidelity
 from .records import RunRecord, TrainingSummary
+from .table_rows import ensemble_row
 from .tasks import TASK_DEFAULTS, TaskData, load_task
 
 __all__ = [
@@ -273,7 +274,7 @@ def train_and_evaluate(
         fidelity = model_fidelity(models[0], data.test, config.fidelity_sequences, initial)
     return RunRecord(
         task=task,
-        attention=method.name if config.ensemble == 1 else f"{method.name}_ens{config.ensemble}",
+        attention=ensemble_row(method.name, config.ensemble),
         seed=seed,
         metrics=evaluation.metrics,
         reliability=evaluation.reliability,

@@ -9,6 +9,7 @@ apart).
 from __future__ import annotations
 
 import math
+import re
 import statistics
 from dataclasses import asdict
 from typing import Any
@@ -16,15 +17,18 @@ from typing import Any
 from .records import RunRecord
 
 __all__ = [
+    "ENSEMBLE_SUFFIX",
     "NOT_RECORDED",
     "POOLED",
     "TS_SUFFIX",
+    "ensemble_row",
     "flat_rows",
     "group_rows",
     "missing_reason",
     "ood_sets",
     "pooled_ood_set",
     "seed_values",
+    "split_ensemble_row",
     "with_temperature_scaled",
 ]
 
@@ -34,6 +38,40 @@ TS_SUFFIX = "+ts"
 NOT_RECORDED = "not recorded (an older record)"
 #: The name of the OOD set that pools every OOD family of a task (issue 23's protocol).
 POOLED = "pooled"
+#: The suffix of the records of an ensemble of ``K`` members of a single-model row (``gpattn compare --ensemble K``):
+#: ``"<row>_ens<K>"``.
+ENSEMBLE_SUFFIX = "_ens"
+_ENSEMBLE_NAME = re.compile(rf"^(?P<row>.+){ENSEMBLE_SUFFIX}(?P<size>[1-9][0-9]*)$")
+
+
+def ensemble_row(row: str, size: int) -> str:
+    """The row name of the records of an ensemble of ``size`` members of the single-model row ``row`` (``gpattn compare
+    --ensemble K``), ``row`` itself for one member; a ``+ts`` suffix stays last. O(len(row)).
+
+    Example:
+        >>> ensemble_row("kep_svgp", 2), ensemble_row("kep_svgp+ts", 2), ensemble_row("softmax", 1)
+        ('kep_svgp_ens2', 'kep_svgp_ens2+ts', 'softmax')
+    """
+    if size == 1:
+        return row
+    scaled = row.endswith(TS_SUFFIX)
+    return f"{row.removesuffix(TS_SUFFIX)}{ENSEMBLE_SUFFIX}{size}{TS_SUFFIX if scaled else ''}"
+
+
+def split_ensemble_row(name: str) -> tuple[str, int]:
+    """``(row, K)`` of a record's row name, the inverse of :func:`ensemble_row`: the single-model row and the ensemble
+    size of ``"<row>_ens<K>"`` (a ``+ts`` suffix kept on the row), ``(name, 1)`` for any other name (a single model,
+    or a row that is an ensemble by itself, ``deep_ensemble``). O(len(name)).
+
+    Example:
+        >>> split_ensemble_row("kep_svgp_ens2+ts"), split_ensemble_row("deep_ensemble")
+        (('kep_svgp+ts', 2), ('deep_ensemble', 1))
+    """
+    scaled = name.endswith(TS_SUFFIX)
+    match = _ENSEMBLE_NAME.match(name.removesuffix(TS_SUFFIX))
+    if match is None:
+        return name, 1
+    return match["row"] + (TS_SUFFIX if scaled else ""), int(match["size"])
 
 
 def with_temperature_scaled(records: list[RunRecord]) -> list[RunRecord]:

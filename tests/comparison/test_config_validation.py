@@ -1,6 +1,6 @@
 """CompareConfig refuses settings that would run something other than what they name: no GP block (``gp_layers=0``),
-truthy non-bools, a bare string for a list of names, a seed count for a list of seeds; and it stores numpy integers
-as Python ints."""
+truthy non-bools, a bare string for a list of names, a seed count for a list of seeds, a repeated row or task; it
+stores numpy integers as Python ints, and ``full`` with other seeds runs them for every row."""
 
 from __future__ import annotations
 
@@ -59,3 +59,30 @@ def test_seeds_whose_ensemble_members_leave_torchs_range_are_refused_up_front() 
         CompareConfig(**{**POINTER, "seeds": (largest + 1,), "ensemble": 2})
     with pytest.raises(ValueError, match="row 'deep_ensemble': member 4 of an ensemble of 5"):  # an ensemble row
         CompareConfig(**{**POINTER, "attentions": ("deep_ensemble",), "seeds": (2**62,)})
+
+
+@pytest.mark.parametrize(
+    ("name", "values", "repeated"),
+    [
+        ("attentions", ("softmax", "kep_svgp", "softmax"), "softmax"),
+        ("tasks", ("pointer", "digits", "pointer"), "pointer"),
+    ],
+)
+def test_a_repeated_row_or_task_is_refused(name, values, repeated) -> None:
+    # a repeated name trained its runs twice and wrote each record twice (n doubled in the table)
+    message = rf"CompareConfig: expected distinct {name}, got \[.*\] \({repeated} more than once\)"
+    with pytest.raises(ValueError, match=message):
+        CompareConfig(**{**POINTER, name: values})
+    config = CompareConfig(**{**POINTER, name: tuple(dict.fromkeys(values))})
+    runs = plan_runs(config)
+    assert len(getattr(config, name)) == 2 and len(set(runs)) == len(runs) == len(config.attentions) * len(config.tasks)
+
+
+def test_full_with_seeds_trains_those_seeds_for_every_row() -> None:
+    # --full --seeds 5 failed on "expected distinct primary_seeds, none of them among seeds [5]" (the preset's 5-9)
+    full = CompareConfig.full()
+    assert full.row_seeds("kep_svgp") == tuple(range(10)) and full.row_seeds("sgpa") == tuple(range(5))
+    config = CompareConfig.full(seeds=(5,))
+    assert config.primary_seeds == () and {config.row_seeds(row) for row in config.attentions} == {(5,)}
+    config = CompareConfig.full(seeds=(10, 11), primary_seeds=(12,))  # both given: both kept
+    assert config.row_seeds("softmax") == (10, 11, 12) and config.row_seeds("primal") == (10, 11)

@@ -293,7 +293,16 @@ def test_verdict_rule() -> None:
     worse = estimate_endpoint(_records(kep_shift=0.1), PRIMARY_ENDPOINT, num_resamples=2000)
     assert verdict(worse)[0] == "higher"
     few = estimate_endpoint(_records(seeds=3), PRIMARY_ENDPOINT)
-    assert verdict(few) == ("missing", "Not measured: 3 paired seed(s), fewer than 5: no interval.")
+    # below 5 seeds: the mean difference, said to be no verdict
+    nll = {
+        (r.attention, r.seed): r.temperature_scaled.metrics.test.nll for r in _records(seeds=3) if r.task == "mnist1d"
+    }
+    mean = statistics.fmean(nll["kep_svgp", seed] - nll["softmax", seed] for seed in range(3))
+    assert verdict(few) == (
+        "missing",
+        f"No verdict: kep_svgp+ts − softmax+ts = {mean:+.3f} nats, the mean over 3 paired seeds without an interval "
+        "(an interval, and so a verdict, needs at least 5).",
+    )
     absent = estimate_endpoint([r for r in _records() if r.attention != "softmax"], PRIMARY_ENDPOINT)
     assert verdict(absent)[1] == "Not measured: no softmax+ts runs on mnist1d."
     # the intervals disagree: no difference is stated, and the sentence says which one excludes 0
@@ -447,7 +456,7 @@ def test_the_page_names_the_code_of_runs_made_by_other_code(records, tmp_path) -
 def test_results_page_and_verdict_check(records, tmp_path) -> None:
     config = CompareConfig(seeds=tuple(range(10)))
     write_outputs(records, config, tmp_path / "one")
-    write_outputs(records[:10], dataclasses.replace(config, threads=2), tmp_path / "part")
+    write_outputs(records[:10], dataclasses.replace(config, jobs=2), tmp_path / "part")  # other scheduling only
     merged = read_run_folders([tmp_path / "one", tmp_path / "part"])  # the same runs in both: kept once
     assert len(merged.records) == len(records)
     page = results_page(merged, ["results_figures/shift_mnist1d.png"])
@@ -697,3 +706,215 @@ def test_the_page_says_one_seed_not_one_seeds(records, tmp_path) -> None:
     page = results_page(read_run_folders([tmp_path]), [])
     assert "1 seed per row;" in page and "kep_svgp (1 seed, tuned)" in page
     assert "1 seeds" not in page and "1 seeds" not in (tmp_path / "table.md").read_text()
+
+
+# -- ensemble grids, folders of other settings, damaged results.json, the ECE bins, few seeds, --quick -----------------
+def _table_cells(text: str, title: str, row: str) -> list[str]:
+    """The cells of ``row`` in the first table after the line ``title``."""
+    section = text.split(title + "\n")[1]
+    line = next(line for line in section.splitlines() if line.startswith(f"| {row} |"))
+    return [cell.strip() for cell in line.strip("|").split("|")]
+
+
+def test_an_ensemble_grid_is_paired_against_the_kep_svgp_ensemble_of_its_size(tmp_path, capsys) -> None:
+    """gpattn compare --ensemble 2 records kep_svgp_ens2 and softmax_ens2 (and their +ts rows): compare's table.md,
+    gpattn report and its page pair them like for like, as the tables of single models pair kep_svgp with the other
+    rows, and the headline reads the primary difference on the ensembles' +ts rows (before: no paired tables, a
+    headline of "no kep_svgp+ts runs", and the page failed on "unknown comparison row 'softmax_ens2'")."""
+    out, page = tmp_path / "ens", tmp_path / "page.md"
+    argv = ["compare", "--attentions", "kep_svgp", "softmax", "--tasks", "pointer", "--seeds", "0", "1"]
+    argv += ["--pointer-epochs", "1", "--eval-samples", "1", "--fidelity-sequences", "0", "--ensemble", "2"]
+    assert main([*argv, "--no-progress", "--out", str(out)]) == 0
+    capsys.readouterr()
+    assert main(["report", str(out)]) == 0
+    report = capsys.readouterr().out
+    assert main(["report", str(out), "--page", str(page)]) == 0
+    entries = json.loads((out / "results.json").read_text())["records"]
+    nll = {(e["attention"], e["seed"]): e["metrics"]["test"]["nll"] for e in entries}
+    scaled = {(e["attention"], e["seed"]): e["temperature_scaled"]["metrics"]["test"]["nll"] for e in entries}
+    assert set(nll) == {(row, seed) for row in ("kep_svgp_ens2", "softmax_ens2") for seed in (0, 1)}
+    untempered = statistics.fmean(nll["kep_svgp_ens2", s] - nll["softmax_ens2", s] for s in (0, 1))
+    tempered = statistics.fmean(scaled["kep_svgp_ens2", s] - scaled["softmax_ens2", s] for s in (0, 1))
+    for text in ((out / "table.md").read_text(), report, page.read_text()):
+        title = "Paired differences, kep_svgp_ens2 − every other row (same units):"
+        cells = _table_cells(text, title, "softmax_ens2")
+        assert cells[:2] == ["softmax_ens2", "2"] and cells[3] == f"{untempered:+.3f} (n = 2 < 5, no interval)"
+        title = "Paired differences, kep_svgp_ens2+ts − every other +ts row (same units):"
+        cells = _table_cells(text, title, "softmax_ens2+ts")
+        assert cells[:2] == ["softmax_ens2+ts", "2"] and cells[3] == f"{tempered:+.3f} (n = 2 < 5, no interval)"
+        assert f"| pointer | {tempered:+.3f} | n/a: 2 paired seed(s), fewer than 5: no interval | 2 |" in text
+        assert "Note: these records are ensembles of 2 members (`gpattn compare --ensemble 2`)" in text
+        assert "no kep_svgp_ens2+ts runs on mnist1d" in text  # the declared task is not in this grid
+    # each ensemble's hyperparameters as its members' row's: the KL and KSVD weights for KEP-SVGP, not for softmax
+    assert (
+        "    * kep_svgp_ens2: width 32 x depth 2 x 2 heads, at most 1 epochs, lr 0.003, weight decay 0.01, dropout "
+        "0.00, KL weight beta 1, KSVD weight eta 1" in page.read_text()
+    )
+    assert (
+        "    * softmax_ens2: width 32 x depth 2 x 2 heads, at most 1 epochs, lr 0.003, weight decay 0.01, dropout "
+        "0.00\n" in page.read_text()
+    )
+
+
+def test_the_endpoints_of_an_ensemble_grid_are_read_on_its_ensembles() -> None:
+    """Records of kep_svgp_ens2 and softmax_ens2 on mnist1d (10 seeds): the primary estimate is the paired-t interval of
+    their +ts NLLs (scipy), its secondaries those of the ensembles, and verdict checks read them too."""
+    records = [dataclasses.replace(r, attention=f"{r.attention}_ens2") for r in _records()]
+    mnist = [r for r in records if r.task == "mnist1d"]
+    left = {r.seed: r.temperature_scaled.metrics.test.nll for r in mnist if r.attention == "kep_svgp_ens2"}
+    right = {r.seed: r.temperature_scaled.metrics.test.nll for r in mnist if r.attention == "softmax_ens2"}
+    differences = [left[seed] - right[seed] for seed in range(10)]
+    low, high = stats.t.interval(0.95, 9, loc=np.mean(differences), scale=stats.sem(differences))
+    text = headline_text(records, num_resamples=200)
+    cells = _table_cells(text, "|---|---|---|---|", "paired t")
+    assert cells[1:] == [f"{np.mean(differences):+.3f} nats", f"[{low:+.3f}, {high:+.3f}]", "10 seeds"]
+    assert "kep_svgp_ens2+ts − softmax_ens2+ts = " in text
+    secondaries = estimate_secondaries(records)
+    assert [e.endpoint.reference for e in secondaries] == ["kep_svgp_ens2"] + ["kep_svgp_ens2+ts"] * 5
+    assert all(e.n == 10 and not math.isnan(e.p_value) for e in secondaries)
+    single = estimate_secondaries(_records())  # the same numbers under the declared names: the same tests
+    assert [e.p_value for e in secondaries] == [e.p_value for e in single]
+
+
+def test_folders_made_with_other_settings_are_not_merged(records, tmp_path, capsys) -> None:
+    """kep_svgp trained 3 epochs in one folder and softmax 1 in another were paired without a word: the settings that
+    determine a run's numbers (those --resume checks) must agree; the rows, tasks, seeds and scheduling may differ."""
+    config = CompareConfig(seeds=tuple(range(10)))
+    kep, softmax = ([r for r in records if r.attention == row] for row in ("kep_svgp", "softmax"))
+    write_outputs(kep, dataclasses.replace(config, mnist1d_epochs=3), tmp_path / "kep")
+    write_outputs(softmax, dataclasses.replace(config, mnist1d_epochs=1, ece_bins=5), tmp_path / "softmax")
+    message = (
+        f"{tmp_path / 'kep'} and {tmp_path / 'softmax'} were made with other settings (ece_bins: 15 / 5, "
+        "mnist1d_epochs: 3 / 1): their runs are not comparable; report each folder on its own (--same-verdict "
+        "compares the verdicts of two folders)"
+    )
+    with pytest.raises(ValueError) as error:
+        read_run_folders([tmp_path / "kep", tmp_path / "softmax"])
+    assert str(error.value) == message
+    assert main(["report", str(tmp_path / "kep"), str(tmp_path / "softmax")]) == 1
+    assert capsys.readouterr().err == f"gpattn report: error: {message}\n"
+    write_outputs(kep[:2], dataclasses.replace(config, mnist1d_epochs=1), tmp_path / "again")  # runs of both folders
+    with pytest.raises(ValueError, match=r"again were made with other settings \(mnist1d_epochs: 3 / 1\)"):
+        read_run_folders([tmp_path / "kep", tmp_path / "again"])
+    other = dataclasses.replace(config, mnist1d_epochs=3, attentions=("softmax",), tasks=("mnist1d",), seeds=(0, 1))
+    other = dataclasses.replace(other, jobs=2)
+    write_outputs(softmax, dataclasses.replace(other, progress=False, smoke_test=True), tmp_path / "rows")
+    merged = read_run_folders([tmp_path / "kep", tmp_path / "rows"])
+    assert len(merged.records) == len(kep) + len(softmax)
+    bare = tmp_path / "rows" / "results.json"
+    bare.write_text(json.dumps({**json.loads(bare.read_text()), "config": {}}))
+    with pytest.raises(ValueError, match=r"rows: its results.json records no settings \('config'\)"):
+        read_run_folders([tmp_path / "kep", tmp_path / "rows"])
+
+
+def test_the_report_states_the_runs_ece_bins(records, tmp_path, capsys) -> None:
+    """--ece-bins 5: table.md, gpattn report and the page say 5 bins (the legend, the ECE endpoint's label, a note
+    that the declared endpoint has 15), and the ECE difference is that of the records."""
+    write_outputs(records, CompareConfig(seeds=tuple(range(10)), ece_bins=5), tmp_path / "five")
+    assert main(["report", str(tmp_path / "five")]) == 0
+    page = results_page(read_run_folders([tmp_path / "five"]), [])
+    ece = {(r.attention, r.seed): r.temperature_scaled.metrics.test.ece for r in records if r.task == "mnist1d"}
+    difference = 100 * statistics.fmean(ece["kep_svgp", s] - ece["softmax", s] for s in range(10))
+    for text in ((tmp_path / "five" / "table.md").read_text(), capsys.readouterr().out, page):
+        assert "ECE: 5 equal-width bins, top label" in text and "estimate on 5 equal-mass bins" in text
+        assert "Note: the ECE is on 5 equal-width bins (`--ece-bins 5`), not the 15 it is declared on." in text
+        cells = _secondary_cells(text, "ECE (5 bins)")
+        assert cells[:2] == ["ECE (5 bins) (kep_svgp+ts − softmax+ts), points", f"{difference:+.2f}"]
+        assert "15 equal" not in text and "| ECE (15 bins)" not in text
+    assert declaration_text() in page  # the declaration stays as declared
+    from gpattn.comparison.endpoints import DECLARED_ECE_BINS
+    from gpattn.comparison.evaluation import DEFAULT_ECE_BINS
+
+    assert DECLARED_ECE_BINS == DEFAULT_ECE_BINS == CompareConfig().ece_bins == 15  # the default is the declared
+    default = table_text(records, CompareConfig(seeds=tuple(range(10))))
+    assert "ECE: 15 equal-width bins" in default and "| ECE (15 bins) (" in default and "--ece-bins" not in default
+
+
+@pytest.mark.parametrize(
+    ("entry", "value", "message"),
+    [
+        ("config", None, "expected 'config' to be an object, got null"),
+        ("config", [1], "expected 'config' to be an object, got a list"),
+        ("config", {"seeds": 5}, "expected config 'seeds' to be a list, got a number"),
+        ("config", {"primary_seeds": ["5"]}, "expected config 'primary_seeds' to be a list of integers, got ['5']"),
+        ("environment", "cpu", "expected 'environment' to be an object, got a string"),
+        ("environment", {"machine": None}, "expected environment 'machine' to be an object, got null"),
+        ("codes", {"runs": []}, "expected 'codes' to be a list, got an object"),
+        ("codes", [None], "expected each entry of 'codes' to be an object, got null"),
+    ],
+)
+def test_a_results_json_entry_of_the_wrong_type_is_one_line_naming_the_file(
+    entry, value, message, records, tmp_path, capsys
+) -> None:
+    # before: AttributeError tracebacks ('NoneType' object has no attribute 'get' / 'items')
+    config = CompareConfig(seeds=(0, 1))
+    write_outputs(records[:2], config, tmp_path / "bad")
+    write_outputs(records[:2], config, tmp_path / "good")
+    path = tmp_path / "bad" / "results.json"
+    path.write_text(json.dumps({**json.loads(path.read_text()), entry: value}))
+    with pytest.raises(ValueError) as error:
+        read_run_folders([tmp_path / "bad"])
+    assert str(error.value).startswith(f"{path}: {message} (edited or damaged: ")
+    page = str(tmp_path / "page.md")
+    for argv in (
+        [str(tmp_path / "bad"), "--page", page],
+        [str(tmp_path / "good"), "--same-verdict", str(tmp_path / "bad")],
+    ):
+        assert main(["report", *argv]) == 1
+        err = capsys.readouterr().err
+        assert err.startswith(f"gpattn report: error: {path}: {message} ") and err.count("\n") == 1
+
+
+def test_a_record_that_cannot_be_read_is_named_with_its_file_and_run(records, tmp_path, capsys) -> None:
+    write_outputs(records[:3], CompareConfig(seeds=(0, 1, 2)), tmp_path)
+    path = tmp_path / "results.json"
+    content = json.loads(path.read_text())
+    del content["records"][1]["metrics"]["test"]["nll"]
+    path.write_text(json.dumps(content))
+    expected = (
+        f"{path}: record 2 (task mnist1d, row kep_svgp, seed 1): record.metrics.test: missing entries ['nll'], "
+        "unexpected entries []"
+    )
+    with pytest.raises(ValueError) as error:
+        read_run_folders([tmp_path])
+    assert str(error.value) == expected
+    assert main(["report", str(tmp_path)]) == 1 and capsys.readouterr().err == f"gpattn report: error: {expected}\n"
+
+
+@pytest.mark.parametrize(("seeds", "main_subset"), [(range(3), False), (range(6), False), (range(7), True),
+                                                    (range(3, 10), False)])  # fmt: skip
+def test_the_primary_mean_below_five_seeds_and_a_subset_note_that_is_true(seeds, main_subset) -> None:
+    """Below 5 paired seeds the headline shows the primary mean difference (no interval, no verdict, said so), not
+    "Not measured"; the note names make main only for make main's seeds 0-6, else it says the count."""
+    records = [r for r in _records() if r.seed in seeds]
+    primary = headline_text(records, num_resamples=200).split("### Primary endpoint")[1].split("### Secondary")[0]
+    nll = {(r.attention, r.seed): r.temperature_scaled.metrics.test.nll for r in records if r.task == "mnist1d"}
+    mean = statistics.fmean(nll["kep_svgp", seed] - nll["softmax", seed] for seed in seeds)
+    n = len(seeds)
+    assert f"| paired t | {mean:+.3f} nats | " in primary
+    if n < 5:
+        assert f"| paired t | {mean:+.3f} nats | none: fewer than 5 paired seeds | {n} seeds |" in primary
+        assert (
+            f"**Verdict**: No verdict: kep_svgp+ts − softmax+ts = {mean:+.3f} nats, the mean over {n} paired seeds "
+            "without an interval (an interval, and so a verdict, needs at least 5)." in primary
+        )
+        assert "Not measured" not in primary
+    assert f"Note: {n} paired seeds, fewer than the 10 the endpoint is declared on: " in primary
+    assert ("these records are the subset of `make main` (seeds 0-6)" in primary) == main_subset
+    assert "`make main`" in primary if main_subset else "make main" not in primary
+    assert "the declared estimate is the one of `gpattn compare --full` (seeds 0-9)." in primary
+
+
+def test_the_smoke_test_banner_says_the_seeds_and_epochs_it_ran(records) -> None:
+    # before: "one seed and a few epochs" whatever --seeds was
+    config = CompareConfig.quick(seeds=(0, 1, 2), pointer_epochs=1)
+    assert (
+        "**Smoke test (`--quick`)**: 3 seeds and 1 epoch on pointer, 10 epochs on digits, to check that everything "
+        "runs. The pointer task is not learned in this budget; these numbers compare nothing."
+        in table_text(records, config)
+    )
+    one = table_text(records, CompareConfig.quick(tasks=("digits",)))
+    assert (
+        "**Smoke test (`--quick`)**: 1 seed and 10 epochs on digits, to check that everything runs. These numbers "
+        "compare nothing." in one
+    )
