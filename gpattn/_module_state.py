@@ -1,5 +1,6 @@
 """Module state helpers shared across the package: copies of modules whose last call left results on an autograd
-graph (:class:`GraphFreeState`), and train/eval modes restored module by module (:func:`restored_modes`)."""
+graph (:class:`GraphFreeState`), train/eval modes restored module by module (:func:`restored_modes`), and the results
+of the last call that a training step's loss reads kept across read-only calls (:func:`kept_call_results`)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-__all__ = ["GraphFreeState", "restored_modes"]
+__all__ = ["GraphFreeState", "kept_call_results", "restored_modes"]
 
 
 def _on_graph(value: Any) -> bool:
@@ -79,3 +80,32 @@ def restored_modes(module: torch.nn.Module) -> Iterator[torch.nn.Module]:
                 child.train(mode)
         for child, mode in modes:  # shared modules, set again by a later parent's train()
             child.training = mode
+
+
+@contextmanager
+def kept_call_results(module: torch.nn.Module) -> Iterator[torch.nn.Module]:
+    """Within the block ``module`` may be called (e.g. in eval mode, for a prediction); on exit every submodule gets
+    back the added loss terms (GPyTorch's ``_added_loss_terms``: the KSVD penalty, a per-sequence KL) and the attributes
+    it names in ``call_results`` (e.g. a KL that belongs to the call) that it had on entry, so that a read-only call
+    between a training step's forward pass and its loss leaves that loss as the forward pass set it (an eval-mode call
+    clears the KSVD penalty, and SGPA's replaces its per-sequence KL).
+
+    .. note:: Cost O(number of submodules) on entry and on exit; no tensor is copied.
+    """
+    if not isinstance(module, torch.nn.Module):
+        raise TypeError(f"kept_call_results: expected a torch.nn.Module, got {type(module).__name__}")
+    terms, results = [], []
+    for child in module.modules():
+        if isinstance(getattr(child, "_added_loss_terms", None), dict):
+            terms.append((child, dict(child._added_loss_terms)))
+        names = getattr(child, "call_results", ())
+        if names:
+            results.append((child, {name: getattr(child, name) for name in names}))
+    try:
+        yield module
+    finally:
+        for child, saved in terms:
+            child._added_loss_terms.update(saved)
+        for child, saved in results:
+            for name, value in saved.items():
+                setattr(child, name, value)

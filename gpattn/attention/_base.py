@@ -10,7 +10,7 @@ import torch
 from gpytorch.module import Module
 from torch import Tensor
 
-from .._module_state import GraphFreeState, restored_modes
+from .._module_state import GraphFreeState, kept_call_results, restored_modes
 from .._torch_compat import COMPILES_ASSERTS, autocast_enabled, compilable, is_capturing, is_compiling
 from ..validation import check_float, check_int, check_tensor
 
@@ -269,14 +269,12 @@ class AttentionLayer(GraphFreeState, Module):
     def as_in_eval(self) -> Iterator[AttentionLayer]:
         """Within the block the layer is in eval mode with sampling off (no dropout, no sample); on exit every
         submodule gets back its own mode (:func:`restored_modes`), every attention layer its sampling switch, and every
-        submodule the added loss terms and :attr:`call_results` it had on entry (a ``forward`` call inside the block
-        does not replace the loss of the last training step). Cost O(number of submodules)."""
-        modules = list(self.modules())
-        terms = [(module, dict(module._added_loss_terms)) for module in modules if _has_loss_terms(module)]
-        layers = [module for module in modules if isinstance(module, AttentionLayer)]
-        results = [(layer, {name: getattr(layer, name) for name in layer.call_results}) for layer in layers]
+        submodule the added loss terms and :attr:`call_results` it had on entry (:func:`kept_call_results`: a
+        ``forward`` call inside the block does not replace the loss of the last training step). Cost O(number of
+        submodules)."""
+        layers = [module for module in self.modules() if isinstance(module, AttentionLayer)]
         sampling = [layer.sample_in_eval for layer in layers]
-        with restored_modes(self):
+        with restored_modes(self), kept_call_results(self):
             try:
                 self.eval()
                 for layer in layers:
@@ -285,11 +283,6 @@ class AttentionLayer(GraphFreeState, Module):
             finally:
                 for layer, value in zip(layers, sampling, strict=True):
                     layer.sample_in_eval = value
-                for module, saved in terms:
-                    module._added_loss_terms.update(saved)
-                for layer, saved in results:
-                    for name, value in saved.items():
-                        setattr(layer, name, value)
 
     def forward(self, x: Tensor, mask: Tensor | str | None = None, context: Tensor | None = None) -> Tensor:
         """Attend: a reparameterised sample of the output (stochastic layers in training, or inside
@@ -331,10 +324,6 @@ class _ColumnsOutputGEMM(torch.autograd.Function):
 
 # as torch.compile should meet it (gpattn._torch_compat.compilable: a graph break on torch < 2.4)
 _columns_output_gemm = compilable(_ColumnsOutputGEMM.apply)
-
-
-def _has_loss_terms(module: torch.nn.Module) -> bool:
-    return isinstance(getattr(module, "_added_loss_terms", None), dict)
 
 
 @contextmanager

@@ -383,6 +383,8 @@ class CGPTAttention(AttentionLayer):
         check_overflow((heads, loss), latent.tokens, GROWTH, where=type(self).__name__)
         if loss is not None:
             self.update_added_loss_term("cgp_loss", CGPAddedLossTerm(loss, self.cgp_weight))
+        else:  # no objective in this call (eval mode, no sampling, weight 0): no term, not the last training call's
+            self._added_loss_terms["cgp_loss"] = None
         return self.project_out(heads)
 
     def head_covariance(

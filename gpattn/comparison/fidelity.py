@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from .._module_state import restored_modes
+from .._module_state import kept_call_results, restored_modes
 from .._torch_compat import eager_calls
 from ..features import AttentionKernelEigenFeatures, KSVDFidelity, ksvd_fidelity
 from ..features.ksvd_fidelity import DEFAULT_RANDOM_SAMPLES
@@ -65,7 +65,7 @@ def _layer_inputs(
     handles = [layer.register_forward_pre_hook(capture(n), with_kwargs=True) for n, layer in layers]
     try:
         # a compiled model runs eagerly here: its compiled graphs would skip the hooks
-        with restored_modes(model), eager_calls():
+        with restored_modes(model), kept_call_results(model), eager_calls():
             model.eval()(inputs, mask=mask)
     finally:
         for handle in handles:

@@ -34,7 +34,7 @@ from dataclasses import dataclass, fields
 import torch
 from torch import Tensor
 
-from .._module_state import restored_modes
+from .._module_state import kept_call_results, restored_modes
 from ..validation import check_int, check_seed
 from .attention_kernel_eigen_features import AttentionKernelEigenFeatures
 from .kernel_eigen_scores import numerically_nonzero
@@ -164,7 +164,7 @@ def _evaluated(
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     # the dense kernel (B, H, N, M), e (B, H, N, s), r (B, H, M, s), Lambda (B, H, s), the layer's active directions
     # (B, H, s) and J (B, H) of a call in eval mode, masked rows of K, e and r and inactive columns of e and r zeroed
-    with restored_modes(module):
+    with restored_modes(module), kept_call_results(module):
         scores = module.eval()(queries, None if keys is queries else keys, key_mask, objective=True, kernel_diag=False)
     matrix = module.kernel.forward(queries.unsqueeze(1), keys.unsqueeze(1))  # (B, H, N, M)
     left_scores, right_scores = scores.left_scores, scores.right_scores

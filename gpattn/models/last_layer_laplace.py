@@ -9,7 +9,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from .._module_state import restored_modes
+from .._module_state import kept_call_results, restored_modes
 from .._torch_compat import eager_calls
 from ..validation import check_int, check_tensor
 
@@ -106,7 +106,7 @@ class LastLayerLaplace(torch.nn.Module):
         step = inputs.shape[0] if batch_size is None else batch_size
         try:
             # a compiled model runs eagerly here: its compiled graphs would skip the hook
-            with restored_modes(self.model), eager_calls():
+            with restored_modes(self.model), kept_call_results(self.model), eager_calls():
                 self.model.eval()
                 for start in range(0, inputs.shape[0], step):
                     batch_mask = mask[start : start + step] if isinstance(mask, Tensor) else mask

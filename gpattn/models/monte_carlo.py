@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .._module_state import restored_modes
+from .._module_state import kept_call_results, restored_modes
 from ..attention import AttentionLayer, sample_attention
 from ..validation import check_int, check_tensor
 from .monte_carlo_dropout import mc_dropout as dropout_masks
@@ -54,7 +54,12 @@ def monte_carlo_logits(
     stochastic = mc_dropout or any(isinstance(m, AttentionLayer) and m.is_stochastic for m in model.modules())
     passes = num_samples if stochastic else 1
     step = inputs.shape[0] if batch_size is None else batch_size
-    with restored_modes(model), sample_attention(model.eval()), dropout_masks(model, enabled=mc_dropout):
+    with (
+        restored_modes(model),
+        kept_call_results(model),
+        sample_attention(model.eval()),
+        dropout_masks(model, enabled=mc_dropout),
+    ):
         batches = []
         for start in range(0, inputs.shape[0], step):
             batch_mask = mask[start : start + step] if isinstance(mask, Tensor) else mask

@@ -8,7 +8,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from .._module_state import restored_modes
+from .._module_state import kept_call_results, restored_modes
 from ..attention import AttentionLayer, sample_attention
 from ..mlls.attention_elbo import model_logits
 from ..validation import check_choice, check_int
@@ -61,7 +61,12 @@ def predict_probabilities(
         arguments, keywords = (inputs,), ({} if mask is None else {"mask": mask})
     if not mc_dropout and not any(isinstance(m, AttentionLayer) and m.is_stochastic for m in model.modules()):
         num_samples = 1  # deterministic in eval mode: every pass would be identical
-    with restored_modes(model), sample_attention(model.eval()), dropout_masks(model, enabled=mc_dropout):
+    with (
+        restored_modes(model),
+        kept_call_results(model),
+        sample_attention(model.eval()),
+        dropout_masks(model, enabled=mc_dropout),
+    ):
         logits = torch.stack(
             [model_logits(model(*arguments, **keywords), "predict_probabilities") for _ in range(num_samples)]
         )  # shape: (T, B, C)

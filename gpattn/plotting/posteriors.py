@@ -9,7 +9,7 @@ import matplotlib.pyplot as plt
 import torch
 from matplotlib.figure import Figure
 
-from .._module_state import restored_modes
+from .._module_state import kept_call_results, restored_modes
 from ..data import RegressionData
 from ..models import KernelEigenPairSVGP
 
@@ -59,6 +59,7 @@ def plot_pair_posterior(
     with torch.no_grad(), ExitStack() as modes:  # the posteriors in eval mode; every module's own mode restored
         for evaluated in (model, pyro_model, exact_gp):
             if isinstance(evaluated, torch.nn.Module):  # (an exact GP may be any callable)
+                modes.enter_context(kept_call_results(evaluated))
                 modes.enter_context(restored_modes(evaluated)).eval()
         left, right, merged = model.branch(grid, "left"), model.branch(grid, "right"), model(grid)
         exact = exact_gp(grid) if exact_gp is not None else None
