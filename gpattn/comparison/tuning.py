@@ -121,14 +121,12 @@ def run_trial(config: TuneConfig, data: TaskData, row: str, parameters: dict[str
     :return: The trial's record (JSON data): ``value`` (the run's best validation NLL; ``None`` when training
         diverged, with the reason in ``diverged``), ``best_epoch``, ``epochs`` trained, the per-epoch ``history``
         (training loss, validation NLL and accuracy), the wall and CPU time of this process ``seconds`` and
-        ``cpu_seconds``, ``parameters``, the run's ``hyperparameters``, and the ``code`` that trained it
-        (:func:`~gpattn.comparison.environment.code_version` of this process).
+        ``cpu_seconds``, ``parameters`` and the run's ``hyperparameters``.
     """
     method = get_method(row)
     hyperparameters = config.trial_hyperparameters(data.name, method, parameters, data.defaults)
     train_config = make_train_config(config.compare_config(), method, hyperparameters, config.seed)
     record: dict[str, Any] = {"parameters": parameters, "hyperparameters": hyperparameters.to_dict()}
-    record["code"] = code_version()
 
     def make_model(member: int) -> torch.nn.Module:
         return build_model(method, hyperparameters, data.num_classes, data.model_kwargs)
@@ -199,6 +197,9 @@ def _keep(
     """Record the finished ``trial`` of ``run = (task, row)`` in its study (value and attributes), write its record
     file and report it."""
     value = math.inf if record["value"] is None else record["value"]
+    # the code of this (the claiming) process, as compare's run files store the driver's: a Ray node's installed
+    # gpattn would label every trial "commit unknown", and one without the key would fail here after training
+    record = {**record, "code": code_version()}
     attributes = {key: record[key] for key in ("hyperparameters", "best_epoch", "epochs", "diverged", "code")}
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
     attributes.update(seconds=record["seconds"], cpu_seconds=record["cpu_seconds"], load_average=load)
@@ -256,6 +257,7 @@ def _worker_main(config: TuneConfig, url: str, out: Path | None, messages: Any) 
     signal.signal(signal.SIGTERM, interrupt)
     torch.set_num_threads(config.threads)
     optuna.logging.set_verbosity(optuna.logging.WARNING)
+    code_version()  # the label of the code this worker imported, read now (its trials record it), not after a trial
     parent = os.getppid()
     try:
         storage, lock = open_storage(url), StudyLock(url)
