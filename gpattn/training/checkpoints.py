@@ -294,11 +294,13 @@ def _horizon_advice(saved: dict[str, Any], saved_horizon: Any, epochs: int) -> s
     return f"set schedule_epochs={saved_horizon} to continue the same schedule"
 
 
-def check_state_fits(state: dict[str, Tensor], model: torch.nn.Module, path: str | os.PathLike) -> None:
+def check_state_fits(
+    state: dict[str, Tensor], model: torch.nn.Module, path: str | os.PathLike, dtypes: bool = False
+) -> None:
     """Raise :class:`~gpattn.training.CheckpointError` unless the state dict ``state`` (read from ``path``) has exactly
-    the model's parameter and buffer names, with the model's shapes and dtypes (loading would convert another dtype
-    silently, and a resumed run would then train with other numbers than the run that wrote it). O(number of
-    tensors)."""
+    the model's parameter and buffer names, with the model's shapes and, with ``dtypes`` (a resumed run), its dtypes:
+    loading converts another dtype silently, which is what a model loaded for evaluation wants, but a resumed run would
+    then train with other numbers than the run that wrote it. O(number of tensors)."""
     expected = model.state_dict()
     missing = [name for name in expected if name not in state]
     unexpected = [name for name in state if name not in expected]
@@ -317,7 +319,7 @@ def check_state_fits(state: dict[str, Tensor], model: torch.nn.Module, path: str
             f"the checkpoint {path} was written for another model configuration: {'; '.join(parts)} (a different "
             f"attention, width, depth, inducing-set size or number of classes?)"
         )
-    other = [name for name, value in expected.items() if state[name].dtype != value.dtype]
+    other = [name for name, value in expected.items() if state[name].dtype != value.dtype] if dtypes else []
     if other:
         listed = [f"{name}: {state[name].dtype} in the file, {expected[name].dtype} in the model" for name in other[:5]]
         more = f" and {len(other) - 5} more" if len(other) > 5 else ""
@@ -331,8 +333,10 @@ def load_checkpoint(path: str | os.PathLike, model: torch.nn.Module | None = Non
     """Read and validate a checkpoint written by :func:`~gpattn.training.train_model` (``last.pt`` or
     ``best.pt``) and, given a model, load its parameters into it.
 
-    The model is checked first (every parameter and buffer name, shape and dtype must match) and left untouched when
-    the checkpoint does not fit, so a failed load never leaves a half-loaded model.
+    The model is checked first (every parameter and buffer name and shape must match) and left untouched when the
+    checkpoint does not fit, so a failed load never leaves a half-loaded model. Tensors of another dtype are converted
+    to the model's, as ``load_state_dict`` does (e.g. a float32 checkpoint into a float64 model for evaluation);
+    resuming a run (``train_model(..., resume=True)``) refuses them instead.
 
     :param path: The checkpoint file.
     :param model: The model to load the ``"model"`` state into, or ``None`` to only read and validate.
@@ -464,13 +468,13 @@ def restore_run(
     path, best_path = directory / "last.pt", directory / "best.pt"
     recover(directory)  # complete a committed write that a kill interrupted
     checkpoint = load_checkpoint(path)
-    check_state_fits(checkpoint["model"], model, path)
+    check_state_fits(checkpoint["model"], model, path, dtypes=True)
     best_state = None
     if checkpoint["best_epoch"]:
         best = load_checkpoint(best_path)
         check_pair(checkpoint, best, path, best_path)
         best_state = best["model"]
-        check_state_fits(best_state, model, best_path)
+        check_state_fits(best_state, model, best_path, dtypes=True)
     changes = check_resumable(checkpoint["config"], config, checkpoint["epoch"], path)
     check_schedule_state(checkpoint["scheduler"], scheduler, checkpoint["epoch"], steps_per_epoch, path)
     check_rng_state(checkpoint["rng"], device, path)

@@ -28,6 +28,6 @@ NonFiniteLossError = TrainingDivergedError
 class CheckpointError(ValueError, RuntimeError):
     """A checkpoint file cannot be used: unreadable (truncated, garbage, not a torch file), damaged (its content
     checksum or the manifest's SHA-256 differs), inconsistent (an epoch against its history, ``best.pt`` against
-    ``last.pt``), incomplete (missing or malformed entries), written for another model (parameter names, shapes or
-    dtypes differ) or by a run with other settings. The message names the file and the problem. Both a
-    ``ValueError`` and a ``RuntimeError``."""
+    ``last.pt``), incomplete (missing or malformed entries), written for another model (parameter names or shapes
+    differ; dtypes too when a run resumes) or by a run with other settings. The message names the file and the
+    problem. Both a ``ValueError`` and a ``RuntimeError``."""
