@@ -107,7 +107,9 @@ def check_ray_address(address: str, timeout: float = CONNECT_TIMEOUT) -> tuple[s
             "instance"
         ) from None
     if answer is not None and not (len(answer) == 9 and answer[3] == 4):
-        said = f"it answered {answer!r}" if answer else f"no gRPC answer within {timeout:g} s"
+        said = (
+            f"it answered {answer!r}" if answer else f"no gRPC answer within {timeout:g} s, or it closed the connection"
+        )
         raise RayUnavailableError(
             f"--ray-address {shown}{resolved}: the service at {host}:{port} is not a Ray cluster ({said}; a cluster's "
             f"GCS, port {GCS_PORT} by default, and the Ray Client server, ray://host:{CLIENT_PORT}, answer as gRPC "
@@ -123,16 +125,16 @@ def _uses_tls() -> bool:
 
 def _http2_answer(connection: socket.socket) -> bytes:
     """Send the HTTP/2 preface on ``connection`` and return the first 9 bytes of the answer (fewer when the peer
-    closes or says nothing before the connection's timeout)."""
-    connection.sendall(_HTTP2_PREFACE)
+    closes the connection or says nothing before its timeout)."""
     answer = b""
     try:
+        connection.sendall(_HTTP2_PREFACE)
         while len(answer) < 9:
             chunk = connection.recv(9 - len(answer))
             if not chunk:
                 break
             answer += chunk
-    except (TimeoutError, ConnectionResetError):
+    except (TimeoutError, ConnectionError):  # no answer in time, or the peer closed (reset, broken pipe)
         pass
     return answer
 

@@ -194,7 +194,8 @@ def test_an_unreachable_ray_address_is_one_line_and_status_1_before_anything(com
 
 class _Server:
     """A TCP server on 127.0.0.1 answering every connection with ``answer`` (after reading what the client sends
-    first), or saying nothing (``None``); the server's ``port`` while in a ``with`` block."""
+    first), saying nothing (``None``) or closing it at once (``b""``); the server's ``port`` while in a ``with``
+    block."""
 
     def __init__(self, answer: bytes | None) -> None:
         self.answer, self.socket = answer, socket.socket()
@@ -211,7 +212,9 @@ class _Server:
             except OSError:  # closed
                 return
             self.connections.append(connection)
-            if self.answer is not None:
+            if self.answer == b"":  # closes the connection at once
+                connection.close()
+            elif self.answer is not None:
                 connection.recv(64)
                 connection.sendall(self.answer)
 
@@ -262,8 +265,10 @@ def test_another_service_at_the_address_is_refused_before_ray_init_hangs_on_it(m
             "ray://host:10001, answer as gRPC servers); check the host and port"
         )
     with _Server(None) as silent:
-        with pytest.raises(RayUnavailableError, match=r"is not a Ray cluster \(no gRPC answer within 0\.5 s;"):
+        with pytest.raises(RayUnavailableError, match=r"is not a Ray cluster \(no gRPC answer within 0\.5 s, or it"):
             check_ray_address(f"127.0.0.1:{silent.port}", timeout=0.5)
+        with _Server(b"") as closing, pytest.raises(RayUnavailableError, match=r"is not a Ray cluster \(no gRPC"):
+            check_ray_address(f"127.0.0.1:{closing.port}", timeout=0.5)
         monkeypatch.setenv("RAY_USE_TLS", "1")  # the port speaks TLS first: only the connection is checked
         assert check_ray_address(f"127.0.0.1:{silent.port}", timeout=0.5) == ("127.0.0.1", silent.port)
 
