@@ -128,13 +128,14 @@ class CGPTAttention(AttentionLayer):
     heads. It is not a KL divergence (there is no variational posterior), so ``kl_divergence()`` is zero and the term is
     the added loss term ``"cgp_loss"`` (:class:`~gpattn.mlls.CGPAddedLossTerm`: :math:`\alpha` = ``cgp_weight`` times
     its mean over the sequences, as in the paper's :math:`\mathrm{CE} + \alpha \mathcal L_{\mathrm{CGP}}`), refreshed
-    by every training ``forward`` when :math:`\alpha > 0`. It is **off by default** (:math:`\alpha = 0`): as the
-    negative log-likelihood of the layer's own outputs under a covariance that the same parameters control, it is
-    bounded below only by the nugget and is minimised by collapsing the queries (and keys) of a sequence onto one
-    point (:math:`\log\lvert\Sigma_s\rvert \to N \log \epsilon`); on the comparison's tasks :math:`\alpha =
-    10^{-3}` already leaves the pointer task at chance and halves the digits accuracy (see the attention guide). The
-    official code avoids the collapse with :math:`\lvert \log\lvert\Sigma\rvert \rvert` in place of
-    :math:`\log\lvert\Sigma\rvert`, which is no longer a log-likelihood.
+    by every training ``forward`` when :math:`\alpha > 0` and cleared by any other call (an eval-mode loss has no such
+    term; ``posterior()`` and the prediction helpers leave the training call's). It is **off by default**
+    (:math:`\alpha = 0`): as the negative log-likelihood of the layer's own outputs under a covariance that the same
+    parameters control, it is bounded below only by the nugget and is minimised by collapsing the queries (and keys)
+    of a sequence onto one point (:math:`\log\lvert\Sigma_s\rvert \to N \log \epsilon`); on the comparison's
+    tasks :math:`\alpha = 10^{-3}` already leaves the pointer task at chance and halves the digits accuracy (see the
+    attention guide). The official code avoids the collapse with :math:`\lvert \log\lvert\Sigma\rvert \rvert` in
+    place of :math:`\log\lvert\Sigma\rvert`, which is no longer a log-likelihood.
 
     **Numerics.** One jitter :math:`\epsilon` (``jitter``), a white-noise nugget of the model: :math:`\epsilon I` is
     added to :math:`K_{00}` and :math:`\epsilon \sigma_s^2 I` to :math:`K_{ss}` and :math:`\Sigma_s`, so that every

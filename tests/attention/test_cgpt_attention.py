@@ -274,15 +274,21 @@ def test_objective_reaches_every_parameter_and_the_elbo_adds_it():
     torch.testing.assert_close(parts["ksvd"], term.loss())  # the sum of the added loss terms
 
 
-def test_eval_forward_leaves_the_objective_of_the_last_training_step():
+def test_an_eval_forward_clears_the_objective_and_posterior_keeps_it():
+    """An eval-mode call computes no objective: its loss has no CGP term (the last training call's, on that call's
+    graph, made an eval-mode ELBO's backward fail), as the KSVD layers; ``posterior()`` leaves the training term."""
     layer = make_layer(cgp_weight=1.0).train()
     x, mask, _ = make_inputs("padding")
     layer(x, mask=mask)
     (term,) = list(layer.added_loss_terms())
+    layer.posterior(2 * x, mask=mask)
+    assert list(layer.added_loss_terms()) == [term]
     layer.eval()(2 * x, mask=mask)
-    with sample_attention(layer):
+    assert list(layer.added_loss_terms()) == []
+    layer.train()(x, mask=mask)
+    with sample_attention(layer.eval()):
         layer(2 * x, mask=mask)
-    assert next(iter(layer.added_loss_terms())) is term
+    assert list(layer.added_loss_terms()) == []
 
 
 # -- masks -------------------------------------------------------------------------------------------------------------
