@@ -23,6 +23,7 @@ The batches are Python pickles, read by an unpickler that only builds dicts, lis
 from __future__ import annotations
 
 import io
+import os
 import pickle
 from pathlib import Path
 
@@ -125,7 +126,10 @@ def _integer_labels(labels, path: Path, key: str) -> np.ndarray:
 
 
 def _resolve(root: str | Path, subfolder: str, expected: list[str], what: str) -> Path:
-    """``root`` or ``root / subfolder``, whichever holds all ``expected`` files; else a FileNotFoundError."""
+    """``root`` or ``root / subfolder``, whichever holds all ``expected`` files; else a FileNotFoundError (a TypeError
+    for a ``root`` that is not a path)."""
+    if not isinstance(root, (str, os.PathLike)):  # Path(None) said "expected str, bytes or os.PathLike object"
+        raise TypeError(f"{what}: expected root to be a folder path (str or pathlib.Path), got {root!r}")
     root = Path(root)
     for folder in (root, root / subfolder):
         if all((folder / name).is_file() for name in expected):
@@ -204,6 +208,7 @@ def load_cifar10(root: str | Path, split: str = "train") -> ImageDataset:
     :param split: ``"train"`` (the five data batches, in order) or ``"test"`` (``test_batch``).
     :return: ``float32 (n, 3, 32, 32)`` images in ``[0, 1]`` and int64 labels; class names from ``batches.meta``.
     :raises FileNotFoundError: When a required file is missing (the message lists the expected files).
+    :raises TypeError: For a ``root`` that is not a ``str`` or path-like.
     :raises ValueError: For an unknown split.
     :raises DataFileError: For a file that is empty, truncated, not a pickled batch, of the wrong format, or with
         labels that are not integers in ``0..9``, a meta file whose ``b"label_names"`` is not a non-empty list of
@@ -257,6 +262,7 @@ def load_cifar10_c(root: str | Path, corruption: str, severity: int) -> ImageDat
     :param severity: ``1 .. 5``; block ``severity - 1`` of the 5 stacked blocks (10000 images each in the real set).
     :return: ``float32 (m, 3, 32, 32)`` images in ``[0, 1]`` and int64 labels, CIFAR-10 class names.
     :raises FileNotFoundError: When a file is missing (the message lists the expected files).
+    :raises TypeError: For a ``root`` that is not a ``str`` or path-like.
     :raises ValueError: For an unknown corruption or a bad severity.
     :raises DataFileError: For a file that is empty, truncated or not a ``.npy`` array, arrays of the wrong shape or
         type or without a single image, or labels that are not integers in ``0..9`` (the message names the file).

@@ -39,6 +39,7 @@ shifts and the noise images) seeded with ``seed``; the global RNGs are never tou
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -47,7 +48,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ..validation import InputTypeError, check_int, check_seed, check_tensor
+from ..validation import InputTypeError, check_choice, check_float, check_int, check_seed, check_tensor
 from .image_dataset import ImageDataset
 from .patches import images_to_patches, patches_to_images
 
@@ -149,6 +150,15 @@ def load_digits_splits(
             raise ValueError(f"expected {name} in [0, 1), got {value!r}")
     if val_fraction + test_fraction >= 1:
         raise ValueError(f"expected val_fraction + test_fraction < 1, got {val_fraction} + {test_fraction}")
+    if isinstance(held_out_classes, (Tensor, np.ndarray)):  # elements of a tensor are 0-d tensors, not integers
+        held_out_classes = held_out_classes.tolist()
+    if held_out_classes is not None and (
+        isinstance(held_out_classes, (str, bytes)) or not isinstance(held_out_classes, Iterable)
+    ):
+        raise InputTypeError(
+            f"expected held_out_classes to be a sequence of digits in 0..9 (e.g. (8, 9)), () or None, got "
+            f"{held_out_classes!r}"
+        )
     held = () if held_out_classes is None else tuple(held_out_classes)
     if any(isinstance(c, bool) or not isinstance(c, (int, np.integer)) or not 0 <= c <= 9 for c in held):
         raise ValueError(f"expected held_out_classes to be digits in 0..9, got {held_out_classes!r}")
@@ -229,10 +239,18 @@ def rotate_images(images: Tensor, degrees: float | Tensor) -> Tensor:
     Positive angles turn the content counter-clockwise as displayed (row 0 at the top).
 
     :param images: ``(n, C, H, W)``, ``C, H, W >= 1`` (``n = 0`` gives an empty result).
-    :param degrees: One angle, or one per image ``(n,)``.
+    :param degrees: One finite angle (a number or a one-element tensor), or one per image ``(n,)``.
     :return: Rotated images ``(n, C, H, W)`` (not clipped; bilinear interpolation stays within the input range).
     """
     _check_images(images, "rotate_images")
+    if isinstance(degrees, Tensor) and degrees.numel() != 1:  # one angle per image
+        check_tensor("degrees", degrees, (images.shape[0],), finite=True, where="rotate_images")
+        if degrees.dtype == torch.bool or degrees.is_complex():
+            raise InputTypeError(f"rotate_images: expected real angles in degrees, got {degrees.dtype}")
+    else:  # a NaN angle made every image NaN
+        degrees = check_float(
+            "degrees", degrees.item() if isinstance(degrees, Tensor) else degrees, where="rotate_images"
+        )
     return _rotate(images, degrees)
 
 
@@ -255,12 +273,11 @@ def gaussian_blur(images: Tensor, sigma: float) -> Tensor:
     """Blur every channel with a normalised separable Gaussian kernel of radius ``ceil(3 sigma)`` (replicate padding).
 
     :param images: ``(n, C, H, W)``, ``C, H, W >= 1``.
-    :param sigma: Standard deviation in pixels (``0`` returns a copy).
+    :param sigma: Standard deviation in pixels, finite and ``>= 0`` (``0`` returns a copy).
     :return: Blurred images ``(n, C, H, W)``.
     """
     _check_images(images, "gaussian_blur")
-    if not sigma >= 0:
-        raise ValueError(f"expected sigma >= 0, got {sigma!r}")
+    sigma = check_float("sigma", sigma, 0.0, where="gaussian_blur")  # an infinite sigma has no finite radius
     return _blur(images, sigma)
 
 
@@ -291,8 +308,7 @@ def shift_images(images: Tensor, kind: str, severity: int, seed: int = 0) -> Ten
     :return: Shifted images, same shape and dtype.
     """
     _check_images(images, "shift_images")
-    if kind not in SHIFT_PARAMETERS:
-        raise ValueError(f"expected kind in {SHIFT_KINDS}, got {kind!r}")
+    check_choice("kind", kind, SHIFT_KINDS, where="shift_images")  # also an unhashable kind (a list)
     severity = check_int("severity", severity, 1, 5, where="shift_images")  # Python and NumPy integers
     seed = check_seed("seed", seed, where="shift_images")
     value = SHIFT_PARAMETERS[kind][severity - 1]
@@ -328,6 +344,11 @@ def make_shifted_test_sets(
     if not isinstance(dataset, ImageDataset):
         raise TypeError(f"expected dataset to be an ImageDataset, got {type(dataset).__name__}")
     check_seed("seed", seed, where="make_shifted_test_sets")
+    for name, values, example in (("kinds", kinds, "('blur',)"), ("severities", severities, "(1, 3)")):
+        if isinstance(values, (str, bytes)) or not isinstance(values, Iterable):  # "blur" iterated letter by letter
+            raise InputTypeError(
+                f"make_shifted_test_sets: expected {name} to be a sequence, e.g. {example}, got {values!r}"
+            )
     shifted = {}
     for kind in kinds:
         if kind not in SHIFT_PARAMETERS:

@@ -27,7 +27,6 @@ import json
 import os
 import uuid
 import warnings
-import zipfile
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -109,7 +108,10 @@ def _read(path: Path) -> dict[str, np.ndarray] | None:
     try:
         with open(path, "rb") as file, np.load(file, allow_pickle=False) as stored:  # the file closed on every error
             arrays = {name: stored[name] for name in stored.files}
-    except (OSError, ValueError, EOFError, zipfile.BadZipFile):  # FileNotFoundError is an OSError
+    except Exception:  # noqa: BLE001 (any damage is a miss)
+        # FileNotFoundError and other OSErrors, ValueError, EOFError, zipfile.BadZipFile, but also what a damaged zip
+        # directory or .npy header raises: RuntimeError (a member flagged encrypted), NotImplementedError (an unknown
+        # zip version), tokenize.TokenError (a header NumPy cannot tokenise), zlib.error, ...
         return None
     checksum = arrays.pop(_CHECKSUM, None)
     if checksum is None or not np.array_equal(checksum, _digest(arrays)):

@@ -65,7 +65,7 @@ as they were.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -148,6 +148,10 @@ class MNIST1DSplits:
 
 
 def _check_digits(name: str, value: Any) -> tuple[int, ...]:
+    if isinstance(value, (torch.Tensor, np.ndarray)):  # elements of a tensor are 0-d tensors, not integers
+        value = value.tolist()
+    if value is not None and (isinstance(value, (str, bytes)) or not isinstance(value, Iterable)):
+        raise InputTypeError(f"expected {name} to be a sequence of digits in 0..9 (e.g. (8, 9)) or None, got {value!r}")
     digits = () if value is None else tuple(value)
     if any(isinstance(c, bool) or not isinstance(c, (int, np.integer)) or not 0 <= c < NUM_DIGITS for c in digits):
         raise ValueError(f"expected {name} to be digits in 0..9, got {value!r}")
@@ -263,6 +267,11 @@ def make_mnist1d_shifted_test_sets(
     """
     digits = _test_digits(splits)
     check_int("seed", seed, minimum=0, where="make_mnist1d_shifted_test_sets")
+    for name, values, example in (("kinds", kinds, "('shear',)"), ("severities", severities, "(1, 3)")):
+        if isinstance(values, (str, bytes)) or not isinstance(values, Iterable):  # "shear" iterated letter by letter
+            raise InputTypeError(
+                f"make_mnist1d_shifted_test_sets: expected {name} to be a sequence, e.g. {example}, got {values!r}"
+            )
     for kind in kinds:
         check_choice("kinds", kind, MNIST1D_SHIFT_KINDS, where="make_mnist1d_shifted_test_sets")
     for severity in severities:

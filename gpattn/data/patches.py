@@ -3,6 +3,9 @@
 
 from __future__ import annotations
 
+import numbers
+from collections.abc import Iterable
+
 from torch import Tensor
 
 from ..validation import InputTypeError, check_int, check_tensor
@@ -27,11 +30,9 @@ def images_to_patches(images: Tensor, patch_size: int) -> Tensor:
     if images.dim() != 4:
         raise ValueError(f"expected images (n, C, H, W), got {tuple(images.shape)}")
     n, channels, height, width = images.shape
-    if isinstance(patch_size, bool) or not isinstance(patch_size, int) or patch_size < 1:
-        raise ValueError(f"expected a positive integer patch_size, got {patch_size!r}")
-    if height % patch_size or width % patch_size:
-        raise ValueError(f"patch_size {patch_size} must divide the image size {(height, width)}")
-    p = patch_size
+    p = check_int("patch_size", patch_size, where="images_to_patches")  # also a NumPy integer
+    if height % p or width % p:
+        raise ValueError(f"patch_size {p} must divide the image size {(height, width)}")
     patches = images.reshape(n, channels, height // p, p, width // p, p).permute(0, 2, 4, 1, 3, 5)
     return patches.reshape(n, (height // p) * (width // p), channels * p * p)
 
@@ -46,9 +47,16 @@ def patches_to_images(patches: Tensor, image_size: int | tuple[int, int], patch_
     :return: Images ``(n, C, H, W)``.
     """
     check_tensor("patches", patches)
-    height, width = (image_size, image_size) if isinstance(image_size, int) else tuple(image_size)
-    check_int("image_size", height)
-    check_int("image_size", width)
+    size = tuple(image_size) if isinstance(image_size, Iterable) and not isinstance(image_size, (str, bytes)) else None
+    if isinstance(image_size, numbers.Integral):  # also a NumPy integer (a bool is refused below)
+        height = width = image_size
+    elif size is not None and len(size) == 2:  # a tuple, list, torch.Size or array (H, W)
+        height, width = size
+    else:
+        raise InputTypeError(
+            f"patches_to_images: expected image_size to be a positive integer H or a pair (H, W), got {image_size!r}"
+        )
+    height, width = (check_int("image_size", side, where="patches_to_images") for side in (height, width))
     p = check_int("patch_size", patch_size)
     check_int("in_channels", in_channels)
     if height % p or width % p:

@@ -54,7 +54,8 @@ is computed in float64 and cast to the requested dtype at the end, so float32 da
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+import numbers
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -385,11 +386,12 @@ def _validate(
     n_train: int, n_test: int, noise_std: float, lengthscale: float, num_sources: int, dtype: torch.dtype, seed: int
 ) -> None:
     """Check the arguments shared by both constructors, raising ``ValueError`` with what was expected and what came."""
+    # numbers.Integral / numbers.Real: NumPy integers and floats (np.int64, np.float32) are numbers too
     for name, value in (("n_train", n_train), ("n_test", n_test), ("num_sources", num_sources)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
             raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
     for name, value, bound in (("noise_std", noise_std, ">= 0"), ("lengthscale", lengthscale, "> 0")):
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
+        if isinstance(value, bool) or not isinstance(value, numbers.Real):
             raise InputTypeError(f"{name} must be a finite number {bound}, got {value!r}")
     if not math.isfinite(noise_std) or noise_std < 0:
         raise ValueError(f"noise_std must be a finite number >= 0, got {noise_std!r}")
@@ -402,7 +404,13 @@ def _validate(
 
 def _as_shift(shift: Sequence[float], dim: int) -> Tensor:
     """Convert a shift to a float64 tensor of shape ``(dim,)``; raise ``ValueError`` on a wrong length or value."""
-    values = [float(v) for v in shift]
+    entries = shift.reshape(-1).tolist() if isinstance(shift, Tensor) and shift.dim() <= 1 else shift
+    if isinstance(entries, (str, bytes)) or not isinstance(entries, Iterable):  # e.g. one number for the 2-D shift
+        raise InputTypeError(f"shift must be {dim} finite number(s), got {shift!r}")
+    entries = tuple(v.item() if isinstance(v, Tensor) and v.numel() == 1 else v for v in entries)
+    if any(isinstance(v, bool) or not isinstance(v, numbers.Real) for v in entries):  # strings, nested lists
+        raise InputTypeError(f"shift must be {dim} finite number(s), got {entries!r}")
+    values = [float(v) for v in entries]
     if len(values) != dim or not all(math.isfinite(v) for v in values):
-        raise ValueError(f"shift must be {dim} finite number(s), got {tuple(shift)!r}")
+        raise ValueError(f"shift must be {dim} finite number(s), got {entries!r}")
     return torch.tensor(values, dtype=torch.float64)

@@ -22,6 +22,7 @@ with 0 to ``length``, and ``mask`` (``True`` = real token) is returned. Classes 
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -70,18 +71,25 @@ class SequenceSplits:
     test: SequenceDataset
 
 
-def _check_sizes(n_train: int, n_val: int, n_test: int, length: int, min_length: int | None, shortest: int) -> None:
+def _is_integer(value: object) -> bool:
+    """A Python or NumPy integer (``numbers.Integral``), not a bool."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def _check_sizes(
+    n_train: int, n_val: int, n_test: int, length: int, min_length: int | None, shortest: int
+) -> tuple[int, int, int, int, int | None]:
+    """The sizes as Python ints, or a ``ValueError`` naming the argument."""
     for name, value in (("n_train", n_train), ("n_val", n_val), ("n_test", n_test)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        if not _is_integer(value) or value < 0:
             raise ValueError(f"expected a non-negative integer {name}, got {value!r}")
-    if isinstance(length, bool) or not isinstance(length, int) or length < shortest:
+    if not _is_integer(length) or length < shortest:
         raise ValueError(f"expected an integer length >= {shortest}, got {length!r}")
-    if min_length is not None and (
-        isinstance(min_length, bool) or not isinstance(min_length, int) or not shortest <= min_length <= length
-    ):
+    if min_length is not None and (not _is_integer(min_length) or not shortest <= min_length <= length):
         raise ValueError(
             f"expected min_length in [{shortest}, length={length}] or None (fixed length), got {min_length!r}"
         )
+    return int(n_train), int(n_val), int(n_test), int(length), None if min_length is None else int(min_length)
 
 
 def _balanced_labels(count: int, generator: torch.Generator) -> Tensor:
@@ -152,9 +160,10 @@ def make_pointer_task(
     :param min_length: ``None`` for fixed-length sequences (``mask`` is ``None``), else the shortest length.
     :return: The three splits.
     """
-    _check_sizes(n_train, n_val, n_test, length, min_length, shortest=2)
-    if isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or vocab_size < 4:
+    n_train, n_val, n_test, length, min_length = _check_sizes(n_train, n_val, n_test, length, min_length, shortest=2)
+    if not _is_integer(vocab_size) or vocab_size < 4:
         raise ValueError(f"expected an integer vocab_size >= 4 (pad, a, b, one distractor), got {vocab_size!r}")
+    vocab_size = int(vocab_size)
 
     def draw(labels: Tensor, lengths: Tensor, generator: torch.Generator) -> Tensor:
         count = labels.shape[0]
@@ -203,9 +212,10 @@ def make_successor_task(
         fixed-length sequences without a mask.
     :return: The three splits.
     """
-    _check_sizes(n_train, n_val, n_test, length, min_length, shortest=2)
-    if isinstance(num_symbols, bool) or not isinstance(num_symbols, int) or num_symbols < 5:
+    n_train, n_val, n_test, length, min_length = _check_sizes(n_train, n_val, n_test, length, min_length, shortest=2)
+    if not _is_integer(num_symbols) or num_symbols < 5:
         raise ValueError(f"expected an integer num_symbols >= 5, got {num_symbols!r}")
+    num_symbols = int(num_symbols)
 
     def draw(labels: Tensor, lengths: Tensor, generator: torch.Generator) -> Tensor:
         count = labels.shape[0]

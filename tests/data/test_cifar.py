@@ -279,3 +279,11 @@ def test_cifar10_batches_without_images_are_named(cifar_root, split):
     # one empty batch among others is fine: the images of the others
     _write_batch(root / names[0], np.zeros((2, 3072), dtype=np.uint8), [3, 4])
     assert load_cifar10(root, split).labels.tolist() == [3, 4]
+
+
+def test_a_root_that_is_not_a_path_is_named():
+    # Path(None) raised "expected str, bytes or os.PathLike object, not NoneType", naming no argument
+    with pytest.raises(TypeError, match=r"CIFAR-10 \(train\): expected root to be a folder path .* got None"):
+        load_cifar10(None)
+    with pytest.raises(TypeError, match=r"CIFAR-10-C \(fog\): expected root to be a folder path .* got 5"):
+        load_cifar10_c(5, "fog", 1)

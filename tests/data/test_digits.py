@@ -367,3 +367,64 @@ def test_transformer_takes_digits_both_ways(splits):
         input="vectors", input_dim=4, max_len=16, num_classes=8, embed_dim=16, depth=1, num_heads=2, attention="softmax"
     )
     assert by_vectors(images_to_patches(images, 2)).shape[-1] == 8
+
+
+def test_held_out_classes_that_are_not_a_sequence_are_named():
+    # an int raised "TypeError: 'int' object is not iterable"; a tensor of digits was refused as "not digits in 0..9"
+    with pytest.raises(TypeError, match=r"expected held_out_classes to be a sequence of digits .* got 8$"):
+        load_digits_splits(held_out_classes=8)
+    from sklearn.datasets import load_digits
+
+    targets = load_digits().target
+    from_tensor = load_digits_splits(seed=3, held_out_classes=torch.tensor([9, 2]))
+    from_tuple = load_digits_splits(seed=3, held_out_classes=(9, 2))
+    assert from_tensor.held_out_classes == (9, 2) and from_tensor.ood_classes.class_names == ("9", "2")
+    assert torch.equal(from_tensor.train.images, from_tuple.train.images)
+    assert from_tensor.ood_classes.labels.bincount().tolist() == [(targets == 9).sum(), (targets == 2).sum()]
+
+
+def test_shift_arguments_of_the_wrong_kind_are_named(splits):
+    images = splits.test.images[:4]
+    with pytest.raises(ValueError, match=r"shift_images: expected kind to be one of .*got \['blur'\]"):
+        shift_images(images, ["blur"], 1)  # was "TypeError: unhashable type: 'list'"
+    with pytest.raises(TypeError, match=r"expected kinds to be a sequence, e.g. \('blur',\), got 'blur'"):
+        make_shifted_test_sets(splits.test, kinds="blur")  # was "expected kinds from (...), got 'b'"
+    with pytest.raises(TypeError, match=r"expected severities to be a sequence, e.g. \(1, 3\), got 3"):
+        make_shifted_test_sets(splits.test, severities=3)  # was "TypeError: 'int' object is not iterable"
+
+
+def test_blur_and_rotation_parameters_are_checked_and_blur_matches_scipy(splits):
+    from scipy.ndimage import gaussian_filter
+
+    images = splits.test.images[:4].double()
+    with pytest.raises(ValueError, match=r"gaussian_blur: expected sigma to be a finite number >= 0, got inf"):
+        gaussian_blur(images, float("inf"))  # was OverflowError: cannot convert float infinity to integer
+    with pytest.raises(TypeError, match=r"gaussian_blur: expected sigma .* got '1'"):
+        gaussian_blur(images, "1")
+    with pytest.raises(ValueError, match=r"rotate_images: expected degrees to be a finite number, got nan"):
+        rotate_images(images, float("nan"))  # returned NaN images
+    with pytest.raises(ValueError, match=r"rotate_images: expected degrees of shape \(4\), got \(3,\)"):
+        rotate_images(images, torch.zeros(3))  # was a RuntimeError of expand
+    with pytest.raises(ValueError, match="rotate_images: degrees contains NaN"):
+        rotate_images(images, torch.tensor([0.0, 10.0, float("nan"), 0.0]))
+    # what is accepted: one angle (also a 0-d tensor) or one per image, equal to per-image rotations
+    angles = torch.tensor([10, -20, 30, 45])
+    assert torch.equal(rotate_images(images, torch.tensor(30.0)), rotate_images(images, 30.0))
+    each = torch.cat([rotate_images(images[i : i + 1], float(angles[i])) for i in range(4)])
+    torch.testing.assert_close(rotate_images(images, angles), each, rtol=0, atol=1e-12)
+    # sigma 0.5: radius ceil(1.5) = 2, scipy's int(3 * 0.5 + 0.5) = 2, 'nearest' is replicate padding
+    reference = np.stack([gaussian_filter(image[0].numpy(), 0.5, mode="nearest", truncate=3.0) for image in images])
+    np.testing.assert_allclose(gaussian_blur(images, np.float64(0.5))[:, 0].numpy(), reference, rtol=0, atol=1e-12)
+
+
+def test_patches_take_numpy_integers_and_match_unfold():
+    images = torch.rand(3, 2, 8, 12, generator=torch.Generator().manual_seed(0))
+    patches = images_to_patches(images, np.int64(4))  # was refused: "expected a positive integer patch_size"
+    reference = torch.nn.functional.unfold(images, kernel_size=4, stride=4).transpose(1, 2)  # (n, N, C p^2)
+    assert torch.equal(patches, reference)
+    assert torch.equal(patches_to_images(patches, (np.int64(8), 12), np.int64(4), np.int64(2)), images)
+    square = torch.rand(2, 1, 8, 8)
+    assert torch.equal(patches_to_images(images_to_patches(square, 2), np.int64(8), 2, 1), square)  # was TypeError
+    for image_size in [(8,), "8", 8.0]:  # were "not enough values to unpack" or "'float' object is not iterable"
+        with pytest.raises(TypeError, match=r"patches_to_images: expected image_size to be a positive integer H or a"):
+            patches_to_images(patches, image_size, 4, 2)

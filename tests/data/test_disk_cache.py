@@ -82,6 +82,52 @@ def test_a_damaged_entry_is_generated_again_and_replaced(folder, damage):
     )
 
 
+def _large() -> dict[str, np.ndarray]:
+    # a member larger than zipfile's first read (4096 bytes), so that NumPy parses its header before the CRC is checked
+    return {"x": np.arange(2000.0) / 3.0}
+
+
+def _flag_members(raw: bytes, offset: int, value: int) -> bytes:
+    # every member of the zip directory (signature PK\1\2) with the 2-byte field at ``offset`` or-ed with ``value``
+    data, start = bytearray(raw), raw.find(b"PK\x01\x02")
+    while start >= 0:
+        field = int.from_bytes(data[start + offset : start + offset + 2], "little") | value
+        data[start + offset : start + offset + 2] = field.to_bytes(2, "little")
+        start = raw.find(b"PK\x01\x02", start + 1)
+    return bytes(data)
+
+
+@pytest.mark.parametrize(
+    "damage, error",
+    [
+        (lambda raw: _flag_members(raw, 8, 0x1), "RuntimeError"),  # members flagged encrypted
+        (lambda raw: _flag_members(raw, 6, 0xFF), "NotImplementedError"),  # an unknown zip version (25.5)
+        (lambda raw: raw.replace(b", }", b",  ", 1), "TokenError"),  # a .npy header with its brace unclosed
+    ],
+    ids=["encrypted", "zip-version", "npy-header"],
+)
+def test_an_entry_damaged_in_its_zip_directory_or_npy_header_is_generated_again(folder, damage, error):
+    # these damages raised RuntimeError, NotImplementedError and tokenize.TokenError out of cached_arrays (only
+    # OSError, ValueError, EOFError and BadZipFile were taken for a damaged entry) instead of generating again
+    cached_arrays("probe", {"n": 8}, _large, __file__)
+    path = entry_path("probe", {"n": 8}, folder, __file__)
+    path.write_bytes(damage(path.read_bytes()))
+    try:  # what NumPy itself raises on the damaged entry
+        with open(path, "rb") as file, np.load(file, allow_pickle=False) as stored:
+            {name: stored[name] for name in stored.files}
+        raised = None
+    except Exception as caught:  # noqa: BLE001
+        raised = type(caught).__name__
+    assert raised == error
+    calls = []
+    again = cached_arrays("probe", {"n": 8}, lambda: calls.append(1) or _large(), __file__)
+    assert calls == [1] and again["x"].tobytes() == _large()["x"].tobytes()
+    assert cached_arrays("probe", {"n": 8}, lambda: calls.append(1) or _large(), __file__)["x"].tobytes() == (
+        _large()["x"].tobytes()
+    )
+    assert calls == [1]  # the entry was replaced
+
+
 def _rewrite(path: Path, change) -> None:
     # the entry rewritten as a valid .npz whose arrays (checksum included) are change(arrays)
     with np.load(path) as stored:

@@ -362,3 +362,19 @@ def test_public_names_survive_the_split_into_two_modules() -> None:
     for module in ("mnist1d.py", "mnist1d_generator.py"):
         lines = (Path(mnist1d_module.__file__).parent / module).read_text().count("\n")
         assert lines < 450, (module, lines)
+
+
+def test_arguments_that_are_not_sequences_are_named(standard) -> None:
+    # held_out_classes=8 raised "TypeError: 'int' object is not iterable"; kinds="shear" was iterated letter by letter
+    # ("expected kinds to be one of [...], got 's'"); severities=3 raised "'int' object is not iterable"
+    with pytest.raises(TypeError, match=r"expected held_out_classes to be a sequence of digits .* got 8$"):
+        load_mnist1d(held_out_classes=8)
+    from_tensor = load_mnist1d(held_out_classes=torch.tensor([3, 7]))  # was refused as "not digits in 0..9"
+    assert from_tensor.held_out_classes == (3, 7) and len(from_tensor.ood_classes) == int(
+        np.isin(standard["y_test"], (3, 7)).sum()
+    )
+    splits = load_mnist1d()
+    with pytest.raises(TypeError, match=r"expected kinds to be a sequence, e.g. \('shear',\), got 'shear'"):
+        make_mnist1d_shifted_test_sets(splits, kinds="shear")
+    with pytest.raises(TypeError, match=r"expected severities to be a sequence, e.g. \(1, 3\), got 3"):
+        make_mnist1d_shifted_test_sets(splits, severities=3)

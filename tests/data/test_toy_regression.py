@@ -268,3 +268,29 @@ def test_bad_shift_raises() -> None:
         make_asymmetric_regression_1d(shift=float("inf"))
     with pytest.raises(ValueError, match=r"puts every bump off the box"):
         make_asymmetric_regression_1d(shift=50.0)
+
+
+def test_numpy_numbers_are_accepted_and_a_shift_of_the_wrong_kind_is_named() -> None:
+    # np.int64 sizes and np.float32 scales were refused with "must be an integer >= 1, got np.int64(5)" and "must be a
+    # finite number >= 0, got np.float32(0.1)"; a scalar 2-D shift or a string shift raised TypeError / ValueError
+    # from float() instead of naming the shift
+    plain = make_asymmetric_regression_1d(n_train=5, n_test=4, noise_std=0.25, shift=0.5, num_sources=3, seed=2)
+    numpy = make_asymmetric_regression_1d(
+        n_train=np.int64(5),
+        n_test=np.int32(4),
+        noise_std=np.float32(0.25),
+        shift=np.float32(0.5),
+        num_sources=np.int64(3),
+        seed=np.uint8(2),
+    )
+    for field in ("train_x", "train_y", "test_y", "grid_f"):
+        assert torch.equal(getattr(numpy, field), getattr(plain, field))
+    assert numpy.noise_std == 0.25 and type(numpy.noise_std) is float
+    two = make_asymmetric_regression_2d(n_train=np.int64(3), shift=np.array([0.5, -0.3]), lengthscale=np.float32(0.5))
+    assert torch.equal(two.train_x, make_asymmetric_regression_2d(n_train=3, lengthscale=0.5).train_x)
+    with pytest.raises(TypeError, match=r"shift must be 2 finite number\(s\), got 0.5"):
+        make_asymmetric_regression_2d(shift=0.5)
+    with pytest.raises(TypeError, match=r"shift must be 2 finite number\(s\), got 'ab'"):
+        make_asymmetric_regression_2d(shift="ab")
+    with pytest.raises(TypeError, match=r"shift must be 1 finite number\(s\), got \(\[0.5\],\)"):
+        make_asymmetric_regression_1d(shift=[0.5])

@@ -120,3 +120,26 @@ def test_seeds_up_to_the_largest_torch_generator_seed(make, where):
         make(4, 1, 1, seed=-1)
     largest = make(4, 1, 1, seed=2**64 - 1)  # the largest accepted seed works, reproducibly
     assert torch.equal(largest.train.tokens, make(4, 1, 1, seed=2**64 - 1).train.tokens)
+
+
+@pytest.mark.parametrize("make", MAKERS)
+def test_numpy_integers_are_accepted(make):
+    # np.int64 sizes were refused with "expected a non-negative integer n_train, got np.int64(6)"
+    import numpy as np
+
+    extra = {"vocab_size": 8} if make is make_pointer_task else {"num_symbols": 7}
+    plain = make(6, 2, 3, length=8, seed=3, min_length=4, **extra)
+    numpy = make(
+        np.int64(6),
+        np.int32(2),
+        np.int64(3),
+        length=np.int64(8),
+        seed=np.int64(3),
+        min_length=np.int64(4),
+        **{name: np.int64(value) for name, value in extra.items()},
+    )
+    for ours, theirs in zip(_datasets(numpy), _datasets(plain), strict=True):
+        assert torch.equal(ours.tokens, theirs.tokens) and torch.equal(ours.mask, theirs.mask)
+        assert type(ours.vocab_size) is int and ours.vocab_size == theirs.vocab_size
+    with pytest.raises(ValueError, match="expected a non-negative integer n_train, got 1.5"):
+        make(1.5, 0, 0)
