@@ -83,12 +83,10 @@ def _as_labels(labels: Any, num_samples: int, num_classes: int) -> np.ndarray:
         raise ValueError(f"expected labels of shape (n,) = ({num_samples},), got shape {tuple(array.shape)}")
     if array.dtype == np.bool_ or array.dtype.kind not in "iu":
         raise InputTypeError(f"expected integer labels, got dtype {array.dtype}; cast class indices with .long()")
-    array = array.astype(np.int64)
-    if array.min() < 0 or array.max() >= num_classes:
-        raise ValueError(
-            f"expected labels in [0, C - 1] = [0, {num_classes - 1}], got values in [{array.min()}, {array.max()}]"
-        )
-    return array
+    low, high = array.min(), array.max()  # before the cast: uint64 labels of 2**63 and more would wrap to negative
+    if low < 0 or high >= num_classes:
+        raise ValueError(f"expected labels in [0, C - 1] = [0, {num_classes - 1}], got values in [{low}, {high}]")
+    return array.astype(np.int64)
 
 
 def _check_inputs(probs: Any, labels: Any) -> tuple[np.ndarray, np.ndarray]:

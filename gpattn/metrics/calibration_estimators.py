@@ -44,10 +44,14 @@ def equal_mass_bin_indices(scores: np.ndarray, num_bins: int) -> np.ndarray:
     differing by at most one (``numpy.array_split``), ties kept together (a boundary between two equal scores moves
     to the next distinct value, so bins can merge), as the reference implementation of Kumar et al. bins them.
 
-    :param scores: Shape ``(n,)``.
-    :param num_bins: :math:`B \geq 1` (at most ``n`` bins are used).
+    :param scores: Shape ``(n,)``, :math:`n \geq 1`.
+    :param num_bins: :math:`B \geq 1` (a Python or NumPy integer; at most ``n`` bins are used).
     :return: Bin indices in ``[0, B)``, shape ``(n,)``, non-decreasing in the score.
     """
+    num_bins = check_int("num_bins", num_bins, where="equal_mass_bin_indices")
+    scores = np.asarray(scores)
+    if scores.ndim != 1 or scores.shape[0] < 1:
+        raise ValueError(f"equal_mass_bin_indices: expected scores of shape (n,) with n >= 1, got shape {scores.shape}")
     order = np.sort(scores)
     groups = np.array_split(order, min(num_bins, order.shape[0]))
     # the midpoints between consecutive groups are the edges; a score goes to the first edge >= it

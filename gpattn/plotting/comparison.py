@@ -84,6 +84,8 @@ def pool_reliability(records: Sequence[RunRecord]) -> tuple[np.ndarray, np.ndarr
 
     :param records: Records with a ``reliability`` entry, all with the same number of bins.
     :return: ``(confidence, accuracy, count)``, NumPy arrays of one value per bin (NaN for bins empty in all).
+    :raises ValueError: Records with different numbers of bins, or a bin holding predictions (count > 0) without a
+        finite confidence or accuracy (which the pooled means would otherwise read as 0).
     """
     num_bins = {len(r.reliability.count) for r in records}
     if len(num_bins) != 1:
@@ -96,6 +98,12 @@ def pool_reliability(records: Sequence[RunRecord]) -> tuple[np.ndarray, np.ndarr
         n = np.asarray(record.reliability.count, dtype=np.float64)
         conf, acc = values_array(record.reliability.confidence), values_array(record.reliability.accuracy)
         filled = n > 0
+        missing = np.flatnonzero(filled & ~(np.isfinite(conf) & np.isfinite(acc)))
+        if missing.size:
+            raise ValueError(
+                f"the reliability data of {record.attention} (task {record.task!r}, seed {record.seed}) has no finite "
+                f"confidence or accuracy in bin(s) {missing.tolist()}, which hold predictions (count > 0)"
+            )
         count += n
         confidence_sum += np.where(filled, n * np.nan_to_num(conf), 0.0)
         accuracy_sum += np.where(filled, n * np.nan_to_num(acc), 0.0)
@@ -116,13 +124,18 @@ def plot_reliability_diagrams(records: list[RunRecord], task: str) -> Figure:
 
     :param records: The comparison records.
     :param task: The task whose records are drawn.
-    :return: The figure, two panels per attention (``figure.axes`` alternates reliability and count panels).
+    :return: The figure, two panels per attention (``figure.axes`` alternates reliability and count panels); the
+        title gives the number of bins (of every row, separated by ``/``, where rows differ).
+    :raises ValueError: No reliability data for ``task``, or data that :func:`pool_reliability` refuses (no figure is
+        left open).
     """
     records = validate(records)
     selected = _reliability_records(records, task)
     if not selected:
         raise ValueError(f"no reliability data for task {task!r}")
     attentions = attention_order(r.attention for r in selected)
+    # pooled before the figure exists, so that refused data (e.g. seeds with different bins) leaves no figure open
+    pooled = {a: pool_reliability([r for r in selected if r.attention == a]) for a in attentions}
     columns = min(len(attentions), 3)
     rows = math.ceil(len(attentions) / columns)
     figure = plt.figure(figsize=(3.6 * columns, 4.6 * rows), layout="constrained")
@@ -132,7 +145,7 @@ def plot_reliability_diagrams(records: list[RunRecord], task: str) -> Figure:
         axis = figure.add_subplot(panels[2 * row, column], label="reliability")
         counts_axis = figure.add_subplot(panels[2 * row + 1, column], sharex=axis, label="count")
         group = [r for r in selected if r.attention == attention]
-        confidence, accuracy, count = pool_reliability(group)
+        confidence, accuracy, count = pooled[attention]
         size = len(count)
         edges = np.linspace(0.0, 1.0, size + 1)
         filled = count > 0
@@ -164,7 +177,8 @@ def plot_reliability_diagrams(records: list[RunRecord], task: str) -> Figure:
         counts_axis.set_ylim(0, max(1, int(count.max())) * 1.1)
     handles, labels = figure.axes[0].get_legend_handles_labels()
     figure.legend(handles, labels, loc="outside lower center", ncols=len(labels), fontsize=8)
-    figure.suptitle(f"Reliability diagrams on {task} (test set, {size} bins, seeds pooled)")
+    sizes = "/".join(map(str, unique(len(count) for _, _, count in pooled.values())))  # rows may differ
+    figure.suptitle(f"Reliability diagrams on {task} (test set, {sizes} bins, seeds pooled)")
     return figure
 
 

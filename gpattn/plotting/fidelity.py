@@ -26,6 +26,8 @@ from matplotlib.lines import Line2D
 from ..comparison.fidelity import INITIAL_PREFIX
 from ..comparison.records import RunRecord
 from ..validation import InputTypeError
+from ._records import DPI as _SAVE_DPI
+from ._records import save
 
 __all__ = ["FIDELITY_PANELS", "FIDELITY_VARIANTS", "fidelity_values", "plot_fidelity", "write_fidelity_figure"]
 
@@ -55,7 +57,7 @@ REFERENCES: dict[str, tuple[str, str, bool]] = {
     "kernel_scale": ("energy", "size of K_s: sqrt(energy)", True),
     "effective_rank": ("rank", "rank s", False),
 }
-DPI = 110
+DPI = _SAVE_DPI  # the resolution of fidelity.png (written by _records.save)
 OFFSETS = (-0.27, 0.0, 0.27)  # of the variants within a group
 
 
@@ -149,7 +151,9 @@ def plot_fidelity(records: Sequence[RunRecord]) -> Figure:
 
 
 def write_fidelity_figure(records: Sequence[RunRecord], out_dir: str | Path) -> list[Path]:
-    """Write ``fidelity.png`` (:func:`plot_fidelity`, 110 dpi) into ``out_dir`` when a record has fidelity data.
+    """Write ``fidelity.png`` (:func:`plot_fidelity`, PNG at 110 dpi) into ``out_dir`` when a record has fidelity
+    data, through a temporary file and a rename as every comparison figure (a failed write leaves an earlier
+    ``fidelity.png`` as it was); the figure is closed.
 
     :return: ``[path]``, or ``[]`` when no record has fidelity values (nothing written).
     """
@@ -157,10 +161,4 @@ def write_fidelity_figure(records: Sequence[RunRecord], out_dir: str | Path) -> 
         return []
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    figure = plot_fidelity(records)
-    try:
-        path = out_dir / "fidelity.png"
-        figure.savefig(path, dpi=DPI)
-    finally:
-        plt.close(figure)
-    return [path]
+    return [save(plot_fidelity(records), out_dir / "fidelity.png")]

@@ -334,3 +334,18 @@ def test_low_precision_rows_that_do_not_sum_to_one_are_still_rejected() -> None:
     off = torch.tensor([[0.5005, 0.5]], dtype=torch.float32)  # float32: the 1e-4 tolerance stays
     with pytest.raises(ValueError, match=r"sum to 1 within 0\.0001 \(for torch\.float32 inputs\)"):
         accuracy(off, torch.tensor([0]))
+
+
+def test_unsigned_labels_are_range_checked_before_the_cast() -> None:
+    # uint64 labels of 2**63 and more wrapped to negative in the int64 cast before the range check, so the error named
+    # a value that was not passed; in-range unsigned labels give scikit-learn's numbers
+    from sklearn.metrics import accuracy_score
+
+    big = np.array([0, 2**63 + 5, 1, 0], dtype=np.uint64)
+    with pytest.raises(ValueError, match=r"got values in \[0, 9223372036854775813\]"):
+        accuracy(PROBS, big)
+    for dtype in (np.uint8, np.uint16, np.uint32, np.uint64, np.int8):
+        labels = LABELS.astype(dtype)
+        assert accuracy(PROBS, labels) == accuracy_score(LABELS, PROBS.argmax(1)) == 0.75
+        assert brier_score(PROBS, labels) == pytest.approx(2 * brier_score_loss(LABELS == 1, PROBS[:, 1]), rel=1e-12)
+        assert negative_log_likelihood(PROBS, labels) == pytest.approx(log_loss(LABELS, PROBS), rel=1e-12)

@@ -200,3 +200,25 @@ def test_numpy_and_torch_inputs_agree_and_bad_inputs_raise() -> None:
         sweep_calibration_error(probs, labels, power=3)
     with pytest.raises(ValueError, match="sum to 1"):
         debiased_calibration_error(probs * 0.5, labels)
+
+
+@pytest.mark.parametrize(
+    ("scores", "num_bins", "error", "message"),
+    [
+        (np.array([]), 2, ValueError, r"scores of shape \(n,\) with n >= 1, got shape \(0,\)"),
+        (np.array([[0.1, 0.2]]), 1, ValueError, r"scores of shape \(n,\) with n >= 1, got shape \(1, 2\)"),
+        (np.array([0.1, 0.2]), 0, ValueError, "num_bins to be a positive integer, got 0"),
+        (np.array([0.1, 0.2]), -1, ValueError, "num_bins to be a positive integer, got -1"),
+        (np.array([0.1, 0.2]), 2.5, TypeError, "num_bins to be a positive integer, got 2.5"),
+    ],
+    ids=["empty", "2-d", "zero-bins", "negative-bins", "float-bins"],
+)
+def test_equal_mass_bins_refuse_bad_input_clearly(scores, num_bins, error, message) -> None:
+    # numpy's "number sections must be larger than 0" before; a (1, n) array and 2.5 bins were binned silently
+    with pytest.raises(error, match="equal_mass_bin_indices: expected " + message):
+        equal_mass_bin_indices(scores, num_bins)
+    # valid input as before, the bins of the reference implementation (Kumar et al.'s get_equal_bins edges)
+    scores = np.random.default_rng(0).uniform(size=50)
+    edges = np.asarray(calibration.utils.get_equal_bins(scores, num_bins=5))
+    expected = np.searchsorted(edges[:-1], scores, side="left")
+    assert equal_mass_bin_indices(scores, np.int64(5)).tolist() == expected.tolist()

@@ -464,3 +464,49 @@ def test_ood_histograms_say_when_a_panel_has_no_finite_score(records) -> None:
     kep, softmax = figure.axes
     assert [text.get_text() for text in softmax.texts] == ["no finite scores"] and softmax.get_legend() is None
     assert not kep.texts and "(120 inputs)" in kep.get_legend().get_texts()[0].get_text()
+
+
+def _cut_bins(record: RunRecord, size: int) -> RunRecord:
+    bins = record.reliability
+    cut = dataclasses.replace(
+        bins, confidence=bins.confidence[:size], accuracy=bins.accuracy[:size], count=bins.count[:size]
+    )
+    return dataclasses.replace(record, reliability=cut)
+
+
+def test_reliability_refuses_seeds_with_different_bins_and_leaves_no_figure_open(records) -> None:
+    # the figure used to be created before the seeds were pooled: the error left it open
+    kep = [r for r in records if r.task == "digits" and r.attention == "kep_svgp"]
+    plt.close("all")
+    with pytest.raises(ValueError, match=r"different numbers of bins: \[10, 15\]"):
+        plot_reliability_diagrams([kep[0], _cut_bins(kep[1], 10)], "digits")
+    assert plt.get_fignums() == []
+
+
+def test_reliability_title_names_the_bins_of_every_row(records) -> None:
+    # rows with 15 and 10 bins: each panel draws its own bins, and the title no longer names the last row's only
+    kep = [r for r in records if r.task == "digits" and r.attention == "kep_svgp"]
+    soft = [_cut_bins(r, 10) for r in records if r.task == "digits" and r.attention == "softmax"]
+    figure = plot_reliability_diagrams(kep + soft, "digits")
+    assert "(test set, 15/10 bins, seeds pooled)" in figure.get_suptitle()
+    for counts, group, size in zip(_panels(figure, "count"), (kep, soft), (15, 10), strict=True):
+        bars = sorted(_bars(counts, "count"), key=lambda p: p.get_x())
+        expected = np.sum([r.reliability.count for r in group], axis=0)
+        np.testing.assert_allclose([p.get_height() for p in bars], expected)
+        np.testing.assert_allclose([p.get_x() for p in bars], np.arange(size) / size)
+    figure = plot_reliability_diagrams(kep, "digits")
+    assert "(test set, 15 bins, seeds pooled)" in figure.get_suptitle()
+
+
+@pytest.mark.parametrize("field", ["confidence", "accuracy"])
+def test_reliability_refuses_a_filled_bin_without_its_mean(records, field) -> None:
+    # a bin holding predictions with confidence (or accuracy) None was pooled as 0: bars of a made-up gap
+    record = next(r for r in records if r.task == "digits" and r.attention == "kep_svgp")
+    filled = int(np.flatnonzero(record.reliability.count)[0])
+    values = list(getattr(record.reliability, field))
+    values[filled] = None
+    broken = dataclasses.replace(record, reliability=dataclasses.replace(record.reliability, **{field: values}))
+    plt.close("all")
+    with pytest.raises(ValueError, match=rf"kep_svgp \(task 'digits', seed 0\) has no finite .* bin\(s\) \[{filled}\]"):
+        plot_reliability_diagrams([broken], "digits")
+    assert plt.get_fignums() == []

@@ -130,3 +130,28 @@ def test_layers_without_values_are_no_fidelity_data(records, tmp_path):
         assert labels == ["mnist1d\nkep_svgp\nlayer_2", "mnist1d\nprimal\nlayer_1", "mnist1d\nprimal\nlayer_2"]
     finally:
         plt.close(figure)
+
+
+def test_write_goes_through_a_temporary_file_and_a_rename(records, tmp_path, monkeypatch):
+    # write_comparison_figures promises every figure through a temporary file and a rename; fidelity.png was written in
+    # place, so a failed write left half a file over the previous figure (and an open figure)
+    from matplotlib.figure import Figure
+
+    (tmp_path / "fidelity.png").write_bytes(b"previous figure")
+
+    def failing_savefig(self, target, *args, **kwargs):
+        with open(target, "wb") as stream:
+            stream.write(b"\x89PNG half")
+        raise OSError("disk full")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(Figure, "savefig", failing_savefig)
+        open_figures = plt.get_fignums()
+        with pytest.raises(OSError, match="disk full"):
+            write_fidelity_figure(records, tmp_path)
+        assert plt.get_fignums() == open_figures
+    assert (tmp_path / "fidelity.png").read_bytes() == b"previous figure"
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["fidelity.png"]  # no temporary file left
+    (path,) = write_fidelity_figure(records, tmp_path)
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["fidelity.png"]
