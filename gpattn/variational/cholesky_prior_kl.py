@@ -40,9 +40,11 @@ class CholeskyPriorKL(torch.autograd.Function):
 
     Inputs: ``mean`` :math:`m` of shape ``(*batch, s)``; ``factor``, the Cholesky parameter of shape
     ``(*batch, s, s)`` (only its lower triangle is read; the upper one gets a zero gradient); ``scales``
-    :math:`\sigma`, positive, broadcastable to ``(*batch, s)`` once ``singletons`` dimensions of size 1 are inserted in
-    front of its last (e.g. :math:`\Lambda` of shape ``(H, s)`` against a :math:`q(u)` of batch ``(H, d_out, 2)``
-    with ``singletons=2``); ``total``: sum over the batch. Output: shape ``(*batch)``, or a scalar with ``total``.
+    :math:`\sigma`, positive, broadcastable against ``(*batch, s)`` once ``singletons`` dimensions of size 1 are
+    inserted in front of its last (e.g. :math:`\Lambda` of shape ``(H, s)`` against a :math:`q(u)` of batch
+    ``(H, d_out, 2)`` with ``singletons=2``; a :math:`\Lambda` of shape ``(B, H, s)`` with a batch of its own in
+    front); ``total``: sum over the batch. Output: shape ``(*batch)`` broadcast with :math:`\sigma`'s batch, or a
+    scalar with ``total`` (the sum of those elements).
 
     .. note:: Cost O(s^2) per batch element, forward and backward.
     """
@@ -91,6 +93,8 @@ def _forward(ctx, mean: Tensor, factor: Tensor, scales: Tensor, total: bool, sin
     ctx.total = total
     # the output is not formed in place: under torch.compile, torch 2.11's dynamo gives every input of an autograd
     # function a zero gradient when the function returns a tensor it modified in place (not seen with torch 2.13)
+    # terms has the broadcast batch of m and sigma (sigma may carry a batch in front of q(u)'s, e.g. a spectrum per
+    # sequence): -s/2 for each of its elements
     if total:
-        return terms.sum() - 0.5 * mean.numel()
+        return terms.sum() - 0.5 * terms.numel()
     return terms.sum(-1) - 0.5 * mean.shape[-1]

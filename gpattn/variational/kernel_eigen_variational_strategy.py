@@ -15,6 +15,7 @@ from torch import Tensor
 from .._module_state import GraphFreeState
 from .._torch_compat import autocast_enabled, compilable
 from ..features import KernelEigenFeatures, KernelEigenFeaturesBase, KernelEigenScores
+from ..kernels import AsymmetricKernel
 from ..validation import InputTypeError, check_choice, check_int
 from .cholesky_prior_kl import CholeskyPriorKL
 from .structured_covariance import diagonal_prior_kl, low_rank_plus_diag, times_covariance_root
@@ -28,13 +29,26 @@ RESIDUALS = ("none", "diag")
 
 class _CovarModuleOf:
     """Picklable zero-argument callable returning ``model.covar_module`` (read lazily: strategies are built
-    before the model's modules exist)."""
+    before the model's modules exist), checked to be an asymmetric kernel.
+
+    :raises TypeError: The model has no ``covar_module``, or one that is not a gpattn
+        :class:`~gpattn.kernels.AsymmetricKernel` (e.g. a GPyTorch kernel). Not an ``AttributeError``: the features
+        read the kernel inside properties, where ``torch.nn.Module`` would replace it by "no attribute
+        'singular_values'".
+    """
 
     def __init__(self, model: ApproximateGP):
         self.model = model
 
-    def __call__(self):
-        return self.model.covar_module
+    def __call__(self) -> AsymmetricKernel:
+        kernel = getattr(self.model, "covar_module", None)
+        if not isinstance(kernel, AsymmetricKernel):
+            raise TypeError(
+                f"{type(self.model).__name__}: KernelEigenVariationalStrategy reads its kernel from "
+                f"model.covar_module, which must be an AsymmetricKernel (gpattn.kernels), got {type(kernel).__name__}; "
+                "or give the strategy features=..."
+            )
+        return kernel
 
 
 class KernelEigenVariationalStrategy(GraphFreeState, _VariationalStrategy):
@@ -164,6 +178,12 @@ class KernelEigenVariationalStrategy(GraphFreeState, _VariationalStrategy):
         self.whiten = bool(whiten)
         self.residual = residual
         self.num_output_dims = num_output_dims
+        # (a pair checks its branch dimension and the outputs in front of it itself)
+        if len(self._branch_sides) == 1 and len(variational_distribution.batch_shape) < num_output_dims:
+            raise ValueError(
+                f"{where}: num_output_dims={num_output_dims} trailing batch dimensions of q(u) index the outputs, but "
+                f"the variational distribution has batch shape {tuple(variational_distribution.batch_shape)}"
+            )
 
     # -- GPyTorch's strategy interface ------------------------------------------------------------------------------
     @property
@@ -197,7 +217,8 @@ class KernelEigenVariationalStrategy(GraphFreeState, _VariationalStrategy):
 
     def kl_divergence(self, scores: KernelEigenScores | None = None) -> Tensor:
         r""":math:`\mathrm{KL}(q(u) \| p(u))` in closed form against the diagonal prior (no solve with :math:`K_{uu}`):
-        O(s) for the prior terms and a mean-field :math:`q`, O(s^2) for a Cholesky :math:`q`.
+        O(s) for the prior terms and a mean-field :math:`q`, O(s^2) for a Cholesky :math:`q`; for a delta :math:`q(u)`
+        (``DeltaVariationalDistribution``, MAP) GPyTorch's :math:`-\log p(m)`, O(s).
 
         :param scores: The features of one call, whose :math:`\Lambda` (and active directions) make the prior: needed
             when the features' spectrum belongs to each call (exact attention features), else ``None`` (the
@@ -210,7 +231,9 @@ class KernelEigenVariationalStrategy(GraphFreeState, _VariationalStrategy):
             mean, factor = distribution.variational_mean, distribution.chol_variational_covar
             return _cholesky_prior_kl(mean, factor, self._prior_scales(scores))
         variational = distribution()
-        return diagonal_prior_kl(variational.mean, variational.lazy_covariance_matrix, self._prior_variances(scores))
+        # a delta q(u) (GPyTorch's Delta, not a MultivariateNormal) has no covariance
+        covariance = variational.lazy_covariance_matrix if isinstance(variational, MultivariateNormal) else None
+        return diagonal_prior_kl(variational.mean, covariance, self._prior_variances(scores))
 
     def __call__(self, x: Tensor, prior: bool = False, **kwargs) -> MultivariateNormal:
         """GPyTorch's ``__call__`` (:math:`q(f(x))`, initialising :math:`q(u)` at the prior on the first call and

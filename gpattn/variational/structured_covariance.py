@@ -4,6 +4,8 @@ closed-form KL against a diagonal prior. Nothing here ever forms or factorises a
 
 from __future__ import annotations
 
+import math
+
 from linear_operator.operators import (
     CholLinearOperator,
     DiagLinearOperator,
@@ -57,7 +59,7 @@ def low_rank_plus_diag(root: Tensor, diag: Tensor | None) -> LinearOperator:
     return covar if diag is None else covar + DiagLinearOperator(diag)
 
 
-def diagonal_prior_kl(mean: Tensor, variational_covar: LinearOperator, prior_variances: Tensor) -> Tensor:
+def diagonal_prior_kl(mean: Tensor, variational_covar: LinearOperator | None, prior_variances: Tensor) -> Tensor:
     r"""Closed-form :math:`\mathrm{KL}(\mathcal N(m, S) \,\|\, \mathcal N(0, \operatorname{diag}(p)))`:
 
     .. math::
@@ -65,13 +67,18 @@ def diagonal_prior_kl(mean: Tensor, variational_covar: LinearOperator, prior_var
         \tfrac12 \Big[\sum_i \frac{S_{ii}}{p_i} + \sum_i \frac{m_i^2}{p_i} - s + \sum_i \log p_i - \log |S|\Big].
 
     O(s) for a mean-field :math:`S`, O(s^2) for a Cholesky one (the row norms of its factor); GPyTorch's generic
-    KL would solve :math:`K_{uu}` against :math:`s + 1` dense columns.
+    KL would solve :math:`K_{uu}` against :math:`s + 1` dense columns. For a delta :math:`q(u) = \delta_m`
+    (``variational_covar=None``, GPyTorch's ``DeltaVariationalDistribution``) the term is GPyTorch's
+    :math:`-\log p(m) = \tfrac12 \big[\sum_i m_i^2 / p_i + \sum_i \log p_i + s \log 2\pi\big]`, in O(s).
 
     :param mean: :math:`m`, shape ``(*batch, s)``.
-    :param variational_covar: :math:`S`, shape ``(*batch, s, s)``.
+    :param variational_covar: :math:`S`, shape ``(*batch, s, s)``, or ``None`` for a delta :math:`q(u)`.
     :param prior_variances: :math:`p = \lambda^2` (or ones when whitened), shape ``(*batch, s)``.
     :return: shape ``(*batch)``.
     """
+    mahalanobis = (mean.pow(2) / prior_variances).sum(-1)
+    if variational_covar is None:  # -log N(m; 0, diag(p)), the KL GPyTorch registers for Delta against a Gaussian
+        return 0.5 * (mahalanobis + prior_variances.log().sum(-1) + mean.shape[-1] * math.log(2.0 * math.pi))
     if isinstance(variational_covar, DiagLinearOperator):
         variances = variational_covar.diagonal()
         logdet = variances.log().sum(-1)
@@ -83,5 +90,4 @@ def diagonal_prior_kl(mean: Tensor, variational_covar: LinearOperator, prior_var
         else:
             logdet = variational_covar.logdet()
     trace = (variances / prior_variances).sum(-1)
-    mahalanobis = (mean.pow(2) / prior_variances).sum(-1)
     return 0.5 * (trace + mahalanobis - mean.shape[-1] + prior_variances.log().sum(-1) - logdet)

@@ -48,6 +48,21 @@ def test_cholesky_prior_kl_against_torch_distributions(total: bool, aligned: boo
     torch.testing.assert_close(kl, expected.sum() if total else expected, rtol=1e-12, atol=1e-12)
 
 
+@pytest.mark.parametrize("total", [False, True], ids=["per-batch", "total"])
+def test_cholesky_prior_kl_with_a_spectrum_per_sequence(total: bool):
+    """sigma with a batch of its own in front of q(u)'s, (B, H, s) against q(u) of batch (H, d_out) (a spectrum per
+    sequence, as the exact attention features give): the KL of every (sequence, head, output), and their sum with
+    ``total`` (-s/2 counted once per element of the broadcast batch, not once per element of q(u))."""
+    mean, factor, scales = _randn(H, D_OUT, S, seed=11), _factor(12), _randn(B, H, S, seed=13, positive=True)
+    kl = CholeskyPriorKL.apply(mean, factor, scales, total, 1)
+    variances = scales.unsqueeze(2).square().expand(B, H, D_OUT, S)
+    covariance = factor.tril() @ factor.tril().mT
+    q = MultivariateNormal(mean.expand(B, H, D_OUT, S), covariance_matrix=covariance.expand(B, H, D_OUT, S, S))
+    p = MultivariateNormal(torch.zeros_like(variances), covariance_matrix=torch.diag_embed(variances))
+    expected = kl_divergence(q, p)  # (B, H, d_out)
+    torch.testing.assert_close(kl, expected.sum() if total else expected, rtol=1e-12, atol=1e-12)
+
+
 def test_cholesky_prior_kl_gradients():
     """gradcheck of every input; the upper triangle of the parameter gets a zero gradient."""
     inputs = (_randn(H, D_OUT, S, seed=4), _factor(5), _randn(H, 1, S, seed=6, positive=True))

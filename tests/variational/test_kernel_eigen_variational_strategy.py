@@ -12,7 +12,10 @@ import gpytorch
 import pytest
 import torch
 from gpytorch.variational._variational_strategy import _VariationalStrategy
+from torch.distributions import MultivariateNormal
 
+from gpattn.features import KernelEigenFeatures
+from gpattn.kernels import ShiftedRBFKernel
 from gpattn.test import KernelEigenVariationalTestCase
 from gpattn.variational import KernelEigenVariationalStrategy
 
@@ -170,6 +173,86 @@ def test_init_sets_up_what_gpytorch_does_but_the_copy_of_the_landmarks():
     assert [name for name, _ in ours.named_parameters() if "landmarks" in name or "inducing" in name] == [
         "features.landmarks"
     ]
+
+
+class _DeltaBranchGP(gpytorch.models.ApproximateGP):
+    def __init__(self, landmarks: torch.Tensor, num_inducing: int, whiten: bool):
+        q_u = gpytorch.variational.DeltaVariationalDistribution(num_inducing)
+        super().__init__(KernelEigenVariationalStrategy(self, landmarks, q_u, whiten=whiten))
+        self.covar_module = ShiftedRBFKernel(input_dim=landmarks.shape[-1])
+
+
+@pytest.mark.parametrize("whiten", [False, True], ids=["unwhitened", "whitened"])
+def test_a_delta_posterior_has_gpytorch_kl_and_trains(whiten: bool):
+    r"""A delta :math:`q(u) = \delta_m` (GPyTorch's MAP ``DeltaVariationalDistribution``): its KL term is GPyTorch's,
+    :math:`-\log \mathcal N(m; 0, \Lambda^2)` (or :math:`\mathcal N(0, I)` whitened), written here from the dense
+    prior; ``VariationalELBO`` and ``PredictiveLogLikelihood`` evaluate, and :math:`q(f)` is the delta's mean
+    :math:`e \Lambda^{-1} m` with only the residual as covariance."""
+    torch.manual_seed(0)
+    landmarks, inputs = torch.randn(7, 2, dtype=torch.float64), torch.randn(5, 2, dtype=torch.float64)
+    model = _DeltaBranchGP(landmarks, 4, whiten).double()
+    model(inputs)  # GPyTorch starts q(u) at the prior mean (plus a jitter)
+    strategy = model.variational_strategy
+    with torch.no_grad():
+        strategy._variational_distribution.variational_mean.copy_(torch.randn(4, dtype=torch.float64))
+    mean = strategy._variational_distribution.variational_mean.detach()
+    singular_values = torch.linalg.svdvals(model.covar_module(landmarks, landmarks).to_dense())[:4].detach()
+    variances = torch.ones_like(singular_values) if whiten else singular_values.square()
+    prior = MultivariateNormal(torch.zeros_like(variances), covariance_matrix=torch.diag(variances))
+    torch.testing.assert_close(strategy.kl_divergence(), -prior.log_prob(mean), rtol=1e-10, atol=1e-10)
+    likelihood = gpytorch.likelihoods.GaussianLikelihood().double()
+    targets = torch.randn(5, dtype=torch.float64)
+    for mll_cls in (gpytorch.mlls.VariationalELBO, gpytorch.mlls.PredictiveLogLikelihood):
+        loss = -mll_cls(likelihood, model, num_data=5)(model(inputs), targets)
+        loss.backward()
+        assert torch.isfinite(loss) and mean.abs().sum() > 0
+        assert strategy._variational_distribution.variational_mean.grad.abs().sum() > 0
+
+
+def test_num_output_dims_needs_as_many_batch_dimensions_of_q():
+    """``num_output_dims`` trailing batch dimensions of q(u) index outputs: a q(u) with fewer is refused at
+    construction, naming the argument (it used to fail at the first call with a message about the landmarks' batch,
+    and ``kl_divergence()`` before any call returned shape (1,) for a q(u) without a batch)."""
+    features = KernelEigenFeatures(ShiftedRBFKernel(input_dim=2), torch.randn(6, 2), num_inducing=3)
+    with pytest.raises(ValueError, match=r"num_output_dims=1 .* batch shape \(\)"):
+        KernelEigenVariationalStrategy(
+            torch.nn.Module(),
+            None,
+            gpytorch.variational.CholeskyVariationalDistribution(3),
+            features=features,
+            num_output_dims=1,
+        )
+    q_u = gpytorch.variational.CholeskyVariationalDistribution(3, batch_shape=torch.Size([4]))
+    strategy = KernelEigenVariationalStrategy(torch.nn.Module(), None, q_u, features=features, num_output_dims=1)
+    assert strategy.kl_divergence().shape == (4,)
+
+
+class _KernelAs(gpytorch.models.ApproximateGP):
+    def __init__(self, kernel_name: str, kernel: torch.nn.Module):
+        q_u = gpytorch.variational.CholeskyVariationalDistribution(3)
+        super().__init__(KernelEigenVariationalStrategy(self, torch.randn(6, 2), q_u))
+        setattr(self, kernel_name, kernel)
+
+
+@pytest.mark.parametrize(
+    "kernel_name, kernel, got",
+    [
+        ("kernel", ShiftedRBFKernel(input_dim=2), "NoneType"),
+        ("covar_module", gpytorch.kernels.RBFKernel(), "RBFKernel"),
+    ],
+    ids=["no-covar-module", "gpytorch-kernel"],
+)
+def test_a_model_without_an_asymmetric_covar_module_gets_a_clear_error(kernel_name, kernel, got):
+    """The default features read ``model.covar_module``: a model without one (the kernel under another name) got
+    "'KernelEigenFeatures' object has no attribute 'singular_values'" (an AttributeError inside a property, replaced by
+    torch's), and a GPyTorch kernel a TypeError about a LazyEvaluatedKernelTensor; both now name the model and
+    ``covar_module``, at the call and at ``kl_divergence()``."""
+    model = _KernelAs(kernel_name, kernel)
+    message = rf"_KernelAs: .*model\.covar_module.*AsymmetricKernel.*got {got}"
+    with pytest.raises(TypeError, match=message):
+        model(torch.randn(4, 2))
+    with pytest.raises(TypeError, match=message):
+        model.variational_strategy.kl_divergence()
 
 
 if __name__ == "__main__":
