@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from ..validation import check_float, check_int
+from ..validation import InputTypeError, check_float, check_int
 from .recipe import TrainingRecipe
 
 __all__ = ["Hyperparameters"]
@@ -64,28 +65,42 @@ class Hyperparameters:
     kl_anneal_fraction: float | None = None
 
     def __post_init__(self) -> None:
+        # each value is stored as its check returns it (a Python int or float: a NumPy number or a one-element tensor
+        # would reach the records' JSON, which refuses them, and a tensor hashes by identity)
         where = "Hyperparameters"
+
+        def store(name: str, value: Any) -> None:
+            object.__setattr__(self, name, value)
+
         for name in ("epochs", "batch_size", "embed_dim", "depth", "num_heads"):
-            check_int(name, getattr(self, name), where=where)
-        check_int("gp_layers", self.gp_layers, 0, self.depth, where=where)
+            store(name, check_int(name, getattr(self, name), where=where))
+        store("gp_layers", check_int("gp_layers", self.gp_layers, 0, self.depth, where=where))
         if self.num_inducing is not None:
-            check_int("num_inducing", self.num_inducing, where=where)
+            store("num_inducing", check_int("num_inducing", self.num_inducing, where=where))
         if self.embed_dim % self.num_heads:
             raise ValueError(f"{where}: embed_dim ({self.embed_dim}) must be divisible by num_heads ({self.num_heads})")
-        check_float("lr", self.lr, 0.0, strict_minimum=True, where=where)
+        store("lr", check_float("lr", self.lr, 0.0, strict_minimum=True, where=where))
         for name in ("weight_decay", "beta", "ksvd_weight"):
-            check_float(name, getattr(self, name), 0.0, where=where)
-        check_float("dropout", self.dropout, 0.0, 1.0, strict_maximum=True, where=where)
+            store(name, check_float(name, getattr(self, name), 0.0, where=where))
+        store("dropout", check_float("dropout", self.dropout, 0.0, 1.0, strict_maximum=True, where=where))
         if self.patience is not None:
-            check_int("patience", self.patience, where=where)
+            store("patience", check_int("patience", self.patience, where=where))
         if self.kl_anneal_fraction is not None:
-            check_float("kl_anneal_fraction", self.kl_anneal_fraction, 0.0, 1.0, where=where)
+            store(
+                "kl_anneal_fraction",
+                check_float("kl_anneal_fraction", self.kl_anneal_fraction, 0.0, 1.0, where=where),
+            )
 
-    def updated(self, values: dict[str, Any]) -> Hyperparameters:
+    def updated(self, values: Mapping[str, Any]) -> Hyperparameters:
         """These hyperparameters with ``values`` (name -> value, e.g. a tuned configuration) replacing some.
 
+        :raises InputTypeError: ``values`` is not a mapping with string keys.
         :raises ValueError: A name that is not a hyperparameter, or a value out of its range.
         """
+        if not isinstance(values, Mapping) or not all(isinstance(name, str) for name in values):
+            raise InputTypeError(
+                f"Hyperparameters: expected values to map hyperparameter names (strings) to values, got {values!r}"
+            )
         names = [entry.name for entry in dataclasses.fields(self)]
         unknown = sorted(set(values) - set(names))
         if unknown:
@@ -103,7 +118,11 @@ class Hyperparameters:
             >>> base.kl_anneal_epochs(TrainingRecipe(0.5)), base.updated({"kl_anneal_fraction": 0.25}).kl_anneal_epochs(
             ...     TrainingRecipe(0.5))
             (30.0, 15.0)
+
+        :raises InputTypeError: ``recipe`` is not a :class:`~gpattn.methods.TrainingRecipe`.
         """
+        if not isinstance(recipe, TrainingRecipe):
+            raise InputTypeError(f"Hyperparameters: expected recipe to be a TrainingRecipe, got {recipe!r}")
         if self.kl_anneal_fraction is None:
             return recipe.kl_anneal_epochs(self.epochs)
         return TrainingRecipe(self.kl_anneal_fraction).kl_anneal_epochs(self.epochs)

@@ -7,10 +7,24 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..attention import select_arguments
+from ..validation import InputTypeError
 from .predictive import Predictive
 from .recipe import TrainingRecipe
 
 __all__ = ["MethodSpec"]
+
+
+class _Arguments(dict):
+    """The keyword arguments a :class:`MethodSpec` holds: its own copy, read-only (a frozen spec, also one read from
+    the registry, does not change), a ``dict`` otherwise (spread, compared, JSON), pickled and copied as its items."""
+
+    def _read_only(self, *args: Any, **kwargs: Any) -> None:
+        raise TypeError("a MethodSpec's arguments are read-only; make a new spec (dataclasses.replace) to change them")
+
+    __setitem__ = __delitem__ = __ior__ = clear = pop = popitem = setdefault = update = _read_only
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return type(self), (dict(self),)
 
 
 @dataclass(frozen=True)
@@ -18,10 +32,12 @@ class MethodSpec:
     """One row of the comparison, resolved from its name once (:func:`~gpattn.methods.get_method`) and read by the run:
     what is trained (a :class:`~gpattn.models.Transformer` with a registered attention), how, and how it predicts.
 
-    :ivar name: The row's name (``gpattn compare --attentions <name>``, the records' ``attention``).
+    :ivar name: The row's name (``gpattn compare --attentions <name>``, the records' ``attention`` and their file
+        names: no spaces, no path separators).
     :ivar attention: The registered attention (:func:`~gpattn.attention.attention_names`) of the row's GP blocks.
     :ivar attention_arguments: Keyword arguments of that layer fixed by the row (they override the shared settings
-        such as ``num_inducing``); ``{}`` for the registry's defaults.
+        such as ``num_inducing``); ``{}`` for the registry's defaults. The spec holds a read-only copy (as it does of
+        :attr:`model_arguments`), which is left out of its hash.
     :ivar model_arguments: Keyword arguments of the :class:`~gpattn.models.Transformer` fixed by the row.
     :ivar recipe: The training recipe (:class:`~gpattn.methods.TrainingRecipe`, e.g. SGPA's KL annealing).
     :ivar predictive: How the trained row predicts (:class:`~gpattn.methods.Predictive`: its own Monte Carlo samples,
@@ -40,8 +56,8 @@ class MethodSpec:
 
     name: str
     attention: str
-    attention_arguments: Mapping[str, Any] = field(default_factory=dict)
-    model_arguments: Mapping[str, Any] = field(default_factory=dict)
+    attention_arguments: Mapping[str, Any] = field(default_factory=dict, hash=False)  # hashed: the other fields
+    model_arguments: Mapping[str, Any] = field(default_factory=dict, hash=False)
     recipe: TrainingRecipe = field(default_factory=TrainingRecipe)
     predictive: Predictive = field(default_factory=Predictive)
     temperature_scaled: bool = True
@@ -51,21 +67,34 @@ class MethodSpec:
     def __post_init__(self) -> None:
         for label in ("name", "attention"):
             value = getattr(self, label)
-            if not isinstance(value, str) or not value or any(character.isspace() for character in value):
+            if not isinstance(value, str):
+                raise InputTypeError(
+                    f"MethodSpec: expected {label} to be a non-empty string without spaces, got {value!r}"
+                )
+            if not value or any(character.isspace() for character in value):
                 raise ValueError(f"MethodSpec: expected {label} to be a non-empty string without spaces, got {value!r}")
+        if "/" in self.name or "\\" in self.name:  # refused now, not when a run's record is written after training
+            raise ValueError(
+                f"MethodSpec: expected name to be without path separators ('/', '\\'): the records of its runs are "
+                f"files named after it (<task>-<name>-<seed>.json), got {self.name!r}"
+            )
         for label in ("attention_arguments", "model_arguments"):
             value = getattr(self, label)
             if not isinstance(value, Mapping) or not all(isinstance(key, str) for key in value):
-                raise ValueError(f"MethodSpec: expected {label} to map argument names to values, got {value!r}")
-            object.__setattr__(self, label, dict(value))  # a copy: the caller's dict may change later
+                raise InputTypeError(f"MethodSpec: expected {label} to map argument names to values, got {value!r}")
+            object.__setattr__(self, label, _Arguments(value))  # a read-only copy: the caller's dict may change later
         for label, kind in (("recipe", TrainingRecipe), ("predictive", Predictive)):
             if not isinstance(getattr(self, label), kind):
-                raise TypeError(f"MethodSpec: expected {label} to be a {kind.__name__}, got {getattr(self, label)!r}")
+                raise InputTypeError(
+                    f"MethodSpec: expected {label} to be a {kind.__name__}, got {getattr(self, label)!r}"
+                )
         if not isinstance(self.temperature_scaled, bool):
-            raise ValueError(f"MethodSpec: expected temperature_scaled to be a bool, got {self.temperature_scaled!r}")
+            raise InputTypeError(
+                f"MethodSpec: expected temperature_scaled to be a bool, got {self.temperature_scaled!r}"
+            )
         for label in ("description", "paper"):
             if not isinstance(getattr(self, label), str):
-                raise ValueError(f"MethodSpec: expected {label} to be a string, got {getattr(self, label)!r}")
+                raise InputTypeError(f"MethodSpec: expected {label} to be a string, got {getattr(self, label)!r}")
 
     def layer_arguments(self, **settings: Any) -> dict[str, Any]:
         """The keyword arguments of the row's attention layer: the shared ``settings`` that the layer takes

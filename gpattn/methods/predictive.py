@@ -36,7 +36,8 @@ class Predictive:
 
     def __post_init__(self) -> None:
         check_choice("kind", self.kind, PREDICTIVE_KINDS, where="Predictive")
-        check_int("members", self.members, where="Predictive")
+        # stored as a Python int (a NumPy integer would reach the records' JSON, which refuses it)
+        object.__setattr__(self, "members", check_int("members", self.members, where="Predictive"))
 
     @property
     def mc_dropout(self) -> bool:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..validation import check_float
+from ..validation import check_float, check_int
 
 __all__ = ["TrainingRecipe"]
 
@@ -25,8 +25,14 @@ class TrainingRecipe:
     kl_anneal_fraction: float = 0.0
 
     def __post_init__(self) -> None:
-        check_float("kl_anneal_fraction", self.kl_anneal_fraction, 0.0, 1.0, where="TrainingRecipe")
+        # stored as a Python float (a NumPy number or a tensor would hash and serialise otherwise)
+        fraction = check_float("kl_anneal_fraction", self.kl_anneal_fraction, 0.0, 1.0, where="TrainingRecipe")
+        object.__setattr__(self, "kl_anneal_fraction", fraction)
 
     def kl_anneal_epochs(self, epochs: int) -> float:
-        """The KL annealing length in epochs of a run of ``epochs`` epochs."""
-        return self.kl_anneal_fraction * epochs
+        """The KL annealing length in epochs of a run of ``epochs`` epochs.
+
+        :raises InputTypeError: ``epochs`` is not an integer.
+        :raises ValueError: ``epochs`` is negative.
+        """
+        return self.kl_anneal_fraction * check_int("epochs", epochs, minimum=0, where="TrainingRecipe.kl_anneal_epochs")

@@ -7,7 +7,7 @@ into a :class:`~gpattn.methods.MethodSpec` that everything downstream reads (no 
 
 from __future__ import annotations
 
-from ..attention import attention_names
+from ..attention import accepts_argument, attention_arguments, attention_names
 from .method_spec import MethodSpec
 from .predictive import Predictive
 from .recipe import TrainingRecipe
@@ -135,7 +135,8 @@ def get_method(name: str) -> MethodSpec:
         'mc_dropout'
 
     :param name: One of :func:`method_names`.
-    :raises ValueError: An unknown row (the message lists the rows), or a row whose attention is no longer registered.
+    :raises ValueError: An unknown row (the message lists the rows), or a row whose attention is no longer registered
+        (or no longer takes the row's arguments).
     :raises TypeError: ``name`` is not a string.
     """
     if not isinstance(name, str):
@@ -149,7 +150,8 @@ def get_method(name: str) -> MethodSpec:
 
 def resolve_method(method: str | MethodSpec) -> MethodSpec:
     """``method`` as a :class:`~gpattn.methods.MethodSpec`: a row name through :func:`get_method`, a spec as it is
-    (after checking that its attention is registered)."""
+    (after checking that its attention is registered and takes its
+    :attr:`~gpattn.methods.MethodSpec.attention_arguments`)."""
     return _checked(method) if isinstance(method, MethodSpec) else get_method(method)
 
 
@@ -164,8 +166,9 @@ def register_method(spec: MethodSpec) -> None:
         'kep_s4'
         >>> unregister_method("kep_s4")
 
-    :raises ValueError: A row of that name is already in :data:`METHODS`, or ``spec.attention`` is not a registered
-        attention.
+    :raises ValueError: A row of that name is already in :data:`METHODS`, ``spec.attention`` is not a registered
+        attention, or ``spec.attention_arguments`` names an argument that attention does not take (refused now, not
+        when the first run builds it).
     :raises TypeError: ``spec`` is not a :class:`~gpattn.methods.MethodSpec`.
     """
     if not isinstance(spec, MethodSpec):
@@ -180,7 +183,10 @@ def unregister_method(name: str) -> None:
     attention stays a row (with the defaults) until :func:`~gpattn.attention.unregister_attention` removes it.
 
     :raises ValueError: ``name`` is not in :data:`METHODS`.
+    :raises TypeError: ``name`` is not a string.
     """
+    if not isinstance(name, str):
+        raise TypeError(f"expected a comparison row name (a string), got {type(name).__name__}: {name!r}")
     if name not in METHODS:
         raise ValueError(f"the comparison row {name!r} is not registered; registered rows: {list(METHODS)}")
     del METHODS[name]
@@ -191,5 +197,11 @@ def _checked(spec: MethodSpec) -> MethodSpec:
         raise ValueError(
             f"the comparison row {spec.name!r} uses the attention {spec.attention!r}, which is not registered; "
             f"expected one of {attention_names()}"
+        )
+    unknown = sorted(key for key in spec.attention_arguments if not accepts_argument(spec.attention, key))
+    if unknown:
+        raise ValueError(
+            f"the comparison row {spec.name!r} passes {unknown} to the attention {spec.attention!r}, which takes "
+            f"{attention_arguments(spec.attention)}"
         )
     return spec

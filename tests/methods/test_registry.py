@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import copy
 import dataclasses
+import json
 import math
+import pickle
 
 import pytest
 import torch
@@ -22,6 +25,7 @@ from gpattn.methods import (
     resolve_method,
     unregister_method,
 )
+from gpattn.validation import InputTypeError
 
 
 class EchoAttention(SoftmaxAttention):
@@ -246,3 +250,111 @@ def test_the_sgpa_row_states_its_kl_weighting_and_builds_it():
     assert "kl_weighting='elbo'" in spec.description
     layer = build_attention(spec.attention, 16, 2, **spec.layer_arguments(num_inducing=4, ksvd_weight=1.0))
     assert layer.kl_weighting == "elbo"
+
+
+# -- reliability: the values a spec holds, its state, and the errors of bad inputs ----------------------------------
+_VALUES = dict(epochs=2, lr=1e-3, weight_decay=0.0, batch_size=8, embed_dim=16, depth=2, num_heads=2, gp_layers=1,
+               num_inducing=None, beta=1.0, ksvd_weight=1.0, dropout=0.0)  # fmt: skip
+
+
+def test_numbers_are_stored_as_python_numbers_for_json_and_hashing():
+    """NumPy numbers and one-element tensors pass the checks; they are stored as the Python ``int``/``float`` the
+    checks return, so that ``to_dict`` reaches the records' JSON and equal values hash equally."""
+    numpy = pytest.importorskip("numpy")
+    odd = {
+        "epochs": numpy.int64(3),
+        "lr": numpy.float32(0.5),
+        "num_inducing": numpy.int32(4),
+        "patience": numpy.int8(2),
+    }
+    hyperparameters = Hyperparameters(**{**_VALUES, **odd, "beta": torch.tensor(0.5), "kl_anneal_fraction": 1})
+    values = hyperparameters.to_dict()
+    assert json.loads(json.dumps(values)) == values
+    names = ("epochs", "lr", "num_inducing", "patience", "beta", "kl_anneal_fraction")
+    assert [type(values[name]) for name in names] == [int, float, int, int, float, float]
+    assert type(hyperparameters.updated({"depth": numpy.int64(2)}).depth) is int
+    recipe = TrainingRecipe(torch.tensor(0.5))
+    assert type(recipe.kl_anneal_fraction) is float
+    assert recipe == TrainingRecipe(torch.tensor(0.5)) and hash(recipe) == hash(TrainingRecipe(torch.tensor(0.5)))
+    assert type(Predictive(members=numpy.int64(5)).members) is int
+
+
+def test_specs_are_hashable_read_only_and_travel_to_workers():
+    """A spec is hashable (its argument mappings are left out of the hash), its arguments cannot be changed (also not
+    through a row read from the registry), and pickling (worker processes, Ray) and copies give equal specs."""
+    spec = MethodSpec("kep_s4", "kep_svgp", attention_arguments={"num_inducing": 4}, model_arguments={"depth": 3})
+    assert hash(spec) == hash(MethodSpec("kep_s4", "kep_svgp", {"num_inducing": 4}, {"depth": 3}))
+    assert len({spec, get_method("sgpa"), get_method("sgpa")}) == 2
+    for change in (
+        lambda arguments: arguments.__setitem__("num_inducing", 8),
+        lambda arguments: arguments.update(num_inducing=8),
+        lambda arguments: arguments.pop("num_inducing", None),
+        lambda arguments: arguments.setdefault("ksvd_weight", 2.0),
+        lambda arguments: arguments.clear(),
+    ):
+        for arguments in (spec.attention_arguments, get_method("sgpa").attention_arguments, spec.model_arguments):
+            with pytest.raises(TypeError, match="read-only"):
+                change(arguments)
+    assert spec.attention_arguments == {"num_inducing": 4} and get_method("sgpa").attention_arguments == {}
+    assert json.dumps(spec.attention_arguments) == '{"num_inducing": 4}'
+    assert {**spec.attention_arguments, "ksvd_weight": 1.0} == {"num_inducing": 4, "ksvd_weight": 1.0}
+    for copied in [pickle.loads(pickle.dumps(spec, protocol)) for protocol in range(pickle.HIGHEST_PROTOCOL + 1)] + [
+        copy.deepcopy(spec),
+        copy.copy(spec),
+        dataclasses.replace(spec),
+    ]:
+        assert copied == spec and hash(copied) == hash(spec)
+        with pytest.raises(TypeError, match="read-only"):
+            copied.attention_arguments["num_inducing"] = 8
+
+
+def test_bad_inputs_are_clear_type_and_value_errors():
+    """Wrong types are InputTypeErrors (a TypeError and a ValueError) naming the argument, not raw Python errors."""
+    for bad, match in (
+        ({"name": 3}, "expected name to be a non-empty string"),
+        ({"description": None}, "expected description to be a string"),
+        ({"temperature_scaled": 1}, "temperature_scaled to be a bool"),
+        ({"model_arguments": {1: 2}}, "model_arguments to map argument names"),
+        ({"recipe": 0.5}, "recipe to be a TrainingRecipe"),
+    ):
+        with pytest.raises(InputTypeError, match=match):
+            MethodSpec(**{"name": "row", "attention": "softmax", **bad})
+    base = Hyperparameters(**_VALUES)
+    for values in ("lr", [("lr", 1e-3)], {1: 2, "lr": 1e-3}, None):
+        with pytest.raises(InputTypeError, match="expected values to map hyperparameter names"):
+            base.updated(values)
+    for recipe in (None, 0.5):
+        with pytest.raises(InputTypeError, match="expected recipe to be a TrainingRecipe"):
+            base.kl_anneal_epochs(recipe)
+    with pytest.raises(ValueError, match="expected epochs to be a non-negative integer, got -4"):
+        TrainingRecipe(0.5).kl_anneal_epochs(-4)
+    with pytest.raises(InputTypeError, match="expected epochs"):
+        TrainingRecipe(0.5).kl_anneal_epochs("4")
+    for name in (["softmax"], 3):
+        with pytest.raises(TypeError, match="a string"):
+            unregister_method(name)
+
+
+def test_a_row_passing_an_argument_its_attention_does_not_take_is_refused_when_registered():
+    """As register_attention refuses unknown defaults: a typo in a row's attention arguments is refused by
+    register_method (and resolve_method), not when the first run builds the layer."""
+    typo = MethodSpec("typo", "softmax", attention_arguments={"num_inducng": 4})
+    with pytest.raises(
+        ValueError, match=r"the comparison row 'typo' passes \['num_inducng'\] to the attention 'softmax'"
+    ):
+        register_method(typo)
+    assert "typo" not in METHODS
+    with pytest.raises(ValueError, match="passes"):
+        resolve_method(typo)
+    with pytest.raises(ValueError, match=r"passes \['num_heads'\]"):
+        resolve_method(MethodSpec("heads", "kep_svgp", attention_arguments={"num_heads": 4}))
+    assert resolve_method(MethodSpec("s4", "kep_svgp", attention_arguments={"num_inducing": 4})).name == "s4"
+
+
+def test_a_row_name_with_a_path_separator_is_refused():
+    """The records of a row's runs are files named ``<task>-<name>-<seed>.json``: a name with a path separator is
+    refused when the spec is made, not when the first record is written after its training."""
+    for name in ("my/row", "my\\row"):
+        with pytest.raises(ValueError, match="expected name to be without path separators"):
+            MethodSpec(name, "softmax")
+    assert MethodSpec("ok", "softmax", attention_arguments={"dropout": 0.1}).name == "ok"
