@@ -7,6 +7,8 @@
 * :func:`autocast_enabled` and :func:`autocast_dtype`: ``torch.is_autocast_enabled(device_type)`` and
   ``torch.get_autocast_dtype(device_type)`` (torch 2.4+), else the per-device functions of older releases (CPU and
   CUDA: autocast on another device type reads as disabled there);
+* :func:`mha_fastpath_disabled`: ``torch.backends.mha.set_fastpath_enabled(False)`` for a block (torch 2.3+; older
+  releases have no switch, and the block changes nothing there);
 * :data:`COMPILES_ASSERTS`: whether a value check may be an asynchronous assertion inside a compiled region;
 * :func:`compilable`: the ``apply`` of one of gpattn's autograd functions as ``torch.compile`` should meet it: as it
   is where dynamo traces those functions (torch 2.4+, tested on 2.4 and later), else run eagerly inside a compiled
@@ -31,6 +33,7 @@ __all__ = [
     "compilable",
     "is_capturing",
     "is_compiling",
+    "mha_fastpath_disabled",
     "rehearsing_capture",
     "values_unreadable",
 ]
@@ -47,6 +50,12 @@ TRACES_FUNCTIONS = TorchVersion(torch.__version__) >= (2, 4)
 #: tensor's values without a data-dependent branch. On CUDA the assertions also need inductor's
 #: ``assert_indirect_indexing`` (its default, True).
 COMPILES_ASSERTS = TorchVersion(torch.__version__) >= (2, 9) and torch.version.hip is None
+
+#: torch 2.3+: ``torch.backends.mha``, the switch of the fused multi-head-attention fast path (``None`` before)
+try:
+    from torch.backends import mha as _MHA
+except ImportError:  # torch 2.1-2.2
+    _MHA = None
 
 #: torch 2.6+: ``torch.compiler.set_stance`` (``"force_eager"``: compiled functions run their Python code eagerly)
 SETS_STANCE = hasattr(torch.compiler, "set_stance")
@@ -81,6 +90,23 @@ def values_unreadable() -> bool:
     """Whether no value may be read on the host: while ``torch.compile`` traces (:func:`is_compiling`) or a CUDA graph
     is captured (:func:`is_capturing`). The value checks are then skipped, or made on the device."""
     return is_compiling() or is_capturing()
+
+
+@contextmanager
+def mha_fastpath_disabled() -> Iterator[None]:
+    """Inside the block torch's fused multi-head-attention fast path is off (the previous setting is restored after
+    it, also on an error): an eval-mode :class:`torch.nn.TransformerEncoderLayer` or
+    :class:`torch.nn.MultiheadAttention` without gradients then runs its modules one by one, dropout included. A
+    process-wide switch, not thread-local; on torch 2.1-2.2, which have no switch, the block changes nothing."""
+    if _MHA is None:
+        yield
+        return
+    previous = _MHA.get_fastpath_enabled()
+    _MHA.set_fastpath_enabled(False)
+    try:
+        yield
+    finally:
+        _MHA.set_fastpath_enabled(previous)
 
 
 @contextmanager

@@ -95,3 +95,21 @@ def test_the_dataclasses_built_inside_a_compiled_layer_are_not_frozen():
 
     for cls in (AttentionInputs, KernelEigenScores):
         assert dataclasses.is_dataclass(cls) and not cls.__dataclass_params__.frozen, cls.__name__
+
+
+@pytest.mark.parametrize("fallback", [False, True], ids=["torch-2.3+", "fallback"])
+def test_mha_fastpath_is_off_inside_the_block_and_restored_after_an_error(monkeypatch, fallback):
+    """torch 2.3+: the switch reads False inside the block and its previous value (True or False) after it, also when
+    the block raises; torch 2.1-2.2 (no ``torch.backends.mha``): the block runs and touches nothing."""
+    mha = pytest.importorskip("torch.backends.mha")
+    if fallback:
+        monkeypatch.setattr(_torch_compat, "_MHA", None)
+    for before in (True, False):
+        mha.set_fastpath_enabled(before)
+        try:
+            with pytest.raises(RuntimeError, match="inside"), _torch_compat.mha_fastpath_disabled():
+                assert mha.get_fastpath_enabled() is (before if fallback else False)
+                raise RuntimeError("inside")
+            assert mha.get_fastpath_enabled() is before
+        finally:
+            mha.set_fastpath_enabled(True)

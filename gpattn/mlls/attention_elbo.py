@@ -105,7 +105,8 @@ class AttentionELBO(torch.nn.Module):
         submodules that have one (a converted timm or Hugging Face model).
     :param num_data: Number of training sequences :math:`n`.
     :param beta: KL weight :math:`\beta \geq 0` (the attribute may be set to a 0-dimensional tensor, as the training
-        loop does while a CUDA graph replays its steps: a float would be frozen into the graph).
+        loop does while a CUDA graph replays its steps: a float would be frozen into the graph; a number set later is
+        checked as this argument is, a tensor's values are not read).
     :param combine_terms: Return the scalar loss (``True``) or a dict of its parts.
     :param check_finite: Refuse NaN or infinite logits with a ``ValueError`` (default). A training loop that checks the
         loss itself, to restore its last good state and report the step (as :func:`~gpattn.training.train_model`
@@ -137,6 +138,19 @@ class AttentionELBO(torch.nn.Module):
         self.combine_terms = bool(combine_terms)
         self.check_finite = bool(check_finite)
 
+    @property
+    def beta(self) -> float | Tensor:
+        """The KL weight :math:`\\beta`: a float, or the 0-dimensional floating-point tensor it was set to."""
+        return self._beta
+
+    @beta.setter
+    def beta(self, value: float | Tensor) -> None:
+        # O(1), no read of a tensor's value (the training loop fills its tensor in place while a CUDA graph replays)
+        if torch.is_tensor(value) and value.dim() == 0 and value.is_floating_point():
+            self._beta = value
+        else:  # a negative weight would reward a growing KL: refused as the constructor's argument is
+            self._beta = check_float("beta", value, 0.0, where="AttentionELBO")
+
     def forward(self, logits: Tensor | Mapping[str, Any], targets: Tensor) -> Tensor | dict[str, Tensor]:
         """The loss of the forward pass that produced ``logits``.
 
@@ -148,7 +162,8 @@ class AttentionELBO(torch.nn.Module):
             KL terms), ``"ksvd"`` (the sum of the other added loss terms, :math:`\\eta J^2` each) and their sum
             ``"loss"``.
         :raises ValueError: NaN or infinite logits (e.g. a diverged model), naming how many entries (unless
-            ``check_finite=False``); an empty batch (no sample, sequence or class).
+            ``check_finite=False``); an empty batch (no sample, sequence or class); a single class (its cross-entropy
+            is 0 whatever the logits).
         """
         # O(1) checks, one min/max over the targets and one over the logits
         if isinstance(logits, Mapping):
@@ -160,6 +175,11 @@ class AttentionELBO(torch.nn.Module):
             raise ValueError(
                 f"AttentionELBO: expected logits of at least one sample, sequence and class, got shape "
                 f"{tuple(logits.shape)} (the loss of an empty batch is undefined)"
+            )
+        if logits.shape[-1] < 2:  # log softmax of one logit is 0: a loss that trains nothing
+            raise ValueError(
+                f"AttentionELBO: expected logits of at least 2 classes, got shape {tuple(logits.shape)} (the "
+                "cross-entropy of a single class is 0 whatever the model; a binary classifier needs 2 logits)"
             )
         check_tensor(
             "targets",

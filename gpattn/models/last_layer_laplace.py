@@ -11,7 +11,7 @@ from torch import Tensor
 
 from .._module_state import kept_call_results, restored_modes
 from .._torch_compat import eager_calls
-from ..validation import check_int, check_tensor
+from ..validation import InputTypeError, check_int, check_tensor
 
 __all__ = ["LastLayerLaplace"]
 
@@ -121,17 +121,23 @@ class LastLayerLaplace(torch.nn.Module):
         """Fit the approximation on the training data (see the class docstring) and return ``self``.
 
         :param inputs: The training inputs, as the model takes them.
-        :param labels: Their integer labels ``(n,)``.
+        :param labels: Their integer labels ``(n,)``, of any integer dtype.
         :param mask: The model's mask argument (a tensor is cut into batches with ``inputs``).
         :param batch_size: Inputs per forward pass and per curvature batch.
         :raises ImportError: laplace-torch is not installed (``pip install 'gpattn[laplace]'``).
+        :raises TypeError: Labels that are not integers (floats, bools).
+        :raises ValueError: Labels of the wrong shape or out of the range of the classes; no input.
+
+        The global torch RNG is left as it was (the curvature batches are read in order).
         """
-        check_int("batch_size", batch_size, where="LastLayerLaplace.fit")
+        batch_size = check_int("batch_size", batch_size, where="LastLayerLaplace.fit")
         check_tensor("inputs", inputs, where="LastLayerLaplace.fit")
         _check_non_empty(inputs, "LastLayerLaplace.fit")
         check_tensor("labels", labels, where="LastLayerLaplace.fit")
-        if labels.dim() != 1 or labels.shape[0] != inputs.shape[0] or labels.is_floating_point():
-            raise ValueError(
+        integer = not (labels.is_floating_point() or labels.is_complex() or labels.dtype == torch.bool)
+        if labels.dim() != 1 or labels.shape[0] != inputs.shape[0] or not integer:
+            error = ValueError if integer else InputTypeError
+            raise error(
                 f"LastLayerLaplace.fit: expected integer labels of shape ({inputs.shape[0]},), got "
                 f"{labels.dtype} {tuple(labels.shape)}"
             )
@@ -159,8 +165,10 @@ class LastLayerLaplace(torch.nn.Module):
         laplace = Laplace(
             head, "classification", subset_of_weights="last_layer", hessian_structure="kron", last_layer_name="0"
         )
-        data = torch.utils.data.TensorDataset(features, labels.to(features.device))
-        laplace.fit(torch.utils.data.DataLoader(data, batch_size=batch_size))
+        # int64 labels, as laplace-torch's cross-entropy takes them; a loader with its own generator, as every loader
+        # iterator draws a seed, which would otherwise come from the global RNG
+        data = torch.utils.data.TensorDataset(features, labels.to(device=features.device, dtype=torch.int64))
+        laplace.fit(torch.utils.data.DataLoader(data, batch_size=batch_size, generator=torch.Generator()))
         with warnings.catch_warnings():  # its reminder of the link approximation concerns a grid search on validation
             warnings.filterwarnings("ignore", message="By default `link_approx` is `probit`")
             laplace.optimize_prior_precision(method="marglik")
@@ -177,10 +185,20 @@ class LastLayerLaplace(torch.nn.Module):
         self, inputs: Tensor, mask: Tensor | str | None = None, batch_size: int | None = None
     ) -> tuple[Tensor, Tensor]:
         r"""The GLM predictive of the logits: mean :math:`f_{\theta_{\mathrm{MAP}}}(x)` ``(B, C)`` and covariance
-        :math:`J(x) \Sigma J(x)^\top` ``(B, C, C)``, from laplace-torch's last-layer Jacobians and functional
-        variance, in the model's dtype."""
+        :math:`J(x) \Sigma J(x)^\top` ``(B, C, C)``, with the last-layer Jacobians
+        :math:`J(x) = [\phi(x)^\top \otimes I_C,\; I_C]` (laplace-torch's order of the parameters: :math:`W` row by
+        row, then :math:`b`) and laplace-torch's functional variance, in the model's dtype.
+
+        The Jacobians are formed here from the features, not by laplace-torch's forward hook, whose closure a copy
+        (``copy.deepcopy``) would share with the original: the copy would read the original's last features."""
         laplace = self._fitted()
-        jacobians, mean = laplace.backend.last_layer_jacobians(self.features(inputs, mask, batch_size))
+        features = self.features(inputs, mask, batch_size)  # shape: (B, D)
+        head = laplace.model.last_layer  # laplace-torch's copy of the last layer, at the MAP weights
+        mean = head(features)  # shape: (B, C)
+        identity = torch.eye(mean.shape[-1], dtype=mean.dtype, device=mean.device)
+        jacobians = torch.einsum("bd,ij->bijd", features, identity).reshape(*mean.shape, -1)  # shape: (B, C, C D)
+        if head.bias is not None:
+            jacobians = torch.cat([jacobians, identity.expand(mean.shape[0], -1, -1)], dim=-1)
         return mean, laplace.functional_variance(jacobians)
 
     @torch.no_grad()

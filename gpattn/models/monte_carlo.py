@@ -7,6 +7,7 @@ from torch import Tensor
 
 from .._module_state import kept_call_results, restored_modes
 from ..attention import AttentionLayer, sample_attention
+from ..mlls.attention_elbo import model_logits
 from ..validation import check_int, check_tensor
 from .monte_carlo_dropout import mc_dropout as dropout_masks
 
@@ -33,7 +34,9 @@ def monte_carlo_logits(
 
     .. note:: Cost: :math:`T` forward passes; memory ``T B C`` for the logits plus one batch's activations.
 
-    :param model: Maps ``(inputs, mask=mask)`` to logits ``(B, C)``.
+    :param model: Maps ``(inputs, mask=mask)`` (``inputs`` alone when ``mask`` is ``None``, as
+        :func:`~gpattn.models.predict_probabilities` calls it) to logits ``(B, C)``, or to a mapping holding them under
+        ``"logits"`` (a dict, a ``transformers`` ``ModelOutput``).
     :param inputs: The model's inputs, batch first.
     :param mask: The model's mask argument (a tensor is cut into batches with ``inputs``).
     :param num_samples: :math:`T \geq 1`.
@@ -62,7 +65,10 @@ def monte_carlo_logits(
     ):
         batches = []
         for start in range(0, inputs.shape[0], step):
-            batch_mask = mask[start : start + step] if isinstance(mask, Tensor) else mask
             batch = inputs[start : start + step]
-            batches.append(torch.stack([model(batch, mask=batch_mask) for _ in range(passes)]))
+            if mask is None:
+                keywords = {}
+            else:
+                keywords = {"mask": mask[start : start + step] if isinstance(mask, Tensor) else mask}
+            batches.append(torch.stack([model_logits(model(batch, **keywords), where) for _ in range(passes)]))
     return torch.cat(batches, dim=1)  # shape: (T, B, C)

@@ -10,9 +10,11 @@ own sampling switch, batch norms) as it is, so that a model in eval mode samples
 from __future__ import annotations
 
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 
 import torch
+
+from .._torch_compat import mha_fastpath_disabled
 
 __all__ = ["DROPOUT_MODULES", "dropout_modules", "mc_dropout"]
 
@@ -41,7 +43,10 @@ def mc_dropout(module: torch.nn.Module, enabled: bool = True) -> Iterator[torch.
 
     Enter it *after* ``model.eval()``: a later ``model.eval()`` or ``model.train(False)`` inside the block switches
     dropout off again. The masks come from the global torch RNG, so ``torch.manual_seed`` makes the samples
-    reproducible. Example::
+    reproducible. While enabled, torch's fused multi-head-attention fast path
+    (``torch.backends.mha.set_fastpath_enabled``, torch 2.3+) is switched off, and restored afterwards: an eval-mode
+    :class:`torch.nn.TransformerEncoderLayer` (``batch_first=True``) without gradients would otherwise run one fused
+    kernel that skips its dropout modules, and every pass would be identical. Example::
 
         model.eval()
         with torch.no_grad(), mc_dropout(model):
@@ -64,7 +69,9 @@ def mc_dropout(module: torch.nn.Module, enabled: bool = True) -> Iterator[torch.
         for layer in layers:
             layer.train(True)
     try:
-        yield module
+        # the fused kernels of torch's eval-mode transformer layers never call their dropout modules
+        with mha_fastpath_disabled() if enabled else nullcontext():
+            yield module
     finally:
         for layer, mode in zip(layers, previous, strict=True):
             layer.train(mode)

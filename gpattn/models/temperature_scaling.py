@@ -41,6 +41,7 @@ from gpytorch.constraints import Positive
 from gpytorch.module import Module
 from torch import Tensor
 
+from ..mlls.attention_elbo import model_logits
 from ..validation import InputTypeError, check_float, check_int, check_positive, check_tensor
 from .monte_carlo import monte_carlo_logits
 
@@ -163,8 +164,11 @@ class TemperatureScaling(Module):
     .. note:: Cost: fitting runs the model :math:`T` times on the validation inputs once (:func:`monte_carlo_logits`)
         plus O(100 T n C) for the search; prediction adds one division per logit.
 
-    :param model: A trained classifier mapping ``(inputs, ...)`` to logits ``(B, C)``.
+    :param model: A trained classifier mapping ``(inputs, ...)`` to logits ``(B, C)``, or to a mapping holding them
+        under ``"logits"`` (a dict, a ``transformers`` ``ModelOutput``).
     :param temperature: Initial :math:`\tau > 0` (1 = the model as it is).
+    :raises TypeError: A ``model`` that is not a module, a ``temperature`` that is not a number (e.g. a bool).
+    :raises ValueError: A ``temperature`` that is not one finite number > 0 (e.g. a tensor of several).
     """
 
     def __init__(self, model: torch.nn.Module, temperature: float = 1.0):
@@ -187,12 +191,19 @@ class TemperatureScaling(Module):
 
     @temperature.setter
     def temperature(self, value: float | Tensor) -> None:
+        if isinstance(value, bool) or (isinstance(value, Tensor) and value.dtype == torch.bool):
+            raise InputTypeError(f"TemperatureScaling: expected temperature to be a finite number > 0, got {value!r}")
         value = check_positive("temperature", value, self.raw_temperature, where="TemperatureScaling")
+        if value.numel() != 1:  # one temperature for all classes
+            raise ValueError(
+                f"TemperatureScaling: expected temperature to be one finite number > 0, got {value.numel()} values "
+                f"(shape {tuple(value.shape)})"
+            )
         self.initialize(raw_temperature=self.raw_temperature_constraint.inverse_transform(value.reshape(())))
 
     def forward(self, inputs: Any, *args: Any, **kwargs: Any) -> Tensor:
-        """The wrapped model's logits divided by the temperature, ``(B, C)``."""
-        return self.model(inputs, *args, **kwargs) / self.temperature
+        """The wrapped model's logits (its output, or its ``"logits"`` entry) divided by the temperature, ``(B, C)``."""
+        return model_logits(self.model(inputs, *args, **kwargs), "TemperatureScaling") / self.temperature
 
     def fit(
         self,

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import math
 from unittest.mock import patch
 
 import pytest
@@ -374,3 +375,29 @@ def test_per_sequence_kl_is_weighted_per_sequence_not_divided_by_num_data():
         SequenceKLAddedLossTerm(torch.ones(2, 3))
     with pytest.raises(ValueError, match="weight"):
         SequenceKLAddedLossTerm(per_sequence, weight=-1.0)
+
+
+def test_a_single_class_is_a_clear_error_not_a_zero_loss():
+    # log_softmax of one logit is 0: the NLL was 0 whatever the model (a binary classifier with one logit trained
+    # nothing but the KL)
+    model, _, _, _ = _toy()
+    elbo = AttentionELBO(model, 10)
+    for shape in [(BATCH, 1), (2, BATCH, 1)]:
+        with pytest.raises(ValueError, match=r"at least 2 classes"):
+            elbo(torch.randn(shape, dtype=torch.float64), torch.zeros(BATCH, dtype=torch.long))
+
+
+def test_beta_set_later_is_checked_as_the_argument_and_a_tensor_is_kept():
+    model, _, _, targets = _toy()
+    elbo = AttentionELBO(model, 40, combine_terms=False)
+    for bad, error in [(-0.5, ValueError), (math.nan, ValueError), (True, TypeError), ("1", TypeError)]:
+        with pytest.raises(error, match="beta"):
+            elbo.beta = bad  # a negative weight was taken: the loss then rewarded a growing KL
+    assert elbo.beta == 1.0
+    weight = torch.tensor(0.25, dtype=torch.float64)
+    elbo.beta = weight  # the training loop's tensor, filled in place: kept, its value not read
+    assert elbo.beta is weight
+    kl = float(3 * model.weight.detach() ** 2)
+    assert float(elbo(model(), targets)["kl"].detach()) == pytest.approx(0.25 * kl / 40, rel=1e-14)
+    weight.fill_(0.5)
+    assert float(elbo(model(), targets)["kl"].detach()) == pytest.approx(0.5 * kl / 40, rel=1e-14)

@@ -3,8 +3,10 @@ predictive against the dense formula (float64)."""
 
 from __future__ import annotations
 
+import copy
 import math
 
+import numpy as np
 import pytest
 import torch
 from laplace import Laplace
@@ -124,11 +126,11 @@ def test_samples_are_the_gaussian_moments_and_independent_across_inputs(problem,
     torch.manual_seed(0)
     logits = fitted.sample_logits(pair, num_samples=4000)
     mean, covariance = fitted.predictive_moments(test[:1])
-    for copy in range(2):
+    for twin in range(2):
         torch.testing.assert_close(
-            logits[:, copy].mean(0), mean[0], rtol=0, atol=5 * covariance[0].diag().max() ** 0.5 / 60
+            logits[:, twin].mean(0), mean[0], rtol=0, atol=5 * covariance[0].diag().max() ** 0.5 / 60
         )
-        empirical = torch.cov(logits[:, copy].T)
+        empirical = torch.cov(logits[:, twin].T)
         torch.testing.assert_close(empirical, covariance[0], rtol=0.1, atol=0.1 * covariance[0].diag().max())
     # laplace-torch's functional_samples would draw one noise vector for the whole batch: here the copies differ
     assert not torch.allclose(logits[:, 0], logits[:, 1])
@@ -185,3 +187,52 @@ def test_errors():
     model.train()
     laplace.features(inputs)
     assert model.training  # the training mode is restored
+
+
+def _dense_predictive(fitted: LastLayerLaplace, inputs: torch.Tensor) -> torch.Tensor:
+    """:math:`J \\Sigma J^\\top` by hand, as in the test of the dense formula."""
+    identity = torch.eye(NUM_CLASSES, dtype=torch.float64)
+    jacobian = torch.stack(
+        [torch.cat([torch.kron(identity, phi[None, :]), identity], dim=1) for phi in fitted.features(inputs)]
+    )
+    covariance = torch.linalg.inv(fitted.laplace.posterior_precision.to_matrix())
+    return jacobian @ covariance @ jacobian.transpose(1, 2)
+
+
+def test_a_deep_copy_predicts_from_its_own_inputs(problem, fitted):
+    # laplace-torch's feature hook is a closure over the original's feature extractor: a deep copy's passes stored their
+    # features in the original, and the copy read its own stale ones (the last curvature batch, 24 of the 120 inputs):
+    # a silently wrong covariance for a batch of that size, a raw reshape error for any other
+    _, _, _, test = problem
+    duplicate = copy.deepcopy(fitted)
+    fresh = torch.randn(24, 6, 4, generator=torch.Generator().manual_seed(9), dtype=torch.float64)
+    for batch in (fresh, test):
+        mean, covariance = duplicate.predictive_moments(batch)
+        torch.testing.assert_close(covariance, _dense_predictive(fitted, batch), rtol=1e-9, atol=1e-12)
+        with torch.no_grad():
+            torch.testing.assert_close(mean, fitted.model(batch), rtol=1e-12, atol=1e-12)
+    torch.manual_seed(1)
+    expected = fitted.sample_logits(test, num_samples=5)
+    torch.manual_seed(1)
+    torch.testing.assert_close(duplicate.sample_logits(test, num_samples=5), expected, rtol=1e-12, atol=1e-12)
+
+
+def test_labels_of_any_integer_dtype_and_a_numpy_batch_size_fit_the_same_posterior_without_touching_the_rng(
+    problem, fitted
+):
+    # int32 labels were laplace-torch's raw "expected target dtype to be Long or Byte"; a NumPy batch size the
+    # DataLoader's raw error; and the loader's iterator drew its seed from the global RNG
+    model, inputs, labels, _ = problem
+    state = torch.get_rng_state()
+    again = LastLayerLaplace(model).fit(inputs, labels.to(torch.int32), batch_size=np.int64(32))
+    assert torch.equal(torch.get_rng_state(), state)
+    torch.testing.assert_close(again.laplace.prior_precision, fitted.laplace.prior_precision, rtol=1e-12, atol=0)
+    torch.testing.assert_close(
+        again.laplace.posterior_precision.to_matrix(),
+        fitted.laplace.posterior_precision.to_matrix(),
+        rtol=1e-12,
+        atol=1e-12,
+    )
+    for wrong in (labels.bool(), labels.to(torch.complex64)):
+        with pytest.raises(TypeError, match=r"fit: expected integer labels of shape \(120,\)"):
+            LastLayerLaplace(model).fit(inputs, wrong)

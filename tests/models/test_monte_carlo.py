@@ -103,3 +103,33 @@ def test_mixed_modes_survive_and_the_passes_run_in_eval_mode() -> None:
     torch.manual_seed(3)
     expected = monte_carlo_logits(model.eval(), TOKENS, mask=MASK, num_samples=3)  # all in eval mode
     torch.testing.assert_close(logits, expected, rtol=0, atol=0)
+
+
+class _MappingClassifier(torch.nn.Module):
+    """A Hugging Face style classifier: no mask argument, the logits under "logits" of a dict, dropout inside."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.linear = torch.nn.Linear(4, 3, dtype=torch.float64)
+        self.dropout = torch.nn.Dropout(0.5)
+
+    def forward(self, inputs: torch.Tensor) -> dict:
+        return {"logits": self.linear(self.dropout(inputs)), "hidden": inputs}
+
+
+def test_a_model_without_a_mask_argument_and_with_a_mapping_output_is_sampled_as_predict_probabilities_calls_it():
+    # monte_carlo_logits passed mask=None to every model (a TypeError for one without a mask argument) and stacked its
+    # outputs as they came (a TypeError for a dict); predict_probabilities, the mean of their softmaxes, takes both
+    model = _MappingClassifier().eval()
+    inputs = torch.randn(7, 4, dtype=torch.float64)
+    torch.manual_seed(5)
+    logits = monte_carlo_logits(model, inputs, num_samples=4, mc_dropout=True)
+    torch.manual_seed(5)
+    expected = predict_probabilities(model, inputs, num_samples=4, mc_dropout=True)
+    assert logits.shape == (4, 7, 3) and not model.training
+    assert (logits[0] - logits[1]).abs().max() > 1e-3  # dropout samples
+    torch.testing.assert_close(logits.softmax(-1).mean(0), expected, rtol=1e-12, atol=1e-12)
+    # without dropout: one pass, by batches, the linear map by hand
+    deterministic = monte_carlo_logits(model, inputs, num_samples=4, batch_size=3)
+    torch.testing.assert_close(deterministic, (inputs @ model.linear.weight.T + model.linear.bias)[None])

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gpattn.models import Transformer, dropout_modules, mc_dropout
+from gpattn.models import Transformer, dropout_modules, mc_dropout, monte_carlo_logits
 
 
 def small_model(dropout: float = 0.2, attention: str = "softmax") -> Transformer:
@@ -84,3 +84,34 @@ def test_errors_and_disabled_block() -> None:
         torch.testing.assert_close(model(TOKENS), model(TOKENS), rtol=0, atol=0)
     with pytest.raises(TypeError, match="torch.nn.Module"), mc_dropout("model"):
         pass
+
+
+def test_torch_transformer_layers_sample_their_dropout_without_gradients() -> None:
+    # an eval-mode torch.nn.TransformerEncoderLayer (batch_first) under no_grad ran torch's fused fast path, which never
+    # calls its dropout modules: every MC-dropout pass was identical (and monte_carlo_logits gave no spread). Reference:
+    # the same seed through the layer's composite path in training mode (the fast path off: its outputs are laid out
+    # differently, so the same seed drops other entries), its attention weights (a float rate, not a dropout module,
+    # so not MC dropout) in eval mode
+    torch.manual_seed(0)
+    layer = torch.nn.TransformerEncoderLayer(8, 2, 16, dropout=0.3, batch_first=True, dtype=torch.float64)
+    inputs = torch.randn(5, 6, 8, dtype=torch.float64)
+    layer.train()
+    layer.self_attn.eval()
+    torch.backends.mha.set_fastpath_enabled(False)
+    try:
+        torch.manual_seed(7)
+        with torch.no_grad():
+            reference = torch.stack([layer(inputs) for _ in range(2)])
+    finally:
+        torch.backends.mha.set_fastpath_enabled(True)
+    layer.eval()
+    torch.manual_seed(7)
+    with torch.no_grad(), mc_dropout(layer):
+        samples = torch.stack([layer(inputs) for _ in range(2)])
+    assert torch.backends.mha.get_fastpath_enabled()  # restored
+    assert (samples[0] - samples[1]).abs().max() > 1e-3
+    torch.testing.assert_close(samples, reference, rtol=1e-12, atol=1e-12)
+    torch.manual_seed(7)
+    logits = monte_carlo_logits(torch.nn.Sequential(layer, torch.nn.Flatten()), inputs, num_samples=2, mc_dropout=True)
+    torch.testing.assert_close(logits, reference.flatten(2), rtol=1e-12, atol=1e-12)
+    assert not layer.training and not layer.dropout1.training

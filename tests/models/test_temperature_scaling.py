@@ -220,3 +220,54 @@ def test_bad_wrapper_arguments_raise() -> None:
         TemperatureScaling(torch.nn.Linear(2, 2)).fit(
             torch.zeros(3, 2), torch.zeros(3, dtype=torch.long), num_samples=0
         )
+
+
+class _MappingClassifier(torch.nn.Module):
+    """A Hugging Face style classifier: called with the inputs alone, the logits under "logits" of a dict."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.linear = torch.nn.Linear(4, 3, dtype=torch.float64)
+
+    def forward(self, inputs: torch.Tensor) -> dict:
+        return {"logits": 4.0 * self.linear(inputs)}
+
+
+def test_a_classifier_without_a_mask_argument_and_with_a_mapping_output_is_scaled_and_fitted() -> None:
+    # fit() passed mask=None to the model (a TypeError without a mask argument) and forward divided the dict by tau
+    model = _MappingClassifier()
+    generator = torch.Generator().manual_seed(2)
+    inputs = torch.randn(60, 4, generator=generator, dtype=torch.float64)
+    labels = torch.randint(0, 3, (60,), generator=generator)
+    scaled = TemperatureScaling(model).fit(inputs, labels, bounds=(0.05, 20.0))
+    logits = 4.0 * (inputs @ model.linear.weight.T + model.linear.bias)
+    result = minimize_scalar(
+        lambda log_t: reference_nll(logits, labels, math.exp(log_t)),
+        bounds=(math.log(0.05), math.log(20.0)),
+        method="bounded",
+        options={"xatol": 1e-10},
+    )
+    assert math.log(scaled.temperature.item()) == pytest.approx(result.x, abs=1e-6)
+    torch.testing.assert_close(scaled(inputs), logits / scaled.temperature.detach(), rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(
+        predict_probabilities(scaled, inputs), (logits / scaled.temperature.detach()).softmax(-1), rtol=1e-12, atol=0
+    )
+
+
+@pytest.mark.parametrize(
+    "value, error, match",
+    [
+        (True, TypeError, "temperature"),  # was taken as 1.0
+        (torch.tensor(True), TypeError, "temperature"),
+        (torch.tensor([1.0, 2.0]), ValueError, "one finite number"),  # was torch's "shape '[]' is invalid"
+        (np.array([0.5, 2.0]), ValueError, "one finite number"),
+    ],
+)
+def test_a_temperature_that_is_not_one_number_is_refused(value, error, match: str) -> None:
+    scaled = TemperatureScaling(torch.nn.Linear(2, 2), temperature=1.5)
+    with pytest.raises(error, match=match):
+        scaled.temperature = value
+    assert scaled.temperature.item() == pytest.approx(1.5)  # unchanged
+    scaled.temperature = torch.tensor([0.25])  # one value in a tensor of any shape is fine
+    assert scaled.temperature.item() == pytest.approx(0.25)
