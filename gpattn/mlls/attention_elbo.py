@@ -140,7 +140,8 @@ class AttentionELBO(torch.nn.Module):
 
     @property
     def beta(self) -> float | Tensor:
-        """The KL weight :math:`\\beta`: a float, or the 0-dimensional floating-point tensor it was set to."""
+        """The KL weight :math:`\\beta`: a float, or the 0-dimensional floating-point tensor (shape ``()``) it was set
+        to."""
         return self._beta
 
     @beta.setter
