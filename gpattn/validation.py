@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 import numbers
 from collections.abc import Sequence
+from itertools import zip_longest
 from typing import Any
 
 import torch
@@ -199,6 +200,15 @@ def check_device(name: str, value: Any, where: str = "", types: Sequence[str] | 
     elif device.type == "mps" and not torch.backends.mps.is_available():
         raise ValueError(f"{_prefix(where)}{name}={value!r} but MPS is not available on this machine; use 'cpu'")
     return device
+
+
+def broadcastable(*shapes: Sequence[int]) -> bool:
+    """Whether shapes broadcast against each other (trailing sizes equal or 1): O(number of dimensions), no tensor
+    operation (also while tracing or compiling)."""
+    for sizes in zip_longest(*(reversed(tuple(shape)) for shape in shapes), fillvalue=1):
+        if len({size for size in sizes if size != 1}) > 1:
+            return False
+    return True
 
 
 def _render_shape(shape: Sequence[int | str]) -> str:

@@ -2,12 +2,49 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 from gpytorch.constraints import Positive
 from gpytorch.module import Module
 from torch import Tensor
 
-from ..validation import check_int, check_positive, check_tensor
+from ..validation import InputTypeError, broadcastable, check_int, check_positive, check_tensor
+
+
+def check_batch_shape(value: object, where: str) -> torch.Size:
+    """A batch shape of independent kernels: a ``torch.Size`` or a sequence of positive integers (NumPy integers too).
+
+    :raises InputTypeError: For something that is not a sequence of integers (e.g. a bare ``int``).
+    :raises ValueError: For a size < 1.
+    """
+    if isinstance(value, (str, bytes)) or not isinstance(value, Sequence):
+        raise InputTypeError(
+            f"{where}: expected batch_shape to be a torch.Size or a sequence of positive integers, got {value!r}"
+        )
+    return torch.Size(check_int(f"batch_shape[{index}]", size, where=where) for index, size in enumerate(value))
+
+
+def initialize_positive(module: Module, raw_name: str, name: str, value: object, where: str) -> None:
+    """Set the positive parameter ``name`` of ``module`` (stored as ``raw_name`` under a ``Positive`` constraint) to
+    ``value``, a number or a tensor that GPyTorch's ``initialize`` can fit to the parameter's shape (one that expands
+    to it, or one with as many elements).
+
+    :raises InputTypeError: For something that is not a number or a tensor of numbers.
+    :raises ValueError: For a value <= 0, NaN or infinite, or of a shape that does not fit the parameter's.
+    """
+    raw = getattr(module, raw_name)
+    value = check_positive(name, value, raw, where=where)
+    expands = value.dim() <= raw.dim() and all(
+        size in (1, wanted) for size, wanted in zip(reversed(value.shape), reversed(raw.shape), strict=False)
+    )
+    if not expands and value.numel() != raw.numel():
+        raise ValueError(
+            f"{where}: expected {name} to be a number or a tensor that expands to shape {tuple(raw.shape)}, got shape "
+            f"{tuple(value.shape)}"
+        )
+    constraint = getattr(module, f"{raw_name}_constraint")
+    module.initialize(**{raw_name: constraint.inverse_transform(value)})
 
 
 class AsymmetricKernel(Module):
@@ -27,16 +64,17 @@ class AsymmetricKernel(Module):
     :param input_dim: Dimension :math:`d` of the query and key tokens.
     :param tie: Share the query and key maps (the symmetric limit :math:`\kappa(x, z) = \kappa(z, x)`).
     :param batch_shape: Batch of independent kernels (e.g. attention heads); parameters carry it in front.
+    :raises InputTypeError: For a non-integer ``input_dim`` or a ``batch_shape`` that is not a sequence of integers.
+    :raises ValueError: For ``input_dim < 1`` or a batch size < 1.
     """
 
     has_primal_features: bool = False
 
     def __init__(self, input_dim: int, tie: bool = False, batch_shape: torch.Size = torch.Size()):
         super().__init__()
-        check_int("input_dim", input_dim, where=type(self).__name__)
-        self.input_dim = input_dim
+        self.input_dim = check_int("input_dim", input_dim, where=type(self).__name__)
         self.tie = bool(tie)
-        self.batch_shape = torch.Size(batch_shape)
+        self.batch_shape = check_batch_shape(batch_shape, type(self).__name__)
         self.register_parameter("raw_outputscale", torch.nn.Parameter(torch.zeros(self.batch_shape)))
         self.register_constraint("raw_outputscale", Positive())
         self.initialize(outputscale=1.0)
@@ -49,13 +87,13 @@ class AsymmetricKernel(Module):
 
     @outputscale.setter
     def outputscale(self, value: float | Tensor) -> None:
-        value = check_positive("outputscale", value, self.raw_outputscale, where=type(self).__name__)
-        self.initialize(raw_outputscale=self.raw_outputscale_constraint.inverse_transform(value))
+        initialize_positive(self, "raw_outputscale", "outputscale", value, type(self).__name__)
 
-    def _check_tokens(self, tokens: Tensor, name: str, finite: bool = False) -> None:
+    def _check_tokens(self, tokens: Tensor, name: str, finite: bool = False, batched: bool = True) -> None:
         # O(1), plus one elementwise pass with finite=True (the dense path only: the feature maps run inside the
         # attention layers, which check their inputs once). Kernels with projections W_q (W_k) need tokens of their
-        # dtype (a matrix product does not promote); others promote mixed dtypes elementwise.
+        # dtype (a matrix product does not promote); others promote mixed dtypes elementwise. batched: the tokens'
+        # batch dimensions broadcast with batch_shape (not for tokens shared by every kernel, as feature_columns')
         check_tensor(
             name,
             tokens,
@@ -66,11 +104,16 @@ class AsymmetricKernel(Module):
             finite=finite,
             where=type(self).__name__,
         )
+        if batched and not broadcastable(tokens.shape[:-2], self.batch_shape):
+            raise ValueError(
+                f"{type(self).__name__}: the batch dimensions of {name} {tuple(tokens.shape[:-2])} do not broadcast "
+                f"with the kernel's batch_shape {tuple(self.batch_shape)} (shape (*batch, n, d), *batch broadcasting "
+                "with batch_shape)"
+            )
 
     def _register_projections(self, feature_dim: int, in_dim: int) -> None:
         # W_q (and W_k unless tied), shape (*batch_shape, p, in_dim), uniform(+-1/sqrt(in_dim)) as nn.Linear
-        check_int("feature_dim", feature_dim, where=type(self).__name__)
-        self.feature_dim = feature_dim
+        self.feature_dim = check_int("feature_dim", feature_dim, where=type(self).__name__)
         bound = 1.0 / in_dim**0.5
         shape = (*self.batch_shape, feature_dim, in_dim)
         self.query_weight = torch.nn.Parameter(torch.empty(shape).uniform_(-bound, bound))
@@ -101,12 +144,20 @@ class AsymmetricKernel(Module):
         :param x: Queries, shape ``(*batch, N, d)``.
         :param z: Keys, shape ``(*batch, M, d)``, or ``None`` for :math:`\kappa(x, x)`.
         :return: shape ``(*batch, N, M)`` (``(*batch, N, N)`` when ``z`` is ``None``).
+        :raises InputTypeError: For a non-tensor, a non-floating dtype, or a dtype other than the projections'.
+        :raises ValueError: For a wrong token dimension, NaN or Inf, or batch dimensions of ``x`` and ``z`` that do
+            not broadcast with each other and with ``batch_shape``.
         """
         self._check_tokens(x, "x", finite=True)
         if z is None or z is x:
             z = x
         else:
             self._check_tokens(z, "z", finite=True)
+            if not broadcastable(x.shape[:-2], z.shape[:-2]):
+                raise ValueError(
+                    f"{type(self).__name__}: the batch dimensions of x {tuple(x.shape[:-2])} and z "
+                    f"{tuple(z.shape[:-2])} do not broadcast"
+                )
         return super().__call__(x, z)
 
     def query_features(self, x: Tensor) -> Tensor:

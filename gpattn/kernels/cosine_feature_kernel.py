@@ -6,7 +6,7 @@ import torch
 from torch import Tensor
 
 from .._torch_compat import values_unreadable
-from ..validation import all_finite
+from ..validation import all_finite, check_choice
 from .asymmetric_kernel import AsymmetricKernel
 from .feature_lift import FeatureLift
 
@@ -99,9 +99,11 @@ class CosineFeatureKernel(AsymmetricKernel):
         :param side: ``"query"`` (:math:`W_q`) or ``"key"`` (:math:`W_k`).
         :return: :math:`P`, shape ``(B, *batch_shape, p, n)``, contiguous; :math:`\nu`, shape
             ``(B, *batch_shape, 1, n)``.
+        :raises ValueError: For another ``side``, or tokens not of shape ``(B, n, d)``.
 
         .. note:: One GEMM ``(batch p, D) x (D, n)`` per sequence and one pass over :math:`P`: O(n D p batch).
         """
+        check_choice("side", side, ("query", "key"), where="CosineFeatureKernel.feature_columns")
         weight = self.query_weight if side == "query" else self.key_projection  # shape: (H, p, D)
         return self._columns(tokens, weight, "feature_columns")
 
@@ -122,7 +124,7 @@ class CosineFeatureKernel(AsymmetricKernel):
 
     def _columns(self, tokens: Tensor, weight: Tensor, where: str) -> tuple[Tensor, Tensor]:
         # P = W g(X)^T for the stacked weights (*stack, p, D) of every kernel, and its inverse column norms
-        self._check_tokens(tokens, "tokens")
+        self._check_tokens(tokens, "tokens", batched=False)
         if tokens.dim() != 3 or len(self.batch_shape) != 1:
             raise ValueError(
                 f"{where} needs tokens of shape (B, n, d) and one batch dimension of kernels, got tokens "

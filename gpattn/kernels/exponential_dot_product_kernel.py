@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import math
+import numbers
 
 import torch
 from torch import Tensor
 
+from ..validation import InputTypeError
 from .asymmetric_kernel import AsymmetricKernel
 
 #: Tokens over which the squared kernel may be summed without overflow at the default clamp (see ``safe_max_logit``).
@@ -46,7 +48,10 @@ class ExponentialDotProductKernel(AsymmetricKernel):
     :param feature_dim: Projection dimension :math:`p`.
     :param tie: Share :math:`W_q = W_k`.
     :param batch_shape: Batch of independent kernels.
-    :param max_logit: The clamp :math:`\ell_{\max}`, or ``None`` for :func:`safe_max_logit` of the dtype.
+    :param max_logit: The clamp :math:`\ell_{\max}` (a real number, ``inf`` for none), or ``None`` for
+        :func:`safe_max_logit` of the dtype.
+    :raises InputTypeError: For a ``max_logit`` that is not a real number (a string, a bool, a tensor).
+    :raises ValueError: For a NaN ``max_logit`` or ``-inf`` (a kernel of zeros).
 
     .. note:: Cost O(N M p).
     """
@@ -61,8 +66,13 @@ class ExponentialDotProductKernel(AsymmetricKernel):
     ):
         super().__init__(input_dim, tie=tie, batch_shape=batch_shape)
         if max_logit is not None:
-            if isinstance(max_logit, bool) or not isinstance(max_logit, (int, float)) or math.isnan(max_logit):
-                raise ValueError(f"expected a number max_logit or None, got {max_logit!r}")
+            wanted = "a real number > -inf (inf: no clamp) or None"
+            if isinstance(max_logit, bool) or not isinstance(max_logit, numbers.Real):
+                raise InputTypeError(
+                    f"ExponentialDotProductKernel: expected max_logit to be {wanted}, got {max_logit!r}"
+                )
+            if math.isnan(max_logit) or max_logit == -math.inf:  # -inf clamps every logit: exp(-inf) = 0
+                raise ValueError(f"ExponentialDotProductKernel: expected max_logit to be {wanted}, got {max_logit!r}")
             max_logit = float(max_logit)
         self.max_logit = max_logit
         self._register_projections(feature_dim, input_dim)

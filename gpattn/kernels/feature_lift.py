@@ -9,7 +9,8 @@ from gpytorch.constraints import Positive
 from gpytorch.module import Module
 from torch import Tensor
 
-from ..validation import MAX_SEED, check_choice, check_int, check_positive
+from ..validation import MAX_SEED, check_choice, check_int
+from .asymmetric_kernel import initialize_positive
 
 LIFTS = ("none", "rff", "mlp")
 
@@ -31,6 +32,9 @@ class FeatureLift(Module):
     :param lift_dim: :math:`D` (ignored for ``"none"``).
     :param lengthscale: initial :math:`\ell` of the random Fourier features.
     :param seed: seed of the random Fourier frequencies (the global RNG is not touched).
+    :raises InputTypeError: For a non-integer ``input_dim``, ``lift_dim`` or ``seed``, or a ``lengthscale`` that is
+        not a number or a tensor of numbers.
+    :raises ValueError: For an unknown ``kind``, sizes < 1, or a ``lengthscale`` <= 0, not finite or not a scalar.
 
     .. note:: Cost O(N d D) per call.
     """
@@ -38,9 +42,9 @@ class FeatureLift(Module):
     def __init__(self, kind: str, input_dim: int, lift_dim: int = 64, lengthscale: float = 1.0, seed: int = 0):
         super().__init__()
         check_choice("lift", kind, LIFTS, where="FeatureLift")
-        check_int("input_dim", input_dim, where="FeatureLift")
+        input_dim = check_int("input_dim", input_dim, where="FeatureLift")
         if kind != "none":
-            check_int("lift_dim", lift_dim, where="FeatureLift")
+            lift_dim = check_int("lift_dim", lift_dim, where="FeatureLift")
             # torch.Generator.manual_seed takes 64-bit seeds (negative ones too) as Python ints only
             seed = check_int("seed", seed, minimum=-(2**63), maximum=MAX_SEED, where="FeatureLift")
         self.kind = kind
@@ -53,8 +57,7 @@ class FeatureLift(Module):
             self.register_buffer("phases", 2 * math.pi * torch.rand(lift_dim, generator=generator))
             self.register_parameter("raw_lengthscale", torch.nn.Parameter(torch.zeros(())))
             self.register_constraint("raw_lengthscale", Positive())
-            lengthscale = check_positive("lengthscale", lengthscale, self.raw_lengthscale, where="FeatureLift")
-            self.initialize(raw_lengthscale=self.raw_lengthscale_constraint.inverse_transform(lengthscale))
+            initialize_positive(self, "raw_lengthscale", "lengthscale", lengthscale, "FeatureLift")
         elif kind == "mlp":
             self.linear = torch.nn.Linear(input_dim, lift_dim)
 

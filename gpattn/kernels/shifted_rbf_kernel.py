@@ -6,8 +6,8 @@ import torch
 from gpytorch.constraints import Positive
 from torch import Tensor
 
-from ..validation import check_positive
-from .asymmetric_kernel import AsymmetricKernel
+from ..validation import InputTypeError
+from .asymmetric_kernel import AsymmetricKernel, initialize_positive
 
 
 class ShiftedRBFKernel(AsymmetricKernel):
@@ -27,6 +27,9 @@ class ShiftedRBFKernel(AsymmetricKernel):
     :param shift: Initial shift (scalar or length ``d``).
     :param lengthscale: Initial lengthscale.
     :param batch_shape: Batch of independent kernels.
+    :raises InputTypeError: For a ``shift`` or ``lengthscale`` that is not a number or a tensor of numbers.
+    :raises ValueError: For a ``lengthscale`` <= 0 or not finite, a non-finite ``shift``, or either of a shape that
+        does not fit ``(*batch_shape, d)``.
 
     .. note:: Cost O(N M d).
     """
@@ -42,10 +45,14 @@ class ShiftedRBFKernel(AsymmetricKernel):
         super().__init__(input_dim, tie=tie, batch_shape=batch_shape)
         self.register_parameter("raw_lengthscale", torch.nn.Parameter(torch.zeros(*self.batch_shape, input_dim)))
         self.register_constraint("raw_lengthscale", Positive())
-        lengthscale = check_positive("lengthscale", lengthscale, self.raw_lengthscale, where=type(self).__name__)
-        self.initialize(raw_lengthscale=self.raw_lengthscale_constraint.inverse_transform(lengthscale))
+        initialize_positive(self, "raw_lengthscale", "lengthscale", lengthscale, type(self).__name__)
         if not self.tie:
-            initial_shift = torch.as_tensor(shift, dtype=torch.get_default_dtype())
+            try:
+                initial_shift = torch.as_tensor(shift, dtype=torch.get_default_dtype())
+            except (TypeError, ValueError, RuntimeError) as error:
+                raise InputTypeError(
+                    f"ShiftedRBFKernel: expected shift to be a number or a tensor of numbers, got {shift!r}"
+                ) from error
             shape = (*self.batch_shape, input_dim)
             try:
                 initial_shift = initial_shift.expand(shape)

@@ -30,11 +30,23 @@ def squared_distance(left: Tensor, right: Tensor, same: bool = False) -> Tensor:
 
     :param left: :math:`a`, shape ``(..., n, p)``.
     :param right: :math:`b`, shape ``(..., m, p)`` (batch dimensions broadcast with ``left``'s).
-    :param same: ``right`` is ``left``: zero the diagonal.
+    :param same: ``right`` is ``left`` (the same tensor object): zero the diagonal.
     :return: :math:`D`, shape ``(..., n, m)``, non-negative.
+    :raises ValueError: For points of different dimensions ``p``, or ``same=True`` with a ``right`` that is not
+        ``left`` (its distances would be ``left``'s own).
 
     .. note:: Cost O(n m p) for the product, O((n + m) p) for the centring and the norms.
     """
+    if same and right is not left:  # O(1): the self-distances below never read right
+        raise ValueError(
+            "squared_distance: same=True means right is left (the self-distances of left), got another tensor; pass "
+            "same=False for the distances between two sets"
+        )
+    if left.shape[-1:] != right.shape[-1:]:
+        raise ValueError(
+            f"squared_distance: expected left (..., n, p) and right (..., m, p) with the same p, got shapes "
+            f"{tuple(left.shape)} and {tuple(right.shape)}"
+        )
     centre = left.mean(-2, keepdim=True)  # c; shape: (..., 1, p)
     left = left - centre
     right = left if same else right - centre

@@ -8,7 +8,7 @@ import torch
 from torch import Tensor
 
 from .._torch_compat import compilable
-from ..validation import check_int
+from ..validation import MAX_SEED, all_finite, check_choice, check_float, check_int, check_tensor
 
 #: The methods of :func:`kernel_svd`: a full ``torch.linalg.svd`` truncated to the rank, or a seeded randomised range
 #: finder with power iterations.
@@ -216,36 +216,36 @@ def kernel_svd(
     :param rank: :math:`s \leq \min(N, M)` (a Python or NumPy integer).
     :param method: ``"exact"`` (``torch.linalg.svd``, O(N M min(N, M))) or ``"randomized"`` (a seeded
         randomised range finder with power iterations, O(N M (s + oversampling)) per pass).
-    :param oversampling: Extra sketch columns of the randomised method.
-    :param power_iterations: Subspace iterations of the randomised method.
-    :param seed: Seed of the randomised sketch (the global RNG is not touched).
+    :param oversampling: Extra sketch columns of the randomised method (an integer >= 0).
+    :param power_iterations: Subspace iterations of the randomised method (an integer >= 0).
+    :param seed: Seed of the randomised sketch, a 64-bit integer as ``torch.Generator.manual_seed`` takes (the global
+        RNG is not touched).
     :param gradient_tolerance: :math:`\delta \geq 0`, the relative width of the broadening of near-degenerate pairs
         (default :func:`default_gradient_tolerance`, :math:`\sqrt{\varepsilon_{\text{machine}}}` of the matrix's
         dtype); 0 gives the formula of ``torch.linalg.svd`` above the noise floor (exactly repeated singular values
         still contribute nothing instead of NaN).
     :return: A :class:`KernelSVD`.
+    :raises InputTypeError: For a non-tensor or non-floating matrix, or a non-integer ``rank``, ``oversampling``,
+        ``power_iterations`` or ``seed`` (bools included).
+    :raises ValueError: For a matrix of fewer than two dimensions or with NaN or Inf, a ``rank`` outside
+        :math:`[1, \min(N, M)]`, an unknown ``method``, a negative ``oversampling`` or ``power_iterations``, a seed
+        outside the 64-bit range, or a ``gradient_tolerance`` that is negative or not finite.
 
     .. note:: Cost of the backward pass: O(N M k + (N + M) k^2) with :math:`k = \min(N, M)` (exact) or
         :math:`s` (randomised).
     """
-    if not isinstance(matrix, Tensor):
-        raise TypeError(f"expected matrix to be a torch.Tensor, got {type(matrix).__name__}")
-    if matrix.dim() < 2:
-        raise ValueError(f"expected a matrix of shape (..., N, M), got {tuple(matrix.shape)}")
-    if not matrix.is_floating_point():
-        raise TypeError(f"expected a floating-point matrix, got {matrix.dtype}")
+    check_tensor("matrix", matrix, ("...", "N", "M"), floating=True, where="kernel_svd")
+    if not all_finite(matrix):  # one pass and one read, also while captured: the SVD itself cannot be captured
+        raise ValueError("kernel_svd: matrix contains NaN or Inf values")
     num_rows, num_cols = matrix.shape[-2:]
     rank = check_int("rank (at most min(N, M))", rank, 1, min(num_rows, num_cols), where="kernel_svd")
-    if method not in SVD_METHODS:
-        raise ValueError(f"expected method in {SVD_METHODS}, got {method!r}")
-    if gradient_tolerance is not None and (
-        isinstance(gradient_tolerance, bool)
-        or not isinstance(gradient_tolerance, (int, float))
-        or not 0 <= gradient_tolerance < float("inf")
-    ):
-        raise ValueError(f"expected a finite number gradient_tolerance >= 0 or None, got {gradient_tolerance!r}")
-    if not torch.isfinite(matrix).all():
-        raise ValueError("kernel matrix contains NaN or Inf")
+    check_choice("method", method, SVD_METHODS, where="kernel_svd")
+    # a negative oversampling would shrink the sketch below the rank (fewer triplets than asked, silently)
+    oversampling = check_int("oversampling", oversampling, minimum=0, where="kernel_svd")
+    power_iterations = check_int("power_iterations", power_iterations, minimum=0, where="kernel_svd")
+    seed = check_int("seed", seed, minimum=-(2**63), maximum=MAX_SEED, where="kernel_svd")
+    if gradient_tolerance is not None:
+        gradient_tolerance = check_float("gradient_tolerance", gradient_tolerance, minimum=0.0, where="kernel_svd")
     # LAPACK has no half-precision SVD: float16 and bfloat16 matrices are decomposed in float32 (also inside an
     # autocast region, which would otherwise send the randomised method's products back to half precision)
     work = matrix.float() if matrix.dtype in _HALF_DTYPES else matrix

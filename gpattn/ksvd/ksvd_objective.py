@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from torch import Tensor
 
-from ..validation import check_choice
+from ..validation import broadcastable, check_choice, check_tensor
 
 FORMS = ("sum", "official")
 
@@ -61,8 +61,13 @@ def ksvd_objective(
     :param weights_per_position: Sum form with one pair of weights per position (see above; refused with the
         official form).
     :return: :math:`J`, shape ``(*batch)`` (sum form), or a scalar (official form).
+    :raises InputTypeError: For an argument that is not a tensor, or a mask that is not boolean.
+    :raises ValueError: For an unknown ``form``, an option the form does not read, or shapes that do not match the
+        ones above (the rank :math:`s` shared by all five, :math:`p` by the two weights, :math:`N` by the scores and
+        the weights per position or the mask, batch dimensions that broadcast; the official form's scores with at
+        least ``(B, H, N, s)`` dimensions and weights of exactly ``(H, N', s)``).
 
-    .. note:: Cost O((N + M + p) s), or O(N p s) with weights per position.
+    .. note:: Cost O((N + M + p) s), or O(N p s) with weights per position; the shape checks are O(1).
     """
     check_choice("form", form, FORMS, where="ksvd_objective")
     if form == "sum" and mask is not None:  # the sum form reads no mask: refused, not ignored
@@ -72,6 +77,9 @@ def ksvd_objective(
         )
     if form == "official" and weights_per_position:
         raise ValueError("ksvd_objective: weights_per_position is read by form='sum' only (causal attention)")
+    _check_shapes(
+        left_scores, right_scores, left_weights, right_weights, singular_values, form, mask, weights_per_position
+    )
     if form == "official":
         # the token sums of the squares per head and direction first, (H, s), then one scaled sum: the divisions by
         # Lambda and the counts act on (H, s) tensors, not on the (B, H, N, s) scores (fewer, smaller operators, and
@@ -94,6 +102,93 @@ def ksvd_objective(
     if weights_per_position:
         coupling = coupling.mean(-1)
     return 0.5 * (left_weighted.sum(dim=(-2, -1)) + right_weighted.sum(dim=(-2, -1))) - coupling
+
+
+def _check_shapes(
+    left_scores: Tensor,
+    right_scores: Tensor,
+    left_weights: Tensor,
+    right_weights: Tensor,
+    singular_values: Tensor,
+    form: str,
+    mask: Tensor | None,
+    weights_per_position: bool,
+) -> None:
+    # O(1): the shapes of ksvd_objective's arguments, which would otherwise broadcast into a wrong J (a rank-1 weight
+    # against rank-s ones, 2-D official weights whose rows the trace would average as heads) or fail in torch's words
+    official = form == "official"
+    rows = 3 if official or weights_per_position else 2  # the weights' own dimensions, after their batch ones
+    if _shapes_fit(left_scores, right_scores, left_weights, right_weights, singular_values, official, rows, mask):
+        return  # the common case, without building the messages below
+    where = "ksvd_objective"
+    if official:
+        for name, scores in (("left_scores", left_scores), ("right_scores", right_scores)):
+            check_tensor(name, scores, ("...", "N", "s"), where=where)
+            if scores.dim() < 4:
+                raise ValueError(
+                    f"ksvd_objective: form='official' expects {name} of shape (B, H, N, s) (B sequences, H heads), "
+                    f"got {tuple(scores.shape)}"
+                )
+    else:
+        check_tensor("left_scores", left_scores, ("...", "N", "s"), where=where)
+    rank = left_scores.shape[-1]
+    check_tensor("right_scores", right_scores, ("...", "M", rank), where=where)
+    check_tensor("singular_values", singular_values, ("...", rank), where=where)
+    if official:
+        weight_shape = ("H", "N'", rank)
+    elif weights_per_position:
+        weight_shape = ("...", left_scores.shape[-2], "p", rank)
+    else:
+        weight_shape = ("...", "p", rank)
+    check_tensor("left_weights", left_weights, weight_shape, where=where)
+    check_tensor("right_weights", right_weights, (*weight_shape[:-rows], *left_weights.shape[-rows:]), where=where)
+    if official:
+        if mask is not None:
+            batch, tokens = left_scores.shape[0], left_scores.shape[-2]
+            check_tensor("mask", mask, (batch, tokens), meaning="(B, N), the scores' sequences and tokens", where=where)
+            if right_scores.shape[-2] != tokens:  # one mask for both: self-attention
+                raise ValueError(
+                    "ksvd_objective: a mask needs left_scores and right_scores of the same tokens (self-attention), "
+                    f"got shapes {tuple(left_scores.shape)} and {tuple(right_scores.shape)}"
+                )
+        return
+    batches = (left_scores.shape[:-2], right_scores.shape[:-2], singular_values.shape[:-1])
+    batches += (left_weights.shape[:-rows], right_weights.shape[:-rows])
+    if not broadcastable(*batches):
+        raise ValueError(
+            "ksvd_objective: the batch dimensions of left_scores, right_scores, singular_values, left_weights and "
+            f"right_weights do not broadcast: {', '.join(str(tuple(batch)) for batch in batches)}"
+        )
+
+
+def _shapes_fit(
+    left_scores: Tensor,
+    right_scores: Tensor,
+    left_weights: Tensor,
+    right_weights: Tensor,
+    singular_values: Tensor,
+    official: bool,
+    rows: int,
+    mask: Tensor | None,
+) -> bool:
+    # _check_shapes's conditions as integer comparisons (a few microseconds, a tenth of its messages' cost)
+    tensors = (left_scores, right_scores, left_weights, right_weights, singular_values)
+    if not all(isinstance(tensor, Tensor) for tensor in tensors):
+        return False
+    left, right, left_w, right_w, values = (tensor.shape for tensor in tensors)
+    least = 4 if official else 2  # the scores' dimensions: (B, H, N, s), or (*batch, N, s)
+    if len(left) < least or len(right) < least or not values or len(left_w) < rows or len(right_w) < rows:
+        return False
+    rank = left[-1]
+    if right[-1] != rank or values[-1] != rank or left_w[-1] != rank or right_w[-rows:] != left_w[-rows:]:
+        return False
+    if official:
+        return len(left_w) == 3 and (
+            mask is None or (isinstance(mask, Tensor) and mask.shape == (left[0], left[-2]) and right[-2] == left[-2])
+        )
+    if rows == 3 and left_w[-3] != left[-2]:  # one pair of weights per position of the scores
+        return False
+    return broadcastable(left[:-2], right[:-2], values[:-1], left_w[:-rows], right_w[:-rows])
 
 
 def ksvd_objective_from_sums(squared_scores: Tensor, coupling: Tensor, singular_values: Tensor) -> Tensor:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 
 import gpytorch
+import numpy as np
 import pytest
 import torch
 from torch import Tensor
@@ -12,6 +13,7 @@ from torch import Tensor
 from gpattn.kernels import (
     CosineFeatureKernel,
     ExponentialDotProductKernel,
+    FeatureLift,
     InducedKernel,
     ShiftedRBFKernel,
     inverse_norms,
@@ -368,3 +370,98 @@ def test_a_kernel_without_projections_promotes_mixed_dtypes():
     matrix = kernel(x)
     assert matrix.dtype == torch.float64
     torch.testing.assert_close(matrix, kernel.double()(x), rtol=1e-6, atol=1e-7)  # the float32 parameters, rounded
+
+
+# -- argument and shape checks ----------------------------------------------------------------------------------
+
+
+def test_feature_columns_refuse_an_unknown_side() -> None:
+    """Any side but "query" read W_k (side="keys", "q", ... silently gave the key features)."""
+    kernel = _cosine("none", batch_shape=torch.Size([3]))
+    x = _tokens(2, 6, 3, seed=40)
+    for side in ("keys", "q", None):
+        with pytest.raises(ValueError, match="feature_columns: expected side to be one of"):
+            kernel.feature_columns(x, side)
+    for side, weight in (("query", kernel.query_weight), ("key", kernel.key_weight)):
+        columns, inverse = kernel.feature_columns(x, side)
+        projected = x[:, None] @ weight.mT  # W g(x): (B, H, N, p)
+        expected = projected / projected.norm(dim=-1, keepdim=True)
+        torch.testing.assert_close((columns * inverse).mT, expected, atol=ATOL, rtol=0)
+
+
+def test_batch_shape_and_sizes_are_checked() -> None:
+    """A bare int or a negative size failed in torch's words; NumPy sizes were stored as NumPy integers."""
+    with pytest.raises(TypeError, match="CosineFeatureKernel: expected batch_shape to be a torch.Size"):
+        CosineFeatureKernel(3, 4, batch_shape=3)
+    for bad in ((-1,), (2, 0)):
+        with pytest.raises(ValueError, match=r"ShiftedRBFKernel: expected batch_shape\[\d\] to be a positive"):
+            ShiftedRBFKernel(3, batch_shape=bad)
+    kernel = ExponentialDotProductKernel(np.int64(3), np.int64(4), batch_shape=[np.int64(2)])
+    assert type(kernel.input_dim) is int and type(kernel.feature_dim) is int
+    assert kernel.batch_shape == torch.Size([2]) and kernel.query_weight.shape == (2, 4, 3)
+    lift = FeatureLift("rff", np.int64(3), np.int64(5))
+    assert type(lift.input_dim) is int and type(lift.output_dim) is int
+
+
+def test_tokens_whose_batch_does_not_broadcast_are_refused() -> None:
+    """Batch dimensions that do not broadcast (with each other or with batch_shape) failed in torch's words."""
+    kernel = _cosine("none", batch_shape=torch.Size([2]))
+    with pytest.raises(ValueError, match=r"the batch dimensions of x \(3,\) do not broadcast with the kernel's"):
+        kernel(_tokens(3, 5, 3, seed=41))
+    with pytest.raises(ValueError, match=r"the batch dimensions of x \(3,\) do not broadcast"):
+        kernel.query_features(_tokens(3, 5, 3, seed=41))
+    unbatched = _cosine("none")
+    with pytest.raises(ValueError, match=r"the batch dimensions of x \(2,\) and z \(3,\) do not broadcast"):
+        unbatched(_tokens(2, 5, 3, seed=42), _tokens(3, 4, 3, seed=43))
+    # broadcasting batches are the closed form of every pair
+    x, z = _tokens(2, 1, 5, 3, seed=44), _tokens(4, 3, seed=45)
+    matrix = unbatched(x, z)
+    assert matrix.shape == (2, 1, 5, 4)
+    for batch in range(2):
+        expected = _cosine_closed_form(unbatched, x[batch, 0], z)
+        torch.testing.assert_close(matrix[batch, 0], expected, atol=ATOL, rtol=0)
+
+
+def test_positive_parameters_of_a_wrong_shape_are_refused() -> None:
+    """GPyTorch's initialize failed with "shape '[2]' is invalid for input of size 3"; what it can fit is set."""
+    kernel = _cosine("none", batch_shape=torch.Size([2]))
+    with pytest.raises(ValueError, match=r"CosineFeatureKernel: expected outputscale .* expands to shape \(2,\)"):
+        kernel.outputscale = torch.ones(3, dtype=DTYPE)
+    with pytest.raises(ValueError, match=r"ShiftedRBFKernel: expected lengthscale .* expands to shape \(3,\)"):
+        ShiftedRBFKernel(3, lengthscale=torch.ones(2))
+    with pytest.raises(ValueError, match=r"FeatureLift: expected lengthscale .* expands to shape \(\)"):
+        FeatureLift("rff", 3, 5, lengthscale=torch.ones(2))
+    kernel.outputscale = torch.tensor([[0.5], [3.0]], dtype=DTYPE)  # as many elements: GPyTorch's view
+    torch.testing.assert_close(kernel.outputscale.detach(), torch.tensor([0.5, 3.0], dtype=DTYPE), atol=1e-14, rtol=0)
+    rbf = ShiftedRBFKernel(2, batch_shape=torch.Size([2])).double()
+    rbf.initialize(raw_lengthscale=torch.zeros(2, 2, dtype=DTYPE))
+    lengthscale = torch.tensor([0.7, 1.3], dtype=DTYPE)
+    rbf.outputscale = torch.tensor(1.4, dtype=DTYPE)  # a scalar expands to every kernel
+    torch.testing.assert_close(rbf.outputscale.detach(), torch.full((2,), 1.4, dtype=DTYPE), atol=1e-14, rtol=0)
+    with pytest.raises(TypeError, match="ShiftedRBFKernel: expected shift to be a number or a tensor of numbers"):
+        ShiftedRBFKernel(2, shift="left")
+    tied = ShiftedRBFKernel(2, tie=True, lengthscale=lengthscale).double()  # set in float32, then cast
+    tied.outputscale = 1.0
+    torch.testing.assert_close(tied.lengthscale.detach(), lengthscale, atol=1e-6, rtol=0)
+    x, z = _tokens(4, 2, seed=46), _tokens(3, 2, seed=47)
+    expected = _shifted_rbf_closed_form(x, z, torch.zeros(2, dtype=DTYPE), tied.lengthscale.detach(), 1.0)
+    torch.testing.assert_close(tied(x, z), expected, atol=ATOL, rtol=0)
+
+
+def test_max_logit_takes_real_numbers_and_refuses_minus_infinity() -> None:
+    """A NumPy float or a 0-d tensor was refused as "not a number"; -inf was accepted and clamped every logit to
+    exp(-inf) = 0, a kernel of zeros."""
+    for bad in ("3", True, torch.tensor(3.0)):
+        with pytest.raises(TypeError, match="ExponentialDotProductKernel: expected max_logit to be a real number"):
+            ExponentialDotProductKernel(3, 4, max_logit=bad)
+    for bad in (-math.inf, math.nan):
+        with pytest.raises(ValueError, match="ExponentialDotProductKernel: expected max_logit"):
+            ExponentialDotProductKernel(3, 4, max_logit=bad)
+    torch.manual_seed(48)
+    kernel = ExponentialDotProductKernel(3, feature_dim=4, max_logit=np.float32(0.5)).double()
+    kernel.outputscale = 1.0
+    assert kernel.max_logit == 0.5 and type(kernel.max_logit) is float
+    x, z = _tokens(6, 3, seed=49) * 3, _tokens(5, 3, seed=50) * 3
+    logits = (x @ kernel.query_weight.T) @ (z @ kernel.key_weight.T).T / 2.0
+    assert (logits > 0.5).any() and (logits < 0.5).any()
+    torch.testing.assert_close(kernel(x, z), torch.exp(logits.clamp(max=0.5)), atol=ATOL, rtol=0)

@@ -68,3 +68,18 @@ def test_first_real_token():
     mask = torch.tensor([[True, True, False, False], [False, False, True, True], [False, True, False, True]])
     expected = torch.stack([tokens[0, 0], tokens[1, 2], tokens[2, 1]])[:, None]
     torch.testing.assert_close(first_real_token(tokens, mask), expected)
+
+
+def test_same_requires_right_to_be_left_and_points_of_one_dimension():
+    """same=True read left only: with another right it returned left's self-distances, silently."""
+    generator = torch.Generator().manual_seed(5)
+    left = torch.randn(2, 6, 3, generator=generator, dtype=torch.float64)
+    right = torch.randn(2, 6, 3, generator=generator, dtype=torch.float64)
+    with pytest.raises(ValueError, match="squared_distance: same=True means right is left"):
+        squared_distance(left, right, same=True)
+    with pytest.raises(ValueError, match="squared_distance: expected left .* with the same p"):
+        squared_distance(left, right[..., :2])
+    torch.testing.assert_close(squared_distance(left, right), torch.cdist(left, right).square(), atol=1e-12, rtol=0)
+    torch.testing.assert_close(
+        squared_distance(left, left, same=True), torch.cdist(left, left).square(), atol=1e-12, rtol=0
+    )

@@ -266,3 +266,37 @@ def test_objective_nonzero_after_perturbing_stationary_weights() -> None:
     objective = ksvd_objective(*(torch.from_numpy(a) for a in arrays)).item()
     assert abs(objective - _objective_loop(*arrays)) < 1e-12
     np.testing.assert_allclose(objective, singular_values.sum() / 8, atol=1e-10, rtol=0)
+
+
+def test_randomized_options_are_validated():
+    """A negative oversampling shrank the sketch below the rank: fewer triplets than asked, silently; other bad
+    options failed in torch's words (or not at all, a bool power count); NumPy integers and floats are numbers."""
+    left_factor, right_factor = _randn(7, 3, seed=20), _randn(6, 3, seed=21)
+    matrix = left_factor @ right_factor.T  # rank 3: the randomised SVD is exact
+    exact = kernel_svd(matrix, 3)
+    for option, bad in [
+        ("oversampling", -1),
+        ("oversampling", 1.5),
+        ("power_iterations", -1),
+        ("power_iterations", True),
+        ("seed", 1.5),
+        ("seed", 2**64),
+    ]:
+        with pytest.raises(ValueError, match=f"kernel_svd: expected {option} to be"):
+            kernel_svd(matrix, 3, method="randomized", **{option: bad})
+    with pytest.raises(TypeError, match="kernel_svd: expected seed"):
+        kernel_svd(matrix, 3, seed="0")
+    svd = kernel_svd(matrix, 3, method="randomized", oversampling=0, power_iterations=np.int64(2), seed=np.int64(5))
+    assert svd.left.shape == (7, 3) and svd.singular_values.shape == (3,) and svd.right.shape == (6, 3)
+    torch.testing.assert_close(svd.singular_values, torch.linalg.svdvals(matrix)[:3], atol=1e-12, rtol=0)
+    for part, reference in zip(svd, exact, strict=True):
+        torch.testing.assert_close(part, reference, atol=1e-10, rtol=0)
+    same = kernel_svd(matrix, 3, method="randomized", oversampling=0, power_iterations=2, seed=5)
+    for part, reference in zip(svd, same, strict=True):
+        assert torch.equal(part, reference)
+    gradients = []
+    for tolerance in (np.float32(0.25), 0.25):  # the same broadening of the backward pass
+        leaf = matrix.clone().requires_grad_(True)
+        (gradient,) = torch.autograd.grad(kernel_svd(leaf, 2, gradient_tolerance=tolerance).left.sum(), leaf)
+        gradients.append(gradient)
+    assert torch.equal(*gradients)

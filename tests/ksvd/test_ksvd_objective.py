@@ -107,3 +107,44 @@ def test_options_a_form_does_not_read_are_refused():
         ksvd_objective(scores, scores, weights, weights, values, mask=torch.ones(2, 3, dtype=torch.bool))
     with pytest.raises(ValueError, match=r"weights_per_position is read by form='sum' only"):
         ksvd_objective(scores, scores, weights, weights, values, form="official", weights_per_position=True)
+
+
+def test_shapes_that_would_broadcast_into_a_wrong_objective_are_refused():
+    """Mismatched shapes used to broadcast silently: a rank-1 weight against rank-s ones (a wrong trace), a (1,)
+    Lambda for every direction, 2-D official weights whose N' rows the trace averaged as heads, weights without the
+    position dimension under weights_per_position; others failed in torch's words (a mask of another length)."""
+    e, r = _randn(B, H, N, S, seed=30), _randn(B, H, N, S, seed=31)
+    we, wr = _randn(B, H, P, S, seed=32), _randn(B, H, P, S, seed=33)
+    lam = _randn(H, S, seed=34).exp()
+    refused = [
+        (dict(right_weights=wr[..., :1]), "right_weights of shape"),
+        (dict(right_weights=_randn(B, H, P + 1, S, seed=35)), "right_weights of shape"),
+        (dict(singular_values=lam[:, :1]), "singular_values of shape"),
+        (dict(right_scores=r[..., :2]), "right_scores of shape"),
+        (dict(left_scores=e[0, 0, 0]), "left_scores of shape"),
+        (dict(right_scores=r[:2]), "batch dimensions .* do not broadcast"),
+        (dict(weights_per_position=True), r"left_weights of shape \(\.\.\., 5, p, 3\)"),
+        (dict(left_scores=e.numpy()), "left_scores to be a torch.Tensor"),
+    ]
+    arguments = dict(left_scores=e, right_scores=r, left_weights=we, right_weights=wr, singular_values=lam)
+    for change, message in refused:
+        with pytest.raises(ValueError, match=f"ksvd_objective: .*{message}"):
+            ksvd_objective(**{**arguments, **change})
+    e, r, raw_e, raw_r, lam, mask = _official_inputs(seed=36, padded=None)
+    official = dict(left_scores=e, right_scores=r, left_weights=raw_e, right_weights=raw_r, singular_values=lam)
+    refused = [
+        (dict(left_weights=raw_e[0], right_weights=raw_r[0]), r"left_weights of shape \(H, N', 3\)"),
+        (dict(right_weights=raw_r[:1]), "right_weights of shape"),
+        (dict(left_scores=e[0], right_scores=r[0]), r"expects left_scores of shape \(B, H, N, s\)"),
+        (dict(mask=mask[:, :-1]), r"mask of shape \(3, 5\)"),
+        (dict(mask=mask, right_scores=r[:, :, :-1]), "a mask needs left_scores and right_scores of the same tokens"),
+    ]
+    for change, message in refused:
+        with pytest.raises(ValueError, match=f"ksvd_objective: .*{message}"):
+            ksvd_objective(**{**official, **change}, form="official")
+    # one head: the (1, N', s) weights' trace is that head's, against a loop
+    got = ksvd_objective(e[:, :1], r[:, :1], raw_e[:1], raw_r[:1], lam[:1], form="official")
+    left = torch.stack([(e[b, 0, i] ** 2 / lam[0]).sum() for b in range(B) for i in range(N)]).mean()
+    right = torch.stack([(r[b, 0, i] ** 2 / lam[0]).sum() for b in range(B) for i in range(N)]).mean()
+    expected = 0.5 * (left + right) - torch.trace(raw_e[0].T @ raw_r[0])
+    torch.testing.assert_close(got, expected, atol=1e-12, rtol=0)
