@@ -23,6 +23,7 @@ registered attention or row is compared like the built-in ones.
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import statistics
 import time
 from collections.abc import Iterable
@@ -33,7 +34,7 @@ import torch
 from torch.utils._pytree import tree_map
 
 from .._torch_compat import recompile_limit_name
-from ..attention import build_attention
+from ..attention import accepts_argument, attention_arguments, build_attention
 from ..methods import Hyperparameters, MethodSpec, get_method, resolve_method
 from ..models import LastLayerLaplace, Transformer
 from ..training import Callback, TrainConfig, dataset_inputs, dataset_labels, member_seed, train_ensemble
@@ -47,6 +48,7 @@ from .tasks import TASK_DEFAULTS, TaskData, load_task
 
 __all__ = [
     "build_model",
+    "check_model_arguments",
     "compile_model",
     "layer_arguments",
     "learned_spectra",
@@ -78,6 +80,35 @@ def build_model(
     sizes = {"embed_dim": hp.embed_dim, "depth": hp.depth, "num_heads": hp.num_heads, "gp_layers": hp.gp_layers}
     arguments = {**sizes, "dropout": hp.dropout, **model_kwargs, **method.model_arguments}
     return Transformer(num_classes, attention=method.attention, **arguments, **layer_arguments(method, hp))
+
+
+def check_model_arguments(method: MethodSpec) -> None:
+    """Check that the row's :attr:`~gpattn.methods.MethodSpec.model_arguments` are keyword arguments the
+    :class:`~gpattn.models.Transformer` takes (read from its signature): its own but ``num_classes`` and ``attention``
+    (:func:`build_model` passes them), or the row's attention's, which it forwards to the layer.
+
+    :raises ValueError: A name it does not take (e.g. ``"dept"`` for ``"depth"``); the message names the row, the
+        unknown names and the accepted ones.
+    """
+    parameters = inspect.signature(Transformer.__init__).parameters.values()
+    own = [
+        parameter.name
+        for parameter in parameters
+        if parameter.kind in (parameter.POSITIONAL_OR_KEYWORD, parameter.KEYWORD_ONLY)
+        and parameter.name not in ("self", "num_classes", "attention")
+    ]
+    layer = attention_arguments(method.attention)
+    unknown = sorted(
+        name
+        for name in method.model_arguments
+        if name in ("num_classes", "attention") or (name not in own and not accepts_argument(method.attention, name))
+    )
+    if unknown:
+        raise ValueError(
+            f"the row {method.name!r} passes the model arguments {unknown}, which the Transformer does not take (or "
+            f"the run sets: num_classes, attention); it takes {own} and the arguments of the attention "
+            f"{method.attention!r}: {layer}"
+        )
 
 
 def learned_spectra(model: Transformer) -> dict[str, list[list[float]]]:
@@ -163,12 +194,16 @@ def compile_model(model: torch.nn.Module, device: str | torch.device) -> torch.n
 
 def plan_runs(config: CompareConfig) -> list[tuple[str, str, int]]:
     """The ``(task, row, seed)`` runs of ``config`` in the nesting order of the tables, after checking once, before
-    any training, that the attention layer of every (task, row) accepts its arguments (one layer of each distinct kind
-    is built, without touching the caller's RNG).
+    any training, that every row's model arguments are the Transformer's (:func:`check_model_arguments`) and that
+    the attention layer of every (task, row) accepts its arguments (one layer of each distinct kind is built, without
+    touching the caller's RNG).
 
-    :raises ValueError: A layer refuses its arguments (e.g. a ``num_inducing`` above the head width); the message
-        names the row, the arguments and the layer's reason.
+    :raises ValueError: A row's model arguments name one the Transformer does not take, or a layer refuses its
+        arguments (e.g. a ``num_inducing`` above the head width); the message names the row, the arguments and the
+        reason.
     """
+    for row in config.attentions:
+        check_model_arguments(get_method(row))
     checked = set()
     for task in config.tasks:
         for row in config.attentions:

@@ -43,7 +43,7 @@ from .deferred_interrupts import interrupt, interrupt_handler, signals_deferred
 from .environment import code_label, code_version
 from .local_executor import TaskFailedError, torch_threads
 from .records import write_json_atomically
-from .runs import build_model, layer_arguments, make_train_config
+from .runs import build_model, check_model_arguments, layer_arguments, make_train_config
 from .sealed_split import tuning_data
 from .studies import (
     StudyLock,
@@ -96,10 +96,13 @@ def check_search_space(config: TuneConfig, task: str, data: TaskData) -> None:
     """Build the attention layer of every row of ``config`` in every architecture candidate once, before any trial
     (without touching the caller's RNG), so that no trial fails on a layer's arguments.
 
-    :raises ValueError: A layer refuses its arguments (the message names the row and the architecture).
+    :raises ValueError: A row's model arguments name one the Transformer does not take
+        (:func:`~gpattn.comparison.runs.check_model_arguments`), or a layer refuses its arguments (the message names
+        the row and the architecture).
     """
     for row in config.rows:
         method = get_method(row)
+        check_model_arguments(method)
         for architecture in ARCHITECTURES:
             sizes = config.trial_hyperparameters(task, method, {"architecture": architecture}, data.defaults)
             with torch.random.fork_rng(devices=[]):

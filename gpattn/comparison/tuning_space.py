@@ -21,12 +21,15 @@ and the row's recipe), so a newly registered row gets the parameters its layer h
 
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
 from ..attention import ATTENTIONS, attention_arguments
 from ..methods import get_method
-from ..validation import check_choice, check_int
+from ..validation import InputTypeError, check_choice, check_float, check_int
 
 __all__ = [
     "ARCHITECTURES",
@@ -80,7 +83,15 @@ class SearchParameter:
     :ivar kind: ``"log_uniform"``, ``"uniform"`` or ``"choice"``.
     :ivar low: Lower end of a float (included).
     :ivar high: Upper end of a float (included).
-    :ivar choices: The values of a ``"choice"``.
+    :ivar choices: The values of a ``"choice"`` (a non-empty tuple or list, kept as a tuple).
+
+    The bounds are finite numbers (Python's or NumPy's, kept as Python numbers), not bools; a log-uniform range needs
+    ``low > 0``.
+
+    :raises InputTypeError: ``name`` is not a string, a bound of a float range is not a number (a string, a bool,
+        ``None``), or ``choices`` is not a tuple or list (a string would be its letters).
+    :raises ValueError: An empty ``name``, an unknown ``kind``, no choices, a bound that is negative or not finite,
+        ``low >= high``, or ``low = 0`` in a log-uniform range.
 
     Example:
         >>> lr = SearchParameter("lr", "log_uniform", 3e-4, 1e-2)
@@ -95,14 +106,27 @@ class SearchParameter:
     choices: tuple[Any, ...] = ()
 
     def __post_init__(self) -> None:
-        check_choice("kind", self.kind, KINDS, where="SearchParameter")
+        if not isinstance(self.name, str):
+            raise InputTypeError(f"SearchParameter: expected name to be a non-empty string, got {self.name!r}")
+        if not self.name:
+            raise ValueError(f"SearchParameter: expected name to be a non-empty string, got {self.name!r}")
+        where = f"SearchParameter {self.name!r}"
+        check_choice("kind", self.kind, KINDS, where=where)
         if self.kind == "choice":
+            if not isinstance(self.choices, (tuple, list)):
+                raise InputTypeError(f"{where}: expected choices to be a tuple or list of values, got {self.choices!r}")
             if not self.choices:
-                raise ValueError(f"SearchParameter {self.name!r}: expected choices, got none")
-        elif self.low is None or self.high is None or not 0 <= self.low < self.high:
-            raise ValueError(f"SearchParameter {self.name!r}: expected 0 <= low < high, got [{self.low}, {self.high}]")
-        elif self.kind == "log_uniform" and self.low == 0:
-            raise ValueError(f"SearchParameter {self.name!r}: a log-uniform range needs low > 0, got {self.low}")
+                raise ValueError(f"{where}: expected choices, got none")
+            object.__setattr__(self, "choices", tuple(self.choices))
+            return
+        for label in ("low", "high"):  # NumPy numbers as Python ones (an integer stays one: describe's JSON)
+            value = getattr(self, label)
+            check_float(label, value, 0.0, where=where)
+            object.__setattr__(self, label, int(value) if isinstance(value, numbers.Integral) else float(value))
+        if not self.low < self.high:
+            raise ValueError(f"{where}: expected 0 <= low < high, got [{self.low}, {self.high}]")
+        if self.kind == "log_uniform" and self.low == 0:
+            raise ValueError(f"{where}: a log-uniform range needs low > 0, got {self.low}")
 
     def suggest(self, trial: Any) -> Any:
         """This parameter's value in an Optuna trial (``trial.suggest_float`` or ``trial.suggest_categorical``)."""
@@ -111,14 +135,26 @@ class SearchParameter:
         return trial.suggest_float(self.name, self.low, self.high, log=self.kind == "log_uniform")
 
     def contains(self, value: Any) -> bool:
-        """Whether ``value`` is in this dimension (the ends of a float range included)."""
+        """Whether ``value`` is in this dimension (the ends of a float range included): a number (Python's or NumPy's,
+        not a bool) within a float range, or one of the choices (a bool only where the choice is one)."""
         if self.kind == "choice":
-            return value in self.choices
-        return isinstance(value, (int, float)) and self.low <= value <= self.high
+            return any(_is_bool(value) == _is_bool(choice) and _equal(value, choice) for choice in self.choices)
+        return not _is_bool(value) and isinstance(value, numbers.Real) and self.low <= value <= self.high
 
     def describe(self) -> dict[str, list[Any]]:
         """``{kind: [low, high]}`` or ``{"choice": [...]}``: the dimension as JSON data (the tuned files' record)."""
         return {self.kind: list(self.choices) if self.kind == "choice" else [self.low, self.high]}
+
+
+def _is_bool(value: Any) -> bool:
+    return isinstance(value, (bool, np.bool_))
+
+
+def _equal(value: Any, choice: Any) -> bool:
+    try:
+        return bool(value == choice)
+    except (TypeError, ValueError):  # e.g. an array, whose == is elementwise
+        return False
 
 
 def _shared() -> tuple[SearchParameter, ...]:
