@@ -87,8 +87,10 @@ def check_model_arguments(method: MethodSpec) -> None:
     :class:`~gpattn.models.Transformer` takes (read from its signature): its own but ``num_classes`` and ``attention``
     (:func:`build_model` passes them), or the row's attention's, which it forwards to the layer.
 
-    :raises ValueError: A name it does not take (e.g. ``"dept"`` for ``"depth"``); the message names the row, the
-        unknown names and the accepted ones.
+    :raises ValueError: A name it does not take (e.g. ``"dept"`` for ``"depth"``; the message names the row, the
+        unknown names and the accepted ones), or a layer argument that the run passes to the layer itself (the shared
+        ``num_inducing`` / ``ksvd_weight`` where the layer takes them, or one of the row's ``attention_arguments``):
+        given twice, it would fail in :func:`build_model` with Python's "multiple values for keyword argument".
     """
     parameters = inspect.signature(Transformer.__init__).parameters.values()
     own = [
@@ -108,6 +110,15 @@ def check_model_arguments(method: MethodSpec) -> None:
             f"the row {method.name!r} passes the model arguments {unknown}, which the Transformer does not take (or "
             f"the run sets: num_classes, attention); it takes {own} and the arguments of the attention "
             f"{method.attention!r}: {layer}"
+        )
+    # the names layer_arguments gives the layer in every run (which ones does not depend on the values)
+    passed = method.layer_arguments(num_inducing=1, ksvd_weight=0.0)
+    twice = sorted(name for name in method.model_arguments if name in passed)
+    if twice:
+        raise ValueError(
+            f"the row {method.name!r} passes {twice} as model arguments, but the run gives them to its attention "
+            f"layer itself (the shared settings num_inducing and ksvd_weight, and the row's attention_arguments "
+            f"{dict(method.attention_arguments)}); set a layer argument in attention_arguments only"
         )
 
 

@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 
 from gpattn.comparison import CompareConfig, SearchParameter, plan_runs
-from gpattn.comparison.runs import check_model_arguments
-from gpattn.methods import MethodSpec, get_method, method_names, register_method, unregister_method
+from gpattn.comparison.runs import build_model, check_model_arguments
+from gpattn.methods import Hyperparameters, MethodSpec, get_method, method_names, register_method, unregister_method
 from gpattn.validation import InputTypeError
 
 POINTER = dict(tasks=("pointer",), seeds=(0,), progress=False, tuned=False)
@@ -141,3 +141,24 @@ def test_gpattn_tune_refuses_an_unknown_model_argument_before_any_trial(register
     data = tuning_module._data("pointer", 100)
     with pytest.raises(ValueError, match=r"the row 'tune_typo_row' passes the model arguments \['dept'\]"):
         tuning_module.check_search_space(config, "pointer", data)
+
+
+@pytest.mark.parametrize(
+    "attention_arguments, model_arguments, twice",
+    [({}, {"num_inducing": 4}, "num_inducing"), ({"ksvd_weight": 0.1}, {"ksvd_weight": 0.2}, "ksvd_weight")],
+    ids=["a-shared-setting", "an-attention-argument"],
+)
+def test_a_layer_argument_given_as_a_model_argument_too_is_refused_before_any_run(
+    registered, attention_arguments, model_arguments, twice
+) -> None:
+    # the layer got it from layer_arguments and from the Transformer's **attention_kwargs: build_model raised Python's
+    # "got multiple values for keyword argument" inside the run
+    spec = MethodSpec(f"twice_{twice}", "kep_svgp", attention_arguments, model_arguments)
+    row = registered(spec)
+    with pytest.raises(ValueError, match=rf"passes \['{twice}'\] as model arguments, but the run gives them"):
+        plan_runs(CompareConfig(attentions=(row,), **POINTER))
+    # what the check prevents: the run's model cannot be built
+    with pytest.raises(TypeError, match="multiple values"):
+        sizes = dict(epochs=1, lr=1e-3, weight_decay=0.0, batch_size=4, embed_dim=16, depth=1, num_heads=2)
+        hyperparameters = Hyperparameters(**sizes, gp_layers=1, beta=1.0, ksvd_weight=0.1, dropout=0.0, num_inducing=5)
+        build_model(spec, hyperparameters, 3, {"input": "tokens", "vocab_size": 8, "max_len": 8})
