@@ -58,11 +58,15 @@ __all__ = [
 ]
 
 
+#: The hyperparameters every run offers its attention layer (:func:`layer_arguments`), where the layer takes them.
+SHARED_LAYER_SETTINGS = ("num_inducing", "ksvd_weight")
+
+
 def layer_arguments(method: MethodSpec, hyperparameters: Hyperparameters) -> dict[str, Any]:
-    """The keyword arguments of the row's attention layer in a run: ``num_inducing`` and ``ksvd_weight`` of
-    ``hyperparameters`` where the layer takes them (``num_inducing=None`` is the layer's default), then the row's own
-    (:meth:`~gpattn.methods.MethodSpec.layer_arguments`)."""
-    return method.layer_arguments(num_inducing=hyperparameters.num_inducing, ksvd_weight=hyperparameters.ksvd_weight)
+    """The keyword arguments of the row's attention layer in a run: ``SHARED_LAYER_SETTINGS`` (``num_inducing``
+    and ``ksvd_weight``) of ``hyperparameters`` where the layer takes them (``num_inducing=None`` is the layer's
+    default), then the row's own (:meth:`~gpattn.methods.MethodSpec.layer_arguments`)."""
+    return method.layer_arguments(**{name: getattr(hyperparameters, name) for name in SHARED_LAYER_SETTINGS})
 
 
 #: Dynamo's limit of compiled graphs per function that :func:`compile_model` sets (at least): the comparison's rows
@@ -111,8 +115,8 @@ def check_model_arguments(method: MethodSpec) -> None:
             f"the run sets: num_classes, attention); it takes {own} and the arguments of the attention "
             f"{method.attention!r}: {layer}"
         )
-    # the names layer_arguments gives the layer in every run (which ones does not depend on the values)
-    passed = method.layer_arguments(num_inducing=1, ksvd_weight=0.0)
+    # the names layer_arguments gives the layer in every run (which ones does not depend on the values, but for None)
+    passed = method.layer_arguments(**dict.fromkeys(SHARED_LAYER_SETTINGS, 1))
     twice = sorted(name for name in method.model_arguments if name in passed)
     if twice:
         raise ValueError(
