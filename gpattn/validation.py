@@ -11,10 +11,11 @@ from __future__ import annotations
 
 import math
 import numbers
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from itertools import zip_longest
 from typing import Any
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -200,6 +201,36 @@ def check_device(name: str, value: Any, where: str = "", types: Sequence[str] | 
     elif device.type == "mps" and not torch.backends.mps.is_available():
         raise ValueError(f"{_prefix(where)}{name}={value!r} but MPS is not available on this machine; use 'cpu'")
     return device
+
+
+def check_sequence(name: str, value: Any, example: str, where: str = "") -> None:
+    """Refuse a ``value`` that is not an iterable of items, or is a string (which would be iterated letter by letter).
+
+    :param example: A value to show in the message, e.g. ``"('blur',)"``.
+    :raises InputTypeError: ``value`` is a ``str`` or ``bytes``, or not iterable.
+    """
+    if isinstance(value, (str, bytes)) or not isinstance(value, Iterable):
+        raise InputTypeError(f"{_prefix(where)}expected {name} to be a sequence, e.g. {example}, got {value!r}")
+
+
+def check_digits(name: str, value: Any, where: str = "") -> tuple[int, ...]:
+    """A sequence of digit classes ``0..9`` (Python or NumPy integers, a tensor or an array of them) or ``None``
+    (none), as a tuple of Python ints.
+
+    :raises InputTypeError: ``value`` is not a sequence (a bare number, a string).
+    :raises ValueError: An element that is not an integer in ``0..9`` (bools included).
+    """
+    if isinstance(value, (Tensor, np.ndarray)):  # elements of a tensor are 0-d tensors, not integers
+        value = value.tolist()
+    if value is not None and (isinstance(value, (str, bytes)) or not isinstance(value, Iterable)):
+        raise InputTypeError(
+            f"{_prefix(where)}expected {name} to be a sequence of digits in 0..9 (e.g. (8, 9)), () or None, got "
+            f"{value!r}"
+        )
+    digits = () if value is None else tuple(value)
+    if any(isinstance(c, bool) or not isinstance(c, (int, np.integer)) or not 0 <= c <= 9 for c in digits):
+        raise ValueError(f"{_prefix(where)}expected {name} to be digits in 0..9, got {value!r}")
+    return tuple(int(c) for c in digits)
 
 
 def broadcastable(*shapes: Sequence[int]) -> bool:

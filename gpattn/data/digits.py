@@ -39,7 +39,6 @@ shifts and the noise images) seeded with ``seed``; the global RNGs are never tou
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -48,7 +47,16 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ..validation import InputTypeError, check_choice, check_float, check_int, check_seed, check_tensor
+from ..validation import (
+    InputTypeError,
+    check_choice,
+    check_digits,
+    check_float,
+    check_int,
+    check_seed,
+    check_sequence,
+    check_tensor,
+)
 from .image_dataset import ImageDataset
 from .patches import images_to_patches, patches_to_images
 
@@ -150,19 +158,7 @@ def load_digits_splits(
             raise ValueError(f"expected {name} in [0, 1), got {value!r}")
     if val_fraction + test_fraction >= 1:
         raise ValueError(f"expected val_fraction + test_fraction < 1, got {val_fraction} + {test_fraction}")
-    if isinstance(held_out_classes, (Tensor, np.ndarray)):  # elements of a tensor are 0-d tensors, not integers
-        held_out_classes = held_out_classes.tolist()
-    if held_out_classes is not None and (
-        isinstance(held_out_classes, (str, bytes)) or not isinstance(held_out_classes, Iterable)
-    ):
-        raise InputTypeError(
-            f"expected held_out_classes to be a sequence of digits in 0..9 (e.g. (8, 9)), () or None, got "
-            f"{held_out_classes!r}"
-        )
-    held = () if held_out_classes is None else tuple(held_out_classes)
-    if any(isinstance(c, bool) or not isinstance(c, (int, np.integer)) or not 0 <= c <= 9 for c in held):
-        raise ValueError(f"expected held_out_classes to be digits in 0..9, got {held_out_classes!r}")
-    held = tuple(int(c) for c in held)
+    held = check_digits("held_out_classes", held_out_classes)
     if len(set(held)) != len(held) or len(held) > 8:
         raise ValueError(f"expected at most 8 distinct held-out digits (2 classes must remain), got {held!r}")
 
@@ -344,11 +340,8 @@ def make_shifted_test_sets(
     if not isinstance(dataset, ImageDataset):
         raise TypeError(f"expected dataset to be an ImageDataset, got {type(dataset).__name__}")
     check_seed("seed", seed, where="make_shifted_test_sets")
-    for name, values, example in (("kinds", kinds, "('blur',)"), ("severities", severities, "(1, 3)")):
-        if isinstance(values, (str, bytes)) or not isinstance(values, Iterable):  # "blur" iterated letter by letter
-            raise InputTypeError(
-                f"make_shifted_test_sets: expected {name} to be a sequence, e.g. {example}, got {values!r}"
-            )
+    check_sequence("kinds", kinds, "('blur',)", where="make_shifted_test_sets")
+    check_sequence("severities", severities, "(1, 3)", where="make_shifted_test_sets")
     shifted = {}
     for kind in kinds:
         if kind not in SHIFT_PARAMETERS:

@@ -65,14 +65,13 @@ as they were.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 import torch
 
-from ..validation import InputTypeError, check_choice, check_float, check_int, check_seed
+from ..validation import InputTypeError, check_choice, check_digits, check_float, check_int, check_seed, check_sequence
 from .mnist1d_generator import (
     MNIST1D_LENGTH,
     MNIST1D_SHIFT_ARGUMENTS,
@@ -147,17 +146,6 @@ class MNIST1DSplits:
     val_indices: np.ndarray
 
 
-def _check_digits(name: str, value: Any) -> tuple[int, ...]:
-    if isinstance(value, (torch.Tensor, np.ndarray)):  # elements of a tensor are 0-d tensors, not integers
-        value = value.tolist()
-    if value is not None and (isinstance(value, (str, bytes)) or not isinstance(value, Iterable)):
-        raise InputTypeError(f"expected {name} to be a sequence of digits in 0..9 (e.g. (8, 9)) or None, got {value!r}")
-    digits = () if value is None else tuple(value)
-    if any(isinstance(c, bool) or not isinstance(c, (int, np.integer)) or not 0 <= c < NUM_DIGITS for c in digits):
-        raise ValueError(f"expected {name} to be digits in 0..9, got {value!r}")
-    return tuple(int(c) for c in digits)
-
-
 def load_mnist1d(
     seed: int = 0,
     val_fraction: float = 0.1,
@@ -184,7 +172,7 @@ def load_mnist1d(
     check_float("val_fraction", val_fraction, 0.0, 1.0, strict_maximum=True, where="load_mnist1d")
     check_choice("patch_size", patch_size, PATCH_SIZES, where="load_mnist1d")
     check_dtype(dtype, "load_mnist1d")
-    held = _check_digits("held_out_classes", held_out_classes)
+    held = check_digits("held_out_classes", held_out_classes)
     if len(set(held)) != len(held) or len(held) > NUM_DIGITS - 2:
         raise ValueError(f"expected at most 8 distinct held-out digits (2 classes must remain), got {held!r}")
 
@@ -267,11 +255,8 @@ def make_mnist1d_shifted_test_sets(
     """
     digits = _test_digits(splits)
     check_int("seed", seed, minimum=0, where="make_mnist1d_shifted_test_sets")
-    for name, values, example in (("kinds", kinds, "('shear',)"), ("severities", severities, "(1, 3)")):
-        if isinstance(values, (str, bytes)) or not isinstance(values, Iterable):  # "shear" iterated letter by letter
-            raise InputTypeError(
-                f"make_mnist1d_shifted_test_sets: expected {name} to be a sequence, e.g. {example}, got {values!r}"
-            )
+    check_sequence("kinds", kinds, "('shear',)", where="make_mnist1d_shifted_test_sets")
+    check_sequence("severities", severities, "(1, 3)", where="make_mnist1d_shifted_test_sets")
     for kind in kinds:
         check_choice("kinds", kind, MNIST1D_SHIFT_KINDS, where="make_mnist1d_shifted_test_sets")
     for severity in severities:
