@@ -437,3 +437,25 @@ def check_positive(name: str, value: Any, like: Tensor, where: str = "") -> Tens
     if tensor.device.type != "meta" and not (torch.isfinite(tensor).all() and (tensor > 0).all()):
         raise ValueError(f"{_prefix(where)}expected {name} to be {wanted}, got {value!r}")
     return tensor
+
+
+def initialize_positive(module: torch.nn.Module, raw_name: str, name: str, value: object, where: str) -> None:
+    """Set the positive parameter ``name`` of ``module`` (stored as ``raw_name`` under a ``Positive`` constraint) to
+    ``value``, a number or a tensor that GPyTorch's ``initialize`` can fit to the parameter's shape (one that expands
+    to it, or one with as many elements).
+
+    :raises InputTypeError: For something that is not a number or a tensor of numbers.
+    :raises ValueError: For a value <= 0, NaN or infinite, or of a shape that does not fit the parameter's.
+    """
+    raw = getattr(module, raw_name)
+    value = check_positive(name, value, raw, where=where)
+    expands = value.dim() <= raw.dim() and all(
+        size in (1, wanted) for size, wanted in zip(reversed(value.shape), reversed(raw.shape), strict=False)
+    )
+    if not expands and value.numel() != raw.numel():
+        raise ValueError(
+            f"{_prefix(where)}expected {name} to be a number or a tensor that expands to shape {tuple(raw.shape)}, got "
+            f"shape {tuple(value.shape)}"
+        )
+    constraint = getattr(module, f"{raw_name}_constraint")
+    module.initialize(**{raw_name: constraint.inverse_transform(value)})

@@ -12,7 +12,7 @@ from torch import Tensor
 
 from ..kernels import first_real_token, safe_max_logit, squared_distance
 from ..mlls import SequenceKLAddedLossTerm
-from ..validation import check_choice, check_float, check_int, check_overflow, check_positive
+from ..validation import check_choice, check_float, check_int, check_overflow, initialize_positive
 from ._base import AttentionInputs, AttentionLayer
 
 KERNELS = ("ard", "exponential")
@@ -160,8 +160,7 @@ class SGPAAttention(AttentionLayer):
 
     @lengthscale.setter
     def lengthscale(self, value: Tensor | float) -> None:
-        value = check_positive("lengthscale", value, self.raw_lengthscale, where=type(self).__name__)
-        self.initialize(raw_lengthscale=self.raw_lengthscale_constraint.inverse_transform(value))
+        initialize_positive(self, "raw_lengthscale", "lengthscale", value, type(self).__name__)
 
     @property
     def outputscale(self) -> Tensor:
@@ -170,8 +169,7 @@ class SGPAAttention(AttentionLayer):
 
     @outputscale.setter
     def outputscale(self, value: Tensor | float) -> None:
-        value = check_positive("outputscale", value, self.raw_outputscale, where=type(self).__name__)
-        self.initialize(raw_outputscale=self.raw_outputscale_constraint.inverse_transform(value))
+        initialize_positive(self, "raw_outputscale", "outputscale", value, type(self).__name__)
 
     @property
     def variational_covar_root(self) -> Tensor:

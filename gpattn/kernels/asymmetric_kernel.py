@@ -9,7 +9,7 @@ from gpytorch.constraints import Positive
 from gpytorch.module import Module
 from torch import Tensor
 
-from ..validation import InputTypeError, broadcastable, check_int, check_positive, check_tensor
+from ..validation import InputTypeError, broadcastable, check_int, check_tensor, initialize_positive
 
 
 def check_batch_shape(value: object, where: str) -> torch.Size:
@@ -23,28 +23,6 @@ def check_batch_shape(value: object, where: str) -> torch.Size:
             f"{where}: expected batch_shape to be a torch.Size or a sequence of positive integers, got {value!r}"
         )
     return torch.Size(check_int(f"batch_shape[{index}]", size, where=where) for index, size in enumerate(value))
-
-
-def initialize_positive(module: Module, raw_name: str, name: str, value: object, where: str) -> None:
-    """Set the positive parameter ``name`` of ``module`` (stored as ``raw_name`` under a ``Positive`` constraint) to
-    ``value``, a number or a tensor that GPyTorch's ``initialize`` can fit to the parameter's shape (one that expands
-    to it, or one with as many elements).
-
-    :raises InputTypeError: For something that is not a number or a tensor of numbers.
-    :raises ValueError: For a value <= 0, NaN or infinite, or of a shape that does not fit the parameter's.
-    """
-    raw = getattr(module, raw_name)
-    value = check_positive(name, value, raw, where=where)
-    expands = value.dim() <= raw.dim() and all(
-        size in (1, wanted) for size, wanted in zip(reversed(value.shape), reversed(raw.shape), strict=False)
-    )
-    if not expands and value.numel() != raw.numel():
-        raise ValueError(
-            f"{where}: expected {name} to be a number or a tensor that expands to shape {tuple(raw.shape)}, got shape "
-            f"{tuple(value.shape)}"
-        )
-    constraint = getattr(module, f"{raw_name}_constraint")
-    module.initialize(**{raw_name: constraint.inverse_transform(value)})
 
 
 class AsymmetricKernel(Module):

@@ -9,8 +9,7 @@ from gpytorch.constraints import Positive
 from gpytorch.module import Module
 from torch import Tensor
 
-from ..validation import MAX_SEED, check_choice, check_int
-from .asymmetric_kernel import initialize_positive
+from ..validation import MAX_SEED, check_choice, check_int, initialize_positive
 
 LIFTS = ("none", "rff", "mlp")
 

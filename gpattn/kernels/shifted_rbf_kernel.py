@@ -6,8 +6,8 @@ import torch
 from gpytorch.constraints import Positive
 from torch import Tensor
 
-from ..validation import InputTypeError
-from .asymmetric_kernel import AsymmetricKernel, initialize_positive
+from ..validation import InputTypeError, initialize_positive
+from .asymmetric_kernel import AsymmetricKernel
 
 
 class ShiftedRBFKernel(AsymmetricKernel):

@@ -478,3 +478,17 @@ def test_ard_kernel_is_exact_at_a_large_scale():
     outputscale = layer.outputscale[None, :, None, None]  # K_qg = s_f^2 I
     torch.testing.assert_close(mean, outputscale * layer.split_heads(layer.value_proj(x)), rtol=1e-12, atol=0)
     torch.testing.assert_close(variance, outputscale.expand_as(variance), rtol=1e-12, atol=0)
+
+
+def test_scales_of_a_shape_that_does_not_fit_are_refused_by_name():
+    """The setters share the kernels' positive-parameter check: a value that expands to the parameter's shape (or has
+    as many elements) is set, another shape is a ValueError naming the parameter (it was GPyTorch's RuntimeError)."""
+    layer = SGPAAttention(8, 2, num_inducing=3)
+    layer.outputscale = torch.tensor([0.5, 2.0])
+    layer.lengthscale = 1.5
+    torch.testing.assert_close(layer.outputscale.detach(), torch.tensor([0.5, 2.0]))
+    torch.testing.assert_close(layer.lengthscale.detach(), torch.full((2, 4), 1.5))
+    with pytest.raises(ValueError, match=r"SGPAAttention: expected outputscale .* shape \(2,\), got shape \(3,\)"):
+        layer.outputscale = torch.tensor([1.0, 2.0, 3.0])
+    with pytest.raises(ValueError, match=r"SGPAAttention: expected lengthscale .* shape \(2, 4\), got shape \(3,\)"):
+        layer.lengthscale = torch.ones(3)
