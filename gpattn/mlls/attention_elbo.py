@@ -26,6 +26,16 @@ def _added_loss_terms(model: torch.nn.Module) -> Iterator[AddedLossTerm]:
                 yield term
 
 
+def _log_prior(model: torch.nn.Module) -> Iterator[Tensor]:
+    """:math:`\\log p(\\theta)` of every hyperparameter prior registered in ``model`` and its submodules (GPyTorch's
+    ``register_prior``, e.g. ``RBFKernel(lengthscale_prior=...)``), each module once, each summed over its entries
+    (as GPyTorch's approximate MLLs sum ``named_priors()``)."""
+    for module in model.modules():
+        for prior, closure, _ in getattr(module, "_priors", {}).values():
+            if prior is not None:
+                yield prior.log_prob(closure(module)).sum()
+
+
 def _weight(value: float | Tensor, like: Tensor) -> float | Tensor:
     """A loss weight as the products use it: a float as it is; a tensor (the training loop's :math:`\\beta` while a
     CUDA graph replays its steps, filled before each replay) rounded to the loss's dtype, as a float multiplying a
@@ -81,7 +91,8 @@ class AttentionELBO(torch.nn.Module):
         \mathcal L = \frac{1}{B} \sum_{b} \frac{1}{T} \sum_{t=1}^{T} -\log p(y_b \mid F^{(t)})
             + \frac{\beta}{n} \sum_{l, h, \text{branch}} \mathrm{KL}\big(q(u) \,\|\, p(u)\big)
             + \beta \sum_{\text{sequence terms}} \frac1B \sum_b \mathrm{KL}_b
-            + \sum_{\text{other terms}} \text{term.loss()},
+            + \sum_{\text{other terms}} \text{term.loss()}
+            - \frac{1}{n} \sum_{\text{priors}} \log p(\theta),
 
     where the first term is the cross-entropy of the logits averaged over the batch and the :math:`T` Monte Carlo
     samples (a reparameterised estimate of :math:`\mathbb E_q[-\log p(y \mid F)]`), the KL of the global
@@ -91,11 +102,14 @@ class AttentionELBO(torch.nn.Module):
     :class:`~gpattn.mlls.SequenceKLAddedLossTerm` (SGPA's amortised posterior on the values: weight :math:`\beta` per
     sequence, not divided by :math:`n`, as in the ELBO with local latent variables and in SGPA's paper and code; with
     ``kl_weighting="official"`` SGPA's global KL rides in that term too, at weight :math:`\beta`) and
-    the last sum runs over every other added loss term registered in the model (the KSVD terms :math:`\eta J^2` of the
+    the fourth sum runs over every other added loss term registered in the model (the KSVD terms :math:`\eta J^2` of the
     KEP-SVGP and Primal-Attention layers, :class:`~gpattn.mlls.KSVDAddedLossTerm`, each weighted by its layer's
     ``ksvd_weight``, and CGPT's :class:`~gpattn.mlls.CGPAddedLossTerm`: as in GPyTorch's MLLs, a term carries its own
-    weight). With :math:`\beta = 1` and no penalty, :math:`\mathcal L` is the negative of GPyTorch's
-    ``VariationalELBO`` (the per-sequence bound, global KL divided by ``num_data``). The official KEP-SVGP code adds
+    weight), and the fifth over the hyperparameter priors registered in the model (GPyTorch's ``register_prior``,
+    e.g. ``RBFKernel(lengthscale_prior=GammaPrior(...))`` in the symmetric SVGP attention; none by default), divided by
+    :math:`n` as GPyTorch's approximate MLLs divide them. With :math:`\beta = 1` and no penalty, :math:`\mathcal L`
+    is the negative of GPyTorch's ``VariationalELBO`` (the per-sequence bound, global KL and log prior divided by
+    ``num_data``). The official KEP-SVGP code adds
     the KL without the :math:`1 / n`; pass ``beta=num_data`` to reproduce it. docs/guide/papers.md states every
     attention's objective with its weights.
 
@@ -228,6 +242,12 @@ class AttentionELBO(torch.nn.Module):
             else:
                 ksvd = ksvd + term.loss().to(nll)
         loss = nll + kl + ksvd
+        log_priors = [log_prior.to(nll) for log_prior in _log_prior(self.model)]  # GPyTorch's hyperparameter priors
+        if log_priors:  # -(1/n) sum log p(theta); without a prior the loss's operators are unchanged
+            prior = -torch.stack(log_priors).sum() / self.num_data
+            loss = loss + prior
+        else:
+            prior = torch.zeros_like(nll)
         if self.combine_terms:
             return loss
-        return {"nll": nll, "kl": kl, "ksvd": ksvd, "loss": loss}
+        return {"nll": nll, "kl": kl, "ksvd": ksvd, "prior": prior, "loss": loss}

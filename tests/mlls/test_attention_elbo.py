@@ -3,13 +3,16 @@
 
 from __future__ import annotations
 
+import functools
 import math
 from unittest.mock import patch
 
 import pytest
 import torch
 import torch.nn.functional as F
+from gpytorch.kernels import RBFKernel
 from gpytorch.module import Module
+from gpytorch.priors import GammaPrior, NormalPrior
 
 from gpattn.attention import AttentionLayer, build_attention, sample_attention
 from gpattn.mlls import AttentionELBO, KSVDAddedLossTerm, SequenceKLAddedLossTerm
@@ -72,13 +75,61 @@ def test_loss_equals_hand_computation():
 def test_parts_sum_to_the_loss():
     model, first, second, targets = _toy(eta=0.5)
     parts = AttentionELBO(model, 10, beta=2.0, combine_terms=False)(model(), targets)
-    assert set(parts) == {"nll", "kl", "ksvd", "loss"}
+    assert set(parts) == {"nll", "kl", "ksvd", "prior", "loss"}
+    assert parts["prior"] == 0  # no hyperparameter prior registered
     torch.testing.assert_close(parts["nll"], F.cross_entropy(model.logits, targets))
     torch.testing.assert_close(parts["kl"], 2.0 / 10 * model.kl_divergence())
     torch.testing.assert_close(parts["ksvd"], 0.5 * (first.pow(2).sum() + second.pow(2).sum(dim=1).mean()))
     torch.testing.assert_close(parts["loss"], parts["nll"] + parts["kl"] + parts["ksvd"], rtol=1e-14, atol=0)
     combined = AttentionELBO(model, 10, beta=2.0)(model(), targets)
     torch.testing.assert_close(combined, parts["loss"], rtol=0, atol=0)
+
+
+def test_registered_hyperparameter_priors_enter_the_loss_divided_by_num_data():
+    # GPyTorch's approximate MLLs add (1/n) sum log p(theta) of the registered priors; the loss subtracts it (it was
+    # left out: a prior a GPyTorch user registered changed nothing, without a word)
+    beta, eta, num_data = 0.5, 3.0, 40
+    model, _, _, targets = _toy(eta)
+    without = AttentionELBO(model, num_data, beta=beta, combine_terms=False)(model(), targets)
+    model.register_prior("weight_prior", GammaPrior(2.0, 3.0), "weight")
+    model.container[0].register_parameter("scale", torch.nn.Parameter(torch.tensor([0.4, 1.5], dtype=torch.float64)))
+    model.container[0].register_prior("scale_prior", NormalPrior(1.0, 0.5), "scale")
+    model.double()  # the priors' parameters too
+    parts = AttentionELBO(model, num_data, beta=beta, combine_terms=False)(model(), targets)
+    f64 = functools.partial(torch.tensor, dtype=torch.float64)
+    log_prior = torch.distributions.Gamma(f64(2.0), f64(3.0)).log_prob(f64(0.7))
+    log_prior = log_prior + torch.distributions.Normal(f64(1.0), f64(0.5)).log_prob(model.container[0].scale).sum()
+    torch.testing.assert_close(parts["prior"], -log_prior / num_data, rtol=1e-14, atol=0)
+    torch.testing.assert_close(parts["loss"], without["loss"] - log_prior / num_data, rtol=1e-14, atol=0)
+    for name in ("nll", "kl", "ksvd"):
+        torch.testing.assert_close(parts[name], without[name], rtol=0, atol=0)
+    combined = AttentionELBO(model, num_data, beta=beta)(model(), targets)
+    torch.testing.assert_close(combined, parts["loss"], rtol=0, atol=0)
+    combined.backward()  # the prior's gradient: d/dw [beta/n 3 w^2 - log Gamma(w; 2, 3) / n] = (beta 6 w - 1/w + 3)/n
+    expected = (beta * 6 * 0.7 - 1 / 0.7 + 3.0) / num_data
+    torch.testing.assert_close(model.weight.grad, torch.tensor(expected, dtype=torch.float64), rtol=1e-13, atol=0)
+
+
+def test_a_lengthscale_prior_of_the_svgp_attention_counts_as_in_gpytorch():
+    # the symmetric SVGP attention's RBF kernel, with a prior as a GPyTorch user sets it; the reference is GPyTorch's
+    # own sum over named_priors() (as its VariationalELBO forms it) and torch.distributions
+    torch.manual_seed(0)
+    model = Transformer(CLASSES, embed_dim=8, num_heads=2, attention="svgp", num_inducing=3, vocab_size=5, max_len=6)
+    kernels = [module for module in model.modules() if isinstance(module, RBFKernel)]
+    assert kernels
+    for kernel in kernels:
+        kernel.register_prior("lengthscale_prior", GammaPrior(3.0, 6.0), lambda m: m.lengthscale)
+    model = model.double().train()
+    ids, targets = torch.randint(0, 5, (BATCH, 6)), torch.tensor([0, 1, 2, 0, 1])
+    parts = AttentionELBO(model, 100, combine_terms=False)(model(ids), targets)
+    gpytorch_sum = sum(prior.log_prob(closure(module)).sum() for _, module, prior, closure, _ in model.named_priors())
+    distributions_sum = sum(
+        torch.distributions.Gamma(*torch.tensor([3.0, 6.0], dtype=torch.float64)).log_prob(kernel.lengthscale).sum()
+        for kernel in kernels
+    )
+    torch.testing.assert_close(gpytorch_sum, distributions_sum, rtol=1e-14, atol=0)
+    torch.testing.assert_close(parts["prior"], -distributions_sum / 100, rtol=1e-14, atol=0)
+    torch.testing.assert_close(parts["loss"], parts["nll"] + parts["kl"] + parts["ksvd"] + parts["prior"])
 
 
 def test_monte_carlo_logits_average_over_samples_and_batch():
