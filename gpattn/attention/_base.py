@@ -86,8 +86,9 @@ class AttentionLayer(GraphFreeState, Module):
     def __init__(self, embed_dim: int, num_heads: int, dropout: float = 0.0):
         super().__init__()
         where = type(self).__name__
-        check_int("embed_dim", embed_dim, where=where)
-        check_int("num_heads", num_heads, where=where)
+        # Python ints (a NumPy integer in a batch shape fails deep in GPyTorch's broadcasting)
+        embed_dim = check_int("embed_dim", embed_dim, where=where)
+        num_heads = check_int("num_heads", num_heads, where=where)
         if embed_dim % num_heads:
             raise ValueError(f"{where}: embed_dim ({embed_dim}) must be divisible by num_heads ({num_heads})")
         check_float("dropout", dropout, 0.0, 1.0, strict_maximum=True, where=where)

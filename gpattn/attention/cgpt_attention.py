@@ -13,7 +13,7 @@ from torch import Tensor
 
 from ..kernels import first_real_token, squared_distance
 from ..mlls import CGPAddedLossTerm
-from ..validation import check_float, check_overflow, check_positive
+from ..validation import check_float, check_overflow, check_positive, initialize_positive
 from ._base import AttentionInputs, AttentionLayer
 
 #: what overflows at large tokens, for the messages of the magnitude guard
@@ -225,14 +225,14 @@ class CGPTAttention(AttentionLayer):
         return getattr(self, f"raw_{name}_constraint").transform(getattr(self, f"raw_{name}"))
 
     def _set_scale(self, name: str, value: Tensor | float) -> None:
-        constraint = getattr(self, f"raw_{name}_constraint")
-        value = check_positive(name, value, getattr(self, f"raw_{name}"), where=type(self).__name__)
-        if not bool((value > constraint.lower_bound).all()):
+        constraint, where = getattr(self, f"raw_{name}_constraint"), type(self).__name__
+        checked = check_positive(name, value, getattr(self, f"raw_{name}"), where=where)
+        if not bool((checked > constraint.lower_bound).all()):
             raise ValueError(
-                f"{type(self).__name__}: expected {name} > 1 (below 1 the conditional covariance given the latent GP "
-                f"is not PSD for every input), got {value.tolist()}"
+                f"{where}: expected {name} > 1 (below 1 the conditional covariance given the latent GP is not PSD for "
+                f"every input), got {checked.tolist()}"
             )
-        self.initialize(**{f"raw_{name}": constraint.inverse_transform(value)})
+        initialize_positive(self, f"raw_{name}", name, value, where)  # a value that fits the (H,) shape, or an error
 
     @property
     def outputscale(self) -> Tensor:

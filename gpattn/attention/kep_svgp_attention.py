@@ -121,7 +121,7 @@ class KEPSVGPAttention(AttentionLayer):
         if tie_qk and (merge != "sum" or shared_posterior):
             raise ValueError(f"{where}: tie_qk=True uses one branch: merge must be 'sum' and shared_posterior False")
         if merge == "concat_tokens":  # max_len is required: None is refused too
-            check_int("max_len (the sequence length of merge='concat_tokens')", max_len, where=where)
+            max_len = check_int("max_len (the sequence length of merge='concat_tokens')", max_len, where=where)
         kernel_features = build_attention_features(
             embed_dim, num_heads, num_inducing, features, kernel=kernel, feature_dim=feature_dim, tie_qk=tie_qk,
             max_len=max_len, ksvd_weight=ksvd_weight, ksvd_form=ksvd_form, **dict(feature_options or {}),

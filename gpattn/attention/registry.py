@@ -178,7 +178,8 @@ def register_attention(name: str, layer_cls: type[AttentionLayer], defaults: Map
         **kwargs)``: named keyword arguments (:func:`attention_arguments`), or ``**kwargs`` itself (then any keyword is
         passed on; a :class:`~gpattn.models.Transformer` passes its ``dropout`` to layers that accept one).
     :param defaults: Keyword arguments passed to every layer built under ``name`` (overridden by the caller's).
-    :raises ValueError: ``name`` is taken or malformed, or ``defaults`` names an argument the class does not take.
+    :raises ValueError: ``name`` is taken or malformed, or ``defaults`` names an argument the class does not take (or
+        ``embed_dim``, ``num_heads``, which build_attention passes itself).
     :raises TypeError: ``layer_cls`` is not an ``AttentionLayer`` subclass, or does not take two positional arguments.
     """
     if not isinstance(name, str) or not name or any(character.isspace() for character in name):
@@ -196,6 +197,12 @@ def register_attention(name: str, layer_cls: type[AttentionLayer], defaults: Map
             f"not take two positional arguments ({error})"
         ) from None
     defaults = dict(defaults or {})
+    positional = sorted({"embed_dim", "num_heads"} & set(defaults))  # a **kwargs class would take them, then clash
+    if positional:
+        raise ValueError(
+            f"defaults {positional} are build_attention's own arguments (build_attention(name, embed_dim, num_heads)), "
+            "not defaults"
+        )
     unknown = [] if _takes_any(layer_cls) else sorted(set(defaults) - set(_arguments(layer_cls)))
     if unknown:
         raise ValueError(f"defaults {unknown} are not arguments of {layer_cls.__name__} ({_arguments(layer_cls)})")

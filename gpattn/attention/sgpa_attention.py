@@ -128,7 +128,7 @@ class SGPAAttention(AttentionLayer):
         kl_weighting: str = "elbo",
     ):
         super().__init__(embed_dim, num_heads, dropout)
-        check_int("num_inducing", num_inducing, where=type(self).__name__)
+        num_inducing = check_int("num_inducing", num_inducing, where=type(self).__name__)
         check_choice("kernel", kernel, KERNELS, where=type(self).__name__)
         check_float("jitter", jitter, 0.0, 1.0, strict_maximum=True, where=type(self).__name__)
         check_choice("kl_weighting", kl_weighting, KL_WEIGHTINGS, where=type(self).__name__)

@@ -92,11 +92,11 @@ class SymmetricSVGPAttention(AttentionLayer):
 
     def __init__(self, embed_dim: int, num_heads: int, num_inducing: int = 16, dropout: float = 0.0):
         super().__init__(embed_dim, num_heads, dropout)
-        check_int("num_inducing", num_inducing, where=type(self).__name__)
-        self.num_inducing = num_inducing
+        self.num_inducing = check_int("num_inducing", num_inducing, where=type(self).__name__)
         self.query_proj = torch.nn.Linear(embed_dim, embed_dim, bias=False)
         self.key_proj = torch.nn.Linear(embed_dim, embed_dim, bias=False)
-        self.gp = _HeadwiseSVGP(num_heads, self.head_dim, num_inducing)
+        # the checked Python ints: GPyTorch's kernels fail on a NumPy integer in their batch shape
+        self.gp = _HeadwiseSVGP(self.num_heads, self.head_dim, self.num_inducing)
 
     def gp_inputs(self, x: Tensor, mask: Tensor | str | None = None, context: Tensor | None = None) -> Tensor:
         """The GP inputs :math:`z_i` = projected query + context summary, shape ``(B, H, N, C / H)``."""

@@ -120,13 +120,13 @@ class AttentionKernelEigenFeatures(GraphFreeState, KernelEigenFeaturesBase):
         if unknown:
             offered = f"its options are {list(self.options)}" if self.options else "it has none"
             raise ValueError(f"{where}: features={self.mode!r} takes no option {unknown}; {offered}")
-        check_int("embed_dim", embed_dim, where=where)
-        check_int("num_heads", num_heads, where=where)
+        embed_dim = check_int("embed_dim", embed_dim, where=where)
+        num_heads = check_int("num_heads", num_heads, where=where)
         feature_dim = embed_dim // num_heads if feature_dim is None else feature_dim
-        check_int("feature_dim", feature_dim, where=where)
+        feature_dim = check_int("feature_dim", feature_dim, where=where)
         if num_inducing is None:  # the cosine kernel has rank <= p: the default fits every (embed_dim, num_heads)
             num_inducing = min(DEFAULT_NUM_INDUCING, feature_dim)
-        check_int("num_inducing", num_inducing, where=where)
+        num_inducing = check_int("num_inducing", num_inducing, where=where)
         if kernel == "cosine" and num_inducing > feature_dim:  # K = Phi_q Phi_k^T has rank <= p
             raise ValueError(
                 f"{where}: num_inducing ({num_inducing}) must not exceed the feature dimension ({feature_dim}) of a "

@@ -339,6 +339,18 @@ def test_scales_are_constrained():
         layer.outputscale = 0.0
 
 
+@pytest.mark.parametrize("name", ["outputscale", "query_variance_ratio", "key_variance_ratio"])
+def test_a_scale_of_the_wrong_shape_is_a_named_error_and_leaves_the_layer_alone(name: str):
+    """Three values for two heads raised torch's "shape '[2]' is invalid for input of size 3" (a RuntimeError)."""
+    layer = CGPTAttention(EMBED, HEADS)
+    before = getattr(layer, name).detach().clone()
+    with pytest.raises(ValueError, match=rf"expected {name} to be a number or a tensor that expands to shape \(2,\)"):
+        setattr(layer, name, torch.full((HEADS + 1,), 3.0))
+    torch.testing.assert_close(getattr(layer, name), before, rtol=0, atol=0)
+    setattr(layer, name, [2.5, 4.0])  # one value per head, as a list
+    torch.testing.assert_close(getattr(layer, name), torch.tensor([2.5, 4.0]))
+
+
 def test_bad_arguments_and_unsupported_masks_raise():
     with pytest.raises(ValueError, match="jitter"):
         CGPTAttention(EMBED, HEADS, jitter=-1e-3)

@@ -7,6 +7,7 @@ each call so that both calls draw the same noise.
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -269,3 +270,15 @@ def test_learned_spectrum_is_the_ksvd_singular_values_or_none(name):
             )
     else:
         assert spectrum is None
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_numpy_integer_sizes_build_the_same_layer(name):
+    # sizes read from NumPy (a config array, np.int64) are Python ints on the layer: GPyTorch's kernels fail on a NumPy
+    # integer in their batch shape ("Expected bool, got numpy.bool")
+    sizes = {key: np.int64(value) for key, value in small_sizes(name).items()}
+    torch.manual_seed(0)
+    layer = build_attention(name, np.int64(EMBED_DIM), np.int64(NUM_HEADS), **sizes).double().eval()
+    assert all(type(getattr(layer, key)) is int for key in ("embed_dim", "num_heads", "head_dim", *sizes))
+    x = tokens()
+    torch.testing.assert_close(layer(x), build(name).eval()(x), rtol=0, atol=0)

@@ -108,6 +108,9 @@ def test_unregister_removes_the_name(registered) -> None:
         ("two words", SoftmaxAttention, None, ValueError, "without spaces"),
         ("linear", torch.nn.Linear, None, TypeError, "subclass of AttentionLayer"),
         ("bad", SoftmaxAttention, {"num_inducing": 4}, ValueError, r"defaults \['num_inducing'\] are not arguments"),
+        # accepted by a **kwargs class, after which every build raised "got multiple values for argument 'embed_dim'"
+        ("width", KeywordsOnly, {"embed_dim": 8}, ValueError, r"defaults \['embed_dim'\] are build_attention's own"),
+        ("heads", KeywordsOnly, {"num_heads": 2}, ValueError, r"defaults \['num_heads'\] are build_attention's own"),
         (
             "one",
             WidthOnly,
