@@ -37,8 +37,8 @@ class KernelEigenFeatures(GraphFreeState, KernelEigenFeaturesBase):
 
     Modes (docs/math.md section 2):
 
-    * ``"exact"``: the truncated SVD of the dense :math:`\kappa(X, Z)` (recomputed when the kernel or the
-      landmarks change; memoised in eval mode). :math:`J = 0`, no penalty. O(M^2 p + M^3) per call.
+    * ``"exact"``: the truncated SVD of the dense :math:`\kappa(X, Z)` (recomputed by every call in training;
+      memoised in eval mode). :math:`J = 0`, no penalty. O(M^2 p + M^3) per call.
     * ``"primal"``: learned :math:`W_e, W_r \in \mathbb R^{p \times s}` and a learned positive :math:`\Lambda`
       with :math:`e(x) = W_e^\top \phi_q(x)`, :math:`r(z) = W_r^\top \phi_k(z)`, initialised at the exact KSVD
       of the initial landmarks and kept near a stationary point by the penalty :math:`\eta J^2`, registered
@@ -169,13 +169,19 @@ class KernelEigenFeatures(GraphFreeState, KernelEigenFeaturesBase):
     def _clear_cache(self) -> None:
         clear_cache_hook(self)
 
+    def _apply(self, fn, *args, **kwargs):
+        # the eval-mode memo of the KSVD holds the old dtype and device: .double() or .to(device) must not reuse it
+        self._clear_cache()
+        return super()._apply(fn, *args, **kwargs)
+
     def _exact_svd(self) -> KernelSVD:
         return kernel_svd(self.kernel(self.landmarks, self.key_landmarks), self.num_inducing, method=self.svd_method)
 
     @cached(name="ksvd_memo")
     def decomposition(self) -> KernelSVD:
         r"""Exact mode: the truncated KSVD of :math:`\kappa(X, Z)`, memoised until the cache is cleared
-        (every training call of a strategy, and ``train()``/``eval()``)."""
+        (every call in training, of the features or of a strategy, ``train()``/``eval()``, a dtype or device
+        change)."""
         if self.learns_spectrum:
             raise RuntimeError("decomposition() is defined in exact mode only")
         return self._exact_svd()
@@ -239,6 +245,8 @@ class KernelEigenFeatures(GraphFreeState, KernelEigenFeaturesBase):
             check_choice("side", side, SIDES, where=where)
         if check:
             self.check_inputs(x, where)
+        if self.training:  # a new KSVD of the current landmarks and kernel, as GPyTorch's strategies clear their memos
+            self._clear_cache()
         kernel = self.kernel
         parts: dict[str, Tensor | None] = {}
         for side in SIDES:

@@ -35,7 +35,7 @@ import torch
 from torch import Tensor
 
 from .._module_state import kept_call_results, restored_modes
-from ..validation import check_int, check_seed
+from ..validation import InputTypeError, check_int, check_seed, check_tensor
 from .attention_kernel_eigen_features import AttentionKernelEigenFeatures
 from .kernel_eigen_scores import numerically_nonzero
 
@@ -231,8 +231,10 @@ def ksvd_fidelity(
         and ``random_max_angle`` (Monte Carlo; ``random_kernel_error`` is exact).
     :param seed: Seed of the random frames (a generator of its own: the global RNG is not touched).
     :return: A :class:`KSVDFidelity` with fields of shape ``(B, H)``.
-    :raises ValueError: A sequence has fewer real queries or keys than the layer's rank :math:`s` (the exact KSVD of
-        an ``N x M`` kernel has at most :math:`\min(N, M)` singular pairs).
+    :raises TypeError: Tokens that are not floating tensors of the features' dtype, or a mask that is not boolean.
+    :raises ValueError: Tokens of another shape, device or batch size, with a NaN or an infinity, a mask of another
+        shape, or a sequence with fewer real queries or keys than the layer's rank :math:`s` (the exact KSVD of an
+        ``N x M`` kernel has at most :math:`\min(N, M)` singular pairs).
 
     .. note:: Cost: the features' forward pass plus the dense kernel, O(N M p) per head, its SVD, O(N M min(N, M)),
         and per random frame two SVDs of O((N + M) s^2).
@@ -245,6 +247,7 @@ def ksvd_fidelity(
         )
     check_int("random_samples", random_samples, where="ksvd_fidelity")
     seed = check_seed("seed", seed, where="ksvd_fidelity")
+    _check_inputs(module, queries, keys, key_mask)
     keys = queries if keys is None else keys
     row_mask = key_mask if keys is queries else None  # self-attention: the mask masks the queries too
     rank = module.num_inducing
@@ -309,6 +312,39 @@ def _real_counts(tokens: Tensor, mask: Tensor | None) -> Tensor:
     if mask is None:
         return torch.full((tokens.shape[0], 1), tokens.shape[-2], dtype=tokens.dtype, device=tokens.device)
     return mask.sum(-1, keepdim=True).to(tokens.dtype)
+
+
+def _check_inputs(
+    module: AttentionKernelEigenFeatures, queries: Tensor, keys: Tensor | None, key_mask: Tensor | None
+) -> None:
+    # the checks an attention layer makes before calling its features (which take checked tokens): O(1) plus one
+    # elementwise pass per token tensor (finiteness)
+    where, reference = "ksvd_fidelity", next(module.parameters())
+    for name, tokens, length in [("queries", queries, "N"), ("keys", keys, "M")][: 1 if keys is None else 2]:
+        shape, meaning = ("B", length, module.embed_dim), f"(batch, {name}, embed_dim)"
+        check_tensor(
+            name,
+            tokens,
+            shape,
+            floating=True,
+            non_empty=True,
+            like=reference,
+            finite=True,
+            meaning=meaning,
+            where=where,
+        )
+    keys = queries if keys is None else keys
+    if keys.shape[0] != queries.shape[0]:
+        raise ValueError(
+            f"{where}: keys must match queries in batch size, got keys {tuple(keys.shape)} for queries "
+            f"{tuple(queries.shape)}"
+        )
+    if key_mask is not None:
+        if not isinstance(key_mask, Tensor) or key_mask.dtype != torch.bool:
+            got = key_mask.dtype if isinstance(key_mask, Tensor) else type(key_mask).__name__
+            raise InputTypeError(f"{where}: expected a boolean key_mask (True = real token), got {got}")
+        shape = tuple(keys.shape[:2])
+        check_tensor("key_mask", key_mask, shape, like=keys, match_dtype=False, meaning="(batch, keys)", where=where)
 
 
 def _check_lengths(queries: Tensor, keys: Tensor, key_mask: Tensor | None, row_mask: Tensor | None, rank: int) -> None:

@@ -112,6 +112,45 @@ def test_exact_scores_identity_3(kernel_name: str, num_keys: int) -> None:
     np.testing.assert_allclose(left_scores, _dense(kernel, x, keys) @ right, atol=ATOL)  # e(x) = kappa(x, Z) H_r
 
 
+def test_a_dtype_change_in_eval_mode_recomputes_the_memoised_ksvd() -> None:
+    """The eval-mode memo of the KSVD survived ``.double()``: the next call raised "expected m1 and m2 to have the same
+    dtype" (also through a KernelEigenPairSVGP), or with ``.to(device)`` would have mixed devices."""
+    kernel = _shifted_rbf_kernel().float()
+    landmarks = _tokens(8, 3, seed=0)
+    features = KernelEigenFeatures(kernel, landmarks.float(), 4, learn_landmarks=False).eval()
+    x = _tokens(5, 3, seed=2)
+    features.scores(x.float())  # memoises the float32 KSVD
+    features.double()
+    left_scores = features.scores(x)
+    assert left_scores.dtype == DTYPE and features.singular_values.dtype == DTYPE
+    # e(x) = kappa(x, Z) H_r of the (float32-rounded) landmarks, in float64
+    landmarks = landmarks.float().double()
+    _, singular_values, right = _numpy_svd(_dense(kernel, landmarks, landmarks), 4)
+    np.testing.assert_allclose(_numpy(features.singular_values), singular_values, atol=ATOL, rtol=0)
+    np.testing.assert_allclose(_numpy(left_scores), _dense(kernel, x, landmarks) @ right, atol=ATOL)
+
+
+def test_every_training_call_decomposes_the_current_landmarks() -> None:
+    """Features trained on their own (no strategy to clear the memo) kept the first step's KSVD: the second step's
+    backward pass raised "Trying to backward through the graph a second time", and its scores were those of the old
+    landmarks."""
+    kernel = _shifted_rbf_kernel()
+    features = KernelEigenFeatures(kernel, _tokens(8, 3, seed=0), 4).train()
+    optimizer = torch.optim.SGD(features.parameters(), lr=0.05)
+    x = _tokens(5, 3, seed=2)
+    for _ in range(2):
+        optimizer.zero_grad()
+        left_scores = features.scores(x)
+        left_scores.square().sum().backward()
+        optimizer.step()
+    landmarks = features.landmarks.detach()
+    assert not torch.equal(landmarks, _tokens(8, 3, seed=0))  # the steps moved them
+    left_scores = features.scores(x)  # a third training call: the KSVD of the landmarks after two steps
+    _, singular_values, right = _numpy_svd(_dense(kernel, landmarks, landmarks), 4)
+    np.testing.assert_allclose(_numpy(features.singular_values), singular_values, atol=ATOL, rtol=0)
+    np.testing.assert_allclose(_numpy(left_scores), _dense(kernel, x, landmarks) @ right, atol=ATOL)
+
+
 @pytest.mark.parametrize("num_keys", [8, 11])
 def test_kuu_is_diagonal_lambda_squared_and_the_inducing_covariance(num_keys: int) -> None:
     kernel = _cosine_kernel()

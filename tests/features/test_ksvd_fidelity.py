@@ -319,3 +319,29 @@ def test_other_layers_are_refused():
         ksvd_fidelity(KEPSVGPAttention(C, H, num_inducing=RANK), _tokens(1, LENGTH, C, seed=6), random_samples=0)
     with pytest.raises(ValueError, match=r"ksvd_fidelity: expected seed to be a non-negative integer at most 2\*\*64"):
         ksvd_fidelity(KEPSVGPAttention(C, H, num_inducing=RANK), _tokens(1, LENGTH, C, seed=6), seed=2**64)
+
+
+@pytest.mark.parametrize(
+    ("change", "error", "match"),
+    [
+        (lambda x, mask: (x.numpy(), None, None), TypeError, r"expected queries to be a torch.Tensor, got ndarray"),
+        (lambda x, mask: (x[..., :-1], None, None), ValueError, r"expected queries of shape \(B, N, 8\).*7\)"),
+        (lambda x, mask: (x[0], None, None), ValueError, r"expected queries of shape \(B, N, 8\)"),
+        (lambda x, mask: (x.float(), None, None), TypeError, r"queries is torch.float32 but the parameters are"),
+        (lambda x, mask: (x.clone().fill_(math.nan), None, None), ValueError, r"queries contains NaN or Inf"),
+        (lambda x, mask: (x, x[:1], None), ValueError, r"keys must match queries in batch size"),
+        (lambda x, mask: (x, None, mask.long()), TypeError, r"expected a boolean key_mask .* got torch.int64"),
+        (lambda x, mask: (x, None, mask[:, :-1]), ValueError, r"expected key_mask of shape \(2, 6\) = \(batch, keys\)"),
+    ],
+)
+def test_bad_inputs_are_refused_by_name(change, error, match):
+    """The inputs went to the features unchecked (they take the layers' checked tokens): torch's shape and dtype errors
+    ("Expected size for first two dimensions of batch2 tensor"), a numpy array failing in torch.full, NaN tokens
+    failing in linalg.svd, and an integer mask accepted."""
+    torch.manual_seed(6)
+    layer = KEPSVGPAttention(C, H, num_inducing=RANK).double()
+    x, mask = _tokens(2, LENGTH, C, seed=7), torch.tensor([[True] * LENGTH, [True] * 4 + [False] * 2])
+    queries, keys, key_mask = change(x, mask)
+    with pytest.raises(error, match=f"^ksvd_fidelity: {match}"):
+        ksvd_fidelity(layer, queries, keys, key_mask)
+    ksvd_fidelity(layer, x, x.clone(), mask)  # the same call with good inputs runs
