@@ -426,12 +426,14 @@ def check_positive(name: str, value: Any, like: Tensor, where: str = "") -> Tens
     """A number or tensor of finite values > 0 (what a ``Positive`` constraint can represent: its inverse transform
     of a value <= 0 is NaN), as a tensor with the dtype and device of ``like``.
 
-    :raises InputTypeError: For something that is not a number or a tensor of numbers.
+    :raises InputTypeError: For something that is not a number or a tensor of numbers (a bool included).
     :raises ValueError: For a value <= 0, NaN or infinite.
     """
     wanted = "a finite number > 0 (or a tensor of them)"
     try:
-        tensor = torch.as_tensor(value, dtype=like.dtype, device=like.device)
+        if torch.as_tensor(value).dtype == torch.bool:  # True would be read as 1.0 (check_float refuses it too)
+            raise TypeError("a bool is not a number")
+        tensor = torch.as_tensor(value, dtype=like.dtype, device=like.device)  # a float read once, in like's dtype
     except (TypeError, ValueError, RuntimeError) as error:
         raise InputTypeError(f"{_prefix(where)}expected {name} to be {wanted}, got {value!r}") from error
     if tensor.device.type != "meta" and not (torch.isfinite(tensor).all() and (tensor > 0).all()):

@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from gpattn.attention import (
+    CGPTAttention,
     KEPSVGPAttention,
     PrimalAttention,
     SGPAAttention,
@@ -60,7 +61,7 @@ from gpattn.metrics import (
     ood_auroc,
 )
 from gpattn.mlls import AttentionELBO, KSVDAddedLossTerm
-from gpattn.models import KernelEigenPairSVGP, Transformer, predict_probabilities
+from gpattn.models import KernelEigenPairSVGP, TemperatureScaling, Transformer, predict_probabilities
 from gpattn.plotting import plot_pair_posterior, write_comparison_figures
 from gpattn.validation import (
     InputTypeError,
@@ -487,6 +488,23 @@ def test_positive_setters_reject_values_that_would_be_nan(value):
         with pytest.raises(ValueError, match=f"{name}.*> 0"):
             setattr(module, name, value)
         assert_unchanged(module, before)
+
+
+@pytest.mark.parametrize("value", [True, np.True_, torch.tensor(True), [True, True]])
+def test_positive_setters_reject_bools(value):
+    # a bool was read as 1.0 (check_float refuses it; the setters took it)
+    kernel = ShiftedRBFKernel(1)
+    attention = SGPAAttention(EMBED_DIM, NUM_HEADS, num_inducing=3)
+    cgpt = CGPTAttention(EMBED_DIM, NUM_HEADS)
+    for module, name in ((kernel, "outputscale"), (attention, "lengthscale"), (cgpt, "outputscale")):
+        before = snapshot(module)
+        with pytest.raises(TypeError, match=f"{name} to be a finite number > 0"):
+            setattr(module, name, value)
+        assert_unchanged(module, before)
+    with pytest.raises(TypeError, match="temperature to be a finite number > 0"):
+        TemperatureScaling(torch.nn.Identity()).temperature = value
+    attention.lengthscale = 0.1  # a float is read once, in the parameter's dtype
+    torch.testing.assert_close(attention.lengthscale, torch.full_like(attention.lengthscale, 0.1))
 
 
 @pytest.mark.parametrize(
