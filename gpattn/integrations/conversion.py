@@ -182,7 +182,7 @@ def padding_mask(attention_mask: Tensor | None, batch: int, length: int, where: 
             f"{where}: expected an attention mask broadcastable to (B, H, N, N) = ({batch}, H, {length}, {length}), "
             f"got {tuple(attention_mask.shape)}"
         ) from error
-    key_mask = visible[:, 0, 0, :]
+    key_mask = visible[:, :1, :1, :].reshape(batch, length)  # the first query's row; (B, 0) for an empty sequence
     if not bool((visible == key_mask[:, None, None, :]).all()):
         raise ValueError(
             f"{where}: the attention mask differs between queries or heads (e.g. a causal mask); gpattn's layers "

@@ -10,6 +10,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from ..validation import InputTypeError
 from .conversion import MASKED_BELOW, AttentionAdapter, build_layer, convert_modules, copy_projections, padding_mask
 
 WHERE = "gpattn.integrations.huggingface.convert_attention"
@@ -61,7 +62,7 @@ class HuggingFaceAttentionAdapter(AttentionAdapter):
     refused); it becomes gpattn's
     boolean padding mask (:func:`~gpattn.integrations.padding_mask`); a 2-D mask of other values is refused. Other
     keyword arguments the encoder passes (``position_ids``, ``output_attentions``, ...) are ignored; cross-attention,
-    cached decoding and head masks are refused.
+    cached decoding, head masks and the ``BlockMask`` of ``flex_attention`` (use ``sdpa`` or ``eager``) are refused.
 
     :param layer: The gpattn layer.
     :param copied: The names of the layer's parameters copied from the replaced module.
@@ -81,13 +82,23 @@ class HuggingFaceAttentionAdapter(AttentionAdapter):
         :return: The output ``(B, N, C)`` and ``None`` for the attention weights.
         :raises ValueError: Cross-attention, a cache or a head mask, or a mask that is neither a keep-mask nor an
             additive padding mask.
+        :raises InputTypeError: A mask that is not a tensor (``flex_attention``'s ``BlockMask``).
         """
         where = type(self).__name__
+        # transformers 5 passes the cache as ``cache`` (``past_key_values`` before)
         refused = [
-            key for key in ("encoder_hidden_states", "past_key_values", "head_mask") if kwargs.get(key) is not None
+            key
+            for key in ("encoder_hidden_states", "cache", "past_key_values", "head_mask")
+            if kwargs.get(key) is not None
         ]
         if refused:
             raise ValueError(f"{where}: a converted encoder layer supports self-attention only, got {refused}")
+        if attention_mask is not None and not isinstance(attention_mask, Tensor):  # e.g. flex_attention's BlockMask
+            raise InputTypeError(
+                f"{where}: expected attention_mask to be a torch.Tensor, got {type(attention_mask).__name__}; a "
+                "BlockMask comes from attn_implementation='flex_attention': switch the model to 'sdpa' or 'eager' "
+                "(model.set_attn_implementation('sdpa'))"
+            )
         batch, length = hidden_states.shape[:2]
         if attention_mask is not None and attention_mask.dim() == 2:  # (B, N): as SDPA's (B, 1, 1, N)
             attention_mask = _key_mask(attention_mask, where)[:, None, None, :]

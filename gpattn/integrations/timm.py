@@ -21,8 +21,9 @@ class TimmAttentionAdapter(AttentionAdapter):
 
     ``attn_mask`` (boolean or additive, broadcastable to ``(B, H, N, N)``, as timm passes it to
     :func:`torch.nn.functional.scaled_dot_product_attention`) becomes gpattn's padding mask
-    (:func:`~gpattn.integrations.padding_mask`); ``is_causal=True`` becomes ``mask="causal"`` and, as in timm,
-    takes precedence over ``attn_mask``.
+    (:func:`~gpattn.integrations.padding_mask`); ``is_causal=True`` becomes ``mask="causal"``. Both at once are
+    refused: timm's fused path (:func:`~torch.nn.functional.scaled_dot_product_attention`, the default) applies both
+    masks, its unfused path the causal one only, and gpattn's layers take one mask.
 
     :param layer: The gpattn layer.
     :param copied: The names of the layer's parameters copied from the replaced module.
@@ -37,7 +38,14 @@ class TimmAttentionAdapter(AttentionAdapter):
         :param attn_mask: ``None`` or a key padding mask in timm's form, shape broadcastable to ``(B, H, N, N)``.
         :param is_causal: Causal self-attention.
         :return: Shape ``(B, N, C)``.
+        :raises ValueError: ``is_causal=True`` with an ``attn_mask``, or a mask that
+            :func:`~gpattn.integrations.padding_mask` refuses.
         """
+        if is_causal and attn_mask is not None:
+            raise ValueError(
+                f"{type(self).__name__}: got is_causal=True and an attn_mask; gpattn's layers take a causal mask or a "
+                "key padding mask, not both"
+            )
         batch, length = x.shape[:2]
         mask = "causal" if is_causal else padding_mask(attn_mask, batch, length, where=type(self).__name__)
         return self.layer(x, mask=mask)

@@ -260,3 +260,14 @@ def test_convert_modules_rejects(model, attention, error, match):
 def test_adapter_needs_a_gpattn_layer():
     with pytest.raises(TypeError, match="AttentionLayer"):
         _Adapter(torch.nn.Linear(2, 2))
+
+
+@pytest.mark.parametrize(
+    "mask",
+    [torch.ones(3, 1, 1, 0, dtype=torch.bool), torch.zeros(3, 2, 0, 0, dtype=torch.float64)],
+    ids=["boolean", "additive"],
+)
+def test_padding_mask_of_an_empty_sequence_is_empty(mask):
+    # an IndexError before; the layer then refuses the empty sequence by name
+    result = padding_mask(mask, 3, 0)
+    assert result.dtype == torch.bool and result.shape == (3, 0)

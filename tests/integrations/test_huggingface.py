@@ -324,3 +324,23 @@ def test_a_converted_layer_cannot_be_converted_again():
     model = convert_attention(_model("vit"), "softmax", blocks=(0,))
     with pytest.raises(ValueError, match=r"\['vit.layers.0.attention'\] are already converted"):
         convert_attention(model, "kep_svgp", blocks=(0,))
+
+
+def test_a_cache_is_refused():
+    # transformers 5 passes the cache as ``cache`` (formerly ``past_key_values``); it used to be ignored silently
+    adapter = HuggingFaceAttentionAdapter(SoftmaxAttention(WIDTH, HEADS).double().eval())
+    tokens = torch.randn(2, 4, WIDTH, dtype=torch.float64)
+    with pytest.raises(ValueError, match=r"self-attention only, got \['cache'\]"):
+        adapter(tokens, cache=transformers.DynamicCache())
+
+
+def test_flex_attention_masks_are_refused_by_name():
+    # an encoder built with attn_implementation="flex_attention" passes its layers a BlockMask, padding or not (an
+    # AttributeError before); the model's own flex path compiles on first call, too slow here, so the mask is built
+    # directly
+    create_block_mask = pytest.importorskip("torch.nn.attention.flex_attention").create_block_mask
+    adapter = HuggingFaceAttentionAdapter(SoftmaxAttention(WIDTH, HEADS).double().eval())
+    tokens = torch.randn(2, 4, WIDTH, dtype=torch.float64)
+    block_mask = create_block_mask(lambda batch, head, query, key: key < 3, 2, None, 4, 4, device="cpu")
+    with pytest.raises(TypeError, match=r"got BlockMask.*set_attn_implementation\('sdpa'\)"):
+        adapter(tokens, block_mask)

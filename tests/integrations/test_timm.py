@@ -230,3 +230,19 @@ def test_a_mask_the_layer_cannot_take_is_rejected_at_call_time():
     causal = torch.ones(TOKENS, TOKENS, dtype=torch.bool).tril()
     with pytest.raises(ValueError, match="differs between queries"):
         model(_images(), attn_mask=causal)
+
+
+def test_a_causal_call_with_a_padding_mask_is_refused():
+    """timm's default (fused) path applies both masks, which no gpattn layer can; the causal mask alone (what the
+    adapter computed before, silently) differs from it."""
+    model = _vit()
+    tokens = torch.randn(2, TOKENS, WIDTH, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
+    attn_mask = _real_tokens()[:2, None, None, :]  # sequence 1 hides its last 4 patches
+    original = model.blocks[0].attn
+    original.fused_attn = True  # the default wherever torch has SDPA (TIMM_FUSED_ATTN may turn it off)
+    with torch.no_grad():
+        both = original(tokens, attn_mask=attn_mask, is_causal=True)
+        assert (both - original(tokens, is_causal=True)).abs().max() > 1e-3  # the padding mask matters to timm
+    converted = convert_attention(copy.deepcopy(model), "softmax", blocks=(0,)).blocks[0].attn
+    with pytest.raises(ValueError, match="is_causal=True and an attn_mask"):
+        converted(tokens, attn_mask=attn_mask, is_causal=True)
