@@ -195,9 +195,10 @@ def verdict(estimate: EndpointEstimate) -> tuple[str, str]:
     """The declared verdict rule applied to an estimate: ``(kind, sentence)``.
 
     ``kind`` is ``"lower"`` / ``"higher"`` (every interval excludes 0 on that side: the reference's metric is lower /
-    higher), ``"none"`` (an interval holds 0: no difference detected; the sentence gives the hull of the intervals,
-    the differences the run excludes) or ``"missing"`` (no interval: the sentence gives the mean difference where
-    there are paired seeds, fewer than :data:`MIN_SEEDS_FOR_INTERVALS`, and says that it is no verdict).
+    higher), ``"none"`` (an interval holds 0, or the intervals exclude 0 on opposite sides: no difference detected;
+    the sentence gives the hull of the intervals, the differences the run excludes) or ``"missing"`` (no interval:
+    the sentence gives the mean difference where there are paired seeds, fewer than
+    :data:`MIN_SEEDS_FOR_INTERVALS`, and says that it is no verdict).
     """
     endpoint, unit = estimate.endpoint, estimate.endpoint.unit
     intervals = estimate.intervals()

@@ -113,6 +113,16 @@ def _finite(name: str, values: np.ndarray) -> np.ndarray:
     return values
 
 
+def _scaled(values: np.ndarray) -> tuple[np.ndarray, float]:
+    """``(values / scale, scale)`` with ``scale`` the power of 2 at most the largest magnitude (1 for no or only zero
+    values): exact, and the squares of a standard deviation of the scaled values neither overflow (magnitudes above
+    about 1e154) nor underflow (below about 1e-154); a mean or standard deviation times ``scale`` is the unscaled
+    one."""
+    largest = float(np.abs(values).max(initial=0.0))
+    scale = math.ldexp(1.0, math.frexp(largest)[1] - 1) if largest > 0.0 else 1.0
+    return values / scale, scale
+
+
 def _as_values(name: str, values: SeedValues) -> np.ndarray:
     if isinstance(values, Mapping):
         values = list(values.values())
@@ -134,11 +144,11 @@ def summarize_seeds(values: SeedValues) -> SeedSummary:
     :return: The :class:`SeedSummary` (``std`` is NaN for a single seed).
     :raises ValueError: No values, or a NaN or infinite one.
     """
-    array = _as_values("values", values)
+    array, scale = _scaled(_as_values("values", values))
     if array.size == 0:
         raise ValueError("expected at least one value to summarize, got none")
-    std = float(array.std(ddof=1)) if array.size > 1 else math.nan
-    return SeedSummary(float(array.mean()), std, int(array.size))
+    std = scale * float(array.std(ddof=1)) if array.size > 1 else math.nan
+    return SeedSummary(scale * float(array.mean()), std, int(array.size))
 
 
 def _pairs(reference: SeedValues, other: SeedValues) -> tuple[np.ndarray, np.ndarray, tuple[Hashable, ...]]:
@@ -197,15 +207,15 @@ def paired_difference(
     n = left.size
     if n < min_pairs:
         raise ValueError(f"{where}: {n} paired seed(s) {list(seeds)}, fewer than min_pairs={min_pairs}; no interval")
-    differences = left - right
-    mean = float(differences.mean())
+    differences, scale = _scaled(left - right)
+    mean = scale * float(differences.mean())
     alpha = 1.0 - confidence
     if method == "t":
-        half_width = stats.t.ppf(1.0 - alpha / 2, n - 1) * differences.std(ddof=1) / math.sqrt(n)
+        half_width = scale * stats.t.ppf(1.0 - alpha / 2, n - 1) * differences.std(ddof=1) / math.sqrt(n)
         low, high = mean - half_width, mean + half_width
     else:
         rows = np.random.default_rng(seed).integers(0, n, size=(num_resamples, n))
-        low, high = np.quantile(differences[rows].mean(axis=1), [alpha / 2, 1.0 - alpha / 2])
+        low, high = scale * np.quantile(differences[rows].mean(axis=1), [alpha / 2, 1.0 - alpha / 2])
     return PairedDifference(mean, float(low), float(high), n, float(confidence), method, seeds)
 
 
@@ -245,14 +255,14 @@ def paired_p_value(reference: SeedValues, other: SeedValues) -> float:
     :raises ValueError: NaN or infinite values, or sequences of different lengths.
     """
     left, right, _ = _pairs(reference, other)
-    differences = left - right
+    differences, _ = _scaled(left - right)  # the same t, without overflow or underflow in its squares
     if differences.size < 2:
         return math.nan
     if np.all(differences == 0.0):
         return 1.0
     if np.ptp(differences) <= 1e-12 * np.abs(differences).max():  # no spread beyond rounding: t is infinite
         return 0.0
-    return float(stats.ttest_rel(left, right).pvalue)
+    return float(stats.ttest_1samp(differences, 0.0).pvalue)  # ttest_rel(left, right) is this test
 
 
 def holm_adjusted(p_values: Sequence[float]) -> list[float]:
