@@ -11,6 +11,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from ..validation import all_finite
+
 __all__ = ["batch_to_device", "dataset_inputs", "dataset_labels"]
 
 
@@ -110,4 +112,22 @@ def check_label_range(model: torch.nn.Module, labels: dict[str, Tensor]) -> None
             raise ValueError(
                 f"train_model: the {name} labels must be class indices in [0, {num_classes - 1}] (the model has "
                 f"num_classes = {num_classes}), got values in [{low}, {high}]"
+            )
+
+
+def check_finite_inputs(inputs: dict[str, Tensor]) -> None:
+    """Refuse floating-point inputs holding NaN or Inf before anything trains: the model would refuse a training batch
+    only when it comes (a whole epoch in, for the last one) and the validation inputs only after the first epoch had
+    trained, and neither would name the data set. Integer inputs (token ids) are not read. One pass over each
+    (:func:`~gpattn.validation.all_finite`).
+
+    :param inputs: Data set name (as the message names it) -> its inputs, shape ``(n, ...)``.
+    :raises ValueError: Inputs with a NaN or an infinity.
+    """
+    for name, values in inputs.items():
+        if not all_finite(values):
+            rows = int((~torch.isfinite(values.reshape(values.shape[0], -1))).any(dim=1).sum())
+            raise ValueError(
+                f"train_model: the {name} inputs hold NaN or Inf values ({rows} of {values.shape[0]} inputs); clean "
+                "or drop them before training"
             )

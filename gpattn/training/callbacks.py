@@ -63,7 +63,7 @@ class Callback:
     def on_step_end(self, context: TrainingContext, epoch: int, step: int, values: Mapping[str, float]) -> None:
         """Called after optimiser step ``step`` (from 1 to ``context.steps_per_epoch``) of ``epoch``.
 
-        :param values: The step's loss parts ``loss``, ``nll``, ``kl``, ``ksvd`` (as in
+        :param values: The step's loss parts ``loss``, ``nll``, ``kl``, ``ksvd``, ``prior`` (as in
             :class:`~gpattn.mlls.AttentionELBO`), the pre-clipping gradient norm ``grad_norm`` and the learning rate
             ``lr`` the step used (the values of this process's batch).
         """

@@ -90,7 +90,7 @@ WARNED_REASONS = {
 }
 #: settings added to :class:`~gpattn.training.TrainConfig` after checkpoints were first written, with the value that
 #: every run before them had: a checkpoint without the setting resumes when the current value is that one
-LATER_SETTINGS = {"mc_dropout": False, "cuda_graphs": False}
+LATER_SETTINGS = {"patience": None, "mc_dropout": False, "cuda_graphs": False}
 #: recorded facts of the run besides its TrainConfig, stored with the settings by later versions only: compared when
 #: the checkpoint has them (``num_data``: the number of training examples, the ELBO's :math:`n`)
 LATER_RECORDS = ("num_data",)
@@ -341,6 +341,7 @@ def load_checkpoint(path: str | os.PathLike, model: torch.nn.Module | None = Non
     :param path: The checkpoint file.
     :param model: The model to load the ``"model"`` state into, or ``None`` to only read and validate.
     :return: The checkpoint, a dict with the keys :data:`CHECKPOINT_KEYS`.
+    :raises TypeError: ``model`` is neither a ``torch.nn.Module`` nor ``None``.
     :raises FileNotFoundError: There is no such file.
     :raises CheckpointError: The file is unreadable (truncated, garbage), damaged (content checksum, or the SHA-256
         recorded in the folder's ``checkpoints.json``), inconsistent (epoch against history, best epoch against the
@@ -349,6 +350,8 @@ def load_checkpoint(path: str | os.PathLike, model: torch.nn.Module | None = Non
 
     Cost: reading the file and one SHA-256 pass over its content.
     """
+    if model is not None and not isinstance(model, torch.nn.Module):
+        raise TypeError(f"load_checkpoint: expected model to be a torch.nn.Module or None, got {type(model).__name__}")
     path = Path(path)
     checkpoint = _read(path)
     if model is not None:

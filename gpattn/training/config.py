@@ -154,9 +154,11 @@ class TrainResult:
     """What :func:`~gpattn.training.train_model` returns.
 
     :ivar history: One dict per epoch: ``epoch`` (from 1), the training loss parts averaged over the epoch's
-        sequences ``loss``, ``nll``, ``kl``, ``ksvd`` (weighted as in :class:`~gpattn.mlls.AttentionELBO`), the mean
-        pre-clipping gradient norm ``grad_norm``, ``val_accuracy``, ``val_nll``, the learning rate of the epoch's
-        last step ``lr`` and the wall time ``seconds``.
+        sequences ``loss``, ``nll``, ``kl``, ``ksvd``, ``prior`` (weighted as in :class:`~gpattn.mlls.AttentionELBO`,
+        ``loss`` their sum; ``prior`` 0 without hyperparameter priors, absent from the epochs of checkpoints written
+        before it was recorded), the pre-clipping gradient norm ``grad_norm`` averaged the same way (each step's
+        weighted by its batch size), ``val_accuracy``, ``val_nll``, the learning rate of the epoch's last step ``lr``
+        and the wall time ``seconds``.
     :ivar best_epoch: Epoch of the lowest validation NLL (its state is the model's after training).
     :ivar best_val_nll: That NLL.
     """

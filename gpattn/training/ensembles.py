@@ -76,12 +76,15 @@ def train_ensemble(
     :return: ``[(model, result), ...]`` in member order.
     :raises TypeError: ``make_model`` returns something else than a ``torch.nn.Module`` (the message names the
         member), or ``callbacks`` is not a list of callbacks.
+    :raises ValueError: ``make_model(k)`` returns an earlier member, or a model sharing parameters with one (e.g.
+        ``lambda k: model``): the members would not be independent, each training on from the one before.
     :raises CheckpointError: As :func:`~gpattn.training.train_model`; resuming from the checkpoints of an ensemble of
         another size names the sizes.
     """
     check_int("size", size)
     callbacks = check_callbacks(callbacks, "train_ensemble")
     members = []
+    earlier: dict[int, int] = {}  # id of every earlier member's parameter -> its member
     for k in range(size):
         directory = config.checkpoint_dir
         if directory is not None and size > 1:
@@ -94,6 +97,14 @@ def train_ensemble(
                 f"train_ensemble: expected make_model({k}) to return a torch.nn.Module (member {k}), got "
                 f"{type(model).__name__}"
             )
+        shared = next((earlier[id(p)] for p in model.parameters() if id(p) in earlier), None)
+        if shared is not None:
+            raise ValueError(
+                f"train_ensemble: make_model({k}) returned a model sharing parameters with member {shared} (the same "
+                "model?): the members must be independent; build a new model in make_model, e.g. "
+                "make_model=lambda k: Transformer(...)"
+            )
+        earlier.update((id(p), k) for p in model.parameters())
         try:
             result = train_model(model, train, val, member_config, resume, callbacks=callbacks)
         except (CheckpointError, FileNotFoundError) as error:

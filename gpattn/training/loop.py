@@ -37,8 +37,9 @@ import torch
 from torch import Tensor
 
 from ..mlls import AttentionELBO
+from ..models import dropout_modules
 from ..validation import all_finite, non_finite_parameters
-from .batches import batch_to_device, check_label_range, dataset_inputs, dataset_labels
+from .batches import batch_to_device, check_finite_inputs, check_label_range, dataset_inputs, dataset_labels
 from .callbacks import Callback, CallbackList, TrainingContext, check_callbacks
 from .checkpoint_files import save_run_checkpoints
 from .checkpoints import restore_run, rng_state
@@ -53,9 +54,9 @@ from .strategy import TrainingStrategy
 __all__ = ["LOSS_PARTS", "train_model"]
 
 #: The per-epoch training averages of :attr:`~gpattn.training.TrainResult.history`.
-LOSS_PARTS = ("loss", "nll", "kl", "ksvd", "grad_norm")
+LOSS_PARTS = ("loss", "nll", "kl", "ksvd", "prior", "grad_norm")
 #: the loss parts in the order of :class:`~gpattn.mlls.AttentionELBO`'s dict, as the divergence messages list them
-ELBO_PARTS = ("nll", "kl", "ksvd", "loss")
+ELBO_PARTS = ("nll", "kl", "ksvd", "prior", "loss")
 
 
 def train_model(
@@ -100,7 +101,8 @@ def train_model(
         the message names the data set).
     :raises ValueError: An empty data set, a mask or labels of another row count than its inputs, or training or
         validation labels outside ``[0, num_classes - 1]`` of a model with an integer ``num_classes`` attribute (as
-        :class:`~gpattn.models.Transformer`), before anything trains.
+        :class:`~gpattn.models.Transformer`), floating-point inputs holding NaN or Inf, or ``config.mc_dropout`` for a
+        model without dropout, before anything trains.
     :raises KeyboardInterrupt: Ctrl-C, passed on as it came: the model then holds the parameters of the last step
         taken (in training mode), not the best state, and the checkpoints on disk stay those of the last completed
         epoch, from which ``resume=True`` continues as if uninterrupted (on the CPU).
@@ -123,7 +125,7 @@ def train_model(
         >>> len(result.history), result.best_epoch  # epochs trained; the one of the lowest validation NLL
         (2, 1)
         >>> sorted(result.history[0])  # what each epoch records
-        ['epoch', 'grad_norm', 'kl', 'ksvd', 'loss', 'lr', 'nll', 'seconds', 'val_accuracy', 'val_nll']
+        ['epoch', 'grad_norm', 'kl', 'ksvd', 'loss', 'lr', 'nll', 'prior', 'seconds', 'val_accuracy', 'val_nll']
 
     .. note:: Per epoch one forward and backward pass over the training set and ``eval_samples`` forward passes over
         the validation set; the checkpoints add two state copies (model, AdamW moments) written to disk with a
@@ -179,6 +181,13 @@ class _Loop:
         self.train_labels = dataset_labels(train, "training")  # int64, whatever integer dtype they came in
         self.val_labels = dataset_labels(val, "validation")
         check_label_range(model, {"training": self.train_labels, "validation": self.val_labels})
+        check_finite_inputs({"training": self.train_inputs, "validation": dataset_inputs(val, "validation")[0]})
+        if config.mc_dropout and not dropout_modules(model):  # the first validation would refuse it, after an epoch
+            raise ValueError(
+                f"train_model: TrainConfig(mc_dropout=True) validates on the MC-dropout predictive, but the "
+                f"{type(model).__name__} has no dropout module with a rate above 0, so every pass would be identical; "
+                "build it with dropout > 0 (e.g. Transformer(..., dropout=0.1)) or set mc_dropout=False"
+            )
         self.directory = None if config.checkpoint_dir is None else Path(config.checkpoint_dir)
         if self.directory is not None:
             try:
@@ -191,7 +200,9 @@ class _Loop:
         self.num_data = self.train_labels.shape[0]
         self.steps_per_epoch = math.ceil(math.ceil(self.num_data / strategy.world_size) / config.batch_size)
         total_steps, warmup_steps = config.schedule_steps(self.steps_per_epoch)
-        self.anneal_steps = math.ceil(config.kl_anneal_epochs * self.steps_per_epoch)
+        # A: kl_anneal_epochs epochs of steps, rounded up; to 9 decimals first, so that a product that is a whole number
+        # but for the float error (2.2 * 25 = 55.00000000000001) is not rounded up to the next step
+        self.anneal_steps = math.ceil(round(config.kl_anneal_epochs * self.steps_per_epoch, 9))
         # the loop checks the loss itself (in _step), to restore the last good state and report the step
         self.loss_fn = AttentionELBO(
             model, num_data=self.num_data, beta=config.beta, combine_terms=False, check_finite=False

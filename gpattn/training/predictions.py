@@ -38,9 +38,15 @@ def evaluate(
     :param batch_size: Sequences per forward pass.
     :param mc_dropout: Keep dropout on (raises ``ValueError`` for a model without dropout).
     :return: Probabilities, shape ``(n, C)``, on the CPU.
+    :raises TypeError: ``model`` is not a ``torch.nn.Module``, or ``dataset`` has no tensor of inputs.
+    :raises ValueError: An empty data set.
     """
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"evaluate: expected model to be a torch.nn.Module, got {type(model).__name__}")
     check_int("batch_size", batch_size)
     inputs, mask = dataset_inputs(dataset)
+    if inputs.shape[0] == 0:  # no batch to predict: torch.cat would fail on the empty list of parts
+        raise ValueError(f"evaluate: expected a non-empty data set, got 0 inputs (shape {tuple(inputs.shape)})")
     parameter = next(model.parameters(), None)
     device = torch.device("cpu") if parameter is None else parameter.device
     parts = []
@@ -56,10 +62,27 @@ def ensemble_probabilities(
     models: Sequence[torch.nn.Module], dataset: Any, num_samples: int = 10, batch_size: int = 256
 ) -> Tensor:
     """The ensemble's predictive probabilities: the mean over members of :func:`evaluate` (members in order, each
-    drawing its Monte Carlo samples from the global torch RNG), shape ``(n, C)``."""
+    drawing its Monte Carlo samples from the global torch RNG), shape ``(n, C)``.
+
+    :raises TypeError: ``models`` is a single model, or a member is not a ``torch.nn.Module`` (e.g. the ``(model,
+        result)`` pairs that :func:`~gpattn.training.train_ensemble` returns: pass ``[model for model, _ in pairs]``).
+    :raises ValueError: No model.
+    """
+    if isinstance(models, torch.nn.Module) and not isinstance(models, torch.nn.ModuleList):
+        raise TypeError(
+            f"ensemble_probabilities: expected a list of models, got a single {type(models).__name__}; pass "
+            "[model] (or use evaluate)"
+        )
     models = list(models)
     if not models:
         raise ValueError("expected at least one model in the ensemble, got none")
+    for index, model in enumerate(models):
+        if not isinstance(model, torch.nn.Module):
+            pairs = " (train_ensemble returns (model, result) pairs: pass [model for model, _ in pairs])"
+            raise TypeError(
+                f"ensemble_probabilities: expected models[{index}] to be a torch.nn.Module, got "
+                f"{type(model).__name__}{pairs if isinstance(model, tuple) else ''}"
+            )
     return torch.stack([evaluate(model, dataset, num_samples, batch_size) for model in models]).mean(dim=0)
 
 

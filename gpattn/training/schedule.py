@@ -6,7 +6,7 @@ import math
 
 import torch
 
-from ..validation import check_int
+from ..validation import check_float, check_int
 
 __all__ = ["warmup_cosine_lr", "warmup_cosine_schedule"]
 
@@ -39,12 +39,18 @@ def warmup_cosine_schedule(
     """A ``LambdaLR`` following :func:`warmup_cosine_lr` (``scheduler.step()`` once per optimiser step); the peak of
     every parameter group is its initial ``lr`` and ``min_lr`` is relative to the first group's.
 
+    :raises ValueError: ``total_steps < 1``, ``warmup_steps < 0``, a first group's ``lr`` that is not positive, or a
+        ``min_lr`` outside ``[0, lr]`` (the "decay" would rise) or not finite.
+
     .. note:: O(1) per step.
     """
     check_int("total_steps", total_steps)
     check_int("warmup_steps", warmup_steps, minimum=0)
-    peak = optimizer.param_groups[0]["lr"]
-    ratio = min_lr / peak
+    where = "warmup_cosine_schedule"
+    peak = check_float(
+        "the optimiser's lr (the peak)", optimizer.param_groups[0]["lr"], 0.0, strict_minimum=True, where=where
+    )
+    ratio = check_float("min_lr", min_lr, 0.0, peak, where=where) / peak
 
     def factor(step: int) -> float:
         return warmup_cosine_lr(step, total_steps, warmup_steps, 1.0, ratio)

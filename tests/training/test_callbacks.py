@@ -20,7 +20,7 @@ from gpattn.training import (
     train_model,
 )
 
-PARTS = ("loss", "nll", "kl", "ksvd", "grad_norm")
+PARTS = ("loss", "nll", "kl", "ksvd", "prior", "grad_norm")
 
 
 class Recorder(Callback):

@@ -291,6 +291,22 @@ def _without(values: dict, name: str) -> dict:
     return {key: value for key, value in values.items() if key != name}
 
 
+def test_a_checkpoint_older_than_a_setting_resumes_with_its_former_value(make_transformer, data, trained, tmp_path):
+    # checkpoints written before patience, mc_dropout and cuda_graphs existed: every run then had patience=None (and no
+    # MC-dropout validation, no graphs); such a run resumes with those values (it was refused for patience, "settings
+    # ['patience'] missing from the checkpoint") and is refused with other ones
+    older = ("patience", "mc_dropout", "cuda_graphs")
+    edit = lambda c: {**c, "config": {key: value for key, value in c["config"].items() if key not in older}}  # noqa: E731
+    directory = _rewrite(trained, tmp_path, edit)
+    result = train_model(_fresh_model(make_transformer), data.train, data.val, _config(directory), True)
+    assert result.history == torch.load(trained[0] / "last.pt", weights_only=True)["history"]
+    (tmp_path / "other").mkdir()
+    directory = _rewrite(trained, tmp_path / "other", edit)
+    model = _fresh_model(make_transformer)
+    with pytest.raises(CheckpointError, match=r"settings \['patience'\] missing from the checkpoint"):
+        train_model(model, data.train, data.val, _config(directory, patience=1), True)
+
+
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [
@@ -484,6 +500,11 @@ def test_load_checkpoint_reads_and_loads_a_good_file(make_transformer, trained):
     assert all(torch.equal(model.state_dict()[name], value) for name, value in checkpoint["model"].items())
     with pytest.raises(FileNotFoundError, match="missing.pt"):
         load_checkpoint(directory / "missing.pt")
+    # a model that is no module (e.g. the state dict itself): was an AttributeError on .state_dict
+    with pytest.raises(
+        TypeError, match=r"^load_checkpoint: expected model to be a torch\.nn\.Module or None, got OrderedDict"
+    ):
+        load_checkpoint(directory / "best.pt", model.state_dict())
 
 
 # -- non-finite values stop training with the last good checkpoint ---------------------------------------------------

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import gpattn.training.loop as loop_module
-from gpattn.training import CheckpointError, TrainConfig, train_model
+from gpattn.training import Callback, CheckpointError, TrainConfig, train_model
 
 #: scripted validation NLLs by epoch (from 1): the best is epoch 2, epochs 3-5 do not improve on it, epoch 6 would
 SCRIPT = [1.0, 0.8, 0.9, 0.8, 0.95, 0.5, 0.4, 0.3]
@@ -114,3 +114,20 @@ def test_mc_dropout_validation_selects_on_the_mc_dropout_predictive(data, small_
     assert check_resumable(older, small_config().to_dict(), 1, Path("last.pt")) == []
     with pytest.raises(CheckpointError, match="mc_dropout"):
         check_resumable(older, small_config(mc_dropout=True).to_dict(), 1, Path("last.pt"))
+
+
+def test_mc_dropout_validation_of_a_model_without_dropout_is_refused_before_training(data, small_model, small_config):
+    # was a ValueError of the first validation, after a whole epoch had trained the model (left in training mode, no
+    # checkpoint written)
+    model = small_model("softmax")
+    before = copy.deepcopy(model.state_dict())
+    steps = []
+
+    class Steps(Callback):
+        def on_step_end(self, context, epoch, step, values):
+            steps.append(step)
+
+    with pytest.raises(ValueError, match=r"^train_model: TrainConfig\(mc_dropout=True\) .*no dropout module"):
+        train_model(model, data.train, data.val, small_config(mc_dropout=True), callbacks=[Steps()])
+    assert steps == []
+    assert all(torch.equal(value, before[name]) for name, value in model.state_dict().items())

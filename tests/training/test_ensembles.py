@@ -76,6 +76,22 @@ def test_a_factory_that_returns_no_model_names_the_member(data, small_config):
         train_ensemble(lambda k: None, data.train, data.val, small_config(), 2)
 
 
+def test_a_factory_that_returns_an_earlier_member_or_its_parameters_is_refused(data, small_model, small_config):
+    # make_model=lambda k: model trained one model K times in a row and returned it K times (an "ensemble" of
+    # identical members, each history that of a further run of the same model), without a word
+    model = small_model("softmax")
+    with pytest.raises(ValueError, match=r"make_model\(1\) returned a model sharing parameters with member 0"):
+        train_ensemble(lambda k: model, data.train, data.val, small_config(epochs=1), 2)
+    members = {}
+
+    def make_model(k):  # members 0 and 1 independent, member 2 built around member 0's layers
+        members[k] = small_model("softmax", seed=k) if k < 2 else torch.nn.Sequential(members[0])
+        return members[k]
+
+    with pytest.raises(ValueError, match=r"make_model\(2\) returned a model sharing parameters with member 0"):
+        train_ensemble(make_model, data.train, data.val, small_config(epochs=1), 3)
+
+
 def test_a_single_callback_not_in_a_list_is_refused(data, small_model, small_config):
     with pytest.raises(TypeError, match=r"^train_ensemble: expected callbacks to be a list of Callbacks, got a single"):
         train_ensemble(lambda k: small_model(), data.train, data.val, small_config(), 2, callbacks=Callback())

@@ -447,6 +447,12 @@ def test_kl_annealing_raises_the_weight_linearly_then_holds_it(data, small_model
     seen.clear()
     train_model(small_model(), data.train, data.val, small_config(epochs=1, beta=0.5))
     assert seen == [0.5] * 4
+    # 2.2 epochs of 25 steps are 55 steps (2.2 * 25 = 55.00000000000001 in floats: it annealed over 56)
+    seen.clear()
+    few = make_pointer_task(25, 8, 8, length=6, seed=0, vocab_size=6)
+    config = small_config(epochs=1, batch_size=1, beta=0.5, kl_anneal_epochs=2.2)
+    train_model(small_model(), few.train, few.val, config)
+    assert seen == pytest.approx([0.5 * (step + 1) / 55 for step in range(25)], rel=1e-15)
 
 
 def test_gradients_are_clipped(data, small_model, small_config):
@@ -572,6 +578,28 @@ def test_a_float64_model_records_its_gradient_norms_in_float64(data, small_model
     assert len(recorded) == 8
     assert recorded == norms
     assert any(value != float(torch.tensor(value, dtype=torch.float32)) for value in recorded)  # not float32-rounded
+
+
+def test_the_history_records_the_hyperparameter_prior_part_of_the_loss(data):
+    """A GPyTorch prior registered on the SVGP attention's lengthscales enters the loss as -(1/n) sum log p(theta):
+    the history records that part (it left it out, reporting a loss half made of an unnamed term). One step of the
+    whole training set: the epoch's prior is that of the initial lengthscales, by torch.distributions in float64."""
+    from gpytorch.kernels import RBFKernel
+    from gpytorch.priors import GammaPrior
+
+    torch.manual_seed(0)
+    model = Transformer(2, embed_dim=8, num_heads=2, attention="svgp", num_inducing=3, vocab_size=6, max_len=6)
+    kernels = [module for module in model.modules() if isinstance(module, RBFKernel)]
+    for kernel in kernels:
+        kernel.register_prior("lengthscale_prior", GammaPrior(3.0, 6.0), lambda module: module.lengthscale)
+    model.double()
+    gamma = torch.distributions.Gamma(torch.tensor(3.0, dtype=torch.float64), torch.tensor(6.0, dtype=torch.float64))
+    expected = -sum(gamma.log_prob(kernel.lengthscale.detach()).sum() for kernel in kernels).item() / len(data.train)
+    config = TrainConfig(epochs=1, batch_size=len(data.train), eval_samples=1, progress=False)
+    record = train_model(model, data.train, data.val, config).history[0]
+    assert record["prior"] == pytest.approx(expected, rel=1e-12) and record["prior"] > 0.1
+    parts = record["nll"] + record["kl"] + record["ksvd"] + record["prior"]
+    assert record["loss"] == pytest.approx(parts, rel=1e-12)
 
 
 # -- checkpoints and failures ----------------------------------------------------------------------------------------
@@ -889,3 +917,37 @@ def test_bad_data_sets_are_named_before_training(data, small_model, small_config
     with pytest.raises(error, match=f"^{re.escape(message)}$"):
         train_model(model, sets["train"], sets["val"], small_config())
     assert all(torch.equal(value, before[key]) for key, value in model.state_dict().items())  # nothing trained
+
+
+@pytest.mark.parametrize("split", ["training", "validation"])
+def test_inputs_with_nan_or_inf_are_named_before_training(small_config, split):
+    # a NaN in the last training batch was refused by the model only at that step, one in the validation set only
+    # after the first epoch had trained: the model changed, no checkpoint, and the message named no data set
+    @dataclass
+    class Images:
+        images: torch.Tensor
+        labels: torch.Tensor
+
+    generator = torch.Generator().manual_seed(0)
+    sets = {
+        name: Images(torch.randn(16, 1, 4, 4, generator=generator), torch.arange(16) % 2)
+        for name in ("training", "validation")
+    }
+    sets[split].images[15, 0, 2, 3] = math.inf
+    sets[split].images[14, 0, 0, 0] = math.nan
+    torch.manual_seed(0)
+    model = Transformer(
+        2, embed_dim=16, depth=1, num_heads=2, input="patches", image_size=4, patch_size=2, in_channels=1
+    )
+    before = {name: value.clone() for name, value in model.state_dict().items()}
+    steps = []
+
+    class Steps(Callback):
+        def on_step_end(self, context, epoch, step, values):
+            steps.append(step)
+
+    message = f"train_model: the {split} inputs hold NaN or Inf values (2 of 16 inputs); clean or drop them"
+    with pytest.raises(ValueError, match=f"^{re.escape(message)}"):
+        train_model(model, sets["training"], sets["validation"], small_config(batch_size=4), callbacks=[Steps()])
+    assert steps == []
+    assert all(torch.equal(value, before[key]) for key, value in model.state_dict().items())

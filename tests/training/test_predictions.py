@@ -118,3 +118,25 @@ def test_evaluate_restores_mixed_modes(digits):
     torch.manual_seed(5)
     expected = predict_probabilities(model.eval(), subset.images, num_samples=3)
     torch.testing.assert_close(got, expected, rtol=0, atol=0)
+
+
+def test_misplaced_models_and_empty_data_sets_are_named(digits):
+    """An empty data set, a model that is no module, a single model or train_ensemble's (model, result) pairs given
+    to the ensemble: errors naming them (torch.cat's "expected a non-empty list of Tensors", AttributeErrors on
+    ``.parameters`` before); ensemble_probabilities checks every member before predicting with any."""
+    model = _digits_model()
+    empty = ImageDataset(digits.images[:0], digits.labels[:0], digits.num_classes, digits.class_names, "digits")
+    with pytest.raises(ValueError, match=r"evaluate: expected a non-empty data set, got 0 inputs"):
+        evaluate(model, empty)
+    with pytest.raises(ValueError, match=r"non-empty data set"):
+        ensemble_probabilities([model], empty)
+    with pytest.raises(TypeError, match=r"evaluate: expected model to be a torch\.nn\.Module, got function"):
+        evaluate(lambda images: images, digits)
+    with pytest.raises(TypeError, match=r"expected a list of models, got a single Transformer; pass \[model\]"):
+        ensemble_probabilities(model, digits)
+    with pytest.raises(TypeError, match=r"models\[1\] to be a torch\.nn\.Module, got tuple \(train_ensemble returns"):
+        ensemble_probabilities([model, (model, None)], digits)
+    subset = ImageDataset(digits.images[:10], digits.labels[:10], digits.num_classes, digits.class_names, "digits")
+    torch.manual_seed(5)
+    got = ensemble_probabilities(torch.nn.ModuleList([model]), subset, num_samples=1)  # a ModuleList is a list
+    torch.testing.assert_close(got, model(subset.images).softmax(dim=-1), rtol=1e-6, atol=1e-7)

@@ -41,3 +41,31 @@ def test_bad_step_counts_are_refused(total, warmup, match):
     optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)
     with pytest.raises(ValueError, match=match):
         warmup_cosine_schedule(optimizer, total, warmup)
+
+
+@pytest.mark.parametrize(
+    ("peak", "floor", "match"),
+    [
+        (0.0, 0.0, r"lr \(the peak\) to be a finite number > 0, got 0\.0"),  # was a ZeroDivisionError
+        (0.1, 0.2, r"min_lr to be a finite number >= 0 and <= 0\.1, got 0\.2"),  # was a "decay" rising to 0.2
+        (0.1, -0.1, r"min_lr to be .*, got -0\.1"),  # was a decay below zero, to a negative rate
+        (0.1, math.nan, r"min_lr to be .*, got nan"),  # was a NaN rate after the warm-up
+    ],
+    ids=["zero_peak", "floor_above_peak", "negative_floor", "nan_floor"],
+)
+def test_a_peak_or_floor_that_cannot_decay_is_refused(peak, floor, match):
+    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=peak)
+    with pytest.raises(ValueError, match=r"warmup_cosine_schedule: expected .*" + match):
+        warmup_cosine_schedule(optimizer, 10, 0, floor)
+    assert optimizer.param_groups[0]["lr"] == peak  # untouched
+
+
+def test_a_floor_equal_to_the_peak_holds_the_rate():
+    optimizer = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))], lr=0.1)
+    scheduler = warmup_cosine_schedule(optimizer, 4, 0, 0.1)
+    rates = []
+    for _ in range(6):
+        rates.append(optimizer.param_groups[0]["lr"])
+        optimizer.step()
+        scheduler.step()
+    assert rates == pytest.approx([0.1] * 6, rel=1e-15)
