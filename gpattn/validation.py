@@ -9,6 +9,7 @@ tokens too large for their dtype (:func:`check_token_magnitude`) once a result i
 
 from __future__ import annotations
 
+import inspect
 import math
 import numbers
 from collections.abc import Iterable, Sequence
@@ -201,6 +202,14 @@ def check_device(name: str, value: Any, where: str = "", types: Sequence[str] | 
     elif device.type == "mps" and not torch.backends.mps.is_available():
         raise ValueError(f"{_prefix(where)}{name}={value!r} but MPS is not available on this machine; use 'cpu'")
     return device
+
+
+def keyword_arguments(function: Any, exclude: Sequence[str] = ()) -> list[str]:
+    """The arguments of ``function``'s signature that a keyword can name (not ``*args``, ``**kwargs`` or
+    positional-only ones), besides ``exclude``, in signature order; for a class, those of its constructor."""
+    named = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    parameters = inspect.signature(function).parameters.values()
+    return [p.name for p in parameters if p.kind in named and p.name not in exclude]
 
 
 def check_sequence(name: str, value: Any, example: str, where: str = "") -> None:

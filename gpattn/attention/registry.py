@@ -13,6 +13,7 @@ import inspect
 from collections.abc import Mapping
 from typing import Any
 
+from ..validation import keyword_arguments
 from ._base import AttentionLayer
 from .cgpt_attention import CGPTAttention
 from .kep_svgp_attention import KEPSVGPAttention
@@ -79,14 +80,9 @@ def _layer_class(name: str) -> type[AttentionLayer]:
     return ATTENTIONS[name][0]
 
 
-#: the kinds of parameter a keyword argument can name
-_NAMED = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
-
-
 def _arguments(layer_cls: type[AttentionLayer]) -> list[str]:
     # the named keyword arguments besides embed_dim and num_heads (not *args, **kwargs or positional-only ones)
-    parameters = inspect.signature(layer_cls).parameters.values()
-    return [p.name for p in parameters if p.kind in _NAMED and p.name not in ("embed_dim", "num_heads")]
+    return keyword_arguments(layer_cls, ("embed_dim", "num_heads"))
 
 
 def _takes_any(layer_cls: type[AttentionLayer]) -> bool:

@@ -23,7 +23,6 @@ registered attention or row is compared like the built-in ones.
 from __future__ import annotations
 
 import dataclasses
-import inspect
 import statistics
 import time
 from collections.abc import Iterable
@@ -39,6 +38,7 @@ from ..methods import Hyperparameters, MethodSpec, get_method, resolve_method
 from ..models import LastLayerLaplace, Transformer
 from ..training import Callback, TrainConfig, dataset_inputs, dataset_labels, member_seed, train_ensemble
 from ..training.graphs import CapturedForward, capture_refusals
+from ..validation import keyword_arguments
 from .config import CompareConfig
 from .evaluation import evaluate_models
 from .fidelity import model_fidelity
@@ -96,13 +96,7 @@ def check_model_arguments(method: MethodSpec) -> None:
         ``num_inducing`` / ``ksvd_weight`` where the layer takes them, or one of the row's ``attention_arguments``):
         given twice, it would fail in :func:`build_model` with Python's "multiple values for keyword argument".
     """
-    parameters = inspect.signature(Transformer.__init__).parameters.values()
-    own = [
-        parameter.name
-        for parameter in parameters
-        if parameter.kind in (parameter.POSITIONAL_OR_KEYWORD, parameter.KEYWORD_ONLY)
-        and parameter.name not in ("self", "num_classes", "attention")
-    ]
+    own = keyword_arguments(Transformer, ("num_classes", "attention"))
     layer = attention_arguments(method.attention)
     unknown = sorted(
         name
