@@ -147,11 +147,12 @@ def run_file_codes(
     groups: dict[str, dict[str, Any]] = {}
     for path in sorted(Path(folder).glob("*.json")):
         try:
-            content = json.loads(path.read_text())
+            content = json.loads(path.read_text(encoding="utf-8"))
             record = content.get("record") or {}
             identity = (record.get("task"), record.get("attention"), record.get("seed"))
+            hash(identity)  # a damaged record (e.g. a list as its seed) is no run of ``records``
             code = content.get("code")
-        except (OSError, ValueError, AttributeError):
+        except (OSError, ValueError, AttributeError, TypeError):
             identity, code = None, None
         if wanted is not None and identity not in wanted:
             continue
@@ -186,8 +187,8 @@ def run_environment() -> dict[str, Any]:
 
 def environment_lines(environment: dict[str, Any]) -> list[str]:
     """The block as markdown bullet lines (the ``parallel_info`` text left out: it is in ``results.json``)."""
-    machine = environment.get("machine", {})
-    threads = environment.get("threads", {})
+    machine, threads = (environment.get(key) for key in ("machine", "threads"))
+    machine, threads = (value if isinstance(value, dict) else {} for value in (machine, threads))
     return [
         f"* machine: {machine.get('platform', '?')}; CPU {machine.get('cpu', '?')}, {machine.get('cores', '?')} cores",
         f"* python {environment.get('python', '?')}, torch {environment.get('torch', '?')}, numpy "

@@ -9,6 +9,8 @@ import numbers
 from collections.abc import Mapping
 from typing import Any, TypeVar
 
+import numpy as np
+
 __all__ = [
     "UNDEFINED_REASONS",
     "as_bool",
@@ -19,6 +21,7 @@ __all__ = [
     "as_numbers",
     "as_scalar",
     "read_fields",
+    "restore_infinities",
     "strict_json",
 ]
 
@@ -46,7 +49,10 @@ UNDEFINED_REASONS = {
 
 def strict_json(value: Any, where: str, undefined: dict[str, str]) -> Any:
     """``value`` with every non-finite float replaced by ``None``, its dotted path and reason added to
-    ``undefined``."""
+    ``undefined``, and every NumPy scalar (e.g. a ``numpy.float32`` metric, a ``numpy.int64`` count) as the Python
+    number it holds (``json`` writes no NumPy scalar)."""
+    if isinstance(value, np.generic):
+        value = value.item()
     if isinstance(value, dict):
         return {
             key: strict_json(item, f"{where}.{key}" if where else str(key), undefined) for key, item in value.items()
@@ -57,6 +63,23 @@ def strict_json(value: Any, where: str, undefined: dict[str, str]) -> Any:
         name = where.rsplit(".", 1)[-1]
         undefined[where] = f"{value}: {UNDEFINED_REASONS.get(name, 'not a finite number')}"
         return None
+    return value
+
+
+def restore_infinities(value: Any, where: str, undefined: Mapping[str, Any]) -> Any:
+    """The infinities of :func:`strict_json`'s output back: ``value`` with every ``None`` whose dotted path
+    ``undefined`` (its reasons) gives as ``"inf: ..."`` or ``"-inf: ..."`` replaced by that infinity; any other
+    ``None`` stays (read back as NaN)."""
+    if isinstance(value, Mapping):
+        return {
+            key: restore_infinities(item, f"{where}.{key}" if where else str(key), undefined)
+            for key, item in value.items()
+        }
+    if isinstance(value, (list, tuple)):
+        return [restore_infinities(item, f"{where}.{index}", undefined) for index, item in enumerate(value)]
+    reason = undefined.get(where) if value is None else None
+    if isinstance(reason, str) and reason.split(":", 1)[0] in ("inf", "-inf"):
+        return float(reason.split(":", 1)[0])
     return value
 
 

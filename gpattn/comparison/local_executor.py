@@ -26,6 +26,8 @@ from typing import Any
 
 import torch
 
+from ..validation import check_int
+
 __all__ = ["LocalExecutor", "TaskFailedError", "deterministic_cuda", "torch_threads", "worker_environment"]
 
 QUIET_TRACKER = "ignore:resource_tracker:UserWarning"
@@ -92,13 +94,16 @@ class LocalExecutor:
     once in worker processes (``spawn`` start method; as many as there are calls when fewer), each with ``threads``
     torch threads. A call's result depends on its arguments and the thread count only, not on ``jobs``.
 
-    :param jobs: Calls at the same time (worker processes).
-    :param threads: Torch threads per call.
+    :param jobs: Calls at the same time (worker processes): a positive integer.
+    :param threads: Torch threads per call: a positive integer.
     :param device: ``"cpu"`` or ``"cuda[:index]"``: on CUDA, deterministic kernels in every process.
+    :raises ValueError: ``jobs`` or ``threads`` is not a positive integer (a bool, a float, zero), naming it.
     """
 
     def __init__(self, jobs: int = 1, threads: int = 1, device: str = "cpu") -> None:
-        self.jobs, self.threads, self.device = jobs, threads, device
+        self.jobs = check_int("jobs", jobs, where="LocalExecutor")
+        self.threads = check_int("threads", threads, where="LocalExecutor")
+        self.device = device
         self._queued: list[tuple[Hashable, Callable[..., Any], tuple]] = []
         self._futures: dict[concurrent.futures.Future, Hashable] = {}
         self._pool: concurrent.futures.ProcessPoolExecutor | None = None
@@ -121,8 +126,14 @@ class LocalExecutor:
     def next_result(self) -> tuple[Hashable, Any]:
         """Wait for a call to finish (in this process: run the next one) and return ``(key, result)``.
 
+        Of the calls finished at the same time, those that returned come before one that raised: the caller keeps
+        their results before the failure stops it.
+
         :raises TaskFailedError: The call raised an ``Exception`` (Ctrl-C propagates as it is).
+        :raises RuntimeError: No call is pending.
         """
+        if not self.pending:
+            raise RuntimeError("LocalExecutor.next_result: no call is pending (submit one first)")
         if self._pool is None and self.jobs > 1 and len(self._queued) > 1:
             self._start_pool()
         if self._pool is None:
@@ -133,7 +144,8 @@ class LocalExecutor:
                 except Exception as error:
                     raise TaskFailedError(key, error) from error
         done, _ = concurrent.futures.wait(self._futures, return_when=concurrent.futures.FIRST_COMPLETED)
-        future = next(iter(done))
+        # a call that returned first: a failure found beside it would otherwise stop the executor and lose its result
+        future = min(done, key=lambda finished: finished.exception() is not None)
         key = self._futures.pop(future)
         try:
             return key, future.result()

@@ -35,7 +35,8 @@ row) is written as ``null`` and its reason goes into an ``"undefined"`` entry, d
      "undefined": {"metrics.test.auroc": "NaN: needs both correct and wrong test predictions (all were correct or all
                    wrong)"}
 
-``null`` is read back as NaN (and as ``None`` in the reliability bins that are empty).
+``null`` is read back as NaN (and as ``None`` in the reliability bins that are empty), or as the infinity its
+``"undefined"`` reason names (``"inf: ..."``, ``"-inf: ..."``).
 """
 
 from __future__ import annotations
@@ -51,7 +52,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .json_values import as_integer, as_list, as_mapping, as_number, as_numbers, as_scalar, read_fields, strict_json
+from .json_values import (
+    as_integer,
+    as_list,
+    as_mapping,
+    as_number,
+    as_numbers,
+    as_scalar,
+    read_fields,
+    restore_infinities,
+    strict_json,
+)
 
 __all__ = [
     "PER_EXAMPLE_FIELDS",
@@ -296,6 +307,9 @@ class RunRecord:
         unknown = sorted(set(data) - {entry.name for entry in dataclasses.fields(cls)} - {"undefined"})
         if missing or unknown:
             raise ValueError(f"{where}: missing entries {missing}, unexpected entries {unknown}")
+        undefined = as_mapping(data.get("undefined", {}), "record.undefined")
+        if any(isinstance(reason, str) and reason.startswith(("inf:", "-inf:")) for reason in undefined.values()):
+            data = restore_infinities({key: value for key, value in data.items() if key != "undefined"}, "", undefined)
         for key in ("task", "attention"):
             if not isinstance(data[key], str):
                 raise ValueError(f"{where}: expected {key!r} to be a string, got {data[key]!r}")
@@ -354,11 +368,21 @@ def read_records(path: str | os.PathLike) -> list[RunRecord]:
 
     :param path: The ``results.json`` file.
     :return: Its records, in file order.
+    :raises ValueError: Naming the file (and the record, by its index) that is not valid JSON or not a record.
     """
-    content = json.loads(Path(path).read_text())
+    try:
+        content = json.loads(Path(path).read_text(encoding="utf-8"))
+    except ValueError as error:  # a damaged (e.g. truncated) file
+        raise ValueError(f"{path}: cannot be read as JSON ({error})") from None
     if not isinstance(content, dict) or not isinstance(content.get("records"), list):
         raise ValueError(f"{path}: expected a results.json with a list of 'records'")
-    return [RunRecord.from_dict(record) for record in content["records"]]
+    records = []
+    for index, record in enumerate(content["records"]):
+        try:
+            records.append(RunRecord.from_dict(record))
+        except ValueError as error:
+            raise ValueError(f"{path}, records[{index}]: {error}") from None
+    return records
 
 
 def _per_example(value: Any, where: str) -> dict[str, list[float]]:
@@ -405,9 +429,10 @@ def _reliability(values: Any) -> ReliabilityBins:
 
 # -- atomic files ----------------------------------------------------------------------------------------------------
 def write_text_atomically(path: str | os.PathLike, text: str) -> Path:
-    """Write ``text`` to ``path`` through a temporary file in the same folder and :func:`os.replace`: the file is
-    either the complete new text or untouched (an interruption leaves no half-written file). The file gets the mode
-    of any newly created file (``0o666`` less the process's umask, e.g. ``0o644``), as the figures and tables do.
+    """Write ``text`` (UTF-8) to ``path`` through a temporary file in the same folder and :func:`os.replace`: the
+    file is either the complete new text or untouched (an interruption leaves no half-written file). The file gets
+    the mode of any newly created file (``0o666`` less the process's umask, e.g. ``0o644``), as the figures and
+    tables do.
 
     :raises OSError: The folder cannot be written (a full disk, no permission, ...): the error names ``path`` and says
         that it is unchanged; the temporary file is removed.
@@ -416,7 +441,9 @@ def write_text_atomically(path: str | os.PathLike, text: str) -> Path:
     temporary = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
     try:
         # os.open with 0o666 applies the umask, as open() does (tempfile.mkstemp would make the file 0o600)
-        with os.fdopen(os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666), "w") as stream:
+        # UTF-8 whatever the locale (table.md holds "±"; an ASCII or Latin-1 locale would refuse it or mangle it)
+        descriptor = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+        with os.fdopen(descriptor, "w", encoding="utf-8") as stream:
             stream.write(text)
             stream.flush()
             os.fsync(stream.fileno())

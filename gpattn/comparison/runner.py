@@ -31,6 +31,7 @@ import sys
 import tempfile
 import time
 import warnings
+from collections import Counter
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import asdict
@@ -40,6 +41,7 @@ from typing import Any
 from tqdm import tqdm
 
 from ..methods import get_method
+from ..validation import check_seed
 from . import runs as run_module
 from .config import CompareConfig
 from .environment import code_label, code_version
@@ -207,7 +209,7 @@ def read_run_file(
     task, row, seed = run
     expected = {"task": task, "row": row, "seed": seed}
     try:
-        content = json.loads(path.read_text())
+        content = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError) as error:
         raise ValueError(f"{path}: cannot be read back as a run file ({error}); delete it to run it again") from None
     entries = ("format", "identity", "settings", "settings_sha256") + (("record",) if record else ())
@@ -304,7 +306,7 @@ def _other_code(paths: dict[tuple[str, str, int], Path]) -> str | None:
     current = code_version()
     other = {}
     for run, path in paths.items():
-        stored = json.loads(path.read_text()).get("code")
+        stored = json.loads(path.read_text(encoding="utf-8")).get("code")
         if stored != current:
             other[run_name(*run)] = code_label(stored)
     if not other:
@@ -318,6 +320,25 @@ def _other_code(paths: dict[tuple[str, str, int], Path]) -> str | None:
     )
 
 
+def _checked_runs(runs: Sequence[tuple[str, str, int]]) -> list[tuple[str, str, int]]:
+    """``runs`` as ``(task, row, seed)`` triples of a task, a registered row and a Python int (a NumPy integer seed
+    converted: the run file stores it as JSON), each once: checked before any run trains."""
+    if isinstance(runs, (str, bytes)) or not isinstance(runs, Sequence):
+        raise ValueError(f"execute_runs: expected runs to be a sequence of (task, row, seed), got {runs!r}")
+    checked = []
+    for run in runs:
+        if not isinstance(run, (tuple, list)) or len(run) != 3 or not all(isinstance(name, str) for name in run[:2]):
+            raise ValueError(f"execute_runs: expected every run to be a (task, row, seed) triple, got {run!r}")
+        if run[0] not in TASK_DEFAULTS:
+            raise ValueError(f"execute_runs: expected the task of {run!r} to be one of {list(TASK_DEFAULTS)}")
+        get_method(run[1])  # an unknown row: a ValueError naming it and the registered ones
+        checked.append((run[0], run[1], check_seed("the seed of a run", run[2], where="execute_runs")))
+    repeated = sorted(run_name(*run) for run, count in Counter(checked).items() if count > 1)
+    if repeated:
+        raise ValueError(f"execute_runs: expected every run once, got {repeated} more than once")
+    return checked
+
+
 def execute_runs(
     config: CompareConfig,
     runs: Sequence[tuple[str, str, int]],
@@ -329,7 +350,7 @@ def execute_runs(
     and ``progress`` included) and return their records in the order of ``runs``.
 
     :param out: Run folder: each finished record goes to ``out/runs/<name>.json`` at once (``None``: memory only).
-    :param resume: Read the records already in ``out/runs`` instead of running them again.
+    :param resume: Read the records already in ``out/runs`` instead of running them again (needs ``out``).
     :param executor: Where the runs execute: a :class:`~gpattn.comparison.local_executor.LocalExecutor` (default:
         ``config.jobs`` processes of this machine) or a :class:`~gpattn.comparison.ray_executor.RayExecutor` (each
         run a Ray task). The records are written here, by this process, whichever it is.
@@ -338,9 +359,14 @@ def execute_runs(
         written (the runs in flight are stopped; the finished records are on disk).
     :raises OSError: ``out/runs`` cannot be created or written (checked before any run).
     :raises ValueError: A stored run file that cannot be read, is not the run its name says (copied or renamed from
-        another run), or was made with other settings (:func:`read_run_file`).
+        another run), or was made with other settings (:func:`read_run_file`); a run of ``runs`` that is not a
+        ``(task, row, seed)`` triple (a task of the comparison, a registered row, a non-negative integer seed, not a
+        bool) or that comes twice; ``resume`` without ``out``.
     :warns RunsFromOtherCodeWarning: Stored runs made by other code (gpattn version or git commit) than this call's.
     """
+    runs = _checked_runs(runs)
+    if resume and out is None:
+        raise ValueError("execute_runs: resume=True reads the finished runs of out/runs, but out is None; give out")
     settings = result_settings(config)
     code_version()  # read now, before any run trains: the label of the code this process imported (kept for it)
     folder = None if out is None else Path(out) / "runs"
@@ -408,7 +434,7 @@ def run_comparison(
     :param out: Run folder: each finished run's record is written at once to
         ``out/runs/<task>-<attention>-<seed>.json``.
     :param resume: Read the runs already finished in ``out/runs`` (made with the same settings) instead of training
-        them again.
+        them again (needs ``out``).
     :param executor: Where the runs execute (:func:`execute_runs`; default: ``config.jobs`` local processes).
     :raises ~gpattn.comparison.runner.RunsInterrupted: On Ctrl-C (the finished runs are kept in ``out/runs``).
     """

@@ -133,3 +133,24 @@ def test_outside_a_checkout_or_without_git_there_is_no_commit(tmp_path, checkout
     assert _git_commit(tmp_path / "nowhere") is None
     monkeypatch.setenv("PATH", str(tmp_path / "no-git-here"))
     assert _git_commit(checkout) is None
+
+
+def test_damaged_run_files_and_environment_blocks_are_read_without_error(tmp_path):
+    """A run file whose record is damaged (a list as its seed) is no run of a report, grouped under no code without
+    one; an environment block whose entries are not dicts is shown as unknown."""
+    import json
+
+    from gpattn.comparison.environment import environment_lines, run_file_codes
+
+    code = {"gpattn": "0.1", "git_commit": "a"}
+    (tmp_path / "t-r-0.json").write_text(
+        json.dumps({"code": code, "record": {"task": "t", "attention": "r", "seed": [0]}})
+    )
+    (tmp_path / "t-r-1.json").write_text(
+        json.dumps({"code": code, "record": {"task": "t", "attention": "r", "seed": 1}})
+    )
+    assert run_file_codes(tmp_path, [("t", "r", 0), ("t", "r", 1)]) == [{"code": code, "runs": ["t-r-1"]}]
+    assert run_file_codes(tmp_path) == [{"code": None, "runs": ["t-r-0"]}, {"code": code, "runs": ["t-r-1"]}]
+    lines = environment_lines({"machine": None, "threads": [1], "python": "3.11"})
+    assert lines[0] == "* machine: ?; CPU ?, ? cores" and lines[1].startswith("* python 3.11, torch ?")
+    assert lines[2] == "* threads of the process that wrote the report: ? intra-op, ? inter-op"

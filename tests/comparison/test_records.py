@@ -289,3 +289,66 @@ def test_flags_are_read_whether_or_not_annotations_are_strings():
         read_fields(flags, {"graphed": 1, "count": 2, "value": 0.5}, "x")
     with pytest.raises(ValueError, match=r"x.count: expected an integer, got 2.5"):
         read_fields(flags, {"graphed": True, "count": 2.5, "value": 0.5}, "x")
+
+
+def test_infinities_read_back_as_infinities():
+    """strict JSON writes an infinite metric as null with its reason ("inf: ..."): read back, it is that infinity
+    again (not NaN), wherever it is; a NaN beside it stays NaN."""
+    record = _record()
+    test = dataclasses.replace(record.metrics.test, nll=math.inf, mce=-math.inf)
+    record = dataclasses.replace(
+        record,
+        metrics=dataclasses.replace(record.metrics, test=test),
+        ood_scores={"in": [0.5, math.inf], "noise": [-math.inf]},
+        hyperparameters={"weight_decay": math.inf, "patience": None},
+    )
+    data = json.loads(json.dumps(record.to_dict(), allow_nan=False), parse_constant=_refuse)
+    assert data["metrics"]["test"]["nll"] is None and data["undefined"]["metrics.test.nll"].startswith("inf: ")
+    again = RunRecord.from_dict(data)
+    assert (again.metrics.test.nll, again.metrics.test.mce) == (math.inf, -math.inf)
+    assert again.ood_scores == {"in": [0.5, math.inf], "noise": [-math.inf]}
+    assert again.hyperparameters == {"weight_decay": math.inf, "patience": None}
+    assert math.isnan(again.metrics.shift["blur"]["2"].nll)  # a NaN is still a NaN
+    assert again.to_dict() == record.to_dict()  # the same JSON, reasons included
+    with pytest.raises(ValueError, match=r"record.undefined: expected a dict, got list"):
+        RunRecord.from_dict({**data, "undefined": []})
+
+
+def test_numpy_scalars_are_written_as_python_numbers():
+    """A record built from NumPy numbers (a float32 metric, an int64 count, a NumPy NaN) is strict JSON data: the
+    numbers as Python's, the NaN as null with its reason."""
+    import numpy as np
+
+    test = ClassificationMetrics(**{**TEST, "accuracy": np.float32(0.75), "auroc": np.float32("nan")})
+    train = TrainingSummary(seconds=np.float64(1.5), epochs=np.int64(3), best_epoch=2, num_parameters=7, ensemble=1)
+    bins = ReliabilityBins(confidence=[np.float32(0.5)], accuracy=[0.25], count=[np.int64(4)])
+    record = RunRecord("digits", "softmax", np.int64(2), RunMetrics(test=test), reliability=bins, train=train)
+    data = json.loads(json.dumps(record.to_dict(), allow_nan=False))
+    assert (data["seed"], data["metrics"]["test"]["accuracy"], data["metrics"]["test"]["auroc"]) == (2, 0.75, None)
+    assert data["undefined"]["metrics.test.auroc"].startswith("nan: needs both correct and wrong")
+    assert data["train"]["epochs"] == 3
+    assert data["reliability"] == {"confidence": [0.5], "accuracy": [0.25], "count": [4]}
+    again = RunRecord.from_dict(data)
+    assert type(again.seed) is int and type(again.train.epochs) is int and again.metrics.test.accuracy == 0.75
+
+
+def test_read_records_names_the_file_and_the_record(tmp_path):
+    path = tmp_path / "results.json"
+    path.write_text('{"records": [')  # cut short
+    with pytest.raises(ValueError, match=r"results.json: cannot be read as JSON \(Expecting value"):
+        read_records(path)
+    path.write_text(json.dumps({"records": [_record().to_dict(), {"task": "digits"}]}))
+    with pytest.raises(ValueError, match=r"results.json, records\[1\]: record: missing entries \['attention'"):
+        read_records(path)
+
+
+def test_text_files_are_utf8_whatever_the_locale(tmp_path, monkeypatch):
+    """table.md holds "±": written as UTF-8 also where the locale's encoding is ASCII (where it failed) or Latin-1."""
+    import io
+
+    from gpattn.comparison.records import write_text_atomically
+
+    monkeypatch.setattr(io, "text_encoding", lambda encoding, stacklevel=2: encoding or "ascii")  # an ASCII locale
+    path = write_text_atomically(tmp_path / "table.md", "accuracy 91.0 ± 0.5, σ")
+    assert path.read_bytes() == "accuracy 91.0 ± 0.5, σ".encode()
+    assert [p.name for p in tmp_path.iterdir()] == ["table.md"]

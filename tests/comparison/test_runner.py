@@ -320,3 +320,86 @@ def test_atomic_files_get_the_mode_of_new_files(tmp_path) -> None:
     finally:
         os.umask(umask)
     assert oct(path.stat().st_mode & 0o777) == oct(other.stat().st_mode & 0o777) == "0o644"
+
+
+# -- the runs given, the executor's counts, and what a failure keeps ---------------------------------------------------
+def test_execute_runs_checks_its_runs_before_any_run(tmp_path, monkeypatch) -> None:
+    import numpy as np
+
+    from gpattn.comparison.runner import execute_runs
+
+    fake = _FakeRuns()
+    monkeypatch.setattr(runs, "train_and_evaluate", fake)
+    config = CompareConfig(seeds=(0,), **{**TINY, "attentions": ("softmax",)})
+    refused = [
+        ([("pointer", "softmax", 0)] * 2, r"expected every run once, got \['pointer-softmax-0'\] more than once"),
+        ([("pointer", "softmax", True)], r"expected the seed of a run to be a non-negative integer, got True"),
+        ([("pointer", "softmax", -1)], r"expected the seed of a run to be a non-negative integer, got -1"),
+        (
+            [("pointer", "softmax")],
+            r"expected every run to be a \(task, row, seed\) triple, got \('pointer', 'softmax'\)",
+        ),
+        ([("nope", "softmax", 0)], r"expected the task of \('nope', 'softmax', 0\) to be one of \['pointer'"),
+        ([("pointer", "nope", 0)], r"unknown comparison row 'nope'"),
+        ("pointer-softmax-0", r"expected runs to be a sequence of \(task, row, seed\)"),
+    ]
+    for given, message in refused:
+        with pytest.raises(ValueError, match=message):
+            execute_runs(config, given, out=tmp_path)
+    with pytest.raises(ValueError, match=r"resume=True reads the finished runs of out/runs, but out is None"):
+        execute_runs(config, [("pointer", "softmax", 0)], resume=True)
+    assert fake.started == [] and not list((tmp_path / "runs").glob("*.json"))
+    # a NumPy seed is the run of that seed: trained, written (JSON) and read back on resume
+    (record,) = execute_runs(config, [("pointer", "softmax", np.int64(1))], out=tmp_path)
+    assert type(record.seed) is int and record.seed == 1
+    stored = json.loads((tmp_path / "runs" / "pointer-softmax-1.json").read_text())
+    assert stored["identity"] == {"task": "pointer", "row": "softmax", "seed": 1}
+    assert execute_runs(config, [("pointer", "softmax", np.int64(1))], out=tmp_path, resume=True) == [record]
+    assert fake.started == ["pointer-softmax-1"]
+
+
+def test_local_executor_checks_its_counts() -> None:
+    import numpy as np
+
+    from gpattn.comparison.local_executor import LocalExecutor
+
+    for name, value in [("jobs", True), ("jobs", 0), ("jobs", 2.5), ("threads", 0), ("threads", False)]:
+        with pytest.raises(ValueError, match=rf"LocalExecutor: expected {name} to be a positive integer, got {value}"):
+            LocalExecutor(**{name: value})
+    executor = LocalExecutor(jobs=np.int64(4), threads=np.int32(1))
+    assert (type(executor.jobs), executor.jobs, type(executor.threads)) == (int, 4, int)
+    with pytest.raises(RuntimeError, match=r"next_result: no call is pending"):
+        executor.next_result()
+    with executor:  # more jobs than calls: the one call runs here, in this process
+        executor.submit("one", abs, -3)
+        assert executor.next_result() == ("one", 3) and executor.pending == 0
+
+
+def _raise(message: str) -> None:
+    raise ValueError(message)
+
+
+def test_a_call_that_returned_comes_before_a_failure_beside_it(monkeypatch) -> None:
+    """Calls of a pool that finished together: the result of the one that returned is handed back before the failure
+    (which stops the comparison), so its record is written."""
+    import concurrent.futures
+
+    from gpattn.comparison import local_executor
+    from gpattn.comparison.local_executor import LocalExecutor, TaskFailedError
+
+    executor = LocalExecutor(jobs=2)
+    with executor:
+        executor._pool = concurrent.futures.ThreadPoolExecutor(2)  # a pool of threads in place of processes
+        executor.submit("bad", _raise, "boom")
+        executor.submit("good", abs, -2)
+        futures = list(executor._futures)
+        concurrent.futures.wait(futures)
+        failed_first = sorted(futures, key=lambda future: future.exception() is None)
+
+        def in_order(pending, **kwargs):  # as concurrent.futures.wait, the failure first among the finished
+            return [future for future in failed_first if future in pending], set()
+
+        monkeypatch.setattr(local_executor.concurrent.futures, "wait", in_order)
+        assert executor.next_result() == ("good", 2)
+        with pytest.raises(TaskFailedError, match="bad: boom"):
+            executor.next_result()
