@@ -43,19 +43,19 @@ MAIN_TABLE_ROWS = (
 _BOOLEANS = ("progress", "temperature_scaling", "smoke_test", "compile", "cuda_graphs", "tuned")
 
 
-def _sequence(name: str, value: Any, items: str) -> tuple:
+def _sequence(name: str, value: Any, items: str, where: str = "CompareConfig") -> tuple:
     # a tuple of the items of a sequence or other iterable; a bare string (a sequence of characters) and a
     # non-iterable are refused by name
     if isinstance(value, (str, bytes)):
-        raise InputTypeError(f"CompareConfig: expected {name} to be a sequence of {items}, got the string {value!r}")
+        raise InputTypeError(f"{where}: expected {name} to be a sequence of {items}, got the string {value!r}")
     try:
         return tuple(value)
     except TypeError:
-        raise InputTypeError(f"CompareConfig: expected {name} to be a sequence of {items}, got {value!r}") from None
+        raise InputTypeError(f"{where}: expected {name} to be a sequence of {items}, got {value!r}") from None
 
 
-def _names(name: str, value: Any) -> tuple[str, ...]:
-    return _sequence(name, value, "names")
+def _names(name: str, value: Any, where: str = "CompareConfig") -> tuple[str, ...]:
+    return _sequence(name, value, "names", where)
 
 
 def _seeds(name: str, value: Any) -> tuple[int, ...]:
@@ -210,7 +210,10 @@ class CompareConfig:
         self.num_heads = check_int("num_heads", self.num_heads, where=where)
         self.ece_bins = check_int("ece_bins", self.ece_bins, where=where)
         self.fidelity_sequences = check_int("fidelity_sequences", self.fidelity_sequences, minimum=0, where=where)
-        check_float("mc_dropout", self.mc_dropout, 0.0, 1.0, strict_minimum=True, strict_maximum=True, where=where)
+        # the floats stored as Python floats too (a NumPy float32 would reach the records' JSON, which refuses it)
+        self.mc_dropout = check_float(
+            "mc_dropout", self.mc_dropout, 0.0, 1.0, strict_minimum=True, strict_maximum=True, where=where
+        )
         self.eval_samples = check_int("eval_samples", self.eval_samples, where=where)
         if self.num_inducing is not None:
             self.num_inducing = check_int("num_inducing", self.num_inducing, where=where)
@@ -218,9 +221,9 @@ class CompareConfig:
         self.gp_layers = check_int("gp_layers", self.gp_layers, 1, self.depth, where=where)
         if self.embed_dim % self.num_heads:
             raise ValueError(f"{where}: embed_dim ({self.embed_dim}) must be divisible by num_heads ({self.num_heads})")
-        check_float("lr", self.lr, 0.0, strict_minimum=True, where=where)
-        check_float("beta", self.beta, 0.0, where=where)
-        check_float("ksvd_weight", self.ksvd_weight, 0.0, where=where)
+        self.lr = check_float("lr", self.lr, 0.0, strict_minimum=True, where=where)
+        self.beta = check_float("beta", self.beta, 0.0, where=where)
+        self.ksvd_weight = check_float("ksvd_weight", self.ksvd_weight, 0.0, where=where)
         check_device("device", self.device, where=where, types=DEVICE_TYPES)
         self.threads = check_int("threads", self.threads, where=where)
         self.jobs = check_int("jobs", self.jobs, where=where)
@@ -248,7 +251,7 @@ class CompareConfig:
                         raise ValueError(f"{tuned_path(task, self.tuned_dir)}, row {row!r}: {error}") from None
 
     def hyperparameters(
-        self, task: str, method: MethodSpec, defaults: Mapping[str, Any] | None = None
+        self, task: str, method: MethodSpec | str, defaults: Mapping[str, Any] | None = None
     ) -> Hyperparameters:
         """The :class:`~gpattn.methods.Hyperparameters` of a run of the row ``method`` on ``task``: these settings,
         the same for every row (the task's epochs; the MC-dropout rate for the rows that predict with dropout, the
@@ -256,12 +259,13 @@ class CompareConfig:
         of the row's tuned configuration (:meth:`tuned_entry`) in their place when :attr:`tuned` and there is one.
 
         :param task: One of :data:`~gpattn.comparison.tasks.TASKS`.
-        :param method: The row.
+        :param method: The row, or its name.
         :param defaults: The task's own values (:attr:`~gpattn.comparison.TaskData.defaults`): ``num_inducing``, used
             where :attr:`num_inducing` is ``None``, and ``dropout`` (default 0), the dropout of the rows that do not
             predict with dropout.
         """
         check_choice("task", task, TASKS, where="CompareConfig.hyperparameters")
+        method = get_method(method) if isinstance(method, str) else method
         defaults = {} if defaults is None else defaults
         shared = Hyperparameters(
             epochs=getattr(self, f"{task}_epochs"),

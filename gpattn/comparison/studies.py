@@ -25,9 +25,11 @@ from __future__ import annotations
 
 import datetime
 import fcntl
+import json
 import math
 import os
 import platform
+import signal
 import time
 from pathlib import Path
 from typing import Any
@@ -39,6 +41,8 @@ from optuna.trial import TrialState
 from sqlalchemy.engine import make_url
 
 from .. import __version__
+from ..validation import InputTypeError
+from .deferred_interrupts import interrupt_handler, signals_deferred
 from .environment import code_label, code_version
 from .tuned_configuration import TunedRow
 from .tuning_space import SearchParameter, hyperparameter_values
@@ -153,8 +157,14 @@ def prepare_study(
 
     :raises ValueError: The study exists with other settings (the message names them), or was not made by
         ``gpattn tune``.
+    :raises InputTypeError: ``settings`` are not JSON data (e.g. a NumPy number): refused before the study is made.
     """
-    with lock:
+    try:  # as the storage will give them back (tuples as lists), checked before a study without settings is left
+        settings = json.loads(json.dumps(settings, allow_nan=False))
+    except (TypeError, ValueError) as error:
+        raise InputTypeError(f"prepare_study: expected the settings of {name!r} to be JSON data ({error})") from None
+    # Ctrl-C waits for the new study's settings: a study left without them is refused by every later run
+    with lock, interrupt_handler(signal.SIGINT), signals_deferred():
         try:
             study = optuna.create_study(study_name=name, storage=storage, direction="minimize")
         except DuplicatedStudyError:
@@ -189,7 +199,10 @@ def _wait_for_settings(study: optuna.Study, name: str) -> dict[str, Any]:
     deadline = time.monotonic() + JOIN_TIMEOUT
     while "settings" not in study.user_attrs:
         if time.monotonic() > deadline:
-            raise ValueError(f"the study {name!r} has no gpattn tune settings: it was not made by gpattn tune")
+            raise ValueError(
+                f"the study {name!r} has no gpattn tune settings: it was not made by gpattn tune (or its making was "
+                "cut short); use another --storage / --out"
+            )
         time.sleep(0.5)
     return study.user_attrs["settings"]
 

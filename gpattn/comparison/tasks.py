@@ -120,9 +120,9 @@ def load_task(task: str, seed: int = 0, test_size: int | None = None) -> TaskDat
     :return: The :class:`TaskData`.
     """
     check_choice("task", task, TASKS)
-    check_seed("seed", seed, where="load_task")
+    seed = check_seed("seed", seed, where="load_task")  # a Python int (TaskData.seed reaches the records)
     if test_size is not None:
-        check_int("test_size", test_size, where="load_task")
+        test_size = check_int("test_size", test_size, where="load_task")
     fixed = _fixed_sets(task, test_size)
     shared = {
         "shifted": dict(fixed.shifted),

@@ -8,8 +8,8 @@ from typing import Any
 
 from ..methods import Hyperparameters, MethodSpec, get_method, method_names
 from ..training.config import DEVICE_TYPES
-from ..validation import check_choice, check_device, check_int
-from .config import CompareConfig
+from ..validation import InputTypeError, check_choice, check_device, check_int
+from .config import CompareConfig, _names
 from .tasks import DEFAULT_TASKS, TASKS
 from .tuning_space import MAX_EPOCHS, PATIENCE, TUNED_ROWS, TUNING_SEED, hyperparameter_values
 
@@ -66,7 +66,7 @@ class TuneConfig:
 
     def __post_init__(self) -> None:
         where = "TuneConfig"
-        self.tasks, self.rows = tuple(self.tasks), tuple(self.rows)
+        self.tasks, self.rows = _names("tasks", self.tasks, where), _names("rows", self.rows, where)
         for label, values, choices in (("tasks", self.tasks, TASKS), ("rows", self.rows, method_names())):
             if not values or len(set(values)) != len(values):
                 raise ValueError(f"{where}: expected distinct {label} among {list(choices)}, got {list(values)}")
@@ -81,11 +81,11 @@ class TuneConfig:
                     "instead"
                 )
         names = ("trials", "pointer_epochs", "digits_epochs", "mnist1d_epochs", "patience", "eval_samples", "threads")
-        for name in (*names, "jobs"):
-            check_int(name, getattr(self, name), where=where)
+        for name in (*names, "jobs"):  # stored as Python ints: a NumPy integer would reach the studies' JSON settings
+            setattr(self, name, check_int(name, getattr(self, name), where=where))
         # the TPE sampler of trial slot k is seeded with seed * 1000 + k, which numpy takes below 2**32
         largest = (2**32 - 1 - self.trials) // 1000
-        check_int("seed", self.seed, minimum=0, maximum=largest, where=where)
+        self.seed = check_int("seed", self.seed, minimum=0, maximum=largest, where=where)
         if self.seed in MEMBER_SEEDS:
             raise ValueError(
                 f"{where}: the tuning seed must not be an evaluation seed ({EVALUATION_SEEDS.start}-"
@@ -94,7 +94,7 @@ class TuneConfig:
             )
         check_device("device", self.device, where=where, types=DEVICE_TYPES)
         if not isinstance(self.progress, bool) or not isinstance(self.label, str):
-            raise ValueError(
+            raise InputTypeError(
                 f"{where}: expected progress to be a bool and label a string, got {self.progress!r}, {self.label!r}"
             )
 

@@ -95,9 +95,9 @@ class TunedRow:
         value = data["best_val_nll"]
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
             raise ValueError(f"{where}: expected best_val_nll to be a finite number, got {value!r}")
-        for name in ("best_trial", "trials"):
-            if isinstance(data[name], bool) or not isinstance(data[name], int) or data[name] < 0:
-                raise ValueError(f"{where}: expected {name} to be a non-negative integer, got {data[name]!r}")
+        for name, least, wanted in (("best_trial", 0, "a non-negative"), ("trials", 1, "a positive")):
+            if isinstance(data[name], bool) or not isinstance(data[name], int) or data[name] < least:
+                raise ValueError(f"{where}: expected {name} to be {wanted} integer, got {data[name]!r}")
         return cls(**{name: data[name] for name in names})
 
     def to_dict(self) -> dict[str, Any]:
@@ -114,8 +114,8 @@ def read_tuned(task: str, directory: str | os.PathLike | None = None) -> dict[st
     """The tuned rows of ``task``: row -> :class:`TunedRow` from :func:`tuned_path`; ``{}`` when there is no file.
 
     :raises ValueError: A file that is not valid JSON, or not a tuned file of ``task`` (wrong format, task, or an
-        unknown row, whose message lists the rows), or a malformed entry (:meth:`TunedRow.from_dict`); the message
-        names the file.
+        unknown row, whose message lists the rows), a malformed entry (:meth:`TunedRow.from_dict`), or rows tuned
+        with different budgets (:func:`check_same_budget`); the message names the file.
     """
     path = tuned_path(task, directory)
     if not path.is_file():
@@ -128,7 +128,8 @@ def read_tuned(task: str, directory: str | os.PathLike | None = None) -> dict[st
     if not isinstance(content, dict) or set(content) != expected:
         got = sorted(content) if isinstance(content, dict) else type(content).__name__
         raise ValueError(f"{path}: expected a tuned configuration file with the keys {sorted(expected)}, got {got}")
-    if content["format"] != TUNED_FORMAT:
+    version = content["format"]
+    if isinstance(version, bool) or not isinstance(version, int) or version != TUNED_FORMAT:  # true == 1.0 == 1
         raise ValueError(f"{path}: expected format {TUNED_FORMAT}, got {content['format']!r}")
     if content["task"] != task:
         raise ValueError(f"{path}: expected the tuned configurations of the task {task!r}, got {content['task']!r}")
@@ -139,6 +140,8 @@ def read_tuned(task: str, directory: str | os.PathLike | None = None) -> dict[st
         if row not in method_names():
             raise ValueError(f"{path}: unknown row {row!r}; expected rows of {method_names()}")
         rows[row] = TunedRow.from_dict(entry, f"{path}, row {row!r}")
+    # a file edited by hand, or merged from several, could mix budgets: its rows would be compared unequally
+    check_same_budget({row: tuning_budget(entry) for row, entry in rows.items()}, rows, str(path))
     return rows
 
 
@@ -162,7 +165,8 @@ def check_same_budget(budgets: Mapping[str, Mapping[str, Any]], kept: Mapping[st
     Keys absent from either side are not compared.
 
     :param budgets: Row -> the budget it was (or is to be) tuned with (:func:`tuning_budget`).
-    :param kept: The rows already in the file that stay there.
+    :param kept: The rows beside them in the file (those already there that stay; a row of ``budgets`` may be among
+        them too: it is not compared with itself).
     :param where: The file, named in the message.
     :raises ValueError: A budget that differs, naming both.
     """
@@ -174,7 +178,7 @@ def check_same_budget(budgets: Mapping[str, Mapping[str, Any]], kept: Mapping[st
             if differences:
                 shown = ", ".join(f"{key} {new} (theirs {old})" for key, (new, old) in sorted(differences.items()))
                 raise ValueError(
-                    f"{where}: the row {row!r} is tuned with another budget than the row {other!r} already there: "
+                    f"{where}: the row {row!r} is tuned with another budget than the row {other!r} beside it: "
                     f"{shown}; every row of a tuned file has the same budget (docs/guide/tuning.md): tune the rows "
                     "with the same options, or write them to another folder"
                 )
@@ -185,13 +189,14 @@ def write_tuned(task: str, rows: Mapping[str, TunedRow], directory: str | os.Pat
     already in the file; rows are stored in the order of :func:`~gpattn.methods.method_names`.
 
     :return: The file's path.
-    :raises ValueError: A row tuned with another budget than the rows kept in the file (:func:`check_same_budget`);
-        the file is then left as it was.
+    :raises ValueError: A row tuned with another budget than the other rows written or kept in the file
+        (:func:`check_same_budget`); the file is then left as it was.
     """
     existing = read_tuned(task, directory)
     kept = {row: entry for row, entry in existing.items() if row not in rows}
+    # the written rows among themselves too, not only against the kept ones
     check_same_budget(
-        {row: tuning_budget(entry) for row, entry in rows.items()}, kept, str(tuned_path(task, directory))
+        {row: tuning_budget(entry) for row, entry in rows.items()}, {**kept, **rows}, str(tuned_path(task, directory))
     )
     merged = {**existing, **rows}
     order = {name: index for index, name in enumerate(method_names())}

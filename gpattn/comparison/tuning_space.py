@@ -72,6 +72,8 @@ ARCHITECTURES = tuple(
 )
 #: The kinds of :class:`SearchParameter`.
 KINDS = ("log_uniform", "uniform", "choice")
+#: The types of a choice besides ``None`` (Optuna's categorical choices).
+_CHOICE_TYPES = (bool, int, float, str)
 
 
 @dataclass(frozen=True)
@@ -89,9 +91,11 @@ class SearchParameter:
     ``low > 0``.
 
     :raises InputTypeError: ``name`` is not a string, a bound of a float range is not a number (a string, a bool,
-        ``None``), or ``choices`` is not a tuple or list (a string would be its letters).
+        ``None``), ``choices`` is not a tuple or list (a string would be its letters), or a choice is not ``None``, a
+        bool, a number or a string (NumPy scalars are kept as Python ones).
     :raises ValueError: An empty ``name``, an unknown ``kind``, no choices, a bound that is negative or not finite,
-        ``low >= high``, or ``low = 0`` in a log-uniform range.
+        ``low >= high``, ``low = 0`` in a log-uniform range, or an argument the kind ignores (bounds of a choice,
+        choices of a float range).
 
     Example:
         >>> lr = SearchParameter("lr", "log_uniform", 3e-4, 1e-2)
@@ -113,12 +117,23 @@ class SearchParameter:
         where = f"SearchParameter {self.name!r}"
         check_choice("kind", self.kind, KINDS, where=where)
         if self.kind == "choice":
+            if self.low is not None or self.high is not None:  # they would be ignored
+                raise ValueError(f"{where}: a choice takes no low or high, got [{self.low}, {self.high}]")
             if not isinstance(self.choices, (tuple, list)):
                 raise InputTypeError(f"{where}: expected choices to be a tuple or list of values, got {self.choices!r}")
             if not self.choices:
                 raise ValueError(f"{where}: expected choices, got none")
-            object.__setattr__(self, "choices", tuple(self.choices))
+            # NumPy scalars as Python ones (the studies' settings and the tuned files are JSON)
+            choices = tuple(choice.item() if isinstance(choice, np.generic) else choice for choice in self.choices)
+            wrong = [choice for choice in choices if choice is not None and not isinstance(choice, _CHOICE_TYPES)]
+            if wrong:  # Optuna stores a categorical's choices as JSON scalars
+                raise InputTypeError(
+                    f"{where}: expected choices to be None, bools, numbers or strings, got {wrong[0]!r}"
+                )
+            object.__setattr__(self, "choices", choices)
             return
+        if self.choices != ():  # they would be ignored
+            raise ValueError(f"{where}: a {self.kind} range takes no choices, got {self.choices!r}")
         for label in ("low", "high"):  # NumPy numbers as Python ones (an integer stays one: describe's JSON)
             value = getattr(self, label)
             check_float(label, value, 0.0, where=where)

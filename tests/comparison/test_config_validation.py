@@ -86,3 +86,19 @@ def test_full_with_seeds_trains_those_seeds_for_every_row() -> None:
     assert config.primary_seeds == () and {config.row_seeds(row) for row in config.attentions} == {(5,)}
     config = CompareConfig.full(seeds=(10, 11), primary_seeds=(12,))  # both given: both kept
     assert config.row_seeds("softmax") == (10, 11, 12) and config.row_seeds("primal") == (10, 11)
+
+
+def test_numpy_floats_are_stored_as_python_floats_and_a_row_name_gives_its_hyperparameters() -> None:
+    # np.float32 beta, ksvd_weight and mc_dropout were kept: the run settings' JSON raised "Object of type float32 is
+    # not JSON serializable"; hyperparameters("pointer", "softmax") raised "'str' object has no attribute 'predictive'"
+    from gpattn.comparison.runner import result_settings
+    from gpattn.methods import get_method
+
+    names = ("lr", "beta", "ksvd_weight", "mc_dropout")
+    config = CompareConfig(**POINTER, **{name: np.float32(0.25) for name in names})
+    assert all(type(getattr(config, name)) is float and getattr(config, name) == 0.25 for name in names)
+    assert {name: result_settings(config)[name] for name in names} == dict.fromkeys(names, 0.25)
+    assert config.hyperparameters("pointer", "softmax_mc_dropout") == config.hyperparameters(
+        "pointer", get_method("softmax_mc_dropout")
+    )
+    assert config.hyperparameters("pointer", "softmax_mc_dropout").dropout == 0.25

@@ -157,3 +157,9 @@ def test_test_size_keeps_the_first_test_sequences(task):
         assert all(len(dataset) == min(50, len(full.ood[name])) for name, dataset in small.ood.items())
     with pytest.raises(ValueError, match="test_size"):
         load_task(task, test_size=0)
+
+
+def test_a_numpy_seed_is_stored_as_a_python_int():
+    # load_task("pointer", np.int64(3)).seed stayed a NumPy integer (TaskData.seed reaches the records)
+    task = load_task("pointer", np.int64(3), np.int64(4))
+    assert type(task.seed) is int and task.seed == 3 and len(task.test) == 4

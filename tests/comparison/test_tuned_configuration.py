@@ -132,7 +132,10 @@ def test_a_run_trains_with_the_tuned_configuration(tmp_path):
         (json.dumps({"format": 2, "task": "digits", "rows": {}}), "expected format 1"),
         (json.dumps({"format": 1, "task": "mnist1d", "rows": {}}), "of the task 'digits', got 'mnist1d'"),
         (json.dumps({"format": 1, "task": "digits", "rows": {"nope": {}}}), "unknown row 'nope'; expected rows of"),
-        ("ENTRY:" + json.dumps({**_entry().to_dict(), "trials": -1}), "trials to be a non-negative integer"),
+        ("ENTRY:" + json.dumps({**_entry().to_dict(), "trials": -1}), "trials to be a positive integer"),
+        ("ENTRY:" + json.dumps({**_entry().to_dict(), "trials": 0}), "trials to be a positive integer"),
+        (json.dumps({"format": True, "task": "digits", "rows": {}}), "expected format 1, got True"),
+        (json.dumps({"format": 1.0, "task": "digits", "rows": {}}), "expected format 1, got 1.0"),
         ("ENTRY:" + json.dumps({**_entry().to_dict(), "best_val_nll": None}), "best_val_nll to be a finite number"),
         ("ENTRY:" + json.dumps({**_entry().to_dict(), "extra": 1}), "expected an entry with the keys"),
         ("HP:" + json.dumps({"learning_rate": 0.1}), r"unknown hyperparameters \['learning_rate'\]"),
@@ -191,3 +194,19 @@ def test_resume_refuses_a_run_trained_before_its_tuned_configuration_changed(tmp
     changed = CompareConfig(**settings)  # a later gpattn compare --resume reads the tuned file again
     with pytest.raises(ValueError, match=r"pointer-softmax-0\.json was trained with other hyperparameters \(lr: "):
         run_comparison(changed, out=out, resume=True)
+
+
+def test_rows_with_different_budgets_are_neither_written_together_nor_read(tmp_path):
+    # write_tuned compared the written rows with the kept ones only: two new rows of 20 and 3 trials made one file,
+    # and a file mixing budgets (hand-edited, merged) was read and applied by compare as one tuning
+    fewer = dataclasses.replace(_entry(), trials=3)
+    with pytest.raises(ValueError, match=r"the row 'softmax' is tuned with another budget than the row 'kep_svgp' "
+                       r"beside it: trials 20 \(theirs 3\)"):  # fmt: skip
+        write_tuned("digits", {"softmax": _entry(), "kep_svgp": fewer}, tmp_path)
+    assert not tuned_path("digits", tmp_path).exists()
+    rows = {"softmax": _entry().to_dict(), "kep_svgp": fewer.to_dict()}
+    tuned_path("digits", tmp_path).write_text(json.dumps({"format": 1, "task": "digits", "rows": rows}))
+    with pytest.raises(ValueError, match=r"digits\.json: the row 'softmax' is tuned with another budget"):
+        CompareConfig(attentions=("softmax",), tasks=("digits",), tuned_dir=str(tmp_path))
+    write_tuned("digits", {"softmax": fewer, "kep_svgp": fewer}, tmp_path / "same")  # one budget: written
+    assert {entry.trials for entry in read_tuned("digits", tmp_path / "same").values()} == {3}

@@ -10,10 +10,12 @@ import dataclasses
 import json
 import math
 import re
+import signal
 import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import optuna
 import pytest
 import torch
@@ -23,7 +25,7 @@ from gpattn.comparison import load_task
 from gpattn.comparison import tuning as tuning_module
 from gpattn.comparison.environment import code_label, code_version
 from gpattn.comparison.sealed_split import SealedSplit, tuning_data
-from gpattn.comparison.studies import TrialsFromOtherCodeWarning
+from gpattn.comparison.studies import StudyLock, TrialsFromOtherCodeWarning, open_storage, prepare_study
 from gpattn.comparison.tune_config import TuneConfig
 from gpattn.comparison.tuning import TuningInterrupted, run_trial, study_name, tune
 from gpattn.comparison.tuning_space import (
@@ -35,6 +37,7 @@ from gpattn.comparison.tuning_space import (
 )
 from gpattn.methods import get_method
 from gpattn.models import Transformer
+from gpattn.validation import InputTypeError
 
 ROWS = ("softmax", "kep_svgp")
 TINY = dict(tasks=("pointer",), rows=ROWS, trials=3, pointer_epochs=1, patience=1, eval_samples=2, progress=False)
@@ -270,3 +273,58 @@ def test_mnist1d_trials_use_the_tuning_seeds_validation_split_and_the_tasks_defa
     tuning_module.check_search_space(config, "mnist1d", data)  # every row's layer in every architecture
     hyperparameters = config.trial_hyperparameters("mnist1d", get_method("kep_svgp"), {"lr": 1e-3}, data.defaults)
     assert (hyperparameters.num_inducing, hyperparameters.epochs, hyperparameters.patience) == (5, 60, 15)
+
+
+# -- settings of the wrong type ----------------------------------------------------------------------------------------
+def test_numpy_integer_settings_are_stored_as_python_ints():
+    # np.int64 trials reached the study's settings: tune raised "Object of type int64 is not JSON serializable" after
+    # creating the study, which every later run then refused ("has no gpattn tune settings")
+    names = ("trials", "seed", "pointer_epochs", "patience", "eval_samples", "threads", "jobs")
+    config = TuneConfig(**{**TINY, **{name: np.int64(value) for name, value in (*TINY.items(), ("seed", 101))
+                                      if name in names}})  # fmt: skip
+    assert all(type(getattr(config, name)) is int for name in names)
+    assert json.loads(json.dumps(config.budget("pointer"))) == {
+        "trials": 3, "tuning_seed": 101, "epochs": 1, "patience": 1, "eval_samples": 2,
+    }  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("settings", "message"),
+    [
+        ({"tasks": "pointer"}, "expected tasks to be a sequence of names, got the string 'pointer'"),
+        ({"rows": "softmax"}, "expected rows to be a sequence of names, got the string 'softmax'"),
+        ({"rows": None}, "expected rows to be a sequence of names, got None"),
+        ({"progress": "no"}, "expected progress to be a bool"),
+    ],
+)
+def test_tune_config_refuses_a_bare_string_or_a_non_bool_by_name(settings, message):
+    # tasks="pointer" was the tasks 'p', 'o', ... ("expected tasks to be one of [...], got 'p'"); rows=None a bare
+    # "'NoneType' object is not iterable"
+    with pytest.raises(InputTypeError, match=rf"TuneConfig: {message}"):
+        TuneConfig(**{**TINY, **settings})
+
+
+def test_a_study_is_not_made_with_settings_that_are_not_json(tmp_path):
+    url = f"sqlite:///{tmp_path / 'study.db'}"
+    storage, lock = open_storage(url), StudyLock(url)
+    with pytest.raises(InputTypeError, match=r"prepare_study: expected the settings of 'pointer-softmax' to be JSON"):
+        prepare_study(storage, lock, "pointer-softmax", {"trials": 2, "seed": np.int64(100)}, False)
+    assert optuna.get_all_study_names(storage) == []  # nothing left that a later run would refuse
+
+
+def test_ctrl_c_while_a_study_is_made_waits_for_its_settings(tmp_path, monkeypatch):
+    # Ctrl-C between the queued trials and the settings left a study that every later run refused
+    url = f"sqlite:///{tmp_path / 'study.db'}"
+    storage, lock = open_storage(url), StudyLock(url)
+    enqueue = optuna.Study.enqueue_trial
+
+    def interrupted(study, *args, **kwargs):
+        enqueue(study, *args, **kwargs)
+        signal.raise_signal(signal.SIGINT)
+
+    monkeypatch.setattr(optuna.Study, "enqueue_trial", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        prepare_study(storage, lock, "pointer-softmax", {"trials": 2}, False)
+    study = optuna.load_study(study_name="pointer-softmax", storage=storage)
+    assert study.user_attrs["settings"] == {"trials": 2} and len(study.get_trials()) == 2
+    prepare_study(storage, lock, "pointer-softmax", {"trials": 2}, True)  # joined, not refused

@@ -84,6 +84,30 @@ def test_contains_takes_numpy_numbers_and_not_bools() -> None:
     assert switch.contains(True) and switch.contains(np.False_) and not switch.contains(1)
 
 
+@pytest.mark.parametrize(
+    ("arguments", "message"),
+    [
+        (dict(kind="choice", low=0.0, high=1.0, choices=(1, 2)), r"a choice takes no low or high, got \[0.0, 1.0\]"),
+        (dict(kind="uniform", low=0.0, high=1.0, choices=(1, 2)), r"a uniform range takes no choices, got \(1, 2\)"),
+    ],
+)
+def test_an_argument_the_kind_ignores_is_refused(arguments, message) -> None:
+    # both were accepted and ignored: a choice sampled its choices, a range its bounds, whatever else was given
+    with pytest.raises(ValueError, match=rf"SearchParameter 'x': {message}"):
+        SearchParameter("x", **arguments)
+
+
+def test_choices_are_json_scalars_and_numpy_ones_are_stored_as_python() -> None:
+    # NumPy choices reached describe() (the studies' JSON settings, the tuned files) as NumPy scalars
+    fraction = SearchParameter("kl_anneal_fraction", "choice", choices=(np.float64(0.25), np.int64(1), np.str_("a")))
+    assert fraction.describe() == {"choice": [0.25, 1, "a"]}
+    assert [type(choice) for choice in fraction.choices] == [float, int, str]
+    assert SearchParameter("x", "choice", choices=(None, True, "a")).choices == (None, True, "a")
+    with pytest.raises(InputTypeError, match=r"SearchParameter 'x': expected choices to be None, bools, numbers or "
+                       r"strings, got \(1, 2\)"):  # fmt: skip
+        SearchParameter("x", "choice", choices=((1, 2), 3))
+
+
 # -- the model arguments of a row --------------------------------------------------------------------------------------
 @pytest.fixture
 def registered():
