@@ -25,6 +25,7 @@ from urllib.parse import urlsplit
 
 import torch
 
+from ..validation import check_int
 from .local_executor import TaskFailedError, deterministic_cuda
 
 __all__ = ["CONNECT_TIMEOUT", "RayExecutor", "RayUnavailableError", "check_ray_address"]
@@ -158,7 +159,8 @@ class RayExecutor:
     :param device: ``"cpu"`` or ``"cuda"`` (Ray assigns the GPU: an index is refused).
     :param address: A Ray cluster (:func:`check_ray_address`), or ``None`` for a local instance.
     :raises RayUnavailableError: Ray is not installed, or nothing answers at ``address``.
-    :raises ValueError: A malformed address, or a device with an index.
+    :raises ValueError: A malformed address, or a device with an index; ``jobs`` or ``threads`` not a positive
+        integer (a bool, a float, zero), naming it.
     """
 
     def __init__(self, jobs: int = 1, threads: int = 1, device: str = "cpu", address: str | None = None) -> None:
@@ -168,7 +170,9 @@ class RayExecutor:
         self.ray = _import_ray()
         if address is not None:
             check_ray_address(address)
-        self.jobs, self.threads, self.device, self.address = jobs, threads, device, address
+        self.jobs = check_int("jobs", jobs, where="RayExecutor")
+        self.threads = check_int("threads", threads, where="RayExecutor")
+        self.device, self.address = device, address
         self._started = False
         self._remote: Any = None
         self._refs: dict[Any, Hashable] = {}
@@ -208,18 +212,32 @@ class RayExecutor:
     def next_result(self) -> tuple[Hashable, Any]:
         """Wait for a task to finish and return ``(key, result)``.
 
+        Of the tasks finished by then, those that returned come before one that failed: the caller keeps their
+        results before the failure stops it.
+
         :raises TaskFailedError: The task failed twice (the error it raised, or the death of its worker).
+        :raises RuntimeError: No task is pending.
         """
+        if not self._refs:
+            raise RuntimeError("RayExecutor.next_result: no task is pending (submit one first)")
         ray = self.ray
-        [ref], _ = ray.wait(list(self._refs), num_returns=1)
+        ray.wait(list(self._refs), num_returns=1)
+        finished, _ = ray.wait(list(self._refs), num_returns=len(self._refs), timeout=0)
+        failure = None
+        for ref in finished:
+            try:
+                result = ray.get(ref)
+            except ray.exceptions.RayError as error:
+                failure = failure or (ref, error)
+                continue
+            return self._refs.pop(ref), result
+        ref, error = failure
         key = self._refs.pop(ref)
-        try:
-            return key, ray.get(ref)
-        except ray.exceptions.RayTaskError as error:
+        if isinstance(error, ray.exceptions.RayTaskError):
             cause = error.cause if isinstance(error.cause, BaseException) else error
             raise TaskFailedError(key, cause) from None
-        except ray.exceptions.RayError as error:  # the worker died (twice), the node was lost, ...
-            raise TaskFailedError(key, RuntimeError(" ".join(str(error).split()))) from None
+        # the worker died (twice), the node was lost, ...
+        raise TaskFailedError(key, RuntimeError(" ".join(str(error).split()))) from None
 
     def __exit__(self, exc_type: Any, *exc_info: Any) -> None:
         refs, self._refs = list(self._refs), {}

@@ -17,6 +17,7 @@ import pytest
 
 from gpattn.cli import main
 from gpattn.comparison import CompareConfig
+from gpattn.comparison.local_executor import TaskFailedError
 from gpattn.comparison.ray_executor import RayExecutor, RayUnavailableError, check_ray_address
 from gpattn.comparison.runner import RunFailedError, RunsInterrupted, run_comparison, run_name
 
@@ -116,6 +117,27 @@ def test_a_task_failing_twice_is_named_and_the_finished_runs_are_kept(tmp_path):
         run_comparison(SMALL, out=out, executor=_Wrapped(fail, jobs=2))
     assert attempts.read_text().count("attempt") == 2  # retried once
     assert sorted(path.name for path in (out / "runs").glob("*.json")) == ["pointer-softmax-0.json"]
+
+
+def _fail(message):
+    raise ValueError(message)
+
+
+def test_a_task_that_returned_comes_before_a_failure_beside_it():
+    """Tasks finished together: the one that returned is handed back before the failure (which stops the
+    comparison), so its record is written; ``jobs`` and ``threads`` are checked when the executor is made."""
+    with RayExecutor(jobs=2) as executor:
+        executor.submit("bad", _fail, "boom")  # first in the list that ray.wait answers in order
+        executor.submit("good", abs, -2)
+        ray.wait(list(executor._refs), num_returns=2)  # both finished (the failure retried once)
+        assert executor.next_result() == ("good", 2)
+        with pytest.raises(TaskFailedError, match="bad: boom"):
+            executor.next_result()
+        with pytest.raises(RuntimeError, match="no task is pending"):
+            executor.next_result()
+    for arguments in ({"jobs": 0}, {"jobs": True}, {"threads": 1.5}):
+        with pytest.raises(ValueError, match=next(iter(arguments))):
+            RayExecutor(**arguments)
 
 
 class _InterruptedAfter(_Wrapped):
