@@ -21,9 +21,10 @@ import torch
 from torch import Tensor
 
 from .. import metrics
+from ..metrics.calibration import _check_inputs
 from ..models import LastLayerLaplace, fit_temperature, monte_carlo_logits
 from ..training import dataset_inputs, dataset_labels, validation_metrics
-from ..validation import check_int
+from ..validation import InputTypeError, check_int
 from .records import (
     ClassificationMetrics,
     OODMetrics,
@@ -63,11 +64,13 @@ def classification_metrics(
     over ``num_bins`` equal-width bins (top-label ECE/MCE and the classwise ECE,
     :func:`~gpattn.metrics.expected_calibration_error`), the debiased top-label calibration error on ``num_bins``
     equal-mass bins (:func:`~gpattn.metrics.debiased_calibration_error`) and the top-label sweep ECE
-    (:func:`~gpattn.metrics.sweep_calibration_error`)."""
+    (:func:`~gpattn.metrics.sweep_calibration_error`). ``probabilities`` and ``labels`` are tensors or NumPy arrays,
+    checked as every metric checks them; the mean confidence is computed in float64, as the metrics."""
     accuracy, nll = validation_metrics(probabilities, labels)
+    array, _ = _check_inputs(probabilities, labels)  # float64, whatever the input's dtype
     return ClassificationMetrics(
         accuracy=accuracy,
-        confidence=float(probabilities.max(dim=-1).values.mean()),
+        confidence=float(array.max(axis=1).mean()),
         nll=nll,
         ece=metrics.expected_calibration_error(probabilities, labels, num_bins),
         mce=metrics.maximum_calibration_error(probabilities, labels, num_bins),
@@ -86,9 +89,12 @@ def per_example_predictions(probabilities: Tensor, labels: Tensor) -> dict[str, 
     """The prediction on every example (:attr:`~gpattn.comparison.RunRecord.per_example`): ``"test_nll"``
     (:math:`-\\log \\max(P_{i y_i}, \\epsilon)`, whose mean is :func:`~gpattn.metrics.negative_log_likelihood`),
     ``"test_correct"`` (1.0 where the first top class is the label) and ``"test_confidence"`` (the top probability),
-    one float each per row of ``probabilities`` ``(n, C)``, in order."""
-    array = probabilities.detach().cpu().double().numpy()
-    targets = labels.cpu().numpy()
+    one float each per row of ``probabilities`` ``(n, C)``, in order.
+
+    ``probabilities`` and ``labels`` (tensors or NumPy arrays) are checked as every metric checks them (rows summing
+    to one, integer labels in ``[0, C)``), so that the values are those whose means are the metrics.
+    """
+    array, targets = _check_inputs(probabilities, labels)
     true_class = array[np.arange(targets.shape[0]), targets]
     return {
         "test_nll": (-np.log(np.maximum(true_class, NLL_FLOOR))).tolist(),
@@ -150,6 +156,12 @@ def ensemble_logits(
     models = list(models)
     if not models:
         raise ValueError("expected at least one model in the ensemble, got none")
+    for index, model in enumerate(models):
+        if not isinstance(model, torch.nn.Module):
+            raise InputTypeError(
+                f"ensemble_logits: expected every member to be a torch.nn.Module, got {type(model).__name__} "
+                f"{model!r} as member {index}"
+            )
     check_int("batch_size", batch_size)
     inputs, mask = dataset_inputs(dataset)
     outputs = []
@@ -279,6 +291,8 @@ def evaluate_models(
         :func:`~gpattn.models.fit_temperature`'s bounds (the validation NLL still falling, e.g. a validation split
         classified perfectly) is kept without its warning: the comparison's ``temperature`` column shows it.
     """
+    if isinstance(models, (str, bytes)):  # a sequence of its characters
+        raise InputTypeError(f"evaluate_models: expected a model or a list of models, got the string {models!r}")
     members = [models] if isinstance(models, torch.nn.Module) else list(models)
     check_int("num_bins", num_bins, where="evaluate_models")
     sets = {"test": data.test}

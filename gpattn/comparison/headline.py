@@ -21,7 +21,14 @@ from .endpoints import (
 )
 from .records import RunRecord
 from .statistics import PairedDifference, hierarchical_difference, holm_adjusted, paired_difference, paired_p_value
-from .table_rows import flat_rows, group_rows, missing_reason, split_ensemble_row, with_temperature_scaled
+from .table_rows import (
+    flat_rows,
+    group_rows,
+    markdown_cell,
+    missing_reason,
+    split_ensemble_row,
+    with_temperature_scaled,
+)
 
 __all__ = [
     "FAMILY_WISE_LEVEL",
@@ -104,6 +111,10 @@ def _missing(rows: list[dict], endpoint: Endpoint, values: tuple[dict, dict], no
     )
 
 
+def _seed_list(values: dict[int, float]) -> str:
+    return ", ".join(map(str, sorted(values)))
+
+
 def estimate_endpoint(
     records: list[RunRecord], endpoint: Endpoint, *, hierarchical: bool = True, num_resamples: int = 10000
 ) -> EndpointEstimate:
@@ -126,6 +137,12 @@ def estimate_endpoint(
     if not reference or not other:
         return EndpointEstimate(endpoint, math.nan, 0, missing=_missing(rows, endpoint, (reference, other), note))
     mean = math.fsum(reference[seed] - other[seed] for seed in seeds) / len(seeds) if seeds else math.nan
+    if not seeds:  # both rows ran, on other seeds: nothing to pair
+        reason = (
+            f"{endpoint.reference} and {endpoint.other} share no seed on {endpoint.task} (seeds "
+            f"{_seed_list(reference)} and {_seed_list(other)}): nothing to pair"
+        )
+        return EndpointEstimate(endpoint, mean, 0, note=note, missing=reason)
     if len(seeds) < MIN_SEEDS_FOR_INTERVALS:  # no interval, hence no test (p stays NaN)
         reason = f"{len(seeds)} paired seed(s), fewer than {MIN_SEEDS_FOR_INTERVALS}: no interval"
         return EndpointEstimate(endpoint, mean, len(seeds), note=note, missing=reason, seeds=tuple(seeds))
@@ -249,7 +266,7 @@ def _secondary_rows(estimates: list[EndpointEstimate], tested: bool) -> list[str
         if tested:
             stated = "n/a" if math.isnan(estimate.holm) else ("yes" if estimate.holm <= FAMILY_WISE_LEVEL else "no")
             cells += [_p(estimate.p_value), _p(estimate.holm), stated]
-        lines.append("| " + " | ".join(cells) + " |")
+        lines.append("| " + " | ".join(map(markdown_cell, cells)) + " |")
     return lines
 
 
@@ -372,7 +389,8 @@ def headline_text(
         for estimate in estimates:
             interval = _interval(estimate, estimate.t) if estimate.t is not None else f"n/a: {estimate.missing}"
             lines.append(
-                f"| {estimate.endpoint.task} | {_value(estimate, estimate.mean)} | {interval} | {estimate.n} |"
+                f"| {markdown_cell(estimate.endpoint.task)} | {_value(estimate, estimate.mean)} | "
+                f"{markdown_cell(interval)} | {estimate.n} |"
             )
         lines.append("")
     return "\n".join(lines)

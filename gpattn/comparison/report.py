@@ -28,6 +28,7 @@ from .table_rows import (
     ensemble_row,
     flat_rows,
     group_rows,
+    markdown_cell,
     missing_reason,
     ood_sets,
     pooled_ood_set,
@@ -147,7 +148,7 @@ def _cell(group: list[dict[str, Any]], column: str, percent: bool) -> str:
 
 
 def _row(cells: list[str]) -> str:
-    return "| " + " | ".join(cells) + " |"
+    return "| " + " | ".join(map(markdown_cell, cells)) + " |"
 
 
 def _table(header: list[str], rows: list[list[str]]) -> list[str]:

@@ -242,16 +242,22 @@ _SHOWN = (
 def _hyperparameters_text(row: str, values: list[dict]) -> str:
     # a row's hyperparameters as the records hold them, one description when every seed used the same ones; the row
     # parameters (beta, eta, s, annealing) only for a row whose layer or objective uses them (a row that wraps models of
-    # a tuned row, Deep Ensembles or the Laplace row, those of that row)
+    # a tuned row, Deep Ensembles or the Laplace row, those of that row); a row this process does not know (an
+    # attention registered by the process that ran it, or a row of another gpattn) with every recorded one
     if not values or not values[0]:
         return "hyperparameters not recorded (older records)"
     if any(value != values[0] for value in values):
         return "hyperparameters differ between seeds"
     value = values[0]
     row = split_ensemble_row(row)[0]  # an ensemble of --ensemble K: its members are the row's models
-    arguments = get_method(row).layer_arguments(num_inducing=1, ksvd_weight=1.0)
+    try:
+        method = get_method(row)
+    except ValueError:  # not a row of this process: no layer to ask which parameters it uses
+        method = None
+    settings = {"num_inducing": 1, "ksvd_weight": 1.0}
+    arguments = settings if method is None else method.layer_arguments(**settings)
     uses = {"num_inducing": "num_inducing" in arguments, "ksvd_weight": "ksvd_weight" in arguments}
-    source = row if row in TUNED_ROWS else get_method(row).attention
+    source = row if row in TUNED_ROWS or method is None else method.attention
     if source in TUNED_ROWS:  # the rows whose objective has a KL term are the ones the search gives a beta
         searched = {parameter.name for parameter in search_space(source, 1)}
         uses.update(beta="beta" in searched, kl_anneal_fraction="kl_anneal_fraction" in searched)

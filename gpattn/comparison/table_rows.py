@@ -24,6 +24,7 @@ __all__ = [
     "ensemble_row",
     "flat_rows",
     "group_rows",
+    "markdown_cell",
     "missing_reason",
     "ood_sets",
     "pooled_ood_set",
@@ -42,6 +43,17 @@ POOLED = "pooled"
 #: ``"<row>_ens<K>"``.
 ENSEMBLE_SUFFIX = "_ens"
 _ENSEMBLE_NAME = re.compile(rf"^(?P<row>.+){ENSEMBLE_SUFFIX}(?P<size>[1-9][0-9]*)$")
+
+
+def markdown_cell(text: str) -> str:
+    r"""``text`` as the content of a markdown table cell: every ``|`` escaped (``\|``), so that a name holding one
+    (a registered attention may be named ``"a|b"``) stays one cell instead of splitting the row. O(len(text)).
+
+    Example:
+        >>> markdown_cell("a|b")
+        'a\\|b'
+    """
+    return text.replace("|", "\\|")
 
 
 def ensemble_row(row: str, size: int) -> str:

@@ -33,7 +33,7 @@ from __future__ import annotations
 import numpy as np
 from torch import Tensor
 
-from ..validation import check_choice, check_int
+from ..validation import InputTypeError, check_choice, check_int
 from .calibration import CALIBRATION_KINDS, _check_inputs, _confidence_and_correctness
 
 __all__ = ["debiased_calibration_error", "equal_mass_bin_indices", "sweep_calibration_error"]
@@ -103,12 +103,14 @@ def debiased_calibration_error(
     :param num_bins: :math:`B \geq 1` equal-mass bins (15 by default).
     :param kind: ``"top_label"`` or ``"classwise"``.
     :param squared: Return the (possibly negative) squared estimate :math:`\widehat{\mathrm{CE}}^2` instead of
-        :math:`\sqrt{\max(\widehat{\mathrm{CE}}^2, 0)}`.
+        :math:`\sqrt{\max(\widehat{\mathrm{CE}}^2, 0)}` (a Python or NumPy bool).
     :return: A float (a fraction; the squared estimate lies in :math:`[-1, 1]`).
 
     .. note:: Cost O(n log n) per binary problem (a sort).
     """
     num_bins = check_int("num_bins", num_bins)  # Python and NumPy integers, not bools
+    if not isinstance(squared, (bool, np.bool_)):  # a string such as "False" would read as true
+        raise InputTypeError(f"debiased_calibration_error: expected squared to be a bool, got {squared!r}")
     estimates = []
     for scores, outcomes in _outcomes(probs, labels, kind):
         count, mean_score, mean_outcome = _binned(scores, outcomes, equal_mass_bin_indices(scores, num_bins))
@@ -138,15 +140,15 @@ def sweep_calibration_error(
     :param probs: Predicted probabilities, shape ``(n, C)``.
     :param labels: Integer labels, shape ``(n,)``.
     :param kind: ``"top_label"`` or ``"classwise"``.
-    :param power: :math:`p \in \{1, 2\}` (1: the ECE).
+    :param power: :math:`p \in \{1, 2\}` (1: the ECE; a Python or NumPy integer, not a bool).
     :return: A fraction in :math:`[0, 1]`.
 
     .. note:: Cost O(n log n) per binary problem for one sort, then O(B log n) per number of bins tried (from
         cumulative sums), O(n log n) in all when the outcomes are monotone in the scores (then every binning is, and
         :math:`B^\star` is the largest: no search).
     """
-    if power not in (1, 2):
-        raise ValueError(f"expected power 1 or 2, got {power!r}")
+    # a Python int (a NumPy integer would make the result a NumPy float); True, equal to 1, is no power
+    power = check_int("power", power, minimum=1, maximum=2, where="sweep_calibration_error")
     errors = []
     for scores, outcomes in _outcomes(probs, labels, kind):
         count, mean_score, mean_outcome = _sweep_bins(scores, outcomes)

@@ -53,7 +53,7 @@ def _as_samples(
     input's dtype) and return them as float64. ``at_least_two`` requires :math:`T \geq 2` (a score that needs the
     samples to vary: the mutual information of one sample is 0 for every input); ``where`` names the caller."""
     if not isinstance(samples, (Tensor, np.ndarray)):
-        samples = np.asarray(samples, dtype=np.float64)
+        samples = np.asarray(samples)  # its own dtype, checked as the other metrics': bools and strings refused
     if samples.ndim != 3 or min(samples.shape) < 1:
         raise ValueError(
             f"expected {name} of shape (T, n, C) (Monte Carlo samples of class probabilities), got shape "

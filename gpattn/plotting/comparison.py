@@ -13,6 +13,7 @@ figures.
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
@@ -377,8 +378,16 @@ def write_comparison_figures(records: list[RunRecord], out_dir: str | Path) -> l
     :param records: The comparison records.
     :param out_dir: Output directory (created if missing).
     :return: The paths written, in that order.
+    :raises ValueError: A task name that cannot be part of a file name (a path separator, e.g. ``"a/b"`` from an
+        edited ``results.json``), before anything is written.
     """
     records = validate(records)
+    for task in unique(r.task for r in records):  # a task names files, which a separator would put in a folder
+        if any(character in task for character in {"/", os.sep, "\0"}):
+            raise ValueError(
+                f"write_comparison_figures: the task name {task!r} of the records cannot be part of a file name "
+                "(it holds a path separator)"
+            )
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     jobs = []

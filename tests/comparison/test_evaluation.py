@@ -77,6 +77,33 @@ def test_per_example_predictions_average_to_the_metrics():
     np.testing.assert_array_equal(examples["test_nll"][1:], -np.log(p[np.arange(1, 300), labels.numpy()[1:]]))
 
 
+def test_per_example_predictions_check_their_inputs_as_the_metrics():
+    probabilities = torch.tensor([[0.7, 0.2, 0.1], [0.1, 0.3, 0.6]], dtype=torch.float64)
+    # a negative label indexed the last classes (NumPy's negative indices): NLLs of another class, no error
+    with pytest.raises(ValueError, match=r"expected labels in \[0, C - 1\] = \[0, 2\], got values in \[-1, 0\]"):
+        per_example_predictions(probabilities, torch.tensor([0, -1]))
+    with pytest.raises(ValueError, match="expected each row of probs to sum to 1"):  # logits-like scores were read
+        per_example_predictions(probabilities / 2, torch.tensor([0, 2]))
+    with pytest.raises(ValueError, match=r"expected labels of shape \(n,\) = \(2,\), got shape \(1,\)"):
+        per_example_predictions(probabilities, torch.tensor([0]))
+    # NumPy inputs, as the metrics take them
+    examples = per_example_predictions(probabilities.numpy(), np.array([0, 2]))
+    assert examples["test_nll"] == pytest.approx([-np.log(0.7), -np.log(0.6)], rel=1e-15)
+    assert examples["test_correct"] == [1.0, 1.0] and examples["test_confidence"] == [0.7, 0.6]
+
+
+def test_classification_metrics_take_numpy_and_average_the_confidence_in_float64():
+    generator = torch.Generator().manual_seed(2)
+    probabilities = torch.softmax(torch.randn(500, 4, generator=generator, dtype=torch.float64), dim=-1)
+    labels = torch.randint(0, 4, (500,), generator=generator)
+    half = probabilities.half()
+    expected = half.double().max(dim=-1).values.mean().item()  # the mean of the stored float16 values, in float64
+    assert classification_metrics(half, labels).confidence == pytest.approx(expected, abs=1e-12)
+    result = classification_metrics(probabilities.numpy(), labels.numpy())  # was: a TypeError of torch's max(dim=)
+    assert result == classification_metrics(probabilities, labels)
+    assert result.confidence == pytest.approx(probabilities.numpy().max(1).mean(), rel=1e-15)
+
+
 # -- a run's metrics -------------------------------------------------------------------------------------------------
 def test_evaluate_run_on_digits(digits):
     members = [_digits_model(0), _digits_model(1)]
@@ -312,6 +339,15 @@ def test_a_laplace_member_predicts_by_its_glm_samples(digits, trained):
     assert evaluation.metrics.test.accuracy == pytest.approx(  # the samples scatter around the trained logits
         metrics.accuracy(mean.softmax(-1), digits.test.labels), abs=0.03
     )
+
+
+def test_members_that_are_not_models_are_named(digits):
+    # an AttributeError ("'str' object has no attribute 'parameters'") from inside the loop over the members
+    with pytest.raises(TypeError, match=r"ensemble_logits: expected every member to be a torch.nn.Module, got str "
+                                        r"'softmax' as member 1"):  # fmt: skip
+        ensemble_logits([_digits_model(0), "softmax"], digits.test)
+    with pytest.raises(TypeError, match="evaluate_models: expected a model or a list of models, got the string 'kep'"):
+        evaluate_models("kep", digits, num_samples=1)  # was read as the members "k", "e", "p"
 
 
 def test_ensemble_logits_give_the_ensemble_probabilities(digits):

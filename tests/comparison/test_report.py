@@ -10,6 +10,7 @@ import dataclasses
 import json
 import math
 import os
+import re
 import statistics
 
 import numpy as np
@@ -193,6 +194,23 @@ def test_missing_values_say_why(records) -> None:
     ece = [100 * r.metrics.test.ece for r in bare[:2]]
     assert cells["ECE"] == f"{statistics.fmean(ece):.2f} ± {statistics.stdev(ece):.2f} (n=2)"
     assert " |  |" not in markdown_table(bare) and "| - |" not in markdown_table(bare)  # never a silent blank
+
+
+def test_a_row_name_with_a_bar_stays_one_cell(records) -> None:
+    # register_attention takes any name without whitespace: "a|b" split its row into one cell more than the header
+    barred = [dataclasses.replace(r, attention="my|row") for r in records[:2]]
+    table = markdown_table(records[:2] + barred)
+    section = table.split("### mnist1d\n\n")[1].split("\n\n")  # its tables and their titles
+    tables = [block.splitlines() for block in section if block.startswith("|")]
+    for lines in tables:  # every row of every table has as many cells as its header
+        assert [len(re.split(r"(?<!\\)\|", line)) for line in lines] == [lines[0].count("|") + 1] * len(lines)
+    lines = [line for lines in tables for line in lines]
+    assert any(line.startswith(r"| my\|row | 2 | ") for line in lines)
+    assert any(line.startswith(r"| my\|row+ts | 2 | ") for line in lines)
+    # the headline's table of the other tasks names the task in a cell
+    other = [dataclasses.replace(r, task="a|b") for r in records if r.task == "mnist1d" and r.seed < 2]
+    headline = headline_text(other + records[:2], num_resamples=10)
+    assert r"| a\|b | " in headline
 
 
 def test_temperature_at_its_bound_is_noted(records) -> None:
@@ -403,6 +421,19 @@ def test_a_row_that_wraps_softmax_models_is_described_as_softmax() -> None:
     assert _hyperparameters_text("softmax", default_s) == softmax
 
 
+def test_the_page_describes_a_row_this_process_does_not_know(records, tmp_path) -> None:
+    # a row of an attention that the run's process registered (register_attention) is unknown to `gpattn report`:
+    # the whole page failed with get_method's "unknown comparison row"; it shows every recorded hyperparameter
+    values = [dict(embed_dim=32, depth=4, num_heads=2, epochs=60, lr=0.0049, beta=1.0, ksvd_weight=1.0, dropout=0.16)]
+    assert _hyperparameters_text("my_attention", values) == (
+        "width 32 x depth 4 x 2 heads, at most 60 epochs, lr 0.0049, dropout 0.16, KL weight beta 1, KSVD weight eta 1"
+    )
+    custom = [dataclasses.replace(r, attention="my_attention_ens2") for r in records[:2]]
+    write_outputs(records[:2] + custom, CompareConfig(seeds=(0, 1)), tmp_path)
+    page = results_page(read_run_folders([tmp_path]), [])
+    assert "    * my_attention_ens2: at most 60 epochs, lr 0.003, s = the layer's default" in page
+
+
 def test_the_page_names_the_rows_whose_temperature_raised_the_test_nll(records, tmp_path) -> None:
     assert _temperature_caveat(records) == []  # every +ts row of the fixture lowers the NLL (x 0.9)
 
@@ -595,6 +626,21 @@ def test_a_primary_estimate_on_fewer_seeds_than_declared_says_it_is_a_subset() -
     note = "7 paired seeds, fewer than the 10 the endpoint is declared on"
     assert note in headline_text(_records(seeds=7), num_resamples=200)
     assert "fewer than the 10 the endpoint is declared on" not in headline_text(_records(), num_resamples=200)
+
+
+def test_rows_that_share_no_seed_say_so(records) -> None:
+    # kep_svgp on seeds 0-1, softmax on 2-3: the verdict read "0 paired seed(s), fewer than 5", as if too few seeds ran
+    kept = [
+        r
+        for r in records
+        if r.task == "mnist1d"
+        and (r.seed, r.attention) in {(0, "kep_svgp"), (1, "kep_svgp"), (2, "softmax"), (3, "softmax")}
+    ]
+    estimate = estimate_endpoint(kept, PRIMARY_ENDPOINT)
+    assert estimate.n == 0 and math.isnan(estimate.mean) and estimate.t is None
+    reason = "kep_svgp+ts and softmax+ts share no seed on mnist1d (seeds 0, 1 and 2, 3): nothing to pair"
+    assert estimate.missing == reason and verdict(estimate) == ("missing", f"Not measured: {reason}.")
+    assert "n/a: kep_svgp and softmax share no seed on mnist1d (seeds 0, 1 and 2, 3)" in headline_text(kept)
 
 
 def test_two_executions_of_one_run_merge_but_other_numbers_do_not(records, tmp_path) -> None:

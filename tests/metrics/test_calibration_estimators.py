@@ -202,6 +202,25 @@ def test_numpy_and_torch_inputs_agree_and_bad_inputs_raise() -> None:
         debiased_calibration_error(probs * 0.5, labels)
 
 
+def test_the_power_and_squared_arguments_are_checked_and_give_plain_floats() -> None:
+    probs, labels = _random_predictions(3, 200, 4)
+    confidence, correct = probs.max(1), (probs.argmax(1) == labels).astype(float)
+    squared_sweep = _sweep_by_brute_force(confidence, correct, 2)
+    got = sweep_calibration_error(probs, labels, power=np.int64(2))  # a NumPy integer: was a numpy.float64
+    assert type(got) is float and got == pytest.approx(squared_sweep**0.5, rel=1e-12)
+    with pytest.raises(
+        TypeError, match=r"sweep_calibration_error: expected power to be an integer in \[1, 2\], got True"
+    ):
+        sweep_calibration_error(probs, labels, power=True)  # was read as power 1
+    with pytest.raises(TypeError, match="power to be an integer in .1, 2., got 2.0"):
+        sweep_calibration_error(probs, labels, power=2.0)
+    squared = debiased_calibration_error(probs, labels, squared=True)
+    assert debiased_calibration_error(probs, labels, squared=np.bool_(True)) == squared
+    assert debiased_calibration_error(probs, labels) == pytest.approx(max(squared, 0.0) ** 0.5, rel=1e-15)
+    with pytest.raises(TypeError, match="debiased_calibration_error: expected squared to be a bool, got 'False'"):
+        debiased_calibration_error(probs, labels, squared="False")  # was read as true: the squared estimate
+
+
 @pytest.mark.parametrize(
     ("scores", "num_bins", "error", "message"),
     [

@@ -78,6 +78,19 @@ def test_bad_samples_raise() -> None:
         ood_auroc_mutual_information(torch.ones(2, 4, 3) / 3, torch.ones(2, 4, 2) / 2)
 
 
+def test_nested_lists_are_checked_as_arrays_of_their_own_dtype() -> None:
+    # a list of bools was cast to 0/1 probabilities (as predictive_entropy refuses them), strings to a NumPy error
+    with pytest.raises(TypeError, match="expected samples to hold real probabilities, got dtype bool"):
+        mutual_information([[[True, False]], [[False, True]]])
+    with pytest.raises(TypeError, match="expected samples to hold real probabilities, got dtype <U3"):
+        expected_entropy([[["0.5", "0.5"]]])
+    samples = [[[0.5, 0.5]], [[0.2, 0.8]]]  # integers and floats as before
+    mean = np.array([0.35, 0.65])
+    expected = -(mean * np.log(mean)).sum() - np.mean([np.log(2), -(0.2 * np.log(0.2) + 0.8 * np.log(0.8))])
+    np.testing.assert_allclose(mutual_information(samples), [expected], rtol=1e-14)
+    np.testing.assert_array_equal(mutual_information([[[1, 0]], [[0, 1]]]), [np.log(2)])
+
+
 @pytest.mark.parametrize(("t_in", "t_out", "name"), [(2, 1, "samples_out"), (1, 3, "samples_in"), (1, 1, "samples_in")])
 def test_ood_auroc_mutual_information_needs_two_samples_of_each_set(t_in, t_out, name) -> None:
     # one sample has mutual information 0 on every input: its AUROC would be a number that means nothing

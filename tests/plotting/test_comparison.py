@@ -248,6 +248,15 @@ def test_write_skips_figures_without_data(records, tmp_path) -> None:
     assert write_comparison_figures(pointer, tmp_path / "empty") == []
 
 
+@pytest.mark.parametrize("task", ["../outside", "a/b"])
+def test_a_task_that_is_no_file_name_is_refused_before_any_figure(records, tmp_path, task) -> None:
+    # the task names the files: "reliability_a/b.png" failed half-way (FileNotFoundError, no folder reliability_a)
+    renamed = [dataclasses.replace(r, task=task) for r in records if r.task == "pointer"]
+    with pytest.raises(ValueError, match=f"write_comparison_figures: the task name {task!r} of the records cannot"):
+        write_comparison_figures([*records, *renamed], tmp_path / "figures")
+    assert not (tmp_path / "figures").exists() and plt.get_fignums() == []
+
+
 @pytest.mark.parametrize(
     "bad",
     [[], {}, "records", None, [1, 2], [{"task": "digits", "attention": "softmax", "seed": 0}]],
