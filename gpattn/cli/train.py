@@ -204,7 +204,7 @@ def _note_other_code(path: Path) -> None:
     from ..comparison.records import write_json_atomically
     from ..comparison.runner import RunsFromOtherCodeWarning
 
-    content = json.loads(path.read_text())  # read and checked by read_run_file just before
+    content = json.loads(path.read_text(encoding="utf-8"))  # read and checked by read_run_file just before
     stored, current = content.get("code"), code_version()
     if stored == current:
         return

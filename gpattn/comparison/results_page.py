@@ -170,7 +170,7 @@ def read_run_folders(folders: list[str | os.PathLike]) -> RunFolders:
     for folder in folders:
         path = Path(folder) / "results.json"
         try:
-            content = json.loads(path.read_text())
+            content = json.loads(path.read_text(encoding="utf-8"))
         except (OSError, ValueError) as error:
             raise ValueError(f"{path}: cannot be read as a run folder's results.json ({error})") from None
         if not isinstance(content, dict) or not isinstance(content.get("records"), list):

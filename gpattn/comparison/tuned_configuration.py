@@ -121,7 +121,7 @@ def read_tuned(task: str, directory: str | os.PathLike | None = None) -> dict[st
     if not path.is_file():
         return {}
     try:
-        content = json.loads(path.read_text())
+        content = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError) as error:
         raise ValueError(f"{path}: cannot be read as a tuned configuration file ({error})") from None
     expected = {"format", "task", "rows"}

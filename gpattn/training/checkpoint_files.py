@@ -123,7 +123,7 @@ def read_manifest(directory: Path) -> dict[str, Any] | None:
     if not path.is_file():
         return None
     try:
-        manifest = json.loads(path.read_text())
+        manifest = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
         raise CheckpointError(f"could not read the checkpoint manifest {path}: {error}") from error
     files = manifest.get("files") if isinstance(manifest, dict) else None

@@ -964,3 +964,17 @@ def test_the_smoke_test_banner_says_the_seeds_and_epochs_it_ran(records) -> None
         "**Smoke test (`--quick`)**: 1 seed and 10 epochs on digits, to check that everything runs. These numbers "
         "compare nothing." in one
     )
+
+
+def test_a_results_file_is_read_as_utf8_whatever_the_locale(records, tmp_path, monkeypatch) -> None:
+    """A results.json holding raw UTF-8 (edited by hand, or written by another JSON tool) is read as written also
+    where the locale's encoding is ASCII (where the folder was refused as unreadable)."""
+    import io
+
+    write_outputs(records[:2], CompareConfig(seeds=(0, 1)), tmp_path)
+    path = tmp_path / "results.json"
+    content = json.loads(path.read_text(encoding="utf-8"))
+    content["records"][0]["attention"] = "softmax_σ"
+    path.write_text(json.dumps(content, ensure_ascii=False), encoding="utf-8")
+    monkeypatch.setattr(io, "text_encoding", lambda encoding, stacklevel=2: encoding or "ascii")  # an ASCII locale
+    assert "softmax_σ" in {record.attention for record in read_run_folders([tmp_path]).records}

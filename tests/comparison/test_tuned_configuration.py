@@ -210,3 +210,16 @@ def test_rows_with_different_budgets_are_neither_written_together_nor_read(tmp_p
         CompareConfig(attentions=("softmax",), tasks=("digits",), tuned_dir=str(tmp_path))
     write_tuned("digits", {"softmax": fewer, "kep_svgp": fewer}, tmp_path / "same")  # one budget: written
     assert {entry.trials for entry in read_tuned("digits", tmp_path / "same").values()} == {3}
+
+
+def test_a_tuned_file_is_read_as_utf8_whatever_the_locale(tmp_path, monkeypatch) -> None:
+    """A tuned file edited by hand with a non-ASCII label (raw UTF-8, not a JSON escape) is read as written also where
+    the locale's encoding is ASCII (where it was refused as undecodable)."""
+    import io
+
+    path = write_tuned("digits", {"softmax": _entry()}, tmp_path)
+    content = json.loads(path.read_text(encoding="utf-8"))
+    content["rows"]["softmax"]["study"]["label"] = "σ-run"
+    path.write_text(json.dumps(content, ensure_ascii=False), encoding="utf-8")
+    monkeypatch.setattr(io, "text_encoding", lambda encoding, stacklevel=2: encoding or "ascii")  # an ASCII locale
+    assert read_tuned("digits", tmp_path)["softmax"].study["label"] == "σ-run"
