@@ -83,7 +83,14 @@ def triton_available() -> bool:
 
 
 def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+    # whether Triton's interpreter is on, as Triton itself reads TRITON_INTERPRET when it decorates a kernel: its knobs
+    # (Triton >= 3.4: "1", "true", "on", ... on; "0", "false", "off", ... off), else "1" alone (older ones). Another
+    # reading disagreed with Triton's for e.g. "false": the GPU's compiled kernels were then taken for the interpreter's
+    # (the PyTorch path by default, compiled kernels launched on CPU tensors with GPATTN_TRITON=1)
+    knobs = getattr(triton, "knobs", None)
+    if knobs is not None:
+        return bool(knobs.runtime.interpret)
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 def runs_triton(columns: Tensor) -> bool:

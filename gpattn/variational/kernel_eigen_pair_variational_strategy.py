@@ -52,10 +52,11 @@ class KernelEigenPairVariationalStrategy(KernelEigenVariationalStrategy):
     ELBO of output :math:`t` is entry :math:`t` of ``VariationalELBO``'s, to be summed.
 
     :param model: The owning model (its ``mean_module`` adds a prior mean to the merged output).
-    :param inducing_points: Landmarks, shape ``(*batch, M, d)`` (``None`` when ``features`` are given).
+    :param inducing_points: Landmarks, shape ``(*batch, M, d)`` (``None`` when ``features`` are given, or the
+        features' own landmarks).
     :param variational_distribution: :math:`q(u)` with batch shape ``(*batch, 2)`` (``(*batch, 1)`` with
         ``shared_posterior=True``).
-    :param learn_inducing_locations: Learn the landmarks.
+    :param learn_inducing_locations: Learn the landmarks (of the default features).
     :param merge: ``"sum"`` or ``"concat"``.
     :param shared_posterior: One :math:`q(u)` for both branches.
     :param whiten: Parametrise :math:`q(v)` with :math:`u = \Lambda v`.

@@ -7,13 +7,17 @@ import functools
 
 import torch
 from gpytorch.distributions import MultivariateNormal
-from gpytorch.variational import CholeskyVariationalDistribution, MeanFieldVariationalDistribution
+from gpytorch.variational import (
+    CholeskyVariationalDistribution,
+    DeltaVariationalDistribution,
+    MeanFieldVariationalDistribution,
+)
 from torch import Tensor
 
 from .._torch_compat import compilable, is_compiling
 from ..features import KernelEigenScores
 from ..fused import autocast_state, wide_dtype
-from ..validation import check_choice, check_float
+from ..validation import broadcastable, check_choice, check_float, check_tensor
 from .cholesky_prior_kl import CholeskyPriorKL
 from .kernel_eigen_variational_strategy import KernelEigenVariationalStrategy
 from .linear_output import LinearOutput
@@ -88,8 +92,13 @@ class KernelEigenReadout:
         strategy = self.strategy
         variational = strategy.variational_distribution
         mean = strategy._select_branch(variational.mean, side, 1)
-        covariance = strategy._select_branch_covariance(variational.lazy_covariance_matrix, side)
+        covariance = None if self._point_mass() else variational.lazy_covariance_matrix  # a delta q(u): none
+        covariance = strategy._select_branch_covariance(covariance, side)
         return strategy._predictive_parts(scores, side, mean, covariance)
+
+    def _point_mass(self) -> bool:
+        # a delta q(u) (GPyTorch's DeltaVariationalDistribution, MAP): a point mass at its mean, without a covariance
+        return isinstance(self.strategy._variational_distribution, DeltaVariationalDistribution)
 
     def predictive(self, scores: KernelEigenScores, side: str) -> MultivariateNormal:
         r""":math:`q(f)` of one branch at the inputs of one call of the features, without the prior mean: a batch
@@ -128,11 +137,13 @@ class KernelEigenReadout:
     # -- draws of u and the linear readout --------------------------------------------------------------------------
     def inducing_draw(self, sample_shape: torch.Size | None = None) -> Tensor:
         r"""The mean :math:`m` of :math:`q(u)` (``sample_shape=None``), or joint reparameterised draws
-        :math:`u = m + L \varepsilon`, shape ``(*sample_shape, *q_batch, s)``. Branches that share a posterior share
-        the draw."""
+        :math:`u = m + L \varepsilon`, shape ``(*sample_shape, *q_batch, s)`` (of a delta :math:`q(u)`: its mean,
+        expanded). Branches that share a posterior share the draw."""
         variational = self.strategy.variational_distribution
         if sample_shape is None:
             return variational.mean
+        if self._point_mass():
+            return variational.mean.expand(*sample_shape, *variational.mean.shape)
         noise = torch.randn(
             (*sample_shape, *variational.mean.shape), dtype=variational.mean.dtype, device=variational.mean.device
         )
@@ -176,10 +187,10 @@ class KernelEigenReadout:
             O(N branches H s C) per sequence for the GEMM.
         """
         strategy = self.strategy
-        if tuple(sides) != strategy._branch_sides[: len(sides)]:
+        if not sides or tuple(sides) != strategy._branch_sides[: len(sides)]:  # () read no branch: y = b alone
             raise ValueError(
-                f"{type(self).__name__}: expected the sides {strategy._branch_sides} or a leading part of them, got "
-                f"{tuple(sides)}"
+                f"{type(self).__name__}: expected the sides {strategy._branch_sides} or a non-empty leading part of "
+                f"them, got {tuple(sides)}"
             )
         distribution = strategy._variational_distribution
         if type(distribution) is CholeskyVariationalDistribution:
@@ -217,28 +228,45 @@ class KernelEigenReadout:
         the (unwhitened) prior: :math:`\Lambda^{-1} m_0` then acts like a random projection, so the outputs start
         away from zero, and the posterior starts tighter than the prior (:math:`c` = ``covariance_scale``).
 
-        :param singular_values: The :math:`\Lambda` to scale with, ``(H, s)`` (e.g. ones when the prior is per call).
+        :param singular_values: The :math:`\Lambda` to scale with, positive and finite, ``(H, s)`` (e.g. ones when the
+            prior is per call), or a shape that broadcasts to it (``(s,)``: one :math:`\Lambda` for every head).
         :param covariance_scale: :math:`c > 0`.
+        :raises TypeError: A :math:`q(u)` other than a Cholesky or mean-field one, or ``singular_values`` not a
+            floating-point tensor.
+        :raises ValueError: ``singular_values`` of another shape, not finite or not positive. Nothing is changed then.
         """
         strategy = self.strategy
-        check_float("covariance_scale", covariance_scale, 0.0, strict_minimum=True, where=type(self).__name__)
+        where = type(self).__name__
+        check_float("covariance_scale", covariance_scale, 0.0, strict_minimum=True, where=where)
         distribution = strategy._variational_distribution
-        with torch.no_grad():
-            scale = (
-                strategy._aligned(singular_values)
-                .to(distribution.variational_mean)
-                .expand_as(distribution.variational_mean)
+        if not isinstance(distribution, (CholeskyVariationalDistribution, MeanFieldVariationalDistribution)):
+            raise TypeError(
+                "initialize_at_prior_draw needs a Cholesky or mean-field variational distribution, got "
+                f"{type(distribution).__name__}"
             )
+        # checked before q(u) is touched: a NaN or a zero would leave a q(u) of NaN or of infinite KL behind
+        target = distribution.variational_mean.shape  # (*batch, *outputs[, branches], s)
+        lead = tuple(target[: len(target) - 1 - strategy._aligned_dims])
+        shape = ("...", target[-1])
+        check_tensor("singular_values", singular_values, shape, floating=True, finite=True, where=where)
+        aligned = strategy._aligned(singular_values)
+        if not broadcastable(aligned.shape, target) or torch.broadcast_shapes(aligned.shape, target) != target:
+            raise ValueError(
+                f"{where}: expected singular_values of shape {lead + (target[-1],)} (the batch in front of q(u)'s "
+                f"outputs, then s) or one that broadcasts to it, got {tuple(singular_values.shape)}"
+            )
+        if not bool((singular_values > 0).all()):
+            raise ValueError(
+                f"{where}: expected positive singular_values (the prior scales Lambda), got a minimum of "
+                f"{float(singular_values.min()):g}"
+            )
+        with torch.no_grad():
+            scale = aligned.to(distribution.variational_mean).expand_as(distribution.variational_mean)
             distribution.variational_mean.copy_(scale * torch.randn_like(scale))
             if isinstance(distribution, CholeskyVariationalDistribution):
                 distribution.chol_variational_covar.copy_(torch.diag_embed(covariance_scale * scale))
-            elif isinstance(distribution, MeanFieldVariationalDistribution):
-                distribution._variational_stddev.copy_(covariance_scale * scale)
             else:
-                raise TypeError(
-                    "initialize_at_prior_draw needs a Cholesky or mean-field variational distribution, got "
-                    f"{type(distribution).__name__}"
-                )
+                distribution._variational_stddev.copy_(covariance_scale * scale)
         strategy.variational_params_initialized.fill_(1)
 
     # -- per-input noise ---------------------------------------------------------------------------------------------
@@ -272,6 +300,7 @@ class KernelEigenReadout:
         """
         sides = tuple(sides)
         residual = self.strategy.residual == "diag"
+        marginal = marginal and not self._point_mass()  # a delta q(u) has no spread: its per-input draws are its mean
         if not marginal and not residual:
             return {}
         if sum_sides and len(sides) > 1:
@@ -379,7 +408,7 @@ class KernelEigenReadout:
     def _summed_variance(self, scores: KernelEigenScores, sides: tuple[str, ...], marginal: bool) -> Tensor:
         # the per-input variance of the sum of the branches' token noises, (B, H, d_out, N)
         variance = 0.0
-        if marginal:
+        if marginal and not self._point_mass():
             forms = self._quadratic_forms()
             interps = [self._token_interp(scores, side) for side in sides]
             if self._shares_posterior(sides):  # one u: (a_e + a_r) S (a_e + a_r)^T
@@ -416,6 +445,9 @@ class KernelEigenReadout:
         if type(variational) is CholeskyVariationalDistribution:  # S = L L^T from the parameter: no GPyTorch objects
             lower = variational.chol_variational_covar.tril()
             covariance = lower @ lower.mT  # (*q_batch, s, s), tiny
+        elif self._point_mass():  # a delta q(u): S = 0
+            mean = variational.variational_mean
+            covariance = mean.new_zeros(*mean.shape, mean.shape[-1])
         else:
             covariance = strategy.variational_distribution.lazy_covariance_matrix.to_dense()
         size, dims = covariance.shape[-1], strategy.num_output_dims

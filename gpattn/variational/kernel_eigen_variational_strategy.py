@@ -51,6 +51,23 @@ class _CovarModuleOf:
         return kernel
 
 
+def _same_landmarks(given: Tensor, own: Tensor | None) -> bool:
+    # whether landmarks given to a strategy are the features' own (the same tensor, or equal values); O(M d)
+    if own is None:
+        return False
+    if given is own:
+        return True
+    if not isinstance(given, Tensor):
+        return False
+    if given.shape != own.shape or "meta" in (given.device.type, own.device.type):
+        return given.shape == own.shape
+    return torch.equal(given.detach().to(own), own.detach())
+
+
+def _described(value: object) -> str:
+    return f"of shape {tuple(value.shape)}" if isinstance(value, Tensor) else f"of type {type(value).__name__}"
+
+
 class KernelEigenVariationalStrategy(GraphFreeState, _VariationalStrategy):
     r"""Sparse variational GP with kernel-eigen inducing variables (KEP-SVGP, Chen et al. 2024, one branch).
 
@@ -112,10 +129,12 @@ class KernelEigenVariationalStrategy(GraphFreeState, _VariationalStrategy):
 
     :param model: The owning model (an :class:`~gpytorch.models.ApproximateGP` whose ``covar_module`` is an
         :class:`~gpattn.kernels.AsymmetricKernel`, or an attention layer).
-    :param inducing_points: Landmarks :math:`Z`, shape ``(*batch, M, d)`` (``None`` when ``features`` are given).
+    :param inducing_points: Landmarks :math:`Z`, shape ``(*batch, M, d)`` (``None`` when ``features`` are given, or
+        the features' own landmarks: others raise a ``ValueError``).
     :param variational_distribution: :math:`q(u)` over ``s`` inducing variables.
     :param side: ``"left"`` (:math:`e`, queries) or ``"right"`` (:math:`r`, keys).
-    :param learn_inducing_locations: Learn the landmarks.
+    :param learn_inducing_locations: Learn the landmarks (of the default features; given ``features`` decide it
+        themselves).
     :param whiten: Parametrise :math:`q(v)` with :math:`u = \Lambda v`.
     :param residual: ``"none"`` or ``"diag"``.
     :param features: Shared kernel-eigen features (e.g. the other branch's, a ``primal``-mode
@@ -173,6 +192,15 @@ class KernelEigenVariationalStrategy(GraphFreeState, _VariationalStrategy):
                 f"{where}: the features have {features.num_inducing} inducing variables but the variational "
                 f"distribution has {num_inducing}"
             )
+        elif inducing_points is not None and not _same_landmarks(inducing_points, features.inducing_points):
+            # the features own the landmarks: other ones given here would be ignored without a word
+            own = features.inducing_points
+            theirs = "have none (per-call features)" if own is None else f"have landmarks of shape {tuple(own.shape)}"
+            raise ValueError(
+                f"{where}: got inducing_points {_described(inducing_points)} that are not the landmarks of "
+                f"the features given, which own the landmarks used (they {theirs}): give inducing_points=None or the "
+                "features' landmarks"
+            )
         self.features = features
         self.side = side
         self.whiten = bool(whiten)
@@ -191,8 +219,18 @@ class KernelEigenVariationalStrategy(GraphFreeState, _VariationalStrategy):
         """The landmarks :math:`Z` (owned by :attr:`features`), shape ``(*batch, M, d)``."""
         landmarks = self.features.inducing_points
         if landmarks is None:
-            raise AttributeError(f"{type(self.features).__name__} has no landmarks: its inducing features are per call")
+            raise AttributeError(self._no_landmarks())
         return landmarks
+
+    def _no_landmarks(self) -> str:
+        return f"{type(self.features).__name__} has no landmarks: its inducing features are per call"
+
+    def __getattr__(self, name: str):
+        # torch.nn.Module's lookup of parameters, buffers and submodules, which Python also calls when a property raised
+        # an AttributeError and whose "object has no attribute 'inducing_points'" would replace the property's reason
+        if name == "inducing_points":
+            raise AttributeError(f"{type(self).__name__}.inducing_points: {self._no_landmarks()}")
+        return super().__getattr__(name)
 
     def _clear_cache(self) -> None:
         clear_cache_hook(self)
@@ -245,6 +283,12 @@ class KernelEigenVariationalStrategy(GraphFreeState, _VariationalStrategy):
         :return: A :class:`~gpytorch.distributions.MultivariateNormal` with mean shape ``(*batch, N)`` (a pair: see
             :meth:`~gpattn.variational.KernelEigenPairVariationalStrategy.forward`).
         """
+        if self.features.inducing_points is None:  # GPyTorch's __call__ reads the landmarks
+            raise RuntimeError(
+                f"{type(self).__name__}: calling the strategy evaluates landmark features, but {self._no_landmarks()} "
+                "(its layer evaluates them): read q(f) at the scores of a call, KernelEigenReadout.predictive(scores, "
+                "side)"
+            )
         self.features.check_inputs(x, type(self.model).__name__)
         variational = next(self._variational_distribution.parameters(), None)
         # a kernel may promote mixed dtypes, q(u)'s products do not (autocast mixes them on purpose); outside autocast

@@ -47,6 +47,26 @@ def test_the_predicate(monkeypatch):
     assert not triton_scores.runs_triton(cuda(torch.float32)) and not triton_scores.triton_available()
 
 
+@pytest.mark.skipif(not triton_scores.triton_available(), reason="needs Triton")
+def test_the_predicate_reads_triton_interpret_as_triton_does(monkeypatch):
+    """TRITON_INTERPRET=false (or off, 0) leaves Triton's interpreter off: CUDA tensors take the compiled kernels and
+    CPU tensors never do. Any value but "" and "0" counted as on before: the CUDA kernels were left unused, and with
+    GPATTN_TRITON=1 compiled kernels were launched on CPU tensors."""
+    monkeypatch.delenv(triton_scores.TRITON_VARIABLE, raising=False)
+    cuda = SimpleNamespace(is_cuda=True, dtype=torch.float32, shape=(2, 2, 4, 8, 16))
+    for value in ("false", "off", "0"):
+        monkeypatch.setenv("TRITON_INTERPRET", value)
+        assert not triton_scores._interpreting() and triton_scores.runs_triton(cuda), value
+        monkeypatch.setenv(triton_scores.TRITON_VARIABLE, "1")
+        assert not triton_scores.runs_triton(torch.empty(1)), value  # CPU: no compiled kernels
+        monkeypatch.delenv(triton_scores.TRITON_VARIABLE)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert triton_scores._interpreting()
+    if hasattr(triton_scores.triton, "knobs"):  # Triton >= 3.4 reads "true" as on too
+        monkeypatch.setenv("TRITON_INTERPRET", "true")
+        assert triton_scores._interpreting()
+
+
 #: a loop over a kernel argument under the interpreter: Triton 3.6's interpreter (the Triton of torch 2.11) turns the
 #: argument into a one-element NumPy array and the loop converts it with int(), which NumPy 2.4 refuses ("only
 #: 0-dimensional arrays can be converted to Python scalars"); Triton 3.9 runs it with any NumPy. Compiled kernels are

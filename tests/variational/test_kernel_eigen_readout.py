@@ -5,6 +5,8 @@ draws, the variance through the output maps) are tested through the attention la
 
 from __future__ import annotations
 
+import re
+
 import gpytorch
 import pytest
 import torch
@@ -140,3 +142,77 @@ def test_the_readout_maps_one_output_dimension():
     strategy = KernelEigenVariationalStrategy(torch.nn.Module(), torch.randn(6, 2), q_u)  # num_output_dims=0
     with pytest.raises(ValueError, match="one output dimension of q\\(u\\), the strategy has 0"):
         KernelEigenReadout(strategy)
+
+
+def test_initialize_at_prior_draw_checks_lambda_before_touching_q():
+    """The starting q(u) = N(m_0, c^2 Lambda^2) takes Lambda of shape (H, s) or one broadcasting to it; a NaN, a zero or
+    a negative Lambda (a q(u) of NaN or of infinite KL before), another shape (a broadcasting error before) and a q(u)
+    it cannot set (a delta one: its mean was overwritten before the refusal) are refused, q(u) left as it was."""
+    torch.manual_seed(0)
+    layer = KEPSVGPAttention(8, 2, num_inducing=3, num_outputs=2).double()
+    readout, posterior = layer.readout, layer.strategy._variational_distribution
+    scales = torch.tensor([[1.0, 2.0, 4.0], [0.5, 1.0, 3.0]], dtype=torch.float64)
+    readout.initialize_at_prior_draw(scales, covariance_scale=0.25)
+    diagonal = posterior.chol_variational_covar.diagonal(dim1=-2, dim2=-1)  # (H, d_out, 2, s)
+    torch.testing.assert_close(diagonal, (0.25 * scales)[:, None, None, :].expand_as(diagonal), rtol=0, atol=0)
+    state = {name: value.clone() for name, value in posterior.state_dict().items()}
+    for bad, error, message in [
+        (torch.tensor([[1.0, float("nan"), 1.0]] * 2), ValueError, "NaN or Inf"),
+        (torch.tensor([[1.0, 0.0, 1.0]] * 2), ValueError, "positive singular_values .* minimum of 0"),
+        (-torch.ones(2, 3), ValueError, "positive singular_values"),
+        (torch.ones(3, 3), ValueError, r"shape \(2, 3\) .* got \(3, 3\)"),
+        (torch.ones(2, 4), ValueError, r"shape \(\.\.\., 3\), got \(2, 4\)"),
+        ([[1.0] * 3] * 2, TypeError, "torch.Tensor, got list"),
+    ]:
+        with pytest.raises(error, match=message):
+            readout.initialize_at_prior_draw(bad)
+        assert all(torch.equal(value, state[name]) for name, value in posterior.state_dict().items())
+    delta = gpytorch.variational.DeltaVariationalDistribution(3, batch_shape=posterior.batch_shape).double()
+    layer.strategy._variational_distribution = delta
+    mean = delta.variational_mean.clone()
+    with pytest.raises(TypeError, match="Cholesky or mean-field .* got DeltaVariationalDistribution"):
+        readout.initialize_at_prior_draw(torch.ones(2, 3))
+    assert torch.equal(delta.variational_mean, mean)
+
+
+@pytest.mark.parametrize("sampling", ["joint", "marginal"])
+@pytest.mark.parametrize("shared", [False, True], ids=["independent", "shared"])
+def test_a_delta_posterior_is_read_as_a_point_mass(sampling: str, shared: bool):
+    """A delta q(u) (MAP; the strategy's KL is GPyTorch's -log p(m)) has no covariance: every path of the readout read
+    ``lazy_covariance_matrix`` and raised an AttributeError. Its draws are its mean: a sampled output equals the mean
+    output, which equals that of a Cholesky q(u) of the same mean; the variance through the maps is the residual's."""
+    torch.manual_seed(0)
+    layer = KEPSVGPAttention(8, 2, num_inducing=3, num_outputs=2, sampling=sampling, shared_posterior=shared).double()
+    cholesky = layer.strategy._variational_distribution
+    x = torch.randn(2, 5, 8, dtype=torch.float64)
+    expected = layer.eval()(x)  # the mean of the Cholesky q(u)
+    delta = gpytorch.variational.DeltaVariationalDistribution(3, batch_shape=cholesky.batch_shape).double()
+    with torch.no_grad():
+        delta.variational_mean.copy_(cholesky.variational_mean)
+    layer.strategy._variational_distribution = delta
+    torch.testing.assert_close(layer(x), expected, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(layer.train()(x), expected, rtol=1e-12, atol=1e-12)  # a draw of a point mass
+    mean, variance = layer.posterior(x)
+    torch.testing.assert_close(mean, expected, rtol=1e-12, atol=1e-12)
+    assert torch.equal(variance, torch.zeros_like(variance))
+    readout, scores = layer.readout, layer.features(x, objective=False, kernel_diag=True)
+    draws = readout.inducing_draw(torch.Size([4]))
+    assert draws.shape == (4, *delta.variational_mean.shape) and (draws == delta.variational_mean).all()
+    assert readout.token_noise(scores, ("left", "right"), marginal=True) == {}
+    moments = readout.token_noise_moments(scores, ("left", "right"))
+    assert all(torch.equal(value, torch.zeros_like(value)) for value in moments.values())
+    prior = torch.distributions.Normal(0.0, layer.features.singular_values.double()[:, None, None, :])
+    expected_kl = -prior.log_prob(delta.variational_mean).sum()
+    torch.testing.assert_close(readout.kl_divergence(), expected_kl, rtol=1e-12, atol=1e-12)
+
+
+def test_linear_output_refuses_no_sides():
+    """No side reads no branch: the output was the bias alone, silently; a side that is not a leading part of the
+    strategy's (``("right",)`` of a pair) was refused already."""
+    torch.manual_seed(0)
+    layer = KEPSVGPAttention(8, 2, num_inducing=3, num_outputs=2)
+    scores = layer.features(torch.randn(2, 5, 8), objective=False, kernel_diag=False)
+    columns, maps = scores.columns(("left",)).flatten(1, 3), layer._output_maps(1)
+    for sides in [(), ("right",)]:
+        with pytest.raises(ValueError, match=rf"non-empty leading part of them, got {re.escape(str(sides))}"):
+            layer.readout.linear_output(columns[:, : 6 * len(sides)], layer.out_proj.bias, maps, scores, sides)

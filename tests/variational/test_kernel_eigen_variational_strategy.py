@@ -255,5 +255,37 @@ def test_a_model_without_an_asymmetric_covar_module_gets_a_clear_error(kernel_na
         model.variational_strategy.kl_divergence()
 
 
+def test_landmarks_other_than_the_given_features_are_refused():
+    """With ``features`` given, the features' landmarks are the ones used: other ``inducing_points`` were silently
+    ignored (predictions on the features' landmarks, not the ones given); the features' own landmarks (the same tensor
+    or equal values) and ``None`` are accepted."""
+    landmarks = torch.randn(6, 2, generator=torch.Generator().manual_seed(0))
+    features = KernelEigenFeatures(ShiftedRBFKernel(input_dim=2), landmarks, num_inducing=3)
+    q_u = gpytorch.variational.CholeskyVariationalDistribution(3)
+    for given in (None, landmarks, features.landmarks, landmarks.double()):
+        strategy = KernelEigenVariationalStrategy(torch.nn.Module(), given, q_u, features=features)
+        assert strategy.inducing_points is features.landmarks
+    for other, described in [(landmarks + 1.0, r"of shape \(6, 2\)"), (landmarks[:4], r"of shape \(4, 2\)")]:
+        with pytest.raises(ValueError, match=rf"inducing_points {described} that are not the landmarks .* \(6, 2\)"):
+            KernelEigenVariationalStrategy(torch.nn.Module(), other, q_u, features=features)
+
+
+def test_a_strategy_over_per_call_features_names_the_missing_landmarks():
+    """An attention layer's features have no landmarks: ``strategy.inducing_points`` raised an AttributeError whose
+    reason torch.nn.Module replaced by "object has no attribute 'inducing_points'", and so did calling the strategy
+    (GPyTorch's ``__call__`` reads them); both now name the features, and the call points to the readout."""
+    from gpattn.attention import KEPSVGPAttention
+
+    torch.manual_seed(0)
+    strategy = KEPSVGPAttention(8, 2, num_inducing=3, num_outputs=2).strategy
+    with pytest.raises(AttributeError, match=r"Strategy.inducing_points: AmortizedAttentionFeatures has no landmarks"):
+        getattr(strategy, "inducing_points")  # noqa: B009 - the attribute lookup is what is tested
+    assert not hasattr(strategy, "inducing_points")
+    with pytest.raises(RuntimeError, match=r"AmortizedAttentionFeatures has no landmarks.*KernelEigenReadout"):
+        strategy(torch.randn(2, 5, 8))
+    with pytest.raises(AttributeError, match="has no attribute 'other'"):  # torch's lookup otherwise
+        getattr(strategy, "other")  # noqa: B009
+
+
 if __name__ == "__main__":
     unittest.main()
