@@ -21,7 +21,7 @@ from .._torch_compat import eager_calls
 from ..features import AttentionKernelEigenFeatures, KSVDFidelity, ksvd_fidelity
 from ..features.ksvd_fidelity import DEFAULT_RANDOM_SAMPLES
 from ..training import batch_to_device, dataset_inputs
-from ..validation import check_int
+from ..validation import check_int, check_seed
 
 __all__ = ["INITIAL_FIELDS", "INITIAL_PREFIX", "model_fidelity"]
 
@@ -122,13 +122,17 @@ def model_fidelity(
         given, and ``"rank"`` (:math:`s`); ``{}`` for a model without KSVD layers. A layer whose rank :math:`s`
         exceeds the sequence length is left out (the exact KSVD has fewer than :math:`s` singular vectors), and so
         are the padded sequences with fewer than :math:`s` real tokens.
-    :raises ValueError: ``initial`` has other KSVD layers than ``model``.
+    :raises ValueError: ``initial`` has other KSVD layers than ``model``; ``max_sequences`` or ``random_samples``
+        below 1, a negative ``seed`` (``TypeError`` for a non-integer; checked before anything runs).
 
     .. note:: Cost: one forward pass over the sequences (two with ``initial``) plus, per KSVD layer, the dense kernel
         and its SVD per sequence and head and ``random_samples`` random frames
         (:func:`~gpattn.features.ksvd_fidelity`).
     """
     check_int("max_sequences", max_sequences, where="model_fidelity")
+    # before the forward pass, and also when no layer gets measured (every rank above the sequence length)
+    check_int("random_samples", random_samples, where="model_fidelity")
+    check_seed("seed", seed, where="model_fidelity")
     layers = _ksvd_layers(model)
     if not layers:
         return {}

@@ -18,7 +18,8 @@ from ..data import RegressionData, make_asymmetric_regression_1d
 from ..kernels import InducedKernel, ShiftedRBFKernel
 from ..models import KernelEigenPairSVGP
 from ..training import TrainingDivergedError
-from ..validation import check_float, check_int, check_seed, non_finite_parameters
+from ..validation import InputTypeError, check_float, check_int, check_seed, check_tensor, non_finite_parameters
+from .records import write_text_atomically
 
 
 @dataclass
@@ -59,18 +60,21 @@ class ToyRegressionConfig:
     initial_lengthscale: float = 0.5
 
     def __post_init__(self) -> None:
+        # stored as Python numbers: a NumPy scalar (e.g. from a sweep) would make to_json fail after the fits
         where = "ToyRegressionConfig"
-        check_seed("seed", self.seed, where=where)
+        self.seed = check_seed("seed", self.seed, where=where)
         for name in ("num_landmarks", "num_inducing", "iterations", "pyro_iterations", "pyro_particles"):
-            check_int(name, getattr(self, name), where=where)
+            setattr(self, name, check_int(name, getattr(self, name), where=where))
         if self.num_inducing > self.num_landmarks:
             raise ValueError(
                 f"{where}: num_inducing ({self.num_inducing}) must not exceed num_landmarks ({self.num_landmarks})"
             )
         for name in ("lr", "ngd_lr", "pyro_lr", "pyro_final_lr_factor", "pyro_variational_lr_factor", "pyro_clip_norm"):
-            check_float(name, getattr(self, name), 0.0, strict_minimum=True, where=where)
-        check_float("initial_shift", self.initial_shift, where=where)
-        check_float("initial_lengthscale", self.initial_lengthscale, 0.0, strict_minimum=True, where=where)
+            setattr(self, name, check_float(name, getattr(self, name), 0.0, strict_minimum=True, where=where))
+        self.initial_shift = check_float("initial_shift", self.initial_shift, where=where)
+        self.initial_lengthscale = check_float(
+            "initial_lengthscale", self.initial_lengthscale, 0.0, strict_minimum=True, where=where
+        )
 
 
 @dataclass
@@ -109,6 +113,25 @@ class _InducedExactGP(gpytorch.models.ExactGP):
 
     def forward(self, x: Tensor) -> gpytorch.distributions.MultivariateNormal:
         return gpytorch.distributions.MultivariateNormal(self.mean_module(x), self.covar_module(x))
+
+
+def _check_config(config: ToyRegressionConfig, where: str) -> None:
+    if not isinstance(config, ToyRegressionConfig):
+        raise InputTypeError(f"{where}: expected config to be a ToyRegressionConfig, got {type(config).__name__}")
+
+
+def _check_inputs(data: RegressionData, config: ToyRegressionConfig, where: str) -> None:
+    # before the first step: NaN data would otherwise read as a diverged fit ("lower the learning rate")
+    _check_config(config, where)
+    if not isinstance(data, RegressionData):
+        raise InputTypeError(f"{where}: expected data to be a RegressionData, got {type(data).__name__}")
+    train_x = check_tensor(
+        "data.train_x", data.train_x, ("N", 1), floating=True, non_empty=True, finite=True, where=where
+    )
+    check_tensor("data.train_y", data.train_y, (train_x.shape[0],), like=train_x, like_name="data.train_x", finite=True,
+                 where=where)  # fmt: skip
+    check_tensor("data.grid_x", data.grid_x, ("G", 1), non_empty=True, like=train_x, like_name="data.train_x",
+                 finite=True, where=where)  # fmt: skip
 
 
 def _landmarks(config: ToyRegressionConfig, data: RegressionData) -> Tensor:
@@ -165,7 +188,10 @@ def _kernel_summary(kernel: ShiftedRBFKernel, likelihood) -> dict[str, float]:
 
 def fit_exact_gp(data: RegressionData, config: ToyRegressionConfig, progress: bool = True):
     """The reference: an :class:`gpytorch.models.ExactGP` with :class:`~gpattn.kernels.InducedKernel` (``"both"``)
-    on the same landmarks, hyperparameters fit by the exact marginal likelihood (Adam). Returns model, likelihood."""
+    on the same landmarks, hyperparameters fit by the exact marginal likelihood (Adam). Returns model, likelihood.
+    Data that are not 1-D, finite and non-empty (``train_x`` ``(N, 1)``, ``train_y`` ``(N,)``) are refused before the
+    first step, as by the two KEP-SVGP fits."""
+    _check_inputs(data, config, "fit_exact_gp")
     torch.manual_seed(config.seed)
     kernel = InducedKernel(_kernel(config, data.train_x.dtype), _landmarks(config, data), side="both")
     likelihood = gpytorch.likelihoods.GaussianLikelihood().to(data.train_x.dtype)
@@ -213,6 +239,7 @@ def fit_pair_svgp(data: RegressionData, config: ToyRegressionConfig, progress: b
         ``config.iterations``, not of a converged fit. Measured, not yet fixed: other NGD (0.1, 1.0) and Adam (0.02)
         learning rates, a whitened :math:`q(u)` and a decaying learning rate each left such jumps on some of seeds
         0-3."""
+    _check_inputs(data, config, "fit_pair_svgp")
     model, likelihood = _pair_model(data, config, "natural", whiten=False)
     num_data = data.train_x.shape[0]
     mll = gpytorch.mlls.VariationalELBO(likelihood, model, num_data=num_data)
@@ -247,6 +274,7 @@ def fit_pair_svgp_pyro(data: RegressionData, config: ToyRegressionConfig, progre
     ``pyro_variational_lr_factor`` times faster than the hyperparameters. The whitened parametrisation keeps plain
     gradient steps on :math:`q(v)` well conditioned when :math:`\Lambda` spans orders of magnitude.
     Returns model, likelihood."""
+    _check_inputs(data, config, "fit_pair_svgp_pyro")
     model, likelihood = _pair_model(data, config, "cholesky", whiten=True)
     pyro.clear_param_store()
     num_data = data.train_x.shape[0]
@@ -302,17 +330,23 @@ def run_toy_regression(
 ) -> ToyRegressionResult:
     """Fit the exact GP, KEP-SVGP (VariationalELBO) and KEP-SVGP (Pyro SVI) on the 1-D toy data.
 
-    Writes ``results.json`` to ``out`` when given (``gpattn regression`` also draws ``posterior.png`` from the
-    returned models with :func:`~gpattn.plotting.plot_pair_posterior`).
+    Writes ``results.json`` to ``out`` when given (the folder is made before the fits; ``gpattn regression`` also
+    draws ``posterior.png`` from the returned models with :func:`~gpattn.plotting.plot_pair_posterior`).
 
     :param config: Settings (default :class:`ToyRegressionConfig`).
     :param out: Output folder.
     :param progress: Show ``tqdm`` progress bars (on a terminal only).
+    :raises TypeError: ``config`` is not a :class:`ToyRegressionConfig`.
+    :raises OSError: ``out`` cannot be made a folder (e.g. it is a file), before any fit.
     :raises TrainingDivergedError: A fit diverged (a NaN or infinite loss or parameter, or a step failing on a
         non-finite or indefinite matrix after the first iteration); the message names the fit, the iteration and the
         learning rate.
     """
     config = ToyRegressionConfig() if config is None else config
+    _check_config(config, "run_toy_regression")
+    if out is not None:  # before the fits: a folder that cannot be made fails now, not after minutes of fitting
+        out = Path(out)
+        out.mkdir(parents=True, exist_ok=True)
     data = make_asymmetric_regression_1d(seed=config.seed)
     result = ToyRegressionResult(config, data=data)
     fits = {"exact_gp": fit_exact_gp, "kep_svgp_elbo": fit_pair_svgp, "kep_svgp_pyro": fit_pair_svgp_pyro}
@@ -327,10 +361,8 @@ def run_toy_regression(
         kernel = model.covar_module.kernel if name == "exact_gp" else model.covar_module
         result.learned[name] = _kernel_summary(kernel, likelihood)
         result.models[name] = model
-    if out is not None:
-        out = Path(out)
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "results.json").write_text(result.to_json())
+    if out is not None:  # the complete file or none (an interrupted write leaves no half-written results.json)
+        write_text_atomically(out / "results.json", result.to_json())
     return result
 
 

@@ -7,7 +7,8 @@ kernel is a :class:`~gpattn.kernels.CosineFeatureKernel` (random Fourier lift, s
 inputs has full rank 16), and the O(s) claim is checked on every iteration: no Cholesky (and no CG or CIQ) of
 :math:`K_{uu} = \Lambda^2` ever runs.
 
-* Cholesky and mean-field :math:`q(u)`: ``torch.linalg.cholesky_ex`` is never called, in training or evaluation.
+* Cholesky and mean-field :math:`q(u)`: neither ``torch.linalg.cholesky_ex`` (GPyTorch's and linear_operator's
+  factorisations) nor ``torch.linalg.cholesky`` (a strategy's own) is ever called, in training or evaluation.
 * Natural :math:`q(u)`: :class:`~gpytorch.variational.NaturalVariationalDistribution` turns its natural parameters into
   :math:`(m, S)` by Cholesky factorisations of s x s matrices built from the *variational* parameters. Those calls are
   legitimate (they are :math:`q(u)`'s, not :math:`K_{uu}`'s); the natural cases therefore assert that every Cholesky
@@ -19,6 +20,13 @@ inputs has full rank 16), and the O(s) claim is checked on every iteration: no C
   variables as values :math:`f(Z)`; kernel-eigen inducing variables are projections with :math:`K_{uu} = \Lambda^2`),
   and that the strategy itself reports no fantasy strategy. The harness's model raises it as
   :class:`~gpattn.models.KernelEigenPairSVGP` does.
+
+* The numbers, against a reference independent of the strategy: with :math:`q(u) = p(u)` exactly, the KL is 0 and
+  :math:`q(f(x))` is the exact prior of the branches (:math:`s = M`: no truncation), mean ``mean_module(x)`` and
+  covariance :math:`\sum_b \kappa_b \kappa_b^\top` (:math:`\kappa(x, Z)` on the left, :math:`\kappa(Z, x)^\top`
+  on the right), formed densely from the kernel in float64
+  (:meth:`~KernelEigenVariationalTestCase.test_posterior_at_the_prior_is_the_exact_prior`; for a shared posterior
+  the KL and the mean only, its covariance couples the branches).
 
 A pair strategy (``branches = 2``) gets a variational distribution with a trailing branch dimension, as
 :class:`~gpattn.variational.KernelEigenPairVariationalStrategy` expects; a pair with one shared posterior
@@ -75,7 +83,8 @@ class _KernelEigenSVGP(gpytorch.models.ApproximateGP):
 
 
 class _CholeskyCallSites:
-    """A stand-in for ``torch.linalg.cholesky_ex`` that records the gpytorch/linear_operator file that called it."""
+    """A stand-in for ``torch.linalg.cholesky_ex`` (or ``torch.linalg.cholesky``) that records the file that called
+    it."""
 
     def __init__(self, wrapped):
         self.wrapped = wrapped
@@ -87,6 +96,31 @@ class _CholeskyCallSites:
         outer = [f.filename for f in frames if not f.filename.endswith(("cholesky.py", "mock.py"))]
         self.callers.append(outer[-1])
         return self.wrapped(*args, **kwargs)
+
+
+class _CholeskyRecorder:
+    """Records the callers of ``torch.linalg.cholesky_ex`` and ``torch.linalg.cholesky`` while active (a strategy may
+    factorise :math:`K_{uu}` by the latter, which GPyTorch's mocks do not see)."""
+
+    def __init__(self) -> None:
+        self.recorders = [_CholeskyCallSites(torch.linalg.cholesky_ex), _CholeskyCallSites(torch.linalg.cholesky)]
+        self._patches = [
+            patch("torch.linalg.cholesky_ex", new=self.recorders[0]),
+            patch("torch.linalg.cholesky", new=self.recorders[1]),
+        ]
+
+    @property
+    def callers(self) -> list[str]:
+        return [caller for recorder in self.recorders for caller in recorder.callers]
+
+    def __enter__(self) -> _CholeskyRecorder:
+        for active in self._patches:
+            active.start()
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        for active in reversed(self._patches):
+            active.stop()
 
 
 class KernelEigenVariationalTestCase(VariationalTestCase):
@@ -153,15 +187,13 @@ class KernelEigenVariationalTestCase(VariationalTestCase):
     # call these two through ``self``, so the Cholesky/CG checks below run for every one of them.
     def test_eval_iteration(self, *args, **kwargs):
         """GPyTorch's evaluation test, plus: no Cholesky, CG or CIQ of :math:`K_{uu}` during the call."""
-        recorder = _CholeskyCallSites(torch.linalg.cholesky_ex)
-        with patch("torch.linalg.cholesky_ex", new=recorder):  # the harness's mock wraps the recorder
+        with _CholeskyRecorder() as recorder:  # the harness's mock wraps the cholesky_ex recorder
             cg_mock, cholesky_mock, ciq_mock = super().test_eval_iteration(*args, **kwargs)
         self._check_no_kuu_factorisation(cg_mock, cholesky_mock, ciq_mock, recorder)
 
     def test_training_iteration(self, *args, **kwargs):
         """GPyTorch's training test (nonzero gradients everywhere), plus: no factorisation of :math:`K_{uu}`."""
-        recorder = _CholeskyCallSites(torch.linalg.cholesky_ex)
-        with patch("torch.linalg.cholesky_ex", new=recorder):
+        with _CholeskyRecorder() as recorder:
             cg_mock, cholesky_mock, ciq_mock = super().test_training_iteration(*args, **kwargs)
         self._check_no_kuu_factorisation(cg_mock, cholesky_mock, ciq_mock, recorder)
 
@@ -214,3 +246,48 @@ class KernelEigenVariationalTestCase(VariationalTestCase):
         self.assertIsInstance(prior.lazy_covariance_matrix, LowRankRootLinearOperator)
         root = model.covar_module(x, model.variational_strategy.inducing_points)
         self.assertAllClose(prior.covariance_matrix, root @ root.mT)
+
+    def test_posterior_at_the_prior_is_the_exact_prior(self):
+        r"""At :math:`q(u) = p(u)` exactly (GPyTorch's initialisation without its noise), in float64: the KL is 0, and
+        with :math:`s = M` (no truncation) :math:`q(f(x))` is the exact prior of the branches, mean ``mean_module(x)``
+        and covariance :math:`\sum_b \kappa_b \kappa_b^\top` formed densely from the kernel (see the module
+        docstring). A strategy that scales, drops or double-counts :math:`m`, :math:`S` or :math:`\Lambda` fails
+        here, where the shape and gradient tests pass."""
+        dtype = torch.get_default_dtype()
+        torch.set_default_dtype(torch.float64)
+        try:
+            torch.manual_seed(self.seed)
+            model, _ = self._make_model_and_likelihood(
+                batch_shape=self.batch_shape,
+                inducing_batch_shape=self.batch_shape,
+                distribution_cls=self.distribution_cls,
+                strategy_cls=self.strategy_cls,
+            )
+            strategy = model.variational_strategy
+            strategy._variational_distribution.mean_init_std = 0.0  # q(u) starts at p(u) exactly
+            x = torch.randn(*self.batch_shape, 7, 2)
+            model.eval()
+            # a mean-field q(u) starts at prior.stddev, which GPyTorch clamps at min_variance (1e-10 in float64)
+            with torch.no_grad(), gpytorch.settings.min_variance(double_value=1e-300):
+                output = model(x)
+                kl = strategy.kl_divergence()
+                landmarks = strategy.inducing_points
+                sides = getattr(strategy, "_branch_sides", (getattr(strategy, "side", "left"),))
+                covariance = torch.zeros(())
+                for side in sides:
+                    if side == "left":
+                        root = model.covar_module(x, landmarks).to_dense()
+                    else:
+                        root = model.covar_module(landmarks, x).to_dense().mT
+                    covariance = covariance + root @ root.mT
+                mean = model.mean_module(x)
+        finally:
+            torch.set_default_dtype(dtype)
+        self.assertEqual(output.mean.dtype, torch.float64)
+        self.assertAllClose(kl, torch.zeros_like(kl), rtol=0.0, atol=1e-8)
+        self.assertAllClose(output.mean, mean.expand_as(output.mean), rtol=1e-10, atol=1e-10)
+        if not self.shared_posterior:
+            scale = covariance.abs().max().item()
+            self.assertAllClose(
+                output.covariance_matrix, covariance.expand_as(output.covariance_matrix), rtol=0.0, atol=1e-8 * scale
+            )

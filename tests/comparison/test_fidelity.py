@@ -114,3 +114,19 @@ def test_a_run_measures_the_first_member_as_it_was_before_training():
         np.testing.assert_allclose(fidelity[f"initial_{name}"], expected[name], rtol=1e-6, atol=1e-7)
     assert fidelity["rank"] == [5.0, 5.0]
     assert fidelity["kernel_error"] != fidelity["initial_kernel_error"]  # one epoch moved the layer
+
+
+def test_the_settings_are_checked_before_the_forward_pass():
+    # random_samples and seed were checked only inside ksvd_fidelity, after the forward pass and under its name, and
+    # not at all when no layer was measured (every rank above the sequence length): random_samples=0 returned {}
+    model, data = _model(0, num_inducing=4), _data()
+    short = type("Inputs", (), {"inputs": data.inputs[:, :3], "labels": data.labels})()  # 3 tokens < s = 4
+    assert model_fidelity(model, short) == {}
+    for kwargs, match in (
+        ({"random_samples": 0}, r"^model_fidelity: expected random_samples to be a positive integer, got 0$"),
+        ({"random_samples": True}, r"^model_fidelity: expected random_samples to be a positive integer, got True$"),
+        ({"seed": -1}, r"^model_fidelity: expected seed to be a non-negative integer, got -1$"),
+    ):
+        for dataset in (data, short):
+            with pytest.raises(ValueError, match=match):
+                model_fidelity(model, dataset, **kwargs)

@@ -103,3 +103,48 @@ def test_a_pair_inside_a_multi_output_wrapper_is_refused_and_a_batch_of_outputs_
 
 if __name__ == "__main__":
     unittest.main()
+
+
+# -- the harness fails on a broken strategy ---------------------------------------------------------------------------
+class _FactorisingPair(KernelEigenPairVariationalStrategy):
+    """Factorises K_uu = Lambda^2 by torch.linalg.cholesky on every call (the O(s^3) the harness must catch)."""
+
+    def forward(self, x, *args, **kwargs):
+        torch.linalg.cholesky(self.prior_distribution.covariance_matrix)
+        return super().forward(x, *args, **kwargs)
+
+
+class _DoubledCovariancePair(KernelEigenPairVariationalStrategy):
+    """Right shapes and gradients, wrong numbers: the predictive covariance doubled."""
+
+    def forward(self, x, *args, **kwargs):
+        output = super().forward(x, *args, **kwargs)
+        return gpytorch.distributions.MultivariateNormal(output.mean, output.lazy_covariance_matrix * 2.0)
+
+
+class _ShiftedMeanPair(KernelEigenPairVariationalStrategy):
+    """Right shapes and gradients, wrong numbers: the predictive mean shifted by one."""
+
+    def forward(self, x, *args, **kwargs):
+        output = super().forward(x, *args, **kwargs)
+        return gpytorch.distributions.MultivariateNormal(output.mean + 1.0, output.lazy_covariance_matrix)
+
+
+def _harness_failures(strategy_cls, methods: tuple[str, ...]) -> list[str]:
+    attributes = {"tie": False, "branches": 2, "strategy_cls": strategy_cls}
+    case = type("Case", (KernelEigenVariationalTestCase, unittest.TestCase), attributes)
+    result = unittest.TestResult()
+    unittest.TestSuite(case(method) for method in methods).run(result)
+    assert result.testsRun == len(methods) and not result.errors, result.errors
+    return sorted(test._testMethodName for test, _ in result.failures)
+
+
+def test_the_harness_fails_a_broken_strategy():
+    # a strategy calling torch.linalg.cholesky on K_uu, or returning wrong numbers of the right shapes, passed every
+    # test of the harness: only cholesky_ex was watched, and nothing checked a number
+    factorisation = ("test_training_iteration", "test_eval_iteration")
+    numbers = ("test_posterior_at_the_prior_is_the_exact_prior",)
+    assert _harness_failures(KernelEigenPairVariationalStrategy, factorisation + numbers) == []
+    assert _harness_failures(_FactorisingPair, factorisation) == sorted(factorisation)
+    assert _harness_failures(_DoubledCovariancePair, numbers + factorisation) == list(numbers)
+    assert _harness_failures(_ShiftedMeanPair, numbers) == list(numbers)
