@@ -212,23 +212,45 @@ def test_a_resumed_run_removes_the_results_and_figures_it_did_not_write(tmp_path
     assert record.read_text() == "{}"  # the records are kept
 
 
-def test_num_inducing_for_rows_without_an_inducing_set_is_a_note() -> None:
+def _unused_notes(rows, tasks=("pointer",), **options) -> list[str]:
     import argparse
 
-    from gpattn.cli.compare import _unused_num_inducing
+    from gpattn.cli import build_parser
+    from gpattn.cli.compare import _unused_options
     from gpattn.comparison import CompareConfig, plan_runs
 
-    def note(*rows: str) -> str | None:
-        runs = plan_runs(CompareConfig(attentions=rows, tasks=("pointer",), seeds=(0,), num_inducing=4))
-        return _unused_num_inducing(runs, argparse.Namespace(num_inducing=4))
+    args = vars(build_parser().parse_args(["compare"]))  # every option at its default
+    args.update(options)
+    given = {name: value for name, value in options.items() if name in ("num_inducing", "mc_dropout", "tuned_dir")}
+    config = CompareConfig(attentions=rows, tasks=tasks, seeds=(0,), tuned=not args["untuned"], **given)
+    return _unused_options(config, plan_runs(config), argparse.Namespace(**args))
 
-    assert (
-        note("softmax", "cgpt")
-        == "--num-inducing 4: no row of this comparison (cgpt, softmax) has an inducing set to size"
-    )
-    assert note("softmax", "kep_svgp") is None  # kep_svgp's rank is set by it
-    assert note("deep_ensemble", "softmax_mc_dropout") is not None  # softmax rows under other names
-    assert _unused_num_inducing([("pointer", "cgpt", 0)], argparse.Namespace(num_inducing=None)) is None
+
+def test_num_inducing_for_rows_without_an_inducing_set_is_a_note() -> None:
+    assert _unused_notes(("softmax", "cgpt"), num_inducing=4) == [
+        "--num-inducing 4: no row of this comparison (cgpt, softmax) has an inducing set to size"
+    ]
+    assert _unused_notes(("softmax", "kep_svgp"), num_inducing=4) == []  # kep_svgp's rank is set by it
+    assert _unused_notes(("deep_ensemble", "softmax_mc_dropout"), num_inducing=4) != []  # softmax rows, other names
+    assert _unused_notes(("cgpt",)) == []
+
+
+def test_options_that_reach_no_run_are_named_in_a_note(tmp_path) -> None:
+    """An epochs option of a task not compared, --ksvd-weight or --mc-dropout without a row that uses it, and
+    --tuned-dir under --untuned were ignored without a word."""
+    assert _unused_notes(("softmax",), digits_epochs=5, mnist1d_epochs=3, pointer_epochs=2) == [
+        "--digits-epochs 5: no run of this comparison is on digits (tasks: pointer)",
+        "--mnist1d-epochs 3: no run of this comparison is on mnist1d (tasks: pointer)",
+    ]
+    assert _unused_notes(("softmax", "sgpa"), ksvd_weight=0.5, mc_dropout=0.2) == [
+        "--ksvd-weight 0.5: no row of this comparison (sgpa, softmax) has a KSVD penalty to weight",
+        "--mc-dropout 0.2: no row of this comparison (sgpa, softmax) predicts with dropout",
+    ]
+    assert _unused_notes(("primal", "softmax_mc_dropout"), ksvd_weight=0.5, mc_dropout=0.2) == []
+    assert _unused_notes(("softmax",), tuned_dir=str(tmp_path), untuned=True) == [
+        f"--tuned-dir {tmp_path}: not read, --untuned trains every row with the shared settings"
+    ]
+    assert _unused_notes(("softmax",), tuned_dir=str(tmp_path)) == []
 
 
 def test_quick_is_labelled_a_smoke_test(tmp_path, capsys) -> None:
@@ -326,7 +348,7 @@ def test_compare_notes_the_shared_options_that_tuned_rows_do_not_use(tmp_path, c
     )
     # --mc-dropout reaches only the rows that predict with dropout (softmax's tuned dropout is not its business)
     assert main([*argv, "--mc-dropout", "0.2", "--out", str(tmp_path / "d")]) == 130
-    assert "--mc-dropout" not in capsys.readouterr().err
+    assert "--mc-dropout 0.2 (not" not in capsys.readouterr().err  # (a note says that no row predicts with dropout)
     mc_dropout = [*argv[:6], "softmax_mc_dropout", *argv[7:], "--mc-dropout", "0.2", "--out", str(tmp_path / "e")]
     assert main(mc_dropout) == 130
     assert "; --mc-dropout 0.2 (not softmax_mc_dropout on digits):" in capsys.readouterr().err
@@ -358,6 +380,9 @@ def test_a_tuned_dir_without_the_tasks_file_is_named(tmp_path, capsys, monkeypat
     assert (
         main(["train", "--task", "digits", "--tuned-dir", str(folder), "--untuned", "--out", str(tmp_path / "u")])
         == 130
+    )
+    assert capsys.readouterr().err.startswith(
+        f"gpattn train: note: --tuned-dir {folder}: not read, --untuned trains with the shared settings\n"
     )
     shutil.copy(tuned_path("digits"), folder / "digits.json")
     argv = ["compare", "--tasks", "digits", "pointer", "--attentions", "softmax", "--seeds", "0", "--no-progress"]
@@ -718,3 +743,47 @@ def test_compare_and_tune_print_the_mps_note(command, tmp_path, capsys, monkeypa
     assert main(argv) == 130  # Ctrl-C's status
     assert seen == [("cpu", 3 if command == "compare" else 4, "local")]
     assert f"gpattn {command}: note: MARKER\n" in capsys.readouterr().err
+
+
+def test_a_reader_that_goes_away_stops_the_output_not_the_command(tmp_path, monkeypatch) -> None:
+    """``gpattn train ... 2>&1 | head -1``: the reader of standard output and error is gone after the first line of
+    progress. The training stopped there with a BrokenPipeError (status 1, no record.json, and an error line nobody
+    could read); now the rest of the output is dropped and the run ends as it would have, with its status."""
+    import io
+    import os
+
+    streams = []
+    for name in ("stdout", "stderr"):
+        read_end, write_end = os.pipe()
+        os.close(read_end)  # the reader is gone before the first line
+        stream = io.TextIOWrapper(io.FileIO(write_end, "w"), line_buffering=True)
+        streams.append(stream)
+        monkeypatch.setattr(sys, name, stream)
+    argv = ["train", "--task", "pointer", "--attention", "softmax", "--epochs", "1", "--eval-samples", "2"]
+    assert main([*argv, "--out", str(tmp_path / "t")]) == 0
+    assert json.loads((tmp_path / "t" / "record.json").read_text())["attention"] == "softmax"
+    for stream in streams:  # pointed at the null device: the interpreter's last flush raises nothing
+        stream.write("more")
+        stream.flush()
+        stream.close()
+
+
+@pytest.mark.parametrize(
+    ("command", "entries", "flag"),
+    [
+        (["regression"], ["results.json", "runs", "table.md"], "--overwrite"),  # deleted compare's results.json
+        (["compare"], ["run.json", "checkpoints"], "--overwrite"),  # mixed the two runs' files
+        (["train"], ["results.json", "runs"], "--overwrite"),
+        (["compare"], ["study.db", "trials"], "--resume"),  # trained every run into tune's folder, without a word
+    ],
+)
+def test_another_commands_run_folder_is_refused_whatever_the_flags(command, entries, flag, tmp_path, capsys, no_runs):
+    for name in entries:
+        (tmp_path / name).write_text("kept")
+    assert main([*command, "--out", str(tmp_path), flag]) == 1
+    foreign = ", ".join(sorted(name for name in entries if name != "results.json"))
+    assert capsys.readouterr().err == (
+        f"gpattn {command[0]}: error: --out {tmp_path} holds the run of another gpattn command ({foreign}), which this "
+        "command neither replaces nor continues: choose another --out\n"
+    )
+    assert all((tmp_path / name).read_text() == "kept" for name in entries)

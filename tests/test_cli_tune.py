@@ -98,6 +98,7 @@ def test_the_default_study_file_is_inside_an_out_folder_with_a_query_character(t
         (["--seed", "12"], "nor a member seed of their ensembles (0-49), got 12"),
         (["--seed", "5000000"], "expected seed to be an integer in [0, 4294967]"),
         (["--trials", "0"], "--trials: expected the value to be a positive integer"),
+        (["--storage", ""], "--storage: expected an Optuna RDB URL, e.g. sqlite:///study.db, got ''"),  # the default
     ],
 )
 def test_bad_options_are_one_line_with_status_2(argument, message, tmp_path, capsys, no_training):

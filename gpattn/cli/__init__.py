@@ -5,12 +5,16 @@ tables and results page of run folders); one module per command.
 
 Exit status: 0 on success; 2 for a bad option (the message names it) before anything runs; 1 for a failure while
 running (a diverged training, a damaged checkpoint, a folder that cannot be written, ...), printed as one line
-``gpattn <command>: error: ...`` without a traceback; 130 after Ctrl-C (one line saying what was kept).
+``gpattn <command>: error: ...`` without a traceback; 130 after Ctrl-C (one line saying what was kept). A reader of
+standard output or error that goes away early (``gpattn report RUN | head -1``, ``gpattn train ... 2>&1 | head``)
+stops only the output: the rest of it is dropped, the command still trains and writes its files, and its exit status
+is its own.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import warnings
 from collections.abc import Sequence
@@ -60,6 +64,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     prefix = f"gpattn {args.command}"
     default_format = warnings.formatwarning
     warnings.formatwarning = _warning_line(prefix, default_format)  # gpattn's warnings as one line each
+    streams = sys.stdout, sys.stderr
+    sys.stdout, sys.stderr = _ReaderOptional(sys.stdout), _ReaderOptional(sys.stderr)
     try:
         return run(args)
     except KeyboardInterrupt as interrupt:
@@ -74,6 +80,49 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 1
     finally:
         warnings.formatwarning = default_format
+        sys.stdout.flush()
+        sys.stderr.flush()
+        sys.stdout, sys.stderr = streams
+
+
+class _ReaderOptional:
+    """A command's standard output or error whose reader may go away early (a pipe into ``head``): from then on what
+    is written is dropped, instead of a ``BrokenPipeError`` that would stop the command (a training, after its first
+    line of progress) or fail its error message in turn. The stream's file descriptor is pointed at the null device
+    then, so that the interpreter's last flush of what is still buffered raises nothing either."""
+
+    def __init__(self, stream) -> None:
+        self.stream = stream
+        self.reader_gone = False
+
+    def write(self, text: str) -> int:
+        if not self.reader_gone:
+            try:
+                return self.stream.write(text)
+            except BrokenPipeError:
+                self._drop()
+        return len(text)
+
+    def flush(self) -> None:
+        if not self.reader_gone:
+            try:
+                self.stream.flush()
+            except BrokenPipeError:
+                self._drop()
+
+    def _drop(self) -> None:
+        self.reader_gone = True
+        try:
+            null = os.open(os.devnull, os.O_WRONLY)
+            try:
+                os.dup2(null, self.stream.fileno())
+            finally:
+                os.close(null)
+        except (OSError, ValueError):  # a stream without a file descriptor: nothing buffered to flush there
+            pass
+
+    def __getattr__(self, name: str):  # isatty, fileno, encoding, ... of the stream
+        return getattr(self.stream, name)
 
 
 def _warning_line(prefix: str, default_format):

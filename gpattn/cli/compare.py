@@ -164,9 +164,9 @@ def add_compare(commands) -> None:
         "--cuda-graphs",
         action="store_true",
         help="with --device cuda: capture every full-size training step (forward and backward passes) as one CUDA "
-        "graph and replay it, and the evaluation's passes too, for the rows whose layers support it (SGPA's run "
-        "eagerly; each record's train.cuda_graphs says which did); reproducible, but other random draws than the "
-        "eager runs'; no compiler (see the attention guide)",
+        "graph and replay it, and the evaluation's passes too, for the rows whose layers support it (SGPA's, the "
+        "symmetric SVGP's and CGPT's run eagerly; each record's train.cuda_graphs says which did); reproducible, but "
+        "other random draws than the eager runs'; no compiler (see the attention guide)",
     )
     compare.add_argument(
         "--resume",
@@ -218,19 +218,32 @@ def _tuned_note(config, runs, args: argparse.Namespace) -> str | None:
     )
 
 
-def _unused_num_inducing(runs, args: argparse.Namespace) -> str | None:
-    """The note for ``--num-inducing`` given to a comparison none of whose rows has an inducing set, or ``None``."""
+def _unused_options(config, runs, args: argparse.Namespace) -> list[str]:
+    """The notes for options given on the command line that reach no planned run (one each): an epochs option of a
+    task not compared, ``--num-inducing`` / ``--ksvd-weight`` / ``--mc-dropout`` where no row has an inducing set /
+    a KSVD penalty / dropout at prediction, ``--tuned-dir`` where every row trains with the shared settings."""
     from ..attention import attention_arguments
     from ..methods import get_method
 
-    if args.num_inducing is None:
-        return None
     rows = sorted({row for _, row, _ in runs})
-    if any("num_inducing" in attention_arguments(get_method(row).attention) for row in rows):
-        return None
-    return (
-        f"--num-inducing {args.num_inducing}: no row of this comparison ({', '.join(rows)}) has an inducing set to size"
-    )
+    shown = ", ".join(rows)
+    notes = [
+        f"--{task}-epochs {getattr(args, f'{task}_epochs')}: no run of this comparison is on {task} (tasks: "
+        f"{' '.join(config.tasks)})"
+        for task in ("pointer", "digits", "mnist1d")
+        if getattr(args, f"{task}_epochs", None) is not None and task not in config.tasks
+    ]
+    layer_options = (("num_inducing", "has an inducing set to size"), ("ksvd_weight", "has a KSVD penalty to weight"))
+    for name, what in layer_options:
+        value = getattr(args, name, None)
+        if value is not None and not any(name in attention_arguments(get_method(row).attention) for row in rows):
+            notes.append(f"--{name.replace('_', '-')} {value}: no row of this comparison ({shown}) {what}")
+    if args.mc_dropout is not None and not any(get_method(row).predictive.mc_dropout for row in rows):
+        notes.append(f"--mc-dropout {args.mc_dropout}: no row of this comparison ({shown}) predicts with dropout")
+    if args.tuned_dir is not None and not config.tuned:
+        preset = "--untuned" if args.untuned else "--quick"
+        notes.append(f"--tuned-dir {args.tuned_dir}: not read, {preset} trains every row with the shared settings")
+    return notes
 
 
 def run_folder_outputs() -> tuple[str, ...]:
@@ -268,7 +281,7 @@ def run_compare(args: argparse.Namespace) -> int:
     except ValueError as error:
         print(f"gpattn compare: error: {error}", file=sys.stderr)
         return 2
-    notes = (_tuned_note(config, runs, args), _unused_num_inducing(runs, args))
+    notes = (_tuned_note(config, runs, args), *_unused_options(config, runs, args))
     for note in (*notes, mps_note(config.device, min(config.jobs, len(runs)), args.executor)):
         if note:
             print(f"gpattn compare: note: {note}", file=sys.stderr)

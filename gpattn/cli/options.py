@@ -27,6 +27,7 @@ from ..validation import check_device, check_float, check_int
 
 __all__ = [
     "LOCK_FILE",
+    "RUN_FOLDER_MARKS",
     "NothingToResume",
     "CommandError",
     "CommandInterrupted",
@@ -218,6 +219,14 @@ class NothingToResume(UserWarning):
 
 #: The lock file that :func:`prepare_out` holds in a run folder while a command writes to it.
 LOCK_FILE = ".gpattn.lock"
+#: Entries that only one command writes into its run folder (``results.json`` is both compare's and regression's): a
+#: folder that holds one that the command does not replace is another command's run, refused by :func:`prepare_out`
+RUN_FOLDER_MARKS = (
+    "runs", "table.md", "results.csv",  # compare
+    "run.json", "record.json", "checkpoints",  # train
+    "study.db", "trials", "tuned",  # tune
+    "posterior.png",  # regression
+)  # fmt: skip
 
 
 @contextmanager
@@ -233,14 +242,16 @@ def prepare_out(
     created if missing and must be writable; :data:`LOCK_FILE` in it is locked (``fcntl.flock``, released when the
     block or the process ends, also after a kill), so that a second command on the same folder stops at once; a folder
     that already holds files is refused unless ``resume`` (continue it) or ``overwrite`` (the entries ``replaced``,
-    e.g. ``"results.json"``, ``"runs"``, are deleted first, so no stale result is mixed with new ones); ``resume`` on
+    e.g. ``"results.json"``, ``"runs"``, are deleted first, so no stale result is mixed with new ones); a folder that
+    holds another command's run (one of :data:`RUN_FOLDER_MARKS` not among ``replaced``) is refused whatever the
+    flags; ``resume`` on
     a folder that holds nothing warns (:class:`NothingToResume`) and goes on, unless ``resumes_from_out`` is false
     (what the command continues is kept elsewhere, e.g. ``gpattn tune --storage``).
 
     :raises ValueError: ``resume`` and ``overwrite`` together.
 
-    :raises CommandError: The folder cannot be created or written, another gpattn command is writing to it, or it
-        holds an earlier run.
+    :raises CommandError: The folder cannot be created or written, another gpattn command is writing to it, it
+        holds an earlier run, or another command's run.
     """
     if resume and overwrite:
         raise ValueError(
@@ -258,6 +269,12 @@ def prepare_out(
     with lock:
         _lock(lock, out)
         held = sorted(path.name for path in out.iterdir() if path.name != LOCK_FILE)
+        foreign = [name for name in held if name in RUN_FOLDER_MARKS and name not in replaced]
+        if foreign:  # --overwrite would delete this command's entries only and mix the two runs' files
+            raise CommandError(
+                f"--out {out} holds the run of another gpattn command ({', '.join(foreign)}), which this command "
+                "neither replaces nor continues: choose another --out"
+            )
         # a mistyped folder would otherwise start everything again without a word
         if resume and resumes_from_out and not held:
             message = f"--resume: --out {out} holds no earlier run; everything runs from the start"

@@ -130,6 +130,11 @@ def run_train(args: argparse.Namespace) -> int:
     except ValueError as error:
         print(f"gpattn train: error: {error}", file=sys.stderr)
         return 2
+    if args.untuned and args.tuned_dir is not None:
+        print(
+            f"gpattn train: note: --tuned-dir {args.tuned_dir}: not read, --untuned trains with the shared settings",
+            file=sys.stderr,
+        )
     if args.resume and not (out / "checkpoints" / "last.pt").exists():
         print(f"gpattn train: error: --resume needs {out / 'checkpoints' / 'last.pt'}", file=sys.stderr)
         return 2

@@ -90,6 +90,7 @@ def add_tune(commands) -> None:
     add_executor(tune, "trial")
     tune.add_argument(
         "--storage",
+        type=_storage,
         default=None,
         help="an Optuna RDB URL holding the studies, e.g. postgresql://user:password@host/db to share them between "
         "machines (default: sqlite:///OUT/study.db)",
@@ -121,6 +122,13 @@ def add_tune(commands) -> None:
     tune.add_argument("--device", type=device, default="cpu", help="cpu or cuda (default: %(default)s)")
     tune.add_argument("--no-progress", action="store_true", help="print no line per finished trial and no live bar")
     add_common(tune, resume="continues the studies")
+
+
+def _storage(text: str) -> str:
+    """An argparse type: an Optuna RDB URL, not empty (which would have meant the default, sqlite:///OUT/study.db)."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError(f"expected an Optuna RDB URL, e.g. sqlite:///study.db, got {text!r}")
+    return text
 
 
 def run_tune(args: argparse.Namespace) -> int:
