@@ -70,11 +70,11 @@ import torch
 
 from gpattn.attention import sample_attention
 from gpattn.data import make_pointer_task
-from gpattn.experiments import TrainConfig, evaluate, train_model
 from gpattn.ksvd import kernel_svd
 from gpattn.metrics import accuracy, expected_calibration_error, negative_log_likelihood
 from gpattn.models import predict_probabilities
 from gpattn.models import Transformer
+from gpattn.training import TrainConfig, evaluate, train_model
 
 # %matplotlib inline
 style()
@@ -89,7 +89,7 @@ print(f"notebook size: {SIZE}")
 # classes apart from content alone. Sequences have a fixed length of 10 (the `primal_features` mode needs one).
 # Each model: embedding width 32, 2 heads, one softmax block then one KEP-SVGP block with rank $s = 4$
 # (`num_inducing=4`) and the layer's default KSVD weight $\eta = 1$ (`ksvd_weight`), trained by
-# `gpattn.experiments.train_model` (AdamW, warm-up + cosine schedule, `AttentionELBO` with $\beta = 1$, best validation
+# `gpattn.training.train_model` (AdamW, warm-up + cosine schedule, `AttentionELBO` with $\beta = 1$, best validation
 # NLL kept) for 20 epochs of 2048 sequences; test predictions average 10 Monte Carlo samples.
 
 # %%
@@ -231,14 +231,16 @@ plt.show()
 
 # %% [markdown]
 # The layer variance is no out-of-distribution score. For sequences without `a` and `b` it barely moves in the
-# amortised model (0.0054 → 0.0058) and *falls* in the `primal_features` model (0.0112 → 0.0012); it rises for two
-# sources or random tokens (amortised 0.0111 and 0.0141). In exact mode the mean variance is the same number,
+# amortised model (0.0054 → 0.0058) and *falls* in the `primal_features` model (0.0112 → 0.0012). It rises for
+# two sources or random tokens in the amortised model (0.0111 and 0.0141), but in the `primal_features` model
+# only for random tokens (0.0154; two sources: 0.0104). In exact mode the mean variance is the same number,
 # 0.0767, for every input set, and must be:
-# $e(X) \Lambda^{-1} = H_e$ has orthonormal columns, so the variance summed over the tokens of a sequence is
-# $\sum_n \|H_e[n] L\|^2 = \operatorname{tr}(S)$ whatever the input; per-sequence exact features normalise the
-# input away. The model's predictive entropy rises on every modified set, most for `primal_features` on sequences
-# without a pointer (0.45 nats, against $\ln 2 = 0.69$ for a coin flip) and for the exact model (0.19-0.29 nats);
-# the amortised model stays at or below 0.12 nats.
+# $e(X) \Lambda^{-1} = H_e$ (and $r(X) \Lambda^{-1} = H_r$) has orthonormal columns, so the variance summed over
+# the tokens of a sequence is $\sum_n \|H_e[n] L\|^2 = \operatorname{tr}(S)$ per branch and GP output whatever the
+# input, and the output maps are fixed; per-sequence exact features normalise the input away. The model's
+# predictive entropy rises on every modified set, most for `primal_features` on sequences without a pointer
+# (0.45 nats, against $\ln 2 = 0.69$ for a coin flip) and for the exact model (0.19-0.29 nats); the amortised
+# model stays at or below 0.12 nats.
 #
 # ## 3. Joint against marginal sampling
 #

@@ -72,7 +72,7 @@ import torch
 from IPython.display import Markdown, display
 
 from gpattn.attention import attention_names, build_attention
-from gpattn.experiments import CompareConfig, markdown_table, run_comparison, write_outputs
+from gpattn.comparison import CompareConfig, markdown_table, run_comparison, write_outputs
 from gpattn.plotting import (
     plot_ood_histograms,
     plot_reliability_diagrams,
@@ -177,9 +177,9 @@ plt.show()
 
 # %% [markdown]
 # Accuracy falls with severity for every attention, and the calibration error grows with it: no attention loses
-# confidence as fast as it loses accuracy. Averaged over the three kinds and five severities the shift NLL runs from
-# 1.47 (softmax, SGPA, the symmetric ablation) to 1.84 (Primal-Attention), KEP-SVGP 1.50, and the shift ECE from 19.5%
-# (the symmetric ablation) to 27.0% (Primal-Attention), KEP-SVGP 21.0%. Within the seed bands the curves mostly overlap:
+# confidence as fast as it loses accuracy. Averaged over the three kinds and five severities the shift NLL runs
+# from 1.47 (softmax, SGPA; the symmetric ablation 1.48) to 1.84 (Primal-Attention), KEP-SVGP 1.50, and the shift
+# ECE from 19.5% (the symmetric ablation) to 27.0% (Primal-Attention), KEP-SVGP 21.0%. Within the seed bands the curves mostly overlap:
 # at this size the GP attentions do not buy robustness to these shifts.
 #
 # ## 4. Out-of-distribution detection (digits)

@@ -204,8 +204,8 @@ for record in records:
 # * **Shift.** Accuracy falls and the ECE grows with the severity of every shift for every row (nearly
 #   monotonically), and all fall to about 20 % on the shuffled split (the spatial order is what they learned).
 #   KEP-SVGP has the lowest clean NLL (with SGPA, 0.061) but
-#   the highest shift NLL: at the strongest i.i.d. noise, correlated noise and shear its NLL climbs well above the
-#   other two (its mean shift NLL about 2.1 against 1.7 for SGPA and 1.2 for softmax).
+#   the highest shift NLL: at the strongest i.i.d. noise, correlated noise and shear its NLL climbs above the
+#   other two, far above softmax's (its mean shift NLL about 2.1 against 1.7 for SGPA and 1.2 for softmax).
 # * **OOD** (pooled noise sequences, maximum-probability AUROC): 89-91 % for the three; the random templates are the
 #   hardest family (80-81 %). The mutual information of the Monte Carlo samples ranks a little worse (KEP-SVGP
 #   87.6 %, SGPA 86.8 %, both below their maximum probability).
