@@ -97,8 +97,8 @@ def plot_shift_curves(
     groups = {a: [r for r in selected if r.attention == a] for a in attention_order(r.attention for r in selected)}
     size = (3.8 * max(len(kinds), 2), 2.9 * len(metrics) + 0.3 * len(groups) / 4 + 0.6)  # the legend below
     figure, axes = plt.subplots(
-        len(metrics), len(kinds), figsize=size, squeeze=False, sharex=True, layout="constrained"
-    )
+        len(metrics), len(kinds), figsize=size, squeeze=False, sharex="col", layout="constrained"
+    )  # one x axis per column: the kinds have their own severities (a shared axis kept the last column's ticks)
     for column, kind in enumerate(kinds):
         severities = sorted(
             unique(s for r in selected for s in r.metrics.shift.get(kind, {}) if s != "0"), key=severity_key
@@ -126,9 +126,8 @@ def plot_shift_curves(
             axis.set_xticks(x[np.isfinite(x)])
             axis.grid(alpha=0.3)
     handles, labels = axes[0, 0].get_legend_handles_labels()
-    figure.legend(
-        handles, labels, loc="outside lower center", ncols=min(len(labels), 4), fontsize=8, title="row (dashed: +ts)"
-    )
+    title = "row (dashed: +ts)" if any(linestyle(attention) != "-" for attention in groups) else "row"
+    figure.legend(handles, labels, loc="outside lower center", ncols=min(len(labels), 4), fontsize=8, title=title)
     several = any(len(group) > 1 for group in groups.values())
     spread = "mean over seeds, band ± 1 std" if several else "1 seed"
     figure.suptitle(f"Metrics under distribution shift on {task} ({spread})")

@@ -519,3 +519,22 @@ def test_reliability_refuses_a_filled_bin_without_its_mean(records, field) -> No
     with pytest.raises(ValueError, match=rf"kep_svgp \(task 'digits', seed 0\) has no finite .* bin\(s\) \[{filled}\]"):
         plot_reliability_diagrams([broken], "digits")
     assert plt.get_fignums() == []
+
+
+def test_each_shift_kind_keeps_its_own_severity_ticks_and_the_legend_names_dashes_only_when_drawn(records) -> None:
+    # a kind with severities 1-5 beside a one-level kind (MNIST-1D's "shuffled"): with one x axis shared by all the
+    # panels the last column's ticks (0, 1) were every panel's, severities 2-5 unlabelled; and the legend said
+    # "dashed: +ts" with no +ts row drawn
+    digits = [r for r in records if r.task == "digits"]
+    one_level = [
+        _with_shift(r, {**r.metrics.shift, "shuffled": {"1": r.metrics.shift["gaussian_noise"]["1"]}}) for r in digits
+    ]
+    figure = plot_shift_curves(one_level, metrics=("accuracy", "ece"))
+    columns = len(KINDS) + 1
+    for row in range(2):
+        for column in range(columns):
+            ticks = figure.axes[row * columns + column].get_xticks()
+            np.testing.assert_array_equal(ticks, [0, 1] if column == columns - 1 else np.arange(6))
+    assert figure.legends[0].get_title().get_text() == "row"
+    scaled = plot_shift_curves([_scaled(r, 0.5) for r in digits], metrics=("ece",), scaled=True)
+    assert scaled.legends[0].get_title().get_text() == "row (dashed: +ts)"
