@@ -787,3 +787,16 @@ def test_another_commands_run_folder_is_refused_whatever_the_flags(command, entr
         "command neither replaces nor continues: choose another --out\n"
     )
     assert all((tmp_path / name).read_text() == "kept" for name in entries)
+
+
+@pytest.mark.parametrize("name", ["stdout", "stderr"])
+def test_a_closed_stream_is_left_alone_and_the_streams_are_restored(name, tmp_path, monkeypatch) -> None:
+    """``gpattn ... 1>&-`` (or ``2>&-``, or pythonw): Python's stream is None, to which print writes nothing. The
+    wrapper wrapped None, the first print raised AttributeError, the final flush raised again and the wrapper stayed
+    installed for the rest of the process."""
+    monkeypatch.setattr(sys, name, None)
+    other = sys.stderr if name == "stdout" else sys.stdout
+    argv = ["train", "--task", "pointer", "--attention", "softmax", "--epochs", "1", "--eval-samples", "2"]
+    assert main([*argv, "--out", str(tmp_path / "t")]) == 0
+    assert json.loads((tmp_path / "t" / "record.json").read_text())["attention"] == "softmax"
+    assert getattr(sys, name) is None and (sys.stderr if name == "stdout" else sys.stdout) is other

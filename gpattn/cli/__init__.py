@@ -14,6 +14,7 @@ is its own.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 import warnings
@@ -65,7 +66,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     default_format = warnings.formatwarning
     warnings.formatwarning = _warning_line(prefix, default_format)  # gpattn's warnings as one line each
     streams = sys.stdout, sys.stderr
-    sys.stdout, sys.stderr = _ReaderOptional(sys.stdout), _ReaderOptional(sys.stderr)
+    # a closed stream (``1>&-``, pythonw) is None, to which print writes nothing: left as it is
+    sys.stdout, sys.stderr = (None if stream is None else _ReaderOptional(stream) for stream in streams)
     try:
         return run(args)
     except KeyboardInterrupt as interrupt:
@@ -80,9 +82,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 1
     finally:
         warnings.formatwarning = default_format
-        sys.stdout.flush()
-        sys.stderr.flush()
-        sys.stdout, sys.stderr = streams
+        try:
+            for stream in (sys.stdout, sys.stderr):
+                with contextlib.suppress(OSError, ValueError, AttributeError):  # closed, full disk, None: the status
+                    stream.flush()  # stays the command's
+        finally:
+            sys.stdout, sys.stderr = streams
 
 
 class _ReaderOptional:

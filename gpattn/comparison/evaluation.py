@@ -67,10 +67,13 @@ def classification_metrics(
     (:func:`~gpattn.metrics.sweep_calibration_error`). ``probabilities`` and ``labels`` are tensors or NumPy arrays,
     checked as every metric checks them; the mean confidence is computed in float64, as the metrics."""
     accuracy, nll = validation_metrics(probabilities, labels)
-    array, _ = _check_inputs(probabilities, labels)  # float64, whatever the input's dtype
+    _check_inputs(probabilities, labels)  # NumPy or torch, checked as the metrics check them
+    # the top probabilities averaged in float64 by torch (as before for float64 input: the records of earlier runs
+    # stay bit-equal, which gpattn report's merge of run folders compares), not in float16
+    top = torch.as_tensor(probabilities).detach().max(dim=-1).values.double()
     return ClassificationMetrics(
         accuracy=accuracy,
-        confidence=float(array.max(axis=1).mean()),
+        confidence=float(top.mean()),
         nll=nll,
         ece=metrics.expected_calibration_error(probabilities, labels, num_bins),
         mce=metrics.maximum_calibration_error(probabilities, labels, num_bins),

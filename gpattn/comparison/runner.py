@@ -360,7 +360,7 @@ def execute_runs(
     :raises OSError: ``out/runs`` cannot be created or written (checked before any run).
     :raises ValueError: A stored run file that cannot be read, is not the run its name says (copied or renamed from
         another run), or was made with other settings (:func:`read_run_file`); a run of ``runs`` that is not a
-        ``(task, row, seed)`` triple (a task of the comparison, a registered row, a non-negative integer seed, not a
+        ``(task, row, seed)`` triple (a known task, a registered row, a non-negative integer seed, not a
         bool) or that comes twice; ``resume`` without ``out``.
     :warns RunsFromOtherCodeWarning: Stored runs made by other code (gpattn version or git commit) than this call's.
     """

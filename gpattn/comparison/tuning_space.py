@@ -132,7 +132,7 @@ class SearchParameter:
                 )
             object.__setattr__(self, "choices", choices)
             return
-        if self.choices != ():  # they would be ignored
+        if self.choices:  # they would be ignored (an empty sequence: none given)
             raise ValueError(f"{where}: a {self.kind} range takes no choices, got {self.choices!r}")
         for label in ("low", "high"):  # NumPy numbers as Python ones (an integer stays one: describe's JSON)
             value = getattr(self, label)

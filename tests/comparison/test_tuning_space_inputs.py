@@ -95,6 +95,11 @@ def test_an_argument_the_kind_ignores_is_refused(arguments, message) -> None:
     # both were accepted and ignored: a choice sampled its choices, a range its bounds, whatever else was given
     with pytest.raises(ValueError, match=rf"SearchParameter 'x': {message}"):
         SearchParameter("x", **arguments)
+    # an empty sequence of choices is no choice given, whatever its type
+    assert (
+        SearchParameter("x", "uniform", 0.0, 1.0, choices=[]).describe()
+        == SearchParameter("x", "uniform", 0.0, 1.0).describe()
+    )
 
 
 def test_choices_are_json_scalars_and_numpy_ones_are_stored_as_python() -> None:
