@@ -800,3 +800,15 @@ def test_a_closed_stream_is_left_alone_and_the_streams_are_restored(name, tmp_pa
     assert main([*argv, "--out", str(tmp_path / "t")]) == 0
     assert json.loads((tmp_path / "t" / "record.json").read_text())["attention"] == "softmax"
     assert getattr(sys, name) is None and (sys.stderr if name == "stdout" else sys.stdout) is other
+
+
+def test_the_threads_help_of_regression_speaks_of_its_fits_not_of_parallel_runs(capsys) -> None:
+    # regression runs its three fits one after the other: the shared help's "as soon as runs go in parallel" was false
+    helps = {}
+    for command in ("regression", "compare"):
+        with pytest.raises(SystemExit):
+            main([command, "--help"])
+        helps[command] = " ".join(capsys.readouterr().out.split())
+    assert "--threads THREADS torch threads of the fits (default: 1;" in helps["regression"]
+    assert "parallel" not in helps["regression"].split("--threads THREADS", 1)[1].split("--overwrite", 1)[0]
+    assert "as soon as runs go in parallel" in helps["compare"]

@@ -258,3 +258,11 @@ def test_a_failing_trial_with_two_workers_is_one_line_without_a_traceback(tmp_pa
     assert completed.returncode == 1, completed.stderr
     assert "trial 0 of pointer-sgpa failed: injected failure" in completed.stderr
     assert "Traceback" not in completed.stderr and "KeyboardInterrupt" not in completed.stderr, completed.stderr
+
+
+def test_the_storage_help_says_overwrite_leaves_its_studies(capsys) -> None:
+    # --overwrite deletes OUT's study.db, not the studies of an external --storage, which a new tuning joins
+    with pytest.raises(SystemExit):
+        main(["tune", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "--overwrite replaces OUT only: the studies of a --storage stay, and a new tuning with the same" in text

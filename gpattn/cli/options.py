@@ -153,9 +153,10 @@ THREADS_HELP = (
 )
 
 
-def add_common(parser: argparse.ArgumentParser, resume: str | None) -> None:
-    """Add ``--threads`` and ``--overwrite`` (whose help names what ``--resume`` does, when the command has one)."""
-    parser.add_argument("--threads", type=positive_int, default=1, help=THREADS_HELP)
+def add_common(parser: argparse.ArgumentParser, resume: str | None, threads_help: str = THREADS_HELP) -> None:
+    """Add ``--threads`` (help ``threads_help``: a command that runs one thing at a time says so) and ``--overwrite``
+    (whose help names what ``--resume`` does, when the command has one)."""
+    parser.add_argument("--threads", type=positive_int, default=1, help=threads_help)
     parser.add_argument(
         "--overwrite",
         action="store_true",

@@ -37,7 +37,9 @@ def add_regression(commands) -> None:
     )
     regression.add_argument("--lr", type=positive_float, default=0.05, help="Adam learning rate (default: %(default)s)")
     regression.add_argument("--no-progress", action="store_true", help="hide the progress bars")
-    add_common(regression, resume=None)
+    # the three fits run one after the other: no runs in parallel, which the shared help speaks of
+    threads = "torch threads of the fits (default: %(default)s; the numbers depend on the thread count)"
+    add_common(regression, resume=None, threads_help=threads)
 
 
 def run_regression(args: argparse.Namespace) -> int:

@@ -93,7 +93,8 @@ def add_tune(commands) -> None:
         type=_storage,
         default=None,
         help="an Optuna RDB URL holding the studies, e.g. postgresql://user:password@host/db to share them between "
-        "machines (default: sqlite:///OUT/study.db)",
+        "machines (default: sqlite:///OUT/study.db); --overwrite replaces OUT only: the studies of a --storage stay, "
+        "and a new tuning with the same settings joins them",
     )
     tune.add_argument(
         "--resume",
