@@ -152,6 +152,14 @@ class LocalExecutor:
         except Exception as error:
             raise TaskFailedError(key, error) from error
 
+    def finished_results(self) -> list[tuple[Hashable, Any]]:
+        """``(key, result)`` of every call that has returned and was not yet handed back by :meth:`next_result`,
+        without waiting; they leave :attr:`pending`. After Ctrl-C the caller keeps them before the calls in flight are
+        stopped (a run that finished just before the signal). Calls that raised or still run are left."""
+        returned = [future for future in self._futures if future.done() and not future.cancelled()]
+        returned = [future for future in returned if future.exception() is None]
+        return [(self._futures.pop(future), future.result()) for future in returned]
+
     def _start_pool(self) -> None:
         # multiprocessing's resource tracker starts with this interpreter's -W options: after Ctrl-C it would warn
         # about the pool's locks of the stopped workers (which it then unlinks itself), a traceback-like message for

@@ -239,6 +239,23 @@ class RayExecutor:
         # the worker died (twice), the node was lost, ...
         raise TaskFailedError(key, RuntimeError(" ".join(str(error).split()))) from None
 
+    def finished_results(self) -> list[tuple[Hashable, Any]]:
+        """``(key, result)`` of every task that has returned and was not yet handed back by :meth:`next_result`,
+        without waiting; they leave :attr:`pending` (after Ctrl-C the caller keeps them before the tasks in flight are
+        cancelled). Tasks that failed or still run are left."""
+        if not self._refs:
+            return []
+        ray = self.ray
+        finished, _ = ray.wait(list(self._refs), num_returns=len(self._refs), timeout=0)
+        returned = []
+        for ref in finished:
+            try:
+                result = ray.get(ref)
+            except ray.exceptions.RayError:
+                continue
+            returned.append((self._refs.pop(ref), result))
+        return returned
+
     def __exit__(self, exc_type: Any, *exc_info: Any) -> None:
         refs, self._refs = list(self._refs), {}
         for ref in refs:  # Ctrl-C or a failed call: stop the tasks in flight

@@ -410,12 +410,18 @@ def execute_runs(
         with executor:
             for run in pending:
                 executor.submit(run, _run_one, config, *run)
-            while executor.pending:
-                try:
-                    run, (record, seconds) = executor.next_result()
-                except TaskFailedError as error:
-                    raise RunFailedError(f"run {run_name(*error.key)} failed: {error.cause}") from error.cause
-                finish(run, record, seconds)
+            try:
+                while executor.pending:
+                    try:
+                        run, (record, seconds) = executor.next_result()
+                    except TaskFailedError as error:
+                        raise RunFailedError(f"run {run_name(*error.key)} failed: {error.cause}") from error.cause
+                    finish(run, record, seconds)
+            except KeyboardInterrupt:
+                # runs that finished in a worker before the signal but were not handed back yet: kept, not lost
+                for run, (record, seconds) in getattr(executor, "finished_results", list)():
+                    finish(run, record, seconds)
+                raise
     except KeyboardInterrupt:
         raise RunsInterrupted(len(records), total) from None
     finally:

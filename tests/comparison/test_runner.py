@@ -403,3 +403,29 @@ def test_a_call_that_returned_comes_before_a_failure_beside_it(monkeypatch) -> N
         assert executor.next_result() == ("good", 2)
         with pytest.raises(TaskFailedError, match="bad: boom"):
             executor.next_result()
+
+
+def test_a_run_finished_in_a_worker_before_ctrl_c_is_kept(tmp_path) -> None:
+    """Ctrl-C while a run has finished in a worker but not yet been handed back: its record is written before the
+    calls in flight are stopped (it was lost with the workers)."""
+    import concurrent.futures
+
+    from gpattn.comparison.local_executor import LocalExecutor
+    from gpattn.comparison.runner import execute_runs
+
+    class _SignalAfterAFinish(LocalExecutor):
+        # the first call finishes "in a worker" (a done future), then Ctrl-C reaches the waiting main process
+        def next_result(self):
+            key, fn, args = self._queued.pop(0)
+            future = concurrent.futures.Future()
+            future.set_result(fn(*args))
+            self._futures[future] = key
+            raise KeyboardInterrupt
+
+    config = CompareConfig(seeds=(0, 1), **{**TINY, "attentions": ("softmax",)})
+    runs_ = [("pointer", "softmax", 0), ("pointer", "softmax", 1)]
+    with pytest.raises(RunsInterrupted) as interrupted:
+        execute_runs(config, runs_, out=tmp_path, executor=_SignalAfterAFinish())
+    assert (interrupted.value.finished, interrupted.value.total) == (1, 2)
+    assert [path.stem for path in (tmp_path / "runs").glob("*.json")] == ["pointer-softmax-0"]
+    assert LocalExecutor().finished_results() == []  # nothing submitted, nothing finished
