@@ -19,7 +19,7 @@ from __future__ import annotations
 import logging
 import os
 import socket
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Iterator
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -222,15 +222,11 @@ class RayExecutor:
             raise RuntimeError("RayExecutor.next_result: no task is pending (submit one first)")
         ray = self.ray
         ray.wait(list(self._refs), num_returns=1)
-        finished, _ = ray.wait(list(self._refs), num_returns=len(self._refs), timeout=0)
         failure = None
-        for ref in finished:
-            try:
-                result = ray.get(ref)
-            except ray.exceptions.RayError as error:
-                failure = failure or (ref, error)
-                continue
-            return self._refs.pop(ref), result
+        for ref, result, error in self._finished_now():
+            if error is None:
+                return self._refs.pop(ref), result
+            failure = failure or (ref, error)
         ref, error = failure
         key = self._refs.pop(ref)
         if isinstance(error, ray.exceptions.RayTaskError):
@@ -243,18 +239,21 @@ class RayExecutor:
         """``(key, result)`` of every task that has returned and was not yet handed back by :meth:`next_result`,
         without waiting; they leave :attr:`pending` (after Ctrl-C the caller keeps them before the tasks in flight are
         cancelled). Tasks that failed or still run are left."""
+        returned = [(ref, result) for ref, result, error in self._finished_now() if error is None]
+        return [(self._refs.pop(ref), result) for ref, result in returned]
+
+    def _finished_now(self) -> Iterator[tuple[Any, Any, BaseException | None]]:
+        # (ref, result, None) or (ref, None, error) of each pending task finished by now, read one at a time (nothing
+        # popped: the callers decide which leave the pending ones)
         if not self._refs:
-            return []
+            return
         ray = self.ray
         finished, _ = ray.wait(list(self._refs), num_returns=len(self._refs), timeout=0)
-        returned = []
         for ref in finished:
             try:
-                result = ray.get(ref)
-            except ray.exceptions.RayError:
-                continue
-            returned.append((self._refs.pop(ref), result))
-        return returned
+                yield ref, ray.get(ref), None
+            except ray.exceptions.RayError as error:
+                yield ref, None, error
 
     def __exit__(self, exc_type: Any, *exc_info: Any) -> None:
         refs, self._refs = list(self._refs), {}

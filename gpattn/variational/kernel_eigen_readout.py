@@ -408,7 +408,7 @@ class KernelEigenReadout:
     def _summed_variance(self, scores: KernelEigenScores, sides: tuple[str, ...], marginal: bool) -> Tensor:
         # the per-input variance of the sum of the branches' token noises, (B, H, d_out, N)
         variance = 0.0
-        if marginal and not self._point_mass():
+        if marginal:  # (token_noise, its one caller, has set it false for a delta q(u))
             forms = self._quadratic_forms()
             interps = [self._token_interp(scores, side) for side in sides]
             if self._shares_posterior(sides):  # one u: (a_e + a_r) S (a_e + a_r)^T
