@@ -789,6 +789,30 @@ def test_another_commands_run_folder_is_refused_whatever_the_flags(command, entr
     assert all((tmp_path / name).read_text() == "kept" for name in entries)
 
 
+def test_the_run_folder_marks_are_the_outputs_that_one_command_alone_writes() -> None:
+    """:data:`RUN_FOLDER_MARKS` restates what each command writes: an output of one command missing from it lets
+    another command's ``--overwrite`` mix the two runs' files, and a mark no command writes (a renamed output) guards
+    nothing. Compare's per-task figures are the one exception (its ``runs`` and ``table.md`` mark its folders)."""
+    from gpattn.cli import compare, regression, train, tune
+    from gpattn.cli.options import RUN_FOLDER_MARKS
+    from gpattn.comparison.tasks import TASKS
+    from gpattn.plotting import comparison_figure_names
+
+    outputs = {
+        "compare": set(compare.run_folder_outputs()) - set(comparison_figure_names(TASKS)),
+        "train": {train.RUN_FILE, *train.OUTPUTS},
+        "tune": set(tune.OUTPUTS),
+        "regression": set(regression.OUTPUTS),
+    }
+    writers = {
+        name: [command for command, written in outputs.items() if name in written]
+        for name in set().union(*outputs.values())
+    }
+    assert sorted(RUN_FOLDER_MARKS) == sorted(name for name, commands in writers.items() if len(commands) == 1)
+    assert writers["results.json"] == ["compare", "regression"]
+    assert all(outputs[command] & set(RUN_FOLDER_MARKS) for command in outputs)
+
+
 @pytest.mark.parametrize("name", ["stdout", "stderr"])
 def test_a_closed_stream_is_left_alone_and_the_streams_are_restored(name, tmp_path, monkeypatch) -> None:
     """``gpattn ... 1>&-`` (or ``2>&-``, or pythonw): Python's stream is None, to which print writes nothing. The

@@ -220,12 +220,14 @@ class NothingToResume(UserWarning):
 
 #: The lock file that :func:`prepare_out` holds in a run folder while a command writes to it.
 LOCK_FILE = ".gpattn.lock"
-#: Entries that only one command writes into its run folder (``results.json`` is both compare's and regression's): a
-#: folder that holds one that the command does not replace is another command's run, refused by :func:`prepare_out`
+#: Entries that only one command writes into its run folder (``results.json`` is both compare's and regression's;
+#: compare's per-task figures are left out, its ``runs`` and ``table.md`` mark it): a folder that holds one that the
+#: command does not replace is another command's run, refused by :func:`prepare_out`. Each command's ``OUTPUTS`` (for
+#: compare, ``run_folder_outputs()``) name what it writes; a test checks that this list is derived from them.
 RUN_FOLDER_MARKS = (
     "runs", "table.md", "results.csv",  # compare
     "run.json", "record.json", "checkpoints",  # train
-    "study.db", "trials", "tuned",  # tune
+    "study.db", "study.db.lock", "trials", "tuned",  # tune
     "posterior.png",  # regression
 )  # fmt: skip
 

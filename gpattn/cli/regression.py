@@ -8,6 +8,9 @@ import sys
 
 from .options import add_common, non_negative_int, out_dir, positive_float, positive_int, prepare_out
 
+#: What ``gpattn regression`` writes into its run folder (replaced with ``--overwrite``)
+OUTPUTS = ("results.json", "posterior.png")
+
 __all__ = ["add_regression", "run_regression"]
 
 
@@ -64,9 +67,7 @@ def run_regression(args: argparse.Namespace) -> int:
 
     from ..plotting import plot_pair_posterior
 
-    with prepare_out(
-        args.out, overwrite=args.overwrite, resume=False, replaced=("results.json", "posterior.png")
-    ) as out:
+    with prepare_out(args.out, overwrite=args.overwrite, resume=False, replaced=OUTPUTS) as out:
         with torch_threads(args.threads):
             result = comparison.run_toy_regression(config, progress=not args.no_progress)
         write_text_atomically(out / "results.json", result.to_json())

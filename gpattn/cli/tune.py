@@ -23,6 +23,9 @@ from .options import (
 
 __all__ = ["COST", "add_tune", "run_tune"]
 
+#: What ``gpattn tune`` writes into its run folder (replaced with ``--overwrite``): the default SQLite studies and their
+#: lock, one folder of trial runs, and the tuned configurations
+OUTPUTS = ("study.db", "study.db.lock", "trials", "tuned")
 #: What a trial costs, measured (``gpattn tune --help`` and docs/guide/tuning.md say the same).
 COST = (
     "Cost, measured with one torch thread per trial (docs/guide/tuning.md): a trial trains at most 60 epochs on "
@@ -167,7 +170,7 @@ def run_tune(args: argparse.Namespace) -> int:
         args.out or f"runs/tune-{time.strftime('%Y%m%d-%H%M%S')}",
         overwrite=args.overwrite,
         resume=args.resume,
-        replaced=("study.db", "study.db.lock", "trials", "tuned"),
+        replaced=OUTPUTS,
         resumes_from_out=args.storage is None,  # with --storage the studies are there, not in OUT
     ) as out:
         start = time.perf_counter()
