@@ -1,10 +1,10 @@
 """Checks shared by the public entry points: every error says what was expected and what came.
 
 Scalars (constructor and CLI arguments) are checked with :func:`check_int`, :func:`check_seed`, :func:`check_float`,
-:func:`check_choice` and :func:`check_device`; tensors with :func:`check_tensor`, which costs O(1) apart from one
-elementwise pass when ``finite=True`` (skipped while TorchScript or ``torch.compile`` trace, and on the ``meta``
-device, where values do not exist). Layers guard their results with :func:`check_overflow`, which refuses input
-tokens too large for their dtype (:func:`check_token_magnitude`) once a result is not finite.
+:func:`check_choice`, :func:`check_bool` and :func:`check_device`; tensors with :func:`check_tensor`, which costs O(1)
+apart from one elementwise pass when ``finite=True`` (skipped while TorchScript or ``torch.compile`` trace, and on
+the ``meta`` device, where values do not exist). Layers guard their results with :func:`check_overflow`, which
+refuses input tokens too large for their dtype (:func:`check_token_magnitude`) once a result is not finite.
 """
 
 from __future__ import annotations
@@ -174,6 +174,17 @@ def check_choice(name: str, value: Any, choices: Sequence[Any], where: str = "")
     if not known:
         raise ValueError(f"{_prefix(where)}expected {name} to be one of {list(choices)}, got {value!r}")
     return value
+
+
+def check_bool(name: str, value: Any, where: str = "") -> bool:
+    """A flag: a Python or NumPy bool, returned as a Python bool. Truthiness would read the string ``"no"`` or
+    ``"False"`` as true, and ``2`` or ``0.5`` as a flag, without a word.
+
+    :raises InputTypeError: For anything else (a string, a number, ``None``, a tensor), naming ``name``.
+    """
+    if not isinstance(value, (bool, np.bool_)):
+        raise InputTypeError(f"{_prefix(where)}expected {name} to be True or False, got {value!r}")
+    return bool(value)
 
 
 def check_device(name: str, value: Any, where: str = "", types: Sequence[str] | None = None) -> torch.device:

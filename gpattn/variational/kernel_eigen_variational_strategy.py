@@ -16,7 +16,7 @@ from .._module_state import GraphFreeState
 from .._torch_compat import autocast_enabled, compilable
 from ..features import KernelEigenFeatures, KernelEigenFeaturesBase, KernelEigenScores
 from ..kernels import AsymmetricKernel
-from ..validation import InputTypeError, check_choice, check_int
+from ..validation import InputTypeError, check_bool, check_choice, check_float, check_int
 from .cholesky_prior_kl import CholeskyPriorKL
 from .structured_covariance import diagonal_prior_kl, low_rank_plus_diag, times_covariance_root
 
@@ -140,6 +140,8 @@ class KernelEigenVariationalStrategy(GraphFreeState, _VariationalStrategy):
     :param features: Shared kernel-eigen features (e.g. the other branch's, a ``primal``-mode
         :class:`~gpattn.features.KernelEigenFeatures`, or an attention layer's); by default exact-mode landmark
         features over ``model.covar_module`` and the landmarks.
+    :param jitter_val: Accepted for GPyTorch's signature and unused: :math:`K_{uu} = \Lambda^2` is diagonal and
+        inverted exactly, with no Cholesky factor to stabilise (``None`` or a non-negative number).
     :param num_output_dims: Trailing batch dimensions of :math:`q(u)` that index outputs sharing the features.
 
     .. note:: Cost per call: the features (exact mode O(M^2 p + M^3) for the SVD, primal O(N p s)), plus
@@ -164,6 +166,10 @@ class KernelEigenVariationalStrategy(GraphFreeState, _VariationalStrategy):
         check_choice("side", side, SIDES, where=where)
         check_choice("residual", residual, RESIDUALS, where=where)
         num_output_dims = check_int("num_output_dims", num_output_dims, 0, where=where)
+        whiten = check_bool("whiten", whiten, where=where)
+        learn_inducing_locations = check_bool("learn_inducing_locations", learn_inducing_locations, where=where)
+        if jitter_val is not None:
+            jitter_val = check_float("jitter_val", jitter_val, 0.0, where=where)
         if not isinstance(variational_distribution, _VariationalDistribution):
             raise TypeError(
                 f"{where}: expected variational_distribution to be a gpytorch _VariationalDistribution, got "
@@ -203,7 +209,7 @@ class KernelEigenVariationalStrategy(GraphFreeState, _VariationalStrategy):
             )
         self.features = features
         self.side = side
-        self.whiten = bool(whiten)
+        self.whiten = whiten
         self.residual = residual
         self.num_output_dims = num_output_dims
         # (a pair checks its branch dimension and the outputs in front of it itself)

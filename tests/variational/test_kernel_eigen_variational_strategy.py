@@ -9,6 +9,7 @@ import functools
 import unittest
 
 import gpytorch
+import numpy as np
 import pytest
 import torch
 from gpytorch.variational._variational_strategy import _VariationalStrategy
@@ -289,3 +290,32 @@ def test_a_strategy_over_per_call_features_names_the_missing_landmarks():
 
 if __name__ == "__main__":
     unittest.main()
+
+
+def _strategy(**kwargs) -> KernelEigenVariationalStrategy:
+    features = KernelEigenFeatures(ShiftedRBFKernel(input_dim=2), torch.randn(6, 2), num_inducing=3)
+    q_u = gpytorch.variational.CholeskyVariationalDistribution(3)
+    return KernelEigenVariationalStrategy(torch.nn.Module(), None, q_u, features=features, **kwargs)
+
+
+@pytest.mark.parametrize(
+    ("name", "value"),
+    [("whiten", "no"), ("whiten", "False"), ("whiten", 2), ("whiten", None), ("learn_inducing_locations", "no")],
+)
+def test_flags_that_are_not_bools_are_refused(name, value):
+    """``whiten="no"`` was read as ``bool("no") = True``: a whitened q(u) (prior N(0, I)) without a word."""
+    with pytest.raises(TypeError, match=rf"KernelEigenVariationalStrategy: expected {name} to be True or False, got"):
+        _strategy(**{name: value})
+
+
+@pytest.mark.parametrize("whiten", [False, True, np.bool_(True)])
+def test_whiten_is_kept_as_a_python_bool(whiten):
+    assert _strategy(whiten=whiten).whiten is bool(whiten)
+
+
+@pytest.mark.parametrize("jitter_val", [-1e-6, float("nan"), "1e-6"])
+def test_a_bad_jitter_val_is_refused(jitter_val):
+    """``jitter_val`` is unused (K_uu is diagonal) but GPyTorch's signature takes it: a bad one is still named."""
+    with pytest.raises(ValueError, match=r"KernelEigenVariationalStrategy: expected jitter_val"):
+        _strategy(jitter_val=jitter_val)
+    assert _strategy(jitter_val=1e-6)._jitter_val == 1e-6
