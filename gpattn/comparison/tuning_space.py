@@ -93,7 +93,8 @@ class SearchParameter:
     :raises InputTypeError: ``name`` is not a string, a bound of a float range is not a number (a string, a bool,
         ``None``), ``choices`` is not a tuple or list (a string would be its letters), or a choice is not ``None``, a
         bool, a number or a string (NumPy scalars are kept as Python ones).
-    :raises ValueError: An empty ``name``, an unknown ``kind``, no choices, a bound that is negative or not finite,
+    :raises ValueError: An empty ``name``, an unknown ``kind``, no choices, two choices that compare equal (``1`` and
+        ``1.0``, ``True`` and ``1``), a bound that is negative or not finite,
         ``low >= high``, ``low = 0`` in a log-uniform range, or an argument the kind ignores (bounds of a choice,
         choices of a float range).
 
@@ -130,6 +131,13 @@ class SearchParameter:
                 raise InputTypeError(
                     f"{where}: expected choices to be None, bools, numbers or strings, got {wrong[0]!r}"
                 )
+            for index, choice in enumerate(choices):  # Optuna finds a stored choice by ==: a repeat would read back
+                repeats = [other for other in choices[:index] if _equal(other, choice)]  # as the first (True as 1)
+                if repeats:
+                    raise ValueError(
+                        f"{where}: expected distinct choices, got {repeats[0]!r} and {choice!r}, which compare equal "
+                        "(Optuna finds a choice by ==; a repeat also weighs it twice): give each once"
+                    )
             object.__setattr__(self, "choices", choices)
             return
         if self.choices:  # they would be ignored (an empty sequence: none given)

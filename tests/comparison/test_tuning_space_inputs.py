@@ -191,3 +191,21 @@ def test_a_layer_argument_given_as_a_model_argument_too_is_refused_before_any_ru
         sizes = dict(epochs=1, lr=1e-3, weight_decay=0.0, batch_size=4, embed_dim=16, depth=1, num_heads=2)
         hyperparameters = Hyperparameters(**sizes, gp_layers=1, beta=1.0, ksvd_weight=0.1, dropout=0.0, num_inducing=5)
         build_model(spec, hyperparameters, 3, {"input": "tokens", "vocab_size": 8, "max_len": 8})
+
+
+@pytest.mark.parametrize(
+    ("choices", "first", "second"),
+    [((1, 1), "1", "1"), ((0.5, 1, 1.0), "1", "1.0"), ((1, True), "1", "True"), (("a", None, False, 0), "False", "0")],
+)
+def test_choices_that_compare_equal_are_refused(choices, first, second) -> None:
+    """Optuna finds a stored choice by ``==`` (``choices.index``): of ``(1, True)`` a trial that drew ``True`` read back
+    as ``1``, and ``(1, 1)`` drew 1 twice as often; both were accepted."""
+    import optuna
+
+    with pytest.raises(
+        ValueError, match=rf"SearchParameter 'x': expected distinct choices, got {first} and {second}, "
+    ):
+        SearchParameter("x", "choice", choices=choices)
+    distribution = optuna.distributions.CategoricalDistribution((1, True))  # what the check prevents
+    assert distribution.to_external_repr(distribution.to_internal_repr(True)) == 1
+    assert SearchParameter("x", "choice", choices=(0, "1", None, True, 0.5)) is not None
