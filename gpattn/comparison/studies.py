@@ -264,11 +264,14 @@ def release_trials(
 def finish_trial(
     study: optuna.Study, trial: optuna.Trial, lock: StudyLock, value: float, attributes: dict[str, Any]
 ) -> float:
-    """Record the finished ``trial``'s objective ``value`` (``inf`` for a diverged run) and its ``attributes``
-    (Optuna user attributes, JSON data).
+    """Record the finished ``trial``'s objective ``value`` (``inf`` for a diverged run; a NaN, which Optuna would
+    record as a failed trial for ``--resume`` to run again, counts as diverged too) and its ``attributes`` (Optuna user
+    attributes, JSON data).
 
     :return: The study's best value so far.
     """
+    if math.isnan(value):
+        value = math.inf
     with lock:
         for key, item in attributes.items():
             trial.set_user_attr(key, item)

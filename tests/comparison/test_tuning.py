@@ -328,3 +328,18 @@ def test_ctrl_c_while_a_study_is_made_waits_for_its_settings(tmp_path, monkeypat
     study = optuna.load_study(study_name="pointer-softmax", storage=storage)
     assert study.user_attrs["settings"] == {"trials": 2} and len(study.get_trials()) == 2
     prepare_study(storage, lock, "pointer-softmax", {"trials": 2}, True)  # joined, not refused
+
+
+def test_a_nan_trial_value_counts_as_diverged() -> None:
+    """Optuna's ``tell`` records a NaN value as a failed trial (with a warning): ``finish_trial`` then took the
+    ``min()`` of no finished trial (ValueError after the trial had trained) and ``--resume`` would have run it again."""
+    from gpattn.comparison.studies import finish_trial
+
+    study = optuna.create_study(storage=optuna.storages.InMemoryStorage())
+    lock = StudyLock("sqlite:///:memory:")
+    assert finish_trial(study, study.ask(), lock, float("nan"), {"diverged": "nan"}) == math.inf
+    assert finish_trial(study, study.ask(), lock, 0.5, {}) == 0.5
+    assert [(trial.state, trial.value) for trial in study.trials] == [
+        (TrialState.COMPLETE, math.inf),
+        (TrialState.COMPLETE, 0.5),
+    ]
