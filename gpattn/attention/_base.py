@@ -12,7 +12,7 @@ from torch import Tensor
 
 from .._module_state import GraphFreeState, kept_call_results, restored_modes
 from .._torch_compat import COMPILES_ASSERTS, autocast_enabled, compilable, is_capturing, is_compiling
-from ..validation import check_float, check_int, check_tensor
+from ..validation import check_bool, check_float, check_int, check_tensor
 
 _EMPTY_SEQUENCE = "every sequence needs at least one real token"
 
@@ -333,6 +333,7 @@ def sample_attention(module: torch.nn.Module, enabled: bool = True):
     (Monte Carlo prediction); restores the previous setting afterwards."""
     if not isinstance(module, torch.nn.Module):
         raise TypeError(f"sample_attention: expected a torch.nn.Module, got {type(module).__name__}")
+    enabled = check_bool("enabled", enabled, where="sample_attention")  # enabled="no" would switch sampling on
     layers = [layer for layer in module.modules() if isinstance(layer, AttentionLayer)]
     previous = [layer.sample_in_eval for layer in layers]
     for layer in layers:

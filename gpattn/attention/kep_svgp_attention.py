@@ -10,7 +10,7 @@ from gpytorch.variational import CholeskyVariationalDistribution
 from torch import Tensor
 
 from ..features import AttentionKernelEigenFeatures, KernelEigenScores, build_attention_features
-from ..validation import check_choice, check_int
+from ..validation import check_bool, check_choice, check_int
 from ..variational import KernelEigenPairVariationalStrategy, KernelEigenReadout, KernelEigenVariationalStrategy
 from ._base import AttentionLayer
 
@@ -118,6 +118,9 @@ class KEPSVGPAttention(AttentionLayer):
         check_choice("merge", merge, MERGES, where=where)
         check_choice("sampling", sampling, SAMPLINGS, where=where)
         check_choice("residual", residual, RESIDUALS, where=where)
+        # flags, not truthiness: shared_posterior="no" or tie_qk="False" would switch the option on without a word
+        shared_posterior = check_bool("shared_posterior", shared_posterior, where=where)
+        tie_qk = check_bool("tie_qk", tie_qk, where=where)
         if tie_qk and (merge != "sum" or shared_posterior):
             raise ValueError(f"{where}: tie_qk=True uses one branch: merge must be 'sum' and shared_posterior False")
         if merge == "concat_tokens":  # max_len is required: None is refused too
@@ -133,7 +136,7 @@ class KEPSVGPAttention(AttentionLayer):
         num_outputs = num_inducing if num_outputs == "num_inducing" else num_outputs  # the official code's d_out = s
         self.num_outputs = check_int("num_outputs", self.head_dim if num_outputs is None else num_outputs, where=where)
         self.merge, self.residual, self.sampling_mode = merge, residual, sampling
-        self.shared_posterior, self.tie_qk, self.max_len = bool(shared_posterior), bool(tie_qk), max_len
+        self.shared_posterior, self.tie_qk, self.max_len = shared_posterior, tie_qk, max_len
         outputs = torch.Size([num_heads, self.num_outputs])
         options = dict(features=kernel_features, residual=residual, num_output_dims=1)
         if self.tie_qk:  # H_e = H_r: one branch

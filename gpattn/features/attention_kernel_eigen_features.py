@@ -10,7 +10,7 @@ from torch import Tensor
 from .._module_state import GraphFreeState
 from ..kernels import CosineFeatureKernel, ExponentialDotProductKernel
 from ..mlls import KSVDAddedLossTerm
-from ..validation import check_choice, check_float, check_int
+from ..validation import check_bool, check_choice, check_float, check_int
 from .kernel_eigen_features_base import KernelEigenFeaturesBase
 from .kernel_eigen_scores import KernelEigenScores
 
@@ -135,7 +135,7 @@ class AttentionKernelEigenFeatures(GraphFreeState, KernelEigenFeaturesBase):
         if max_len is not None:  # also where the mode does not use it: a wrong value is a mistake either way
             max_len = check_int("max_len", max_len, where=where)
         self.embed_dim, self.num_heads, self.num_inducing = embed_dim, num_heads, num_inducing
-        self.tie_qk, self.max_len, self.ksvd_form = bool(tie_qk), max_len, ksvd_form
+        self.tie_qk, self.max_len, self.ksvd_form = check_bool("tie_qk", tie_qk, where=where), max_len, ksvd_form
         self.ksvd_weight = check_float("ksvd_weight", ksvd_weight, 0.0, where=where)
         self.register_added_loss_term("ksvd_loss")
         heads = torch.Size([num_heads])

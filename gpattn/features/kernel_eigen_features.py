@@ -12,7 +12,7 @@ from .._module_state import GraphFreeState
 from ..kernels import AsymmetricKernel
 from ..ksvd import SVD_METHODS, KernelSVD, kernel_svd, ksvd_objective
 from ..mlls import KSVDAddedLossTerm
-from ..validation import check_choice, check_float, check_int, check_tensor
+from ..validation import check_bool, check_choice, check_float, check_int, check_tensor
 from .kernel_eigen_features_base import KernelEigenFeaturesBase
 from .kernel_eigen_scores import SIDES, KernelEigenScores, induced_kernel_diag, numerically_nonzero
 
@@ -92,6 +92,7 @@ class KernelEigenFeatures(GraphFreeState, KernelEigenFeaturesBase):
                 f"{type(kernel).__name__}"
             )
         check_choice("svd_method", svd_method, SVD_METHODS, where=where)
+        learn_landmarks = check_bool("learn_landmarks", learn_landmarks, where=where)
         check_float("ksvd_weight", ksvd_weight, 0.0, where=where)
         # the token width, when the kernel is known now (a getter's kernel may not exist yet)
         width = kernel.input_dim if isinstance(kernel, AsymmetricKernel) else "d"

@@ -9,7 +9,7 @@ from gpytorch.constraints import Positive
 from gpytorch.module import Module
 from torch import Tensor
 
-from ..validation import InputTypeError, broadcastable, check_int, check_tensor, initialize_positive
+from ..validation import InputTypeError, broadcastable, check_bool, check_int, check_tensor, initialize_positive
 
 
 def check_batch_shape(value: object, where: str) -> torch.Size:
@@ -42,7 +42,8 @@ class AsymmetricKernel(Module):
     :param input_dim: Dimension :math:`d` of the query and key tokens.
     :param tie: Share the query and key maps (the symmetric limit :math:`\kappa(x, z) = \kappa(z, x)`).
     :param batch_shape: Batch of independent kernels (e.g. attention heads); parameters carry it in front.
-    :raises InputTypeError: For a non-integer ``input_dim`` or a ``batch_shape`` that is not a sequence of integers.
+    :raises InputTypeError: For a non-integer ``input_dim``, a ``batch_shape`` that is not a sequence of integers, or a
+        ``tie`` that is not a bool.
     :raises ValueError: For ``input_dim < 1`` or a batch size < 1.
     """
 
@@ -51,7 +52,7 @@ class AsymmetricKernel(Module):
     def __init__(self, input_dim: int, tie: bool = False, batch_shape: torch.Size = torch.Size()):
         super().__init__()
         self.input_dim = check_int("input_dim", input_dim, where=type(self).__name__)
-        self.tie = bool(tie)
+        self.tie = check_bool("tie", tie, where=type(self).__name__)
         self.batch_shape = check_batch_shape(batch_shape, type(self).__name__)
         self.register_parameter("raw_outputscale", torch.nn.Parameter(torch.zeros(self.batch_shape)))
         self.register_constraint("raw_outputscale", Positive())

@@ -6,7 +6,7 @@ import torch
 from gpytorch.kernels import Kernel
 from torch import Tensor
 
-from ..validation import check_choice, check_tensor
+from ..validation import check_bool, check_choice, check_tensor
 from .asymmetric_kernel import AsymmetricKernel
 
 SIDES = ("left", "right", "both")
@@ -46,6 +46,7 @@ class InducedKernel(Kernel):
     ):
         super().__init__()
         check_choice("side", side, SIDES, where="InducedKernel")
+        learn_landmarks = check_bool("learn_landmarks", learn_landmarks, where="InducedKernel")
         if not isinstance(kernel, AsymmetricKernel):
             raise TypeError(f"InducedKernel: expected an AsymmetricKernel, got {type(kernel).__name__}")
         key_landmarks = landmarks if key_landmarks is None else key_landmarks

@@ -548,6 +548,28 @@ def test_constructor_errors(kwargs: dict, match: str):
         KEPSVGPAttention(C, H, num_inducing=RANK, **kwargs)
 
 
+@pytest.mark.parametrize("flag", ["shared_posterior", "tie_qk"])
+@pytest.mark.parametrize("value", ["no", "False", 0, 1, None])
+def test_flags_must_be_bools(flag: str, value):
+    """Truthiness read shared_posterior="no" (or tie_qk="False", 1) as True: one q(u) for both branches, or tied
+    W_q = W_k, without a word."""
+    with pytest.raises(TypeError, match=f"KEPSVGPAttention: expected {flag} to be True or False, got {value!r}"):
+        KEPSVGPAttention(C, H, num_inducing=RANK, **{flag: value})
+    layer = KEPSVGPAttention(C, H, num_inducing=RANK, **{flag: np.bool_(True)})
+    assert getattr(layer, flag) is True
+
+
+def test_sample_attention_takes_a_bool_flag():
+    """sample_attention(layer, "no") switched sampling on."""
+    layer = KEPSVGPAttention(C, H, num_inducing=RANK).eval()
+    with pytest.raises(TypeError, match="sample_attention: expected enabled to be True or False, got 'no'"):
+        with sample_attention(layer, "no"):
+            pass
+    assert layer.sample_in_eval is False
+    with sample_attention(layer, np.bool_(False)):
+        assert layer.sample_in_eval is False and not layer.sampling
+
+
 def test_call_errors():
     x = _randn(2, 5, C, seed=51)
     mask = torch.ones(2, 5, dtype=torch.bool)

@@ -491,6 +491,15 @@ def test_constructor_errors():
         build_attention_features(C, H, C // H + 1)
 
 
+@pytest.mark.parametrize("mode", ["amortized", "exact"])
+def test_tie_qk_must_be_a_bool(mode: str):
+    """Truthiness read tie_qk="False" as tied weights W_q = W_k (a symmetric kernel) without a word."""
+    with pytest.raises(TypeError, match="expected tie_qk to be True or False, got 'False'"):
+        build_attention_features(C, H, 2, mode=mode, tie_qk="False")
+    features = build_attention_features(C, H, 2, mode=mode, tie_qk=np.bool_(False))
+    assert features.tie_qk is False and features.kernel.tie is False
+
+
 # -- extreme input magnitudes (issue 14) -------------------------------------------------------------------------------
 @pytest.mark.parametrize("mode", ["amortized", "primal_tokens"])
 def test_float32_inputs_of_huge_magnitude_are_correct_or_a_clear_error(mode: str):

@@ -347,6 +347,15 @@ def test_untied_branches_differ() -> None:
 # --- errors ----------------------------------------------------------------------------------------------------
 
 
+def test_learn_landmarks_must_be_a_bool() -> None:
+    """Truthiness read learn_landmarks="no" as learned landmarks (parameters) without a word."""
+    landmarks = _tokens(6, 3, seed=26)
+    with pytest.raises(TypeError, match="KernelEigenFeatures: expected learn_landmarks to be True or False, got 'no'"):
+        KernelEigenFeatures(_cosine_kernel(), landmarks, 2, learn_landmarks="no")
+    features = KernelEigenFeatures(_cosine_kernel(), landmarks, 2, learn_landmarks=np.bool_(False))
+    assert "landmarks" not in dict(features.named_parameters())
+
+
 def test_feature_errors() -> None:
     kernel = _cosine_kernel()
     landmarks, keys = _tokens(6, 3, seed=26), _tokens(4, 3, seed=27)

@@ -389,6 +389,19 @@ def test_feature_columns_refuse_an_unknown_side() -> None:
         torch.testing.assert_close((columns * inverse).mT, expected, atol=ATOL, rtol=0)
 
 
+@pytest.mark.parametrize("value", ["False", 0, None])
+def test_tie_and_learn_landmarks_must_be_bools(value) -> None:
+    """Truthiness read tie="False" as a tied (symmetric) kernel and learn_landmarks="no" as learned landmarks."""
+    for build in (lambda: CosineFeatureKernel(3, 4, tie=value), lambda: ShiftedRBFKernel(3, tie=value)):
+        with pytest.raises(TypeError, match=f"expected tie to be True or False, got {value!r}"):
+            build()
+    kernel = ExponentialDotProductKernel(3, 4, tie=np.bool_(False))
+    assert kernel.tie is False and "key_weight" in dict(kernel.named_parameters())
+    landmarks = _tokens(5, 3, seed=7)
+    with pytest.raises(TypeError, match=f"InducedKernel: expected learn_landmarks to be True or False, got {value!r}"):
+        InducedKernel(kernel, landmarks, learn_landmarks=value)
+
+
 def test_batch_shape_and_sizes_are_checked() -> None:
     """A bare int or a negative size failed in torch's words; NumPy sizes were stored as NumPy integers."""
     with pytest.raises(TypeError, match="CosineFeatureKernel: expected batch_shape to be a torch.Size"):
