@@ -15,7 +15,7 @@ from linear_operator.operators import LinearOperator
 from torch import Tensor
 
 from ..features import KernelEigenFeaturesBase, KernelEigenScores
-from ..validation import check_choice
+from ..validation import check_bool, check_choice
 from .kernel_eigen_variational_strategy import SIDES, KernelEigenVariationalStrategy
 from .structured_covariance import low_rank_plus_diag
 
@@ -112,6 +112,7 @@ class KernelEigenPairVariationalStrategy(KernelEigenVariationalStrategy):
         )
         where = type(self).__name__
         check_choice("merge", merge, MERGES, where=where)
+        shared_posterior = check_bool("shared_posterior", shared_posterior, where=where)  # "no" would read as true
         branches = 1 if shared_posterior else 2
         batch_shape = variational_distribution.batch_shape
         if len(batch_shape) < 1 + num_output_dims or batch_shape[-1] != branches:
@@ -121,7 +122,7 @@ class KernelEigenPairVariationalStrategy(KernelEigenVariationalStrategy):
                 f"got {tuple(batch_shape)}"
             )
         self.merge = merge
-        self.shared_posterior = bool(shared_posterior)
+        self.shared_posterior = shared_posterior
 
     @property
     def _branch_sides(self) -> tuple[str, ...]:

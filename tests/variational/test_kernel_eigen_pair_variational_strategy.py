@@ -72,6 +72,19 @@ def test_the_branch_dimension_is_checked():
         )
 
 
+@pytest.mark.parametrize("shared_posterior", ["no", "False", 0, None])
+def test_shared_posterior_must_be_a_bool(shared_posterior):
+    """``shared_posterior="no"`` was read as true: one q(u) shared by both branches (the official code's posterior)."""
+    message = r"KernelEigenPairVariationalStrategy: expected shared_posterior to be True or False, got "
+    with pytest.raises(TypeError, match=message):
+        KernelEigenPairVariationalStrategy(
+            torch.nn.Module(),
+            torch.randn(8, 2),
+            gpytorch.variational.CholeskyVariationalDistribution(4, (1,)),
+            shared_posterior=shared_posterior,
+        )
+
+
 def test_a_pair_inside_a_multi_output_wrapper_is_refused_and_a_batch_of_outputs_works():
     # GPyTorch's IndependentMultitaskVariationalStrategy takes GPyTorch's generic KL of the base strategy's
     # distributions, which would not sum the branch dimension (it failed with "a Tensor with 3 elements cannot be
