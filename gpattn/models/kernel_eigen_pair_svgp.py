@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import pyro
 import torch
 from gpytorch.distributions import MultitaskMultivariateNormal, MultivariateNormal
@@ -17,7 +19,7 @@ from torch import Tensor
 
 from ..features import KernelEigenFeatures
 from ..kernels import AsymmetricKernel
-from ..validation import InputTypeError, check_choice, check_int, check_tensor
+from ..validation import InputTypeError, check_bool, check_choice, check_int, check_tensor
 from ..variational import KernelEigenPairVariationalStrategy
 from ..variational.structured_covariance import low_rank_plus_diag
 
@@ -125,6 +127,8 @@ class KernelEigenPairSVGP(ApproximateGP):
             learn_landmarks=learn_inducing_locations,
             ksvd_weight=ksvd_weight,
         )
+        # a flag read before the strategy sees it: the string "no" would otherwise build one shared q(u)
+        shared_posterior = check_bool("shared_posterior", shared_posterior, where="KernelEigenPairSVGP")
         # one q(u) for both branches, stacked on the last batch dimension: (left, right), or one shared posterior
         branches = torch.Size([1 if shared_posterior else 2])
         posterior = variational_distribution(num_inducing, batch_shape=torch.Size(batch_shape) + branches)
@@ -189,6 +193,19 @@ class KernelEigenPairSVGP(ApproximateGP):
         features.base_kernel = kernel
         torch.nn.Module.__setattr__(self, "covar_module", kernel)
         self.variational_strategy._clear_cache()
+
+    def named_children(self) -> Iterator[tuple[str, torch.nn.Module]]:
+        """torch's :meth:`~torch.nn.Module.named_children`, without ``covar_module`` while it is the features' kernel
+        (``variational_strategy.features.base_kernel``, the same module): walks that recurse through the children
+        without a memo, such as GPyTorch's ``named_priors()`` (summed by ``VariationalELBO`` and the other MLLs, and by
+        :meth:`pyro_model`) and ``pyro_sample_from_prior``, would meet the kernel twice and count each of its priors
+        twice. ``state_dict``, ``named_modules`` and ``named_parameters`` read the registered modules as before (both
+        names)."""
+        strategy = self._modules.get("variational_strategy")
+        inner = {id(module) for module in strategy.modules()} if strategy is not None else set()
+        for name, module in super().named_children():
+            if name != "covar_module" or id(module) not in inner:
+                yield name, module
 
     def get_fantasy_model(self, inputs: Tensor, targets: Tensor, **kwargs):
         """Not supported: raises ``NotImplementedError`` explaining why (:data:`FANTASY_UNSUPPORTED`): GPyTorch's

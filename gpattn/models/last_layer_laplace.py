@@ -12,6 +12,7 @@ from torch import Tensor
 from .._module_state import kept_call_results, restored_modes
 from .._torch_compat import eager_calls
 from ..validation import InputTypeError, check_int, check_tensor
+from .monte_carlo import check_batch_mask
 
 __all__ = ["LastLayerLaplace"]
 
@@ -99,6 +100,7 @@ class LastLayerLaplace(torch.nn.Module):
         _check_non_empty(inputs, "LastLayerLaplace")
         if batch_size is not None:
             check_int("batch_size", batch_size, where="LastLayerLaplace")
+        check_batch_mask(mask, inputs, "LastLayerLaplace")
         captured: list[Tensor] = []
         handle = self.model.get_submodule(self.last_layer).register_forward_pre_hook(
             lambda module, args: captured.append(args[0].detach())
@@ -122,7 +124,7 @@ class LastLayerLaplace(torch.nn.Module):
 
         :param inputs: The training inputs, as the model takes them.
         :param labels: Their integer labels ``(n,)``, of any integer dtype.
-        :param mask: The model's mask argument (a tensor is cut into batches with ``inputs``).
+        :param mask: The model's mask argument (a tensor, one row per input, is cut into batches with ``inputs``).
         :param batch_size: Inputs per forward pass and per curvature batch.
         :raises ImportError: laplace-torch is not installed (``pip install 'gpattn[laplace]'``).
         :raises TypeError: Labels that are not integers (floats, bools).
@@ -214,6 +216,7 @@ class LastLayerLaplace(torch.nn.Module):
         check_int("num_samples", num_samples, where="LastLayerLaplace.sample_logits")
         check_tensor("inputs", inputs, where="LastLayerLaplace.sample_logits")
         _check_non_empty(inputs, "LastLayerLaplace.sample_logits")
+        check_batch_mask(mask, inputs, "LastLayerLaplace.sample_logits")
         parts = []
         step = inputs.shape[0] if batch_size is None else check_int("batch_size", batch_size, where="LastLayerLaplace")
         for start in range(0, inputs.shape[0], step):

@@ -8,10 +8,19 @@ from torch import Tensor
 from .._module_state import kept_call_results, restored_modes
 from ..attention import AttentionLayer, sample_attention
 from ..mlls.attention_elbo import model_logits
-from ..validation import check_int, check_tensor
+from ..validation import check_bool, check_int, check_tensor
 from .monte_carlo_dropout import mc_dropout as dropout_masks
 
 __all__ = ["monte_carlo_logits"]
+
+
+def check_batch_mask(mask: object, inputs: Tensor, where: str) -> None:
+    """Refuse a mask tensor whose first dimension is not the batch of ``inputs``: cut into batches with the inputs, a
+    longer mask would be read only in part (its first rows, those of other inputs) without a word."""
+    if isinstance(mask, Tensor) and (mask.dim() == 0 or mask.shape[0] != inputs.shape[0]):
+        raise ValueError(
+            f"{where}: expected a mask with one row per input ({inputs.shape[0]} inputs), got shape {tuple(mask.shape)}"
+        )
 
 
 @torch.no_grad()
@@ -38,10 +47,10 @@ def monte_carlo_logits(
         :func:`~gpattn.models.predict_probabilities` calls it) to logits ``(B, C)``, or to a mapping holding them under
         ``"logits"`` (a dict, a ``transformers`` ``ModelOutput``).
     :param inputs: The model's inputs, batch first.
-    :param mask: The model's mask argument (a tensor is cut into batches with ``inputs``).
+    :param mask: The model's mask argument (a tensor, one row per input, is cut into batches with ``inputs``).
     :param num_samples: :math:`T \geq 1`.
     :param mc_dropout: Keep the dropout modules on (see :func:`~gpattn.models.mc_dropout`; raises for a model
-        without dropout).
+        without dropout). A bool (Python's or NumPy's): a string such as ``"no"`` is refused, not read as true.
     :param batch_size: Inputs per forward pass, or ``None`` for all at once.
     :return: Logits ``(T, B, C)`` (``T = 1`` for a deterministic model), on the model's device.
     """
@@ -52,8 +61,10 @@ def monte_carlo_logits(
     if inputs.dim() == 0 or inputs.shape[0] == 0:
         raise ValueError(f"{where}: expected inputs with a non-empty batch dimension first, got {tuple(inputs.shape)}")
     check_int("num_samples", num_samples, where=where)
+    check_bool("mc_dropout", mc_dropout, where=where)
     if batch_size is not None:
         check_int("batch_size", batch_size, where=where)
+    check_batch_mask(mask, inputs, where)
     stochastic = mc_dropout or any(isinstance(m, AttentionLayer) and m.is_stochastic for m in model.modules())
     passes = num_samples if stochastic else 1
     step = inputs.shape[0] if batch_size is None else batch_size

@@ -15,6 +15,7 @@ from contextlib import contextmanager, nullcontext
 import torch
 
 from .._torch_compat import mha_fastpath_disabled
+from ..validation import check_bool
 
 __all__ = ["DROPOUT_MODULES", "dropout_modules", "mc_dropout"]
 
@@ -53,12 +54,14 @@ def mc_dropout(module: torch.nn.Module, enabled: bool = True) -> Iterator[torch.
             probs = torch.stack([model(x).softmax(-1) for _ in range(10)]).mean(0)
 
     :param module: The model.
-    :param enabled: ``False`` leaves the modes alone (a no-op block), so that callers can pass a flag through.
+    :param enabled: ``False`` leaves the modes alone (a no-op block), so that callers can pass a flag through; a
+        Python or NumPy bool (a string such as ``"no"`` is refused, not read as true).
     :raises ValueError: When enabled and the model has no dropout with a rate above 0: every pass would be the
         same, which is not MC dropout (train the model with ``dropout > 0``).
     :return: ``module``.
     """
     layers = dropout_modules(module)
+    enabled = check_bool("enabled", enabled, where="mc_dropout")
     if enabled and not layers:
         raise ValueError(
             f"mc_dropout: {type(module).__name__} has no dropout module with a rate above 0, so every pass would be "

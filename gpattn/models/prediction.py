@@ -11,7 +11,7 @@ from torch import Tensor
 from .._module_state import kept_call_results, restored_modes
 from ..attention import AttentionLayer, sample_attention
 from ..mlls.attention_elbo import model_logits
-from ..validation import check_choice, check_int
+from ..validation import check_bool, check_choice, check_int
 from .monte_carlo_dropout import mc_dropout as dropout_masks
 
 AVERAGES = ("probabilities", "logits")
@@ -51,8 +51,7 @@ def predict_probabilities(
         raise TypeError(f"predict_probabilities: expected model to be a torch.nn.Module, got {type(model).__name__}")
     check_int("num_samples", num_samples, where="predict_probabilities")
     check_choice("average", average, AVERAGES, where="predict_probabilities")
-    if not isinstance(mc_dropout, bool):
-        raise ValueError(f"predict_probabilities: expected mc_dropout to be a bool, got {mc_dropout!r}")
+    check_bool("mc_dropout", mc_dropout, where="predict_probabilities")
     if isinstance(inputs, Mapping):
         if mask is not None:
             raise ValueError("predict_probabilities: with a mapping of inputs, pass the mask inside it")

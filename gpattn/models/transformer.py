@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import numbers
 from typing import Any
 
 import torch
@@ -127,9 +128,10 @@ class Transformer(Module):
         **attention_kwargs: Any,
     ):
         super().__init__()
-        check_int("num_classes", num_classes, minimum=2, where="Transformer")  # one class: nothing to predict
-        _positive_int("embed_dim", embed_dim)
-        _positive_int("num_heads", num_heads)
+        # Python ints from here on (a NumPy integer would reach the attributes, configs and records)
+        num_classes = check_int("num_classes", num_classes, minimum=2, where="Transformer")  # one class: no prediction
+        embed_dim = _positive_int("embed_dim", embed_dim)
+        num_heads = _positive_int("num_heads", num_heads)
         if embed_dim % num_heads:
             raise ValueError(f"Transformer: embed_dim ({embed_dim}) must be divisible by num_heads ({num_heads})")
         _positive_int("depth", depth)
@@ -160,13 +162,15 @@ class Transformer(Module):
         if input == "patches":
             if isinstance(image_size, (str, bytes)):  # tuple("88") would be ("8", "8")
                 raise InputTypeError(f"Transformer: expected image_size to be an int or (H, W), got {image_size!r}")
-            sides = (image_size, image_size) if isinstance(image_size, int) else tuple(image_size)
+            # a NumPy integer is one side too (numbers.Integral; tuple() of it would fail with "not iterable")
+            sides = (image_size, image_size) if isinstance(image_size, numbers.Integral) else tuple(image_size)
             if len(sides) != 2:
                 raise ValueError(f"Transformer: expected image_size to be an int or (H, W), got {image_size!r}")
-            height, width = sides
-            for name, value in (("image_size", height), ("image_size", width), ("patch_size", patch_size)):
+            height, width, patch_size = (  # Python ints (the attributes reach configs and records)
                 _positive_int(name, value)
-            _positive_int("in_channels", in_channels)
+                for name, value in (("image_size", sides[0]), ("image_size", sides[1]), ("patch_size", patch_size))
+            )
+            in_channels = _positive_int("in_channels", in_channels)
             if height % patch_size or width % patch_size:
                 raise ValueError(f"Transformer: patch_size {patch_size} must divide the image size {(height, width)}")
             self.image_size, self.in_channels = (height, width), in_channels

@@ -10,6 +10,7 @@ import copy
 from unittest.mock import patch
 
 import gpytorch
+import numpy as np
 import pyro
 import pytest
 import torch
@@ -425,6 +426,37 @@ def test_a_deep_kernel_model_trains_under_bfloat16_autocast() -> None:
 def test_bad_names_raise(data, kwargs, match):
     with pytest.raises(ValueError, match=match):
         _model(data[2], **kwargs)
+
+
+def test_a_prior_of_the_kernel_counts_once_in_gpytorchs_elbo_and_in_pyro(data):
+    # the kernel is a child under two names (covar_module, variational_strategy.features.base_kernel): GPyTorch's
+    # named_priors() walks the children without a memo, so VariationalELBO (and pyro_model) added its prior twice
+    x, y, landmarks = data
+    kernel = ShiftedRBFKernel(1).double()
+    kernel.register_prior("lengthscale_prior", gpytorch.priors.GammaPrior(3.0, 2.0), lambda module: module.lengthscale)
+    gp = _model(landmarks, kernel=kernel)
+    rates = torch.tensor([3.0, 2.0], dtype=torch.float64)
+    expected = torch.distributions.Gamma(*rates).log_prob(kernel.lengthscale.detach()).sum()  # counted once
+    assert [name for name, *_ in gp.named_priors()] == ["variational_strategy.features.base_kernel.lengthscale_prior"]
+    likelihood = gpytorch.likelihoods.GaussianLikelihood().double()
+    mll = gpytorch.mlls.VariationalELBO(likelihood, gp, num_data=x.shape[0], combine_terms=False)
+    log_prior = mll(gp(x), y)[2]
+    torch.testing.assert_close(log_prior, expected / x.shape[0], rtol=1e-6, atol=0.0, check_dtype=False)
+    trace = pyro.poutine.trace(gp.pyro_model).get_trace(x, name_prefix="gp")
+    log_factor = trace.nodes["gp.log_prior"]["fn"].log_factor
+    torch.testing.assert_close(log_factor, expected, rtol=1e-6, atol=0.0, check_dtype=False)  # float32 prior rates
+    # the kernel is still one module under both names for the state dict, the modes and the dtype
+    assert gp.covar_module is gp.features.base_kernel and "covar_module.raw_lengthscale" in gp.state_dict()
+    assert not gp.eval().covar_module.training and gp.float().covar_module.raw_lengthscale.dtype == torch.float32
+
+
+def test_shared_posterior_is_a_flag_not_a_truthy_value(data):
+    # shared_posterior="no" built one shared q(u) (a non-empty string is true); NumPy's bools are flags
+    with pytest.raises(TypeError, match="KernelEigenPairSVGP: expected shared_posterior to be True or False, got 'no'"):
+        _model(data[2], shared_posterior="no")
+    model = _model(data[2], shared_posterior=np.False_)
+    assert model.variational_strategy.shared_posterior is False
+    assert model.variational_strategy.variational_distribution.batch_shape == (2,)  # left and right
 
 
 @pytest.mark.parametrize("shared_posterior", [False, True])

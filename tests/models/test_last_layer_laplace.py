@@ -157,6 +157,19 @@ def test_a_padding_mask_reaches_the_model():
     assert laplace.sample_logits(tokens, mask, num_samples=3, batch_size=16).shape == (3, 40, 2)
 
 
+def test_a_mask_of_another_batch_size_is_refused_not_read_in_part(problem, fitted):
+    # a mask of 18 rows for 9 inputs was cut with the inputs: its first 9 rows were read, the rest ignored, no error
+    _, _, _, test = problem
+    longer = torch.ones(2 * test.shape[0], test.shape[1], dtype=torch.bool)
+    with pytest.raises(ValueError, match=r"sample_logits: expected a mask with one row per input \(9 inputs\), got"):
+        fitted.sample_logits(test, longer, num_samples=2)
+    for method in (fitted.features, fitted.predictive_moments):
+        with pytest.raises(ValueError, match=r"LastLayerLaplace: expected a mask with one row per input \(9 inputs\)"):
+            method(test, longer)
+    mean, _ = fitted.predictive_moments(test, longer[: test.shape[0]])  # one row per input: as without a mask
+    torch.testing.assert_close(mean, fitted.predictive_moments(test)[0], rtol=1e-12, atol=1e-12)
+
+
 def test_sampling_errors_name_the_method(problem, fitted):
     _, _, _, test_inputs = problem
     with pytest.raises(ValueError, match=r"sample_logits: expected at least one input"):

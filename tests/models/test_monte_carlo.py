@@ -3,6 +3,7 @@ softmax average, runs deterministic models once, batches without changing result
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -71,7 +72,7 @@ def test_predict_probabilities_with_mc_dropout_is_the_dropout_samples_average(at
     assert not any(module.training for module in model.modules())
     with pytest.raises(ValueError, match="no dropout"):
         predict_probabilities(small_model("softmax"), TOKENS, mc_dropout=True)
-    with pytest.raises(ValueError, match="mc_dropout to be a bool"):
+    with pytest.raises(ValueError, match="mc_dropout to be True or False"):
         predict_probabilities(model, TOKENS, mc_dropout="yes")
 
 
@@ -133,3 +134,35 @@ def test_a_model_without_a_mask_argument_and_with_a_mapping_output_is_sampled_as
     # without dropout: one pass, by batches, the linear map by hand
     deterministic = monte_carlo_logits(model, inputs, num_samples=4, batch_size=3)
     torch.testing.assert_close(deterministic, (inputs @ model.linear.weight.T + model.linear.bias)[None])
+
+
+def test_a_mask_of_another_batch_size_is_refused_not_read_in_part() -> None:
+    # a mask of 12 rows for 6 inputs was cut with the inputs: the first 6 rows were read, the rest ignored, no error
+    model = small_model("softmax").eval()
+    longer = torch.cat([MASK, torch.ones_like(MASK)])
+    with pytest.raises(
+        ValueError, match=r"monte_carlo_logits: expected a mask with one row per input \(6 inputs\), got"
+    ):
+        monte_carlo_logits(model, TOKENS, mask=longer)
+    with pytest.raises(ValueError, match="one row per input"):
+        monte_carlo_logits(model, TOKENS, mask=longer, batch_size=4)
+    # the right mask, and "causal" (no rows), as before
+    assert monte_carlo_logits(model, TOKENS, mask=MASK, batch_size=4).shape == (1, 6, 3)
+    assert monte_carlo_logits(model, TOKENS, mask="causal").shape == (1, 6, 3)
+
+
+def test_mc_dropout_is_a_flag_not_a_truthy_value() -> None:
+    # monte_carlo_logits(mc_dropout="no") switched dropout on (a non-empty string is true); NumPy's bools are flags
+    model = small_model("softmax", dropout=0.3).eval()
+    for function in (monte_carlo_logits, predict_probabilities):
+        with pytest.raises(TypeError, match="expected mc_dropout to be True or False, got 'no'"):
+            function(model, TOKENS, mc_dropout="no")
+    torch.manual_seed(2)
+    expected = monte_carlo_logits(model, TOKENS, num_samples=3, mc_dropout=True)
+    torch.manual_seed(2)
+    torch.testing.assert_close(
+        monte_carlo_logits(model, TOKENS, num_samples=3, mc_dropout=np.True_), expected, rtol=0, atol=0
+    )
+    torch.manual_seed(2)
+    got = predict_probabilities(model, TOKENS, num_samples=3, mc_dropout=np.True_)
+    torch.testing.assert_close(got, expected.softmax(-1).mean(0), rtol=1e-12, atol=1e-12)

@@ -3,6 +3,7 @@ reproducible under a seed, the expectation of a dropped-out input, and clear err
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -115,3 +116,16 @@ def test_torch_transformer_layers_sample_their_dropout_without_gradients() -> No
     logits = monte_carlo_logits(torch.nn.Sequential(layer, torch.nn.Flatten()), inputs, num_samples=2, mc_dropout=True)
     torch.testing.assert_close(logits, reference.flatten(2), rtol=1e-12, atol=1e-12)
     assert not layer.training and not layer.dropout1.training
+
+
+def test_enabled_is_a_flag_not_a_truthy_value() -> None:
+    # mc_dropout(model, enabled="no") switched dropout on (a non-empty string is true)
+    model = small_model(dropout=0.3).eval()
+    with (
+        pytest.raises(TypeError, match="mc_dropout: expected enabled to be True or False, got 'no'"),
+        mc_dropout(model, enabled="no"),
+    ):
+        pass
+    assert not any(module.training for module in model.modules())
+    with mc_dropout(model, enabled=np.False_):  # NumPy's bools are flags: dropout stays off
+        torch.testing.assert_close(model(TOKENS), model(TOKENS), rtol=0, atol=0)

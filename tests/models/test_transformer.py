@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 
+import numpy as np
 import pytest
 import torch
 
@@ -57,6 +58,17 @@ def test_patch_input_shapes():
     model = small_model(input="patches", vocab_size=None, max_len=512, image_size=(8, 12), patch_size=4, in_channels=3)
     assert model.max_len == 6 and model.position_embedding.shape == (1, 6, 16)
     assert model(torch.randn(BATCH, 3, 8, 12, dtype=torch.float64)).shape == (BATCH, CLASSES)
+
+
+def test_numpy_integer_sizes_build_the_model_of_python_ones():
+    # image_size=np.int64(8) raised "'numpy.int64' object is not iterable"; NumPy sizes were kept as attributes
+    sizes = {"image_size": np.int64(8), "patch_size": np.int64(4), "in_channels": np.int64(3)}
+    model = small_model(input="patches", vocab_size=None, **sizes)
+    assert model.image_size == (8, 8) and model.max_len == 4 and model.in_channels == 3
+    assert all(type(value) is int for value in (*model.image_size, model.max_len, model.in_channels))
+    assert model(torch.randn(BATCH, 3, 8, 8, dtype=torch.float64)).shape == (BATCH, CLASSES)
+    model = Transformer(np.int64(3), embed_dim=np.int64(8), depth=1, num_heads=np.int32(2), vocab_size=5, max_len=4)
+    assert type(model.num_classes) is int and type(model.embed_dim) is int and model.head.out_features == 3
 
 
 def windowed_convolution(signal: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, stride: int) -> torch.Tensor:
