@@ -44,6 +44,7 @@ __all__ = [
     "check_schedule_state",
     "check_state_fits",
     "load_checkpoint",
+    "model_description",
     "restore_rng_state",
     "restore_run",
     "rng_state",
@@ -92,8 +93,36 @@ WARNED_REASONS = {
 #: every run before them had: a checkpoint without the setting resumes when the current value is that one
 LATER_SETTINGS = {"patience": None, "mc_dropout": False, "cuda_graphs": False}
 #: recorded facts of the run besides its TrainConfig, stored with the settings by later versions only: compared when
-#: the checkpoint has them (``num_data``: the number of training examples, the ELBO's :math:`n`)
-LATER_RECORDS = ("num_data",)
+#: the checkpoint has them (``num_data``: the number of training examples, the ELBO's :math:`n`; ``num_val``: the
+#: number of validation examples; ``model``: the model's :func:`model_description`)
+LATER_RECORDS = ("num_data", "num_val", "model")
+#: module attributes that are switches of the moment, not the model's configuration (left out of its description)
+RUNTIME_ATTRIBUTES = ("training", "sample_in_eval")
+
+
+def _plain(value: Any) -> bool:
+    return (
+        value is None
+        or isinstance(value, (bool, int, float, str))
+        or (isinstance(value, tuple) and all(_plain(item) for item in value))
+    )
+
+
+def model_description(model: torch.nn.Module) -> dict[str, dict[str, str]]:
+    """The configuration of ``model`` that its state dict does not show, as the checkpoints record it: for every
+    submodule (by its name in ``named_modules``, ``""`` for the model), its type and the ``repr`` of each public
+    attribute holding a plain value (a number, string, ``None`` or a tuple of them: a layer's ``num_heads``, a
+    dropout rate ``p``, an attention's ``merge``), but the switches :data:`RUNTIME_ATTRIBUTES`. Two models of the
+    same parameter names and shapes can differ here (e.g. 2 or 4 heads of width 16, another dropout rate), and a run
+    resumed into the other one would silently continue another model. O(number of submodules)."""
+    description = {}
+    for name, module in model.named_modules():
+        entry = {"type": type(module).__qualname__}
+        for key, value in sorted(vars(module).items()):
+            if not key.startswith("_") and key not in RUNTIME_ATTRIBUTES and _plain(value):
+                entry[key] = repr(value)
+        description[name] = entry
+    return description
 
 
 # -- reading ---------------------------------------------------------------------------------------------------------
@@ -222,7 +251,8 @@ def check_resumable(saved: dict[str, Any], current: dict[str, Any], epoch: int, 
     the checkpoint ``path`` of epoch ``epoch``.
 
     A setting that changes the trained model or the recorded metrics (seed, learning rate, batch size, ..., the
-    number of training examples ``num_data`` when the checkpoint records it; every setting but
+    number of training or validation examples ``num_data``, ``num_val`` and the model's configuration ``model`` when
+    the checkpoint records them; every setting but
     :data:`RESUMABLE_CHANGES`), a schedule horizon (``schedule_epochs or epochs``) other than the saved one, or
     ``epochs`` below the epoch already trained raises :class:`~gpattn.training.CheckpointError` naming what differs
     (for a run extended past a horizon that ended at ``min_lr=0``: that it cannot continue, its epochs would train
@@ -267,12 +297,39 @@ def check_resumable(saved: dict[str, Any], current: dict[str, Any], epoch: int, 
 
 
 def _describe_change(name: str, saved: Any, value: Any) -> str:
+    if name == "model" and isinstance(saved, dict) and isinstance(value, dict):
+        return _describe_model_change(saved, value)
+    if name == "num_val":
+        return (
+            f"the validation set ({saved!r} examples in the checkpoint, {value!r} now: the validation NLL that selects "
+            "the best epoch would change; resume with the validation set of that run)"
+        )
     if name == "num_data":
         return (
             f"the training set ({saved!r} examples in the checkpoint, {value!r} now: the ELBO's num_data and the "
             "steps per epoch would change; resume with the training set that trained it)"
         )
     return f"{name} ({saved!r} in the checkpoint, {value!r} now)"
+
+
+def _describe_model_change(saved: dict[str, Any], current: dict[str, Any]) -> str:
+    """The differences of two :func:`model_description` s (at most five named)."""
+    differences = []
+    for module in [*saved, *(name for name in current if name not in saved)]:
+        where = f"the module {module!r}" if module else "the model"
+        old, new = saved.get(module), current.get(module)
+        if not isinstance(old, dict) or not isinstance(new, dict):
+            differences.append(f"{where} {'missing now' if new is None else 'not in the checkpoint'}")
+            continue
+        for key in [*old, *(key for key in new if key not in old)]:
+            if old.get(key) != new.get(key):
+                before, after = old.get(key, "absent"), new.get(key, "absent")
+                differences.append(f"{module + '.' if module else ''}{key} ({before} in the checkpoint, {after} now)")
+    more = f" and {len(differences) - 5} more" if len(differences) > 5 else ""
+    return (
+        f"the model's configuration ({'; '.join(differences[:5])}{more}: resume into a model built as the one that "
+        "wrote the checkpoint)"
+    )
 
 
 def _horizon_advice(saved: dict[str, Any], saved_horizon: Any, epochs: int) -> str:

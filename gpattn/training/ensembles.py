@@ -20,6 +20,7 @@ import torch
 
 from ..validation import MAX_SEED, check_int
 from .callbacks import Callback, check_callbacks
+from .checkpoint_files import MANIFEST
 from .config import TrainConfig, TrainResult
 from .errors import CheckpointError
 from .loop import train_model
@@ -64,7 +65,8 @@ def train_ensemble(
     Member ``k`` is built by ``make_model(k)`` right after ``torch.manual_seed(member_seed(config.seed, k, size))``
     (so its initialisation is seeded too) and trained with that seed. With a ``checkpoint_dir``, member ``k`` writes
     its checkpoints to the subdirectory ``member_<k>`` (an ensemble of one, a single model, to ``checkpoint_dir``
-    itself), and ``resume=True`` resumes every member from there.
+    itself), and ``resume=True`` resumes every member from there (a member after the first that wrote no checkpoint,
+    because the run was interrupted before it finished its first epoch, trains from the start, as it would have).
 
     :param make_model: Builds member ``k`` (on any device: it is moved to ``config.device``).
     :param train: Training set (as for :func:`~gpattn.training.train_model`).
@@ -105,8 +107,11 @@ def train_ensemble(
                 "make_model=lambda k: Transformer(...)"
             )
         earlier.update((id(p), k) for p in model.parameters())
+        # a later member that wrote no checkpoint (the run was interrupted before it finished its first epoch) starts
+        # from the beginning, as in the uninterrupted run, instead of failing for the want of a last.pt
+        member_resume = resume and not (k > 0 and directory is not None and _not_started(Path(directory)))
         try:
-            result = train_model(model, train, val, member_config, resume, callbacks=callbacks)
+            result = train_model(model, train, val, member_config, member_resume, callbacks=callbacks)
         except (CheckpointError, FileNotFoundError) as error:
             hint = _size_hint(config.checkpoint_dir, size) if resume else ""
             if not hint:
@@ -114,6 +119,11 @@ def train_ensemble(
             raise type(error)(f"{error} ({hint})") from error
         members.append((model, result))
     return members
+
+
+def _not_started(directory: Path) -> bool:
+    """Whether a member's checkpoint folder holds no checkpoint, committed or not (no ``last.pt``, no manifest)."""
+    return not (directory / "last.pt").exists() and not (directory / MANIFEST).exists()
 
 
 def _size_hint(directory: str | os.PathLike | None, size: int) -> str:

@@ -42,7 +42,7 @@ from ..validation import all_finite, non_finite_parameters
 from .batches import batch_to_device, check_finite_inputs, check_label_range, dataset_inputs, dataset_labels
 from .callbacks import Callback, CallbackList, TrainingContext, check_callbacks
 from .checkpoint_files import save_run_checkpoints
-from .checkpoints import restore_run, rng_state
+from .checkpoints import model_description, restore_run, rng_state
 from .config import TrainConfig, TrainResult
 from .errors import TrainingDivergedError
 from .graphs import CapturedForward, CapturedStep, capture_refusals
@@ -108,8 +108,10 @@ def train_model(
         epoch, from which ``resume=True`` continues as if uninterrupted (on the CPU).
     :raises FileNotFoundError: ``resume=True`` without ``last.pt``.
     :raises CheckpointError: ``resume=True`` with a checkpoint that cannot be read, is damaged or inconsistent, does
-        not pair with ``best.pt``, was written for another model or by a run with other settings (seed, learning rate,
-        ..., a schedule horizon, ``epochs`` below the epoch already trained, or a training set of another size; see
+        not pair with ``best.pt``, was written for another model (other parameter names, shapes or dtypes, or another
+        configuration of the same shapes: e.g. another number of heads or dropout rate) or by a run with other settings
+        (seed, learning rate, ..., a schedule horizon, ``epochs`` below the epoch already trained, or a training or
+        validation set of another size; see
         :func:`~gpattn.training.checkpoints.check_resumable`) (the message names the file and what differs). The
         model is then left untouched.
 
@@ -195,6 +197,8 @@ class _Loop:
             except OSError as error:  # a file in its place, or above it; no permission
                 reason = error.strerror or str(error)
                 raise OSError(error.errno, f"cannot create the checkpoint folder {self.directory} ({reason})") from None
+        # the model as built, before training changes anything: what the checkpoints record, and a resumed run compares
+        self.model_description = model_description(model)
         model.to(self.device)
         self.forward = strategy.wrap(model)
         self.num_data = self.train_labels.shape[0]
@@ -453,9 +457,18 @@ class _Loop:
 
     def _settings(self) -> dict[str, Any]:
         """The run's settings as the checkpoints store them: the config, the torch thread count (the numbers on the
-        CPU depend on it; a resumed run with another count is warned about) and the number of training examples
-        ``num_data`` (the ELBO's :math:`n`; a resumed run with another training set size is refused)."""
-        return {**self.config.to_dict(), "threads": torch.get_num_threads(), "num_data": self.num_data}
+        CPU depend on it; a resumed run with another count is warned about), the numbers of training and validation
+        examples ``num_data`` (the ELBO's :math:`n`) and ``num_val`` (a resumed run with another training or
+        validation set size is refused) and the model's
+        :func:`~gpattn.training.checkpoints.model_description` as built (a resumed run into a model of another
+        configuration with the same parameter shapes, e.g. another number of heads, is refused)."""
+        return {
+            **self.config.to_dict(),
+            "threads": torch.get_num_threads(),
+            "num_data": self.num_data,
+            "num_val": self.val_labels.shape[0],
+            "model": self.model_description,
+        }
 
     # -- divergence ---------------------------------------------------------------------------------------------------
     def _largest_parameter(self) -> Tensor:

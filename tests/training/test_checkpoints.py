@@ -281,6 +281,18 @@ def test_resuming_on_a_training_set_of_another_size_is_refused(make_transformer,
     assert [record["epoch"] for record in result.history] == [1, 2]  # and it resumes on its own training set
 
 
+def test_resuming_on_a_validation_set_of_another_size_is_refused(make_transformer, data, trained, tmp_path):
+    # 48 validation sequences instead of 32: the NLL that selects the best epoch changed silently mid-run
+    other = make_pointer_task(96, 48, 16, length=6, seed=0, vocab_size=6)
+    directory = _copy_run(trained, tmp_path / "run", manifest=True)
+    model = _fresh_model(make_transformer)
+    before = _parameters(model)
+    match = r"last\.pt with other settings .*the validation set \(32 examples in the checkpoint, 48 now"
+    with pytest.raises(CheckpointError, match=match):
+        train_model(model, data.train, other.val, _config(directory, epochs=2), resume=True)
+    assert all(torch.equal(value, before[name]) for name, value in model.state_dict().items())
+
+
 def test_a_schedule_state_of_another_step_count_is_refused(make_transformer, data, trained, tmp_path):
     directory = _rewrite(trained, tmp_path, lambda c: {**c, "scheduler": {**c["scheduler"], "last_epoch": 1000}})
     match = r"last\.pt does not fit this run: its schedule has taken 1000 optimiser steps in 2 epochs, .*\(4 in 2\)"
@@ -328,6 +340,27 @@ def test_checkpoint_of_another_configuration_raises(make_transformer, data, trai
     with pytest.raises(CheckpointError, match=match):
         load_checkpoint(directory / "last.pt", model)
     assert all(torch.equal(value, before[name]) for name, value in model.state_dict().items())
+
+
+def test_a_model_of_another_configuration_with_the_same_shapes_is_refused(make_transformer, data, trained, tmp_path):
+    # dropout 0.1 instead of 0 (or 4 heads of width 16 instead of 2 for softmax attention) gives the same parameter
+    # names and shapes: the resumed run silently continued another model than the one that wrote the checkpoint
+    directory = _copy_run(trained, tmp_path / "run", manifest=True)
+    model = _fresh_model(make_transformer, dropout=0.1)
+    before = _parameters(model)
+    match = (
+        r"last\.pt with other settings .*the model's configuration \(embedding_dropout\.p \(0\.0 in the checkpoint, "
+        r"0\.1 now\); blocks\.0\.attention\.dropout\.p"
+    )
+    with pytest.raises(CheckpointError, match=match):
+        train_model(model, data.train, data.val, _config(directory, epochs=2), resume=True)
+    assert all(torch.equal(value, before[name]) for name, value in model.state_dict().items())
+    # the same model resumes; so does a checkpoint written before the model's configuration was recorded
+    result = train_model(_fresh_model(make_transformer), data.train, data.val, _config(directory), resume=True)
+    assert result.best_epoch == torch.load(trained[0] / "last.pt", weights_only=True)["best_epoch"]
+    (tmp_path / "old").mkdir()
+    old = _rewrite(trained, tmp_path / "old", lambda c: {**c, "config": _without(c["config"], "model")})
+    train_model(_fresh_model(make_transformer, dropout=0.1), data.train, data.val, _config(old), resume=True)
 
 
 def test_damaged_best_checkpoint_is_named(make_transformer, data, trained, tmp_path):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from gpattn.data import make_pointer_task
 from gpattn.models import Transformer
 from gpattn.training import (
     Callback,
@@ -129,6 +130,37 @@ def test_resuming_an_ensemble_of_another_size_names_the_sizes(data, tmp_path, sm
         FileNotFoundError, match=r"holds the checkpoints of a single model, .*but size=2 now: resume wi"
     ):
         train_ensemble(make_model, data.train, data.val, single, 2, resume=True)
+
+
+def test_an_ensemble_interrupted_before_a_member_finished_an_epoch_resumes(tmp_path, small_model, small_config):
+    # Ctrl-C in member 1's first epoch leaves member_1/ without a checkpoint: resume=True raised FileNotFoundError
+    # ("train once with resume=False"), which would train member 0 again
+    class Interrupt(Callback):
+        steps = 0
+
+        def on_step_end(self, context, epoch, step, values):
+            self.steps += 1
+            if self.steps == context.steps_per_epoch + 1:  # member 1's first step
+                raise KeyboardInterrupt
+
+    def make_model(k: int):
+        return small_model("softmax", seed=None)
+
+    data = make_pointer_task(64, 16, 16, length=6, seed=0, vocab_size=6)  # 2 steps an epoch (the models of small_model)
+    config = small_config(epochs=1, batch_size=32, checkpoint_dir=tmp_path / "run")
+    with pytest.raises(KeyboardInterrupt):
+        train_ensemble(make_model, data.train, data.val, config, 2, callbacks=[Interrupt()])
+    assert not (tmp_path / "run" / "member_1" / "last.pt").exists()
+    [_, (model, result)] = train_ensemble(make_model, data.train, data.val, config, 2, resume=True)
+    torch.manual_seed(member_seed(0, 1, 2))  # member 1 of the uninterrupted run
+    reference = make_model(1)
+    expected = train_model(reference, data.train, data.val, small_config(epochs=1, batch_size=32, seed=1))
+    assert all(
+        torch.equal(a, b) for a, b in zip(model.state_dict().values(), reference.state_dict().values(), strict=True)
+    )
+    assert [r["val_nll"] for r in result.history] == [r["val_nll"] for r in expected.history]
+    with pytest.raises(FileNotFoundError, match=r"member_0/last\.pt"):  # nothing at all to resume: still an error
+        train_ensemble(make_model, data.train, data.val, small_config(checkpoint_dir=tmp_path / "none"), 2, resume=True)
 
 
 # -- predictions -----------------------------------------------------------------------------------------------------

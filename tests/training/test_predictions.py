@@ -97,7 +97,7 @@ def test_evaluate_with_mc_dropout_is_the_mean_of_dropout_passes(digits):
     assert not model.training and all(not module.training for module in model.modules())  # modes restored
     with pytest.raises(ValueError, match="no dropout"):
         evaluate(_digits_model(), subset, num_samples=2, mc_dropout=True)
-    with pytest.raises(ValueError, match="mc_dropout to be a bool"):
+    with pytest.raises(ValueError, match="expected mc_dropout to be True or False, got 1"):
         evaluate(model, subset, mc_dropout=1)
 
 
