@@ -153,9 +153,11 @@ def load_digits_splits(
     check_seed("seed", seed, where="load_digits_splits")
     if val_seed is not None:
         check_seed("val_seed", val_seed, where="load_digits_splits")
-    for name, value in (("val_fraction", val_fraction), ("test_fraction", test_fraction)):
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < 1:
-            raise ValueError(f"expected {name} in [0, 1), got {value!r}")
+    # a NumPy float32 fraction (not a Python float) was refused as "expected val_fraction in [0, 1), got 0.1"
+    val_fraction = check_float("val_fraction", val_fraction, 0.0, 1.0, strict_maximum=True, where="load_digits_splits")
+    test_fraction = check_float(
+        "test_fraction", test_fraction, 0.0, 1.0, strict_maximum=True, where="load_digits_splits"
+    )
     if val_fraction + test_fraction >= 1:
         raise ValueError(f"expected val_fraction + test_fraction < 1, got {val_fraction} + {test_fraction}")
     held = check_digits("held_out_classes", held_out_classes)
@@ -297,13 +299,19 @@ def shift_images(images: Tensor, kind: str, severity: int, seed: int = 0) -> Ten
     random sign per image; ``blur`` is deterministic (``seed`` unused). Random draws come from a local
     ``torch.Generator`` seeded with ``seed``.
 
-    :param images: ``(n, C, H, W)`` in ``[0, 1]``, ``C, H, W >= 1`` (``n = 0`` gives an empty result).
+    :param images: ``(n, C, H, W)`` in ``[0, 1]`` (others are refused: the clip would change them), ``C, H, W >= 1``
+        (``n = 0`` gives an empty result).
     :param kind: ``"gaussian_noise"``, ``"rotation"`` or ``"blur"``.
     :param severity: ``1 .. 5``.
     :param seed: Seed of the local generator, in ``[0, 2**64 - 1]``.
     :return: Shifted images, same shape and dtype.
     """
     _check_images(images, "shift_images")
+    if images.numel() and (images.min() < 0 or images.max() > 1):  # standardised images were clipped silently
+        raise ValueError(
+            f"shift_images: expected images in [0, 1] (every shift clips to it), got values in "
+            f"[{images.min().item():g}, {images.max().item():g}]; shift the images before standardising them"
+        )
     check_choice("kind", kind, SHIFT_KINDS, where="shift_images")  # also an unhashable kind (a list)
     severity = check_int("severity", severity, 1, 5, where="shift_images")  # Python and NumPy integers
     seed = check_seed("seed", seed, where="shift_images")
@@ -342,10 +350,15 @@ def make_shifted_test_sets(
     check_seed("seed", seed, where="make_shifted_test_sets")
     check_sequence("kinds", kinds, "('blur',)", where="make_shifted_test_sets")
     check_sequence("severities", severities, "(1, 3)", where="make_shifted_test_sets")
+    kinds, severities = tuple(kinds), tuple(severities)  # iterators: the loops below read them more than once
+    # checked before the seeds are derived: SeedSequence said "expected non-negative integer" for severity -1, "seed
+    # must be integer" for 2.5; a list as a kind was "unhashable type: 'list'"
+    for kind in kinds:
+        check_choice("kinds", kind, SHIFT_KINDS, where="make_shifted_test_sets")
+    for severity in severities:
+        check_int("severity", severity, 1, 5, where="make_shifted_test_sets")
     shifted = {}
     for kind in kinds:
-        if kind not in SHIFT_PARAMETERS:
-            raise ValueError(f"expected kinds from {SHIFT_KINDS}, got {kind!r}")
         for severity in severities:
             sub_seed = int(np.random.SeedSequence([seed, SHIFT_KINDS.index(kind), severity]).generate_state(1)[0])
             shifted[(kind, severity)] = ImageDataset(

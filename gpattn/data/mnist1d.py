@@ -170,6 +170,8 @@ def load_mnist1d(
     """
     check_seed("seed", seed, where="load_mnist1d")
     check_float("val_fraction", val_fraction, 0.0, 1.0, strict_maximum=True, where="load_mnist1d")
+    # a Python int (a NumPy one reached MNIST1DSplits.patch_size and input_dim; True passed as 1)
+    patch_size = check_int("patch_size", patch_size, where="load_mnist1d")
     check_choice("patch_size", patch_size, PATCH_SIZES, where="load_mnist1d")
     check_dtype(dtype, "load_mnist1d")
     held = check_digits("held_out_classes", held_out_classes)
@@ -248,15 +250,17 @@ def make_mnist1d_shifted_test_sets(
     derived from ``seed``, the kind and the severity by ``numpy.random.SeedSequence``.
 
     :param splits: From :func:`load_mnist1d`.
-    :param seed: Base seed (use one fixed seed for every trained model, so that all are tested on the same sets).
+    :param seed: Base seed, in ``[0, 2**64 - 1]`` (use one fixed seed for every trained model, so that all are tested
+        on the same sets).
     :param kinds: Shift kinds (default all of ``MNIST1D_SHIFT_KINDS``).
     :param severities: Severities in ``1 .. 5``.
     :return: ``{(kind, severity): SequenceDataset}``.
     """
     digits = _test_digits(splits)
-    check_int("seed", seed, minimum=0, where="make_mnist1d_shifted_test_sets")
+    check_seed("seed", seed, where="make_mnist1d_shifted_test_sets")  # the range of every seed of gpattn
     check_sequence("kinds", kinds, "('shear',)", where="make_mnist1d_shifted_test_sets")
     check_sequence("severities", severities, "(1, 3)", where="make_mnist1d_shifted_test_sets")
+    kinds, severities = tuple(kinds), tuple(severities)  # iterators: the loops below read them more than once
     for kind in kinds:
         check_choice("kinds", kind, MNIST1D_SHIFT_KINDS, where="make_mnist1d_shifted_test_sets")
     for severity in severities:
@@ -287,9 +291,15 @@ def make_mnist1d_shuffled_test_set(splits: MNIST1DSplits) -> SequenceDataset:
     :param splits: From :func:`load_mnist1d`.
     :return: The same sequences as ``splits.test`` with their positions permuted, same labels.
     """
-    _test_digits(splits)
+    digits = _test_digits(splits)
     data = standard_dataset(shuffle_seq=True)
     kept = np.isin(data["y_test"], sorted(splits.label_map))
+    if not np.array_equal(data["y_test"][kept], digits):  # a cut or reordered test split: tokens and labels apart
+        raise ValueError(
+            f"make_mnist1d_shuffled_test_set: expected splits.test to be the standard test split of load_mnist1d "
+            f"({int(kept.sum())} sequences of the kept digits, in their order), got {len(splits.test)} sequences whose "
+            f"labels differ; shuffle first, then cut both alike"
+        )
     return sequence_dataset(
         data["x_test"][kept],
         splits.test.labels.numpy(),
@@ -326,6 +336,8 @@ def make_mnist1d_noise_ood(
 
     check_int("n", n, minimum=0, where="make_mnist1d_noise_ood")
     check_int("seed", seed, minimum=0, maximum=2**32 - 1, where="make_mnist1d_noise_ood")
+    # a Python int (a NumPy one reached MNIST1DSplits.patch_size and input_dim; True passed as 1)
+    patch_size = check_int("patch_size", patch_size, where="make_mnist1d_noise_ood")
     check_choice("patch_size", patch_size, PATCH_SIZES, where="make_mnist1d_noise_ood")
     check_dtype(dtype, "make_mnist1d_noise_ood")
     mean, std = standardisation()

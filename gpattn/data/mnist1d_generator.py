@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import random
+import threading
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from functools import lru_cache
@@ -42,17 +43,24 @@ PATCH_SIZES = tuple(p for p in range(1, MNIST1D_LENGTH + 1) if MNIST1D_LENGTH % 
 NUM_DIGITS = 10
 
 
+#: Held while the global generators are seeded: two threads drawing at once interleaved their draws, so that each got
+#: other sequences than its seed gives (and the disk cache kept them).
+_GLOBAL_RNG_LOCK = threading.RLock()
+
+
 @contextmanager
 def seeded_global_rngs(seed: int) -> Iterator[None]:
-    """Seed NumPy's and ``random``'s global generators (which ``mnist1d`` draws from) and restore them afterwards."""
-    numpy_state, python_state = np.random.get_state(), random.getstate()
-    np.random.seed(seed)
-    random.seed(seed)
-    try:
-        yield
-    finally:
-        np.random.set_state(numpy_state)
-        random.setstate(python_state)
+    """Seed NumPy's and ``random``'s global generators (which ``mnist1d`` draws from) and restore them afterwards; one
+    thread at a time (other code that draws from the global generators meanwhile still changes the draws)."""
+    with _GLOBAL_RNG_LOCK:
+        numpy_state, python_state = np.random.get_state(), random.getstate()
+        np.random.seed(seed)
+        random.seed(seed)
+        try:
+            yield
+        finally:
+            np.random.set_state(numpy_state)
+            random.setstate(python_state)
 
 
 def dataset_args(**overrides: Any) -> Any:
@@ -127,12 +135,18 @@ def check_dtype(dtype: Any, where: str) -> torch.dtype:
 def signals_to_tokens(signals: np.ndarray | Tensor, patch_size: int, dtype: torch.dtype = torch.float32) -> Tensor:
     """Cut signals ``(n, L)`` into ``L / p`` tokens of ``p`` consecutive values.
 
-    :param signals: ``(n, L)`` (NumPy or torch).
+    :param signals: ``(n, L)`` (NumPy or torch) real numbers.
     :param patch_size: :math:`p`, dividing ``L``.
     :param dtype: Floating dtype of the tokens.
-    :return: Tokens ``(n, L / p, p)``; ``tokens.reshape(n, L)`` is the input.
+    :return: Tokens ``(n, L / p, p)`` (a tensor stays on its device, in its autograd graph); ``tokens.reshape(n, L)``
+        is the input.
     """
-    values = torch.as_tensor(np.asarray(signals), dtype=check_dtype(dtype, "signals_to_tokens"))
+    check_dtype(dtype, "signals_to_tokens")
+    # a tensor as it is: through NumPy, a CUDA tensor or one that requires grad was a RuntimeError
+    values = signals if isinstance(signals, Tensor) else torch.as_tensor(np.asarray(signals))
+    if values.dtype == torch.bool or values.is_complex():  # True / False read as 1 / 0
+        raise InputTypeError(f"signals_to_tokens: expected real-valued signals, got {values.dtype}")
+    values = values.to(dtype)
     if values.dim() != 2:
         raise ValueError(f"expected signals of shape (n, L), got {tuple(values.shape)}")
     p = check_int("patch_size", patch_size)
@@ -178,11 +192,15 @@ def make_mnist1d_signals(
         raise InputTypeError(f"expected digits to be integers of shape (n,), got {values.dtype} {values.shape}")
     if values.size and (values.min() < 0 or values.max() >= NUM_DIGITS):
         raise ValueError(f"expected digits in 0..9, got values in [{values.min()}, {values.max()}]")
+    # the checked values as Python numbers: a one-element tensor passed the checks, then failed in mnist1d or, its repr
+    # rounded to 4 digits in the cache key, read the entry of another value
+    overrides = {}
     for name, value in generator_arguments.items():
         check_choice("generator argument", name, tuple(MNIST1D_SHIFT_ARGUMENTS.values()), where="make_mnist1d_signals")
         if name == "max_translation":
-            check_int(name, value, minimum=1, maximum=72, where="make_mnist1d_signals")
+            overrides[name] = check_int(name, value, minimum=1, maximum=72, where="make_mnist1d_signals")
         else:
-            check_float(name, value, 0.0, 2.0 if name == "scale_coeff" else None, where="make_mnist1d_signals")
+            maximum = 2.0 if name == "scale_coeff" else None
+            overrides[name] = check_float(name, value, 0.0, maximum, where="make_mnist1d_signals")
     mean, std = standardisation()
-    return (raw_signals(values, seed, generator_arguments, cache=cache) - mean) / std
+    return (raw_signals(values, seed, overrides, cache=cache) - mean) / std

@@ -156,8 +156,9 @@ def make_asymmetric_regression_1d(
     weights = _weight_scale(grid_x, shift_vec, lengthscale, low, high, num_sources) * unit_weights  # shape: (2, M)
 
     description = (
-        f"1-D asymmetric shifted-RBF regression on [{low:g}, {high:g}] (shift {shift:g}, lengthscale {lengthscale:g}, "
-        f"{num_sources} sources, noise std {noise_std:g}) with no training inputs in [{gap_low:g}, {gap_high:g}]."
+        f"1-D asymmetric shifted-RBF regression on [{low:g}, {high:g}] (shift {float(shift_vec[0]):g}, lengthscale "
+        f"{lengthscale:g}, {num_sources} sources, noise std {noise_std:g}) with no training inputs in "
+        f"[{gap_low:g}, {gap_high:g}]."
     )
     return _assemble(
         train_x=train_x,

@@ -428,3 +428,47 @@ def test_patches_take_numpy_integers_and_match_unfold():
     for image_size in [(8,), "8", 8.0]:  # were "not enough values to unpack" or "'float' object is not iterable"
         with pytest.raises(TypeError, match=r"patches_to_images: expected image_size to be a positive integer H or a"):
             patches_to_images(patches, image_size, 4, 2)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        # each was an error of numpy.random.SeedSequence or of a dict lookup, which named no argument
+        ({"severities": (-1,)}, ValueError, r"make_shifted_test_sets: expected severity to be an integer in \[1, 5\]"),
+        ({"severities": (2.5,)}, TypeError, r"make_shifted_test_sets: expected severity .* got 2.5"),
+        ({"kinds": (["blur"],)}, ValueError, r"make_shifted_test_sets: expected kinds to be one of .* got \['blur'\]"),
+    ],
+)
+def test_shifted_test_sets_name_a_bad_kind_or_severity(splits, kwargs, error, match):
+    with pytest.raises(error, match=match):
+        make_shifted_test_sets(splits.test, **kwargs)
+
+
+def test_numpy_float_fractions_are_fractions(splits):
+    # np.float32(0.25) was refused as "expected test_fraction in [0, 1), got np.float32(0.25)"
+    same = load_digits_splits(val_fraction=np.float64(0.15), test_fraction=np.float32(0.25))
+    assert torch.equal(same.test.images, splits.test.images) and torch.equal(same.train.labels, splits.train.labels)
+    with pytest.raises(
+        TypeError, match=r"load_digits_splits: expected val_fraction to be a finite number .* got '0.1'"
+    ):
+        load_digits_splits(val_fraction="0.1")
+
+
+def test_shifts_refuse_images_outside_the_unit_range(splits):
+    # standardised images were clipped to [0, 1] silently: the blur of (images - 0.5) / 0.5 lost every negative value
+    images = splits.test.images[:4]
+    standardised = (images - 0.5) / 0.5
+    with pytest.raises(ValueError, match=r"shift_images: expected images in \[0, 1\] .* got values in \[-1, 1\]"):
+        shift_images(standardised, "blur", 1)
+    with pytest.raises(ValueError, match=r"expected images in \[0, 1\]"):
+        brighter = ImageDataset(images * 1.5, splits.test.labels[:4], 8, splits.test.class_names, "too bright")
+        make_shifted_test_sets(brighter, kinds=("rotation",), severities=(1,))
+    assert shift_images(images, "blur", 1).shape == images.shape and len(shift_images(images[:0], "blur", 1)) == 0
+
+
+def test_shifted_test_sets_take_iterators(splits):
+    # a generator of severities was read up by the first kind: the other kinds got no shifted set, silently
+    test = ImageDataset(splits.test.images[:4], splits.test.labels[:4], 8, splits.test.class_names, "four images")
+    sets = make_shifted_test_sets(test, kinds=iter(("blur", "rotation")), severities=(s for s in (1, 2)))
+    assert sorted(sets) == [("blur", 1), ("blur", 2), ("rotation", 1), ("rotation", 2)]
+    assert torch.equal(sets[("rotation", 2)].images, make_shifted_test_sets(test)[("rotation", 2)].images)

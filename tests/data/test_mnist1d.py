@@ -4,7 +4,9 @@ regenerated shifts (monotone and measurably harder), the shuffled variant and th
 from __future__ import annotations
 
 import random
+import threading
 from dataclasses import replace
+from functools import partial
 
 import numpy as np
 import pytest
@@ -378,3 +380,83 @@ def test_arguments_that_are_not_sequences_are_named(standard) -> None:
         make_mnist1d_shifted_test_sets(splits, kinds="shear")
     with pytest.raises(TypeError, match=r"expected severities to be a sequence, e.g. \(1, 3\), got 3"):
         make_mnist1d_shifted_test_sets(splits, severities=3)
+
+
+def test_generator_arguments_given_as_one_element_tensors_are_their_numbers() -> None:
+    # a tensor passed the checks and went to mnist1d as it was: corr_noise_scale=tensor(0.50004) read the cache entry
+    # of tensor(0.5) (the key held the repr, rounded to 4 digits), shear_scale=tensor(...) failed inside mnist1d
+    digits = np.arange(10)
+    for name in ("corr_noise_scale", "shear_scale"):
+        for value in (0.5, 0.50004):
+            tensor = make_mnist1d_signals(digits, 3, cache=True, **{name: torch.tensor(value, dtype=torch.float64)})
+            np.testing.assert_array_equal(tensor, make_mnist1d_signals(digits, 3, **{name: value}))
+    with pytest.raises(TypeError, match="iid_noise_scale"):
+        make_mnist1d_signals(digits, iid_noise_scale=torch.tensor([0.1, 0.2]))
+
+
+def test_shuffled_test_set_of_a_cut_test_split_is_refused(standard) -> None:
+    # with splits.test cut to 5 sequences the shuffled set had the 1000 standard sequences and 5 labels
+    splits = load_mnist1d(held_out_classes=(8, 9))
+    shuffled = make_mnist1d_shuffled_test_set(splits)
+    kept = np.isin(standard["y_test"], range(8))
+    assert len(shuffled) == len(shuffled.tokens) == int(kept.sum())
+    cut = replace(splits, test=replace(splits.test, tokens=splits.test.tokens[:5], labels=splits.test.labels[:5]))
+    with pytest.raises(ValueError, match=r"expected splits.test to be the standard test split .* got 5 sequences"):
+        make_mnist1d_shuffled_test_set(cut)
+
+
+def test_shifted_test_sets_take_the_seeds_of_the_package(standard) -> None:
+    # seeds above 2**64 - 1 were taken here alone (every other seed of gpattn, the digits' shifts' too, refuses them)
+    splits = load_mnist1d()
+    with pytest.raises(ValueError, match=r"make_mnist1d_shifted_test_sets: expected seed .* at most 2\*\*64 - 1"):
+        make_mnist1d_shifted_test_sets(splits, seed=2**64, kinds=("shear",), severities=(1,))
+
+
+def test_signals_to_tokens_keeps_a_tensor_and_refuses_bools() -> None:
+    # a tensor went through NumPy: one that requires grad (or on a GPU) was a RuntimeError; True / False read as 1 / 0
+    signals = torch.arange(8.0, dtype=torch.float64).reshape(1, 8).requires_grad_()
+    tokens = signals_to_tokens(signals, 4)
+    assert tokens.dtype == torch.float32 and tokens.requires_grad
+    tokens.sum().backward()
+    torch.testing.assert_close(signals.grad, torch.ones(1, 8, dtype=torch.float64))
+    with pytest.raises(TypeError, match="signals_to_tokens: expected real-valued signals, got torch.bool"):
+        signals_to_tokens(np.ones((2, 4), dtype=bool), 2)
+
+
+def test_signals_drawn_in_two_threads_at_once_are_those_of_their_seeds() -> None:
+    # the threads interleaved their draws from NumPy's global generator: each got other sequences than its seed gives
+    digits = np.arange(200) % 10
+    alone = [make_mnist1d_signals(digits, seed) for seed in (1, 2)]
+    together = [None, None]
+
+    def draw(index: int) -> None:
+        together[index] = make_mnist1d_signals(digits, index + 1)
+
+    threads = [threading.Thread(target=draw, args=(index,)) for index in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    for index in range(2):
+        np.testing.assert_array_equal(together[index], alone[index])
+
+
+def test_numpy_integer_patch_sizes_become_python_ints(standard) -> None:
+    # np.int64(4) was kept as it was in MNIST1DSplits.patch_size and every input_dim; True was taken as 1 and failed
+    # later without the function's name
+    splits = load_mnist1d(patch_size=np.int64(4))
+    assert type(splits.patch_size) is int and type(splits.test.input_dim) is int and splits.test.tokens.shape[2] == 4
+    assert type(make_mnist1d_noise_ood(2, patch_size=np.int32(2)).input_dim) is int
+    for where, make in (("load_mnist1d", load_mnist1d), ("make_mnist1d_noise_ood", partial(make_mnist1d_noise_ood, 2))):
+        with pytest.raises(TypeError, match=f"{where}: expected patch_size to be a positive integer, got True"):
+            make(patch_size=True)
+
+
+def test_shifted_test_sets_take_iterators(standard) -> None:
+    # a generator of kinds or severities was read up by the checks: no shifted set at all, silently
+    splits = load_mnist1d()
+    splits = replace(splits, test=replace(splits.test, tokens=splits.test.tokens[:6], labels=splits.test.labels[:6]))
+    sets = make_mnist1d_shifted_test_sets(splits, kinds=iter(("shear", "scale")), severities=(s for s in (1, 2)))
+    assert sorted(sets) == [("scale", 1), ("scale", 2), ("shear", 1), ("shear", 2)]
+    again = make_mnist1d_shifted_test_sets(splits, kinds=("scale",), severities=(2,))
+    assert torch.equal(sets[("scale", 2)].tokens, again[("scale", 2)].tokens)

@@ -294,3 +294,13 @@ def test_numpy_numbers_are_accepted_and_a_shift_of_the_wrong_kind_is_named() -> 
         make_asymmetric_regression_2d(shift="ab")
     with pytest.raises(TypeError, match=r"shift must be 1 finite number\(s\), got \(\[0.5\],\)"):
         make_asymmetric_regression_1d(shift=[0.5])
+
+
+def test_a_one_element_tensor_shift_is_its_number_1d() -> None:
+    # the shift was taken, then the description's f"{shift:g}" raised "unsupported format string passed to
+    # Tensor.__format__"
+    plain = make_asymmetric_regression_1d(n_train=5, n_test=4, shift=0.5, num_sources=3)
+    for shift in (torch.tensor([0.5]), torch.tensor(0.5, dtype=torch.float64)):
+        data = make_asymmetric_regression_1d(n_train=5, n_test=4, shift=shift, num_sources=3)
+        assert torch.equal(data.train_y, plain.train_y) and data.description == plain.description
+        assert "(shift 0.5," in data.description
