@@ -5,8 +5,9 @@ row's own, as the comparison protocol declares them.
   ``weight_decay`` log-uniform on :math:`[10^{-4}, 0.3]`, ``dropout`` uniform on :math:`[0, 0.3]` (the MC-dropout
   row predicts with it), and the ``architecture`` (width x depth x heads) from :data:`ARCHITECTURES`.
 * **KL weight** ``beta`` log-uniform on :math:`[10^{-2}, n]` (:math:`n` training sequences) for the rows whose
-  attention is a variational layer (:attr:`~gpattn.attention.AttentionLayer.is_stochastic`: KEP-SVGP, its paper
-  variant, SGPA): :math:`\beta = 1` is the ELBO weight :math:`1/n` of gpattn's loss
+  attention is a variational layer with a KL term (its own :meth:`~gpattn.attention.AttentionLayer.kl_divergence`:
+  KEP-SVGP, its paper variant, SGPA, the symmetric SVGP; not CGPT, stochastic but without a KL, where :math:`\beta`
+  would change nothing): :math:`\beta = 1` is the ELBO weight :math:`1/n` of gpattn's loss
   :math:`\mathrm{CE} + (\beta / n)\,\mathrm{KL}`, :math:`\beta = n` the official codes' per-batch weight; both are
   inside the interval.
 * **KSVD weight** ``ksvd_weight`` (:math:`\eta`) log-uniform on :math:`[10^{-2}, 10^2]` for the rows whose layer
@@ -27,7 +28,7 @@ from typing import Any
 
 import numpy as np
 
-from ..attention import ATTENTIONS, attention_arguments
+from ..attention import ATTENTIONS, AttentionLayer, attention_arguments
 from ..methods import get_method
 from ..validation import InputTypeError, check_choice, check_float, check_int
 
@@ -180,6 +181,12 @@ def _equal(value: Any, choice: Any) -> bool:
         return False
 
 
+def _has_kl(layer: type) -> bool:
+    """Whether the attention layer class has a KL term (a variational layer that defines its own ``kl_divergence``;
+    the base class's is zero)."""
+    return layer.is_stochastic and layer.kl_divergence is not AttentionLayer.kl_divergence
+
+
 def _shared() -> tuple[SearchParameter, ...]:
     return (
         SearchParameter("lr", "log_uniform", 3e-4, 1e-2),
@@ -206,7 +213,7 @@ def search_space(row: str, num_train: int) -> tuple[SearchParameter, ...]:
     check_int("num_train", num_train, where="search_space")
     method = get_method(row)
     space = list(_shared())
-    if ATTENTIONS[method.attention][0].is_stochastic:
+    if _has_kl(ATTENTIONS[method.attention][0]):
         space.append(SearchParameter("beta", "log_uniform", 1e-2, num_train))
     if "ksvd_weight" in attention_arguments(method.attention):
         space.append(SearchParameter("ksvd_weight", "log_uniform", 1e-2, 1e2))

@@ -128,6 +128,13 @@ def test_the_search_space_is_the_protocols():
     assert kl_weight.contains(1.0) and kl_weight.contains(float(n)) and not kl_weight.contains(n + 1.0)
 
 
+def test_beta_is_searched_only_where_the_layer_has_a_kl_term():
+    """CGPT is stochastic but has no KL (``kl_divergence()`` is zero; its regulariser is ``cgp_weight``): beta was
+    searched there, a dimension that changed nothing. SVGP's layer has one."""
+    names = {row: [parameter.name for parameter in search_space(row, 100)] for row in ("cgpt", "svgp", "kep_svgp_sym")}
+    assert "beta" not in names["cgpt"] and "beta" in names["svgp"] and "beta" in names["kep_svgp_sym"]
+
+
 # -- the test split is never read --------------------------------------------------------------------------------------
 def test_the_sealed_test_split_refuses_every_access():
     sealed = tuning_data(load_task("pointer")).test
