@@ -7,7 +7,7 @@ O(N^2), and CGPT, whose Cholesky factorisations grow as O(N^3), stop at a length
 interleaved across layers (layer 1, layer 2, ..., layer 1, ...) and the median is reported, so that drifts in the
 machine's load hit every layer alike; ratios against softmax attention come from the same run. With ``--memory``,
 the peak of live tensors during one step is measured in a separate pass: from the PyTorch profiler's allocation
-events on CPU, ``torch.cuda.max_memory_allocated`` on GPU.
+events on CPU, ``torch.cuda.max_memory_allocated`` less what was allocated before the step on GPU.
 
 A second sweep times the ranked layers at one length for every rank ``s`` (``--ranks``, at ``--rank-length``), and
 the KL term alone (``kl_divergence()`` forward+backward), whose cost must not depend on ``N`` and grow linearly in
@@ -222,11 +222,15 @@ def _synchronize(device: torch.device) -> None:
 
 
 def _peak_memory_mb(layer: torch.nn.Module, x: torch.Tensor, device: torch.device) -> float:
+    """The peak (MiB) of the tensors one step of ``layer`` allocates above those alive before it (the input, the
+    layers' parameters and gradients): on CUDA from the allocator's peak, on a CPU from the profiler's events."""
     if device.type == "cuda":
+        _synchronize(device)
+        before = torch.cuda.memory_allocated(device)
         torch.cuda.reset_peak_memory_stats(device)
         _step(layer, x)
         _synchronize(device)
-        return torch.cuda.max_memory_allocated(device) / 2**20
+        return (torch.cuda.max_memory_allocated(device) - before) / 2**20
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as profiler:
@@ -244,23 +248,43 @@ def _peak_memory_mb(layer: torch.nn.Module, x: torch.Tensor, device: torch.devic
     return peak / 2**20
 
 
-def _interleaved_medians(steps: dict, args: argparse.Namespace, device: torch.device) -> dict[str, float]:
-    """Median time (ms) of each zero-argument step, repetitions interleaved across steps."""
-    for step in steps.values():
-        for _ in range(args.warmup):
+def _interleaved_medians(
+    steps: dict, args: argparse.Namespace, device: torch.device, errors: dict[str, str] | None = None
+) -> dict[str, float]:
+    """Median time (ms) of each zero-argument step, repetitions interleaved across steps.
+
+    :param errors: Where given, a step that raises (in its warm-up or while timed: out of memory) is left out of the
+        result and its error recorded here under its name, and the other steps go on; otherwise the error propagates.
+    """
+    steps = dict(steps)
+
+    def run(name: str, step) -> bool:
+        try:
             step()
+            return True
+        except Exception as error:
+            if errors is None:
+                raise
+            errors[name] = f"{type(error).__name__}: {error}"
+            del steps[name]
+            return False
+
+    for name, step in list(steps.items()):
+        for _ in range(args.warmup):
+            if not run(name, step):
+                break
     samples: dict[str, list[float]] = {name: [] for name in steps}
     deadline = time.perf_counter() + args.budget_s
     for repetition in range(args.max_reps):
-        for name, step in steps.items():
+        for name, step in list(steps.items()):
             _synchronize(device)
             start = time.perf_counter()
-            step()
-            _synchronize(device)
-            samples[name].append(1e3 * (time.perf_counter() - start))
+            if run(name, step):
+                _synchronize(device)
+                samples[name].append(1e3 * (time.perf_counter() - start))
         if repetition + 1 >= args.min_reps and time.perf_counter() > deadline:
             break
-    return {name: statistics.median(times) for name, times in samples.items()}
+    return {name: statistics.median(samples[name]) for name in steps}
 
 
 def _kl_step(layer: torch.nn.Module) -> None:

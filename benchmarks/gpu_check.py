@@ -37,7 +37,10 @@
    of the same machine; then ``--jobs`` runs at once on the device against the same runs one by one (the records must
    be identical: deterministic kernels, :func:`gpattn.comparison.runner.run_environment`).
 
-Every section records its errors instead of stopping the script; the summary is printed last.
+Every section records its errors instead of stopping the script (a timed section keeps the lengths, rows and runs it
+measured before an error); the JSON is written after every section and, on Ctrl-C or SIGTERM (``timeout``, a job's
+time limit), with what was measured until then; the summary is printed last. ``--minutes`` bounds the timed sections
+4 to 7: past it they skip what remains.
 
 Usage, from the repository root::
 
@@ -66,8 +69,10 @@ import itertools
 import json
 import os
 import platform
+import signal
 import subprocess
 import sys
+import threading
 import time
 import traceback
 import warnings
@@ -259,7 +264,10 @@ def equivalence(device: torch.device, smoke: bool, graphed_rows: tuple[str, ...]
             results[name] = {"float64_difference": difference, "ok": difference <= 1e-10, "steps_finite": finite}
         except Exception as error:  # noqa: BLE001 (recorded: the check goes on with the next layer)
             results[name] = {"error": f"{type(error).__name__}: {error}"}
-    results["kep_svgp_triton_vs_pytorch"] = _triton_against_pytorch(device, smoke)
+    try:
+        results["kep_svgp_triton_vs_pytorch"] = _triton_against_pytorch(device, smoke)
+    except Exception as error:  # noqa: BLE001 (recorded: the check goes on)
+        results["kep_svgp_triton_vs_pytorch"] = {"error": f"{type(error).__name__}: {error}"}
     try:
         results["kep_svgp_split_triton_vs_pytorch"] = _triton_against_pytorch(device, smoke, split=True)
     except Exception as error:  # noqa: BLE001 (recorded: the check goes on)
@@ -624,10 +632,14 @@ def _graphed_rows(device: torch.device, names: Sequence[str]):
             yield f"{name}_bf16_graphed", name, True
 
 
-def scaling(device: torch.device, args: argparse.Namespace, deadline: float) -> dict:
+def scaling(device: torch.device, args: argparse.Namespace, deadline: float, into: dict | None = None) -> dict:
+    """The scaling table (``table``: per length the rows' median step times, the rows that did not run) and its
+    ``ratios``; filled into ``into`` (returned) as it goes, so that the lengths timed before an error or a stop stay.
+    A row that fails in its first step or while timed is left out of its length and its error recorded."""
+    results = {} if into is None else into
     official = BENCH.load_official(args.official_path) if args.official_path else None
     timing = argparse.Namespace(warmup=2, min_reps=3, max_reps=args.max_reps, budget_s=args.budget_s)
-    table = {}
+    table = results["table"] = {}
     for length in args.lengths:
         if time.perf_counter() > deadline:
             table[length] = {"skipped": "time budget"}
@@ -653,16 +665,20 @@ def scaling(device: torch.device, args: argparse.Namespace, deadline: float) -> 
                 row_errors[row] = f"{type(error).__name__}: {error}"
                 del steps[row]
         load = _load()
-        try:
-            table[length] = {"times_ms": BENCH._interleaved_medians(steps, timing, device), "load": [load, _load()]}
-        except Exception as error:  # noqa: BLE001 (an out-of-memory row ends this length, not the check)
+        try:  # a row that fails while timed (out of memory) is left out and recorded, the others keep their times
+            times = BENCH._interleaved_medians(steps, timing, device, errors=row_errors)
+            table[length] = {"times_ms": times, "load": [load, _load()]}
+        except Exception as error:  # noqa: BLE001 (an error outside the rows' steps ends this length, not the check)
             table[length] = {"error": f"{type(error).__name__}: {error}"}
         if row_errors:
             table[length]["row_errors"] = row_errors
+        results["ratios"] = _ratios(table)
+        del steps
         if device.type == "cuda":
             torch.cuda.empty_cache()
         print(f"N={length}: {table[length]}", flush=True)
-    return {"table": table, "ratios": _ratios(table)}
+    results["ratios"] = _ratios(table)
+    return results
 
 
 RATIOS = (
@@ -726,13 +742,14 @@ def _kernel_table(step, device: torch.device, steps: int = 3, top: int = 12) -> 
     }
 
 
-def kernels(device: torch.device, args: argparse.Namespace, deadline: float) -> dict:
+def kernels(device: torch.device, args: argparse.Namespace, deadline: float, into: dict | None = None) -> dict:
     """The device time of one training step and its largest kernels, for the floor and KEP-SVGP at the first compiled
     length (eager, and with compiled rows the whole loss compiled as in :class:`CompiledLoss`): where a CUDA-graph step
-    spends its time once the host's dispatch is gone."""
+    spends its time once the host's dispatch is gone. Filled into ``into`` (returned) as it goes."""
     length = (args.compile_lengths or args.lengths)[0]
     x = torch.randn(args.batch, length, args.embed_dim, device=device)
-    results = {"length": length, "rows": {}}
+    results = {} if into is None else into
+    results.update(length=length, rows={})
     for name in KERNEL_ROWS:
         layer = BENCH._build(name, args.embed_dim, args.num_heads, args.rank, device, length=length)
         forms = {"eager": layer}
@@ -806,16 +823,19 @@ def _timed_steps(row: str, where: str, compiled: bool, args: argparse.Namespace,
     }
 
 
-def train_step(device: torch.device, args: argparse.Namespace, deadline: float) -> dict:
+def train_step(device: torch.device, args: argparse.Namespace, deadline: float, into: dict | None = None) -> dict:
+    """The median training step per ``--train-step-rows`` row and variant (``rows``), filled into ``into`` (returned)
+    as it goes."""
     from gpattn.comparison import load_task
 
+    results = {} if into is None else into
+    rows: dict = results.setdefault("rows", {})
     data = load_task("mnist1d")
     variants = [(str(device), False, False)] + [(str(device), True, False)] * (not args.smoke)
     if device.type == "cuda":
         variants.append((str(device), False, True))
     if device.type != "cpu":
         variants.append(("cpu", False, False))
-    rows: dict = {}
     for row in args.train_step_rows:
         entry = rows[row] = {}
         for where, compiled, graphs in variants:
@@ -831,7 +851,7 @@ def train_step(device: torch.device, args: argparse.Namespace, deadline: float) 
         _step_ratio(entry, "graphs / eager", f"{device} graphs", str(device))
         if device.type != "cpu":
             _step_ratio(entry, f"{device.type} / cpu", str(device), "cpu")
-    return {"rows": rows}
+    return results
 
 
 def _step_ratio(entry: dict, label: str, numerator: str, denominator: str) -> None:
@@ -841,65 +861,126 @@ def _step_ratio(entry: dict, label: str, numerator: str, denominator: str) -> No
         entry[label] = times[0]["step_ms"] / times[1]["step_ms"]
 
 
-def mnist1d(device: torch.device, args: argparse.Namespace, deadline: float) -> dict:
+def mnist1d(device: torch.device, args: argparse.Namespace, deadline: float, into: dict | None = None) -> dict:
+    """One MNIST-1D run per ``--mnist1d-rows`` row on the device and on the CPU (``runs``: seconds and test accuracy,
+    or the run's error), then the identity of ``--jobs`` runs at once against the same runs one by one
+    (``jobs_identity``), skipped where the runs one by one alone, as timed above, would end past the deadline.
+    Filled into ``into`` (returned) as it goes."""
     from gpattn.comparison import CompareConfig, load_task, train_and_evaluate
     from gpattn.comparison.runner import execute_runs, run_environment
 
+    results = {} if into is None else into
+    runs = results.setdefault("runs", {})
+    results["jobs_identity"] = None
     data = load_task("mnist1d")
     # the shared settings (tuned=False): a tuned file would replace --mnist1d-epochs
     settings = dict(
         mnist1d_epochs=args.mnist1d_epochs, eval_samples=2, fidelity_sequences=0, temperature_scaling=False,
         progress=False, seeds=(0,), tasks=("mnist1d",), threads=1, tuned=False,
     )  # fmt: skip
-    runs = {}
     for row in args.mnist1d_rows:
         for where in (str(device), "cpu") if device.type == "cuda" else ("cpu",):
             if time.perf_counter() > deadline:
                 runs.setdefault(row, {})[where] = "skipped: time budget"
                 continue
             config = CompareConfig(attentions=(row,), device=where, **settings)
-            with run_environment(config):
-                start = time.perf_counter()
-                record = train_and_evaluate(config, "mnist1d", row, 0, data=data)
-            seconds = time.perf_counter() - start
-            runs.setdefault(row, {})[where] = {"seconds": seconds, "test_accuracy": record.metrics.test.accuracy}
-    identity = None
-    if time.perf_counter() < deadline:
-        rows, seeds = args.mnist1d_rows[:2], (0,) if args.smoke else (0, 1)  # up to two rows and two seeds
-        plan = [("mnist1d", row, seed) for row in rows for seed in seeds]
-        config = CompareConfig(attentions=tuple(rows), device=str(device), jobs=1, **{**settings, "seeds": seeds})
+            try:
+                with run_environment(config):
+                    start = time.perf_counter()
+                    record = train_and_evaluate(config, "mnist1d", row, 0, data=data)
+                seconds = time.perf_counter() - start
+                runs.setdefault(row, {})[where] = {"seconds": seconds, "test_accuracy": record.metrics.test.accuracy}
+            except Exception as error:  # noqa: BLE001 (recorded: the other runs still run)
+                runs.setdefault(row, {})[where] = {"error": f"{type(error).__name__}: {error}"}
+    rows, seeds = args.mnist1d_rows[:2], (0,) if args.smoke else (0, 1)  # up to two rows and two seeds
+    plan = [("mnist1d", row, seed) for row in rows for seed in seeds]
+    # the runs one by one take about the device's times above (the runs together, at most as long, come after them)
+    timed = [runs.get(row, {}).get(str(device)) for row in rows]
+    expected = sum(entry["seconds"] for entry in timed if isinstance(entry, dict) and "seconds" in entry) * len(seeds)
+    left = deadline - time.perf_counter()
+    if left <= 0 or expected > left:
+        results["jobs_identity"] = (
+            f"skipped: time budget ({expected:.1f} s of runs one by one, {max(left, 0):.1f} s left)"
+        )
+        return results
+    config = CompareConfig(attentions=tuple(rows), device=str(device), jobs=1, **{**settings, "seeds": seeds})
+    try:
         start = time.perf_counter()
         alone = execute_runs(config, plan)
         middle = time.perf_counter()
         together = execute_runs(dataclasses.replace(config, jobs=args.jobs), plan)
         end = time.perf_counter()
-        identity = {
-            "runs": len(plan),
-            "jobs": args.jobs,
-            "seconds_one_by_one": middle - start,
-            "seconds_together": end - middle,
-            "identical_records": all(_metrics(a) == _metrics(b) for a, b in zip(alone, together, strict=True)),
-        }
-    return {"runs": runs, "jobs_identity": identity}
+    except Exception as error:  # noqa: BLE001 (recorded beside the runs above)
+        results["jobs_identity"] = {"error": f"{type(error).__name__}: {error}"}
+        return results
+    results["jobs_identity"] = {
+        "runs": len(plan),
+        "jobs": args.jobs,
+        "seconds_one_by_one": middle - start,
+        "seconds_together": end - middle,
+        "identical_records": all(_metrics(a) == _metrics(b) for a, b in zip(alone, together, strict=True)),
+    }
+    return results
 
 
 # -- main ------------------------------------------------------------------------------------------------------------
-def _section(results: dict, name: str, function, *arguments) -> None:
+class Stopped(KeyboardInterrupt):
+    """Raised in the main thread on SIGTERM (``timeout``, a job's time limit): handled as Ctrl-C is (no section
+    records it as one of its errors and goes on; the comparison's worker processes are stopped), and the results so
+    far are written."""
+
+
+def _stop(signum, frame) -> None:
+    raise Stopped(f"signal {signum}")
+
+
+def _section(results: dict, name: str, function, *arguments, partial: bool = False) -> None:
+    """``results[name]``: what ``function(*arguments)`` returns, or its error (the next section still runs). With
+    ``partial`` the function fills ``results[name]`` as it goes (its keyword ``into``), so that what it measured before
+    an error, Ctrl-C or SIGTERM stays in the results beside the error."""
     start = time.perf_counter()
+    into = results[name] = {} if partial else None
     try:
-        results[name] = function(*arguments)
+        results[name] = function(*arguments, into=into) if partial else function(*arguments)
     except Exception as error:  # noqa: BLE001 (recorded: the next section still runs)
-        results[name] = {"error": f"{type(error).__name__}: {error}", "traceback": traceback.format_exc()}
-    results.setdefault("seconds", {})[name] = time.perf_counter() - start
-    print(f"[{name}] {time.perf_counter() - start:.1f} s", flush=True)
+        results[name] = {
+            **(into or {}),
+            "error": f"{type(error).__name__}: {error}",
+            "traceback": traceback.format_exc(),
+        }
+    except KeyboardInterrupt as error:  # Ctrl-C or SIGTERM (Stopped): recorded, and the run stops
+        results[name] = {**(into or {}), "stopped": f"{type(error).__name__}: {error}"}
+        raise
+    finally:
+        results.setdefault("seconds", {})[name] = time.perf_counter() - start
+        print(f"[{name}] {time.perf_counter() - start:.1f} s", flush=True)
+
+
+def write_results(results: dict, out: Path) -> None:
+    """The results as JSON at ``out``, through a temporary file and a rename (a stop while writing leaves the previous
+    file whole); ``os.devnull`` directly."""
+    text = json.dumps(results, indent=2, default=str)
+    if str(out) == os.devnull:
+        out.write_text(text)
+        return
+    out.parent.mkdir(parents=True, exist_ok=True)
+    temporary = out.with_name(f".{out.name}.{os.getpid()}.tmp")
+    temporary.write_text(text)
+    os.replace(temporary, out)
 
 
 def summary(results: dict) -> str:
     """The lines printed last: what passed, the ratios per length, the MNIST-1D times."""
     lines = [f"device: {results['environment'].get('name')} ({results['environment'].get('device')})"]
-    equivalence_results = results.get("equivalence", {})
-    failed = [name for name, entry in equivalence_results.items() if isinstance(entry, dict) and not entry.get("ok")]
-    lines.append(f"equivalence: {len(equivalence_results) - len(failed)} ok, not ok: {failed or 'none'}")
+    checks = {name: entry for name, entry in results.get("equivalence", {}).items() if isinstance(entry, dict)}
+    failed = [name for name, entry in checks.items() if not entry.get("ok")]
+    lines.append(f"equivalence: {len(checks) - len(failed)} ok, not ok: {failed or 'none'}")
+    for name, entry in results.items():  # a section that failed or was stopped as a whole
+        for key in ("error", "stopped"):
+            if isinstance(entry, dict) and isinstance(entry.get(key), str):
+                lines.append(f"{name} {key}: {entry[key]}")
+    if "stopped" in results:
+        lines.append(f"stopped: {results['stopped']}")
     for row, entry in results.get("counts", {}).items():
         if isinstance(entry, dict) and "operators" in entry:
             lines.append(f"counts {row}: {entry['operators']} operators, {entry['kernel_launches']} launches")
@@ -925,14 +1006,38 @@ def summary(results: dict) -> str:
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", default="cuda", help="cuda (default) or cpu")
-    parser.add_argument("--smoke", action="store_true", help="tiny sizes, every section: checks the script itself")
-    parser.add_argument("--official-path", metavar="DIR", help="a checkout of the official KEP-SVGP code")
-    parser.add_argument("--out", default="benchmarks/results/gpu_check.json")
-    parser.add_argument("--lengths", type=int, nargs="+", default=[256, 1024, 4096, 16384])
-    parser.add_argument("--compile-lengths", type=int, nargs="*", default=[1024], help="lengths with compiled rows")
+    parser.add_argument(
+        "--smoke",
+        action="store_true",
+        help="every section at tiny sizes, without compiled rows and with one job: checks the script itself (on a CPU)",
+    )
+    parser.add_argument(
+        "--official-path",
+        metavar="DIR",
+        help="a checkout of the official KEP-SVGP code: its layer as a row of the scaling table",
+    )
+    parser.add_argument(
+        "--out",
+        default="benchmarks/results/gpu_check.json",
+        help="the JSON file, written after every section and on Ctrl-C or SIGTERM (default %(default)s)",
+    )
+    parser.add_argument(
+        "--lengths", type=int, nargs="+", default=[256, 1024, 4096, 16384], help="sequence lengths of the scaling table"
+    )
+    parser.add_argument(
+        "--compile-lengths",
+        type=int,
+        nargs="*",
+        default=[1024],
+        help="lengths with compiled rows (torch.compile, reduce-overhead on CUDA); the kernels section's length; none: "
+        "no compiled rows",
+    )
     parser.add_argument("--max-sgpa-length", type=int, default=4096, help="SGPA's N x N matrices stop there")
     parser.add_argument(
-        "--graphed-rows", nargs="*", default=list(GRAPHED_ROWS), help="rows whose step is captured as a CUDA graph"
+        "--graphed-rows",
+        nargs="*",
+        default=list(GRAPHED_ROWS),
+        help="rows whose step is captured as a CUDA graph (on CUDA only)",
     )
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--embed-dim", type=int, default=128)
@@ -940,13 +1045,30 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--rank", type=int, default=10)
     parser.add_argument("--max-reps", type=int, default=30)
     parser.add_argument("--budget-s", type=float, default=6.0, help="seconds of repetitions per length")
-    parser.add_argument("--train-step-rows", nargs="+", default=["kep_svgp", "softmax"])
+    parser.add_argument(
+        "--train-step-rows",
+        nargs="+",
+        default=["kep_svgp", "softmax"],
+        help="comparison rows of the train_step section",
+    )
     parser.add_argument("--train-step-warmup", type=int, default=5, help="steps before the timed ones")
     parser.add_argument("--train-step-steps", type=int, default=30, help="timed training steps")
-    parser.add_argument("--mnist1d-epochs", type=int, default=3)
-    parser.add_argument("--mnist1d-rows", nargs="+", default=list(MNIST1D_ROWS))
+    parser.add_argument("--mnist1d-epochs", type=int, default=3, help="epochs of each MNIST-1D run")
+    parser.add_argument(
+        "--mnist1d-rows",
+        nargs="+",
+        default=list(MNIST1D_ROWS),
+        help="rows of the MNIST-1D runs (the first two: identity)",
+    )
     parser.add_argument("--jobs", type=int, default=4, help="runs at once on the device in the identity check")
-    parser.add_argument("--minutes", type=float, default=5.5, help="later sections are skipped past this")
+    parser.add_argument(
+        "--minutes",
+        type=float,
+        default=5.5,
+        help="past this many minutes from the start, the scaling, train_step, kernels and mnist1d sections skip their "
+        "remaining lengths, rows and runs (recorded as skipped; the one under way finishes, and the jobs identity "
+        "check runs only if its runs fit); equivalence and counts always run (default %(default)s)",
+    )
     args = parser.parse_args(argv)
     if args.smoke:  # every section at tiny sizes; no compiled rows (a cold compile takes minutes on a CPU) and one
         # job in the identity check (worker processes cost seconds each to start; tests/comparison covers them)
@@ -955,17 +1077,34 @@ def main(argv: list[str] | None = None) -> dict:
         args.mnist1d_rows = args.train_step_rows = ["kep_svgp"]
         args.train_step_warmup, args.train_step_steps = 1, 3
     device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        parser.error(f"--device {args.device}: this torch ({torch.__version__}) sees no CUDA device")
     deadline = time.perf_counter() + 60 * args.minutes
-    results: dict = {"config": vars(args), "environment": environment(device)}
-    _section(results, "equivalence", equivalence, device, args.smoke, tuple(args.graphed_rows))
-    _section(results, "counts", counts, device, args)
-    _section(results, "scaling", scaling, device, args, deadline)
-    _section(results, "train_step", train_step, device, args, deadline)
-    _section(results, "kernels", kernels, device, args, deadline)
-    _section(results, "mnist1d", mnist1d, device, args, deadline)
     out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(results, indent=2, default=str))
+    results: dict = {"config": vars(args), "environment": environment(device)}
+    sections = (
+        ("equivalence", equivalence, (device, args.smoke, tuple(args.graphed_rows)), False),
+        ("counts", counts, (device, args), False),
+        ("scaling", scaling, (device, args, deadline), True),
+        ("train_step", train_step, (device, args, deadline), True),
+        ("kernels", kernels, (device, args, deadline), True),
+        ("mnist1d", mnist1d, (device, args, deadline), True),
+    )
+    # the file is written after every section, and on Ctrl-C or SIGTERM with what was measured until then
+    in_main_thread = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, _stop) if in_main_thread else None
+    try:
+        write_results(results, out)
+        for name, function, arguments, partial in sections:
+            _section(results, name, function, *arguments, partial=partial)
+            write_results(results, out)
+    except KeyboardInterrupt as error:  # Ctrl-C, or SIGTERM (Stopped)
+        results["stopped"] = f"{type(error).__name__}: {error}"
+        write_results(results, out)
+        print(f"stopped ({results['stopped']}); the sections so far are in {out}", flush=True)
+    finally:
+        if in_main_thread:
+            signal.signal(signal.SIGTERM, previous)
     print(summary(results))
     print(f"wrote {out}")
     return results

@@ -26,8 +26,10 @@ variant of its kind (eager, compiled, graphs) (``identical_records``: the run fi
 deterministic kernels make them equal on one device); a compiled or graphs variant's test accuracy and NLL are compared
 with the eager reference's, run by run, where both ran (``metrics_vs_eager``: the largest absolute differences;
 compiled kernels round otherwise, and a graph's random draws are not the eager step's).
-Writes one JSON: the commands, the wall time of each variant, the load average before and after, the device's
-name.
+Writes one JSON, after every variant and on Ctrl-C or SIGTERM (``timeout``, a job's time limit: the variant under way
+is stopped, and the MPS daemon told to quit): the commands, the wall time of each variant, the load average before and
+after, the device's name. A variant's command runs in its own session: past ``--timeout-s``, or when the script is
+stopped, the command and the worker processes it started are stopped together.
 
 Usage, from the repository root (on the GPU machine; see gpu_check.py for machines without pyro-ppl or mnist1d)::
 
@@ -43,15 +45,19 @@ import contextlib
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
 VARIANTS = ("plain", "mps", "compiled", "mps-compiled", "graphs", "mps-graphs")
 DEFAULT_VARIANTS = ("plain", "mps")
 MPS_CONTROL = "nvidia-cuda-mps-control"
+#: the most seconds the MPS control daemon's start or quit may take
+MPS_TIMEOUT_S = 60.0
 
 
 def _load() -> float:
@@ -74,20 +80,35 @@ def _device_name(device: str) -> str | None:
 @contextlib.contextmanager
 def mps_daemon(folder: Path):
     """An MPS control daemon for the block, its pipe and log folders under ``folder``: yields the environment variables
-    that make a process its client, or raises ``RuntimeError`` when it cannot start."""
+    that make a process its client, or raises ``RuntimeError`` when it cannot start. A start or quit that takes more
+    than :data:`MPS_TIMEOUT_S` seconds is given up (a quit that hangs would otherwise hold the results back)."""
     if shutil.which(MPS_CONTROL) is None:
         raise RuntimeError(f"{MPS_CONTROL} is not installed")
     env = {"CUDA_MPS_PIPE_DIRECTORY": str(folder / "pipe"), "CUDA_MPS_LOG_DIRECTORY": str(folder / "log")}
     for path in env.values():
         Path(path).mkdir(parents=True, exist_ok=True)
     full = {**os.environ, **env}
-    started = subprocess.run([MPS_CONTROL, "-d"], env=full, capture_output=True, text=True, check=False)
+    try:
+        started = subprocess.run(
+            [MPS_CONTROL, "-d"], env=full, capture_output=True, text=True, check=False, timeout=MPS_TIMEOUT_S
+        )
+    except subprocess.TimeoutExpired:
+        raise RuntimeError(f"{MPS_CONTROL} -d did not return within {MPS_TIMEOUT_S} s") from None
     if started.returncode != 0:
         raise RuntimeError(f"{MPS_CONTROL} -d failed ({started.returncode}): {started.stderr.strip()}")
     try:
         yield env
     finally:
-        subprocess.run([MPS_CONTROL], input="quit\n", env=full, capture_output=True, text=True, check=False)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            subprocess.run(
+                [MPS_CONTROL],
+                input="quit\n",
+                env=full,
+                capture_output=True,
+                text=True,
+                check=False,
+                timeout=MPS_TIMEOUT_S,
+            )
 
 
 def _records(folder: Path) -> dict[str, dict]:
@@ -163,7 +184,52 @@ def warm_data_cache(args: argparse.Namespace) -> dict:
     }
 
 
+class Stopped(KeyboardInterrupt):
+    """Raised in the main thread on SIGTERM (``timeout``, a job's time limit): handled as Ctrl-C is (the compare
+    command's processes are stopped, the MPS daemon is told to quit) and the variants so far are written."""
+
+
+def _stop(signum, frame) -> None:
+    raise Stopped(f"signal {signum}")
+
+
+def _stop_group(process: subprocess.Popen) -> None:
+    """Stop ``process`` and every process it started (its session: the compare command's workers, which would
+    otherwise go on using the GPU while the next variant is timed): SIGTERM, then SIGKILL after 10 s."""
+    for signum, wait in ((signal.SIGTERM, 10.0), (signal.SIGKILL, None)):
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signum)
+        try:
+            process.wait(timeout=wait)
+            with contextlib.suppress(ProcessLookupError):  # workers that outlived their parent
+                os.killpg(process.pid, signal.SIGKILL)
+            return
+        except subprocess.TimeoutExpired:
+            continue
+
+
+def _run_command(command: list[str], env: dict, timeout: float) -> tuple[int | str, str]:
+    """Run ``command`` in its own session: its exit status and standard error; past ``timeout`` seconds, or on Ctrl-C
+    or SIGTERM, the command and the processes it started are stopped (``"timeout"``, ``"stopped"``)."""
+    with tempfile.TemporaryFile("w+b") as errors:
+        process = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=errors, start_new_session=True)
+        try:
+            returncode: int | str = process.wait(timeout=timeout)
+            prefix = ""
+        except subprocess.TimeoutExpired:  # the runs finished so far are still read back
+            _stop_group(process)
+            returncode, prefix = "timeout", f"stopped after {timeout} s; "
+        except KeyboardInterrupt as error:
+            _stop_group(process)
+            returncode, prefix = "stopped", f"stopped ({type(error).__name__}: {error}); "
+        errors.seek(0)
+        return returncode, prefix + errors.read().decode(errors="replace")
+
+
 def run_variant(name: str, args: argparse.Namespace, folder: Path) -> dict:
+    """One variant: the compare command's exit status (``"timeout"`` past ``--timeout-s``, ``"stopped"`` on Ctrl-C or
+    SIGTERM), its wall time, the load average before and after, its standard error's end and the run files it wrote
+    (``records``); ``unavailable`` where an MPS daemon does not start."""
     out = folder / name
     options = {"graphs": True} if _kind(name) == "graphs" else {}
     command = compare_command(args, out, _compiled(name), **options)
@@ -176,56 +242,105 @@ def run_variant(name: str, args: argparse.Namespace, folder: Path) -> dict:
             except RuntimeError as error:
                 return {**entry, "unavailable": str(error)}
         start = time.perf_counter()
-        try:
-            finished = subprocess.run(
-                command, env=env, capture_output=True, text=True, check=False, timeout=args.timeout_s
-            )
-            returncode, stderr = finished.returncode, finished.stderr
-        except subprocess.TimeoutExpired as expired:  # the runs finished so far are still read back
-            returncode, stderr = "timeout", f"stopped after {args.timeout_s} s; {expired.stderr or ''}"
+        returncode, stderr = _run_command(command, env, args.timeout_s)
         entry["seconds"] = time.perf_counter() - start
     entry.update(returncode=returncode, load_after=_load(), stderr_tail=str(stderr)[-2000:])
     entry["records"] = _records(out)
     return entry
 
 
+def compare_variants(variants: dict[str, dict], records: dict[str, dict[str, dict]]) -> None:
+    """Each variant's ``runs``, ``identical_records`` (against the first variant of its kind that ran),
+    ``metrics_vs_eager`` and ``graphed_runs`` from the run files of ``records`` (by variant), into its entry."""
+    references = {}  # the records of the first variant of each kind that ran
+    for name in variants:
+        if name in records:
+            references.setdefault(_kind(name), records[name])
+    for name, entry in variants.items():
+        if name not in records:
+            continue
+        found = records[name]
+        entry["runs"] = len(found)
+        entry["identical_records"] = bool(found) and found == references[_kind(name)]
+        if _kind(name) != "eager" and "eager" in references:
+            entry["metrics_vs_eager"] = metrics_vs_eager(found, references["eager"])
+        if _kind(name) == "graphs":  # the rows whose layers read values on the host (SGPA's) run eagerly
+            entry["graphed_runs"] = graphed_runs(found)
+
+
+def write_results(results: dict, out: Path) -> None:
+    """The results as JSON at ``out``, through a temporary file and a rename (a stop while writing leaves the previous
+    file whole); ``os.devnull`` directly."""
+    text = json.dumps(results, indent=2, default=str)
+    if str(out) == os.devnull:
+        out.write_text(text)
+        return
+    out.parent.mkdir(parents=True, exist_ok=True)
+    temporary = out.with_name(f".{out.name}.{os.getpid()}.tmp")
+    temporary.write_text(text)
+    os.replace(temporary, out)
+
+
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", default="cuda", help="cuda (default) or cpu")
     parser.add_argument("--jobs", type=int, default=8, help="worker processes (default 8)")
-    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2, 3])
-    parser.add_argument("--tasks", nargs="+", default=["mnist1d"])
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2, 3], help="seeds of the runs (default 0-3)")
+    parser.add_argument("--tasks", nargs="+", default=["mnist1d"], help="tasks of the runs (default mnist1d)")
     parser.add_argument(
         "--variants", nargs="+", choices=VARIANTS, default=list(DEFAULT_VARIANTS), help="default: plain mps"
     )
-    parser.add_argument("--smoke", action="store_true", help="one seed of the digits task, one epoch, untuned")
-    parser.add_argument("--timeout-s", type=float, default=1800.0, help="the most seconds of one variant")
-    parser.add_argument("--out", default="benchmarks/results/gpu_grid.json")
+    parser.add_argument("--smoke", action="store_true", help="one seed of the digits task, one epoch, untuned, one job")
+    parser.add_argument(
+        "--timeout-s",
+        type=float,
+        default=1800.0,
+        help="the most seconds of one variant: past it, its command and the processes it started are stopped (the "
+        "runs it finished are still compared) (default %(default)s)",
+    )
+    parser.add_argument(
+        "--out",
+        default="benchmarks/results/gpu_grid.json",
+        help="the JSON file, written after every variant and on Ctrl-C or SIGTERM (default %(default)s)",
+    )
     args = parser.parse_args(argv)
     args.extra = ["--untuned", "--digits-epochs", "1", "--mnist1d-epochs", "1"] if args.smoke else []
     if args.smoke:
         args.seeds, args.tasks, args.jobs = [0], ["digits"], 1
+    out = Path(args.out)
     results: dict = {"config": dict(vars(args)), "device_name": _device_name(args.device)}
-    results["data_cache"] = warm = warm_data_cache(args)
-    if "seconds" in warm:
-        failed = f" (failed, rc {warm['returncode']}: {warm['stderr_tail'][-300:]})" if warm["returncode"] else ""
-        print(f"data cache: {', '.join(args.tasks)} loaded in {warm['seconds']:.1f} s, untimed{failed}", flush=True)
-    # the MPS daemon may still be writing its log when told to quit: a cleanup error must not lose the results
-    with tempfile.TemporaryDirectory(prefix="gpu_grid_", ignore_cleanup_errors=True) as scratch:
-        variants = {name: run_variant(name, args, Path(scratch)) for name in args.variants}
-    references = {}  # the records of the first variant of each kind that ran
+    variants: dict[str, dict] = {}
+    records: dict[str, dict[str, dict]] = {}
+    # the file is written after every variant, and on Ctrl-C or SIGTERM with the variants so far
+    in_main_thread = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, _stop) if in_main_thread else None
+    try:
+        write_results(results, out)
+        results["data_cache"] = warm = warm_data_cache(args)
+        if "seconds" in warm:
+            failed = f" (failed, rc {warm['returncode']}: {warm['stderr_tail'][-300:]})" if warm["returncode"] else ""
+            print(f"data cache: {', '.join(args.tasks)} loaded in {warm['seconds']:.1f} s, untimed{failed}", flush=True)
+        results["variants"] = variants
+        # the MPS daemon may still be writing its log when told to quit: a cleanup error must not lose the results
+        with tempfile.TemporaryDirectory(prefix="gpu_grid_", ignore_cleanup_errors=True) as scratch:
+            for name in args.variants:
+                entry = variants[name] = run_variant(name, args, Path(scratch))
+                if "records" in entry:
+                    records[name] = entry.pop("records")
+                compare_variants(variants, records)
+                write_results(results, out)
+                if entry.get("returncode") == "stopped":
+                    raise Stopped(f"during the variant {name}")
+    except KeyboardInterrupt as error:  # Ctrl-C, or SIGTERM (Stopped)
+        results["stopped"] = f"{type(error).__name__}: {error}"
+        results.setdefault("variants", variants)
+        compare_variants(variants, records)
+        write_results(results, out)
+        print(f"stopped ({results['stopped']}); the variants so far are in {out}", flush=True)
+    finally:
+        if in_main_thread:
+            signal.signal(signal.SIGTERM, previous)
     for name, entry in variants.items():
-        if "records" in entry:
-            references.setdefault(_kind(name), entry["records"])
-    for name, entry in variants.items():
-        records = entry.pop("records", None)
-        if records is not None:
-            entry["runs"] = len(records)
-            entry["identical_records"] = bool(records) and records == references[_kind(name)]
-            if _kind(name) != "eager" and "eager" in references:
-                entry["metrics_vs_eager"] = metrics_vs_eager(records, references["eager"])
-            if _kind(name) == "graphs":  # the rows whose layers read values on the host (SGPA's) run eagerly
-                entry["graphed_runs"] = graphed_runs(records)
         line = f"{name}: " + (
             entry["unavailable"]
             if "unavailable" in entry
@@ -239,18 +354,15 @@ def main(argv: list[str] | None = None) -> dict:
             accuracy, nll = (_short(differences[metric]) for metric in ("accuracy", "nll"))
             line += f"; against eager: accuracy {accuracy}, NLL {nll} at most"
         print(line, flush=True)
-    results["variants"] = variants
-    out = Path(args.out)
-    if str(out) != os.devnull:
-        out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(results, indent=2, default=str))
     return results
 
 
 def succeeded(results: dict) -> bool:
     """Every variant that ran finished (exit status 0) with the first variant's records; an unavailable MPS is not a
     failure (it is recorded)."""
-    variants = results["variants"].values()
+    if "stopped" in results:
+        return False
+    variants = results.get("variants", {}).values()
     return all(entry.get("returncode", 0) == 0 and entry.get("identical_records", True) for entry in variants)
 
 

@@ -139,3 +139,51 @@ def test_compile_falls_back_to_eager(bench, monkeypatch, capsys):
         "torch.compile failed for KEPSVGPAttention (RuntimeError: no C compiler); timing eager"
         in capsys.readouterr().out
     )
+
+
+def test_a_step_that_fails_while_timed_is_left_out_and_recorded(bench):
+    """With ``errors``, a step that raises in a later repetition (out of memory on a GPU) is left out and its error
+    recorded, the other steps keep their medians; without it the error propagates."""
+    import argparse
+
+    calls = {"good": 0, "bad": 0}
+
+    def good():
+        calls["good"] += 1
+
+    def bad():
+        calls["bad"] += 1
+        if calls["bad"] == 3:
+            raise RuntimeError("CUDA out of memory")
+
+    args = argparse.Namespace(warmup=1, min_reps=4, max_reps=4, budget_s=0.0)
+    errors: dict = {}
+    medians = bench._interleaved_medians({"good": good, "bad": bad}, args, torch.device("cpu"), errors=errors)
+    assert set(medians) == {"good"} and medians["good"] > 0
+    assert errors == {"bad": "RuntimeError: CUDA out of memory"} and calls == {"good": 5, "bad": 3}
+    calls.update(good=0, bad=0)
+    with pytest.raises(RuntimeError, match="CUDA out of memory"):
+        bench._interleaved_medians({"good": good, "bad": bad}, args, torch.device("cpu"))
+
+
+def test_the_peak_memory_on_cuda_counts_what_the_step_allocates(bench, monkeypatch):
+    """On CUDA the peak is the allocator's peak during the step less what was allocated before it (the input, the
+    layers' parameters and gradients), as on the CPU: torch.cuda's counters stand in here (120 MiB before the step,
+    a peak of 200 MiB during it)."""
+    mib = 2**20
+    state = {"allocated": 120 * mib, "peak": 0}
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: state["allocated"])
+    monkeypatch.setattr(
+        torch.cuda, "reset_peak_memory_stats", lambda device=None: state.update(peak=state["allocated"])
+    )
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device=None: state["peak"])
+    layer = bench.Floor(8, 2, 3)
+    original = layer.forward
+
+    def forward(x):
+        state["peak"] = 200 * mib  # the step's own tensors on top of the 120 MiB
+        return original(x)
+
+    monkeypatch.setattr(layer, "forward", forward)
+    assert bench._peak_memory_mb(layer, torch.ones(1, 4, 8), torch.device("cuda")) == 80.0

@@ -23,9 +23,13 @@ def test_smoke_run_on_cpu(check, tmp_path, capsys, monkeypatch):
 
     monkeypatch.setattr(triton_scores, "TRITON_MAX_TOKENS", 16)  # N = 32 is then "long": a forced-kernels row
 
+    entered = []
+
     @contextlib.contextmanager
     def failing():  # a row that cannot run: recorded, and the others of its length still timed
-        raise RuntimeError("the kernels do not compile here")
+        entered.append(1)
+        if len(entered) != 2:  # the 1st: the split check; the 2nd: the row's first step at N = 32, then its warm-up
+            raise RuntimeError("the kernels do not compile here")  # (an error while timed, as out of memory)
         yield
 
     monkeypatch.setattr(check, "triton_kernels", failing)
@@ -62,6 +66,7 @@ def test_smoke_run_on_cpu(check, tmp_path, capsys, monkeypatch):
     table = results["scaling"]["table"]
     assert set(table) == {"16", "32"} and "kep_svgp_bf16" in table["16"]["times_ms"]
     assert table["32"]["row_errors"] == {"kep_svgp_triton": "RuntimeError: the kernels do not compile here"}
+    assert len(entered) == 3  # the first step ran, the warm-up failed: the row left out of the timed ones
     assert "row_errors" not in table["16"]
     assert {"kep_svgp", "kep_svgp_pytorch", "floor"} <= table["32"]["times_ms"].keys()
     assert "kep_svgp / floor" in results["scaling"]["ratios"]["32"]
@@ -287,3 +292,157 @@ def test_the_captured_forward_check_with_the_cpu_stand_in(check):
     assert result["ok"], result
     assert result["graphs"] == 2 and result["warnings"] == []  # the mean's signature and the sampled one
     assert max(result[key] for key in result if key.startswith("mean_difference")) == 0.0
+
+
+def _stub_sections(check, monkeypatch, calls: list, **replacements) -> None:
+    """Every section of ``check.main`` replaced by a stub that records its name (``replacements``: other stubs)."""
+
+    def stub(name):
+        def section(*arguments, into=None):
+            calls.append(name)
+            return {"ran": name} if into is None else {**into, "ran": name}
+
+        return section
+
+    for name in ("equivalence", "counts", "scaling", "train_step", "kernels", "mnist1d"):
+        monkeypatch.setattr(check, name, replacements.get(name, stub(name)))
+
+
+def test_the_results_are_written_after_every_section_and_on_sigterm(check, tmp_path, monkeypatch):
+    """A run stopped by SIGTERM (a job's time limit) writes the sections done so far, and what the stopped section had
+    measured; each section finds the earlier ones already on disk (a SIGKILL loses at most the section under way)."""
+    import signal
+
+    out = tmp_path / "gpu_check.json"
+    calls: list = []
+
+    def counts(*arguments):
+        calls.append("counts")
+        assert json.loads(out.read_text())["equivalence"] == {"ran": "equivalence"}  # on disk before the next
+        return {"ran": "counts"}
+
+    def scaling(device, args, deadline, into=None):
+        calls.append("scaling")
+        into["table"] = {16: {"times_ms": {"softmax": 1.5}}}  # one length measured, then the job's limit
+        handler = signal.getsignal(signal.SIGTERM)
+        assert callable(handler), handler  # the default handler would end the process, writing nothing
+        handler(signal.SIGTERM, None)
+
+    _stub_sections(check, monkeypatch, calls, counts=counts, scaling=scaling)
+    results = check.main(["--device", "cpu", "--smoke", "--out", str(out)])
+    assert calls == ["equivalence", "counts", "scaling"]  # the sections after the stop do not run
+    written = json.loads(out.read_text())
+    assert written["counts"] == {"ran": "counts"} and written["stopped"].startswith("Stopped: signal")
+    assert written["scaling"]["table"] == {"16": {"times_ms": {"softmax": 1.5}}}
+    assert written["scaling"]["stopped"].startswith("Stopped") and "train_step" not in written
+    assert results["scaling"]["table"][16] == {"times_ms": {"softmax": 1.5}}
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # the caller's handler restored
+
+
+def test_a_failing_section_keeps_what_it_measured(check, tmp_path, monkeypatch, capsys):
+    """A timed section that raises keeps the rows it measured beside its error, and the summary names the error
+    instead of counting the error's text as passed checks."""
+    out = tmp_path / "gpu_check.json"
+    calls: list = []
+
+    def train_step(device, args, deadline, into=None):
+        into["rows"] = {"kep_svgp": {"cpu": {"step_ms": 2.0}}}
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    def equivalence(*arguments):
+        raise RuntimeError("Triton compilation failed")
+
+    _stub_sections(check, monkeypatch, calls, train_step=train_step, equivalence=equivalence)
+    check.main(["--device", "cpu", "--smoke", "--out", str(out)])
+    written = json.loads(out.read_text())
+    assert written["train_step"]["rows"] == {"kep_svgp": {"cpu": {"step_ms": 2.0}}}
+    assert written["train_step"]["error"] == "RuntimeError: CUDA error: an illegal memory access was encountered"
+    assert calls == ["counts", "scaling", "kernels", "mnist1d"]  # the later sections still ran
+    printed = capsys.readouterr().out
+    assert "equivalence: 0 ok, not ok: none" in printed
+    assert "equivalence error: RuntimeError: Triton compilation failed" in printed
+
+
+def test_cuda_without_a_device_is_a_usage_error(check, tmp_path, monkeypatch, capsys):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(SystemExit) as exit_info:
+        check.main(["--device", "cuda", "--out", str(tmp_path / "gpu_check.json")])
+    assert exit_info.value.code == 2 and "--device cuda: this torch" in capsys.readouterr().err
+    assert not (tmp_path / "gpu_check.json").exists()
+
+
+def test_the_mnist1d_section_keeps_the_runs_before_a_failing_one(check, monkeypatch):
+    """A run that fails (e.g. on the device) is recorded and the other runs and the identity check still run; the
+    identity check is skipped when the runs one by one, as timed, would end past the deadline."""
+    import argparse
+    import time
+    import types
+
+    import torch
+
+    import gpattn.comparison
+    import gpattn.comparison.runner
+
+    trained, seconds = [], {"kep_svgp": 0.0}
+
+    def train_and_evaluate(config, task, row, seed, data):
+        trained.append((row, config.device))
+        if row == "sgpa":
+            raise RuntimeError("out of memory")
+        time.sleep(seconds.get(row, 0.0))
+        test = types.SimpleNamespace(accuracy=0.75)
+        return types.SimpleNamespace(metrics=types.SimpleNamespace(test=test))
+
+    class Record:
+        def __init__(self, run):
+            self.run = run
+
+        def to_dict(self):
+            return {"train": {"seconds": time.perf_counter()}, "run": list(self.run)}
+
+    executed = []
+
+    def execute_runs(config, plan):
+        executed.append((config.jobs, list(plan)))
+        return [Record(run) for run in plan]
+
+    monkeypatch.setattr(gpattn.comparison, "load_task", lambda name: None)
+    monkeypatch.setattr(gpattn.comparison, "train_and_evaluate", train_and_evaluate)
+    monkeypatch.setattr(gpattn.comparison.runner, "execute_runs", execute_runs)
+    args = argparse.Namespace(mnist1d_epochs=1, mnist1d_rows=["sgpa", "kep_svgp", "softmax"], smoke=True, jobs=2)
+    cpu = torch.device("cpu")
+    results = check.mnist1d(cpu, args, time.perf_counter() + 600)
+    assert trained == [("sgpa", "cpu"), ("kep_svgp", "cpu"), ("softmax", "cpu")]
+    assert results["runs"]["sgpa"] == {"cpu": {"error": "RuntimeError: out of memory"}}
+    assert results["runs"]["softmax"]["cpu"]["test_accuracy"] == 0.75
+    plan = [("mnist1d", "sgpa", 0), ("mnist1d", "kep_svgp", 0)]
+    assert executed == [(1, plan), (2, plan)] and results["jobs_identity"]["identical_records"] is True
+    # the runs one by one would take 0.2 s (kep_svgp's time), with about 0.1 s left: the identity check is skipped
+    executed.clear()
+    seconds["kep_svgp"] = 0.2
+    results = check.mnist1d(cpu, args, time.perf_counter() + 0.3)
+    assert results["runs"]["kep_svgp"]["cpu"]["seconds"] >= 0.2
+    assert executed == [] and results["jobs_identity"].startswith("skipped: time budget (0.2 s of runs one by one")
+
+
+def test_a_failing_triton_check_is_recorded_and_the_equivalence_goes_on(check, monkeypatch):
+    """The Triton kernels against the PyTorch path at the benchmark's sizes: an error (a kernel that does not compile
+    on the device) is recorded under its name and the next checks run, as for the split check."""
+    import torch
+
+    def triton_check(device, smoke, split=False):
+        if not split:
+            raise RuntimeError("PassManager::run failed")
+        return {"ok": True}
+
+    for name in ("VARIANT_ROWS", "COMPILED_CHECK_ROWS", "AUTOCAST_ROWS"):  # the other checks left out, for speed
+        monkeypatch.setattr(check, name, ())
+    monkeypatch.setattr(check, "attention_names", lambda: ())
+    monkeypatch.setattr(check, "_triton_against_pytorch", triton_check)
+    results = check.equivalence(torch.device("cpu"), smoke=True)
+    assert results == {
+        "kep_svgp_triton_vs_pytorch": {"error": "RuntimeError: PassManager::run failed"},
+        "kep_svgp_split_triton_vs_pytorch": {"ok": True},
+    }

@@ -18,6 +18,13 @@ def grid(load_benchmark):
     return load_benchmark("gpu_grid", "gpu_grid_under_test")
 
 
+@pytest.fixture
+def stand_in_runs(monkeypatch):
+    """For the tests whose compare commands are stand-ins: no data cache to warm (loading the tasks in a subprocess
+    takes seconds; test_smoke_run_on_cpu and test_the_data_cache_is_warmed_... cover it)."""
+    monkeypatch.setenv("GPATTN_CACHE_DIR", "off")
+
+
 def _stand_in_mps(folder: Path, exit_code: int = 0) -> Path:
     """An executable ``nvidia-cuda-mps-control`` that appends its arguments, its standard input and its pipe folder
     to ``calls.log``."""
@@ -87,7 +94,9 @@ def test_a_daemon_that_does_not_start_is_an_error(grid, tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize("same", [True, False])
-def test_the_variants_records_are_compared_without_their_wall_times(grid, tmp_path, monkeypatch, capsys, same):
+def test_the_variants_records_are_compared_without_their_wall_times(
+    grid, stand_in_runs, tmp_path, monkeypatch, capsys, same
+):
     """Stand-in compare commands write one run file each: its wall time differs between the variants (ignored), its
     accuracy too unless ``same``; the MPS variant runs as a client of the (stand-in) daemon."""
     _stand_in_mps(tmp_path / "bin")
@@ -107,17 +116,73 @@ def test_the_variants_records_are_compared_without_their_wall_times(grid, tmp_pa
     assert "mps: 1 runs in" in capsys.readouterr().out
 
 
-def test_a_variant_that_runs_too_long_is_stopped_and_recorded(grid, tmp_path, monkeypatch):
-    sleeper = [sys.executable, "-c", "import time; time.sleep(30)"]
+def _alive(pid: int) -> bool:
+    """Whether process ``pid`` runs (a zombie, exited but not yet reaped, does not)."""
+    try:
+        return "\nState:\tZ" not in Path(f"/proc/{pid}/status").read_text()
+    except FileNotFoundError:
+        return False
+
+
+def test_a_variant_that_runs_too_long_is_stopped_and_recorded(grid, stand_in_runs, tmp_path, monkeypatch):
+    """Past --timeout-s the compare command is stopped with the processes it started (its workers would otherwise go
+    on using the GPU while the next variant is timed)."""
+    pid_file = tmp_path / "worker.pid"
+    sleeper = [
+        sys.executable,
+        "-c",
+        "import subprocess, sys, time;"
+        "worker = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(30)']);"
+        f"open({str(pid_file)!r}, 'w').write(str(worker.pid)); time.sleep(30)",
+    ]
     monkeypatch.setattr(grid, "compare_command", lambda args, out, compiled=False: sleeper)
     out = str(tmp_path / "grid.json")
     results = grid.main(["--device", "cpu", "--variants", "plain", "--timeout-s", "1", "--out", out])
     plain = results["variants"]["plain"]
     assert plain["returncode"] == "timeout" and plain["runs"] == 0 and 1.0 <= plain["seconds"] < 20
     assert not grid.succeeded(results)
+    worker = int(pid_file.read_text())
+    assert not _alive(worker), "the compare command's worker outlived the timeout"
 
 
-def test_compiled_variants_compare_with_their_own_kind_and_with_eager(grid, tmp_path, monkeypatch, capsys):
+def test_sigterm_stops_the_variant_and_writes_the_variants_so_far(grid, stand_in_runs, tmp_path, monkeypatch):
+    """SIGTERM (a job's time limit) while the MPS variant runs: its command is stopped, the daemon told to quit and
+    the JSON written with the plain variant's results; the caller's SIGTERM handler is restored."""
+    import signal
+
+    log = _stand_in_mps(tmp_path / "bin")
+    monkeypatch.setenv("PATH", f"{tmp_path / 'bin'}{os.pathsep}{os.environ['PATH']}")
+    writer = (
+        "import json, os, pathlib, signal, sys, time;"
+        "out = pathlib.Path(sys.argv[1]) / 'runs'; out.mkdir(parents=True);"
+        "(out / 'mnist1d-kep_svgp-0.json').write_text(json.dumps({'record': {}}));"
+        "'CUDA_MPS_PIPE_DIRECTORY' in os.environ and os.kill(os.getppid(), signal.SIGTERM); time.sleep(30)"
+        " if 'CUDA_MPS_PIPE_DIRECTORY' in os.environ else None"
+    )
+    monkeypatch.setattr(grid, "compare_command", lambda args, out, compiled=False: [sys.executable, "-c", writer, out])
+
+    def guard(signum, frame):  # the default handler would end the test process
+        raise AssertionError("SIGTERM reached the caller's handler: gpu_grid did not handle it")
+
+    previous = signal.signal(signal.SIGTERM, guard)
+    try:
+        out = tmp_path / "grid.json"
+        results = grid.main(["--device", "cpu", "--variants", "plain", "mps", "graphs", "--out", str(out)])
+        assert signal.getsignal(signal.SIGTERM) is guard
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    written = json.loads(out.read_text())
+    assert written["stopped"].startswith("Stopped") and set(written["variants"]) == {"plain", "mps"}
+    plain, mps = written["variants"]["plain"], written["variants"]["mps"]
+    assert plain["returncode"] == 0 and plain["runs"] == 1 and plain["identical_records"] is True
+    assert mps["returncode"] == "stopped" and mps["seconds"] < 20 and mps["runs"] == 1
+    assert log.read_text().splitlines()[-1].startswith("args= stdin=quit")  # the daemon was told to quit
+    assert not grid.succeeded(results)
+
+
+def test_compiled_variants_compare_with_their_own_kind_and_with_eager(
+    grid, stand_in_runs, tmp_path, monkeypatch, capsys
+):
     """Stand-in compare commands: the compiled runs (``--compile`` in the command) round otherwise than the eager ones,
     the same in both compiled variants; each compiled variant's records equal the first compiled variant's, and its
     test metrics are compared with the eager runs'."""
@@ -160,7 +225,9 @@ def test_metrics_vs_eager_reads_only_the_runs_in_both(grid):
     assert grid.metrics_vs_eager({"a.json": run(0.25, None)}, eager) == {"runs": 1, "accuracy": 0.25, "nll": None}
 
 
-def test_graphs_variants_pass_cuda_graphs_and_compare_with_their_own_kind(grid, tmp_path, monkeypatch, capsys):
+def test_graphs_variants_pass_cuda_graphs_and_compare_with_their_own_kind(
+    grid, stand_in_runs, tmp_path, monkeypatch, capsys
+):
     """``graphs`` and ``mps-graphs`` run ``gpattn compare --cuda-graphs`` (not ``--compile``); their records are
     compared with each other's (a graph's random draws are not the eager step's) and their metrics with eager's, and
     the runs that used the graphs are counted from the records."""
@@ -191,3 +258,25 @@ def test_graphs_variants_pass_cuda_graphs_and_compare_with_their_own_kind(grid, 
     assert graphs["metrics_vs_eager"] == mps["metrics_vs_eager"] == {"runs": 2, "accuracy": 0.125, "nll": 0.0}
     assert graphs["graphed_runs"] == mps["graphed_runs"] == 1 and "graphed_runs" not in plain  # SGPA's ran eagerly
     assert "1 of 2 runs in CUDA graphs" in capsys.readouterr().out
+
+
+def test_a_daemon_that_hangs_is_given_up(grid, tmp_path, monkeypatch):
+    """A start or a quit of the MPS daemon that does not return is given up after MPS_TIMEOUT_S (a quit that hung
+    held the variant's results back for good)."""
+    import time
+
+    folder = tmp_path / "bin"
+    folder.mkdir()
+    script = folder / "nvidia-cuda-mps-control"
+    script.write_text('#!/bin/sh\nif [ "$#" -eq 0 ] || [ -e "$HANG_START" ]; then exec sleep 30; fi\nexit 0\n')
+    script.chmod(script.stat().st_mode | stat.S_IEXEC)
+    monkeypatch.setenv("PATH", f"{folder}{os.pathsep}{os.environ['PATH']}")
+    monkeypatch.setenv("HANG_START", str(tmp_path / "no-such-file"))
+    monkeypatch.setattr(grid, "MPS_TIMEOUT_S", 0.2)
+    start = time.perf_counter()
+    with grid.mps_daemon(tmp_path / "mps") as env:  # the quit hangs
+        assert "CUDA_MPS_PIPE_DIRECTORY" in env
+    assert time.perf_counter() - start < 10
+    monkeypatch.setenv("HANG_START", str(script))  # the start hangs
+    with pytest.raises(RuntimeError, match="-d did not return within 0.2 s"), grid.mps_daemon(tmp_path / "mps"):
+        pass
