@@ -85,6 +85,12 @@ CASES = [
     (["compare", "--tuned-dir", "no-such-folder"], ["--tuned-dir", "folder of the tuned configurations", "no-such"]),
     (["train", "--tuned-dir", "no-such-folder"], ["--tuned-dir", "folder of the tuned configurations", "no-such"]),
     (["compare", "--quick", "--ensemble", "-2"], ["--ensemble", "positive integer"]),
+    # the options' names, not CompareConfig's fields ("cuda_graphs=True needs device='cuda'")
+    (
+        ["compare", "--cuda-graphs"],
+        ["gpattn compare: error: argument --cuda-graphs: needs --device cuda, got --device cpu"],
+    ),
+    (["compare", "--compile", "--cuda-graphs"], ["argument --cuda-graphs: not allowed with argument --compile"]),
 ]
 
 

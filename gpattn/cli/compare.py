@@ -152,7 +152,8 @@ def add_compare(commands) -> None:
         "2-core machine). The results are identical whatever --jobs is, for a given --threads",
     )
     add_executor(compare, "run")
-    compare.add_argument(
+    compiled = compare.add_mutually_exclusive_group()  # the compiled model's CUDA graphs cannot run inside a capture
+    compiled.add_argument(
         "--compile",
         action="store_true",
         help="torch.compile every model's forward pass: CUDA graphs (reduce-overhead) on CUDA, the default mode on "
@@ -160,7 +161,7 @@ def add_compare(commands) -> None:
         "rounding (torch 2.11 draws other dropout masks); each input shape and mode compiles once per run (about a "
         "minute per run on a CPU); needs torch 2.6 or later",
     )
-    compare.add_argument(
+    compiled.add_argument(
         "--cuda-graphs",
         action="store_true",
         help="with --device cuda: capture every full-size training step (forward and backward passes) as one CUDA "
@@ -273,6 +274,12 @@ def run_compare(args: argparse.Namespace) -> int:
         overrides["tuned_dir"] = args.tuned_dir
     overrides.update(device=args.device, progress=not args.no_progress, threads=args.threads, jobs=args.jobs)
     overrides.update(compile=args.compile, cuda_graphs=args.cuda_graphs)
+    if args.cuda_graphs and not args.device.startswith("cuda"):  # the option's name, not CompareConfig's field
+        print(
+            f"gpattn compare: error: argument --cuda-graphs: needs --device cuda, got --device {args.device}",
+            file=sys.stderr,
+        )
+        return 2
     try:
         presets = ((args.quick, CompareConfig.quick), (args.main, CompareConfig.main), (args.full, CompareConfig.full))
         config = next((make for chosen, make in presets if chosen), CompareConfig)(**overrides)
