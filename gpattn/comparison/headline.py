@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections import Counter
 from dataclasses import dataclass
 
 from .config import MAIN_SEEDS
@@ -68,6 +69,8 @@ class EndpointEstimate:
     :ivar note: How the values were read (e.g. the OOD scores used), ``""`` if nothing to say.
     :ivar missing: Why there is no interval (no estimate at all where ``n`` is 0), ``""`` when there is one.
     :ivar seeds: The paired seeds, in the reference's order.
+    :ivar left_out: The seeds one of the two rows ran on the task that the pairing leaves out (the metric not finite
+        there, or no run of the other row), sorted; ``note`` says why.
     """
 
     endpoint: Endpoint
@@ -81,6 +84,7 @@ class EndpointEstimate:
     note: str = ""
     missing: str = ""
     seeds: tuple[int, ...] = ()
+    left_out: tuple[int, ...] = ()
 
     def intervals(self) -> list[PairedDifference]:
         """The intervals there are: the paired t, then the seeds-and-examples one."""
@@ -115,13 +119,37 @@ def _seed_list(values: dict[int, float]) -> str:
     return ", ".join(map(str, sorted(values)))
 
 
+def _left_out(rows: list[dict], endpoint: Endpoint, values: tuple[dict, dict]) -> tuple[str, tuple[int, ...]]:
+    # the seeds a row ran on the task that the pairing drops, and why: a metric that is not finite there (a failed or
+    # undefined run: dropping it is not counting it as a loss, hence said), or a seed the other row has no run of
+    groups = group_rows(rows)
+    pair = (endpoint.reference, endpoint.other)
+    ran = [dict.fromkeys(row["seed"] for row in groups.get((endpoint.task, name), [])) for name in pair]
+    reasons, dropped = [], set()
+    for name, seeds, found in zip(pair, ran, values, strict=True):
+        undefined = [seed for seed in seeds if seed not in found]
+        if undefined:
+            reasons.append(f"{_seed_list(undefined)} (no finite {endpoint.label} of {name})")
+            dropped.update(undefined)
+    for name, other, other_ran, found in zip(pair, pair[::-1], ran[::-1], values, strict=True):
+        unmatched = [seed for seed in found if seed not in other_ran and seed not in dropped]
+        if unmatched:
+            reasons.append(f"{_seed_list(unmatched)} (of {name}: no {other} run)")
+            dropped.update(unmatched)
+    if not reasons:
+        return "", ()
+    return f"seeds left out of the pairing: {'; '.join(reasons)}", tuple(sorted(dropped))
+
+
 def estimate_endpoint(
     records: list[RunRecord], endpoint: Endpoint, *, hierarchical: bool = True, num_resamples: int = 10000
 ) -> EndpointEstimate:
     """The endpoint's paired difference over seeds with its 95 % paired-t interval and p-value and, where the records
     hold per-example values of the metric and ``hierarchical``, the 95 % seeds-and-examples interval. Below
     :data:`MIN_SEEDS_FOR_INTERVALS` paired seeds: the mean difference only (no interval and no p-value: the test is
-    the interval's inference).
+    the interval's inference). The pairing takes the seeds where both rows ran with a finite value; the seeds it
+    leaves out (a value that is not finite, e.g. a failed run, which is then not counted as a loss; a seed the other
+    row did not run) are named in ``note`` and ``left_out``.
 
     .. note:: Cost: O(seeds) for the t interval; O(``num_resamples`` seeds examples) for the bootstrap.
 
@@ -129,9 +157,18 @@ def estimate_endpoint(
     :param endpoint: The endpoint.
     :param hierarchical: Form the seeds-and-examples interval where possible.
     :param num_resamples: Resamples of that interval (seed 0: the same records give the same interval).
+    :raises ValueError: A row of the endpoint with more than one run of a seed on its task.
     """
     expanded = with_temperature_scaled(records)
     rows = flat_rows(records)
+    for name in (endpoint.reference, endpoint.other):  # {seed: value} would keep the last of two runs of one seed
+        runs = Counter(row["seed"] for row in rows if (row["task"], row["attention"]) == (endpoint.task, name))
+        repeated = sorted(seed for seed, count in runs.items() if count > 1)
+        if repeated:
+            raise ValueError(
+                f"estimate_endpoint: {name} has more than one run of seed(s) {repeated} on {endpoint.task}; expected "
+                "one run per seed (merge run folders with read_run_folders, which checks that repeated runs agree)"
+            )
     reference, other, note = endpoint.seed_values(rows)
     seeds = [seed for seed in reference if seed in other]
     if not reference or not other:
@@ -143,9 +180,13 @@ def estimate_endpoint(
             f"{_seed_list(reference)} and {_seed_list(other)}): nothing to pair"
         )
         return EndpointEstimate(endpoint, mean, 0, note=note, missing=reason)
+    dropped, left_out = _left_out(rows, endpoint, (reference, other))
+    note = "; ".join(text for text in (note, dropped) if text)
     if len(seeds) < MIN_SEEDS_FOR_INTERVALS:  # no interval, hence no test (p stays NaN)
         reason = f"{len(seeds)} paired seed(s), fewer than {MIN_SEEDS_FOR_INTERVALS}: no interval"
-        return EndpointEstimate(endpoint, mean, len(seeds), note=note, missing=reason, seeds=tuple(seeds))
+        return EndpointEstimate(
+            endpoint, mean, len(seeds), note=note, missing=reason, seeds=tuple(seeds), left_out=left_out
+        )
     p_value = paired_p_value(reference, other)
     interval = paired_difference(reference, other, min_pairs=MIN_SEEDS_FOR_INTERVALS)
     bootstrap, examples = None, 0
@@ -162,7 +203,16 @@ def estimate_endpoint(
                 note + "; " if note else ""
             ) + "no per-example values in these records: no seeds-and-examples interval"
     return EndpointEstimate(
-        endpoint, mean, len(seeds), interval, bootstrap, examples, p_value, note=note, seeds=tuple(seeds)
+        endpoint,
+        mean,
+        len(seeds),
+        interval,
+        bootstrap,
+        examples,
+        p_value,
+        note=note,
+        seeds=tuple(seeds),
+        left_out=left_out,
     )
 
 
@@ -295,7 +345,10 @@ def _subset_note(primary: EndpointEstimate) -> list[str]:
     # the primary endpoint on fewer seeds than declared: make main's subset, or another count
     if not 0 < primary.n < DECLARED_PRIMARY_SEEDS:
         return []
-    if sorted(primary.seeds) == sorted(MAIN_SEEDS):
+    if primary.left_out:  # run, but not paired: not a subset of the declared run's seeds
+        count = len(primary.left_out)
+        which = f"{count} seed{'' if count == 1 else 's'} of these records left out of the pairing (note above); "
+    elif sorted(primary.seeds) == sorted(MAIN_SEEDS):
         which = f"these records are the subset of `make main` (seeds {MAIN_SEEDS[0]}-{MAIN_SEEDS[-1]}); "
     else:
         which = ""

@@ -123,6 +123,19 @@ def _scaled(values: np.ndarray) -> tuple[np.ndarray, float]:
     return values / scale, scale
 
 
+def _differences(left: np.ndarray, right: np.ndarray, where: str) -> np.ndarray:
+    """``left - right``, refused where a difference of two finite values overflows to infinity (magnitudes near
+    1.8e308): its mean, interval and p-value would be infinite or NaN, not numbers."""
+    with np.errstate(over="ignore"):
+        differences = left - right
+    if not np.isfinite(differences).all():
+        raise ValueError(
+            f"{where}: the differences reference - other overflow (beyond {np.finfo(np.float64).max:.3g}) on "
+            f"{int(np.count_nonzero(~np.isfinite(differences)))} of {differences.size} values; rescale the metric"
+        )
+    return differences
+
+
 def _as_values(name: str, values: SeedValues) -> np.ndarray:
     if isinstance(values, Mapping):
         values = list(values.values())
@@ -195,7 +208,8 @@ def paired_difference(
     :param num_resamples: Bootstrap resamples.
     :param seed: Seed of the bootstrap's ``numpy.random.Generator``.
     :return: The :class:`PairedDifference`.
-    :raises ValueError: Fewer than ``min_pairs`` paired seeds, NaN or infinite values, or bad settings.
+    :raises ValueError: Fewer than ``min_pairs`` paired seeds, NaN or infinite values (or differences that overflow),
+        or bad settings.
     """
     where = "paired_difference"
     check_float("confidence", confidence, 0.0, 1.0, strict_minimum=True, strict_maximum=True, where=where)
@@ -207,11 +221,12 @@ def paired_difference(
     n = left.size
     if n < min_pairs:
         raise ValueError(f"{where}: {n} paired seed(s) {list(seeds)}, fewer than min_pairs={min_pairs}; no interval")
-    differences, scale = _scaled(left - right)
+    differences, scale = _scaled(_differences(left, right, where))
     mean = scale * float(differences.mean())
     alpha = 1.0 - confidence
     if method == "t":
-        half_width = scale * stats.t.ppf(1.0 - alpha / 2, n - 1) * differences.std(ddof=1) / math.sqrt(n)
+        # the scale last: a half-width of huge differences can be finite where scale * t alone is not
+        half_width = scale * (stats.t.ppf(1.0 - alpha / 2, n - 1) * differences.std(ddof=1) / math.sqrt(n))
         low, high = mean - half_width, mean + half_width
     else:
         rows = np.random.default_rng(seed).integers(0, n, size=(num_resamples, n))
@@ -252,10 +267,11 @@ def paired_p_value(reference: SeedValues, other: SeedValues) -> float:
         :math:`10^{-12}`: a zero-width interval that excludes 0; scipy warns of catastrophic cancellation), NaN for
         fewer than 2
         paired seeds (no test).
-    :raises ValueError: NaN or infinite values, or sequences of different lengths.
+    :raises ValueError: NaN or infinite values (or differences that overflow), or sequences of different lengths.
     """
     left, right, _ = _pairs(reference, other)
-    differences, _ = _scaled(left - right)  # the same t, without overflow or underflow in its squares
+    # the same t, without overflow or underflow in its squares
+    differences, _ = _scaled(_differences(left, right, "paired_p_value"))
     if differences.size < 2:
         return math.nan
     if np.all(differences == 0.0):
@@ -324,7 +340,7 @@ def _per_example_differences(
                 f"{where}: seed {key!r} has per-example values of shapes {left.shape} and {right.shape}; expected one "
                 "value per test example, the same examples for both methods"
             )
-        rows.append(_finite(f"seed {key!r}", left) - _finite(f"seed {key!r}", right))
+        rows.append(_differences(_finite(f"seed {key!r}", left), _finite(f"seed {key!r}", right), where))
     if len({row.size for row in rows}) != 1:
         sizes = {key: row.size for key, row in zip(seeds, rows, strict=True)}
         raise ValueError(f"{where}: expected the same test examples for every seed, got sizes {sizes}")
@@ -384,8 +400,8 @@ def hierarchical_difference(
     :param min_pairs: Fewest paired seeds (at least 2).
     :param seed: Seed of the bootstrap's ``numpy.random.Generator``.
     :return: A :class:`PairedDifference` with ``method="hierarchical"`` (``n``: the paired seeds).
-    :raises ValueError: Fewer than ``min_pairs`` paired seeds, per-example values of different lengths or not finite,
-        or bad settings.
+    :raises ValueError: Fewer than ``min_pairs`` paired seeds, per-example values of different lengths or not finite
+        (or differences that overflow), or bad settings.
     """
     where = "hierarchical_difference"
     check_float("confidence", confidence, 0.0, 1.0, strict_minimum=True, strict_maximum=True, where=where)
@@ -394,6 +410,7 @@ def hierarchical_difference(
     check_int("seed", seed, minimum=0, where=where)
     differences, seeds = _per_example_differences(reference, other, min_pairs, where)  # shape: (S, n)
     num_seeds, num_examples = differences.shape
+    differences, scale = _scaled(differences)  # exact; sums of differences near 1e308 do not overflow
     mean = float(differences.mean())
     centred = differences - mean  # resampled around the estimate: a constant difference gives exactly a point
     generator = np.random.default_rng(seed)
@@ -406,5 +423,5 @@ def hierarchical_difference(
         # w^T D v for every resample of the block: (size, S) @ (S, n) -> (size, n), times (size, n), summed over n
         means[start : start + size] = ((seed_weights @ centred) * example_weights).sum(axis=1) / num_examples
     alpha = 1.0 - confidence
-    low, high = mean + np.quantile(means, [alpha / 2, 1.0 - alpha / 2])
-    return PairedDifference(mean, float(low), float(high), num_seeds, float(confidence), "hierarchical", seeds)
+    low, high = scale * (mean + np.quantile(means, [alpha / 2, 1.0 - alpha / 2]))
+    return PairedDifference(scale * mean, float(low), float(high), num_seeds, float(confidence), "hierarchical", seeds)
