@@ -198,14 +198,22 @@ class KernelEigenPairSVGP(ApproximateGP):
         """torch's :meth:`~torch.nn.Module.named_children`, without ``covar_module`` while it is the features' kernel
         (``variational_strategy.features.base_kernel``, the same module): walks that recurse through the children
         without a memo, such as GPyTorch's ``named_priors()`` (summed by ``VariationalELBO`` and the other MLLs, and by
-        :meth:`pyro_model`) and ``pyro_sample_from_prior``, would meet the kernel twice and count each of its priors
-        twice. ``state_dict``, ``named_modules`` and ``named_parameters`` read the registered modules as before (both
-        names)."""
+        :meth:`pyro_model`), would meet the kernel twice and count each of its priors twice. ``state_dict``,
+        ``named_modules`` and ``named_parameters`` read the registered modules as before (both names); GPyTorch's
+        ``pyro_sample_from_prior`` goes through :meth:`to_random_module`, which keeps the two names on one kernel."""
         strategy = self._modules.get("variational_strategy")
         inner = {id(module) for module in strategy.modules()} if strategy is not None else set()
         for name, module in super().named_children():
             if name != "covar_module" or id(module) not in inner:
                 yield name, module
+
+    def to_random_module(self) -> KernelEigenPairSVGP:
+        """GPyTorch's random copy (``pyro_sample_from_prior``), with ``covar_module`` the copy's features' kernel again:
+        GPyTorch copies each child on its own, and the copy's ``covar_module`` would be a second kernel, sampled as a
+        second site that the likelihood never reads."""
+        new = super().to_random_module()
+        torch.nn.Module.__setattr__(new, "covar_module", new.features.base_kernel)
+        return new
 
     def get_fantasy_model(self, inputs: Tensor, targets: Tensor, **kwargs):
         """Not supported: raises ``NotImplementedError`` explaining why (:data:`FANTASY_UNSUPPORTED`): GPyTorch's

@@ -450,6 +450,28 @@ def test_a_prior_of_the_kernel_counts_once_in_gpytorchs_elbo_and_in_pyro(data):
     assert not gp.eval().covar_module.training and gp.float().covar_module.raw_lengthscale.dtype == torch.float32
 
 
+def test_pyro_sample_from_prior_samples_the_kernel_once(data):
+    """GPyTorch's random copy copies each child on its own: its covar_module was a second kernel, sampled as a second
+    site (a latent variable the likelihood never reads)."""
+    kernel = ShiftedRBFKernel(1).double()
+    kernel.register_prior(
+        "lengthscale_prior",
+        gpytorch.priors.GammaPrior(3.0, 2.0),
+        lambda module: module.lengthscale,
+        lambda module, value: module.initialize(
+            raw_lengthscale=module.raw_lengthscale_constraint.inverse_transform(value)
+        ),
+    )
+    gp = _model(data[2], kernel=kernel)
+    trace = pyro.poutine.trace(gp.pyro_sample_from_prior).get_trace()
+    sites = [name for name, node in trace.nodes.items() if node["type"] == "sample"]
+    assert sites == ["variational_strategy.features.base_kernel.lengthscale_prior"]
+    sampled = trace.nodes["_RETURN"]["value"]
+    assert sampled.covar_module is sampled.features.base_kernel
+    value = trace.nodes[sites[0]]["value"]
+    torch.testing.assert_close(sampled.covar_module.lengthscale, value.expand_as(sampled.covar_module.lengthscale))
+
+
 def test_shared_posterior_is_a_flag_not_a_truthy_value(data):
     # shared_posterior="no" built one shared q(u) (a non-empty string is true); NumPy's bools are flags
     with pytest.raises(TypeError, match="KernelEigenPairSVGP: expected shared_posterior to be True or False, got 'no'"):
