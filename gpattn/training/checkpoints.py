@@ -26,6 +26,7 @@ import warnings
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -96,16 +97,26 @@ LATER_SETTINGS = {"patience": None, "mc_dropout": False, "cuda_graphs": False}
 #: the checkpoint has them (``num_data``: the number of training examples, the ELBO's :math:`n`; ``num_val``: the
 #: number of validation examples; ``model``: the model's :func:`model_description`)
 LATER_RECORDS = ("num_data", "num_val", "model")
-#: module attributes that are switches of the moment, not the model's configuration (left out of its description)
-RUNTIME_ATTRIBUTES = ("training", "sample_in_eval")
+#: module attributes that are switches of the moment or of memory and speed, not the model's configuration (left out
+#: of its description): the mode, sampling in eval mode, timm's and Hugging Face's gradient checkpointing, timm's
+#: fused attention kernel (chosen by the environment and the torch version)
+RUNTIME_ATTRIBUTES = ("training", "sample_in_eval", "grad_checkpointing", "gradient_checkpointing", "fused_attn")
 
 
-def _plain(value: Any) -> bool:
-    return (
-        value is None
-        or isinstance(value, (bool, int, float, str))
-        or (isinstance(value, tuple) and all(_plain(item) for item in value))
-    )
+def _plain(value: Any) -> Any:
+    """``value`` as a plain Python value (NumPy scalars as Python ones, so that ``np.float64(0.1)`` and ``0.1`` read
+    alike), or ``_NOT_PLAIN``."""
+    if isinstance(value, np.generic):
+        value = value.item()
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if isinstance(value, tuple):
+        items = tuple(_plain(item) for item in value)
+        return _NOT_PLAIN if any(item is _NOT_PLAIN for item in items) else items
+    return _NOT_PLAIN
+
+
+_NOT_PLAIN = object()
 
 
 def model_description(model: torch.nn.Module) -> dict[str, dict[str, str]]:
@@ -114,13 +125,15 @@ def model_description(model: torch.nn.Module) -> dict[str, dict[str, str]]:
     attribute holding a plain value (a number, string, ``None`` or a tuple of them: a layer's ``num_heads``, a
     dropout rate ``p``, an attention's ``merge``), but the switches :data:`RUNTIME_ATTRIBUTES`. Two models of the
     same parameter names and shapes can differ here (e.g. 2 or 4 heads of width 16, another dropout rate), and a run
-    resumed into the other one would silently continue another model. O(number of submodules)."""
+    resumed into the other one would silently continue another model. NumPy scalars are recorded as Python ones. A
+    resumed run compares the modules and attributes both descriptions have (a later gpattn, torch or timm version may
+    add some). O(number of submodules)."""
     description = {}
     for name, module in model.named_modules():
         entry = {"type": type(module).__qualname__}
         for key, value in sorted(vars(module).items()):
-            if not key.startswith("_") and key not in RUNTIME_ATTRIBUTES and _plain(value):
-                entry[key] = repr(value)
+            if not key.startswith("_") and key not in RUNTIME_ATTRIBUTES and (plain := _plain(value)) is not _NOT_PLAIN:
+                entry[key] = repr(plain)
         description[name] = entry
     return description
 
@@ -264,7 +277,7 @@ def check_resumable(saved: dict[str, Any], current: dict[str, Any], epoch: int, 
     changed = [
         _describe_change(name, saved[name], value)
         for name, value in current.items()
-        if name not in RESUMABLE_CHANGES and name in saved and saved[name] != value
+        if name not in RESUMABLE_CHANGES and name in saved and _differs(name, saved[name], value)
     ]
     missing = [
         name
@@ -312,19 +325,32 @@ def _describe_change(name: str, saved: Any, value: Any) -> str:
     return f"{name} ({saved!r} in the checkpoint, {value!r} now)"
 
 
+def _differs(name: str, saved: Any, value: Any) -> bool:
+    if name == "model" and isinstance(saved, dict) and isinstance(value, dict):
+        return bool(_model_differences(saved, value))
+    return saved != value
+
+
+def _model_differences(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
+    """The differences of two :func:`model_description` s over the modules and attributes both have: a module present
+    on one side only changes the parameter names, which the state dict check names; an attribute present on one side
+    only is what a later gpattn, torch or timm version adds (or removes), not another configuration."""
+    differences = []
+    for module, old in saved.items():
+        new = current.get(module)
+        if not isinstance(old, dict) or not isinstance(new, dict):
+            continue
+        for key in old:
+            if key in new and old[key] != new[key]:
+                differences.append(
+                    f"{module + '.' if module else ''}{key} ({old[key]} in the checkpoint, {new[key]} now)"
+                )
+    return differences
+
+
 def _describe_model_change(saved: dict[str, Any], current: dict[str, Any]) -> str:
     """The differences of two :func:`model_description` s (at most five named)."""
-    differences = []
-    for module in [*saved, *(name for name in current if name not in saved)]:
-        where = f"the module {module!r}" if module else "the model"
-        old, new = saved.get(module), current.get(module)
-        if not isinstance(old, dict) or not isinstance(new, dict):
-            differences.append(f"{where} {'missing now' if new is None else 'not in the checkpoint'}")
-            continue
-        for key in [*old, *(key for key in new if key not in old)]:
-            if old.get(key) != new.get(key):
-                before, after = old.get(key, "absent"), new.get(key, "absent")
-                differences.append(f"{module + '.' if module else ''}{key} ({before} in the checkpoint, {after} now)")
+    differences = _model_differences(saved, current)
     more = f" and {len(differences) - 5} more" if len(differences) > 5 else ""
     return (
         f"the model's configuration ({'; '.join(differences[:5])}{more}: resume into a model built as the one that "

@@ -10,6 +10,7 @@ import random
 import re
 import shutil
 
+import numpy as np
 import pytest
 import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook
@@ -26,7 +27,7 @@ from gpattn.training import (
 )
 from gpattn.training import checkpoint_files as files
 from gpattn.training.checkpoint_files import MANIFEST, content_checksum, recover, save_checkpoint, save_run_checkpoints
-from gpattn.training.checkpoints import check_pair, check_state_fits, restore_rng_state, rng_state
+from gpattn.training.checkpoints import check_pair, check_state_fits, model_description, restore_rng_state, rng_state
 
 STEPS_PER_EPOCH = 2  # 96 training sequences, batches of 48
 
@@ -361,6 +362,48 @@ def test_a_model_of_another_configuration_with_the_same_shapes_is_refused(make_t
     (tmp_path / "old").mkdir()
     old = _rewrite(trained, tmp_path / "old", lambda c: {**c, "config": _without(c["config"], "model")})
     train_model(_fresh_model(make_transformer, dropout=0.1), data.train, data.val, _config(old), resume=True)
+
+
+def test_the_model_description_reads_numpy_values_as_python_ones_and_leaves_speed_switches_out():
+    """``np.float64(0.1)`` was recorded as ``np.float64(0.1)``: a run built with it and resumed with ``0.1`` was refused
+    (and NumPy integers were left out of the description); timm's ``fused_attn`` (chosen by the environment) and the
+    gradient-checkpointing switches are not the model's configuration."""
+    layer = torch.nn.Dropout(0.1)
+    numpy_layer = torch.nn.Dropout(0.1)
+    numpy_layer.p, numpy_layer.heads, numpy_layer.fused_attn = np.float64(0.1), np.int64(4), True
+    layer.heads, layer.grad_checkpointing = 4, True
+    assert (
+        model_description(numpy_layer)
+        == model_description(layer)
+        == {"": {"type": "Dropout", "heads": "4", "inplace": "False", "p": "0.1"}}
+    )
+
+
+def test_attributes_one_version_has_and_the_other_lacks_do_not_block_a_resume(
+    make_transformer, data, trained, tmp_path
+):
+    """A later gpattn, torch or timm adds public attributes to its modules: a checkpoint of today must still resume
+    under it (the CLI warns about another code version and goes on), and one of then under today's code."""
+
+    def edit(checkpoint):
+        model = {name: {**entry, "added_later": "1"} for name, entry in checkpoint["config"]["model"].items()}
+        model["blocks.0.attention"].pop("merge")
+        return {**checkpoint, "config": {**checkpoint["config"], "model": model}}
+
+    directory = _rewrite(trained, tmp_path, edit)
+    train_model(_fresh_model(make_transformer), data.train, data.val, _config(directory), resume=True)
+
+    def changed(checkpoint):
+        model = checkpoint["config"]["model"]
+        model = {**model, "": {**model[""], "num_classes": "7"}}  # a setting both versions have
+        return {**checkpoint, "config": {**checkpoint["config"], "model": model}}
+
+    (tmp_path / "changed").mkdir()
+    directory = _rewrite(trained, tmp_path / "changed", changed)
+    with pytest.raises(
+        CheckpointError, match=r"the model's configuration \(num_classes \(7 in the checkpoint, 2 now\)"
+    ):
+        train_model(_fresh_model(make_transformer), data.train, data.val, _config(directory), resume=True)
 
 
 def test_damaged_best_checkpoint_is_named(make_transformer, data, trained, tmp_path):
