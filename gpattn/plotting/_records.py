@@ -16,6 +16,7 @@ from matplotlib.figure import Figure
 from ..attention import attention_names
 from ..comparison.records import RunRecord
 from ..comparison.table_rows import TS_SUFFIX
+from ..methods import method_names
 from ..validation import InputTypeError
 
 DPI = 110
@@ -53,13 +54,39 @@ def attention_order(attentions: Iterable[str]) -> list[str]:
     return [name for base in bases for name in (base, base + TS_SUFFIX) if name in present]
 
 
-def colour(attention: str) -> str:
-    """The row's colour in every figure (its ``+ts`` row shares it): its registry position, else a hash."""
+#: The rows' colours: matplotlib's ten cycle colours, then ten more distinct from them (the row registry has more than
+#: ten rows: with ten colours ``primal_paper`` and ``softmax_mc_dropout`` were drawn alike).
+PALETTE = (
+    *(f"C{index}" for index in range(10)),
+    "#393b79", "#637939", "#8c6d31", "#843c39", "#7b4173", "black", "#e7ba52", "#ad494a", "#a55194", "#6b6ecf",
+)  # fmt: skip
+
+
+def row_colours(attentions: Iterable[str]) -> dict[str, str]:
+    """The colour of every row of ``attentions`` (pass the rows of all the records, so that every figure of them gives
+    a row the same colour), keyed by the row without its ``+ts`` suffix (which shares it): a row of the row registry
+    (:func:`~gpattn.methods.method_names`) the :data:`PALETTE` entry of its registry position; any other row (an
+    ensemble ``<row>_ens<K>``) the next entry that no registered row has, in the order the rows come, so that no two
+    rows of a figure share a colour while the palette lasts."""
+    registered = method_names()
+    colours = {name: PALETTE[index % len(PALETTE)] for index, name in enumerate(registered)}
+    free = [entry for entry in PALETTE if entry not in colours.values()]
+    chosen = {}
+    for name in unique(map(base_row, attentions)):
+        if name in colours:
+            chosen[name] = colours[name]
+        else:
+            chosen[name] = free[len([n for n in chosen if n not in colours]) % len(free)] if free else PALETTE[0]
+    return chosen
+
+
+def colour(attention: str, colours: dict[str, str] | None = None) -> str:
+    """The row's colour in every figure (its ``+ts`` row shares it): its entry of ``colours`` (:func:`row_colours`
+    of the rows of all the records), by default :func:`row_colours` of the row alone."""
     attention = base_row(attention)
-    registered = attention_names()
-    if attention in registered:
-        return f"C{registered.index(attention) % 10}"
-    return f"C{(len(registered) + sum(map(ord, attention))) % 10}"
+    if colours is None or attention not in colours:
+        colours = row_colours([attention])
+    return colours[attention]
 
 
 def linestyle(attention: str) -> str:

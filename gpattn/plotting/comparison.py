@@ -7,7 +7,8 @@ seed)`` (:func:`~gpattn.comparison.run_comparison`, or :func:`~gpattn.comparison
 ``results.json``). A record lacking the data of a figure (no shift, no OOD scores, no spectra, ...) is skipped by that
 figure. Seeds are pooled (reliability bins, OOD scores) or averaged (metrics, spectra). Rows appear in registry
 order (:func:`~gpattn.attention.attention_names`), a ``+ts`` row after its row, and each keeps its colour across all
-figures.
+figures of the same records (:func:`~gpattn.plotting._records.row_colours`: its position in the row registry
+:func:`~gpattn.methods.method_names`; other rows, e.g. ensembles, colours no registered row has).
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from ._records import (
     mean_std,
     natural_key,
     panel_name,
+    row_colours,
     save,
     seeds_text,
     spread_text,
@@ -135,6 +137,7 @@ def plot_reliability_diagrams(records: list[RunRecord], task: str) -> Figure:
     if not selected:
         raise ValueError(f"no reliability data for task {task!r}")
     attentions = attention_order(r.attention for r in selected)
+    colours = row_colours(r.attention for r in records)  # of every row: each figure of the records gives it the same
     # pooled before the figure exists, so that refused data (e.g. seeds with different bins) leaves no figure open
     pooled = {a: pool_reliability([r for r in selected if r.attention == a]) for a in attentions}
     columns = min(len(attentions), 3)
@@ -152,7 +155,7 @@ def plot_reliability_diagrams(records: list[RunRecord], task: str) -> Figure:
         filled = count > 0
         left, width = edges[:-1][filled], np.diff(edges)[filled]
         axis.bar(
-            left, accuracy[filled], width=width, align="edge", color=colour(attention), edgecolor="k",
+            left, accuracy[filled], width=width, align="edge", color=colour(attention, colours), edgecolor="k",
             linewidth=0.6, alpha=0.85, label="accuracy (bar colour: the attention)", gid="accuracy",
         )  # fmt: skip
         axis.bar(
@@ -248,11 +251,16 @@ def plot_ood_histograms(records: list[RunRecord], task: str | None = None) -> Fi
                 )
     tasks, groups, figure, axes = _task_attention_panels(selected)
     bins = np.linspace(0.0, 1.0, 41)
+    # a set's colour from its place among the sets of every panel: a panel without a set (held-out classes) drew the
+    # next set (noise) in the colour the other panels give the missing one
+    every = [n for n in unique(name for r in selected for name in r.ood_scores) if n != POOLED]
+    every = [n for n in OOD_SETS if n in every] + [n for n in every if n not in OOD_SETS]
     for axis, (name_of_task, attention) in zip(axes, groups, strict=True):
         group = [r for r in selected if r.task == name_of_task and r.attention == attention]
-        names = [n for n in unique(name for r in group for name in r.ood_scores) if n != POOLED]
-        names = [n for n in OOD_SETS if n in names] + [n for n in names if n not in OOD_SETS]
-        for index, name in enumerate(names):
+        present = {name for r in group for name in r.ood_scores}
+        for index, name in enumerate(every):
+            if name not in present:
+                continue
             scores = np.asarray([v for r in group for v in r.ood_scores.get(name, [])], dtype=np.float64)
             scores = scores[np.isfinite(scores)]
             if scores.size == 0:
@@ -282,7 +290,8 @@ def _spectra_records(records: list[RunRecord]) -> list[RunRecord]:
 
 def plot_spectra(records: list[RunRecord]) -> Figure:
     """Learned KSVD singular values :math:`\\lambda_i` of every attention layer and head (mean over seeds), on one
-    linear y-scale shared by all panels and starting at 0, so that panels compare by eye.
+    linear y-scale shared by all panels and starting at 0 (below it when a mean is negative, which the learned values
+    never are: an edited ``results.json``), so that panels compare by eye.
 
     Records without spectra are skipped; seeds with spectra of different lengths are truncated to the shortest. NaN
     values are left out of the mean: an index that is NaN in every seed is a gap in the line, and a head without
@@ -295,7 +304,7 @@ def plot_spectra(records: list[RunRecord]) -> Figure:
     if not selected:
         raise ValueError("no records with spectra")
     tasks, groups, figure, axes = _task_attention_panels(selected)
-    top = 0.0
+    top = bottom = 0.0
     for axis, (task, attention) in zip(axes, groups, strict=True):
         group = [r for r in selected if r.task == task and r.attention == attention]
         layers = sorted(unique(layer for r in group for layer in r.spectra), key=natural_key)
@@ -326,7 +335,7 @@ def plot_spectra(records: list[RunRecord]) -> Figure:
                 )  # fmt: skip
                 lines += 1
                 finite = mean[np.isfinite(mean)]
-                top = max(top, float(finite.max()))
+                top, bottom = max(top, float(finite.max())), min(bottom, float(finite.min()))
         if left_out:
             note = f"{left_out} head{'' if left_out == 1 else 's'} without a finite value not drawn"
             axis.text(0.5, 0.5, note, transform=axis.transAxes, ha="center", va="center", fontsize=8, gid="note")
@@ -336,9 +345,10 @@ def plot_spectra(records: list[RunRecord]) -> Figure:
         axis.grid(alpha=0.3, which="both")
         if lines > 1:
             axis.legend(fontsize=7, loc="lower left", framealpha=0.8)
-    for axis in axes:  # one scale for every panel, from 0
-        axis.set_ylim(0.0, 1.05 * top if top > 0 else 1.0)
-    figure.suptitle(f"Learned KSVD singular values on {', '.join(tasks)} (mean over the seeds; one scale, from 0)")
+    for axis in axes:  # one scale for every panel, from 0 (or below it: a negative value was cut off the figure)
+        axis.set_ylim(1.05 * bottom, 1.05 * top if top > 0 else 1.0)
+    start = "from 0" if bottom == 0 else f"below 0: a negative value, {bottom:g}"
+    figure.suptitle(f"Learned KSVD singular values on {', '.join(tasks)} (mean over the seeds; one scale, {start})")
     return figure
 
 

@@ -93,9 +93,11 @@ def _finite(values: list[float]) -> np.ndarray:
 
 def _draw_panel(axis: Axes, name: str, groups: list[dict[str, list[float]]], rng: np.random.Generator) -> None:
     reference = REFERENCES.get(name)
+    left_out = 0  # NaN or infinite values (an undefined or diverged quantity): said in the panel, not dropped silently
     for position, values in enumerate(groups):
         for offset, (prefix, _, colour) in zip(OFFSETS, FIDELITY_VARIANTS, strict=True):
             points = _finite(values.get(prefix + name, []))
+            left_out += len(values.get(prefix + name, [])) - points.size
             if points.size == 0:
                 continue
             centre = position + offset
@@ -107,13 +109,17 @@ def _draw_panel(axis: Axes, name: str, groups: list[dict[str, list[float]]], rng
                 if bound.size:
                     level = np.sqrt(bound.mean()) if root else bound.mean()
                     axis.hlines(level, centre - 0.13, centre + 0.13, color="black", lw=1.2, ls="--")
+    if left_out:
+        note = f"{left_out} non-finite value{'' if left_out == 1 else 's'} (NaN or inf) not drawn"
+        axis.text(0.5, 0.97, note, transform=axis.transAxes, ha="center", va="top", fontsize=7, color="C3", gid="note")
 
 
 def plot_fidelity(records: Sequence[RunRecord]) -> Figure:
     """One panel per quantity of :data:`FIDELITY_PANELS`, one group per (task, attention, layer) with fidelity data,
     in it a column per variant of :data:`FIDELITY_VARIANTS` that has values: a point per seed and head (jittered
     sideways), a bar at their mean, a dotted line at the exact-KSVD value and black dashes at the reference of
-    :data:`REFERENCES`.
+    :data:`REFERENCES`. NaN and infinite values (an undefined or diverged quantity) are not drawn; a panel with any
+    says how many (a text with gid ``"note"``).
 
     :param records: Comparison records; those without fidelity (softmax, SGPA, ...) and layers without values are
         skipped.

@@ -13,6 +13,9 @@ from .._module_state import kept_call_results, restored_modes
 from ..data import RegressionData
 from ..models import KernelEigenPairSVGP
 
+#: The interval without training inputs of :func:`~gpattn.data.make_asymmetric_regression_1d`, shaded.
+_TOY_GAP = (0.8, 1.6)
+
 
 def _band(axis, x, mean, variance, color: str, label: str) -> None:
     std = variance.clamp_min(0).sqrt().numpy()
@@ -26,7 +29,9 @@ def plot_pair_posterior(
     r"""Three panels over the 1-D grid: the left branch :math:`q(f_e)`, the right branch :math:`q(f_r)` and the
     merged :math:`q(F)`, each mean with a :math:`\pm 2\sigma` band of the latent function, against the generating
     components, the training data and (merged panel) the exact GP's posterior mean and :math:`\pm 2\sigma` band (its
-    latent function) and the merged mean of the Pyro SVI fit.
+    latent function) and the merged mean of the Pyro SVI fit. The gap :math:`[0.8, 1.6]` of
+    :func:`~gpattn.data.make_asymmetric_regression_1d` is shaded when the data have no training input in it and the
+    grid spans it.
 
     The branches are identified up to swapping: a learned shift of the opposite sign to the generating one
     explains the left component with the right branch and vice versa.
@@ -92,14 +97,19 @@ def plot_pair_posterior(
         )
     if pyro_mean is not None:
         axes[2].plot(x, pyro_mean.numpy(), color="C4", ls="-.", lw=1.5, label="KEP-SVGP by Pyro SVI: mean")
-    gap = (0.8, 1.6)
+    # the gap of make_asymmetric_regression_1d, shaded where it is one of these data: other data (training inputs in
+    # it, or a grid elsewhere, whose axis the shading stretched) were said to have no training data there
+    gap = _TOY_GAP
+    train = data.train_x.squeeze(-1)
+    shaded = bool(x.min() <= gap[0] and x.max() >= gap[1] and not ((train >= gap[0]) & (train <= gap[1])).any())
     for axis in axes:
-        axis.axvspan(*gap, color="grey", alpha=0.12, lw=0)
+        if shaded:
+            axis.axvspan(*gap, color="grey", alpha=0.12, lw=0, gid="gap")
         axis.legend(fontsize=7, loc="upper left")
     axes[0].set_ylabel("f(x)")
     figure.suptitle(
         f"KEP-SVGP on the asymmetric toy data (rank s = {model.features.num_inducing}, "
-        f"{model.features.landmarks.shape[-2]} landmarks; shaded: no training data)"
+        f"{model.features.landmarks.shape[-2]} landmarks{'; shaded: no training data' if shaded else ''})"
     )
     figure.tight_layout()
     return figure

@@ -17,12 +17,13 @@ from scipy import stats
 
 from ..comparison.records import RunRecord, ShiftMetrics
 from ..comparison.table_rows import with_temperature_scaled
-from ..validation import check_choice
+from ..validation import check_bool, check_choice, check_sequence
 from ._records import (
     attention_order,
     colour,
     linestyle,
     mean_std,
+    row_colours,
     seeds_text,
     severity_key,
     task_records,
@@ -61,6 +62,15 @@ def _shifted(record: RunRecord, kind: str, severity: str, metric: str) -> float:
     return math.nan if entry is None else getattr(entry, metric)
 
 
+def _severity_positions(severities: list[str]) -> tuple[np.ndarray, list[str]]:
+    # x positions and tick labels of the clean set (0) and the severities: their values when every one is a finite
+    # number, else their ranks 1, 2, ... (a named severity was at x = NaN: its points were not drawn)
+    values = [severity_key(s)[1] if severity_key(s)[0] == 0 else math.nan for s in severities]
+    if all(math.isfinite(value) and value > 0 for value in values):
+        return np.asarray([0.0, *values]), ["0", *severities]
+    return np.arange(len(severities) + 1, dtype=np.float64), ["0", *severities]
+
+
 def _group_seeds(groups: dict[str, list[RunRecord]]) -> str:
     counts = unique(len(group) for group in groups.values())
     return seeds_text(counts[0]) if len(counts) == 1 else "seeds: " + "/".join(map(str, sorted(counts)))
@@ -75,7 +85,10 @@ def plot_shift_curves(
     """Metrics under distribution shift against severity on one task, one line per row: the mean over seeds, with a
     ± 1 standard deviation band when there are several seeds.
 
-    Severity 0 is the clean test set (``metrics.test``). Records without shift data are skipped.
+    Severity 0 is the clean test set (``metrics.test``). Records without shift data are skipped. The x axis of a kind
+    gives its severities' values, or their ranks 1, 2, ... (ticks named) where one is not a positive number. NaN
+    values (an undefined metric, a severity missing in a seed) are left out of the mean: a point of fewer seeds than
+    its row has is ringed (and has no band where one seed is left), and a panel without a finite value says so.
 
     :param records: The comparison records.
     :param metrics: Metric names among :data:`SHIFT_METRICS`, one row of panels each.
@@ -83,14 +96,20 @@ def plot_shift_curves(
     :param scaled: Also draw each row's temperature-scaled ``+ts`` variant (dashed, in the row's colour).
     :return: The figure: rows = metrics, columns = shift kinds, one legend for the figure.
     :raises ValueError: An unknown metric, no shift data, or several tasks with shift data and no ``task``.
+    :raises InputTypeError: ``scaled`` not a bool (a string such as ``"no"`` is truthy), or ``metrics`` neither a
+        name nor a sequence of names.
     """
     records = validate(records)
+    scaled = check_bool("scaled", scaled, where="plot_shift_curves")  # "no" was truthy: the +ts rows drawn
+    if not isinstance(metrics, str):  # one name, or a sequence of them
+        check_sequence("metrics", metrics, "('accuracy', 'ece')", where="plot_shift_curves")
     metrics = [metrics] if isinstance(metrics, str) else list(metrics)
     if not metrics:
         raise ValueError("metrics must name at least one metric")
     for metric in metrics:
         check_choice("metrics", metric, SHIFT_METRICS)
     task, selected = task_records(records, task, shift_records, "shift data")
+    colours = row_colours(r.attention for r in records)  # of every row: each figure of the records gives it the same
     if scaled:
         selected = with_temperature_scaled(selected)
     kinds = unique(kind for r in selected for kind in r.metrics.shift)
@@ -99,37 +118,52 @@ def plot_shift_curves(
     figure, axes = plt.subplots(
         len(metrics), len(kinds), figsize=size, squeeze=False, sharex="col", layout="constrained"
     )  # one x axis per column: the kinds have their own severities (a shared axis kept the last column's ticks)
+    partial = False  # a point of fewer seeds than its row has (a severity missing, or a metric undefined)
     for column, kind in enumerate(kinds):
         severities = sorted(
             unique(s for r in selected for s in r.metrics.shift.get(kind, {}) if s != "0"), key=severity_key
         )
-        x = np.asarray([0.0] + [severity_key(s)[1] if severity_key(s)[0] == 0 else np.nan for s in severities])
+        x, ticks = _severity_positions(severities)
         for row, metric in enumerate(metrics):
             axis = axes[row, column]
             for attention, group in groups.items():
                 per_seed = np.asarray(
                     [[getattr(r.metrics.test, metric)] + [_shifted(r, kind, s, metric) for s in severities]
-                     for r in group]
+                     for r in group], dtype=np.float64,
                 )  # fmt: skip
                 summary = [mean_std(per_seed[:, j]) for j in range(per_seed.shape[1])]
                 mean = np.asarray([m for m, _, _ in summary])
+                count = np.asarray([n for _, _, n in summary])
+                shade = colour(attention, colours)
                 axis.plot(
-                    x, mean, marker="o", ms=3, color=colour(attention), ls=linestyle(attention), lw=1.6,
+                    x, mean, marker="o", ms=3, color=shade, ls=linestyle(attention), lw=1.6,
                     label=f"{attention} ({seeds_text(len(group))})",
                 )  # fmt: skip
+                fewer = (count > 0) & (count < len(group))
+                if fewer.any():  # a hollow ring: the mean of fewer seeds than the legend says
+                    partial = True
+                    axis.plot(
+                        x[fewer], mean[fewer], ls="none", marker="o", ms=7, mfc="none", mec=shade, mew=1.2,
+                        gid="partial",
+                    )  # fmt: skip
                 if len(group) > 1:
-                    std = np.asarray([s for _, s, _ in summary])
-                    axis.fill_between(x, mean - std, mean + std, color=colour(attention), alpha=0.15, lw=0)
+                    std = np.asarray([s if n > 1 else np.nan for _, s, n in summary])  # no spread of one seed
+                    axis.fill_between(x, mean - std, mean + std, color=shade, alpha=0.15, lw=0)
+            if not any(np.isfinite(line.get_ydata()).any() for line in axis.get_lines()):
+                axis.text(0.5, 0.5, f"no finite {metric}", transform=axis.transAxes, ha="center", va="center",
+                          gid="note")  # fmt: skip
             axis.set_title(f"{kind.replace('_', ' ')}: {metric}", fontsize=10)
             axis.set_xlabel("severity (0 = clean)")
             axis.set_ylabel(metric)
-            axis.set_xticks(x[np.isfinite(x)])
+            axis.set_xticks(x, ticks)
             axis.grid(alpha=0.3)
     handles, labels = axes[0, 0].get_legend_handles_labels()
     title = "row (dashed: +ts)" if any(linestyle(attention) != "-" for attention in groups) else "row"
     figure.legend(handles, labels, loc="outside lower center", ncols=min(len(labels), 4), fontsize=8, title=title)
     several = any(len(group) > 1 for group in groups.values())
     spread = "mean over seeds, band ± 1 std" if several else "1 seed"
+    if partial:
+        spread += "; rings: fewer seeds than the row's, the others' value missing or undefined"
     figure.suptitle(f"Metrics under distribution shift on {task} ({spread})")
     return figure
 
@@ -138,7 +172,8 @@ def plot_gap_vs_shift_ece(records: list[RunRecord], task: str | None = None) -> 
     """Every row's clean-data miscalibration against its shift ECE on one task: x = mean confidence minus accuracy
     on the clean test set (negative: under-confident), y = the ECE under shift (mean over kinds and severities, the
     shuffled MNIST-1D split apart), both in percent, one point per row (the mean over seeds, ± 1 std bars with several
-    seeds); a row's ``+ts`` variant is a hollow marker in the same colour.
+    seeds); a row's ``+ts`` variant is a hollow marker in the same colour. A seed whose gap or shift ECE is NaN (as in
+    the report's tables) is left out of that mean, and the row's label gives the number of finite values of each.
 
     The title gives Spearman's rank correlation between the two over the points: near 1, the order of the rows'
     shift ECEs is the order of their clean-data gaps, so a low shift ECE says no more than "under-confident on
@@ -153,6 +188,7 @@ def plot_gap_vs_shift_ece(records: list[RunRecord], task: str | None = None) -> 
     """
     records = validate(records)
     task, selected = task_records(records, task, gap_records, "shift data besides the shuffled split")
+    colours = row_colours(r.attention for r in records)  # of every row: each figure of the records gives it the same
     selected = with_temperature_scaled(selected)
     figure, axis = plt.subplots(figsize=(7.0, 5.2), layout="constrained")
     points = []
@@ -160,12 +196,14 @@ def plot_gap_vs_shift_ece(records: list[RunRecord], task: str | None = None) -> 
     for attention, group in groups.items():
         gaps = [100 * (r.metrics.test.confidence - r.metrics.test.accuracy) for r in group]
         shift = [100 * _shift_ece(r) for r in group]
-        (gap, gap_std, _), (ece, ece_std, _) = mean_std(gaps), mean_std(shift)
-        hollow = attention.endswith("+ts")
+        (gap, gap_std, gap_count), (ece, ece_std, ece_count) = mean_std(gaps), mean_std(shift)
+        label = f"{attention} ({seeds_text(len(group))})"
+        if min(gap_count, ece_count) < len(group):  # a seed's value undefined (NaN): the point is the others' mean
+            label = f"{attention} ({seeds_text(len(group))}; finite: gap {gap_count}, shift ECE {ece_count})"
+        hollow, shade = attention.endswith("+ts"), colour(attention, colours)
         axis.errorbar(
-            gap, ece, xerr=gap_std if len(group) > 1 else None, yerr=ece_std if len(group) > 1 else None,
-            fmt="s" if hollow else "o", ms=7, color=colour(attention), mfc="white" if hollow else colour(attention),
-            capsize=2, label=f"{attention} ({seeds_text(len(group))})",
+            gap, ece, xerr=gap_std if gap_count > 1 else None, yerr=ece_std if ece_count > 1 else None,
+            fmt="s" if hollow else "o", ms=7, color=shade, mfc="white" if hollow else shade, capsize=2, label=label,
         )  # fmt: skip
         axis.annotate(attention, (gap, ece), textcoords="offset points", xytext=(5, 4), fontsize=7)
         points.append((gap, ece))

@@ -538,3 +538,118 @@ def test_each_shift_kind_keeps_its_own_severity_ticks_and_the_legend_names_dashe
     assert figure.legends[0].get_title().get_text() == "row"
     scaled = plot_shift_curves([_scaled(r, 0.5) for r in digits], metrics=("ece",), scaled=True)
     assert scaled.legends[0].get_title().get_text() == "row (dashed: +ts)"
+
+
+# -- colours, named severities, seeds left out, OOD set colours ------------------------------------------------------
+def test_every_row_of_the_protocol_and_its_ensembles_has_a_colour_of_its_own(records) -> None:
+    # with ten colours by registry position (method rows hashed), primal_paper and softmax_mc_dropout were both C8
+    # and deep_ensemble and laplace both C1: two solid lines of one colour, the legend could not tell them apart
+    from gpattn.comparison.config import MAIN_TABLE_ROWS
+
+    rows = [*MAIN_TABLE_ROWS, "kep_svgp_ens5", "softmax_ens5"]
+    digits = [r for r in records if r.task == "digits" and r.attention == "softmax"]
+    many = [dataclasses.replace(r, attention=row) for row in rows for r in digits]
+    lines = plot_shift_curves(many, ("ece",)).axes[0].get_lines()
+    shades = {line.get_label().split(" (")[0]: matplotlib.colors.to_rgb(line.get_color()) for line in lines}
+    assert sorted(shades) == sorted(rows) and len(set(shades.values())) == len(rows)
+    # the same colour in the other figures of the same records
+    gap = plot_gap_vs_shift_ece(many)
+    for container in gap.axes[0].containers:
+        name = container.get_label().split(" (")[0]
+        assert matplotlib.colors.to_rgb(container.lines[0].get_color()) == shades[name]
+    reliability = plot_reliability_diagrams(many, "digits")
+    for axis in _panels(reliability, "reliability"):
+        name = axis.get_title().split("\n")[0]
+        assert _bars(axis, "accuracy")[0].get_facecolor()[:3] == pytest.approx(shades[name])
+
+
+def test_named_severities_are_drawn_at_their_ranks(records) -> None:
+    # a severity that is no number was placed at x = NaN: its points were silently not drawn, only the clean one
+    digits = [r for r in records if r.task == "digits"]
+    named = [_with_shift(r, {"fog": {"low": r.metrics.shift["blur"]["1"], "high": r.metrics.shift["blur"]["2"]}})
+             for r in digits]  # fmt: skip
+    axis = plot_shift_curves(named, ("accuracy",)).axes[0]
+    line = axis.get_lines()[0]
+    group = [r for r in digits if r.attention == ATTENTIONS[0]]
+    expected = [np.mean([r.metrics.test.accuracy for r in group])] + [
+        np.mean([r.metrics.shift["blur"][level].accuracy for r in group])
+        for level in ("2", "1")  # "high", "low"
+    ]
+    np.testing.assert_allclose(line.get_xdata(), [0, 1, 2])
+    np.testing.assert_allclose(line.get_ydata(), expected)
+    assert [tick.get_text() for tick in axis.get_xticklabels()] == ["0", "high", "low"]
+
+
+def test_a_point_of_fewer_seeds_is_ringed_and_an_undefined_metric_said(records) -> None:
+    # a seed's NaN (or missing severity) made the point the other seed's value, labelled "(2 seeds)", with a band of 0
+    digits = [r for r in records if r.task == "digits"]
+    shift = {kind: dict(levels) for kind, levels in digits[0].metrics.shift.items()}
+    shift["gaussian_noise"]["3"] = dataclasses.replace(shift["gaussian_noise"]["3"], accuracy=float("nan"))
+    del shift["gaussian_noise"]["4"]
+    figure = plot_shift_curves([_with_shift(digits[0], shift), *digits[1:]], ("accuracy",))
+    axis = figure.axes[0]
+    (ring,) = [line for line in axis.get_lines() if line.get_gid() == "partial"]
+    other = digits[1].metrics.shift["gaussian_noise"]  # kep_svgp, seed 1
+    np.testing.assert_allclose(ring.get_xdata(), [3, 4])
+    np.testing.assert_allclose(ring.get_ydata(), [other["3"].accuracy, other["4"].accuracy])
+    band = axis.collections[0].get_paths()
+    assert all(not np.any(np.isclose(path.vertices[:, 0], 3.0)) for path in band)  # no band of one seed
+    assert "rings: fewer seeds" in figure.get_suptitle()
+    assert "rings" not in plot_shift_curves(digits, ("accuracy",)).get_suptitle()
+    # debiased_ce NaN in every record (older records): the panel says so instead of staying blank
+    undefined = plot_shift_curves(digits, ("debiased_ce",)).axes[0]
+    assert [text.get_text() for text in undefined.texts if text.get_gid() == "note"] == ["no finite debiased_ce"]
+
+
+def test_gap_figure_counts_the_seeds_behind_each_mean(records) -> None:
+    digits = [r for r in records if r.task == "digits"]
+    shift = {kind: dict(levels) for kind, levels in digits[0].metrics.shift.items()}
+    shift["blur"]["2"] = dataclasses.replace(shift["blur"]["2"], ece=float("nan"))
+    figure = plot_gap_vs_shift_ece([_with_shift(digits[0], shift), *digits[1:]])
+    kep, softmax = figure.axes[0].containers
+    assert kep.get_label() == "kep_svgp (2 seeds; finite: gap 2, shift ECE 1)" and softmax.get_label() == (
+        "softmax (2 seeds)"
+    )
+    # the point is seed 1's shift ECE (as the tables, which leave the NaN seed out), without a y bar of one seed
+    ece = 100 * np.mean([e.ece for levels in digits[1].metrics.shift.values() for e in levels.values()])
+    assert float(kep.lines[0].get_ydata()[0]) == pytest.approx(ece, rel=1e-12)
+    assert kep.has_xerr and not kep.has_yerr
+
+
+def test_an_ood_set_has_one_colour_in_every_panel(records) -> None:
+    # a panel without the held-out set drew the noise scores in the held-out set's colour of the other panel
+    digits = [r for r in records if r.task == "digits"]
+    no_held_out = [
+        dataclasses.replace(r, ood_scores={k: v for k, v in r.ood_scores.items() if k != "held_out"})
+        if r.attention == "softmax" else r for r in digits
+    ]  # fmt: skip
+    figure = plot_ood_histograms(no_held_out)
+    shades = [
+        {text.get_text().split(" (")[0]: patch.get_facecolor()[:3]
+         for text, patch in zip(axis.get_legend().get_texts(), axis.get_legend().get_patches(), strict=True)}
+        for axis in figure.axes
+    ]  # fmt: skip
+    assert list(shades[1]) == ["in-distribution", "noise"]
+    assert shades[1]["noise"] == shades[0]["noise"] != shades[0]["held-out classes"]
+
+
+def test_spectra_show_a_negative_value_below_zero(records) -> None:
+    # the y axis started at 0 whatever the values: a negative singular value (an edited results.json) was off the figure
+    group = [r for r in records if r.task == "pointer" and r.attention == "kep_svgp"]
+    negative = [dataclasses.replace(r, spectra={"layer_1": [[4.0, 1.0, -2.0]]}) for r in group]
+    (axis,) = plot_spectra(negative).axes
+    np.testing.assert_allclose(axis.get_lines()[0].get_ydata(), [4.0, 1.0, -2.0])
+    assert axis.get_ylim() == pytest.approx((1.05 * -2.0, 1.05 * 4.0))
+    assert axis.figure.get_suptitle().endswith("(mean over the seeds; one scale, below 0: a negative value, -2)")
+
+
+def test_shift_curves_refuse_a_scaled_flag_that_is_no_bool(records) -> None:
+    # scaled="no" is truthy: the +ts rows were drawn without a word; metrics=5 failed with "'int' object is not
+    # iterable"
+    scaled = [_scaled(r, 0.5) for r in records]
+    with pytest.raises(TypeError, match="plot_shift_curves: expected scaled to be True or False, got 'no'"):
+        plot_shift_curves(scaled, ("ece",), scaled="no")
+    with pytest.raises(TypeError, match=r"plot_shift_curves: expected metrics to be a sequence, e\.g\. .*, got 5"):
+        plot_shift_curves(scaled, 5)
+    lines = plot_shift_curves(scaled, "ece", scaled=np.bool_(False)).axes[0].get_lines()
+    assert [line.get_label() for line in lines] == ["kep_svgp (2 seeds)", "softmax (2 seeds)"]

@@ -155,3 +155,21 @@ def test_write_goes_through_a_temporary_file_and_a_rename(records, tmp_path, mon
     (path,) = write_fidelity_figure(records, tmp_path)
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["fidelity.png"]
+
+
+def test_non_finite_values_are_counted_in_their_panel(records):
+    # a diverged (inf) relative objective and an undefined (NaN) kernel error were dropped without a word: the
+    # panel showed the other head's value as if it were every value
+    fields = _fields(0.0)
+    fields["relative_objective"] = [float("inf"), 0.2]
+    fields["kernel_error"] = [float("nan"), float("nan")]
+    figure = plot_fidelity([_record("kep_svgp", 0, {"layer_2": fields})])
+    try:
+        notes = [[text.get_text() for text in axis.texts if text.get_gid() == "note"] for axis in figure.axes]
+        assert notes[0] == ["1 non-finite value (NaN or inf) not drawn"]
+        assert notes[5] == ["2 non-finite values (NaN or inf) not drawn"]
+        assert all(note == [] for index, note in enumerate(notes) if index not in (0, 5))
+        objective = figure.axes[0]
+        np.testing.assert_allclose(objective.collections[0].get_offsets()[:, 1], [0.2])  # the finite head only
+    finally:
+        plt.close(figure)

@@ -99,3 +99,56 @@ def test_an_exact_gp_in_training_mode_is_drawn_in_eval_mode_and_gets_its_mode_ba
         expected = exact.eval()(data.grid_x.double()).mean.numpy()
     line = next(line for line in figure.axes[2].get_lines() if line.get_label().startswith("exact GP"))
     torch.testing.assert_close(torch.as_tensor(line.get_ydata()), torch.as_tensor(expected), rtol=0, atol=0)
+
+
+def test_every_panel_draws_its_posterior_mean_and_two_std_band() -> None:
+    # each panel against the model's own predictive (eval mode, as a user computes it): the branch panels are not
+    # swapped, the band is mean ± 2 std of the latent variance (not the variance itself), and the merged mean is the
+    # sum of the branch means (merge="sum")
+    import numpy as np
+
+    torch.manual_seed(0)
+    model = _model()
+    with torch.no_grad():  # away from the initial posterior (mean 0 everywhere would hide a swap)
+        for parameter in model.parameters():
+            parameter.add_(0.3 * torch.randn_like(parameter))
+    data = make_asymmetric_regression_1d(n_train=30, n_test=10)
+    figure = plot_pair_posterior(model, data)
+    with torch.no_grad():
+        model.eval()
+        grid = data.grid_x
+        posteriors = (model.branch(grid, "left"), model.branch(grid, "right"), model(grid))
+    x = grid.squeeze(-1).numpy()
+    for axis, posterior in zip(figure.axes, posteriors, strict=True):
+        mean, std = posterior.mean.numpy(), posterior.variance.sqrt().numpy()
+        line = next(line for line in axis.get_lines() if line.get_label() == "posterior mean")
+        np.testing.assert_allclose(line.get_xdata(), x)
+        np.testing.assert_allclose(line.get_ydata(), mean, rtol=1e-12)
+        band = next(c for c in axis.collections if c.get_label() == "posterior ±2σ").get_paths()[0].vertices
+        n = len(x)  # fill_between's path: start, the lower edge left to right, the upper edge right to left, ...
+        np.testing.assert_allclose(band[1 : n + 1], np.stack([x, mean - 2 * std], axis=1), rtol=1e-12)
+        np.testing.assert_allclose(band[n + 2 : 2 * n + 2][::-1], np.stack([x, mean + 2 * std], axis=1), rtol=1e-12)
+    np.testing.assert_allclose(posteriors[2].mean.numpy(), posteriors[0].mean + posteriors[1].mean, rtol=1e-10)
+    assert np.ptp(posteriors[0].mean.numpy() - posteriors[1].mean.numpy()) > 1e-3  # the branches differ
+
+
+def test_the_gap_is_shaded_only_where_the_data_have_no_training_input() -> None:
+    # [0.8, 1.6] was shaded as "no training data" for any data: inputs inside it, or a grid on [10, 12] stretched to 0.8
+    import dataclasses
+
+    import matplotlib.pyplot as plt
+
+    data = make_asymmetric_regression_1d(n_train=30, n_test=10)
+    inside = dataclasses.replace(data, train_x=torch.cat([data.train_x, torch.tensor([[1.2]], dtype=torch.float64)]),
+                                 train_y=torch.cat([data.train_y, torch.zeros(1, dtype=torch.float64)]))  # fmt: skip
+    moved = dataclasses.replace(data, grid_x=data.grid_x / 3 + 11, train_x=data.train_x / 3 + 11)
+    for other in (inside, moved):
+        figure = plot_pair_posterior(_model(), other)
+        assert "shaded" not in figure.get_suptitle()
+        assert not any(axis.patches for axis in figure.axes)
+        plt.close(figure)
+    assert figure.axes[0].get_xlim()[0] > 9  # no stretch to the toy gap (the grid is [10, 12])
+    figure = plot_pair_posterior(_model(), data)
+    assert all(len([p for p in axis.patches if p.get_gid() == "gap"]) == 1 for axis in figure.axes)
+    assert "shaded: no training data" in figure.get_suptitle()
+    plt.close("all")
