@@ -137,8 +137,9 @@ class Transformer(Module):
         _positive_int("depth", depth)
         check_int("gp_layers", gp_layers, 0, depth, where="Transformer")
         check_choice("input", input, INPUTS, where="Transformer")
-        check_float("mlp_ratio", mlp_ratio, 0.0, strict_minimum=True, where="Transformer")
-        check_float("dropout", dropout, 0.0, 1.0, strict_maximum=True, where="Transformer")
+        # Python floats from here on (a NumPy float would reach the dropout modules and the checkpoints' description)
+        mlp_ratio = check_float("mlp_ratio", mlp_ratio, 0.0, strict_minimum=True, where="Transformer")
+        dropout = check_float("dropout", dropout, 0.0, 1.0, strict_maximum=True, where="Transformer")
         arguments = (  # name, value, the inputs that use it; all are required by them but the stem's (defaults)
             ("vocab_size", vocab_size, ("tokens",)),
             ("input_dim", input_dim, ("vectors", "signal")),

@@ -8,7 +8,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..validation import MAX_SEED, check_device, check_float, check_int
+from ..validation import MAX_SEED, check_bool, check_device, check_float, check_int
 
 __all__ = ["DEVICE_TYPES", "TrainConfig", "TrainResult"]
 
@@ -106,9 +106,8 @@ class TrainConfig:
         device = check_device("device", self.device, where=where, types=DEVICE_TYPES)
         if type(self.device) is not str:  # a torch.device or a str subclass (numpy.str_): a plain string
             self.device = str(self.device) if isinstance(self.device, str) else str(device)
-        for name in ("progress", "mc_dropout", "cuda_graphs"):
-            if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"{where}: expected {name} to be a bool, got {getattr(self, name)!r}")
+        for name in ("progress", "mc_dropout", "cuda_graphs"):  # NumPy's bools as Python's (the config's JSON)
+            setattr(self, name, check_bool(name, getattr(self, name), where=where))
         if self.checkpoint_dir is not None and not isinstance(self.checkpoint_dir, (str, os.PathLike)):
             raise ValueError(f"{where}: expected checkpoint_dir to be a path or None, got {self.checkpoint_dir!r}")
         if self.checkpoint_dir is not None and os.fspath(self.checkpoint_dir) == "":

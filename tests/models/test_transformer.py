@@ -263,3 +263,12 @@ def test_invalid_inputs():
         signal(torch.randn(2, 12, 2, dtype=torch.float64))
     with pytest.raises(ValueError, match="takes no mask"):
         signal(torch.randn(2, 12, 1, dtype=torch.float64), mask=torch.ones(2, 6, dtype=torch.bool))
+
+
+def test_numpy_float_rates_become_python_floats():
+    """``dropout=np.float64(0.1)`` reached the dropout modules as a NumPy float (their ``p``, the checkpoints'
+    model description)."""
+    model = Transformer(2, embed_dim=8, depth=1, num_heads=2, attention="softmax", vocab_size=4, max_len=4,
+                        dropout=np.float64(0.1), mlp_ratio=np.float32(2.0))  # fmt: skip
+    rates = {type(module.p) for module in model.modules() if isinstance(module, torch.nn.Dropout)}
+    assert rates == {float} and model.embedding_dropout.p == 0.1

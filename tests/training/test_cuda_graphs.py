@@ -9,6 +9,7 @@ annealed KL weight filled into its tensor. ``benchmarks/gpu_check.py`` runs the 
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -119,8 +120,11 @@ def test_cuda_graphs_refuse_layers_that_read_values(data, small_model, small_con
 
 
 def test_cuda_graphs_is_a_bool(small_config):
-    with pytest.raises(ValueError, match="expected cuda_graphs to be a bool"):
+    with pytest.raises(ValueError, match="expected cuda_graphs to be True or False"):
         TrainConfig(cuda_graphs="yes")
+    # NumPy's bools are flags, kept as Python's (np.True_ was refused: "expected ... to be a bool")
+    config = TrainConfig(progress=np.False_, mc_dropout=np.True_)
+    assert config.progress is False and config.mc_dropout is True
 
 
 def test_a_non_finite_replayed_loss_stops_before_the_optimiser_step(

@@ -106,7 +106,7 @@ def test_mc_dropout_validation_selects_on_the_mc_dropout_predictive(data, small_
     dropout = train_model(model(), data.train, data.val, small_config(epochs=1, eval_samples=4, mc_dropout=True))
     assert plain.history[0]["loss"] == dropout.history[0]["loss"]
     assert abs(plain.history[0]["val_nll"] - dropout.history[0]["val_nll"]) > 1e-4
-    with pytest.raises(ValueError, match="mc_dropout to be a bool"):
+    with pytest.raises(ValueError, match="mc_dropout to be True or False"):
         small_config(mc_dropout="yes")
 
     older = small_config().to_dict()
