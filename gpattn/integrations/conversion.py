@@ -88,8 +88,9 @@ def copy_projections(layer: AttentionLayer, projections: Mapping[str, Projection
 
     * the ``torch.nn.Linear`` of :data:`LINEAR_TARGETS`: ``q_proj``/``k_proj``/``v_proj`` (softmax), ``query_proj``
       and ``key_proj`` (symmetric SVGP), ``key_proj`` and ``value_proj`` (SGPA, whose tied :math:`W_q = W_k` takes
-      the keys), ``out_proj`` (every layer); a bias with the source's bias, or zeros when the source has none (a
-      source bias without a target bias is dropped);
+      the keys), ``query_proj``/``key_proj``/``value_proj`` (CGPT, whose ``latent_proj`` starts fresh),
+      ``out_proj`` (every layer); a bias with the source's bias, or zeros when the source has none (a source bias
+      without a target bias is dropped: of the query, key and value projections only the softmax layer's have biases);
     * the per-head kernel weights of :data:`HEAD_TARGETS`, ``features.kernel.query_weight`` and ``key_weight`` of
       shape ``(H, p, C)`` (KEP-SVGP, Primal-Attention; only ``query_weight`` with ``tie_qk``) as the head blocks
       :math:`W^h` of the weight, when the feature dimension :math:`p` equals the head width (the cosine kernel
@@ -143,15 +144,19 @@ def padding_mask(attention_mask: Tensor | None, batch: int, length: int, where: 
     may attend to the key; timm, transformers' ``sdpa`` masks) or additive (0 for a visible key, a value
     :math:`\leq -10^4` or :math:`-\infty` for a hidden one; transformers' ``eager`` masks hold
     ``torch.finfo(dtype).min``). gpattn's layers take a key padding mask, so the mask must be the same for every
-    query and head.
+    query and head, except that the row of a padding query may hide every key: the symmetric mask ``valid[q] &
+    valid[k]`` (timm's NaFlexViT) is read as the key mask ``valid``. The outputs at padding queries then differ from
+    the replaced module's, which are no attention of real tokens either (a uniform average over every token for
+    ``torch.finfo(dtype).min``, zeros or NaN for :math:`-\infty`); the real tokens' outputs are the same.
 
     :param attention_mask: The mask, or ``None``.
     :param batch: :math:`B`.
     :param length: :math:`N`, the sequence length.
     :param where: The caller, for the messages.
-    :return: ``None``, or a boolean mask of shape ``(B, N)``, ``True`` for the keys every query may see.
+    :return: ``None``, or a boolean mask of shape ``(B, N)``, ``True`` for the keys every real query may see.
     :raises ValueError: A shape that does not broadcast to ``(B, H, N, N)``, an additive mask with other values than
-        0 and hidden ones (an attention bias), or a mask that differs between queries or heads (e.g. causal).
+        0 and hidden ones (an attention bias), or a mask that differs between the real queries or heads (e.g.
+        causal).
 
     .. note:: Cost: O(B H N^2) elementwise, the size of the mask.
     """
@@ -163,10 +168,11 @@ def padding_mask(attention_mask: Tensor | None, batch: int, length: int, where: 
     elif attention_mask.is_floating_point():
         visible = attention_mask == 0
         if not bool((visible | (attention_mask <= MASKED_BELOW)).all()):
+            nan = bool(attention_mask.isnan().any())  # min and max would both read NaN
+            got = "NaN entries" if nan else f"values in [{float(attention_mask.min())}, {float(attention_mask.max())}]"
             raise ValueError(
                 f"{where}: an additive attention mask must hold 0 for visible keys and a value <= {MASKED_BELOW:g} "
-                f"(or -inf) for hidden ones, got values in [{float(attention_mask.min())}, "
-                f"{float(attention_mask.max())}]: an attention bias is not a padding mask"
+                f"(or -inf) for hidden ones, got {got}" + ("" if nan else ": an attention bias is not a padding mask")
             )
     else:
         raise TypeError(
@@ -182,11 +188,13 @@ def padding_mask(attention_mask: Tensor | None, batch: int, length: int, where: 
             f"{where}: expected an attention mask broadcastable to (B, H, N, N) = ({batch}, H, {length}, {length}), "
             f"got {tuple(attention_mask.shape)}"
         ) from error
-    key_mask = visible[:, :1, :1, :].reshape(batch, length)  # the first query's row; (B, 0) for an empty sequence
-    if not bool((visible == key_mask[:, None, None, :]).all()):
+    key_mask = visible[:, 0].any(dim=1)  # the keys some query of the first head sees; (B, 0) for an empty sequence
+    shared = (visible == key_mask[:, None, None, :]).all(dim=-1)  # shape: (B, H, N)
+    padding_rows = ~visible.any(dim=-1) & ~key_mask[:, None, :]  # a padding query that sees nothing
+    if not bool((shared | padding_rows).all()):
         raise ValueError(
-            f"{where}: the attention mask differs between queries or heads (e.g. a causal mask); gpattn's layers "
-            "convert encoders with key padding masks only"
+            f"{where}: the attention mask differs between queries or heads (e.g. a causal mask), beyond padding "
+            "queries that see no key; gpattn's layers convert encoders with key padding masks only"
         )
     return key_mask
 

@@ -61,8 +61,11 @@ class HuggingFaceAttentionAdapter(AttentionAdapter):
     :math:`\leq -10^4` or :math:`-\infty` = padding; a floating mask of zeros only, which could be either, is
     refused); it becomes gpattn's
     boolean padding mask (:func:`~gpattn.integrations.padding_mask`); a 2-D mask of other values is refused. Other
-    keyword arguments the encoder passes (``position_ids``, ``output_attentions``, ...) are ignored; cross-attention,
-    cached decoding, head masks and the ``BlockMask`` of ``flex_attention`` (use ``sdpa`` or ``eager``) are refused.
+    keyword arguments the encoder passes (``position_ids``, ...) are ignored. Refused, as the layer cannot do what
+    they ask: cross-attention, cached decoding, head masks, ``output_attentions=True`` (the layer has no attention
+    weights: the model's ``attentions`` would silently lack this layer's entry, the later layers' shifted to its
+    index), ``is_causal=True``, the packed sequences of ``cu_seq_lens_q``/``cu_seq_lens_k``, and the ``BlockMask``
+    of ``flex_attention`` (use ``sdpa`` or ``eager``).
 
     :param layer: The gpattn layer.
     :param copied: The names of the layer's parameters copied from the replaced module.
@@ -80,8 +83,8 @@ class HuggingFaceAttentionAdapter(AttentionAdapter):
             token) or the encoder's 4-D mask ``(B, 1, N, N)``.
         :param kwargs: Further arguments of the encoder's call.
         :return: The output ``(B, N, C)`` and ``None`` for the attention weights.
-        :raises ValueError: Cross-attention, a cache or a head mask, or a mask that is neither a keep-mask nor an
-            additive padding mask.
+        :raises ValueError: Cross-attention, a cache, a head mask, ``output_attentions=True``, ``is_causal=True``,
+            packed sequences, or a mask that is neither a keep-mask nor an additive padding mask.
         :raises InputTypeError: A mask that is not a tensor (``flex_attention``'s ``BlockMask``).
         """
         where = type(self).__name__
@@ -93,6 +96,22 @@ class HuggingFaceAttentionAdapter(AttentionAdapter):
         ]
         if refused:
             raise ValueError(f"{where}: a converted encoder layer supports self-attention only, got {refused}")
+        if kwargs.get("output_attentions"):
+            raise ValueError(
+                f"{where}: got output_attentions=True, but a gpattn layer has no attention weights (the model's "
+                "attentions would lack the converted layers and shift the others); call the model without it"
+            )
+        if kwargs.get("is_causal"):
+            raise ValueError(
+                f"{where}: got is_causal=True; a converted encoder layer attends bidirectionally, with a key padding "
+                "mask at most"
+            )
+        packed = [key for key in ("cu_seq_lens_q", "cu_seq_lens_k") if kwargs.get(key) is not None]
+        if packed:
+            raise ValueError(
+                f"{where}: got {packed} (sequences packed into one row); a converted encoder layer takes a batch of "
+                "padded sequences and a padding mask"
+            )
         if attention_mask is not None and not isinstance(attention_mask, Tensor):  # e.g. flex_attention's BlockMask
             raise InputTypeError(
                 f"{where}: expected attention_mask to be a torch.Tensor, got {type(attention_mask).__name__}; a "
@@ -129,11 +148,15 @@ def _key_mask(attention_mask: Tensor, where: str) -> Tensor:
         return one
     if floating and bool(((attention_mask == 0) | (attention_mask <= MASKED_BELOW)).all()):
         return attention_mask
-    low, high = (float(value) for value in attention_mask.double().aminmax())
+    if floating and bool(attention_mask.isnan().any()):  # min and max would both read NaN
+        got = "NaN entries"
+    else:
+        low, high = (float(value) for value in attention_mask.double().aminmax())
+        got = f"values in [{low}, {high}]"
     raise ValueError(
         f"{where}: a 2-D attention_mask must be a keep-mask (1 = real token, 0 = padding) or, floating, an additive "
         f"mask (0 = real token, a value <= {MASKED_BELOW:g} or -inf = padding), got a {attention_mask.dtype} mask "
-        f"with values in [{low}, {high}]"
+        f"with {got}"
     )
 
 
@@ -166,7 +189,8 @@ def convert_attention(
     (:func:`~gpattn.integrations.copy_projections`): the query, key, value and output projections into every
     parameter of the layer that plays their role (softmax: all four, so that ``attention="softmax"`` reproduces the
     model in eval mode; KEP-SVGP and Primal-Attention: ``out_proj`` and the per-head kernel weights
-    :math:`W_q^h, W_k^h`; SGPA: keys, values and output; symmetric SVGP: queries, keys and output); the rest
+    :math:`W_q^h, W_k^h`; SGPA: keys, values and output; symmetric SVGP: queries, keys and output; CGPT: queries,
+    keys, values and output); the rest
     starts fresh and the adapter's ``copied`` lists what was copied. The attention-weight dropout of the module has
     no counterpart (the layer's ``dropout`` acts on its output; default 0).
 

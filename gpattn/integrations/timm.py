@@ -87,7 +87,8 @@ def convert_attention(
     projection ``proj`` into every parameter of the layer that plays their role (softmax: ``q_proj``, ``k_proj``,
     ``v_proj``, ``out_proj``, so that ``attention="softmax"`` reproduces the model; KEP-SVGP and Primal-Attention:
     ``out_proj`` and the per-head kernel weights :math:`W_q^h, W_k^h`; SGPA: ``key_proj``, ``value_proj``,
-    ``out_proj``; symmetric SVGP: ``query_proj``, ``key_proj``, ``out_proj``); the rest starts fresh and the
+    ``out_proj``; symmetric SVGP: ``query_proj``, ``key_proj``, ``out_proj``; CGPT: ``query_proj``, ``key_proj``,
+    ``value_proj``, ``out_proj``); the rest starts fresh and the
     adapter's ``copied`` lists what was copied. The module's output dropout (``proj_drop``) becomes the layer's
     ``dropout`` unless ``layer_options`` sets one; its attention-weight dropout (``attn_drop``) has no counterpart.
 

@@ -48,6 +48,29 @@ def test_padding_mask_reads_additive_masks(hidden):
     assert result.dtype == torch.bool and torch.equal(result, real)
 
 
+@pytest.mark.parametrize("form", ["boolean", "additive"])
+def test_padding_mask_reads_symmetric_masks(form):
+    # valid[q] & valid[k], timm's NaFlexViT mask: the padding queries' rows hide every key (refused before)
+    real = _real_tokens()
+    batch, length = real.shape
+    symmetric = (real[:, None, :, None] & real[:, None, None, :]).expand(batch, 2, length, length)
+    if form == "additive":
+        symmetric = torch.zeros(symmetric.shape).masked_fill(~symmetric, torch.finfo(torch.float32).min)
+    assert torch.equal(padding_mask(symmetric, batch, length), real)
+
+
+def test_padding_mask_refuses_a_real_query_that_sees_no_key():
+    # query 0 of sequence 0 hides every key, yet the other queries see key 0: not a padding query
+    mask = _real_tokens()[:, None, None, :].expand(3, 1, 5, 5).clone()
+    mask[0, 0, 0, :] = False
+    with pytest.raises(ValueError, match="differs between queries or heads"):
+        padding_mask(mask, 3, 5)
+    mask[0, 0, :, 0] = False  # now token 0 is padding in every row: its own row hiding every key is allowed
+    expected = _real_tokens()
+    expected[0, 0] = False
+    assert torch.equal(padding_mask(mask, 3, 5), expected)
+
+
 def test_padding_mask_broadcasts_a_shared_mask_over_the_batch():
     keys = torch.tensor([True, True, False, True])
     mask = keys.expand(4, 4)  # SDPA's (L, S) form, the same for every sequence
@@ -60,6 +83,12 @@ def test_padding_mask_broadcasts_a_shared_mask_over_the_batch():
     [
         (torch.ones(3, 5, 5, dtype=torch.bool).tril(), ValueError, "differs between queries"),
         (torch.zeros(3, 1, 5, 5).index_fill(-1, torch.tensor([1]), -0.5), ValueError, "attention bias"),
+        # the message read "values in [nan, nan]" (transformers builds NaN masks from a torch.finfo.min extended mask)
+        (
+            torch.zeros(3, 1, 1, 5).index_fill(-1, torch.tensor([1]), torch.nan),
+            ValueError,
+            "hidden ones, got NaN entries$",
+        ),
         (torch.ones(3, 4, dtype=torch.bool), ValueError, "broadcastable"),
         (torch.ones(5, dtype=torch.bool), ValueError, r"shape \(B, H, N, N\)"),
         (torch.ones(3, 1, 5, 5, dtype=torch.long), TypeError, "boolean or additive"),

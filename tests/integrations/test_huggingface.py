@@ -266,6 +266,11 @@ def test_the_adapter_refuses_two_dimensional_masks_of_neither_form(values):
     mask = mask.double() if mask.is_floating_point() else mask
     with pytest.raises(ValueError, match=r"HuggingFaceAttentionAdapter: a 2-D attention_mask must be a keep-mask"):
         adapter(tokens, mask)
+    # a NaN is named as such (the range read "[nan, nan]")
+    low, high = float(min(values)), float(max(values))
+    tail = r"with NaN entries$" if values[1] != values[1] else rf"with values in \[{low}, {high}\]$"
+    with pytest.raises(ValueError, match=tail):
+        adapter(tokens, mask)
 
 
 def test_a_floating_mask_of_zeros_only_is_refused_as_ambiguous():
@@ -344,3 +349,37 @@ def test_flex_attention_masks_are_refused_by_name():
     block_mask = create_block_mask(lambda batch, head, query, key: key < 3, 2, None, 4, 4, device="cpu")
     with pytest.raises(TypeError, match=r"got BlockMask.*set_attn_implementation\('sdpa'\)"):
         adapter(tokens, block_mask)
+
+
+@pytest.mark.parametrize("family", ["bert", "vit"])
+def test_output_attentions_is_refused(family):
+    # the recorded attentions came from the unconverted layers only: with layer 0 converted, attentions[0] was layer
+    # 1's weights and the tuple one entry short, silently
+    model = _model(family, "eager")
+    inputs = _inputs(family, masked=family != "vit")
+    with torch.no_grad():
+        assert len(model(**inputs, output_attentions=True).attentions) == LAYERS
+        converted = convert_attention(copy.deepcopy(model), "softmax", blocks=(0,))
+        with pytest.raises(ValueError, match="got output_attentions=True, but a gpattn layer has no attention weights"):
+            converted(**inputs, output_attentions=True)
+        converted(**inputs, output_attentions=False)  # asking for none is fine
+
+
+def test_a_causal_call_is_refused():
+    # the sdpa path of the replaced module honours is_causal=True (its output changes); the layer ignored it
+    model = _model("bert", "sdpa")
+    inputs = _inputs("bert", masked=False)
+    converted = convert_attention(copy.deepcopy(model), "softmax", blocks=(0, 1))
+    with torch.no_grad():
+        assert not torch.allclose(_hidden(model, {**inputs, "is_causal": True}), _hidden(model, inputs), atol=1e-3)
+        with pytest.raises(ValueError, match="got is_causal=True"):
+            _hidden(converted, {**inputs, "is_causal": True})
+        torch.testing.assert_close(_hidden(converted, {**inputs, "is_causal": False}), _hidden(model, inputs))
+
+
+def test_packed_sequences_are_refused():
+    adapter = HuggingFaceAttentionAdapter(SoftmaxAttention(WIDTH, HEADS).double().eval())
+    tokens = torch.randn(1, 4, WIDTH, dtype=torch.float64)
+    lengths = torch.tensor([0, 2, 4], dtype=torch.int32)
+    with pytest.raises(ValueError, match=r"got \['cu_seq_lens_q', 'cu_seq_lens_k'\] \(sequences packed"):
+        adapter(tokens, cu_seq_lens_q=lengths, cu_seq_lens_k=lengths, max_length_q=2, max_length_k=2)

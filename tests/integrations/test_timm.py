@@ -225,6 +225,29 @@ def test_a_converted_block_cannot_be_converted_again():
     assert isinstance(model.blocks[0].attn.layer, KEPSVGPAttention)
 
 
+def test_softmax_conversion_reproduces_a_padded_naflex_vit():
+    # NaFlexViT masks padding patches symmetrically (valid[q] & valid[k]); such masks were refused as "differs between
+    # queries"; the pooled output excludes the padding, so it is the same
+    from timm.models.naflexvit import NaFlexVit, NaFlexVitCfg
+
+    torch.manual_seed(0)
+    config = NaFlexVitCfg(patch_size=PATCH, embed_dim=WIDTH, depth=2, num_heads=HEADS, global_pool="avg", fc_norm=True)
+    model = NaFlexVit(config, num_classes=CLASSES).double().eval()
+    generator = torch.Generator().manual_seed(1)
+    patches = torch.randn(2, 9, PATCH * PATCH * 3, dtype=torch.float64, generator=generator)
+    grid = torch.stack(torch.meshgrid(torch.arange(3), torch.arange(3), indexing="ij"), -1).reshape(1, 9, 2)
+    valid = torch.ones(2, 9, dtype=torch.bool)
+    valid[1, 5:] = False
+    inputs = {"patches": patches, "patch_coord": grid.expand(2, -1, -1), "patch_valid": valid}
+    converted = convert_attention(copy.deepcopy(model), "softmax", blocks=(0, 1))
+    with torch.no_grad():
+        expected = model(inputs)
+        torch.testing.assert_close(converted(inputs), expected, rtol=0, atol=ATOL)
+        changed = dict(inputs, patches=patches.clone().index_fill(1, torch.tensor([7]), 100.0))
+        torch.testing.assert_close(converted(changed)[1], expected[1], rtol=0, atol=ATOL)  # padding is ignored
+        assert not torch.allclose(converted(changed)[0], expected[0], rtol=0, atol=1e-3)  # a real patch is not
+
+
 def test_a_mask_the_layer_cannot_take_is_rejected_at_call_time():
     model = convert_attention(_vit(), "softmax")
     causal = torch.ones(TOKENS, TOKENS, dtype=torch.bool).tril()
