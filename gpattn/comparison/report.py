@@ -15,6 +15,8 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from ..models import fit_temperature
 from .config import PRIMARY_ROWS, CompareConfig
 from .endpoints import DECLARED_ECE_BINS
@@ -25,6 +27,7 @@ from .statistics import paired_difference
 from .table_rows import (
     POOLED,
     TS_SUFFIX,
+    check_one_run_per_seed,
     ensemble_row,
     flat_rows,
     group_rows,
@@ -212,8 +215,13 @@ def paired_table(records: list[RunRecord], task: str, scaled: bool, reference: s
     ``n`` counts a row's runs); a cell paired on fewer seeds (a value undefined on some) says on how many: ``(n = k <
     5, no interval)`` below :data:`MIN_SEEDS_FOR_INTERVALS`, else ``(n=k)`` as the main table's cells. Only the rows of
     the reference's ensemble size are paired with it (``reference="kep_svgp_ens2"``: the ``<row>_ens2`` rows). ``[]``
-    without the reference row. O(records x columns)."""
+    without the reference row. O(records x columns).
+
+    :raises ValueError: More than one run of a ``(task, row, seed)``
+        (:func:`~gpattn.comparison.table_rows.check_one_run_per_seed`).
+    """
     rows = flat_rows(records)
+    check_one_run_per_seed(rows, "paired_table")
     groups = _task_groups(rows, task)
     name = reference + (TS_SUFFIX if scaled else "")
     if name not in groups:
@@ -257,14 +265,19 @@ def _training_table(records: list[RunRecord], task: str) -> list[str]:
         if not trained:
             body.append([attention, str(len(group))] + ["n/a: not recorded"] * 5 + [_tuned(group)])
             continue
+        # the means are over the runs that recorded their training, as many as n or said: (n=k)
+        fewer = f" (n={len(trained)})" if len(trained) < len(group) else ""
         seconds = statistics.fmean(t.seconds for t in trained)
         best = statistics.fmean(t.best_epoch for t in trained)
         epochs = sorted({t.epochs for t in trained})
+        parameters = sorted({t.num_parameters for t in trained})  # several: a mixed configuration
         counts = [epochs_trained(r) for r in group if r.train is not None]
-        counted = "n/a: not recorded" if any(math.isnan(c) for c in counts) else f"{statistics.fmean(counts):.1f}"
+        counted = (
+            "n/a: not recorded" if any(math.isnan(c) for c in counts) else f"{statistics.fmean(counts):.1f}{fewer}"
+        )
         body.append(
-            [attention, str(len(group)), "/".join(map(str, epochs)), counted, f"{best:.1f}",
-             str(trained[0].num_parameters), f"{seconds:.1f}", _tuned(group)]
+            [attention, str(len(group)), "/".join(map(str, epochs)), counted, f"{best:.1f}{fewer}",
+             "/".join(map(str, parameters)), f"{seconds:.1f}{fewer}", _tuned(group)]
         )  # fmt: skip
     header = ["row", "n", "max epochs", "epochs trained (mean)", "best epoch (mean)", "parameters",
               "train seconds (mean)", "configuration"]  # fmt: skip
@@ -337,8 +350,13 @@ def markdown_table(records: list[RunRecord], ece_bins: int = DECLARED_ECE_BINS) 
     differences of :data:`REFERENCE_ROW` (untempered) and of its ``+ts`` row against the others like for like
     (:func:`paired_table`; in an ``--ensemble K`` grid, of ``kep_svgp_ens<K>`` against the other ensembles of
     ``K``), the KSVD fidelity, the training; then the published reference accuracies and a legend, which states
-    ``ece_bins``, the run's ECE bins (``--ece-bins``). O(records x columns)."""
+    ``ece_bins``, the run's ECE bins (``--ece-bins``). O(records x columns).
+
+    :raises ValueError: More than one run of a ``(task, row, seed)``
+        (:func:`~gpattn.comparison.table_rows.check_one_run_per_seed`).
+    """
     rows = flat_rows(records)
+    check_one_run_per_seed(rows, "markdown_table")
     tasks = list(dict.fromkeys(row["task"] for row in rows))
     lines: list[str] = []
     for task in tasks:
@@ -385,7 +403,12 @@ def _smoke_test_banner(config: CompareConfig) -> str:
 def table_text(records: list[RunRecord], config: CompareConfig) -> str:
     """``table.md``: a title that says what was run (a smoke test for ``--quick``, with its seed count and epochs), the
     settings, the headline of the declared endpoints (:func:`~gpattn.comparison.headline.headline_text`), then
-    :func:`markdown_table`, both with the run's ECE bins. Cost: :func:`~gpattn.comparison.headline.headline_text`'s."""
+    :func:`markdown_table`, both with the run's ECE bins. Cost: :func:`~gpattn.comparison.headline.headline_text`'s.
+
+    :raises ValueError: More than one run of a ``(task, row, seed)``
+        (:func:`~gpattn.comparison.table_rows.check_one_run_per_seed`).
+    """
+    check_one_run_per_seed(flat_rows(records), "table_text")
     seeds = len(config.seeds)
     runs = len(records)
     title = f"# gpattn compare: {runs} run{'' if runs == 1 else 's'}, {seeds} seed{'' if seeds == 1 else 's'}"
@@ -398,6 +421,12 @@ def table_text(records: list[RunRecord], config: CompareConfig) -> str:
     return f"{title}\n\n{settings}\n\n{headline}\n## Full tables\n\n{markdown_table(records, config.ece_bins)}"
 
 
+def _csv_value(value: Any) -> Any:
+    if isinstance(value, np.generic):
+        value = value.item()
+    return None if isinstance(value, float) and not math.isfinite(value) else value
+
+
 def write_outputs(records: list[RunRecord], config: CompareConfig, out: str | Path) -> list[Path]:
     """Write :data:`OUTPUT_FILES` into ``out`` (created if missing), each through a temporary file and an atomic
     rename: ``results.json`` (``config``, ``environment``: :func:`~gpattn.comparison.environment.run_environment`,
@@ -408,7 +437,11 @@ def write_outputs(records: list[RunRecord], config: CompareConfig, out: str | Pa
     figures are :func:`gpattn.plotting.write_comparison_figures`'s (``gpattn compare`` writes both).
 
     :return: The three paths.
+    :raises ValueError: More than one run of a ``(task, row, seed)``
+        (:func:`~gpattn.comparison.table_rows.check_one_run_per_seed`), before any file is written.
     """
+    rows = flat_rows(records)
+    check_one_run_per_seed(rows, "write_outputs")
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     written = [out / name for name in OUTPUT_FILES]
@@ -421,16 +454,12 @@ def write_outputs(records: list[RunRecord], config: CompareConfig, out: str | Pa
     if codes:
         content["codes"] = codes
     write_json_atomically(written[0], content)
-    rows = flat_rows(records)
     fieldnames = list(dict.fromkeys(key for row in rows for key in row))
     handle = io.StringIO()
     writer = csv.DictWriter(handle, fieldnames=fieldnames)
     writer.writeheader()
-    # an undefined value is an empty cell, as a missing one
-    writer.writerows(
-        {key: None if isinstance(value, float) and not math.isfinite(value) else value for key, value in row.items()}
-        for row in rows
-    )
+    # an undefined value is an empty cell, as a missing one; a NumPy scalar is written as the Python value it holds
+    writer.writerows({key: _csv_value(value) for key, value in row.items()} for row in rows)
     write_text_atomically(written[1], handle.getvalue())
     write_text_atomically(written[2], table_text(records, config))
     return written

@@ -280,11 +280,20 @@ def _temperature_caveat(records: list[RunRecord]) -> list[str]:
             groups.setdefault((record.task, record.attention), []).append(record)
     worse = []
     for (task, row), group in groups.items():
-        untempered = math.fsum(r.metrics.test.nll for r in group) / len(group)
-        tempered = math.fsum(r.temperature_scaled.metrics.test.nll for r in group) / len(group)
-        temperature = math.fsum(r.temperature_scaled.temperature for r in group) / len(group)
+        # the runs where both NLLs are finite (a NaN of a diverged run made every mean NaN and dropped the row)
+        paired = [r for r in group if math.isfinite(r.metrics.test.nll + r.temperature_scaled.metrics.test.nll)]
+        if not paired:
+            continue
+        untempered = math.fsum(r.metrics.test.nll for r in paired) / len(paired)
+        tempered = math.fsum(r.temperature_scaled.metrics.test.nll for r in paired) / len(paired)
+        temperature = math.fsum(r.temperature_scaled.temperature for r in paired) / len(paired)
+        fewer = (
+            f", over the {len(paired)} of {len(group)} runs with both NLLs finite" if len(paired) < len(group) else ""
+        )
         if tempered > 1.05 * untempered:
-            worse.append(f"{task} {row}+ts ({row}: {untempered:.3f}, +ts: {tempered:.3f}, mean T {temperature:.2f})")
+            worse.append(
+                f"{task} {row}+ts ({row}: {untempered:.3f}, +ts: {tempered:.3f}, mean T {temperature:.2f}{fewer})"
+            )
     if not worse:
         return []
     return [

@@ -9,10 +9,13 @@ apart).
 from __future__ import annotations
 
 import math
+import numbers
 import re
 import statistics
 from dataclasses import asdict
 from typing import Any
+
+import numpy as np
 
 from .records import RunRecord
 
@@ -21,6 +24,7 @@ __all__ = [
     "NOT_RECORDED",
     "POOLED",
     "TS_SUFFIX",
+    "check_one_run_per_seed",
     "ensemble_row",
     "flat_rows",
     "group_rows",
@@ -189,12 +193,39 @@ def group_rows(rows: list[dict[str, Any]]) -> dict[tuple[str, str], list[dict[st
     return groups
 
 
+def check_one_run_per_seed(rows: list[dict[str, Any]], where: str) -> None:
+    """Refuse flat rows (:func:`flat_rows`) that hold more than one run of a ``(task, row, seed)``: every table keys a
+    row's values by seed (:func:`seed_values`), so a repeated run would be counted in ``n`` and silently replaced by
+    the last one in the means. A repeated run's ``+ts`` variant is not named again. O(rows).
+
+    :param where: The caller, first in the message.
+    :raises ValueError: Naming each row, task and seed that is repeated.
+    """
+    runs: dict[tuple[str, str], dict[int, int]] = {}
+    for row in rows:
+        seeds = runs.setdefault((row["task"], row["attention"]), {})
+        seeds[row["seed"]] = seeds.get(row["seed"], 0) + 1
+    repeated = {key: sorted(seed for seed, count in seeds.items() if count > 1) for key, seeds in runs.items()}
+    named = [
+        f"row {name} on {task}, seed(s) {seeds}"
+        for (task, name), seeds in repeated.items()
+        if seeds and not (name.endswith(TS_SUFFIX) and repeated.get((task, name.removesuffix(TS_SUFFIX))) == seeds)
+    ]
+    if named:
+        raise ValueError(
+            f"{where}: more than one run of {'; '.join(named)}; expected one run per task, row and seed (merge run "
+            "folders with read_run_folders, which checks that repeated runs agree)"
+        )
+
+
 def _finite(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    # a NumPy scalar (a numpy.float32 metric of a record built in memory) is a number too, a bool is not
+    return isinstance(value, numbers.Real) and not isinstance(value, (bool, np.bool_)) and math.isfinite(value)
 
 
 def seed_values(group: list[dict[str, Any]], column: str) -> dict[int, float]:
-    """``{seed: value}`` of ``column`` over a group's rows, the seeds where it is a finite number."""
+    """``{seed: value}`` of ``column`` over a group's rows, the seeds where it is a finite number (a NumPy scalar
+    included), as a Python float."""
     return {row["seed"]: float(row[column]) for row in group if _finite(row.get(column))}
 
 

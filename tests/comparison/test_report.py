@@ -6,7 +6,9 @@ folder's outputs that ``--overwrite`` replaces."""
 
 from __future__ import annotations
 
+import csv
 import dataclasses
+import io
 import json
 import math
 import os
@@ -33,6 +35,7 @@ from gpattn.comparison.report import (
     TEMPERATURE_BOUNDS,
     format_difference,
     markdown_table,
+    paired_table,
     table_text,
     write_outputs,
 )
@@ -211,6 +214,94 @@ def test_a_row_name_with_a_bar_stays_one_cell(records) -> None:
     other = [dataclasses.replace(r, task="a|b") for r in records if r.task == "mnist1d" and r.seed < 2]
     headline = headline_text(other + records[:2], num_resamples=10)
     assert r"| a\|b | " in headline
+
+
+def test_every_main_table_cell_is_the_mean_and_std_of_its_records(records) -> None:
+    # recomputed from the records, not the flat rows: percent where the legend says so, the +ts rows from the scaled
+    def shifted(metrics, key):
+        return statistics.fmean(getattr(entry, key) for levels in metrics.shift.values() for entry in levels.values())
+
+    columns = {
+        "accuracy": (lambda m: m.test.accuracy, 100, 2), "NLL": (lambda m: m.test.nll, 1, 3),
+        "ECE": (lambda m: m.test.ece, 100, 2), "debiased CE": (lambda m: m.test.debiased_ce, 100, 2),
+        "conf − acc": (lambda m: m.test.confidence - m.test.accuracy, 100, 2),
+        "Brier": (lambda m: m.test.brier, 100, 2), "shift NLL": (lambda m: shifted(m, "nll"), 1, 3),
+        "shift Brier": (lambda m: shifted(m, "brier"), 100, 2), "shift ECE": (lambda m: shifted(m, "ece"), 100, 2),
+        "OOD AUROC": (lambda m: m.ood["pooled"].auroc_max_prob, 100, 2),
+    }  # fmt: skip
+    table = markdown_table(records)
+    for task in ("mnist1d", "digits"):
+        for row in ("kep_svgp", "softmax", "sgpa"):
+            group = [r for r in records if (r.task, r.attention) == (task, row)]
+            for scaled in (False, True):
+                cells = _cells(table, row + ("+ts" if scaled else ""), task)
+                assert cells["n"] == str(len(group))
+                for header, (value, scale, digits) in columns.items():
+                    values = [value(r.temperature_scaled.metrics if scaled else r.metrics) for r in group]
+                    mean, std = statistics.fmean(values) * scale, statistics.stdev(values) * scale
+                    assert cells[header] == f"{mean:.{digits}f} ± {std:.{digits}f}", (task, row, scaled, header)
+
+
+def test_repeated_runs_of_a_seed_are_refused_naming_the_row_task_and_seed(records, tmp_path) -> None:
+    # {seed: value} kept the last of two runs of one seed while n counted both: "softmax | 11 | ... (n=10)"
+    softmax = [r for r in records if (r.task, r.attention, r.seed) == ("mnist1d", "softmax", 0)]
+    other = dataclasses.replace(softmax[0], metrics=records[0].metrics)  # another run of the same seed
+    message = r"more than one run of row softmax on mnist1d, seed\(s\) \[0\]; expected one run per task, row"
+    config = CompareConfig(seeds=tuple(range(10)))
+    for repeated in (records + softmax, records + [other]):
+        for call, arguments in (
+            (markdown_table, (repeated,)),
+            (paired_table, (repeated, "mnist1d", True)),
+            (table_text, (repeated, config)),
+            (write_outputs, (repeated, config, tmp_path / "out")),
+        ):
+            with pytest.raises(ValueError, match=f"{call.__name__}: {message}") as error:
+                call(*arguments)
+            assert "softmax+ts" not in str(error.value)  # the run, once
+    assert not (tmp_path / "out").exists()  # refused before any file was written
+    reference = [r for r in records if (r.task, r.attention, r.seed) == ("mnist1d", "kep_svgp", 3)]
+    with pytest.raises(
+        ValueError, match=r"paired_table: more than one run of row kep_svgp on mnist1d, seed\(s\) \[3\]"
+    ):
+        paired_table(records + reference, "mnist1d", scaled=False)
+
+
+def test_numpy_scalars_in_records_are_numbers_in_the_tables_and_the_csv(records, tmp_path) -> None:
+    # a numpy.float32 metric of a record built in memory read as undefined: "n/a: undefined on every seed"
+    group = [r for r in records if (r.task, r.attention) == ("mnist1d", "kep_svgp") and r.seed < 3]
+
+    def numpy_metrics(record: RunRecord) -> RunRecord:
+        test = record.metrics.test
+        ece = np.float32("nan") if record.seed == 2 else np.float32(test.ece)
+        test = dataclasses.replace(test, accuracy=np.float32(test.accuracy), ece=ece, brier=np.int64(0))
+        scaled = dataclasses.replace(record.temperature_scaled, temperature=np.float32(1.5))
+        return dataclasses.replace(record, metrics=dataclasses.replace(record.metrics, test=test),
+                                   temperature_scaled=scaled)  # fmt: skip
+
+    changed = [numpy_metrics(r) for r in group]
+    cells = _cells(markdown_table(changed), "kep_svgp")
+    accuracy = [100 * float(np.float32(r.metrics.test.accuracy)) for r in group]
+    ece = [100 * float(np.float32(r.metrics.test.ece)) for r in group[:2]]
+    assert cells["accuracy"] == f"{statistics.fmean(accuracy):.2f} ± {statistics.stdev(accuracy):.2f}"
+    assert cells["ECE"] == f"{statistics.fmean(ece):.2f} ± {statistics.stdev(ece):.2f} (n=2)"
+    assert cells["Brier"] == "0.00 ± 0.00" and _cells(markdown_table(changed), "kep_svgp+ts")["T"] == "1.50 ± 0.00"
+    write_outputs(changed, CompareConfig(seeds=(0, 1, 2)), tmp_path)
+    lines = list(csv.DictReader(io.StringIO((tmp_path / "results.csv").read_text())))
+    assert [line["test_ece"] for line in lines if line["attention"] == "kep_svgp"][2] == ""  # undefined: empty
+    assert float(lines[0]["test_accuracy"]) == float(np.float32(group[0].metrics.test.accuracy))
+
+
+def test_the_training_means_say_on_how_many_runs_they_are(records) -> None:
+    # a run without its training summary (an older record) left the means over fewer runs than n, unsaid
+    group = [r for r in records if (r.task, r.attention) == ("mnist1d", "kep_svgp") and r.seed < 3]
+    first = dataclasses.replace(group[0].train, seconds=10.0, best_epoch=10, num_parameters=1200)
+    group = [dataclasses.replace(group[0], train=first), group[1], dataclasses.replace(group[2], train=None)]
+    cells = _table_cells(markdown_table(group), "Training:", "kep_svgp")
+    seconds, best = statistics.fmean([10.0, 2.0]), statistics.fmean([10, 30])
+    assert cells == ["kep_svgp", "3", "60", "n/a: not recorded", f"{best:.1f} (n=2)", "1000/1200",
+                     f"{seconds:.1f} (n=2)", "tuned"]  # fmt: skip
+    cells = _table_cells(markdown_table(group[:2]), "Training:", "kep_svgp")
+    assert cells[4] == f"{best:.1f}" and cells[6] == f"{seconds:.1f}"
 
 
 def test_temperature_at_its_bound_is_noted(records) -> None:
@@ -405,7 +496,17 @@ def test_results_json_records_the_environment(records, tmp_path) -> None:
     assert environment["threads"]["intra_op"] == torch.get_num_threads()
     assert "BLAS_INFO=" in environment["blas"] and "get_num_threads" in environment["parallel_info"]
     assert environment["gpattn"] and "git_commit" in environment
-    assert len(read_records(tmp_path / "results.json")) == len(records)
+    again = read_records(tmp_path / "results.json")
+    assert [r.to_dict() for r in again] == [r.to_dict() for r in records]  # every record back, in order
+    # results.csv: one line per flat row, in the same order, each cell under its own header
+    rows, lines = flat_rows(records), list(csv.DictReader(io.StringIO((tmp_path / "results.csv").read_text())))
+    assert [(r["task"], r["attention"], str(r["seed"])) for r in rows] == [
+        (line["task"], line["attention"], line["seed"]) for line in lines
+    ]
+    for row, line in zip(rows, lines, strict=True):  # an undefined value (NaN: softmax's MI AUROC) is an empty cell
+        numbers = {key: value for key, value in row.items() if isinstance(value, float)}
+        assert {key: float(line[key] or "nan") for key in numbers} == pytest.approx(numbers, nan_ok=True, rel=0, abs=0)
+        assert all(line[key] == "" for key, value in row.items() if value is None)
 
 
 def test_a_row_that_wraps_softmax_models_is_described_as_softmax() -> None:
@@ -457,6 +558,20 @@ def test_the_page_names_the_rows_whose_temperature_raised_the_test_nll(records, 
     )
     write_outputs(changed, CompareConfig(seeds=tuple(range(10))), tmp_path)
     assert line in results_page(read_run_folders([tmp_path]), [])
+    # a run with an undefined NLL (a diverged run) made every mean NaN and dropped the row: the others still count
+    diverged = [
+        dataclasses.replace(r, metrics=dataclasses.replace(r.metrics, test=dataclasses.replace(r.metrics.test,
+                                                                                               nll=math.nan)))
+        if (r.task, r.attention, r.seed) == ("digits", "sgpa", 0) else r
+        for r in changed
+    ]  # fmt: skip
+    (line,) = _temperature_caveat(diverged)
+    nlls = [r.metrics.test.nll for r in records if (r.task, r.attention) == ("digits", "sgpa") and r.seed > 0]
+    untempered = statistics.fmean(nlls)
+    assert (
+        f"digits sgpa+ts (sgpa: {untempered:.3f}, +ts: {1.06 * untempered:.3f}, mean T 0.50, over the 4 of 5 runs"
+        in line
+    )
 
 
 def test_the_page_names_the_code_of_runs_made_by_other_code(records, tmp_path) -> None:
