@@ -39,9 +39,13 @@ def stream_seed(seed: int, name: str) -> int:
 def random_stream(seed: int, name: str) -> Iterator[None]:
     """Inside the block, the global torch generators (CPU and, once CUDA is in use, every CUDA device) are seeded
     with :func:`stream_seed` ``(seed, name)``; afterwards they are restored, so that the caller's draws continue as
-    if the block had not run."""
+    if the block had not run. Before CUDA is in use only the CPU generator is seeded: ``torch.manual_seed`` would
+    queue the stream's seed for CUDA's first use, which would then start from it instead of the caller's seed."""
     value = stream_seed(seed, name)
     devices = list(range(torch.cuda.device_count())) if torch.cuda.is_initialized() else []
     with torch.random.fork_rng(devices=devices):
-        torch.manual_seed(value)
+        if devices:
+            torch.manual_seed(value)
+        else:
+            torch.default_generator.manual_seed(value)
         yield

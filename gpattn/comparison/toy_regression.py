@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import time
+from collections.abc import Callable
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 
 import gpytorch
 import pyro
@@ -186,13 +190,41 @@ def _kernel_summary(kernel: ShiftedRBFKernel, likelihood) -> dict[str, float]:
     }
 
 
+@contextmanager
+def _own_generator(seed: int):
+    """Inside the block, torch's global generators are seeded with ``seed``; afterwards they are restored (the
+    caller's draws continue as if the fit had not run). The CUDA generators are forked once CUDA is in use; before
+    that only the CPU generator is seeded (``torch.manual_seed`` would queue ``seed`` for CUDA's first use)."""
+    devices = list(range(torch.cuda.device_count())) if torch.cuda.is_initialized() else []
+    with torch.random.fork_rng(devices=devices):
+        if devices:
+            torch.manual_seed(seed)
+        else:
+            torch.default_generator.manual_seed(seed)
+        yield
+
+
+def _seeded_fit(fit: Callable[..., Any]) -> Callable[..., Any]:
+    """Run the fit ``fit(data, config, progress)`` on torch's generators seeded with ``config.seed`` and restored
+    afterwards (:func:`_own_generator`): its result depends on ``config.seed`` alone, and the global generators are
+    left as they were."""
+
+    @functools.wraps(fit)
+    def seeded(data: RegressionData, config: ToyRegressionConfig, progress: bool = True):
+        seed = config.seed if isinstance(config, ToyRegressionConfig) else 0  # a wrong config: the fit refuses it
+        with _own_generator(seed):
+            return fit(data, config, progress)
+
+    return seeded
+
+
+@_seeded_fit
 def fit_exact_gp(data: RegressionData, config: ToyRegressionConfig, progress: bool = True):
     """The reference: an :class:`gpytorch.models.ExactGP` with :class:`~gpattn.kernels.InducedKernel` (``"both"``)
     on the same landmarks, hyperparameters fit by the exact marginal likelihood (Adam). Returns model, likelihood.
     Data that are not 1-D, finite and non-empty (``train_x`` ``(N, 1)``, ``train_y`` ``(N,)``) are refused before the
     first step, as by the two KEP-SVGP fits."""
     _check_inputs(data, config, "fit_exact_gp")
-    torch.manual_seed(config.seed)
     kernel = InducedKernel(_kernel(config, data.train_x.dtype), _landmarks(config, data), side="both")
     likelihood = gpytorch.likelihoods.GaussianLikelihood().to(data.train_x.dtype)
     model = _InducedExactGP(data.train_x, data.train_y, likelihood, kernel).to(data.train_x.dtype)
@@ -216,7 +248,6 @@ def fit_exact_gp(data: RegressionData, config: ToyRegressionConfig, progress: bo
 
 
 def _pair_model(data: RegressionData, config: ToyRegressionConfig, variational_distribution: str, whiten: bool):
-    torch.manual_seed(config.seed)
     model = KernelEigenPairSVGP(
         _landmarks(config, data),
         _kernel(config, data.train_x.dtype),
@@ -228,6 +259,7 @@ def _pair_model(data: RegressionData, config: ToyRegressionConfig, variational_d
     return model, gpytorch.likelihoods.GaussianLikelihood().to(data.train_x.dtype)
 
 
+@_seeded_fit
 def fit_pair_svgp(data: RegressionData, config: ToyRegressionConfig, progress: bool = True):
     r"""KEP-SVGP with :class:`gpytorch.mlls.VariationalELBO`: natural-gradient steps on :math:`q(u)`
     (:class:`gpytorch.optim.NGD`) and Adam on the kernel and noise, the usual GPyTorch recipe for SVGP
@@ -267,6 +299,7 @@ def fit_pair_svgp(data: RegressionData, config: ToyRegressionConfig, progress: b
     return model, likelihood
 
 
+@_seeded_fit
 def fit_pair_svgp_pyro(data: RegressionData, config: ToyRegressionConfig, progress: bool = True):
     r"""KEP-SVGP trained by Pyro SVI through :meth:`~gpattn.models.KernelEigenPairSVGP.pyro_model` and
     :meth:`~gpattn.models.KernelEigenPairSVGP.pyro_guide`: Gaussian likelihood, ``TraceMeanField_ELBO`` (analytic

@@ -53,6 +53,12 @@ def seeded_global_rngs(seed: int) -> Iterator[None]:
     """Seed NumPy's and ``random``'s global generators (which ``mnist1d`` draws from) and restore them afterwards; one
     thread at a time (other code that draws from the global generators meanwhile still changes the draws)."""
     with _GLOBAL_RNG_LOCK:
+        # mnist1d's sequences are those of NumPy's default MT19937: a user's np.random.set_bit_generator(PCG64(...))
+        # would give other sequences for the same seed (and the disk cache would keep them under the same key)
+        bit_generator = np.random.get_bit_generator()
+        own = not isinstance(bit_generator, np.random.MT19937)
+        if own:
+            np.random.set_bit_generator(np.random.MT19937())
         numpy_state, python_state = np.random.get_state(), random.getstate()
         np.random.seed(seed)
         random.seed(seed)
@@ -61,6 +67,8 @@ def seeded_global_rngs(seed: int) -> Iterator[None]:
         finally:
             np.random.set_state(numpy_state)
             random.setstate(python_state)
+            if own:
+                np.random.set_bit_generator(bit_generator)
 
 
 def dataset_args(**overrides: Any) -> Any:
