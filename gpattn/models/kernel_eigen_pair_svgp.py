@@ -325,11 +325,11 @@ class KernelEigenPairSVGP(ApproximateGP):
             pyro.sample(f"{name_prefix}.u", p_u.to_event(len(p_u.batch_shape)))
         log_prior = sum(
             (prior.log_prob(closure(module)).sum() for _, module, prior, closure, _ in self.named_priors()),
-            torch.zeros(()),
+            input.new_zeros(()),
         )
         pyro.factor(f"{name_prefix}.log_prior", log_prior)
         # a penalty lowers the log joint (GPyTorch's own mixin adds it with the opposite sign)
         num_data = input.shape[-2] if num_data is None else check_int("num_data", num_data, where=type(self).__name__)
-        added_loss = sum((term.loss() for term in self.added_loss_terms()), torch.zeros(()))
+        added_loss = sum((term.loss() for term in self.added_loss_terms()), input.new_zeros(()))
         pyro.factor(f"{name_prefix}.added_loss", -num_data * added_loss)
         return self._masked_function_dist(self(input, prior=True))

@@ -176,7 +176,10 @@ class TemperatureScaling(Module):
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"TemperatureScaling: expected model to be a torch.nn.Module, got {type(model).__name__}")
         self.model = model
-        reference = next(model.parameters(), torch.zeros(()))
+        # the model's dtype and device: its first floating parameter, else its first floating buffer (a model of stored
+        # logits), else float64 (a float32 model's logits divided by a 0-dim float64 temperature stay float32)
+        tensors = (tensor for tensor in (*model.parameters(), *model.buffers()) if tensor.is_floating_point())
+        reference = next(tensors, torch.zeros((), dtype=torch.float64))
         self.register_parameter(
             "raw_temperature",
             torch.nn.Parameter(torch.zeros((), dtype=reference.dtype, device=reference.device)),

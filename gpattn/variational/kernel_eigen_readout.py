@@ -352,7 +352,8 @@ class KernelEigenReadout:
         factor = distribution.chol_variational_covar  # (H, d_out, Q, s, s)
         selections = _triangle_selections(factor.shape[-1], interps.dtype, interps.device)
         autocast = autocast_state(interps.device.type)  # the draw in the dtype of the variances under autocast
-        dtype = interps.dtype if autocast is None else autocast[1]
+        # (autocast casts float32 only: a float64 layer keeps float64 variances and draws)
+        dtype = interps.dtype if autocast is None or interps.dtype == torch.float64 else autocast[1]
         batch, heads, length = interps.shape[1:4]
         noise = _normal_draws((batch, heads, factor.shape[1], length), dtype, interps.device)
         return _marginal_noise_output(interps, factor, extra, noise, maps, *selections)
