@@ -17,7 +17,7 @@ import torch
 
 from ..validation import check_int
 
-__all__ = ["random_stream", "stream_seed"]
+__all__ = ["random_stream", "seeded_generators", "stream_seed"]
 
 
 def stream_seed(seed: int, name: str) -> int:
@@ -39,13 +39,21 @@ def stream_seed(seed: int, name: str) -> int:
 def random_stream(seed: int, name: str) -> Iterator[None]:
     """Inside the block, the global torch generators (CPU and, once CUDA is in use, every CUDA device) are seeded
     with :func:`stream_seed` ``(seed, name)``; afterwards they are restored, so that the caller's draws continue as
-    if the block had not run. Before CUDA is in use only the CPU generator is seeded: ``torch.manual_seed`` would
-    queue the stream's seed for CUDA's first use, which would then start from it instead of the caller's seed."""
-    value = stream_seed(seed, name)
+    if the block had not run (:func:`seeded_generators`)."""
+    with seeded_generators(stream_seed(seed, name)):
+        yield
+
+
+@contextmanager
+def seeded_generators(seed: int) -> Iterator[None]:
+    """Inside the block, torch's global generators are seeded with ``seed``; afterwards they are restored. The CUDA
+    generators are forked and seeded once CUDA is in use; before that only the CPU generator is seeded
+    (``torch.manual_seed`` would queue ``seed`` for CUDA's first use, which would then start from it instead of the
+    caller's seed)."""
     devices = list(range(torch.cuda.device_count())) if torch.cuda.is_initialized() else []
     with torch.random.fork_rng(devices=devices):
         if devices:
-            torch.manual_seed(value)
+            torch.manual_seed(seed)
         else:
-            torch.default_generator.manual_seed(value)
+            torch.default_generator.manual_seed(seed)
         yield

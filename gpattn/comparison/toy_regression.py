@@ -7,7 +7,6 @@ import json
 import math
 import time
 from collections.abc import Callable
-from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -24,6 +23,7 @@ from ..models import KernelEigenPairSVGP
 from ..training import TrainingDivergedError
 from ..validation import InputTypeError, check_float, check_int, check_seed, check_tensor, non_finite_parameters
 from .records import write_text_atomically
+from .streams import seeded_generators
 
 
 @dataclass
@@ -190,29 +190,15 @@ def _kernel_summary(kernel: ShiftedRBFKernel, likelihood) -> dict[str, float]:
     }
 
 
-@contextmanager
-def _own_generator(seed: int):
-    """Inside the block, torch's global generators are seeded with ``seed``; afterwards they are restored (the
-    caller's draws continue as if the fit had not run). The CUDA generators are forked once CUDA is in use; before
-    that only the CPU generator is seeded (``torch.manual_seed`` would queue ``seed`` for CUDA's first use)."""
-    devices = list(range(torch.cuda.device_count())) if torch.cuda.is_initialized() else []
-    with torch.random.fork_rng(devices=devices):
-        if devices:
-            torch.manual_seed(seed)
-        else:
-            torch.default_generator.manual_seed(seed)
-        yield
-
-
 def _seeded_fit(fit: Callable[..., Any]) -> Callable[..., Any]:
     """Run the fit ``fit(data, config, progress)`` on torch's generators seeded with ``config.seed`` and restored
-    afterwards (:func:`_own_generator`): its result depends on ``config.seed`` alone, and the global generators are
-    left as they were."""
+    afterwards (:func:`~gpattn.comparison.streams.seeded_generators`): its result depends on ``config.seed`` alone,
+    and the global generators are left as they were."""
 
     @functools.wraps(fit)
     def seeded(data: RegressionData, config: ToyRegressionConfig, progress: bool = True):
         seed = config.seed if isinstance(config, ToyRegressionConfig) else 0  # a wrong config: the fit refuses it
-        with _own_generator(seed):
+        with seeded_generators(seed):
             return fit(data, config, progress)
 
     return seeded
