@@ -19,6 +19,18 @@ from ._base import AttentionInputs, AttentionLayer
 GROWTH = "the GP inputs grow like |x| and the squared distances of its RBF kernel like |x|^2"
 
 
+class _VariationalStrategy(VariationalStrategy):
+    """GPyTorch's :class:`~gpytorch.variational.VariationalStrategy`, loadable from a state dict that holds none of its
+    keys (e.g. a softmax layer's, ``strict=False`` when warm-starting): GPyTorch's load pre-hook reads the first key
+    of the strategy's share of the state dict and raised ``IndexError`` on an empty one, before torch could name the
+    missing keys."""
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        if not any(key.startswith(prefix) for key in state_dict):  # the flag GPyTorch's hook looks for, nothing else
+            state_dict = {**state_dict, prefix + "updated_strategy": torch.tensor(True)}
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+
+
 class _HeadwiseSVGP(ApproximateGP):
     """``H x p`` independent whitened SVGPs: batch shape ``(H, p)`` for :math:`q(u)`; per head one set of ``M``
     inducing points ``(H, 1, M, p)`` and one ``ScaleKernel(RBFKernel(ard_num_dims=p))`` shared by the ``p`` outputs."""
@@ -28,7 +40,7 @@ class _HeadwiseSVGP(ApproximateGP):
             num_inducing, batch_shape=torch.Size([num_heads, head_dim])
         )
         inducing_points = torch.randn(num_heads, 1, num_inducing, head_dim)
-        strategy = VariationalStrategy(self, inducing_points, variational_distribution, learn_inducing_locations=True)
+        strategy = _VariationalStrategy(self, inducing_points, variational_distribution, learn_inducing_locations=True)
         super().__init__(strategy)
         kernel_batch = torch.Size([num_heads, 1])
         self.mean_module = ZeroMean()

@@ -98,6 +98,7 @@ class KernelEigenFeatures(GraphFreeState, KernelEigenFeaturesBase):
         width = kernel.input_dim if isinstance(kernel, AsymmetricKernel) else "d"
         self._register_landmarks("landmarks", landmarks, learn_landmarks, width)
         # one landmark set by default: the key landmarks are the very same tensor
+        self._shared_key_landmarks = key_landmarks is None
         key_landmarks = self.landmarks if key_landmarks is None else key_landmarks
         self._register_landmarks("key_landmarks", key_landmarks, learn_landmarks, width)
         num_landmarks = min(self.landmarks.shape[-2], self.key_landmarks.shape[-2])
@@ -173,7 +174,27 @@ class KernelEigenFeatures(GraphFreeState, KernelEigenFeaturesBase):
     def _apply(self, fn, *args, **kwargs):
         # the eval-mode memo of the KSVD holds the old dtype and device: .double() or .to(device) must not reuse it
         self._clear_cache()
-        return super()._apply(fn, *args, **kwargs)
+        result = super()._apply(fn, *args, **kwargs)
+        self._tie_key_landmarks()  # torch converts each registered buffer on its own
+        return result
+
+    def _load_from_state_dict(self, *args, **kwargs):
+        super()._load_from_state_dict(*args, **kwargs)
+        self._tie_key_landmarks()  # load_state_dict(assign=True) assigns the two names separately
+
+    def _tie_key_landmarks(self) -> None:
+        """The default key landmarks are the landmarks themselves, one tensor under two names: after a conversion or
+        an assigning load, which handle the two names one by one, they are tied again (else an optimiser step or an
+        in-place edit would move the landmarks and leave the key landmarks behind)."""
+        if not getattr(self, "_shared_key_landmarks", False):
+            return
+        landmarks = self.landmarks
+        if isinstance(landmarks, torch.nn.Parameter):
+            self._buffers.pop("key_landmarks", None)
+            self._parameters["key_landmarks"] = landmarks
+        else:
+            self._parameters.pop("key_landmarks", None)
+            self._buffers["key_landmarks"] = landmarks
 
     def _exact_svd(self) -> KernelSVD:
         return kernel_svd(self.kernel(self.landmarks, self.key_landmarks), self.num_inducing, method=self.svd_method)
