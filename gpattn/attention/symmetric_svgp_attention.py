@@ -26,8 +26,8 @@ class _VariationalStrategy(VariationalStrategy):
     missing keys."""
 
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
-        if not any(key.startswith(prefix) for key in state_dict):  # the flag GPyTorch's hook looks for, nothing else
-            state_dict = {**state_dict, prefix + "updated_strategy": torch.tensor(True)}
+        if not any(key.startswith(prefix) for key in state_dict):  # the flag GPyTorch's hook looks for, as it is now
+            state_dict = {**state_dict, prefix + "updated_strategy": self.updated_strategy.detach().clone()}
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
 

@@ -57,7 +57,8 @@ def seeded_global_rngs(seed: int) -> Iterator[None]:
         # would give other sequences for the same seed (and the disk cache would keep them under the same key)
         bit_generator = np.random.get_bit_generator()
         own = not isinstance(bit_generator, np.random.MT19937)
-        if own:
+        if own:  # its whole state (a cached Gaussian too) comes back after
+            user_state = np.random.get_state(legacy=False)
             np.random.set_bit_generator(np.random.MT19937())
         numpy_state, python_state = np.random.get_state(), random.getstate()
         np.random.seed(seed)
@@ -69,6 +70,7 @@ def seeded_global_rngs(seed: int) -> Iterator[None]:
             random.setstate(python_state)
             if own:
                 np.random.set_bit_generator(bit_generator)
+                np.random.set_state(user_state)
 
 
 def dataset_args(**overrides: Any) -> Any:

@@ -188,7 +188,10 @@ class KernelEigenFeatures(GraphFreeState, KernelEigenFeaturesBase):
         in-place edit would move the landmarks and leave the key landmarks behind)."""
         if not getattr(self, "_shared_key_landmarks", False):
             return
-        landmarks = self.landmarks
+        # the registered tensor (a parametrized module's landmarks attribute is computed: nothing to tie then)
+        landmarks = self._parameters.get("landmarks", self._buffers.get("landmarks"))
+        if landmarks is None:
+            return
         if isinstance(landmarks, torch.nn.Parameter):
             self._buffers.pop("key_landmarks", None)
             self._parameters["key_landmarks"] = landmarks

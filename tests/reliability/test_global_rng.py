@@ -283,6 +283,19 @@ def test_toy_regression_leaves_the_global_torch_generator_alone(name: str) -> No
     assert _changed(before, _states()) == []
 
 
+def test_a_users_other_bit_generator_gets_its_whole_state_back() -> None:
+    """Swapping NumPy's global bit generator for MT19937 and back cleared the user's cached Gaussian: the next
+    ``standard_normal()`` differed from the one without the generation in between."""
+    np.random.set_bit_generator(np.random.PCG64(0))
+    np.random.standard_normal()  # a pair drawn: one cached
+    state = np.random.get_state(legacy=False)
+    expected = np.random.standard_normal()
+    np.random.set_state(state)
+    make_mnist1d_signals([1, 2], seed=3, cache=False)
+    assert isinstance(np.random.get_bit_generator(), np.random.PCG64)
+    assert np.random.standard_normal() == expected
+
+
 def test_mnist1d_sequences_do_not_depend_on_the_global_bit_generator() -> None:
     reference = make_mnist1d_signals([0, 3, 7], seed=2)  # the standardisation is computed (and cached) first
     np.random.set_bit_generator(np.random.PCG64(5))

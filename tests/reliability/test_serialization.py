@@ -528,3 +528,30 @@ def test_fitted_laplace_follows_a_dtype_change(laplace_problem):
     fitted.to(torch.float32)
     mean, covariance = fitted.predictive_moments(laplace_problem[0][:5])
     assert mean.dtype == covariance.dtype == torch.float32
+
+
+def test_parametrized_landmarks_are_left_to_their_parametrization():
+    """With ``landmarks`` parametrized (torch.nn.utils.parametrize), the attribute is a computed tensor: the re-tie
+    after a conversion stored it as the key landmarks (a non-leaf buffer: deepcopy then failed, and the key landmarks
+    froze)."""
+
+    class Doubled(torch.nn.Module):
+        def forward(self, value: Tensor) -> Tensor:
+            return 2 * value
+
+    features = _landmark_features(0)
+    key_landmarks = features.key_landmarks
+    torch.nn.utils.parametrize.register_parametrization(features, "landmarks", Doubled())
+    features.double()
+    assert isinstance(features.key_landmarks, torch.nn.Parameter) and features.key_landmarks is key_landmarks
+    copy.deepcopy(features)
+
+
+def test_a_load_without_the_strategy_keys_keeps_the_strategy_flag():
+    """The flag injected for GPyTorch's hook is the strategy's own: a pending old-version conversion (flag False)
+    stayed pending, and the flag keeps its device."""
+    layer = _layer("svgp")()
+    strategy = next(module for module in layer.modules() if hasattr(module, "updated_strategy"))
+    strategy.updated_strategy.fill_(False)
+    layer.load_state_dict({}, strict=False)
+    assert not strategy.updated_strategy.item()
