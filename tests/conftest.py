@@ -45,11 +45,11 @@ def pytest_unconfigure(config: pytest.Config) -> None:
 
 #: The files that take longest (tens of seconds each on 2 cores), started first: pytest-xdist hands out whole files
 #: (``--dist loadfile``) in collection order, so one of them collected last kept one worker busy while the other idled.
+#: The CLI files stay where they are: their Ctrl-C tests, run at the start beside two of these, once printed a
+#: traceback from the interpreter's exit (a race not yet understood).
 LONGEST_FILES = (
     "models/test_toy_training.py",
     "reliability/test_soak.py",
-    "test_cli.py",
-    "test_cli_tune.py",
     "notebooks/test_notebooks.py",
     "benchmarks/test_gpu_check.py",
     "benchmarks/test_gpu_grid.py",
