@@ -186,9 +186,15 @@ class LocalExecutor:
             return
         # Ctrl-C or a failed call: stop the calls in flight, start no other
         processes = list((getattr(pool, "_processes", None) or {}).values())
+        # shutdown(wait=False) forgets the pool's manager thread without joining it, and the second shutdown then
+        # cannot join it either: left running, it closed its wake-up pipe while concurrent.futures' exit handler
+        # wrote to it (an OSError traceback at the interpreter's exit after Ctrl-C)
+        manager = getattr(pool, "_executor_manager_thread", None)
         pool.shutdown(wait=False, cancel_futures=True)
         for process in processes:
             process.terminate()
         for process in processes:
             process.join(timeout=10)
+        if manager is not None:
+            manager.join(timeout=10)  # it sees the stopped workers, marks the pool broken and ends
         pool.shutdown(wait=True)  # the pool, broken now, releases its queues (no leaked semaphore)

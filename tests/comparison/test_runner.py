@@ -429,3 +429,32 @@ def test_a_run_finished_in_a_worker_before_ctrl_c_is_kept(tmp_path) -> None:
     assert (interrupted.value.finished, interrupted.value.total) == (1, 2)
     assert [path.stem for path in (tmp_path / "runs").glob("*.json")] == ["pointer-softmax-0"]
     assert LocalExecutor().finished_results() == []  # nothing submitted, nothing finished
+
+
+def _sleep(seconds: float) -> float:
+    import time
+
+    time.sleep(seconds)
+    return seconds
+
+
+def test_a_stopped_pool_leaves_no_thread_running() -> None:
+    """After Ctrl-C (here a raised KeyboardInterrupt) the pool's manager thread has ended when the executor's block
+    has: left running, it closed its wake-up pipe while concurrent.futures' exit handler wrote to it, an OSError
+    traceback at the interpreter's exit in about one Ctrl-C out of seven."""
+    import concurrent.futures.process
+    import threading
+
+    from gpattn.comparison.local_executor import LocalExecutor
+
+    with pytest.raises(KeyboardInterrupt), LocalExecutor(jobs=2) as executor:
+        for seconds in (30.0, 30.0, 30.0):
+            executor.submit(seconds, _sleep, seconds)
+        executor._start_pool()
+        (pool_manager,) = [
+            thread
+            for thread in threading.enumerate()
+            if isinstance(thread, concurrent.futures.process._ExecutorManagerThread)
+        ]
+        raise KeyboardInterrupt
+    assert not pool_manager.is_alive()
