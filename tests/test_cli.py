@@ -414,10 +414,18 @@ def test_gpattn_warnings_print_as_one_line_of_the_command(tmp_path) -> None:
 
 
 def test_version() -> None:
+    """``gpattn --version`` prints the version, and the command line's start imports neither scipy.stats nor
+    matplotlib (about a second each; the statistics and the figures import them when they run): every command, and
+    every worker process of ``--jobs``, pays for what the CLI imports."""
     from gpattn import __version__
 
-    completed = subprocess.run([sys.executable, "-m", "gpattn.cli", "--version"], capture_output=True, text=True)
+    argv = [sys.executable, "-X", "importtime", "-m", "gpattn.cli", "--version"]
+    completed = subprocess.run(argv, capture_output=True, text=True)
     assert completed.returncode == 0 and completed.stdout == f"gpattn {__version__}\n"
+    imported = {line.rsplit("|", 1)[-1].strip() for line in completed.stderr.splitlines() if "|" in line}
+    assert {"torch", "gpytorch", "gpattn.cli"} <= imported  # the trace is read
+    heavy = sorted(name for name in imported if name.split(".")[0] == "matplotlib" or name.startswith("scipy.stats"))
+    assert not heavy, heavy
 
 
 def test_train_prints_one_line_per_epoch(tmp_path, capsys) -> None:

@@ -40,7 +40,6 @@ from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
-from scipy import stats
 
 from ..validation import InputTypeError, check_choice, check_float, check_int
 
@@ -225,6 +224,8 @@ def paired_difference(
     mean = scale * float(differences.mean())
     alpha = 1.0 - confidence
     if method == "t":
+        from scipy import stats  # here: scipy.stats takes about a second to import, and every command imports this
+
         # the scale last: a half-width of huge differences can be finite where scale * t alone is not
         half_width = scale * (stats.t.ppf(1.0 - alpha / 2, n - 1) * differences.std(ddof=1) / math.sqrt(n))
         low, high = mean - half_width, mean + half_width
@@ -278,6 +279,8 @@ def paired_p_value(reference: SeedValues, other: SeedValues) -> float:
         return 1.0
     if np.ptp(differences) <= 1e-12 * np.abs(differences).max():  # no spread beyond rounding: t is infinite
         return 0.0
+    from scipy import stats
+
     return float(stats.ttest_1samp(differences, 0.0).pvalue)  # ttest_rel(left, right) is this test
 
 
