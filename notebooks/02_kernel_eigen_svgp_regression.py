@@ -263,15 +263,15 @@ plt.show()
 # Four singular functions per branch cannot follow a function with a dozen bumps, and the two variants fail in
 # different ways. Without the residual, shrinking the lengthscale costs nothing, so the fit does exactly that:
 # the score functions $e_i(x) = \kappa(x, Z) H_r[:, i]$ become sums of narrow bumps on the landmarks (the learned
-# lengthscale is 0.08, about a third of the landmark spacing) and the mean oscillates at the landmark spacing,
-# with a latent std that oscillates with it between about 0.05 and 0.17 (test RMSE 0.42, NLPD 0.57, noise std
-# 0.49). With the residual, a short lengthscale would leave most prior variance $k(x, x) - \|e(x)\|^2$
+# lengthscale is 0.09, about a third of the landmark spacing) and the mean oscillates at the landmark spacing,
+# with a latent std that oscillates with it between about 0.05 and 0.15 (test RMSE 0.415, NLPD 0.55, noise std
+# 0.45). With the residual, a short lengthscale would leave most prior variance $k(x, x) - \|e(x)\|^2$
 # unexplained and inflate the predictive variance everywhere, so the fit keeps a smooth, low-frequency mean
 # (lengthscale 0.47) and a wide band whose latent std is 0.16 to 0.20 everywhere, the gap included (RMSE 0.56,
 # NLPD 0.87, noise std 0.44). The exact GP's latent std is about 0.03 outside the gap (up to 0.06 at the ends)
 # and rises to 0.16 inside it. The residual acts as a regulariser on the kernel hyperparameters, not only as extra
 # variance, but here the regularised fit is the worse of the two on the test set: the narrow bumps of the fit
-# without it follow the data better (RMSE 0.42 against 0.56, NLPD 0.57 against 0.87). Both are far from the
+# without it follow the data better (RMSE 0.415 against 0.563, NLPD 0.55 against 0.87). Both are far from the
 # exact GP (RMSE 0.12): $s = 4$ is simply too small here.
 #
 # ## 4. Rank sweep
@@ -304,7 +304,7 @@ for axis, key, label in zip(axes, ("rmse", "nlpd"), ("test RMSE", "test NLPD (na
 plt.show()
 
 # %% [markdown]
-# Below $s = 8$ both variants fail (RMSE 0.42 to 0.73 against 0.12); from $s = 8$ on their RMSE is within 20% of
+# Below $s = 8$ both variants fail (RMSE 0.45 to 0.76 against 0.12); from $s = 8$ on their RMSE is within 20% of
 # the exact GP's (0.135 and 0.144 at $s = 8$), and from $s = 12$ on within 6% (0.125 to 0.127; NLPD -0.63 to
 # -0.68 at $s = 12$ and 16, against -0.71). The top singular functions carry almost all of the kernel: notebook
 # 01 found 7-8 singular values for 99% of $\|K\|_F^2$ at a similar lengthscale. At full rank ($s = 24$) the
@@ -315,9 +315,10 @@ plt.show()
 # 0.17). (A check outside the notebook: the $s = 24$ fit ends on noise std 0.18 after 300 steps, and on 0.12
 # with NLPD -0.71, the exact GP's, after 500.)
 # Where the truncation matters the residual does not help uniformly: it gives the better NLPD at $s = 1, 2, 8$
-# and 12 ($s = 8$: -0.60 against -0.46), but the worse one at $s = 4$ (0.87 against 0.57), for the reason
-# section 3 showed. At $s = 4$ both variants land where the 500 steps of section 3 put them (RMSE/NLPD
-# 0.564/0.87 with the residual, 0.415/0.57 without, against 0.563/0.87 and 0.418/0.57).
+# and 12 ($s = 8$: -0.60 against -0.46), but the worse one at $s = 4$ (0.87 against 0.62), for the reason
+# section 3 showed. At $s = 4$ the variant with the residual lands where the 500 steps of section 3 put it
+# (RMSE/NLPD 0.564/0.87 against 0.563/0.87); the one without is still moving after these 300 steps (0.449/0.62,
+# against 0.415/0.55 after 500).
 #
 # ## 5. Whitened against unwhitened $q(u)$
 #

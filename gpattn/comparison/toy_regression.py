@@ -21,7 +21,15 @@ from ..data import RegressionData, make_asymmetric_regression_1d
 from ..kernels import InducedKernel, ShiftedRBFKernel
 from ..models import KernelEigenPairSVGP
 from ..training import TrainingDivergedError
-from ..validation import InputTypeError, check_float, check_int, check_seed, check_tensor, non_finite_parameters
+from ..validation import (
+    InputTypeError,
+    check_float,
+    check_int,
+    check_seed,
+    check_tensor,
+    initialize_positive,
+    non_finite_parameters,
+)
 from .records import write_text_atomically
 from .streams import seeded_generators
 
@@ -144,7 +152,10 @@ def _landmarks(config: ToyRegressionConfig, data: RegressionData) -> Tensor:
 
 
 def _kernel(config: ToyRegressionConfig, dtype: torch.dtype) -> ShiftedRBFKernel:
-    kernel = ShiftedRBFKernel(1, lengthscale=config.initial_lengthscale).to(dtype)
+    # the initial values set in the data's dtype: given to the constructor, the lengthscale went through the default
+    # dtype (float32) before the cast, and a float64 fit started from 0.49999999887916996 for 0.5
+    kernel = ShiftedRBFKernel(1).to(dtype)
+    initialize_positive(kernel, "raw_lengthscale", "lengthscale", config.initial_lengthscale, "ToyRegressionConfig")
     with torch.no_grad():
         kernel.shift.fill_(config.initial_shift)
     return kernel

@@ -287,15 +287,6 @@ def test_temperature_of_a_parameterless_double_model_is_not_rounded_to_float32()
 
 
 # -- the toy regression comparison ---------------------------------------------------------------------------------
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "gpattn/comparison/toy_regression.py:143 (_kernel) builds ShiftedRBFKernel(1, lengthscale=...) in the default "
-        "dtype and then casts it with .to(dtype): the float64 toy regression (its default data dtype) starts from "
-        "the float32 round trip of the initial lengthscale, 0.49999999887916996 instead of 0.5 (the shift is "
-        "refilled after the cast and is exact)"
-    ),
-)
 @pytest.mark.usefixtures("float32_default")
 def test_float64_toy_regression_kernel_starts_at_the_configured_lengthscale():
     config = ToyRegressionConfig()
