@@ -249,3 +249,55 @@ def test_labels_of_any_integer_dtype_and_a_numpy_batch_size_fit_the_same_posteri
     for wrong in (labels.bool(), labels.to(torch.complex64)):
         with pytest.raises(TypeError, match=r"fit: expected integer labels of shape \(120,\)"):
             LastLayerLaplace(model).fit(inputs, wrong)
+
+
+def test_the_laplace_torch_object_is_rebuilt_from_the_fit_and_leaves_it_alone(problem, fitted):
+    _, _, _, test = problem
+    laplace = fitted.laplace
+    # at the MAP weights, with the fit's posterior: its functional variance is the module's predictive covariance
+    head = laplace.model.last_layer
+    assert torch.equal(head.weight, fitted.model.head.weight) and torch.equal(head.bias, fitted.model.head.bias)
+    state = fitted.get_extra_state()
+    assert torch.equal(laplace.mean, state["mean"]) and torch.equal(laplace.prior_precision, state["prior_precision"])
+    features = fitted.features(test)
+    identity = torch.eye(NUM_CLASSES, dtype=torch.float64)
+    jacobians = torch.cat(
+        [torch.einsum("bd,ij->bijd", features, identity).flatten(2), identity.expand(len(test), -1, -1)], dim=-1
+    )
+    mean, covariance = fitted.predictive_moments(test)
+    torch.testing.assert_close(laplace.functional_variance(jacobians), covariance, rtol=1e-12, atol=1e-14)
+    laplace.prior_precision = 100.0  # a change of the rebuilt object is its own
+    assert torch.equal(fitted.laplace.prior_precision, state["prior_precision"])
+    again = fitted.predictive_moments(test)
+    assert torch.equal(again[0], mean) and torch.equal(again[1], covariance)
+
+
+def test_a_last_layer_without_bias_has_the_dense_predictive(problem):
+    model, inputs, labels, test = problem
+    model = copy.deepcopy(model)
+    model.head = torch.nn.Linear(8, NUM_CLASSES, bias=False, dtype=torch.float64)
+    laplace = LastLayerLaplace(model).fit(inputs, labels, batch_size=32)
+    assert laplace.get_extra_state()["mean"].shape == (8 * NUM_CLASSES,)
+    features = laplace.features(test)
+    jacobian = torch.stack([torch.kron(torch.eye(NUM_CLASSES, dtype=torch.float64), phi[None, :]) for phi in features])
+    covariance = torch.linalg.inv(laplace.laplace.posterior_precision.to_matrix())
+    mean, predictive = laplace.predictive_moments(test)
+    torch.testing.assert_close(predictive, jacobian @ covariance @ jacobian.transpose(1, 2), rtol=1e-9, atol=1e-12)
+    with torch.no_grad():
+        torch.testing.assert_close(mean, model(test), rtol=1e-12, atol=1e-12)
+
+
+def test_an_extra_state_that_is_not_a_fit_of_this_last_layer_is_refused(fitted):
+    state = fitted.get_extra_state()
+    unfitted = LastLayerLaplace(_model())
+    with pytest.raises(ValueError, match=r"expected an extra state with a boolean 'fitted' entry, got list"):
+        unfitted.set_extra_state([state])
+    with pytest.raises(
+        ValueError, match=r"the extra state of a fit lacks the entries \['eigenvalues', 'eigenvectors'\]"
+    ):
+        unfitted.set_extra_state({key: value for key, value in state.items() if not key.startswith("eigen")})
+    with pytest.raises(
+        ValueError, match=r"expected the fitted mean of the last layer 'head' to have shape \(27,\), got"
+    ):
+        unfitted.set_extra_state({**state, "mean": state["mean"][:-1]})
+    assert unfitted.laplace is None  # each refusal left it unfitted
