@@ -33,12 +33,21 @@ def add_regression(commands) -> None:
         "--landmarks", type=positive_int, default=24, help="number of fixed landmarks M (default: %(default)s)"
     )
     regression.add_argument(
-        "--iterations", type=positive_int, default=500, help="optimisation steps per fit (default: %(default)s)"
+        "--iterations",
+        type=positive_int,
+        default=500,
+        help="optimisation steps of the exact GP fit and of the VariationalELBO fit (default: %(default)s)",
     )
     regression.add_argument(
         "--pyro-iterations", type=positive_int, default=1500, help="Pyro SVI steps (default: %(default)s)"
     )
-    regression.add_argument("--lr", type=positive_float, default=0.05, help="Adam learning rate (default: %(default)s)")
+    regression.add_argument(
+        "--lr",
+        type=positive_float,
+        default=0.05,
+        help="Adam learning rate of the exact GP and of the VariationalELBO fit's hyperparameters; not of the Pyro "
+        "SVI fit (default: %(default)s)",
+    )
     regression.add_argument("--no-progress", action="store_true", help="hide the progress bars")
     # the three fits run one after the other: no runs in parallel, which the shared help speaks of
     threads = "torch threads of the fits (default: %(default)s; the numbers depend on the thread count)"
