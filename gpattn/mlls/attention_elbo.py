@@ -174,8 +174,9 @@ class AttentionELBO(torch.nn.Module):
         :param targets: Class indices, shape ``(B,)``.
         :return: The loss (a scalar to minimise) or, with ``combine_terms=False``, a dict with the weighted parts
             ``"nll"`` (cross-entropy), ``"kl"`` (:math:`\\beta / n` global KL plus :math:`\\beta` times the per-sequence
-            KL terms), ``"ksvd"`` (the sum of the other added loss terms, :math:`\\eta J^2` each) and their sum
-            ``"loss"``.
+            KL terms), ``"ksvd"`` (the sum of the other added loss terms, :math:`\\eta J^2` each), ``"prior"``
+            (:math:`-\\frac{1}{n} \\sum \\log p(\\theta)` of GPyTorch's hyperparameter priors; 0 without one) and their
+            sum ``"loss"``.
         :raises ValueError: NaN or infinite logits (e.g. a diverged model), naming how many entries (unless
             ``check_finite=False``); an empty batch (no sample, sequence or class); a single class (its cross-entropy
             is 0 whatever the logits).
