@@ -66,7 +66,8 @@ print(f"notebook size: {SIZE}")
 # ## 1. The data
 #
 # One sequence per class, as the Transformer gets it (a signal of 40 values, one value per position; the model's
-# convolutional stem makes 20 tokens of it), and the same test sequence under each shift at severity 5.
+# convolutional stem makes 20 tokens of it), and the same test sequence under each shift at severity 5 (the
+# shuffled split, which has one level, at severity 1).
 
 # %%
 task = load_task("mnist1d", test_size=pick(None, 60))
