@@ -8,10 +8,10 @@ import time
 
 from .options import (
     CommandError,
-    CommandInterrupted,
     add_common,
     add_executor,
     device,
+    kept_on_interrupt,
     make_executor,
     missing_tuned_files,
     mps_note,
@@ -102,10 +102,14 @@ def add_compare(commands) -> None:
         nargs="+",
         choices=TASKS,
         default=None,
-        help=f"default: {' '.join(DEFAULT_TASKS)} (--quick: pointer digits)",
+        help=f"default: {' '.join(DEFAULT_TASKS)} (--quick: pointer digits; --main: mnist1d)",
     )
     compare.add_argument(
-        "--seeds", nargs="+", type=non_negative_int, default=None, help=f"default: {list(defaults.seeds)}"
+        "--seeds",
+        nargs="+",
+        type=non_negative_int,
+        default=None,
+        help=f"default: {list(defaults.seeds)} (--quick: [0]; --main: 0-6; --full: 0-4, and 5-9 for the primary pair)",
     )
     numbers = (
         ("pointer_epochs", positive_int, "training epochs on the pointer task"),
@@ -124,7 +128,10 @@ def add_compare(commands) -> None:
         flag = "--" + name.replace("_", "-")
         default = getattr(defaults, name)
         if default is None:  # num_inducing: each layer's own
-            default = "each layer's own: s = min(10, head width) for KEP-SVGP and Primal-Attention, 16 for SGPA, SVGP"
+            default = (
+                "each layer's own: s = min(10, head width) for KEP-SVGP and Primal-Attention, 16 for SGPA, SVGP; on "
+                "mnist1d the task's 5"
+            )
         compare.add_argument(flag, type=kind, default=None, help=f"{text} (default: {default})")
     compare.add_argument(
         "--no-temperature-scaling", action="store_true", help="leave out the temperature-scaled +ts rows"
@@ -306,14 +313,8 @@ def run_compare(args: argparse.Namespace) -> int:
         replaced=run_folder_outputs(),
     ) as out:
         start = time.perf_counter()
-        try:
+        with kept_on_interrupt("runs", out / "runs"):
             records = execute_runs(config, runs, out=out, resume=args.resume, executor=executor)
-        except KeyboardInterrupt as interrupt:
-            finished = getattr(interrupt, "finished", None)
-            done = "" if finished is None else f"{finished} of {interrupt.total} runs finished, "
-            raise CommandInterrupted(
-                f"interrupted; {done}kept in {out / 'runs'}; the same command with --resume continues"
-            ) from None
         try:
             written = write_outputs(records, config, out) + write_comparison_figures(records, out)
         except OSError as error:

@@ -31,6 +31,7 @@ __all__ = [
     "NothingToResume",
     "CommandError",
     "CommandInterrupted",
+    "kept_on_interrupt",
     "add_common",
     "add_executor",
     "device",
@@ -144,6 +145,26 @@ class CommandError(Exception):
 
 class CommandInterrupted(KeyboardInterrupt):
     """Ctrl-C, with the line that says what was kept."""
+
+
+@contextmanager
+def kept_on_interrupt(unit: str, where: object) -> Iterator[None]:
+    """Turn Ctrl-C (a ``KeyboardInterrupt``) inside the block into :class:`CommandInterrupted` with the line
+    ``interrupted; <finished> of <total> <unit> finished, kept in <where>; the same command with --resume continues``;
+    the count where the interrupt carries ``finished`` and ``total`` (e.g.
+    :class:`~gpattn.comparison.runner.RunsInterrupted`), left out where it does not (a plain ``KeyboardInterrupt``).
+
+    :param unit: What was finished, plural (``"runs"``, ``"trials"``).
+    :param where: Where the finished ones are kept (a folder, a file, a storage URL with its password hidden).
+    """
+    try:
+        yield
+    except KeyboardInterrupt as interrupt:
+        finished = getattr(interrupt, "finished", None)
+        done = "" if finished is None else f"{finished} of {interrupt.total} {unit} finished, "
+        raise CommandInterrupted(
+            f"interrupted; {done}kept in {where}; the same command with --resume continues"
+        ) from None
 
 
 THREADS_HELP = (

@@ -9,10 +9,10 @@ import time
 from ..comparison.studies import shown_url
 from .options import (
     CommandError,
-    CommandInterrupted,
     add_common,
     add_executor,
     device,
+    kept_on_interrupt,
     make_executor,
     mps_note,
     non_negative_int,
@@ -174,15 +174,9 @@ def run_tune(args: argparse.Namespace) -> int:
         resumes_from_out=args.storage is None,  # with --storage the studies are there, not in OUT
     ) as out:
         start = time.perf_counter()
-        try:
+        kept = out / "study.db" if args.storage is None else shown_url(args.storage)
+        with kept_on_interrupt("trials", kept):
             summaries = tuning.tune(config, out, storage=args.storage, resume=args.resume, executor=executor)
-        except KeyboardInterrupt as interrupt:
-            finished = getattr(interrupt, "finished", None)
-            done = "" if finished is None else f"{finished} of {interrupt.total} trials finished, "
-            where = out / "study.db" if args.storage is None else shown_url(args.storage)
-            raise CommandInterrupted(
-                f"interrupted; {done}kept in {where}; the same command with --resume continues"
-            ) from None
         written = [
             tuned_path(task, out / "tuned") for task in config.tasks if tuned_path(task, out / "tuned").is_file()
         ]
