@@ -66,13 +66,10 @@ import copy
 import dataclasses
 import importlib.util
 import itertools
-import json
 import os
 import platform
-import signal
 import subprocess
 import sys
-import threading
 import time
 import traceback
 import warnings
@@ -100,8 +97,9 @@ COMPILED_CHECK_ROWS = ("kep_svgp", "kep_svgp_official_style", "primal")
 MNIST1D_ROWS = ("kep_svgp", "sgpa", "softmax", "softmax_mc_dropout", "primal")
 
 
-def _bench():
-    spec = importlib.util.spec_from_file_location(f"attention_scaling_for_{__name__}", SCALING_SCRIPT)
+def _sibling(path: Path):
+    """A fresh copy of the benchmark file ``path`` as the module ``<stem>_for_<this module's name>``."""
+    spec = importlib.util.spec_from_file_location(f"{path.stem}_for_{__name__}", path)
     module = importlib.util.module_from_spec(spec)
     # registered, as an import would: dynamo imports the module of a class it traces by name (the floor's, compiled in
     # CompiledLoss, failed with "No module named 'attention_scaling_for_gpu_check'"); one per loaded copy of this script
@@ -110,7 +108,9 @@ def _bench():
     return module
 
 
-BENCH = _bench()
+BENCH = _sibling(SCALING_SCRIPT)
+#: the JSON results, written after every section and on Ctrl-C or SIGTERM (shared with gpu_grid.py)
+RESULTS = _sibling(SCALING_SCRIPT.with_name("_results_json.py"))
 
 
 @contextlib.contextmanager
@@ -924,16 +924,6 @@ def mnist1d(device: torch.device, args: argparse.Namespace, deadline: float, int
 
 
 # -- main ------------------------------------------------------------------------------------------------------------
-class Stopped(KeyboardInterrupt):
-    """Raised in the main thread on SIGTERM (``timeout``, a job's time limit): handled as Ctrl-C is (no section
-    records it as one of its errors and goes on; the comparison's worker processes are stopped), and the results so
-    far are written."""
-
-
-def _stop(signum, frame) -> None:
-    raise Stopped(f"signal {signum}")
-
-
 def _section(results: dict, name: str, function, *arguments, partial: bool = False) -> None:
     """``results[name]``: what ``function(*arguments)`` returns, or its error (the next section still runs). With
     ``partial`` the function fills ``results[name]`` as it goes (its keyword ``into``), so that what it measured before
@@ -954,19 +944,6 @@ def _section(results: dict, name: str, function, *arguments, partial: bool = Fal
     finally:
         results.setdefault("seconds", {})[name] = time.perf_counter() - start
         print(f"[{name}] {time.perf_counter() - start:.1f} s", flush=True)
-
-
-def write_results(results: dict, out: Path) -> None:
-    """The results as JSON at ``out``, through a temporary file and a rename (a stop while writing leaves the previous
-    file whole); ``os.devnull`` directly."""
-    text = json.dumps(results, indent=2, default=str)
-    if str(out) == os.devnull:
-        out.write_text(text)
-        return
-    out.parent.mkdir(parents=True, exist_ok=True)
-    temporary = out.with_name(f".{out.name}.{os.getpid()}.tmp")
-    temporary.write_text(text)
-    os.replace(temporary, out)
 
 
 def summary(results: dict) -> str:
@@ -1091,20 +1068,11 @@ def main(argv: list[str] | None = None) -> dict:
         ("mnist1d", mnist1d, (device, args, deadline), True),
     )
     # the file is written after every section, and on Ctrl-C or SIGTERM with what was measured until then
-    in_main_thread = threading.current_thread() is threading.main_thread()
-    previous = signal.signal(signal.SIGTERM, _stop) if in_main_thread else None
-    try:
-        write_results(results, out)
+    with RESULTS.kept_when_stopped(results, out, "sections"):
+        RESULTS.write_results(results, out)
         for name, function, arguments, partial in sections:
             _section(results, name, function, *arguments, partial=partial)
-            write_results(results, out)
-    except KeyboardInterrupt as error:  # Ctrl-C, or SIGTERM (Stopped)
-        results["stopped"] = f"{type(error).__name__}: {error}"
-        write_results(results, out)
-        print(f"stopped ({results['stopped']}); the sections so far are in {out}", flush=True)
-    finally:
-        if in_main_thread:
-            signal.signal(signal.SIGTERM, previous)
+            RESULTS.write_results(results, out)
     print(summary(results))
     print(f"wrote {out}")
     return results

@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib.util
 import json
 import os
 import shutil
@@ -49,7 +50,6 @@ import signal
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
@@ -58,6 +58,20 @@ DEFAULT_VARIANTS = ("plain", "mps")
 MPS_CONTROL = "nvidia-cuda-mps-control"
 #: the most seconds the MPS control daemon's start or quit may take
 MPS_TIMEOUT_S = 60.0
+
+
+def _sibling(path: Path):
+    """A fresh copy of the benchmark file ``path`` as the module ``<stem>_for_<this module's name>``."""
+    spec = importlib.util.spec_from_file_location(f"{path.stem}_for_{__name__}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+#: the JSON results, written after every variant and on Ctrl-C or SIGTERM (shared with gpu_check.py)
+RESULTS = _sibling(Path(__file__).resolve().with_name("_results_json.py"))
+#: raised on SIGTERM, and by a variant that was stopped
+Stopped = RESULTS.Stopped
 
 
 def _load() -> float:
@@ -184,15 +198,6 @@ def warm_data_cache(args: argparse.Namespace) -> dict:
     }
 
 
-class Stopped(KeyboardInterrupt):
-    """Raised in the main thread on SIGTERM (``timeout``, a job's time limit): handled as Ctrl-C is (the compare
-    command's processes are stopped, the MPS daemon is told to quit) and the variants so far are written."""
-
-
-def _stop(signum, frame) -> None:
-    raise Stopped(f"signal {signum}")
-
-
 def _stop_group(process: subprocess.Popen) -> None:
     """Stop ``process`` and every process it started (its session: the compare command's workers, which would
     otherwise go on using the GPU while the next variant is timed): SIGTERM, then SIGKILL after 10 s."""
@@ -268,19 +273,6 @@ def compare_variants(variants: dict[str, dict], records: dict[str, dict[str, dic
             entry["graphed_runs"] = graphed_runs(found)
 
 
-def write_results(results: dict, out: Path) -> None:
-    """The results as JSON at ``out``, through a temporary file and a rename (a stop while writing leaves the previous
-    file whole); ``os.devnull`` directly."""
-    text = json.dumps(results, indent=2, default=str)
-    if str(out) == os.devnull:
-        out.write_text(text)
-        return
-    out.parent.mkdir(parents=True, exist_ok=True)
-    temporary = out.with_name(f".{out.name}.{os.getpid()}.tmp")
-    temporary.write_text(text)
-    os.replace(temporary, out)
-
-
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", default="cuda", help="cuda (default) or cpu")
@@ -311,11 +303,14 @@ def main(argv: list[str] | None = None) -> dict:
     results: dict = {"config": dict(vars(args)), "device_name": _device_name(args.device)}
     variants: dict[str, dict] = {}
     records: dict[str, dict[str, dict]] = {}
+
+    def before_writing() -> None:  # stopped: every variant that ran, compared
+        results.setdefault("variants", variants)
+        compare_variants(variants, records)
+
     # the file is written after every variant, and on Ctrl-C or SIGTERM with the variants so far
-    in_main_thread = threading.current_thread() is threading.main_thread()
-    previous = signal.signal(signal.SIGTERM, _stop) if in_main_thread else None
-    try:
-        write_results(results, out)
+    with RESULTS.kept_when_stopped(results, out, "variants", before_writing):
+        RESULTS.write_results(results, out)
         results["data_cache"] = warm = warm_data_cache(args)
         if "seconds" in warm:
             failed = f" (failed, rc {warm['returncode']}: {warm['stderr_tail'][-300:]})" if warm["returncode"] else ""
@@ -328,18 +323,9 @@ def main(argv: list[str] | None = None) -> dict:
                 if "records" in entry:
                     records[name] = entry.pop("records")
                 compare_variants(variants, records)
-                write_results(results, out)
+                RESULTS.write_results(results, out)
                 if entry.get("returncode") == "stopped":
                     raise Stopped(f"during the variant {name}")
-    except KeyboardInterrupt as error:  # Ctrl-C, or SIGTERM (Stopped)
-        results["stopped"] = f"{type(error).__name__}: {error}"
-        results.setdefault("variants", variants)
-        compare_variants(variants, records)
-        write_results(results, out)
-        print(f"stopped ({results['stopped']}); the variants so far are in {out}", flush=True)
-    finally:
-        if in_main_thread:
-            signal.signal(signal.SIGTERM, previous)
     for name, entry in variants.items():
         line = f"{name}: " + (
             entry["unavailable"]
