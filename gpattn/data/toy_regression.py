@@ -55,7 +55,7 @@ from __future__ import annotations
 
 import math
 import numbers
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -142,37 +142,25 @@ def make_asymmetric_regression_1d(
     """
     _validate(n_train, n_test, noise_std, lengthscale, num_sources, dtype, seed)
     shift_vec = _as_shift([shift], dim=1)
-    generator = torch.Generator().manual_seed(int(seed))  # an int: manual_seed refuses NumPy integers
     low, high = _BOX_1D
     gap_low, gap_high = _GAP_1D
-    sources, unit_weights = _draw_sources(num_sources, 1, low, high, generator)
 
-    # Uniform on the union [low, gap_low) u [gap_high, high]: draw on an interval of the total length, then move the
-    # part beyond gap_low past the gap.
-    u = low + (high - low - (gap_high - gap_low)) * torch.rand(n_train, generator=generator, dtype=torch.float64)
-    train_x = torch.where(u < gap_low, u, u + (gap_high - gap_low)).sort().values.unsqueeze(-1)  # shape: (n_train, 1)
-    test_x = _uniform(n_test, 1, low, high, generator).sort(dim=0).values  # shape: (n_test, 1)
+    def draw_inputs(generator: torch.Generator) -> tuple[Tensor, Tensor]:
+        # Uniform on the union [low, gap_low) u [gap_high, high]: draw on an interval of the total length, then move
+        # the part beyond gap_low past the gap.
+        u = low + (high - low - (gap_high - gap_low)) * torch.rand(n_train, generator=generator, dtype=torch.float64)
+        train_x = torch.where(u < gap_low, u, u + (gap_high - gap_low)).sort().values.unsqueeze(-1)  # (n_train, 1)
+        test_x = _uniform(n_test, 1, low, high, generator).sort(dim=0).values  # shape: (n_test, 1)
+        return train_x, test_x
+
     grid_x = torch.linspace(low, high, _GRID_SIZE_1D, dtype=torch.float64).unsqueeze(-1)  # shape: (400, 1)
-    weights = _weight_scale(grid_x, shift_vec, lengthscale, low, high, num_sources) * unit_weights  # shape: (2, M)
-
     description = (
         f"1-D asymmetric shifted-RBF regression on [{low:g}, {high:g}] (shift {float(shift_vec[0]):g}, lengthscale "
         f"{lengthscale:g}, {num_sources} sources, noise std {noise_std:g}) with no training inputs in "
         f"[{gap_low:g}, {gap_high:g}]."
     )
-    return _assemble(
-        train_x=train_x,
-        test_x=test_x,
-        grid_x=grid_x,
-        sources=sources,
-        weights_left=weights[0],
-        weights_right=weights[1],
-        shift=shift_vec,
-        lengthscale=lengthscale,
-        noise_std=noise_std,
-        generator=generator,
-        dtype=dtype,
-        description=description,
+    return _generate(
+        noise_std, shift_vec, lengthscale, num_sources, seed, dtype, _BOX_1D, grid_x, draw_inputs, description
     )
 
 
@@ -209,33 +197,21 @@ def make_asymmetric_regression_2d(
     """
     _validate(n_train, n_test, noise_std, lengthscale, num_sources, dtype, seed)
     shift_vec = _as_shift(shift, dim=2)
-    generator = torch.Generator().manual_seed(int(seed))  # an int: manual_seed refuses NumPy integers
     low, high = _BOX_2D
-    sources, unit_weights = _draw_sources(num_sources, 2, low, high, generator)
 
-    train_x = _uniform(n_train, 2, low, high, generator)  # shape: (n_train, 2)
-    test_x = _uniform(n_test, 2, low, high, generator)  # shape: (n_test, 2)
+    def draw_inputs(generator: torch.Generator) -> tuple[Tensor, Tensor]:
+        train_x = _uniform(n_train, 2, low, high, generator)  # shape: (n_train, 2)
+        test_x = _uniform(n_test, 2, low, high, generator)  # shape: (n_test, 2)
+        return train_x, test_x
+
     axis = torch.linspace(low, high, _GRID_SIDE_2D, dtype=torch.float64)  # shape: (40,)
     grid_x = torch.stack(torch.meshgrid(axis, axis, indexing="ij"), dim=-1).reshape(-1, 2)  # shape: (1600, 2)
-    weights = _weight_scale(grid_x, shift_vec, lengthscale, low, high, num_sources) * unit_weights  # shape: (2, M)
-
     description = (
         f"2-D asymmetric shifted-RBF regression on [{low:g}, {high:g}]^2 (shift ({shift_vec[0]:g}, {shift_vec[1]:g}), "
         f"lengthscale {lengthscale:g}, {num_sources} sources, noise std {noise_std:g}) with uniform inputs."
     )
-    return _assemble(
-        train_x=train_x,
-        test_x=test_x,
-        grid_x=grid_x,
-        sources=sources,
-        weights_left=weights[0],
-        weights_right=weights[1],
-        shift=shift_vec,
-        lengthscale=lengthscale,
-        noise_std=noise_std,
-        generator=generator,
-        dtype=dtype,
-        description=description,
+    return _generate(
+        noise_std, shift_vec, lengthscale, num_sources, seed, dtype, _BOX_2D, grid_x, draw_inputs, description
     )
 
 
@@ -287,19 +263,6 @@ def _component(
     return kern @ weights
 
 
-def _draw_sources(
-    num_sources: int, dim: int, low: float, high: float, generator: torch.Generator
-) -> tuple[Tensor, Tensor]:
-    """Draw the source points uniformly in ``[low, high]^dim`` and unit-variance left / right weights.
-
-    Returns:
-        ``(sources, unit_weights)`` with shapes ``(M, dim)`` and ``(2, M)`` (row 0: left, row 1: right).
-    """
-    sources = _uniform(num_sources, dim, low, high, generator)  # shape: (M, dim)
-    unit_weights = torch.randn(2, num_sources, generator=generator, dtype=torch.float64)  # shape: (2, M)
-    return sources, unit_weights
-
-
 def _weight_scale(
     grid_x: Tensor, shift: Tensor, lengthscale: float, low: float, high: float, num_sources: int
 ) -> float:
@@ -338,25 +301,53 @@ def _uniform(n: int, dim: int, low: float, high: float, generator: torch.Generat
     return low + (high - low) * torch.rand(n, dim, generator=generator, dtype=torch.float64)
 
 
-def _assemble(
-    train_x: Tensor,
-    test_x: Tensor,
-    grid_x: Tensor,
-    sources: Tensor,
-    weights_left: Tensor,
-    weights_right: Tensor,
+def _generate(
+    noise_std: float,
     shift: Tensor,
     lengthscale: float,
-    noise_std: float,
-    generator: torch.Generator,
+    num_sources: int,
+    seed: int,
     dtype: torch.dtype,
+    box: tuple[float, float],
+    grid_x: Tensor,
+    draw_inputs: Callable[[torch.Generator], tuple[Tensor, Tensor]],
     description: str,
 ) -> RegressionData:
-    """Evaluate :math:`f`, add noise (train first, then test) and cast everything to ``dtype``."""
+    r"""Draw a data set from the generating process (the module docstring) on the box :math:`[a, b]^d`, from one local
+    generator seeded with ``seed``, in this order: the ``M`` sources (uniform in the box) and their unit-variance
+    left / right weights, the inputs (``draw_inputs(generator)``, the constructor's own: ``(train_x, test_x)``), the
+    training noise, then the test noise; the weights are scaled by :func:`_weight_scale` on ``grid_x``. :math:`f` is
+    evaluated in float64 and everything cast to ``dtype`` at the end.
+
+    Args:
+        noise_std: Observation noise standard deviation :math:`\sigma`.
+        shift: The shift :math:`\delta`, float64, shape ``(d,)``.
+        lengthscale: The lengthscale :math:`\ell`.
+        num_sources: Number of sources :math:`M`.
+        seed: Seed of the local generator.
+        dtype: Floating dtype of the returned tensors.
+        box: ``(a, b)``.
+        grid_x: The dense grid, float64, shape ``(n_grid, d)``.
+        draw_inputs: Draws the training and test inputs from the generator, float64, shapes ``(n_train, d)`` and
+            ``(n_test, d)``.
+        description: The data set's description.
+
+    Raises:
+        ValueError: If the shift puts every bump off the box (:func:`_weight_scale`).
+
+    .. note:: Cost: O((n_train + n_test + n_grid) M d).
+    """
+    generator = torch.Generator().manual_seed(int(seed))  # an int: manual_seed refuses NumPy integers
+    low, high = box
+    dim = grid_x.shape[-1]
+    sources = _uniform(num_sources, dim, low, high, generator)  # shape: (M, d)
+    unit_weights = torch.randn(2, num_sources, generator=generator, dtype=torch.float64)  # shape: (2, M): left, right
+    train_x, test_x = draw_inputs(generator)
+    weights = _weight_scale(grid_x, shift, lengthscale, low, high, num_sources) * unit_weights  # shape: (2, M)
 
     def f(x: Tensor) -> tuple[Tensor, Tensor]:
-        left = _component(x, sources, weights_left, shift, lengthscale, "left")  # shape: (n,)
-        right = _component(x, sources, weights_right, shift, lengthscale, "right")  # shape: (n,)
+        left = _component(x, sources, weights[0], shift, lengthscale, "left")  # shape: (n,)
+        right = _component(x, sources, weights[1], shift, lengthscale, "right")  # shape: (n,)
         return left, right
 
     train_f_left, train_f_right = f(train_x)  # shape: (n_train,) each
