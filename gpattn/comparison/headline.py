@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections import Counter
 from dataclasses import dataclass
 
 from .config import MAIN_SEEDS
@@ -23,6 +22,7 @@ from .endpoints import (
 from .records import RunRecord
 from .statistics import PairedDifference, hierarchical_difference, holm_adjusted, paired_difference, paired_p_value
 from .table_rows import (
+    check_one_run_per_seed,
     flat_rows,
     group_rows,
     markdown_cell,
@@ -161,14 +161,11 @@ def estimate_endpoint(
     """
     expanded = with_temperature_scaled(records)
     rows = flat_rows(records)
-    for name in (endpoint.reference, endpoint.other):  # {seed: value} would keep the last of two runs of one seed
-        runs = Counter(row["seed"] for row in rows if (row["task"], row["attention"]) == (endpoint.task, name))
-        repeated = sorted(seed for seed, count in runs.items() if count > 1)
-        if repeated:
-            raise ValueError(
-                f"estimate_endpoint: {name} has more than one run of seed(s) {repeated} on {endpoint.task}; expected "
-                "one run per seed (merge run folders with read_run_folders, which checks that repeated runs agree)"
-            )
+    # {seed: value} would keep the last of two runs of one seed: the endpoint's two rows on its task checked
+    pair = (endpoint.reference, endpoint.other)
+    check_one_run_per_seed(
+        [row for row in rows if row["task"] == endpoint.task and row["attention"] in pair], "estimate_endpoint"
+    )
     reference, other, note = endpoint.seed_values(rows)
     seeds = [seed for seed in reference if seed in other]
     if not reference or not other:

@@ -110,5 +110,7 @@ def test_seeds_run_by_one_row_only_are_named() -> None:
 def test_two_runs_of_one_seed_are_refused() -> None:
     # softmax+ts's seed 3 twice (NLL 0.46 and 9.0): {seed: value} kept the last, silently, and the tables counted 11
     records = [*_records(), _record("softmax", 3, 9.0, 0.5)]
-    with pytest.raises(ValueError, match=r"softmax\+ts has more than one run of seed\(s\) \[3\] on mnist1d"):
+    with pytest.raises(
+        ValueError, match=r"estimate_endpoint: more than one run of row softmax\+ts on mnist1d, seed\(s\) \[3\]"
+    ):
         estimate_endpoint(records, PRIMARY_ENDPOINT)
