@@ -67,10 +67,13 @@ def classification_metrics(
     (:func:`~gpattn.metrics.sweep_calibration_error`). ``probabilities`` and ``labels`` are tensors or NumPy arrays,
     checked as every metric checks them; the mean confidence is computed in float64, as the metrics."""
     accuracy, nll = validation_metrics(probabilities, labels)
-    _check_inputs(probabilities, labels)  # NumPy or torch, checked as the metrics check them
-    # the top probabilities averaged in float64 by torch (as before for float64 input: the records of earlier runs
-    # stay bit-equal, which gpattn report's merge of run folders compares), not in float16
-    top = torch.as_tensor(probabilities).detach().max(dim=-1).values.double()
+    # NumPy or torch (or lists), checked as the metrics check them, as float64
+    array, _ = _check_inputs(probabilities, labels)
+    # the top probabilities averaged in float64 by torch (as before: the float64 values of the input's top
+    # probabilities, so the records of earlier runs stay bit-equal, which gpattn report's merge of run folders
+    # compares), from the checked array (torch.as_tensor refused a reversed NumPy view, warned on a read-only array,
+    # and read a list in float32)
+    top = torch.from_numpy(array.max(axis=1))
     return ClassificationMetrics(
         accuracy=accuracy,
         confidence=float(top.mean()),

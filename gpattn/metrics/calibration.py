@@ -64,7 +64,8 @@ def _as_probabilities(probs: Any, name: str = "probs") -> np.ndarray:
         raise ValueError(f"{name} contains NaN or Inf; pass probabilities (e.g. softmax outputs), not logits")
     if array.min() < 0.0 or array.max() > 1.0:
         raise ValueError(
-            f"expected {name} in [0, 1], got values in [{array.min():.6g}, {array.max():.6g}]; "
+            # in full: 1.0000001 (a float32 rounding) read "[0, 1]" at 6 digits
+            f"expected {name} in [0, 1], got values in [{float(array.min())!r}, {float(array.max())!r}]; "
             "pass probabilities (e.g. softmax outputs), not logits"
         )
     worst = np.abs(array.sum(axis=1) - 1.0).max()
