@@ -65,6 +65,14 @@ class FeatureLift(Module):
         r"""The learned lengthscale :math:`\ell` of the random Fourier lift (``"rff"`` only), a scalar tensor."""
         return self.raw_lengthscale_constraint.transform(self.raw_lengthscale)
 
+    @lengthscale.setter
+    def lengthscale(self, value: float | Tensor) -> None:
+        # as GPyTorch's kernels: kernel.lengthscale = value, kernel.initialize(lengthscale=value), and the setting of a
+        # sampled value by pyro_sample_from_prior for a prior registered on "lengthscale"
+        if self.kind != "rff":
+            raise AttributeError(f"FeatureLift: a {self.kind!r} lift has no lengthscale (only 'rff' has one)")
+        initialize_positive(self, "raw_lengthscale", "lengthscale", value, "FeatureLift")
+
     def forward(self, x: Tensor) -> Tensor:
         r"""The lifted tokens :math:`g(x)`.
 

@@ -55,6 +55,18 @@ class InducedKernel(Kernel):
             check_tensor(name, value, shape, floating=True, non_empty=True, finite=True, where="InducedKernel")
         self.kernel = kernel
         self.side = side
+        # a batch of kernels (the kernel's batch_shape) or of landmark sets: a batch of induced kernels; GPyTorch's lazy
+        # kernel tensor checks its shape against batch_shape (left at () it refused the batch, blaming GPyTorch)
+        try:
+            self.batch_shape = torch.broadcast_shapes(
+                kernel.batch_shape, landmarks.shape[:-2], key_landmarks.shape[:-2]
+            )
+        except RuntimeError as error:
+            raise ValueError(
+                f"InducedKernel: the kernel's batch_shape {tuple(kernel.batch_shape)} and the batch shapes of the "
+                f"landmarks {tuple(landmarks.shape[:-2])} and key_landmarks {tuple(key_landmarks.shape[:-2])} do not "
+                "broadcast"
+            ) from error
         register = self.register_parameter if learn_landmarks else self.register_buffer
         wrap = torch.nn.Parameter if learn_landmarks else (lambda t: t)
         register("landmarks", wrap(landmarks.detach().clone()))

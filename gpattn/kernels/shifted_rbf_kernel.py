@@ -71,6 +71,12 @@ class ShiftedRBFKernel(AsymmetricKernel):
         # shape: (*batch_shape, d)
         return self.raw_lengthscale_constraint.transform(self.raw_lengthscale)
 
+    @lengthscale.setter
+    def lengthscale(self, value: float | Tensor) -> None:
+        # as GPyTorch's kernels: kernel.lengthscale = value, kernel.initialize(lengthscale=value), and the setting of a
+        # sampled value by pyro_sample_from_prior for a prior registered on "lengthscale"
+        initialize_positive(self, "raw_lengthscale", "lengthscale", value, type(self).__name__)
+
     def forward(self, x: Tensor, z: Tensor) -> Tensor:
         lengthscale = self.lengthscale[..., None, :]
         queries = x if self.tie else x - self.shift[..., None, :]

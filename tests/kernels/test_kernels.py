@@ -478,3 +478,24 @@ def test_max_logit_takes_real_numbers_and_refuses_minus_infinity() -> None:
     logits = (x @ kernel.query_weight.T) @ (z @ kernel.key_weight.T).T / 2.0
     assert (logits > 0.5).any() and (logits < 0.5).any()
     torch.testing.assert_close(kernel(x, z), torch.exp(logits.clamp(max=0.5)), atol=ATOL, rtol=0)
+
+
+def test_lengthscales_are_set_as_gpytorchs_kernels_set_them() -> None:
+    """``kernel.lengthscale = value`` and ``initialize(lengthscale=...)`` as for GPyTorch's kernels (the properties were
+    read-only: both raised, and so did pyro_sample_from_prior for a prior registered on "lengthscale")."""
+    kernel = ShiftedRBFKernel(2).double()
+    kernel.lengthscale = torch.tensor([0.5, 2.0], dtype=torch.float64)
+    torch.testing.assert_close(kernel.lengthscale, torch.tensor([0.5, 2.0], dtype=torch.float64), rtol=1e-15, atol=0)
+    kernel.initialize(lengthscale=0.25)
+    torch.testing.assert_close(kernel.lengthscale, torch.full((2,), 0.25, dtype=torch.float64), rtol=1e-15, atol=0)
+    with pytest.raises(ValueError, match="lengthscale"):
+        kernel.lengthscale = -1.0
+    lift = FeatureLift("rff", 3, lift_dim=4).double()
+    lift.lengthscale = 0.75
+    assert lift.lengthscale.item() == pytest.approx(0.75, rel=1e-15)
+    with pytest.raises(AttributeError, match=r"FeatureLift: a 'mlp' lift has no lengthscale"):
+        FeatureLift("mlp", 3, lift_dim=4).lengthscale = 0.5
+    kernel.register_prior("lengthscale_prior", gpytorch.priors.GammaPrior(3.0, 6.0), "lengthscale")
+    torch.manual_seed(0)
+    sampled = kernel.pyro_sample_from_prior()
+    assert not torch.allclose(sampled.lengthscale, torch.full((2,), 0.25, dtype=torch.float64))
