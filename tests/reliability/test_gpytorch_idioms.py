@@ -825,19 +825,6 @@ def test_the_concat_predictive_has_the_dense_moments_and_samples(shared_posterio
     torch.testing.assert_close(flat.T.cov(), covariance, rtol=0.0, atol=0.04 * scale**2)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "KernelEigenPairVariationalStrategy.forward (gpattn/variational/kernel_eigen_pair_variational_strategy.py, "
-        "merge='concat') returns MultitaskMultivariateNormal(..., interleaved=False), whose log_prob in GPyTorch 1.15 "
-        "reorders the targets wrongly (value.view(tasks, points).transpose instead of a transpose, "
-        "gpytorch/distributions/multitask_multivariate_normal.py:219), so likelihood(model(x)).log_prob(Y) and "
-        "gpytorch.metrics.negative_log_predictive_density are wrong while the moments are right: -28.04 against the "
-        "dense -35.58 (independent branches, 4 points), -47.23 against -40.73 (shared posterior); "
-        "GPyTorch's own multi-output strategies (IndependentMultitask, LMC) return interleaved distributions, whose "
-        "log_prob is right"
-    ),
-)
 @pytest.mark.parametrize("shared_posterior", [False, True])
 def test_the_concat_predictive_log_density_is_the_dense_one(shared_posterior: bool) -> None:
     x, y = _data(4)
