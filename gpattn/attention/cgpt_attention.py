@@ -287,6 +287,11 @@ class CGPTAttention(AttentionLayer):
         dtype = torch.promote_types(inputs.keys.dtype, torch.float32)
         query_tokens, key_tokens = inputs.queries.to(dtype), inputs.keys.to(dtype)
         origin = first_real_token(key_tokens, inputs.key_mask)  # t; shape: (B, 1, C)
+        if inputs.key_mask is not None:
+            # padding may hold anything finite: at the origin it cannot move the centring of the squared distances (a
+            # mean over the points: large padding cost the real tokens all their digits, or made K_00 not PSD)
+            key_tokens = torch.where(inputs.key_mask.unsqueeze(-1), key_tokens, origin)
+            query_tokens = query_tokens if inputs.is_cross else key_tokens
 
         query_weight, key_weight, latent_weight, value_weight = (
             projection.weight.to(dtype)

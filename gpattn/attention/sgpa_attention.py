@@ -226,8 +226,14 @@ class SGPAAttention(AttentionLayer):
         (``with_kl``) the KL of every sequence that the added loss term ``"sequence_kl"`` carries, ``(B,)``."""
         token_dtype = inputs.queries.dtype
         queries_in, keys_in, shift = inputs.queries, inputs.keys, None
+        if inputs.key_mask is not None:
+            # padding may hold anything finite: set to the first real token, it can move neither the centring of the
+            # squared distances (a mean over the points: large padding cost the real tokens all their digits) nor the
+            # exponential kernel's range check
+            keys_in = torch.where(inputs.key_mask.unsqueeze(-1), keys_in, first_real_token(keys_in, inputs.key_mask))
+            queries_in = queries_in if inputs.is_cross else keys_in
         if self.kernel_type == "ard":  # translation invariant: centre the tokens on one of them before projecting
-            origin = first_real_token(inputs.keys, inputs.key_mask)  # t; shape: (B, 1, C)
+            origin = first_real_token(keys_in, inputs.key_mask)  # t; shape: (B, 1, C)
             queries_in, keys_in = queries_in - origin, keys_in - origin
             shift = self.split_heads(self.key_proj(origin))  # W_k t; shape: (B, H, 1, p)
         queries = self.split_heads(self.key_proj(queries_in))  # shape: (B, H, N, p)
