@@ -102,7 +102,23 @@ def copy_projections(layer: AttentionLayer, projections: Mapping[str, Projection
     :param layer: The gpattn layer, on the device and dtype of the projections.
     :param projections: ``role -> (weight, bias)``.
     :return: The names of the parameters that were copied, e.g. ``("q_proj.weight", "q_proj.bias", ...)``.
+    :raises ValueError: A role other than those four, a weight not ``(C, C)`` or a bias not ``(C,)`` for the layer's
+        width ``C`` (skipped silently before, or broadcast into the bias).
     """
+    width = layer.embed_dim
+    for role, (weight, bias) in projections.items():  # all checked before anything is copied
+        if role not in LINEAR_TARGETS:
+            raise ValueError(f"copy_projections: expected the roles {list(LINEAR_TARGETS)}, got {role!r}")
+        if tuple(weight.shape) != (width, width):
+            raise ValueError(
+                f"copy_projections: expected the {role} weight of shape (C, C) = ({width}, {width}) for the layer's "
+                f"width, got shape {tuple(weight.shape)}"
+            )
+        if bias is not None and tuple(bias.shape) != (width,):
+            raise ValueError(
+                f"copy_projections: expected the {role} bias of shape (C,) = ({width},) or None, got shape "
+                f"{tuple(bias.shape)}"
+            )
     copied: list[str] = []
     with torch.no_grad():
         for role, (weight, bias) in projections.items():

@@ -560,41 +560,17 @@ def test_a_float32_layer_moved_to_float64(name):
 
 
 # -- copy_projections ----------------------------------------------------------------------------------------------
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "copy_projections (gpattn/integrations/conversion.py) raises a bare KeyError: 'q' for a role that is not "
-        "'query', 'key', 'value' or 'output' (LINEAR_TARGETS[role]), without naming the argument or the roles it takes"
-    ),
-)
 def test_copy_projections_names_an_unknown_role():
     with pytest.raises(ValueError, match="query"):
         copy_projections(build("softmax"), {"q": (torch.zeros(EMBED_DIM, EMBED_DIM, dtype=DTYPE), None)})
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "copy_projections (gpattn/integrations/conversion.py) silently skips a projection whose weight is not "
-        "(C, C): a (2C, C) weight given as 'query' for a softmax layer of width 16 (e.g. a slice of MHA's "
-        "in_proj_weight taken wrongly, or a source of another width) copies nothing and returns () with no error, "
-        "so the layer keeps its random initialisation"
-    ),
-)
 def test_copy_projections_refuses_a_weight_of_the_wrong_shape():
     layer = build("softmax")
     with pytest.raises(ValueError, match="shape"):
         copy_projections(layer, {"query": (torch.zeros(2 * EMBED_DIM, EMBED_DIM, dtype=DTYPE), None)})
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "copy_projections (gpattn/integrations/conversion.py) broadcasts a bias of the wrong shape: a bias of shape "
-        "(1,) = [3.0] given with a (C, C) query weight fills all 16 entries of q_proj.bias with 3.0 (Tensor.copy_ "
-        "broadcasts) and reports 'q_proj.bias' as copied"
-    ),
-)
 def test_copy_projections_refuses_a_bias_of_the_wrong_shape():
     layer = build("softmax")
     weight = torch.zeros(EMBED_DIM, EMBED_DIM, dtype=DTYPE)
