@@ -497,17 +497,6 @@ def test_bfloat16_autocast_is_finite_and_close_to_float32(name):
         assert error < 3e-2, (mask if isinstance(mask, str) else "padding", float(error))
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "Under torch.autocast a float64 input to a float32 layer passes _prepare's checks (check_tensor skips "
-        "the dtype check under autocast, gpattn/validation.py) and fails deep inside with a bare RuntimeError, e.g. "
-        "'mat1 and mat2 must have the same dtype, but got Double and BFloat16' (softmax, cgpt) or 'expected scalar "
-        "type Double but found BFloat16' (KEP-SVGP, Primal); every registered row does so, instead of the "
-        "InputTypeError naming x that the same call gets outside autocast ('x is torch.float64 but the parameters "
-        "are torch.float32')"
-    ),
-)
 @pytest.mark.parametrize("name", ["softmax", "kep_svgp"])
 def test_a_float64_input_to_a_float32_layer_under_autocast_is_refused_clearly(name):
     layer = build(name, dtype=torch.float32)
