@@ -306,7 +306,24 @@ def fit_pair_svgp_pyro(data: RegressionData, config: ToyRegressionConfig, progre
     Returns model, likelihood."""
     _check_inputs(data, config, "fit_pair_svgp_pyro")
     model, likelihood = _pair_model(data, config, "cholesky", whiten=True)
-    pyro.clear_param_store()
+    # the fit on an empty parameter store, and the caller's store back afterwards (it was cleared and left holding the
+    # fit's "gp" and "likelihood" entries: a caller's pyro.param values were lost, and a model the caller then
+    # registered as "gp" read the fitted tensors and did not train)
+    store = pyro.get_param_store()
+    saved = store.get_state()
+    store.clear()
+    try:
+        _pyro_svi(model, likelihood, data, config, progress)
+    finally:
+        store.clear()
+        store.set_state(saved)
+    model.eval()
+    likelihood.eval()
+    return model, likelihood
+
+
+def _pyro_svi(model, likelihood, data: RegressionData, config: ToyRegressionConfig, progress: bool) -> None:
+    # the SVI steps of fit_pair_svgp_pyro, on the current parameter store
     num_data = data.train_x.shape[0]
 
     def pyro_model(x: Tensor, y: Tensor) -> None:
@@ -350,9 +367,6 @@ def fit_pair_svgp_pyro(data: RegressionData, config: ToyRegressionConfig, progre
                 option="pyro_lr",
             )
             bar.set_postfix(loss=f"{loss / num_data:.3f}")
-    model.eval()
-    likelihood.eval()
-    return model, likelihood
 
 
 def run_toy_regression(

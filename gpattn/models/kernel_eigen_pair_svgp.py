@@ -329,7 +329,10 @@ class KernelEigenPairSVGP(ApproximateGP):
         )
         pyro.factor(f"{name_prefix}.log_prior", log_prior)
         # a penalty lowers the log joint (GPyTorch's own mixin adds it with the opposite sign)
-        num_data = input.shape[-2] if num_data is None else check_int("num_data", num_data, where=type(self).__name__)
+        if num_data is None:  # the points of this call: (N, d), or (N,) read as (N, 1) as GPyTorch's models read it
+            num_data = input.shape[-2] if input.dim() >= 2 else input.shape[0]
+        else:
+            num_data = check_int("num_data", num_data, where=type(self).__name__)
         added_loss = sum((term.loss() for term in self.added_loss_terms()), input.new_zeros(()))
         pyro.factor(f"{name_prefix}.added_loss", -num_data * added_loss)
         return self._masked_function_dist(self(input, prior=True))
