@@ -1,5 +1,5 @@
 """The classification metrics at their edges (ties on bin edges and in rankings, one example, one class, exact zeros,
-row sums off by rounding, low-precision and NumPy inputs, two hundred thousand examples, invariances) against hand computations,
+row sums off by rounding, low-precision and NumPy inputs, 2e5 examples, invariances) against hand computations,
 scikit-learn, torchmetrics and the ``uncertainty-calibration`` package (module ``calibration``), and the way the
 comparison's evaluation feeds them (:mod:`gpattn.comparison.evaluation`).
 
