@@ -130,14 +130,18 @@ def _resolve(root: str | Path, subfolder: str, expected: list[str], what: str) -
     for a ``root`` that is not a path)."""
     if not isinstance(root, (str, os.PathLike)):  # Path(None) said "expected str, bytes or os.PathLike object"
         raise TypeError(f"{what}: expected root to be a folder path (str or pathlib.Path), got {root!r}")
-    root = Path(root)
-    for folder in (root, root / subfolder):
+    root = Path(root).expanduser()  # "~/data" is the user's folder, as the shell reads it
+    folders = (root, root / subfolder)
+    for folder in folders:
         if all((folder / name).is_file() for name in expected):
             return folder
-    missing = [name for name in expected if not (root / name).is_file()]
+    # the files missing from the folder that holds most of them (a partly extracted subfolder under the given parent
+    # named every file as missing, which read as a wrong folder)
+    found = max(folders, key=lambda folder: sum((folder / name).is_file() for name in expected))
+    missing = [name for name in expected if not (found / name).is_file()]
     raise FileNotFoundError(
-        f"{what}: expected the files {expected} in {str(root)!r} (or in {str(root / subfolder)!r}); missing "
-        f"{missing}. Nothing is downloaded: point root at an extracted copy."
+        f"{what}: expected the files {expected} in {str(root)!r} (or in {str(root / subfolder)!r}); missing from "
+        f"{str(found)!r}: {missing}. Nothing is downloaded: point root at an extracted copy."
     )
 
 
