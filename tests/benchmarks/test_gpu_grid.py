@@ -8,6 +8,7 @@ import json
 import os
 import stat
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -116,12 +117,19 @@ def test_the_variants_records_are_compared_without_their_wall_times(
     assert "mps: 1 runs in" in capsys.readouterr().out
 
 
-def _alive(pid: int) -> bool:
-    """Whether process ``pid`` runs (a zombie, exited but not yet reaped, does not)."""
-    try:
-        return "\nState:\tZ" not in Path(f"/proc/{pid}/status").read_text()
-    except FileNotFoundError:
-        return False
+def _alive(pid: int, within: float = 5.0) -> bool:
+    """Whether process ``pid`` still runs after up to ``within`` seconds (a zombie, exited but not yet reaped, does
+    not): a signal is delivered after ``kill`` returns, so a process signalled a moment ago may still be seen running
+    (a fresh-clone run under load once read it so)."""
+    deadline = time.monotonic() + within
+    while True:
+        try:
+            running = "\nState:\tZ" not in Path(f"/proc/{pid}/status").read_text()
+        except FileNotFoundError:
+            running = False
+        if not running or time.monotonic() > deadline:
+            return running
+        time.sleep(0.05)
 
 
 def test_a_variant_that_runs_too_long_is_stopped_and_recorded(grid, stand_in_runs, tmp_path, monkeypatch):
