@@ -289,8 +289,8 @@ def check_tensor(
     :param integer: Require an integer (not bool) dtype.
     :param non_empty: Require every dimension named in ``shape`` (the fixed and named ones) to be non-zero.
     :param like: A reference tensor (e.g. a parameter) whose device, and dtype unless ``match_dtype=False``, the
-        value must share. Under ``torch.autocast``, which mixes dtypes on purpose, a value of lower or equal precision
-        passes (a float64 one for float32 ``like`` does not: autocast casts no float64 tensor).
+        value must share. Under ``torch.autocast``, which mixes float32 and its lower precisions on purpose, those
+        pass; a float64 value with another ``like`` (or the reverse) does not: autocast casts no float64 tensor.
     :param like_name: What ``like`` is, for the message (plural).
     :param finite: Require no NaN or infinity (one elementwise pass; skipped while tracing and on ``meta``).
     :param meaning: What the dimensions are, added to the shape message (e.g. ``"(batch, tokens, embed_dim)"``).
@@ -322,13 +322,9 @@ def check_tensor(
                 f"{prefix}{name} is on {value.device} but {like_name} are on {like.device}: move one of them "
                 f"(.to({str(like.device)!r}))"
             )
-        # torch.autocast mixes dtypes on purpose (lower-precision tokens for float32 parameters), but casts no float64
-        # tensor: a more precise value than the parameters failed deep inside with a bare dtype error
-        mixed = autocast_enabled(value.device.type) and (
-            not value.dtype.is_floating_point
-            or not like.dtype.is_floating_point
-            or torch.finfo(value.dtype).bits <= torch.finfo(like.dtype).bits
-        )
+        # torch.autocast mixes float32 and its lower precisions on purpose, but casts no float64 tensor: a float64 value
+        # with other parameters (or the reverse) failed deep inside with a bare dtype error
+        mixed = autocast_enabled(value.device.type) and torch.float64 not in (value.dtype, like.dtype)
         if match_dtype and value.dtype != like.dtype and not mixed:
             raise InputTypeError(
                 f"{prefix}{name} is {value.dtype} but {like_name} are {like.dtype}: cast one of them "

@@ -504,6 +504,18 @@ def test_a_float64_input_to_a_float32_layer_under_autocast_is_refused_clearly(na
         layer(tokens(2, 5))
 
 
+@pytest.mark.parametrize("name", ["softmax", "kep_svgp"])
+def test_autocast_mixes_float32_and_bfloat16_but_refuses_float64_either_way(name):
+    # float32 tokens into a bfloat16 layer (and bfloat16 tokens into a float32 one) are autocast's own mixing: they
+    # pass the check and run; float32 tokens into a float64 layer would fail deep inside (autocast casts no float64)
+    x = tokens(2, 5, dtype=torch.float32)
+    with torch.autocast("cpu", torch.bfloat16):
+        assert torch.isfinite(build(name, dtype=torch.bfloat16)(x)).all()
+        assert torch.isfinite(build(name, dtype=torch.float32)(x.bfloat16())).all()
+        with pytest.raises(TypeError, match="x is torch.float32 but the parameters are torch.float64"):
+            build(name, dtype=torch.float64)(x)
+
+
 # -- state ---------------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("name", NAMES)
 def test_state_dict_save_and_deepcopy_give_identical_outputs(name):
