@@ -144,8 +144,10 @@ def sweep_calibration_error(
     :return: A fraction in :math:`[0, 1]`.
 
     .. note:: Cost O(n log n) per binary problem for one sort, then O(B log n) per number of bins tried (from
-        cumulative sums), O(n log n) in all when the outcomes are monotone in the scores (then every binning is, and
-        :math:`B^\star` is the largest: no search).
+        cumulative sums), so :math:`O(B^{\star 2} \log n)` for the search up to :math:`B^\star`: quadratic in
+        :math:`n` in the worst case, where the mean outcomes stay monotone up to :math:`B^\star` near :math:`n` while
+        the finest binning is not (a contrived input); O(n log n) in all when the outcomes are monotone in the
+        scores (then every binning is, and :math:`B^\star` is the largest: no search).
     """
     # a Python int (a NumPy integer would make the result a NumPy float); True, equal to 1, is no power
     power = check_int("power", power, minimum=1, maximum=2, where="sweep_calibration_error")
