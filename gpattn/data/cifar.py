@@ -145,6 +145,18 @@ def _resolve(root: str | Path, subfolder: str, expected: list[str], what: str) -
     )
 
 
+def _check_label_range(labels: np.ndarray, classes: int, path: Path, offset: int = 0) -> None:
+    """A :class:`DataFileError` naming the first label outside ``0..classes - 1`` (its value and its row, counted from
+    ``offset`` in the file), if there is one. O(n)."""
+    outside = np.flatnonzero((labels < 0) | (labels >= classes))
+    if outside.size:
+        first = int(outside[0])
+        raise DataFileError(
+            f"labels in {path} outside 0..{classes - 1}: {outside.size} of them, the first {int(labels[first])} at "
+            f"row {offset + first}"
+        )
+
+
 def _unpickle(path: Path) -> dict:
     """The pickled dict in ``path`` (a CIFAR-10 batch or meta file), or a :class:`DataFileError` saying why not."""
     data = path.read_bytes()
@@ -236,8 +248,7 @@ def load_cifar10(root: str | Path, split: str = "train") -> ImageDataset:
             raise DataFileError(f"expected b'data' in {path} to be uint8 (n, 3072), got {data.dtype} {data.shape}")
         if batch_labels.shape != (data.shape[0],):
             raise DataFileError(f"expected {data.shape[0]} labels in {path}, got shape {batch_labels.shape}")
-        if batch_labels.size and (batch_labels.min() < 0 or batch_labels.max() >= len(class_names)):
-            raise DataFileError(f"labels in {path} outside 0..{len(class_names) - 1}")
+        _check_label_range(batch_labels, len(class_names), path)
         images.append(data.reshape(-1, 3, 32, 32))
         labels.append(batch_labels)
     if not sum(len(batch) for batch in images):
@@ -292,8 +303,7 @@ def load_cifar10_c(root: str | Path, corruption: str, severity: int) -> ImageDat
     block = data.shape[0] // 5
     rows = slice((severity - 1) * block, severity * block)
     labels = _integer_labels(all_labels[rows], labels_path, "array")
-    if labels.size and (labels.min() < 0 or labels.max() >= len(CIFAR10_CLASSES)):
-        raise DataFileError(f"labels in {labels_path} outside 0..{len(CIFAR10_CLASSES) - 1}")
+    _check_label_range(labels, len(CIFAR10_CLASSES), labels_path, offset=rows.start)
     images = np.asarray(data[rows]).transpose(0, 3, 1, 2)  # (m, 32, 32, 3) -> (m, 3, 32, 32)
     return ImageDataset(
         _to_float_images(images),

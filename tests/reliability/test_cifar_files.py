@@ -422,12 +422,21 @@ def test_a_pickle_with_foreign_code_is_refused_without_running_it(cifar, tmp_pat
     assert "which no CIFAR-10 batch holds" in str(caught.value) and not marker.exists()
 
 
-@pytest.mark.parametrize("labels", [[0, 10], [-1, 3]])
-def test_cifar10_labels_out_of_range_are_named(cifar, labels):
+@pytest.mark.parametrize(("labels", "first"), [([0, 10], "10 at row 1"), ([-1, 3], "-1 at row 0")])
+def test_cifar10_labels_out_of_range_are_named(cifar, labels, first):
     folder, _ = cifar
     (folder / "data_batch_2").write_bytes(pickle.dumps(_batch_dict("x", np.zeros((2, 3072), dtype=np.uint8), labels)))
-    with pytest.raises(DataFileError, match=r"data_batch_2.*outside 0\.\.9"):
+    with pytest.raises(DataFileError, match=rf"data_batch_2 outside 0\.\.9: 1 of them, the first {first}$"):
         load_cifar10(folder, "train")
+
+
+def test_cifar10_c_labels_out_of_range_name_their_row_in_the_file(cifar_c):
+    folder, _ = cifar_c
+    labels = np.zeros(5 * M, dtype=np.int64)
+    labels[2 * M + 1] = 12  # severity 3's second row
+    np.save(folder / "labels.npy", labels)
+    with pytest.raises(DataFileError, match=rf"outside 0\.\.9: 1 of them, the first 12 at row {2 * M + 1}$"):
+        load_cifar10_c(folder, "fog", 3)
 
 
 @pytest.mark.parametrize(
