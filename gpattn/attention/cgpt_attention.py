@@ -11,7 +11,7 @@ from gpytorch.constraints import GreaterThan, Positive
 from linear_operator.utils.errors import NotPSDError
 from torch import Tensor
 
-from ..kernels import first_real_token, squared_distance
+from ..kernels import padding_filled, squared_distance
 from ..mlls import CGPAddedLossTerm
 from ..validation import check_float, check_overflow, check_positive, initialize_positive
 from ._base import AttentionInputs, AttentionLayer
@@ -285,13 +285,10 @@ class CGPTAttention(AttentionLayer):
         # float32 at least from the projections on (LAPACK has no half-precision Cholesky, and K_00^{-1} amplifies
         # the rounding of half-precision projections); the caller casts the results back
         dtype = torch.promote_types(inputs.keys.dtype, torch.float32)
-        query_tokens, key_tokens = inputs.queries.to(dtype), inputs.keys.to(dtype)
-        origin = first_real_token(key_tokens, inputs.key_mask)  # t; shape: (B, 1, C)
-        if inputs.key_mask is not None:
-            # padding may hold anything finite: at the origin it cannot move the centring of the squared distances (a
-            # mean over the points: large padding cost the real tokens all their digits, or made K_00 not PSD)
-            key_tokens = torch.where(inputs.key_mask.unsqueeze(-1), key_tokens, origin)
-            query_tokens = query_tokens if inputs.is_cross else key_tokens
+        # padding set to the first real token t, the origin: it cannot move the centring of the squared distances (a
+        # mean over the points: large padding cost the real tokens all their digits, or made K_00 not PSD)
+        key_tokens, origin = padding_filled(inputs.keys.to(dtype), inputs.key_mask)  # t; shape: (B, 1, C)
+        query_tokens = inputs.queries.to(dtype) if inputs.is_cross else key_tokens
 
         query_weight, key_weight, latent_weight, value_weight = (
             projection.weight.to(dtype)

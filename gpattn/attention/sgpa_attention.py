@@ -10,7 +10,7 @@ from gpytorch.constraints import Positive
 from linear_operator.utils.cholesky import psd_safe_cholesky
 from torch import Tensor
 
-from ..kernels import first_real_token, safe_max_logit, squared_distance
+from ..kernels import padding_filled, safe_max_logit, squared_distance
 from ..mlls import SequenceKLAddedLossTerm
 from ..validation import check_choice, check_float, check_int, check_overflow, initialize_positive
 from ._base import AttentionInputs, AttentionLayer
@@ -225,15 +225,11 @@ class SGPAAttention(AttentionLayer):
         """Per-head mean and variance ``(B, H, N, p)`` in the tokens' dtype, the sampling jitter ``(H, 1, 1)`` and
         (``with_kl``) the KL of every sequence that the added loss term ``"sequence_kl"`` carries, ``(B,)``."""
         token_dtype = inputs.queries.dtype
-        queries_in, keys_in, shift = inputs.queries, inputs.keys, None
-        if inputs.key_mask is not None:
-            # padding may hold anything finite: set to the first real token, it can move neither the centring of the
-            # squared distances (a mean over the points: large padding cost the real tokens all their digits) nor the
-            # exponential kernel's range check
-            keys_in = torch.where(inputs.key_mask.unsqueeze(-1), keys_in, first_real_token(keys_in, inputs.key_mask))
-            queries_in = queries_in if inputs.is_cross else keys_in
+        # padding set to the first real token t: it moves neither the centring of the squared distances nor the
+        # exponential kernel's range check
+        keys_in, origin = padding_filled(inputs.keys, inputs.key_mask)  # t; shape: (B, 1, C)
+        queries_in, shift = inputs.queries if inputs.is_cross else keys_in, None
         if self.kernel_type == "ard":  # translation invariant: centre the tokens on one of them before projecting
-            origin = first_real_token(keys_in, inputs.key_mask)  # t; shape: (B, 1, C)
             queries_in, keys_in = queries_in - origin, keys_in - origin
             shift = self.split_heads(self.key_proj(origin))  # W_k t; shape: (B, H, 1, p)
         queries = self.split_heads(self.key_proj(queries_in))  # shape: (B, H, N, p)

@@ -6,7 +6,7 @@ from .exponential_dot_product_kernel import ExponentialDotProductKernel, safe_ma
 from .feature_lift import FeatureLift
 from .induced_kernel import InducedKernel
 from .shifted_rbf_kernel import ShiftedRBFKernel
-from .squared_distance import first_real_token, squared_distance
+from .squared_distance import first_real_token, padding_filled, squared_distance
 
 __all__ = [
     "AsymmetricKernel",
@@ -16,6 +16,7 @@ __all__ = [
     "InducedKernel",
     "ShiftedRBFKernel",
     "first_real_token",
+    "padding_filled",
     "inverse_norms",
     "safe_max_logit",
     "squared_distance",

@@ -69,3 +69,21 @@ def first_real_token(tokens: Tensor, mask: Tensor | None = None) -> Tensor:
         return tokens[:, :1]
     first = mask.to(torch.uint8).argmax(-1)  # the first True of every row; shape: (B,)
     return tokens[torch.arange(tokens.shape[0], device=tokens.device), first].unsqueeze(1)
+
+
+def padding_filled(tokens: Tensor, mask: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """``tokens`` with every padded token replaced by its sequence's first real token, and that token
+    (:func:`first_real_token`). Padding may hold anything finite; so filled it moves no mean over the points (the
+    centring of :func:`squared_distance`, where padding of 1e4 cost the real tokens all their digits) and no range
+    check over them. Without a mask, ``tokens`` as they are.
+
+    :param tokens: shape ``(B, N, C)``.
+    :param mask: ``None`` or a boolean ``(B, N)``, ``True`` for real tokens (at least one per sequence).
+    :return: The filled tokens ``(B, N, C)`` and the first real tokens ``(B, 1, C)``.
+
+    .. note:: Cost O(B N C) for the replacement (none without a mask).
+    """
+    first = first_real_token(tokens, mask)
+    if mask is None:
+        return tokens, first
+    return torch.where(mask.unsqueeze(-1), tokens, first), first

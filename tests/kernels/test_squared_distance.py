@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gpattn.kernels import first_real_token, squared_distance
+from gpattn.kernels import first_real_token, padding_filled, squared_distance
 
 DTYPE = torch.float64
 
@@ -68,6 +68,21 @@ def test_first_real_token():
     mask = torch.tensor([[True, True, False, False], [False, False, True, True], [False, True, False, True]])
     expected = torch.stack([tokens[0, 0], tokens[1, 2], tokens[2, 1]])[:, None]
     torch.testing.assert_close(first_real_token(tokens, mask), expected)
+
+
+def test_padding_filled_puts_the_first_real_token_in_every_padded_place():
+    tokens = points(3, 4, 2, seed=8)
+    filled, first = padding_filled(tokens)
+    assert filled is tokens and torch.equal(first, tokens[:, :1])
+    mask = torch.tensor([[True, True, False, False], [False, False, True, True], [False, True, False, True]])
+    filled, first = padding_filled(tokens, mask)
+    assert torch.equal(first, first_real_token(tokens, mask))
+    expected = tokens.clone()
+    for b, row in enumerate(mask):
+        for n, real in enumerate(row):
+            if not real:
+                expected[b, n] = first[b, 0]
+    assert torch.equal(filled, expected)
 
 
 def test_same_requires_right_to_be_left_and_points_of_one_dimension():
