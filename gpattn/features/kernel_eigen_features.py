@@ -62,7 +62,10 @@ class KernelEigenFeatures(GraphFreeState, KernelEigenFeaturesBase):
         registered as is (shared), anything else is copied.
     :param num_inducing: :math:`s \leq \min(M_X, M_Z)`, the KSVD rank.
     :param mode: ``"exact"`` or ``"primal"``.
-    :param key_landmarks: Key landmarks :math:`Z`, shape ``(*batch, M', d)`` (default: the query landmarks).
+    :param key_landmarks: Key landmarks :math:`Z`, shape ``(*batch, M', d)``. By default they are the query landmarks:
+        then not registered under a second name but read through ``landmarks`` (one tensor, whatever replaces it: a
+        conversion, an assigning load, Pyro's ``update_module_params``); the state dict still holds a
+        ``key_landmarks`` entry (the landmarks), so that a module built with key landmarks of its own loads it.
     :param learn_landmarks: Register copied landmarks as parameters (else buffers).
     :param svd_method: ``"exact"`` or ``"randomized"`` (see :func:`~gpattn.ksvd.kernel_svd`).
     :param ksvd_weight: :math:`\eta` of the primal-mode penalty.
@@ -97,10 +100,12 @@ class KernelEigenFeatures(GraphFreeState, KernelEigenFeaturesBase):
         # the token width, when the kernel is known now (a getter's kernel may not exist yet)
         width = kernel.input_dim if isinstance(kernel, AsymmetricKernel) else "d"
         self._register_landmarks("landmarks", landmarks, learn_landmarks, width)
-        # one landmark set by default: the key landmarks are the very same tensor
+        # one landmark set by default: the key landmarks are then not registered at all, and reading them reads the
+        # landmarks (__getattr__), so that nothing that replaces the registered landmarks (a conversion, an assigning
+        # load, Pyro's update_module_params) can leave a second copy behind
         self._shared_key_landmarks = key_landmarks is None
-        key_landmarks = self.landmarks if key_landmarks is None else key_landmarks
-        self._register_landmarks("key_landmarks", key_landmarks, learn_landmarks, width)
+        if key_landmarks is not None:
+            self._register_landmarks("key_landmarks", key_landmarks, learn_landmarks, width)
         num_landmarks = min(self.landmarks.shape[-2], self.key_landmarks.shape[-2])
         self.num_inducing = check_int("num_inducing (the KSVD rank)", num_inducing, 1, num_landmarks, where=where)
         self.mode = mode
@@ -111,15 +116,10 @@ class KernelEigenFeatures(GraphFreeState, KernelEigenFeaturesBase):
             self._init_primal()
 
     def _register_landmarks(self, name: str, landmarks: Tensor, learn: bool, width: int | str) -> None:
-        if landmarks is not getattr(self, "landmarks", None):  # the shared key landmarks are checked once
-            shape = ("...", "M", width)
-            check_tensor(
-                name, landmarks, shape, floating=True, non_empty=True, finite=True, where="KernelEigenFeatures"
-            )
+        shape = ("...", "M", width)
+        check_tensor(name, landmarks, shape, floating=True, non_empty=True, finite=True, where="KernelEigenFeatures")
         if isinstance(landmarks, torch.nn.Parameter):
             self.register_parameter(name, landmarks)
-        elif name == "key_landmarks" and landmarks is getattr(self, "landmarks", None):
-            self.register_buffer(name, landmarks)
         elif learn:
             self.register_parameter(name, torch.nn.Parameter(landmarks.detach().clone()))
         else:
@@ -171,33 +171,58 @@ class KernelEigenFeatures(GraphFreeState, KernelEigenFeaturesBase):
     def _clear_cache(self) -> None:
         clear_cache_hook(self)
 
+    def __getattr__(self, name: str):
+        # the default key landmarks are the landmarks: not registered under a second name, read through this one
+        if name == "key_landmarks" and self._reads_key_landmarks_from_landmarks():
+            return self.landmarks
+        return super().__getattr__(name)
+
+    def __setattr__(self, name: str, value) -> None:
+        if name == "key_landmarks" and isinstance(value, Tensor) and self._reads_key_landmarks_from_landmarks():
+            # key landmarks of their own from now on: a parameter, or a buffer for any other tensor
+            self._shared_key_landmarks = False
+            if not isinstance(value, torch.nn.Parameter):
+                self.register_buffer(name, value)
+                return
+        super().__setattr__(name, value)
+
+    def _reads_key_landmarks_from_landmarks(self) -> bool:
+        # built without key_landmarks, and none registered since (an assignment registers one)
+        registered = self.__dict__.get("_parameters", {}), self.__dict__.get("_buffers", {})
+        shared = self.__dict__.get("_shared_key_landmarks", False)
+        return shared and not any("key_landmarks" in tensors for tensors in registered)
+
     def _apply(self, fn, *args, **kwargs):
         # the eval-mode memo of the KSVD holds the old dtype and device: .double() or .to(device) must not reuse it
         self._clear_cache()
-        result = super()._apply(fn, *args, **kwargs)
-        self._tie_key_landmarks()  # torch converts each registered buffer on its own
-        return result
+        return super()._apply(fn, *args, **kwargs)
 
-    def _load_from_state_dict(self, *args, **kwargs):
-        super()._load_from_state_dict(*args, **kwargs)
-        self._tie_key_landmarks()  # load_state_dict(assign=True) assigns the two names separately
-
-    def _tie_key_landmarks(self) -> None:
-        """The default key landmarks are the landmarks themselves, one tensor under two names: after a conversion or
-        an assigning load, which handle the two names one by one, they are tied again (else an optimiser step or an
-        in-place edit would move the landmarks and leave the key landmarks behind)."""
-        if not getattr(self, "_shared_key_landmarks", False):
-            return
-        # the registered tensor (a parametrized module's landmarks attribute is computed: nothing to tie then)
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        # the state dict keeps its key_landmarks entry (the landmarks) for the default key landmarks, as before they
+        # were read through the landmarks: checkpoints keep their keys, and a module built with its own key landmarks
+        # loads them
         landmarks = self._parameters.get("landmarks", self._buffers.get("landmarks"))
-        if landmarks is None:
-            return
-        if isinstance(landmarks, torch.nn.Parameter):
-            self._buffers.pop("key_landmarks", None)
-            self._parameters["key_landmarks"] = landmarks
-        else:
-            self._parameters.pop("key_landmarks", None)
-            self._buffers["key_landmarks"] = landmarks
+        if landmarks is not None and self._reads_key_landmarks_from_landmarks():
+            destination[prefix + "key_landmarks"] = landmarks if keep_vars else landmarks.detach()
+
+    def _load_from_state_dict(
+        self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
+    ) -> None:
+        key = prefix + "key_landmarks"
+        if key in state_dict and self._reads_key_landmarks_from_landmarks():
+            # the entry of a module with the default key landmarks repeats its landmarks; one with different values
+            # comes from a module built with its own key landmarks, which this one cannot hold
+            saved, landmarks = state_dict.pop(key), state_dict.get(prefix + "landmarks")
+            if landmarks is not None and not (saved.shape == landmarks.shape and torch.equal(saved, landmarks)):
+                error_msgs.append(
+                    f"{key}: the state dict holds key landmarks different from its landmarks, but this "
+                    "KernelEigenFeatures reads its key landmarks from its landmarks (built without key_landmarks); "
+                    "build it with key_landmarks to load them"
+                )
+        super()._load_from_state_dict(
+            state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
+        )
 
     def _exact_svd(self) -> KernelSVD:
         return kernel_svd(self.kernel(self.landmarks, self.key_landmarks), self.num_inducing, method=self.svd_method)

@@ -623,21 +623,63 @@ def test_a_load_of_the_weights_without_a_fit_unfits_a_laplace_and_a_load_of_noth
     assert strict.laplace is None
 
 
-def test_parametrized_landmarks_are_left_to_their_parametrization():
-    """With ``landmarks`` parametrized (torch.nn.utils.parametrize), the attribute is a computed tensor: the re-tie
-    after a conversion stored it as the key landmarks (a non-leaf buffer: deepcopy then failed, and the key landmarks
-    froze)."""
+def test_default_key_landmarks_keep_their_state_dict_entry():
+    """The default key landmarks are read through the landmarks (one registered tensor), and the state dict keeps its
+    ``key_landmarks`` entry: checkpoints keep their keys, and a module built with its own key landmarks loads them."""
+    features = _landmark_features(0)
+    assert [name for name, _ in features.named_parameters()] == ["landmarks"] + [
+        name for name, _ in features.named_parameters() if name != "landmarks"
+    ]
+    assert "key_landmarks" not in dict(features.named_parameters())
+    state = features.state_dict()
+    assert torch.equal(state["key_landmarks"], state["landmarks"])
+    own = _landmark_features(1, key_landmarks=_points(DTYPE, 3)[0] - 0.3)
+    own.load_state_dict(state)
+    assert torch.equal(own.key_landmarks, features.landmarks) and own.key_landmarks is not own.landmarks
+    fresh = _landmark_features(2)
+    fresh.load_state_dict(state)  # strict: the entry is consumed, not unexpected
+    assert fresh.key_landmarks is fresh.landmarks and torch.equal(fresh.landmarks, features.landmarks)
+
+
+def test_key_landmarks_of_their_own_are_refused_by_a_module_without():
+    """A state dict whose key landmarks differ from its landmarks comes from a module built with key landmarks of
+    its own; a module that reads them from its landmarks cannot hold them, and says so (before, the load wrote both
+    entries into the one shared tensor, the later one winning)."""
+    source = _landmark_features(0, key_landmarks=_points(DTYPE, 3)[0] - 0.3)
+    target = _landmark_features(1)
+    with pytest.raises(RuntimeError, match=r"key_landmarks: the state dict holds key landmarks different from its"):
+        target.load_state_dict(source.state_dict())
+
+
+def test_an_assigned_key_landmarks_parameter_is_the_one_read():
+    features = _landmark_features(0)
+    keys = torch.nn.Parameter(features.landmarks.detach() + 1.0)
+    features.key_landmarks = keys
+    assert features.key_landmarks is keys and features.landmarks is not keys
+    assert torch.equal(features.state_dict()["key_landmarks"], keys.detach())
+    fixed = _landmark_features(1, learn_landmarks=False)
+    fixed.key_landmarks = fixed.landmarks + 1.0  # a plain tensor: a buffer, as the landmarks
+    assert torch.equal(fixed.key_landmarks, fixed.landmarks + 1.0) and "key_landmarks" in dict(fixed.named_buffers())
+
+
+def test_parametrized_landmarks_are_the_key_landmarks_too():
+    """With ``landmarks`` parametrized (torch.nn.utils.parametrize), the attribute is a computed tensor, and the
+    default key landmarks, which are the landmarks, are that computed tensor as well (before they were read through
+    the landmarks, a re-tie after a conversion stored it as a non-leaf buffer, which deepcopy refused; then the key
+    landmarks stayed the unparametrized tensor); a conversion and a deepcopy keep it so."""
 
     class Doubled(torch.nn.Module):
         def forward(self, value: Tensor) -> Tensor:
             return 2 * value
 
     features = _landmark_features(0)
-    key_landmarks = features.key_landmarks
+    original = features.landmarks.detach().clone()
     torch.nn.utils.parametrize.register_parametrization(features, "landmarks", Doubled())
     features.double()
-    assert isinstance(features.key_landmarks, torch.nn.Parameter) and features.key_landmarks is key_landmarks
-    copy.deepcopy(features)
+    copied = copy.deepcopy(features)
+    for module in (features, copied):
+        torch.testing.assert_close(module.key_landmarks, 2 * original, rtol=0, atol=0)
+        torch.testing.assert_close(module.landmarks, 2 * original, rtol=0, atol=0)
 
 
 def test_a_load_without_the_strategy_keys_keeps_the_strategy_flag():
