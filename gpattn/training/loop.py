@@ -101,8 +101,9 @@ def train_model(
         the message names the data set).
     :raises ValueError: An empty data set, a mask or labels of another row count than its inputs, or training or
         validation labels outside ``[0, num_classes - 1]`` of a model with an integer ``num_classes`` attribute (as
-        :class:`~gpattn.models.Transformer`), floating-point inputs holding NaN or Inf, or ``config.mc_dropout`` for a
-        model without dropout, before anything trains.
+        :class:`~gpattn.models.Transformer`), floating-point inputs holding NaN or Inf, ``config.mc_dropout`` for a
+        model without dropout, or float16 parameters (AdamW's eps = 1e-8 is 0 in float16; float32
+        parameters under ``torch.autocast`` or bfloat16 parameters train), before anything trains.
     :raises KeyboardInterrupt: Ctrl-C, passed on as it came: the model then holds the parameters of the last step
         taken (in training mode), not the best state, and the checkpoints on disk stay those of the last completed
         epoch, from which ``resume=True`` continues as if uninterrupted (on the CPU).
@@ -145,6 +146,15 @@ def train_model(
     callbacks = check_callbacks(callbacks, "train_model")
     if resume and config.checkpoint_dir is None:
         raise ValueError("resume=True needs config.checkpoint_dir (the directory holding last.pt), got None")
+    half = [name for name, parameter in model.named_parameters() if parameter.dtype == torch.float16]
+    if half:
+        # AdamW's eps = 1e-8 is 0 in float16: a gradient entry of exactly zero makes its step 0/0 = NaN at step one
+        shown = ", ".join(half[:3]) + (f" and {len(half) - 3} more" if len(half) > 3 else "")
+        raise ValueError(
+            f"train_model: the model has float16 parameters ({shown}), which AdamW cannot train (its eps = 1e-8 is 0 "
+            "in float16, so the first step divides zero by zero); keep the parameters in float32 and compute in "
+            "float16 under torch.autocast, or use bfloat16 parameters"
+        )
     loop = _Loop(model, train, val, config, TrainingStrategy() if strategy is None else strategy, callbacks)
     return loop.run(resume)
 
@@ -264,7 +274,11 @@ class _Loop:
                 self.evaluated.release()
         self.model.load_state_dict(self.best_state)
         self.model.eval()
-        self.callbacks.on_train_end(context)
+        try:
+            self.callbacks.on_train_end(context)
+        except BaseException as error:  # a hook raising anywhere: every callback is told (the callbacks' contract)
+            self.callbacks.on_exception(context, error)
+            raise
         return self.result
 
     def _epoch(self, context: TrainingContext) -> None:
