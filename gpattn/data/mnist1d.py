@@ -325,7 +325,7 @@ def make_mnist1d_noise_ood(
       scaled to zero mean and unit standard deviation per sequence (the standardised data's scale).
 
     :param n: Number of sequences.
-    :param seed: Seed.
+    :param seed: Seed, in ``[0, 2**64 - 1]``.
     :param patch_size: Values per token, as in :func:`load_mnist1d`.
     :param dtype: Floating dtype of the tokens.
     :return: ``SequenceDataset`` of ``n`` sequences, 3 classes (the families).
@@ -335,7 +335,7 @@ def make_mnist1d_noise_ood(
     from scipy.ndimage import gaussian_filter1d
 
     check_int("n", n, minimum=0, where="make_mnist1d_noise_ood")
-    check_int("seed", seed, minimum=0, maximum=2**32 - 1, where="make_mnist1d_noise_ood")
+    seed = check_seed("seed", seed, where="make_mnist1d_noise_ood")  # a Python int (random.seed refuses NumPy's)
     # a Python int (a NumPy one reached MNIST1DSplits.patch_size and input_dim; True passed as 1)
     patch_size = check_int("patch_size", patch_size, where="make_mnist1d_noise_ood")
     check_choice("patch_size", patch_size, PATCH_SIZES, where="make_mnist1d_noise_ood")
@@ -346,7 +346,8 @@ def make_mnist1d_noise_ood(
     rng = np.random.default_rng(seed)
     labels = np.arange(n) % len(MNIST1D_NOISE_FAMILIES)
     signals = np.empty((n, MNIST1D_LENGTH))
-    with seeded_global_rngs(seed):
+    # NumPy's global generator takes 32-bit seeds: a larger one is folded into one (those below keep their draws)
+    with seeded_global_rngs(seed if seed < 2**32 else _sub_seed(seed)):
         for i, family in enumerate(labels):
             if family == 2:
                 noise = gaussian_filter1d(rng.standard_normal(MNIST1D_LENGTH), rng.uniform(1.0, 3.0), mode="wrap")

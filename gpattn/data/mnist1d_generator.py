@@ -194,7 +194,8 @@ def make_mnist1d_signals(
         distribution.
     :return: ``float64`` NumPy array ``(n, 40)``.
     """
-    check_int("seed", seed, minimum=0, maximum=2**32 - 1, where="make_mnist1d_signals")
+    # a Python int: random.seed refuses NumPy's integers
+    seed = check_int("seed", seed, minimum=0, maximum=2**32 - 1, where="make_mnist1d_signals")
     if not isinstance(cache, bool):
         raise InputTypeError(f"make_mnist1d_signals: expected cache to be True or False, got {cache!r}")
     values = np.asarray(digits.cpu() if isinstance(digits, Tensor) else digits)

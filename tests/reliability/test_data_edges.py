@@ -186,14 +186,6 @@ def test_mnist1d_noise_ood_families_in_float64() -> None:
     torch.testing.assert_close(single, ood.tokens.reshape(7, 40).float(), rtol=0, atol=0)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=TypeError,
-    reason="a NumPy integer seed passes check_int but reaches random.seed(), which refuses it (TypeError: 'The only "
-    "supported seed types are: None, int, float, str, bytes, and bytearray'): seeded_global_rngs is given the "
-    "unconverted seed (mnist1d_generator.py:65; check_int's result discarded at mnist1d_generator.py:197 and "
-    "mnist1d.py:338)",
-)
 @pytest.mark.parametrize("make", ["signals", "noise_ood"])
 def test_numpy_integer_seeds_of_the_mnist1d_generators_are_their_numbers(make) -> None:
     if make == "signals":
@@ -202,13 +194,6 @@ def test_numpy_integer_seeds_of_the_mnist1d_generators_are_their_numbers(make) -
         torch.testing.assert_close(make_mnist1d_noise_ood(3, np.int64(2)).tokens, make_mnist1d_noise_ood(3, 2).tokens)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=ValueError,
-    reason="make_mnist1d_noise_ood refuses seeds above 2**32 - 1 (mnist1d.py:338), where every other data set and OOD "
-    "set of gpattn (make_noise_ood, load_digits_splits, make_mnist1d_shifted_test_sets, the toy tasks) takes gpattn's "
-    "one seed range [0, 2**64 - 1] (validation.check_seed)",
-)
 def test_mnist1d_noise_ood_takes_the_packages_seed_range() -> None:
     assert make_noise_ood(3, seed=2**64 - 1).images.shape == (3, 1, 8, 8)  # the digits' noise OOD set does
     ood = make_mnist1d_noise_ood(3, seed=2**64 - 1)
