@@ -557,6 +557,11 @@ def restore_run(
     check_state_fits(checkpoint["model"], model, path, dtypes=True)
     best_state = None
     if checkpoint["best_epoch"]:
+        if not best_path.exists():  # the pair is incomplete: not a fresh start (no last.pt), a damaged folder
+            raise CheckpointError(
+                f"{path} records a best epoch ({checkpoint['best_epoch']}) but its pair {best_path} is missing: the "
+                "folder is incomplete (restore best.pt, or train again with resume=False)"
+            )
         best = load_checkpoint(best_path)
         check_pair(checkpoint, best, path, best_path)
         best_state = best["model"]

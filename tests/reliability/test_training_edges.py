@@ -20,6 +20,7 @@ from gpattn.mlls import AttentionELBO
 from gpattn.models import Transformer
 from gpattn.training import (
     Callback,
+    CheckpointError,
     TrainConfig,
     load_checkpoint,
     train_model,
@@ -283,3 +284,17 @@ def test_a_float16_model_is_refused_before_training(data):
         train_model(model, data.train, data.val, _config(epochs=1, batch_size=128, lr=1e-7, grad_clip=1e-3))
     assert all(torch.equal(before[name], value) for name, value in model.state_dict().items())
     assert model.training  # not switched to eval by a run that never started
+
+
+def test_a_missing_best_checkpoint_is_a_checkpoint_error_and_leaves_the_model(data, tmp_path):
+    """``last.pt`` that records a best epoch without its pair ``best.pt`` is a damaged folder (a CheckpointError,
+    as train_model documents for a checkpoint that does not pair with best.pt), not the FileNotFoundError of a
+    fresh start without ``last.pt``; the model is left untouched."""
+    config = _config(epochs=2, checkpoint_dir=tmp_path)
+    train_model(_model(), data.train, data.val, _config(epochs=1, checkpoint_dir=tmp_path))
+    (tmp_path / "best.pt").unlink()
+    model = _model(seed=3)
+    before = copy.deepcopy(model.state_dict())
+    with pytest.raises(CheckpointError, match=r"records a best epoch \(1\) but its pair .*best\.pt is missing"):
+        train_model(model, data.train, data.val, config, resume=True)
+    assert all(torch.equal(before[name], value) for name, value in model.state_dict().items())
