@@ -170,7 +170,7 @@ def sequence_dataset(
 ) -> SequenceDataset:
     return SequenceDataset(
         signals_to_tokens(signals, patch_size, dtype),
-        torch.as_tensor(labels, dtype=torch.int64),
+        torch.tensor(labels, dtype=torch.int64),  # a copy: sets made from one split's labels do not share them
         None,
         num_classes,
         None,

@@ -209,6 +209,10 @@ def test_shifted_test_sets_use_the_documented_parameters(monkeypatch) -> None:
         torch.testing.assert_close(dataset.labels, small.test.labels, rtol=0, atol=0)
         assert str(MNIST1D_SHIFT_PARAMETERS[kind][severity - 1]) in dataset.description
     assert len({seed for _, seed, _ in calls}) == len(calls)  # one independent seed per set
+    # each set owns its labels: an in-place edit of one leaves the test split and the other sets alone
+    first_label = int(small.test.labels[0])
+    shifted[("shear", 5)].labels[0] = first_label + 1
+    assert int(small.test.labels[0]) == first_label and int(shifted[("shear", 2)].labels[0]) == first_label
     again = make_mnist1d_shifted_test_sets(small, seed=0, kinds=("shear",), severities=(5,))
     torch.testing.assert_close(again[("shear", 5)].tokens, shifted[("shear", 5)].tokens, rtol=0, atol=0)
     other = make_mnist1d_shifted_test_sets(small, seed=1, kinds=("shear",), severities=(5,))
@@ -219,6 +223,7 @@ def test_shuffled_test_set_permutes_positions(svc) -> None:
     splits = load_mnist1d(held_out_classes=(9,), dtype=torch.float64)
     shuffled = make_mnist1d_shuffled_test_set(splits)
     torch.testing.assert_close(shuffled.labels, splits.test.labels, rtol=0, atol=0)
+    assert shuffled.labels.data_ptr() != splits.test.labels.data_ptr()  # its own labels (an edit stays there)
     clean, permuted = _signals(splits.test), _signals(shuffled)
     # every shuffled column is one clean column, the same permutation for every sequence (to rounding: mnist1d
     # standardises the shuffled set separately, and with NumPy 1.26 its entries differ from the clean ones by 6e-17)
