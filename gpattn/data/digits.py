@@ -363,7 +363,7 @@ def make_shifted_test_sets(
             sub_seed = int(np.random.SeedSequence([seed, SHIFT_KINDS.index(kind), severity]).generate_state(1)[0])
             shifted[(kind, severity)] = ImageDataset(
                 shift_images(dataset.images, kind, severity, sub_seed),
-                dataset.labels,
+                dataset.labels.clone(),  # its own: an in-place edit of one set stays there
                 dataset.num_classes,
                 dataset.class_names,
                 f"{dataset.description} | shift {kind} severity {severity} "

@@ -202,6 +202,7 @@ def test_make_shifted_test_sets(splits):
     for d in sets.values():
         assert torch.equal(d.labels, splits.test.labels) and d.class_names == splits.test.class_names
         assert d.images.shape == splits.test.images.shape
+        assert d.labels.data_ptr() != splits.test.labels.data_ptr()  # its own labels: an in-place edit stays there
     again = make_shifted_test_sets(splits.test, seed=0, kinds=("gaussian_noise",), severities=(2,))
     assert torch.equal(again[("gaussian_noise", 2)].images, sets[("gaussian_noise", 2)].images)
     # different severities use different noise draws
