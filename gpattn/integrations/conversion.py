@@ -97,7 +97,9 @@ def copy_projections(layer: AttentionLayer, projections: Mapping[str, Projection
       normalises its features, so it has no bias).
 
     Everything else starts fresh (variational parameters, singular values, amortised maps, inducing keys, the GP
-    layers' output maps, which replace the value projection).
+    layers' output maps, which replace the value projection). Only values are copied: the layer's parameters keep
+    their own ``requires_grad=True``, so a converted layer is trainable as a whole even where the source weights were
+    frozen (set ``requires_grad_(False)`` on the copied names afterwards to keep them fixed).
 
     :param layer: The gpattn layer, on the device and dtype of the projections.
     :param projections: ``role -> (weight, bias)``.
@@ -258,10 +260,19 @@ def convert_modules(
     :param attention: The registry name (checked before anything is built).
     :param make_adapter: ``(name, module) -> {qualified name: new module}``: the adapter under ``name``, and any
         other module it displaces (e.g. an output projection that moves into the gpattn layer). Every replacement is
-        built before the first module is replaced, so an error leaves the model as it was.
+        built, and every path resolved and checked, before the first module is replaced, so an error leaves the
+        model as it was.
     :param expected: What an attention module is, for the message when there is none.
     :param where: The caller, for the messages.
     :return: ``model``; every replacement is in the training mode of the module it replaces.
+    :raises ValueError: No slot, a bad or converted index, the model itself as the slot, a path ``make_adapter``
+        names that does not exist, or a sharing the replacement would break (below).
+
+    A module in several places of the model (e.g. ``blocks[1].attn = blocks[0].attn``; ``named_modules`` lists it
+    once, so it is one slot, at its first path) is replaced at every place by the same adapter: the sharing stays.
+    Each displaced module is replaced at the same path relative to every place of the slot, and must be the same
+    module there (else the conversion is refused, naming the paths: one adapter cannot stand for two output
+    projections); where it also serves an attention module that is not converted, it stays there.
     """
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"{where}: expected a torch.nn.Module, got {type(model).__name__}")
@@ -278,11 +289,58 @@ def convert_modules(
             f"{where}: the model is itself an attention module ({type(model).__name__}); convert a model that holds "
             "it, e.g. torch.nn.Sequential(module)"
         )
-    replacements = {}
+    paths = _paths(model)
+    plan: dict[str, tuple[torch.nn.Module, torch.nn.Module]] = {}  # path -> (the module there now, its replacement)
     for name, module in chosen:
-        replacements.update(make_adapter(name, module))
-    for name, replacement in replacements.items():
-        replacement.train(model.get_submodule(name).training)  # the replaced module's mode (e.g. eval: no sampling)
-        parent, _, child = name.rpartition(".")  # Module.set_submodule, which torch 2.1 lacks
+        replacements = make_adapter(name, module)
+        olds = {path: _resolve(model, path, where) for path in replacements}
+        for place in paths[id(module)]:  # a shared module: the same replacements at each of its places
+            for path, replacement in replacements.items():
+                target = _move(path, name, place)
+                if target is None or _resolve(model, target, where, missing=None) is not olds[path]:
+                    raise ValueError(
+                        f"{where}: the attention module at {paths[id(module)]} is shared, but {path!r}, replaced "
+                        f"with it, is not the same module at {target or 'its other places'}; unshare the modules"
+                    )
+                plan[target] = (olds[path], replacement)
+    for path, (old, replacement) in plan.items():  # everything resolved and checked: nothing fails from here
+        replacement.train(old.training)  # the replaced module's mode (e.g. eval: no sampling)
+        parent, _, child = path.rpartition(".")  # Module.set_submodule, which torch 2.1 lacks
         setattr(model.get_submodule(parent), child, replacement)
     return model
+
+
+def _paths(model: torch.nn.Module) -> dict[int, list[str]]:
+    """Every qualified name of every submodule of ``model`` (``named_modules`` lists a shared module once), by
+    ``id``, in model order."""
+    paths: dict[int, list[str]] = {}
+    for path, module in model.named_modules(remove_duplicate=False):
+        paths.setdefault(id(module), []).append(path)
+    return paths
+
+
+def _move(path: str, name: str, place: str) -> str | None:
+    """Where ``path``, replaced with the slot at ``name``, sits relative to the slot's other place ``place``: the
+    same path from the place's parent (``place`` itself for ``name``), or ``None`` outside the slot's parent."""
+    if place == name:
+        return path
+    if path == name:
+        return place
+    parent, place_parent = name.rpartition(".")[0], place.rpartition(".")[0]
+    if parent and not path.startswith(f"{parent}."):
+        return None
+    relative = path[len(parent) + 1 :] if parent else path
+    return f"{place_parent}.{relative}" if place_parent else relative
+
+
+_NO_DEFAULT = object()
+
+
+def _resolve(model: torch.nn.Module, path: str, where: str, missing: Any = _NO_DEFAULT) -> Any:
+    """``model.get_submodule(path)``; ``missing`` where there is none, or a ``ValueError`` naming the path."""
+    try:
+        return model.get_submodule(path)
+    except AttributeError as error:
+        if missing is not _NO_DEFAULT:
+            return missing
+        raise ValueError(f"{where}: {type(model).__name__} has no module at {path!r} to replace") from error

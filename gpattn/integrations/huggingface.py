@@ -10,6 +10,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from ..attention import AttentionLayer
 from ..validation import InputTypeError
 from .conversion import MASKED_BELOW, AttentionAdapter, build_layer, convert_modules, copy_projections, padding_mask
 
@@ -65,13 +66,22 @@ class HuggingFaceAttentionAdapter(AttentionAdapter):
     they ask: cross-attention, cached decoding, head masks, ``output_attentions=True`` (the layer has no attention
     weights: the model's ``attentions`` would silently lack this layer's entry, the later layers' shifted to its
     index), ``is_causal=True``, the packed sequences of ``cu_seq_lens_q``/``cu_seq_lens_k``, and the ``BlockMask``
-    of ``flex_attention`` (use ``sdpa`` or ``eager``).
+    of ``flex_attention`` (use ``sdpa`` or ``eager``). ``output_attentions`` is read as transformers reads it: the
+    call's argument when the model is called with one, else ``config.output_attentions`` (transformers then records
+    the weights with hooks on the replaced class and passes nothing down).
 
     :param layer: The gpattn layer.
     :param copied: The names of the layer's parameters copied from the replaced module.
+    :param config: The replaced module's ``config`` (the model's, shared), or ``None``.
+
+    :ivar config: As given: its ``output_attentions`` is checked at every call.
 
     .. note:: Cost: the layer's, plus O(B H N^2) to check a 4-D mask.
     """
+
+    def __init__(self, layer: AttentionLayer, copied: tuple[str, ...] = (), config: Any = None):
+        super().__init__(layer, copied)
+        self.config = config
 
     def forward(
         self, hidden_states: Tensor, attention_mask: Tensor | None = None, **kwargs: Any
@@ -83,8 +93,9 @@ class HuggingFaceAttentionAdapter(AttentionAdapter):
             token) or the encoder's 4-D mask ``(B, 1, N, N)``.
         :param kwargs: Further arguments of the encoder's call.
         :return: The output ``(B, N, C)`` and ``None`` for the attention weights.
-        :raises ValueError: Cross-attention, a cache, a head mask, ``output_attentions=True``, ``is_causal=True``,
-            packed sequences, or a mask that is neither a keep-mask nor an additive padding mask.
+        :raises ValueError: Cross-attention, a cache, a head mask, ``output_attentions=True`` (the call's, else the
+            config's), ``is_causal=True``, packed sequences, or a mask that is neither a keep-mask nor an additive
+            padding mask.
         :raises InputTypeError: A mask that is not a tensor (``flex_attention``'s ``BlockMask``).
         """
         where = type(self).__name__
@@ -96,10 +107,15 @@ class HuggingFaceAttentionAdapter(AttentionAdapter):
         ]
         if refused:
             raise ValueError(f"{where}: a converted encoder layer supports self-attention only, got {refused}")
-        if kwargs.get("output_attentions"):
+        if "output_attentions" in kwargs:  # the call's flag overrides the config's, as in transformers
+            requested, source, fix = kwargs["output_attentions"], "", "call the model without it"
+        else:  # transformers then records the weights with hooks on the replaced class, and passes nothing down
+            requested = getattr(self.config, "output_attentions", False)
+            source, fix = "config.", "set model.config.output_attentions = False"
+        if requested:
             raise ValueError(
-                f"{where}: got output_attentions=True, but a gpattn layer has no attention weights (the model's "
-                "attentions would lack the converted layers and shift the others); call the model without it"
+                f"{where}: got {source}output_attentions=True, but a gpattn layer has no attention weights (the "
+                f"model's attentions would lack the converted layers and shift the others); {fix}"
             )
         if kwargs.get("is_causal"):
             raise ValueError(
@@ -191,8 +207,12 @@ def convert_attention(
     model in eval mode; KEP-SVGP and Primal-Attention: ``out_proj`` and the per-head kernel weights
     :math:`W_q^h, W_k^h`; SGPA: keys, values and output; symmetric SVGP: queries, keys and output; CGPT: queries,
     keys, values and output); the rest
-    starts fresh and the adapter's ``copied`` lists what was copied. The attention-weight dropout of the module has
-    no counterpart (the layer's ``dropout`` acts on its output; default 0).
+    starts fresh and the adapter's ``copied`` lists what was copied. Every parameter of the layer is trainable, the
+    copied ones too, whatever the ``requires_grad`` of the replaced weights (freeze them after the conversion if
+    wanted, e.g. by the names in ``copied``). The attention-weight dropout of the module has no counterpart (the
+    layer's ``dropout`` acts on its output; default 0). A module shared by several places (a weight-shared encoder)
+    counts once in ``blocks`` and is replaced at every place by one adapter
+    (:func:`~gpattn.integrations.convert_modules`).
 
     A pretrained model takes the same path: ``AutoModelForSequenceClassification.from_pretrained(name)`` then
     ``convert_attention(model, ...)``, then fine-tune with :class:`~gpattn.mlls.AttentionELBO` (which reads the
@@ -205,8 +225,9 @@ def convert_attention(
         ``num_heads``, which come from the module.
     :return: ``model``.
     :raises ValueError: No self-attention module of :data:`LAYOUTS`, an index out of range or already converted, an
-        unknown attention name, a causal (decoder) self-attention, a module whose attention width differs from its
-        token width, or a head count or width the layer cannot take.
+        unknown attention name, a causal (decoder) self-attention, a module whose attention width or query, key,
+        value or output projection differs from its token width (``(C, C)`` weights), a head count or width the
+        layer cannot take, or a sharing between modules that the conversion would break.
 
     .. note:: Cost: building the layers and copying O(C^2) weights per converted layer.
 
@@ -230,14 +251,24 @@ def convert_attention(
         widths = {"token width": width, "attention width": query.out_features, "output width": output.out_features}
         if len(set(widths.values())) != 1:
             raise ValueError(f"{where}: gpattn layers map (B, N, C) to (B, N, C); this module has {widths}")
+        shapes = {
+            role: tuple(linear.weight.shape) for role, linear in (("key", key), ("value", value), ("output", output))
+        }
+        other = {role: shape for role, shape in shapes.items() if shape != (width, width)}
+        if other:
+            raise ValueError(
+                f"{where}: expected the key, value and output projections to map the token width C = {width} to "
+                f"itself (weight shape ({width}, {width})), got weight shapes {other}"
+            )
         layer = build_layer(attention, width, getattr(module, layout.heads), layer_options, query.weight, where)
         projections = {
             role: (linear.weight, linear.bias)
             for role, linear in (("query", query), ("key", key), ("value", value), ("output", output))
         }
-        replacements = {name: HuggingFaceAttentionAdapter(layer, copy_projections(layer, projections))}
-        if layout.output_in_parent:
-            replacements[f"{owner}.{layout.output}"] = torch.nn.Identity()
+        copied = copy_projections(layer, projections)
+        replacements = {name: HuggingFaceAttentionAdapter(layer, copied, getattr(module, "config", None))}
+        if layout.output_in_parent:  # owner is "" when the model is the BertAttention itself
+            replacements[f"{owner}.{layout.output}" if owner else layout.output] = torch.nn.Identity()
         return replacements
 
     def is_slot(module: torch.nn.Module) -> bool:

@@ -4,8 +4,8 @@ in a converted ViT and BERT, ``attention="softmax"`` reproduces the model in tra
 gradient checkpointing replays the sampled attention exactly, bfloat16 models get bfloat16 layers, shared and
 cross-attention modules, decoder-only models, and the all-or-nothing replacement when a later block fails.
 
-A test marked ``xfail(strict=True)`` records a defect: it asserts the right behaviour and fails until the defect is
-fixed (then the strict marker makes it fail, so that the marker is removed)."""
+The defects these tests recorded (attentions asked for through the config, a shared attention module converted in
+one place only, a bare ``BertAttention``, key/value widths reported without the module path) are fixed."""
 
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ import torch
 
 import gpattn.integrations  # noqa: F401  (makes torchvision importable before timm and transformers)
 from gpattn.attention import attention_names, select_arguments
+from gpattn.integrations.conversion import build_layer, convert_modules
 from gpattn.integrations.huggingface import HuggingFaceAttentionAdapter
 from gpattn.integrations.huggingface import convert_attention as convert_huggingface
 from gpattn.integrations.timm import TimmAttentionAdapter
@@ -25,6 +26,7 @@ from gpattn.mlls import AttentionELBO
 
 timm = importlib.import_module("timm")
 transformers = importlib.import_module("transformers")
+Attention = importlib.import_module("timm.models.vision_transformer").Attention
 
 WIDTH, HEADS, CLASSES = 16, 2, 3
 IMAGE, PATCH = 8, 4
@@ -168,23 +170,42 @@ def test_a_shared_encoder_layer_stays_shared_after_conversion():
     assert isinstance(second.attention.output.dense, torch.nn.Identity)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason="convert_modules lists the slots with named_modules(), which yields a shared module under its first path "
-    "only, and replaces it there: the other block keeps the original timm Attention, silently (the model is then "
-    "half converted, and blocks=(1,) is out of range for a 2-block model)",
-)
-def test_a_shared_attention_module_is_converted_everywhere_or_refused():
+def test_a_shared_attention_module_is_converted_everywhere():
+    # one attention module in two blocks: one slot (named_modules lists it once), one adapter in both places
     model = _vit()
-    model.blocks[1].attn = model.blocks[0].attn  # one attention module in two blocks
-    try:
-        convert_timm(model, "kep_svgp", blocks=(0,), num_inducing=4)
-    except ValueError as error:  # refusing, naming both places, is right too
-        assert "blocks.0.attn" in str(error) and "blocks.1.attn" in str(error)
-    else:
+    model.blocks[1].attn = model.blocks[0].attn
+    with torch.no_grad():
+        expected = model(_images())
+        convert_timm(model, "softmax", blocks=(0,))
         assert isinstance(model.blocks[0].attn, TimmAttentionAdapter)
         assert model.blocks[1].attn is model.blocks[0].attn, f"blocks.1.attn is a {type(model.blocks[1].attn).__name__}"
+        torch.testing.assert_close(model(_images()), expected, rtol=0, atol=ATOL)
+
+
+def test_a_shared_self_attention_with_two_output_projections_is_refused():
+    # one BertSelfAttention under two BertAttentions with their own output projections: one adapter cannot take both
+    model = _bert()
+    layers = model.bert.encoder.layer
+    layers[1].attention.self = layers[0].attention.self
+    before = dict(model.named_modules(remove_duplicate=False))
+    with pytest.raises(ValueError, match=r"layer\.0\.attention\.self', '.*layer\.1\.attention\.self'.*output\.dense"):
+        convert_huggingface(model, "softmax", blocks=(0,))
+    after = dict(model.named_modules(remove_duplicate=False))
+    assert after.keys() == before.keys() and all(after[name] is module for name, module in before.items())
+
+
+def test_an_output_projection_shared_with_a_kept_layer_stays_there():
+    # BertSelfOutput.dense shared by two layers, only layer 0 converted: layer 1 still applies it
+    model = _bert(hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    layers = model.bert.encoder.layer
+    layers[1].attention.output.dense = layers[0].attention.output.dense
+    dense = layers[0].attention.output.dense
+    with torch.no_grad():
+        expected = model(**_text()).logits
+        convert_huggingface(model, "softmax", blocks=(0,))
+        assert isinstance(layers[0].attention.output.dense, torch.nn.Identity)
+        assert layers[1].attention.output.dense is dense
+        torch.testing.assert_close(model(**_text()).logits, expected, rtol=0, atol=ATOL)
 
 
 def test_cross_attention_modules_are_not_conversion_slots():
@@ -225,25 +246,26 @@ def test_a_failing_later_block_leaves_the_model_as_it_was():
     assert after.keys() == before.keys() and all(after[name] is module for name, module in before.items())
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason="copy_projections (conversion.py) raises its shape errors under its own name; "
-    "huggingface.convert_attention's make_adapter checks the query and output widths only, so a key or value "
-    "projection of another width is reported without the module path",
-)
 def test_a_projection_of_another_width_is_reported_with_the_module_path():
     with pytest.raises(ValueError, match=r"bert\.encoder\.layer\.1\.attention\.self.*value"):
         convert_huggingface(_bert_with_a_narrow_value(1), "softmax", blocks=(-1,))
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=AttributeError,
-    reason="huggingface.convert_attention builds the output path as f'{owner}.{layout.output}' with owner '' when "
-    "the model is the BertAttention itself ('.output.dense'); convert_modules then fails after replacing 'self' "
-    "(AttributeError: BertAttention has no attribute ``), leaving the output projection applied twice",
-)
+def test_a_replacement_path_that_does_not_exist_leaves_the_model_as_it_was():
+    # every path is resolved before the first module is replaced (the adapter's path comes first here)
+    model = _vit()
+    before = dict(model.named_modules())
+
+    def make_adapter(name, module):
+        layer = build_layer("softmax", WIDTH, HEADS, {}, module.qkv.weight, "test")
+        return {name: TimmAttentionAdapter(layer), "blocks.0.missing.dense": torch.nn.Identity()}
+
+    with pytest.raises(ValueError, match=r"no module at 'blocks\.0\.missing\.dense' to replace"):
+        convert_modules(model, lambda module: isinstance(module, Attention), (0,), "softmax", make_adapter, "", "test")
+    after = dict(model.named_modules())
+    assert after.keys() == before.keys() and all(after[name] is module for name, module in before.items())
+
+
 def test_a_bare_bert_attention_module_converts():
     torch.manual_seed(0)
     attention = transformers.models.bert.modeling_bert.BertAttention(_bert_config()).double().eval()
@@ -258,13 +280,6 @@ def test_a_bare_bert_attention_module_converts():
 
 
 # -- attentions requested through the config -----------------------------------------------------------------------
-@pytest.mark.xfail(
-    strict=True,
-    raises=pytest.fail.Exception,
-    reason="HuggingFaceAttentionAdapter refuses output_attentions=True only as a call argument; with "
-    "config.output_attentions = True transformers records the weights by hooks on the replaced class and passes "
-    "nothing down, so the model's attentions silently lack the converted layer (one entry short, the rest shifted)",
-)
 @pytest.mark.parametrize("family", ["bert", "vit"])
 def test_attentions_requested_through_the_config_are_refused(family):
     torch.manual_seed(0)
@@ -283,5 +298,19 @@ def test_attentions_requested_through_the_config_are_refused(family):
     with torch.no_grad():
         assert len(model(**inputs).attentions) == 2  # the replaced modules' weights, one per layer
         converted = convert_huggingface(copy.deepcopy(model), "softmax", blocks=(0,))
-        with pytest.raises(ValueError, match="output_attentions"):
+        with pytest.raises(ValueError, match=r"got config\.output_attentions=True.*output_attentions = False"):
             converted(**inputs)
+        # the call's flag overrides the config's, in transformers and in the adapter: no weights asked for, none refused
+        assert converted(**inputs, output_attentions=False).attentions is None
+        converted.config.output_attentions = False  # the config the adapter holds is the model's
+        assert converted(**inputs).attentions is None
+
+
+def test_the_converted_layer_is_trainable_where_the_source_weights_were_frozen():
+    # as documented (copy_projections): only values are copied; the new layer's parameters all train
+    model = _bert().requires_grad_(False)
+    convert_huggingface(model, "kep_svgp", blocks=(0,), num_inducing=4)
+    adapter = model.bert.encoder.layer[0].attention.self
+    assert "out_proj.weight" in adapter.copied
+    assert all(parameter.requires_grad for parameter in adapter.parameters())
+    assert not any(parameter.requires_grad for parameter in model.bert.encoder.layer[1].parameters())
