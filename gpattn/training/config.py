@@ -26,15 +26,18 @@ class TrainConfig:
         data-parallel training.
     :ivar lr: Peak learning rate of AdamW (reached at the end of the warm-up).
     :ivar weight_decay: AdamW's decoupled weight decay.
-    :ivar warmup_epochs: Length of the linear warm-up in epochs (may be fractional).
+    :ivar warmup_epochs: Length of the linear warm-up in epochs (may be fractional): ``round(warmup_epochs *
+        steps_per_epoch)`` optimiser steps, Python's rounding (to the nearest, halves to even: 0.5 epoch of one step
+        is no warm-up; the KL annealing below rounds up instead).
     :ivar warmup_steps: Length of the warm-up in optimiser steps; overrides ``warmup_epochs`` when set.
     :ivar min_lr: Learning rate at the end of the cosine decay (``0 <= min_lr <= lr``).
     :ivar grad_clip: Maximum global gradient norm, or ``None`` for no clipping.
     :ivar beta: KL weight :math:`\\beta` of :class:`~gpattn.mlls.AttentionELBO`.
     :ivar kl_anneal_epochs: KL annealing: the weight rises linearly from :math:`\\beta / A` to :math:`\\beta` over the
-        first :math:`A` optimiser steps (``kl_anneal_epochs`` epochs, may be fractional), :math:`\\beta_t = \\beta
-        \\min(1, (t + 1) / A)` at global step :math:`t`; ``0`` (default) for none. SGPA's official recipe anneals its
-        KL from 0 to 1 (docs/guide/papers.md); the validation NLL that selects the model does not depend on it.
+        first :math:`A` optimiser steps (``kl_anneal_epochs`` epochs, may be fractional, rounded up),
+        :math:`\\beta_t = \\beta \\min(1, (t + 1) / A)` at global step :math:`t`; ``0`` (default) for none. SGPA's
+        official recipe anneals its KL from 0 to 1 (docs/guide/papers.md); the validation NLL that selects the model
+        does not depend on it.
     :ivar eval_samples: Monte Carlo samples :math:`T` of the validation predictions.
     :ivar eval_batch_size: Batch size of the validation predictions.
     :ivar mc_dropout: Validation predictions with dropout on (the MC-dropout predictive over ``eval_samples`` passes,
