@@ -246,7 +246,15 @@ def convert_attention(
             raise ValueError(f"{where}: causal (decoder) self-attention is not supported; convert encoders")
         owner = name.rpartition(".")[0] if layout.output_in_parent else name
         query, key, value = (_linear(module, path, where) for path in (layout.query, layout.key, layout.value))
-        output = _linear(model.get_submodule(owner), layout.output, where)
+        parent = model.get_submodule(owner)
+        if layout.output_in_parent and not isinstance(getattr(parent, "output", None), torch.nn.Module):
+            # the output projection sits beside this module, in its parent (BertAttention: self, output.dense)
+            raise ValueError(
+                f"{where}: the output projection of a {type(module).__name__} is its parent's {layout.output} (as in "
+                f"BertAttention), but its parent {type(parent).__name__} has none: convert a model that holds the "
+                "whole attention block"
+            )
+        output = _linear(parent, layout.output, where)
         width = query.in_features
         widths = {"token width": width, "attention width": query.out_features, "output width": output.out_features}
         if len(set(widths.values())) != 1:

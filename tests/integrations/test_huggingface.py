@@ -293,6 +293,11 @@ class BertSelfAttention(torch.nn.Module):  # a module of another layout under a 
         self.qkv = torch.nn.Linear(WIDTH, 3 * WIDTH)
 
 
+def _bert_self_attention() -> torch.nn.Module:
+    config = transformers.BertConfig(hidden_size=WIDTH, num_attention_heads=HEADS, intermediate_size=32)
+    return transformers.models.bert.modeling_bert.BertSelfAttention(config)
+
+
 @pytest.mark.parametrize(
     ("model", "attention", "options", "error", "match"),
     [
@@ -309,6 +314,14 @@ class BertSelfAttention(torch.nn.Module):  # a module of another layout under a 
         (_model("distilbert"), "sgpa", {"embed_dim": 8}, TypeError, "come from the converted model"),
         (_model("vit", head_dim=4), "softmax", {}, ValueError, r"'attention width': 8"),
         (torch.nn.Sequential(BertSelfAttention()), "softmax", {}, ValueError, "lays the module out differently"),
+        (
+            torch.nn.Sequential(_bert_self_attention()),  # outside its BertAttention: no output projection beside it
+            "softmax",
+            {},
+            ValueError,
+            r"\(0\): the output projection of a BertSelfAttention is its parent's output.dense .*its parent "
+            r"Sequential has none",
+        ),
     ],
 )
 def test_convert_attention_rejects(model, attention, options, error, match):
