@@ -42,8 +42,8 @@ class Endpoint:
     :ivar column: The flat-row column (:func:`~gpattn.comparison.table_rows.flat_rows`), e.g. ``"test_nll"``, or
         :data:`DECLARED_OOD_SCORE`: the AUROC on the task's pooled OOD set of each row's score declared before the
         run by its kind, never chosen on the OOD data: the mutual information for a stochastic row (its Monte Carlo
-        predictions vary: the mutual information is recorded for every seed), the maximum probability for a
-        deterministic row.
+        predictions vary: the mutual information is recorded for every seed that has a maximum-probability AUROC),
+        the maximum probability for a deterministic row.
     :ivar reference: The reference row (``"kep_svgp+ts"``).
     :ivar other: The row it is compared with (``"softmax+ts"``).
     :ivar task: The task.
@@ -118,11 +118,13 @@ class Endpoint:
 
 
 def _declared_score(group: list[dict[str, Any]], ood_set: str) -> tuple[dict[int, float], str]:
-    # by the row's kind, not by the AUROCs: the mutual information when every seed recorded it (a stochastic row),
-    # else the maximum probability
+    # by the row's kind, not by the AUROCs: the mutual information when every seed with a score recorded it (a
+    # stochastic row; a failed seed has neither score), else the maximum probability (a deterministic row has no
+    # mutual information). The seeds themselves are compared, not their counts: a row with the mutual information on
+    # every seed is read by it even where the maximum probability is undefined on one
     maximum = seed_values(group, f"ood_{ood_set}_auroc")
     information = seed_values(group, f"ood_{ood_set}_auroc_mi")
-    if information and len(information) == len(maximum):
+    if information and set(maximum) <= set(information):
         return information, "mutual information"
     return maximum, "max probability"
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
+from decimal import ROUND_CEILING, Decimal
 
 from .config import MAIN_SEEDS
 from .endpoints import (
@@ -20,7 +21,14 @@ from .endpoints import (
     declaration_text,
 )
 from .records import RunRecord
-from .statistics import PairedDifference, hierarchical_difference, holm_adjusted, paired_difference, paired_p_value
+from .statistics import (
+    PairedDifference,
+    hierarchical_difference,
+    holm_adjusted,
+    paired_difference,
+    paired_p_value,
+    scaled_mean,
+)
 from .table_rows import (
     check_one_run_per_seed,
     flat_rows,
@@ -170,7 +178,7 @@ def estimate_endpoint(
     seeds = [seed for seed in reference if seed in other]
     if not reference or not other:
         return EndpointEstimate(endpoint, math.nan, 0, missing=_missing(rows, endpoint, (reference, other), note))
-    mean = math.fsum(reference[seed] - other[seed] for seed in seeds) / len(seeds) if seeds else math.nan
+    mean = scaled_mean([reference[seed] - other[seed] for seed in seeds]) if seeds else math.nan
     if not seeds:  # both rows ran, on other seeds: nothing to pair
         reason = (
             f"{endpoint.reference} and {endpoint.other} share no seed on {endpoint.task} (seeds "
@@ -297,7 +305,15 @@ def verdict(estimate: EndpointEstimate) -> tuple[str, str]:
 
 
 def _p(value: float) -> str:
-    return "n/a" if math.isnan(value) else ("< 0.0001" if value < 1e-4 else f"{value:.4f}")
+    """A p-value at 4 decimals, rounded up (``< 0.0001`` below 0.0001), so that the printed rule applied to the
+    printed value gives the statement beside it: a Holm p of 0.050004, not stated, shows as 0.0501, not 0.0500.
+    Rounded from the shortest decimal that reads back as ``value`` (``repr``): the double nearest 0.05 shows as
+    0.0500 and is stated, as ``value <= FAMILY_WISE_LEVEL`` says."""
+    if math.isnan(value):
+        return "n/a"
+    if value < 1e-4:
+        return "< 0.0001"
+    return f"{Decimal(repr(value)).quantize(Decimal('0.0001'), rounding=ROUND_CEILING)}"
 
 
 def _secondary_rows(estimates: list[EndpointEstimate], tested: bool) -> list[str]:
@@ -416,7 +432,8 @@ def headline_text(
         "",
         f"p: the two-sided paired-t test over the seeds; p (Holm): Holm-adjusted over the m = {tests} secondary tests "
         "that have a p-value, so that the chance of any false statement among them is at most 5 %; stated: p (Holm) "
-        "<= 0.05. The interval beside it is the unadjusted 95 % paired-t interval. With fewer than "
+        "<= 0.05. The p-values are rounded up at 4 decimals, so that the rule holds for the values shown. The "
+        "interval beside it is the unadjusted 95 % paired-t interval. With fewer than "
         f"{MIN_SEEDS_FOR_INTERVALS} paired seeds there is neither interval nor test.",
         "",
         "### Reported without a test",

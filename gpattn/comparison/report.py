@@ -23,7 +23,7 @@ from .endpoints import DECLARED_ECE_BINS
 from .environment import run_environment, run_file_codes
 from .headline import MIN_SEEDS_FOR_INTERVALS, headline_text
 from .records import RunRecord, write_json_atomically, write_text_atomically
-from .statistics import paired_difference
+from .statistics import paired_difference, scaled_mean
 from .table_rows import (
     POOLED,
     TS_SUFFIX,
@@ -122,7 +122,7 @@ def _resolved(column: str, ood_set: str | None) -> str:
 
 def _mean_std(values: list[float], percent: bool, digits: int) -> str:
     scale = 100.0 if percent else 1.0
-    mean = statistics.fmean(values) * scale
+    mean = scaled_mean(values) * scale  # finite for finite values up to the largest double
     if len(values) == 1:
         return f"{mean:.{digits}f}"
     return f"{mean:.{digits}f} ± {statistics.stdev(values) * scale:.{digits}f}"
@@ -201,7 +201,7 @@ def format_difference(reference: dict[int, float], other: dict[int, float], perc
     if not paired:
         return "-"
     if len(paired) < MIN_SEEDS_FOR_INTERVALS:
-        mean = statistics.fmean(reference[seed] - other[seed] for seed in paired) * scale
+        mean = scaled_mean([reference[seed] - other[seed] for seed in paired]) * scale
         return f"{mean:+.{digits}f} (n = {len(paired)} < {MIN_SEEDS_FOR_INTERVALS}, no interval)"
     difference = paired_difference(reference, other, min_pairs=MIN_SEEDS_FOR_INTERVALS)
     low, high = difference.low * scale, difference.high * scale

@@ -30,6 +30,7 @@ from .headline import (
 from .records import RunRecord
 from .report import markdown_table
 from .runner import result_entries
+from .statistics import scaled_mean
 from .table_rows import split_ensemble_row
 from .tuning_space import TUNED_ROWS, search_space
 
@@ -280,13 +281,18 @@ def _temperature_caveat(records: list[RunRecord]) -> list[str]:
             groups.setdefault((record.task, record.attention), []).append(record)
     worse = []
     for (task, row), group in groups.items():
-        # the runs where both NLLs are finite (a NaN of a diverged run made every mean NaN and dropped the row)
-        paired = [r for r in group if math.isfinite(r.metrics.test.nll + r.temperature_scaled.metrics.test.nll)]
+        # the runs where both NLLs are finite (a NaN of a diverged run made every mean NaN and dropped the row), each
+        # one tested: the sum of two finite NLLs near the largest double overflows
+        paired = [
+            r
+            for r in group
+            if math.isfinite(r.metrics.test.nll) and math.isfinite(r.temperature_scaled.metrics.test.nll)
+        ]
         if not paired:
             continue
-        untempered = math.fsum(r.metrics.test.nll for r in paired) / len(paired)
-        tempered = math.fsum(r.temperature_scaled.metrics.test.nll for r in paired) / len(paired)
-        temperature = math.fsum(r.temperature_scaled.temperature for r in paired) / len(paired)
+        untempered = scaled_mean([r.metrics.test.nll for r in paired])
+        tempered = scaled_mean([r.temperature_scaled.metrics.test.nll for r in paired])
+        temperature = scaled_mean([r.temperature_scaled.temperature for r in paired])
         fewer = (
             f", over the {len(paired)} of {len(group)} runs with both NLLs finite" if len(paired) < len(group) else ""
         )
@@ -308,7 +314,9 @@ def _temperature_caveat(records: list[RunRecord]) -> list[str]:
 def results_page(runs: RunFolders, figures: list[str], checks: list[tuple[RunFolders, list[str]]] = ()) -> str:
     """The results page (markdown): the declared endpoints first, then what was run, the headline, the checks of the
     primary verdict (``checks``: each other run's folders and :func:`compare_verdicts`' lines against ``runs``), the
-    full tables, the figures (``figures``: paths relative to the page) and the machine of each folder."""
+    full tables, the figures (``figures``: paths relative to the page, each written ``![stem](<path>)``, so that a
+    path with a space is one image in CommonMark (GitHub) and in Python-Markdown (the documentation site)) and the
+    machine of each folder."""
     machines = []
     folders = zip(runs.names, runs.environments, runs.configs, runs.codes, strict=True)
     for name, environment, config, folder_codes in folders:
@@ -332,7 +340,7 @@ def results_page(runs: RunFolders, figures: list[str], checks: list[tuple[RunFol
         "RUN_B` compares two runs that differ only in rounding (e.g. `--threads 1` and `--threads 2`).",
         *_temperature_caveat(runs.records),
     ]
-    figure_lines = [f"![{Path(path).stem}]({path})" for path in figures] or ["No figures (no data to draw)."]
+    figure_lines = [f"![{Path(path).stem}](<{path}>)" for path in figures] or ["No figures (no data to draw)."]
     sources = " ".join(runs.names)
     if checks:
         sources += " --same-verdict " + " ".join(name for other, _ in checks for name in other.names)
@@ -403,7 +411,9 @@ def compare_verdicts(first: RunFolders, second: RunFolders) -> tuple[bool, list[
     lower, higher, no difference), e.g. for two runs that differ only in float rounding (``--threads 1`` and ``2``).
 
     :return: ``(holds, lines)``: the lines give both verdicts, each secondary's decision at the family-wise level in
-        both runs (informative: the check is on the primary), and the settings in which the runs' configs differ.
+        both runs (informative: the check is on the primary; ``no test``, ``not stated``, or ``stated, higher`` /
+        ``stated, lower`` with the sign of reference - other, so that a difference stated in opposite directions
+        differs), and the settings in which the runs' configs differ.
     """
     kinds, lines = [], []
     for runs in (first, second):
@@ -425,9 +435,12 @@ def compare_verdicts(first: RunFolders, second: RunFolders) -> tuple[bool, list[
 
 
 def _stated(estimate: EndpointEstimate) -> str:
+    # a statement is a direction: reference - other higher or lower (a stated difference has a mean of its sign)
     if math.isnan(estimate.holm):
         return "no test"
-    return "stated" if estimate.holm <= FAMILY_WISE_LEVEL else "not stated"
+    if estimate.holm > FAMILY_WISE_LEVEL:
+        return "not stated"
+    return "stated, higher" if estimate.mean > 0 else "stated, lower"
 
 
 def _changed_settings(first: list[dict], second: list[dict]) -> list[str]:

@@ -52,6 +52,7 @@ __all__ = [
     "holm_adjusted",
     "paired_difference",
     "paired_p_value",
+    "scaled_mean",
     "summarize_seeds",
 ]
 
@@ -120,6 +121,25 @@ def _scaled(values: np.ndarray) -> tuple[np.ndarray, float]:
     largest = float(np.abs(values).max(initial=0.0))
     scale = math.ldexp(1.0, math.frexp(largest)[1] - 1) if largest > 0.0 else 1.0
     return values / scale, scale
+
+
+def scaled_mean(values: Sequence[float]) -> float:
+    """The mean of ``values``, ``math.fsum(values) / n`` (the exactly rounded sum), of the values scaled by a power of
+    2 (:func:`_scaled`): finite for finite values up to the largest double, whose plain sum overflows (five values
+    near 1e308), and otherwise the same double as ``math.fsum(values) / n`` (a power of 2 scales exactly, unless a
+    value is below about 1e-308 times the largest). A NaN gives NaN, like :func:`statistics.fmean`. O(n).
+
+    :raises ValueError: No values.
+
+    Example:
+        >>> scaled_mean([1e308, 1.5e308]), scaled_mean([0.1, 0.2, 0.4])
+        (1.25e+308, 0.23333333333333336)
+    """
+    array = np.asarray(values, dtype=np.float64)
+    if array.size == 0:
+        raise ValueError("expected at least one value to average, got none")
+    scaled, scale = _scaled(array)
+    return math.fsum(scaled.tolist()) / array.size * scale
 
 
 def _differences(left: np.ndarray, right: np.ndarray, where: str) -> np.ndarray:

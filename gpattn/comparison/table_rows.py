@@ -11,13 +11,13 @@ from __future__ import annotations
 import math
 import numbers
 import re
-import statistics
 from dataclasses import asdict
 from typing import Any
 
 import numpy as np
 
 from .records import RunRecord
+from .statistics import scaled_mean
 
 __all__ = [
     "ENSEMBLE_SUFFIX",
@@ -47,17 +47,33 @@ POOLED = "pooled"
 #: ``"<row>_ens<K>"``.
 ENSEMBLE_SUFFIX = "_ens"
 _ENSEMBLE_NAME = re.compile(rf"^(?P<row>.+){ENSEMBLE_SUFFIX}(?P<size>[1-9][0-9]*)$")
+# what markdown renders as HTML in a table cell: an entity or character reference (Python-Markdown takes
+# &[#]<letters or digits>;, a superset of CommonMark's), and the < of a tag, a comment, a declaration, a processing
+# instruction or an autolink
+_ENTITY = re.compile(r"&(?=#?[A-Za-z0-9]+;)")
+_HTML_TAG = re.compile(r"<(?=[A-Za-z/!?])")
 
 
 def markdown_cell(text: str) -> str:
-    r"""``text`` as the content of a markdown table cell: every ``|`` escaped (``\|``), so that a name holding one
-    (a registered attention may be named ``"a|b"``) stays one cell instead of splitting the row. O(len(text)).
+    r"""``text`` as the content of a markdown table cell that renders as ``text`` itself, in Python-Markdown (the
+    documentation site) and in CommonMark with GFM tables (GitHub); a registered attention may be named with any
+    character but whitespace. O(len(text)).
+
+    * an ``&`` that starts an entity (``&name;``, ``&#38;``) becomes ``&amp;`` (first, so that the ``&lt;`` below
+      stays), so that ``"a&amp;b"`` is no entity;
+    * a ``<`` that starts an HTML tag, comment or autolink (a letter, ``/``, ``!`` or ``?`` after it) becomes
+      ``&lt;``, so that ``"sgpa<v2>"`` is no tag;
+    * every ``\`` is escaped (``\\``), then every ``|`` (``\|``), so that a name holding a bar (``"a|b"``,
+      ``"a\|b"``) stays one cell instead of splitting the row.
+
+    Every other character is kept (``"< 0.0001"``, ``"a & b"``), so that the printed table stays readable.
 
     Example:
-        >>> markdown_cell("a|b")
-        'a\\|b'
+        >>> markdown_cell("a|b"), markdown_cell("a\\|b"), markdown_cell("sgpa<v2>&x;"), markdown_cell("< 0.0001")
+        ('a\\|b', 'a\\\\\\|b', 'sgpa&lt;v2>&amp;x;', '< 0.0001')
     """
-    return text.replace("|", "\\|")
+    text = _HTML_TAG.sub("&lt;", _ENTITY.sub("&amp;", text))
+    return text.replace("\\", "\\\\").replace("|", "\\|")
 
 
 def ensemble_row(row: str, size: int) -> str:
@@ -117,14 +133,14 @@ def with_temperature_scaled(records: list[RunRecord]) -> list[RunRecord]:
 
 
 def _mean_shift(record: RunRecord, key: str, shuffled: bool = False) -> float | None:
-    # NaN when a kind lacks the field (older records): fmean propagates it
+    # NaN when a kind lacks the field (older records): the mean propagates it
     values = [
         getattr(entry, key)
         for kind, levels in record.metrics.shift.items()
         if (kind == "shuffled") == shuffled
         for entry in levels.values()
     ]
-    return statistics.fmean(values) if values else None
+    return scaled_mean(values) if values else None
 
 
 def _fidelity_means(record: RunRecord) -> dict[str, float]:
@@ -133,7 +149,7 @@ def _fidelity_means(record: RunRecord) -> dict[str, float]:
     for fields_ in record.fidelity.values():
         for name, heads in fields_.items():
             values.setdefault(name, []).extend(heads)
-    return {name: statistics.fmean(entries) for name, entries in values.items() if entries}
+    return {name: scaled_mean(entries) for name, entries in values.items() if entries}
 
 
 def flat_rows(records: list[RunRecord]) -> list[dict[str, Any]]:

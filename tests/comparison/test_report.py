@@ -608,7 +608,7 @@ def test_results_page_and_verdict_check(records, tmp_path) -> None:
     page = results_page(merged, ["results_figures/shift_mnist1d.png"])
     assert page.index("## The question, declared before the run") < page.index("## Headline")
     assert page.index(declaration_text()) < page.index("| paired t |") < page.index("## Machine")
-    assert "![shift_mnist1d](results_figures/shift_mnist1d.png)" in page and "CPU " in page
+    assert "![shift_mnist1d](<results_figures/shift_mnist1d.png>)" in page and "CPU " in page
     assert "mnist1d: kep_svgp (10 seeds, tuned)" in page
     # each row's recorded hyperparameters, the row parameters only where the row uses them (softmax: no s)
     assert "    * kep_svgp: at most 60 epochs, lr 0.003, s = the layer's default\n" in page  # recorded s: None
@@ -659,7 +659,7 @@ def test_gpattn_report_command(records, tmp_path, capsys) -> None:
     figures = sorted(path.name for path in (tmp_path / "docs" / "results_figures").iterdir())
     assert "shift_digits.png" not in figures
     assert "shift_mnist1d.png" in figures and "gap_vs_shift_ece_mnist1d.png" in figures
-    assert all(f"(results_figures/{name})" in page.read_text() for name in figures)
+    assert all(f"(<results_figures/{name}>)" in page.read_text() for name in figures)
     assert main(["report", str(tmp_path / "a")]) == 0 and "**Verdict**" in capsys.readouterr().out
     with pytest.raises(SystemExit):  # not a run folder: a usage error
         main(["report", str(tmp_path / "docs")])
