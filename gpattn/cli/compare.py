@@ -17,6 +17,7 @@ from .options import (
     mps_note,
     non_negative_float,
     non_negative_int,
+    open_unit_float,
     out_dir,
     positive_int,
     prepare_out,
@@ -121,7 +122,7 @@ def add_compare(commands) -> None:
         ("beta", non_negative_float, "KL weight"),
         ("ksvd_weight", non_negative_float, "KSVD weight eta"),
         ("ece_bins", positive_int, "equal-width bins of the ECE and reliability diagrams"),
-        ("mc_dropout", non_negative_float, "dropout rate of the softmax_mc_dropout row"),
+        ("mc_dropout", open_unit_float, "dropout rate of the softmax_mc_dropout row, in (0, 1)"),
         ("fidelity_sequences", non_negative_int, "test sequences for the KSVD fidelity (0: none)"),
     )
     for name, kind, text in numbers:

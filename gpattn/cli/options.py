@@ -40,6 +40,7 @@ __all__ = [
     "mps_note",
     "non_negative_float",
     "non_negative_int",
+    "open_unit_float",
     "out_dir",
     "positive_float",
     "positive_int",
@@ -70,6 +71,8 @@ positive_int = _option(int, check_int, minimum=1)
 non_negative_int = _option(int, check_int, minimum=0)
 positive_float = _option(float, check_float, minimum=0.0, strict_minimum=True)
 non_negative_float = _option(float, check_float, minimum=0.0)
+#: A rate strictly between 0 and 1 (``--mc-dropout``: 0 would be no dropout at all, 1 drops everything).
+open_unit_float = _option(float, check_float, minimum=0.0, maximum=1.0, strict_minimum=True, strict_maximum=True)
 
 
 def device(text: str) -> str:

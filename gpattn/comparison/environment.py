@@ -24,7 +24,7 @@ import torch
 
 from .. import __version__
 
-__all__ = ["code_label", "code_version", "environment_lines", "run_environment", "run_file_codes"]
+__all__ = ["code_label", "code_version", "cuda_environment", "environment_lines", "run_environment", "run_file_codes"]
 
 _PACKAGE_ROOT = Path(__file__).resolve().parents[2]
 #: the variables by which a calling git process (a hook) would point the label's git commands at another repository
@@ -168,10 +168,12 @@ def run_environment() -> dict[str, Any]:
     Keys: ``machine`` (``platform``, ``cpu``, ``cores``: :func:`os.cpu_count`), ``python``, ``torch``, ``numpy``,
     ``blas`` (torch's BLAS/LAPACK build), ``threads`` (``torch.get_num_threads()`` and
     ``torch.get_num_interop_threads()`` of this process; each run's own count is ``config.threads``),
-    ``parallel_info`` (``torch.__config__.parallel_info()``: OpenMP/MKL threads), ``gpattn`` (its version) and
-    ``git_commit`` (``None`` outside a git checkout).
+    ``parallel_info`` (``torch.__config__.parallel_info()``: OpenMP/MKL threads), ``cuda`` (:func:`cuda_environment`:
+    the CUDA and cuDNN versions and the GPUs, ``None`` without a GPU), ``gpattn`` (its version) and ``git_commit``
+    (``None`` outside a git checkout).
 
-    .. note:: Cost: two ``git`` calls the first time in a process (well under a second); no computation.
+    .. note:: Cost: two ``git`` calls the first time in a process (well under a second); with a GPU, CUDA's
+        initialisation in this process (the device names); no computation.
     """
     return {
         "machine": {"platform": platform.platform(), "cpu": _cpu_model(), "cores": os.cpu_count()},
@@ -181,8 +183,23 @@ def run_environment() -> dict[str, Any]:
         "blas": _blas(),
         "threads": {"intra_op": torch.get_num_threads(), "inter_op": torch.get_num_interop_threads()},
         "parallel_info": torch.__config__.parallel_info().strip(),
+        "cuda": cuda_environment(),
         **code_version(),
     }
+
+
+def cuda_environment() -> dict[str, Any] | None:
+    """The GPU side of the environment, on which a ``--device cuda`` run's digits depend: ``{"cuda": the CUDA version
+    torch was built with, "cudnn": cuDNN's version (``None`` when absent), "devices": the name of every visible GPU}``,
+    or ``None`` where no GPU is available (a CPU build, or no device)."""
+    if not torch.cuda.is_available():
+        return None
+    try:
+        cudnn = torch.backends.cudnn.version()
+    except RuntimeError:  # a build whose cuDNN cannot be loaded
+        cudnn = None
+    devices = [torch.cuda.get_device_name(index) for index in range(torch.cuda.device_count())]
+    return {"cuda": torch.version.cuda, "cudnn": cudnn, "devices": devices}
 
 
 def environment_lines(environment: dict[str, Any]) -> list[str]:
@@ -195,5 +212,15 @@ def environment_lines(environment: dict[str, Any]) -> list[str]:
         f"{environment.get('numpy', '?')}; {environment.get('blas', '?')}",
         f"* threads of the process that wrote the report: {threads.get('intra_op', '?')} intra-op, "
         f"{threads.get('inter_op', '?')} inter-op",
+        *_cuda_lines(environment.get("cuda")),
         f"* gpattn {environment.get('gpattn', '?')}, git commit {environment.get('git_commit') or 'unknown'}",
     ]
+
+
+def _cuda_lines(cuda: Any) -> list[str]:
+    # no line without a GPU (and none for an environment block written before the GPU was recorded)
+    if not isinstance(cuda, dict):
+        return []
+    devices = cuda.get("devices") if isinstance(cuda.get("devices"), list) else []
+    names = ", ".join(map(str, devices)) or "none visible"
+    return [f"* CUDA {cuda.get('cuda', '?')}, cuDNN {cuda.get('cudnn') or 'none'}; GPUs: {names}"]

@@ -21,6 +21,7 @@ import os
 import signal
 import sys
 from collections.abc import Callable, Hashable, Iterator
+from concurrent.futures.process import BrokenProcessPool
 from contextlib import contextmanager
 from typing import Any
 
@@ -34,11 +35,17 @@ QUIET_TRACKER = "ignore:resource_tracker:UserWarning"
 
 
 class TaskFailedError(RuntimeError):
-    """A call submitted to an executor raised (or its worker died): ``key`` is the call's key, ``cause`` the error."""
+    """A call submitted to an executor raised (or its worker died): ``key`` is the call's key, ``cause`` the error.
 
-    def __init__(self, key: Hashable, cause: BaseException) -> None:
+    :ivar stopped: The keys of every call the failure stopped, ``key`` first: ``(key,)`` for a call that raised; for a
+        worker process that died, every call that was in its pool (the pool cannot tell whose process it was: each
+        of them was running or waiting to run there, and none returned).
+    """
+
+    def __init__(self, key: Hashable, cause: BaseException, stopped: tuple[Hashable, ...] = ()) -> None:
         super().__init__(f"{key}: {cause}")
         self.key, self.cause = key, cause
+        self.stopped = (key, *(other for other in stopped if other != key))
 
 
 @contextmanager
@@ -146,9 +153,15 @@ class LocalExecutor:
         done, _ = concurrent.futures.wait(self._futures, return_when=concurrent.futures.FIRST_COMPLETED)
         # a call that returned first: a failure found beside it would otherwise stop the executor and lose its result
         future = min(done, key=lambda finished: finished.exception() is not None)
+        in_pool = list(self._futures.values())  # in submission order
         key = self._futures.pop(future)
         try:
             return key, future.result()
+        except BrokenProcessPool as error:
+            # a worker process died (killed, e.g. for memory, or crashed): every call of the pool ends with this
+            # error, and which one's process it was is not known: all of them are named (in submission order), not
+            # the first one met
+            raise TaskFailedError(in_pool[0], error, stopped=tuple(in_pool)) from error
         except Exception as error:
             raise TaskFailedError(key, error) from error
 

@@ -90,6 +90,20 @@ class RunFailedError(RuntimeError):
     """One run raised: the message names the run and the original error (the finished runs are kept)."""
 
 
+def _failure(error: TaskFailedError, kept: int, folder: Path | None) -> str:
+    """The message of a failed run (or of a worker's death, which stops every run of its pool), and what is kept."""
+    stopped = error.stopped
+    if len(stopped) > 1:
+        names = ", ".join(run_name(*run) for run in stopped)
+        message = f"a worker process died with the runs {names} in its pool (running or waiting there): {error.cause}"
+    else:
+        message = f"run {run_name(*error.key)} failed: {error.cause}"
+    if folder is None:
+        return message
+    finished = "the 1 run finished before is kept" if kept == 1 else f"the {kept} runs finished before are kept"
+    return f"{message}; {finished} in {folder}, and the same command with --resume continues from there"
+
+
 def run_name(task: str, attention: str, seed: int) -> str:
     """``"<task>-<attention>-<seed>"``: the name of a run in progress lines and of its record file."""
     return f"{task}-{attention}-{seed}"
@@ -105,9 +119,11 @@ def result_entries(settings: Mapping[str, Any]) -> dict[str, Any]:
     """The entries of a :class:`CompareConfig`'s settings (its fields as a mapping, or the ``config`` entry of a run
     folder's ``results.json``) that determine a run's numbers: every entry but :data:`RESULT_INDEPENDENT_FIELDS`, and
     those of :data:`LATER_FIELDS` at their earlier value (or missing, as in a folder written before they existed),
-    as JSON data (tuples as lists). What ``--resume`` checks a stored run against, and ``gpattn report`` the folders
-    it merges. O(entries)."""
+    and ``tuned_dir`` where ``tuned`` is false (the folder is then not read), as JSON data (tuples as lists). What
+    ``--resume`` checks a stored run against, and ``gpattn report`` the folders it merges. O(entries)."""
     entries = {name: value for name, value in settings.items() if name not in RESULT_INDEPENDENT_FIELDS}
+    if entries.get("tuned") is False:  # the shared settings: the tuned folder is not read
+        entries.pop("tuned_dir", None)
     for name, earlier in LATER_FIELDS.items():
         if entries.get(name) == earlier:
             entries.pop(name)
@@ -239,6 +255,7 @@ def read_run_file(
             f"{path}: its settings do not match their stored SHA-256 (edited after the run was written); delete it "
             "to run it again"
         )
+    stored = result_entries(stored)  # (a file written before an entry was left out holds it)
     if stored != settings:
         raise ValueError(
             f"{path} was made with other settings ({_differences(stored, settings, 'stored')}); --resume continues a "
@@ -415,7 +432,7 @@ def execute_runs(
                     try:
                         run, (record, seconds) = executor.next_result()
                     except TaskFailedError as error:
-                        raise RunFailedError(f"run {run_name(*error.key)} failed: {error.cause}") from error.cause
+                        raise RunFailedError(_failure(error, len(records), folder)) from error.cause
                     finish(run, record, seconds)
             except KeyboardInterrupt:
                 # runs that finished in a worker before the signal but were not handed back yet: kept, not lost

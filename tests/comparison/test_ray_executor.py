@@ -113,7 +113,8 @@ def test_a_task_failing_twice_is_named_and_the_finished_runs_are_kept(tmp_path):
 
         return run
 
-    with pytest.raises(RunFailedError, match=r"^run pointer-softmax-1 failed: boom$"):
+    kept = r"the 1 run finished before is kept in .*runs, and the same command with --resume continues from there$"
+    with pytest.raises(RunFailedError, match=rf"^run pointer-softmax-1 failed: boom; {kept}"):
         run_comparison(SMALL, out=out, executor=_Wrapped(fail, jobs=2))
     assert attempts.read_text().count("attempt") == 2  # retried once
     assert sorted(path.name for path in (out / "runs").glob("*.json")) == ["pointer-softmax-0.json"]

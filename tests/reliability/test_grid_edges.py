@@ -27,7 +27,7 @@ import torch
 import gpattn.comparison.runs as runs
 from gpattn.cli import main
 from gpattn.comparison import ClassificationMetrics, CompareConfig, RunMetrics, RunRecord
-from gpattn.comparison.environment import code_version, run_environment
+from gpattn.comparison.environment import code_version, environment_lines, run_environment
 from gpattn.comparison.local_executor import LocalExecutor
 from gpattn.comparison.runner import (
     RESULT_INDEPENDENT_FIELDS,
@@ -106,6 +106,9 @@ def test_result_settings_hold_every_field_but_those_that_only_plan_schedule_or_s
         if name == "gp_layers":  # at most depth
             other = dataclasses.replace(base, depth=2, gp_layers=2)
             reference = result_settings(dataclasses.replace(base, depth=2))
+        elif name == "tuned_dir":  # read by a tuned comparison only (the untuned one: the next test)
+            other = dataclasses.replace(base, tuned=True, tuned_dir=value)
+            reference = result_settings(dataclasses.replace(base, tuned=True))
         else:
             other, reference = dataclasses.replace(base, **{name: value}), settings
         differs = result_settings(other) != reference
@@ -136,13 +139,6 @@ def test_resume_refuses_a_run_made_with_another_result_setting_and_names_it(name
     assert fake.started == ["pointer-softmax-0"]  # nothing trained by the refused call
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=ValueError,
-    reason="runner.result_entries (runner.py:110) keeps tuned_dir when tuned=False, where the folder is not read: "
-    "an --untuned grid started with --tuned-dir is refused on --resume without it (and vice versa), its runs the "
-    "same",
-)
 def test_an_unread_tuned_dir_is_not_part_of_a_runs_identity(tmp_path, fake) -> None:
     folder = tmp_path / "tuned"
     folder.mkdir()
@@ -278,30 +274,19 @@ class _WorkerDies(LocalExecutor):
             self._futures[future] = key
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason="LocalExecutor.next_result (local_executor.py:146-153) blames a dead worker on whichever broken future "
-    "min() meets first: the error names one arbitrary run in flight (with a real pool, 2 of 4 trials named a run "
-    "that was only sleeping), not the runs the death stopped",
-)
 def test_a_dead_worker_names_every_run_it_stopped(tmp_path) -> None:
     config = CompareConfig(attentions=("softmax",), seeds=(0, 1), **TINY)
     planned = [("pointer", "softmax", 0), ("pointer", "softmax", 1)]
     with pytest.raises(RunFailedError) as failed:
         execute_runs(config, planned, out=tmp_path, executor=_WorkerDies(jobs=2))
     message = str(failed.value)
-    assert "terminated abruptly" in message
-    assert "pointer-softmax-0" in message and "pointer-softmax-1" in message, message
+    assert message.startswith(
+        "a worker process died with the runs pointer-softmax-0, pointer-softmax-1 in its pool (running or waiting "
+        "there): A process in the process pool was terminated abruptly"
+    ), message
+    assert message.endswith("the same command with --resume continues from there"), message
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason="runner.execute_runs (runner.py:417-418) turns a failed run into 'run X failed: <cause>' only; unlike "
-    "Ctrl-C and a full disk, gpattn compare does not say that the finished runs are kept in OUT/runs nor that "
-    "--resume continues",
-)
 def test_gpattn_compare_says_what_a_failed_run_kept_and_how_to_continue(tmp_path, capsys, monkeypatch) -> None:
     monkeypatch.setattr(runs, "train_and_evaluate", _FakeRuns(fail_at=2, error=RuntimeError("boom")))
     out = tmp_path / "c"
@@ -340,13 +325,6 @@ def test_the_environment_block_records_this_processs_versions_threads_and_code()
     json.dumps(environment, allow_nan=False)  # strict JSON, as results.json
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason="environment.run_environment (environment.py:165-186) records the CPU, BLAS and threads but neither the "
-    "CUDA version nor the GPU: the block of a --device cuda comparison, whose digits depend on them, says nothing "
-    "of the machine that made them",
-)
 def test_the_environment_block_records_the_cuda_version_and_the_gpu(monkeypatch) -> None:
     properties = type("Properties", (), {"name": "NVIDIA H200", "total_memory": 150 * 2**30, "major": 9, "minor": 0})
     monkeypatch.setattr(torch.version, "cuda", "12.8")
@@ -355,8 +333,14 @@ def test_the_environment_block_records_the_cuda_version_and_the_gpu(monkeypatch)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H200")
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device=None: properties)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
-    text = json.dumps(run_environment())
-    assert "12.8" in text and "H200" in text, text
+    environment = run_environment()
+    assert environment["cuda"] == {"cuda": "12.8", "cudnn": environment["cuda"]["cudnn"], "devices": ["NVIDIA H200"]}
+    assert "* CUDA 12.8, cuDNN " in "\n".join(environment_lines(environment))
+    assert "GPUs: NVIDIA H200" in "\n".join(environment_lines(environment))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # a CPU machine: no GPU entry, no line
+    assert run_environment()["cuda"] is None and not any(
+        "CUDA" in line for line in environment_lines(run_environment())
+    )
 
 
 # -- options -----------------------------------------------------------------------------------------------------------
@@ -388,13 +372,6 @@ def test_bad_grid_options_are_named_and_nothing_runs(argv, fragment, tmp_path, c
     assert fake.started == [] and not (tmp_path / "c").exists()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason="cli/compare.py:124 parses --mc-dropout as non_negative_float, so 0 and 1.5 pass the parser and are refused "
-    "later as 'CompareConfig: expected mc_dropout ...' (the field, not the option; the --cuda-graphs case was "
-    "fixed to name the option)",
-)
 @pytest.mark.parametrize("value", ["1.5", "0"])
 def test_an_out_of_range_mc_dropout_names_the_option(value, tmp_path, capsys, fake) -> None:
     argv = ["compare", "--tasks", "pointer", "--attentions", "softmax_mc_dropout", "--mc-dropout", value]
