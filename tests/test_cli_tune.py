@@ -19,6 +19,7 @@ import gpattn.comparison.tuning as tuning_module
 from gpattn.cli import main
 from gpattn.comparison.tune_config import TuneConfig
 from gpattn.comparison.tuning_space import ARCHITECTURES, TUNED_ROWS
+from gpattn.methods import get_method
 
 TINY = ["tune", "--tasks", "pointer", "--rows", "softmax", "--trials", "2", "--pointer-epochs", "1"]
 TINY += ["--eval-samples", "2", "--no-progress"]
@@ -155,6 +156,48 @@ def test_write_tuned_with_another_budget_than_the_files_rows_is_refused_before_a
     assert status == 2 and "the row 'softmax' is tuned with another budget than the row 'sgpa'" in error
     assert "epochs 1 (theirs 4)" in error and "trials 2 (theirs 3)" in error and "patience" in error
     assert not (tmp_path / "run").exists()
+
+
+def test_an_in_memory_storage_with_two_workers_is_a_bad_option(tmp_path, capsys, no_training):
+    status = main([*TINY, "--out", str(tmp_path / "run"), "--storage", "sqlite:///:memory:", "--jobs", "2"])
+    error = capsys.readouterr().err
+    assert status == 2 and error.count("\n") == 1, error
+    assert error.startswith("gpattn tune: error: the storage 'sqlite:///:memory:' (--storage) is an SQLite database ")
+    assert "(--jobs 2)" in error and not (tmp_path / "run").exists()
+
+
+def test_a_row_whose_every_trial_diverged_keeps_the_other_rows_and_exits_1(tmp_path, capsys, monkeypatch):
+    # kep_svgp diverges in every trial: softmax's configuration is written (also into the package), the command says
+    # which study diverged in one line and exits 1; --resume does the same without training
+    package = tmp_path / "package"
+    monkeypatch.setattr(tuned_module, "TUNED_DIRECTORY", package)
+    trained = []
+
+    def fake(config, data, row, parameters):
+        trained.append(row)
+        hyperparameters = config.trial_hyperparameters(data.name, get_method(row), parameters, data.defaults)
+        value = None if row == "kep_svgp" else parameters["lr"]
+        record = {"parameters": parameters, "hyperparameters": hyperparameters.to_dict(), "value": value}
+        record.update(diverged="" if value else "injected", best_epoch=1, epochs=1, history=[])
+        return {**record, "seconds": 0.0, "cpu_seconds": 0.0}
+
+    monkeypatch.setattr(tuning_module, "run_trial", fake)
+    out = tmp_path / "run"
+    argv = [*TINY, "--rows", "softmax", "kep_svgp", "--out", str(out), "--write-tuned"]
+    for resume in ([], ["--resume"]):
+        assert main([*argv, *resume]) == 1
+        captured = capsys.readouterr()
+        assert captured.err.count("\n") == 1 and captured.err.startswith(
+            "gpattn tune: error: every trial of the study 'pointer-kep_svgp' diverged: no configuration to choose; "
+            f"the other rows' tuned configurations are written to {out / 'tuned'}; "
+        ), captured.err
+        assert "pointer/softmax: best validation NLL" in captured.out
+        assert "pointer/kep_svgp: every trial diverged, no configuration" in captured.out
+        assert f"wrote {out / 'tuned' / 'pointer.json'}, {package / 'pointer.json'}" in captured.out
+        for folder in (out / "tuned", package):
+            rows = json.loads((folder / "pointer.json").read_text())["rows"]
+            assert list(rows) == ["softmax"] and rows["softmax"]["trials"] == 2
+    assert trained == ["softmax", "softmax", "kep_svgp", "kep_svgp"]  # the resume trained nothing
 
 
 def test_a_run_writes_the_tuned_files_and_resume_adds_nothing(tmp_path, capsys, monkeypatch):

@@ -158,6 +158,7 @@ def run_tune(args: argparse.Namespace) -> int:
                 budgets = dict.fromkeys(config.rows, config.budget(task))
                 check_same_budget(budgets, kept, str(tuned_path(task, TUNED_DIRECTORY)))
         executor = make_executor(args)  # a Ray cluster's address checked, before any folder is made
+        tuning.check_storage(args.storage, config.jobs, executor)  # one the workers can share
     except ValueError as error:
         print(f"gpattn tune: error: {error}", file=sys.stderr)
         return 2
@@ -175,8 +176,12 @@ def run_tune(args: argparse.Namespace) -> int:
     ) as out:
         start = time.perf_counter()
         kept = out / "study.db" if args.storage is None else shown_url(args.storage)
+        diverged = None
         with kept_on_interrupt("trials", kept):
-            summaries = tuning.tune(config, out, storage=args.storage, resume=args.resume, executor=executor)
+            try:
+                summaries = tuning.tune(config, out, storage=args.storage, resume=args.resume, executor=executor)
+            except tuning.TuningDivergedError as error:  # the other rows' configurations are kept (and written)
+                summaries, diverged = error.summaries, error
         written = [
             tuned_path(task, out / "tuned") for task in config.tasks if tuned_path(task, out / "tuned").is_file()
         ]
@@ -186,7 +191,9 @@ def run_tune(args: argparse.Namespace) -> int:
                 if rows:
                     written.append(write_tuned(task, rows, TUNED_DIRECTORY))
     for (task, row), summary in summaries.items():
-        if summary is None:
+        if diverged is not None and (task, row) in diverged.diverged:
+            print(f"{task}/{row}: every trial diverged, no configuration")
+        elif summary is None:
             print(f"{task}/{row}: not all trials finished (running in another process, or failed: --resume runs them)")
         else:
             print(
@@ -198,4 +205,7 @@ def run_tune(args: argparse.Namespace) -> int:
     print(f"{len(summaries)} studies in {seconds:.0f} s ({where})")
     if written:
         print("wrote " + ", ".join(str(path) for path in written))
+    if diverged is not None:
+        print(f"gpattn tune: error: {diverged}", file=sys.stderr)
+        return 1
     return 0

@@ -49,11 +49,13 @@ from .tuning_space import SearchParameter, hyperparameter_values
 
 __all__ = [
     "StorageError",
+    "StudyDivergedError",
     "StudyLock",
     "TrialsFromOtherCodeWarning",
     "claim_trial",
     "fail_trial",
     "finish_trial",
+    "in_memory",
     "open_storage",
     "prepare_study",
     "release_trials",
@@ -69,6 +71,10 @@ JOIN_TIMEOUT = 60.0
 
 class StorageError(RuntimeError):
     """A study storage that cannot be opened (a malformed or unreachable URL, a missing database driver)."""
+
+
+class StudyDivergedError(ValueError):
+    """Every trial of a finished study diverged: there is no configuration to choose (:func:`summarize_study`)."""
 
 
 class StudyLock:
@@ -122,6 +128,25 @@ def shown_url(url: str) -> str:
         return url
 
 
+def in_memory(url: str) -> bool:
+    """Whether ``url`` is an SQLite database held in the memory of the process that opens it (``sqlite://``,
+    ``sqlite:///:memory:``, a ``file::memory:`` or ``mode=memory`` URI): another process that opens the same URL gets
+    an empty database of its own. A URL that SQLAlchemy cannot parse is not (:func:`open_storage` refuses it).
+
+    Example:
+        >>> in_memory("sqlite:///:memory:"), in_memory("sqlite://"), in_memory("sqlite:///study.db")
+        (True, True, False)
+    """
+    try:
+        parsed = make_url(url)
+        backend = parsed.get_backend_name()
+    except Exception:  # noqa: BLE001 (malformed: open_storage says why)
+        return False
+    database = parsed.database or ""
+    memory = database in ("", ":memory:") or database.startswith("file::memory:")
+    return backend == "sqlite" and (memory or parsed.query.get("mode") == "memory")
+
+
 def sqlite_url(path: Path) -> str:
     """The SQLAlchemy URL of the SQLite file ``path`` (built, not formatted: a ``?`` or ``%`` in a folder name is part
     of the path, not a query or an escape)."""
@@ -155,8 +180,8 @@ def prepare_study(
     fixed hyperparameters, ...). With ``resume``, its RUNNING trials (left by an interrupted run) are marked failed
     and the missing trials queued again.
 
-    :raises ValueError: The study exists with other settings (the message names them), or was not made by
-        ``gpattn tune``.
+    :raises ValueError: The study exists with other settings (the message names each changed entry, a nested one by
+        its dotted key: ``hyperparameters.epochs: stored 1, now 2``), or was not made by ``gpattn tune``.
     :raises InputTypeError: ``settings`` are not JSON data (e.g. a NumPy number): refused before the study is made.
     """
     try:  # as the storage will give them back (tuples as lists), checked before a study without settings is left
@@ -177,8 +202,7 @@ def prepare_study(
     study = optuna.load_study(study_name=name, storage=storage)
     stored = _wait_for_settings(study, name)
     if stored != settings:
-        changed = sorted(key for key in set(stored) | set(settings) if stored.get(key) != settings.get(key))
-        details = "; ".join(f"{key}: stored {stored.get(key)!r}, now {settings.get(key)!r}" for key in changed)
+        details = "; ".join(f"{key}: stored {old}, now {new}" for key, old, new in _differences(stored, settings))
         raise ValueError(
             f"the study {name!r} was made with other settings ({details}); use the original options, or another "
             "--storage / --out"
@@ -193,6 +217,23 @@ def prepare_study(
             held = len(_trials(storage, study_id, TrialState.COMPLETE, TrialState.WAITING))
             for _ in range(settings["trials"] - held):
                 study.enqueue_trial({})
+
+
+def _differences(stored: Any, now: Any, prefix: str = "") -> list[tuple[str, str, str]]:
+    """The entries in which the settings ``stored`` and ``now`` differ, as ``(dotted key, stored, now)`` (values as
+    ``repr``, ``absent`` for a missing key), nested mappings compared entry by entry (``hyperparameters.epochs``,
+    ``search_space.beta``), keys sorted."""
+    if not (isinstance(stored, dict) and isinstance(now, dict)):
+        return [] if stored == now else [(prefix, repr(stored), repr(now))]
+    differences = []
+    for key in sorted(set(stored) | set(now), key=str):
+        name = f"{prefix}.{key}" if prefix else str(key)
+        if key not in stored or key not in now:
+            shown = [repr(side[key]) if key in side else "absent" for side in (stored, now)]
+            differences.append((name, *shown))
+        else:
+            differences += _differences(stored[key], now[key], name)
+    return differences
 
 
 def _wait_for_settings(study: optuna.Study, name: str) -> dict[str, Any]:
@@ -319,7 +360,7 @@ def summarize_study(
     :param record: Entries of :attr:`~gpattn.comparison.tuned_configuration.TunedRow.study` known to the caller
         (seed, jobs, threads, label); the wall time, trial seconds, load average, date, versions and machine are
         added here.
-    :raises ValueError: Every trial diverged (no configuration to choose).
+    :raises StudyDivergedError: Every trial diverged (no configuration to choose).
     """
     study = optuna.load_study(study_name=name, storage=storage)
     trials = study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
@@ -327,7 +368,7 @@ def summarize_study(
         return None
     best = min(trials, key=lambda trial: (trial.value, trial.number))
     if not math.isfinite(best.value):
-        raise ValueError(f"every trial of the study {name!r} diverged: no configuration to choose")
+        raise StudyDivergedError(f"every trial of the study {name!r} diverged: no configuration to choose")
     started = min(trial.datetime_start for trial in trials)
     ended = max(trial.datetime_complete for trial in trials)
     loads = [trial.user_attrs["load_average"] for trial in trials if "load_average" in trial.user_attrs]

@@ -135,14 +135,21 @@ def read_tuned(task: str, directory: str | os.PathLike | None = None) -> dict[st
         raise ValueError(f"{path}: expected the tuned configurations of the task {task!r}, got {content['task']!r}")
     if not isinstance(content["rows"], dict):
         raise ValueError(f"{path}: expected rows to map row names to entries, got {content['rows']!r}")
-    rows = {}
-    for row, entry in content["rows"].items():
-        if row not in method_names():
-            raise ValueError(f"{path}: unknown row {row!r}; expected rows of {method_names()}")
-        rows[row] = TunedRow.from_dict(entry, f"{path}, row {row!r}")
+    rows = {row: _checked_row(row, entry, path) for row, entry in content["rows"].items()}
     # a file edited by hand, or merged from several, could mix budgets: its rows would be compared unequally
     check_same_budget({row: tuning_budget(entry) for row, entry in rows.items()}, rows, str(path))
     return rows
+
+
+def _checked_row(row: Any, entry: Any, path: Path) -> TunedRow:
+    """The entry ``entry`` (JSON data) of the row ``row`` of the tuned file ``path``, checked as :func:`read_tuned`
+    reads it and :func:`write_tuned` writes it.
+
+    :raises ValueError: An unknown row (the message lists the rows) or a malformed entry (:meth:`TunedRow.from_dict`).
+    """
+    if row not in method_names():
+        raise ValueError(f"{path}: unknown row {row!r}; expected rows of {method_names()}")
+    return TunedRow.from_dict(entry, f"{path}, row {row!r}")
 
 
 def tuning_budget(row: TunedRow) -> dict[str, Any]:
@@ -189,9 +196,22 @@ def write_tuned(task: str, rows: Mapping[str, TunedRow], directory: str | os.Pat
     already in the file; rows are stored in the order of :func:`~gpattn.methods.method_names`.
 
     :return: The file's path.
-    :raises ValueError: A row tuned with another budget than the other rows written or kept in the file
-        (:func:`check_same_budget`); the file is then left as it was.
+    :raises ValueError: A row that :func:`read_tuned` would refuse (an unknown row, a malformed entry: an unknown
+        hyperparameter, ``trials < 1``, a non-finite ``best_val_nll``, a value that is not JSON data), or a row tuned
+        with another budget than the other rows written or kept in the file (:func:`check_same_budget`); checked
+        before anything is written: the file is then left as it was.
     """
+    path = tuned_path(task, directory)
+    for row, entry in rows.items():
+        if not isinstance(entry, TunedRow):
+            raise ValueError(f"{path}: expected the row {row!r} to be a TunedRow, got {type(entry).__name__}")
+        data = entry.to_dict()
+        _checked_row(row, data, path)  # the checks of read_tuned, on the entry as given ...
+        try:  # ... and as the file will hold it
+            data = json.loads(json.dumps(data, allow_nan=False))
+        except (TypeError, ValueError) as error:
+            raise ValueError(f"{path}, row {row!r}: expected an entry of JSON data, finite numbers ({error})") from None
+        _checked_row(row, data, path)
     existing = read_tuned(task, directory)
     kept = {row: entry for row, entry in existing.items() if row not in rows}
     # the written rows among themselves too, not only against the kept ones
@@ -201,7 +221,6 @@ def write_tuned(task: str, rows: Mapping[str, TunedRow], directory: str | os.Pat
     merged = {**existing, **rows}
     order = {name: index for index, name in enumerate(method_names())}
     ordered = {row: merged[row].to_dict() for row in sorted(merged, key=lambda row: order.get(row, len(order)))}
-    path = tuned_path(task, directory)
     path.parent.mkdir(parents=True, exist_ok=True)
     return write_json_atomically(path, {"format": TUNED_FORMAT, "task": task, "rows": ordered})
 

@@ -46,11 +46,13 @@ from .records import write_json_atomically
 from .runs import build_model, check_model_arguments, layer_arguments, make_train_config
 from .sealed_split import tuning_data
 from .studies import (
+    StudyDivergedError,
     StudyLock,
     TrialsFromOtherCodeWarning,
     claim_trial,
     fail_trial,
     finish_trial,
+    in_memory,
     open_storage,
     prepare_study,
     release_trials,
@@ -62,13 +64,16 @@ from .studies import (
 )
 from .tasks import TaskData, load_task
 from .tune_config import TuneConfig
-from .tuned_configuration import TunedRow, write_tuned
+from .tuned_configuration import TunedRow, check_same_budget, read_tuned, tuned_path, write_tuned
 from .tuning_space import ARCHITECTURES, search_space
 
 __all__ = [
+    "TuningDivergedError",
     "TuningFailedError",
     "TuningInterrupted",
+    "check_budget",
     "check_search_space",
+    "check_storage",
     "run_trial",
     "study_name",
     "tune",
@@ -87,9 +92,54 @@ class TuningFailedError(RuntimeError):
     """A trial raised (other than by diverging): the message names the study, the trial and the error."""
 
 
+class TuningDivergedError(ValueError):
+    """Every trial of some studies diverged: their rows have no tuned configuration. Raised by :func:`tune` at the
+    end, after the tuned configurations of the other rows were written.
+
+    :ivar diverged: The ``(task, row)`` of those studies.
+    :ivar summaries: What :func:`tune` would have returned, ``None`` for the diverged studies.
+    """
+
+    def __init__(
+        self, message: str, diverged: list[tuple[str, str]], summaries: dict[tuple[str, str], TunedRow | None]
+    ) -> None:
+        super().__init__(message)
+        self.diverged, self.summaries = diverged, summaries
+
+
 def study_name(task: str, row: str) -> str:
     """``"<task>-<row>"``: the name of the study of ``row`` on ``task``."""
     return f"{task}-{row}"
+
+
+def check_storage(storage: str | None, jobs: int, executor: Any = None) -> None:
+    """Refuse a ``storage`` that the trial workers cannot share: an SQLite database in memory
+    (:func:`~gpattn.comparison.studies.in_memory`, e.g. ``sqlite:///:memory:``) with ``jobs > 1`` local worker
+    processes, each of which would open an empty database of its own. With ``jobs == 1`` or an ``executor`` (this
+    process claims and records every trial) it is fine.
+
+    :raises ValueError: Such a storage, naming it and both options.
+    """
+    if storage is not None and executor is None and jobs > 1 and in_memory(storage):
+        raise ValueError(
+            f"the storage {storage!r} (--storage) is an SQLite database in this process's memory, which "
+            f"the {jobs} trial worker processes (--jobs {jobs}) cannot share: each would open an empty one; use an "
+            "SQLite file (e.g. sqlite:///study.db, or no --storage: OUT/study.db) or --jobs 1"
+        )
+
+
+def check_budget(config: TuneConfig, directory: str | os.PathLike) -> None:
+    """Refuse to tune the rows of ``config`` when the tuned files in ``directory`` (``OUT/tuned``) hold other rows
+    tuned with another budget, which the rows would sit beside
+    (:func:`~gpattn.comparison.tuned_configuration.check_same_budget`): checked before any trial, not when the file
+    is written after them.
+
+    :raises ValueError: Another budget (naming the file, both rows and the budgets), or a tuned file that cannot be
+        read (:func:`~gpattn.comparison.tuned_configuration.read_tuned`).
+    """
+    for task in config.tasks:
+        kept = {row: entry for row, entry in read_tuned(task, directory).items() if row not in config.rows}
+        check_same_budget(dict.fromkeys(config.rows, config.budget(task)), kept, str(tuned_path(task, directory)))
 
 
 def check_search_space(config: TuneConfig, task: str, data: TaskData) -> None:
@@ -338,8 +388,12 @@ def tune(
 ) -> dict[tuple[str, str], TunedRow | None]:
     """Tune every row of ``config`` on every task: one Optuna study per (task, row) with ``config.trials`` trials.
 
-    Before any training, the storage is opened, every study created or joined (its settings checked) and every
-    row's layer built in every architecture (:func:`check_search_space`).
+    Before any training, the storage is checked (:func:`check_storage`) and opened, the rows' budget checked against
+    the rows already in ``out/tuned`` (:func:`check_budget`), every study created or joined (its settings checked)
+    and every row's layer built in every architecture (:func:`check_search_space`).
+
+    A study whose every trial diverged has no configuration: the other rows' are written all the same, and
+    :class:`TuningDivergedError` is raised at the end, naming it (``resume=True`` writes them and raises it again).
 
     :param config: The settings.
     :param out: Run folder: trial records in ``out/trials/``, the tuned configurations in ``out/tuned/<task>.json``,
@@ -353,14 +407,20 @@ def tune(
     :return: ``(task, row)`` -> the tuned configuration, or ``None`` for a study whose trials are not all finished
         (trials still running in another process, or failed: ``resume=True`` completes it).
     :raises ~gpattn.comparison.studies.StorageError: The storage cannot be opened.
-    :raises ValueError: A study exists with other settings, or a layer refuses an architecture.
+    :raises ValueError: A study exists with other settings, a layer refuses an architecture, an in-memory storage
+        with ``config.jobs > 1`` workers (:func:`check_storage`), or rows of another budget in ``out/tuned``
+        (:func:`check_budget`); all before any trial.
     :raises TuningInterrupted: On Ctrl-C (finished trials are kept).
     :raises TuningFailedError: A trial raised (the other trials are kept).
+    :raises TuningDivergedError: Every trial of a study diverged (at the end: the other rows' configurations are
+        written, and carried by the error).
     """
     if out is None and storage is None:
         raise ValueError("tune needs an out folder or a storage URL (the studies' storage), got neither")
+    check_storage(storage, config.jobs, executor)
     out = None if out is None else Path(out)
     if out is not None:
+        check_budget(config, out / "tuned")  # refused now, not after the trials (when the file is written)
         out.mkdir(parents=True, exist_ok=True)  # (trials/ once the studies are prepared: a refused start leaves none)
     code_version()  # read now, before any trial trains: the label of the code this process imported (kept for it)
     url = storage or sqlite_url(out / "study.db")
@@ -453,13 +513,33 @@ def _summaries(
 ) -> dict[tuple[str, str], TunedRow | None]:
     record = {"tuning_seed": config.seed, "eval_samples": config.eval_samples, "jobs": config.jobs}
     record.update(threads=config.threads, label=config.label)
-    summaries = {}
+    summaries: dict[tuple[str, str], TunedRow | None] = {}
+    diverged = []
     for (task, row), space in studies.items():
         fixed = config.fixed_hyperparameters(task)
-        summaries[task, row] = summarize_study(database, study_name(task, row), space, fixed, record)
+        try:
+            summaries[task, row] = summarize_study(database, study_name(task, row), space, fixed, record)
+        except StudyDivergedError:  # no configuration for this row: the others' are written all the same
+            summaries[task, row] = None
+            diverged.append((task, row))
     if out is not None:
         for task in config.tasks:
             rows = {row: summaries[task, row] for row in config.rows if summaries[task, row] is not None}
             if rows:
                 write_tuned(task, rows, out / "tuned")
+    if diverged:
+        names = ", ".join(repr(study_name(task, row)) for task, row in diverged)
+        others = any(summary is not None for summary in summaries.values())
+        written = (
+            f"; the other rows' tuned configurations are written to {out / 'tuned'}"
+            if out is not None and others
+            else ""
+        )
+        raise TuningDivergedError(
+            f"every trial of the {'study' if len(diverged) == 1 else 'studies'} {names} diverged: no configuration "
+            f"to choose{written}; tune the rows again into another --out (or --storage) with other options (e.g. "
+            "another --seed or more --trials), or leave the diverged rows out (--rows)",
+            diverged,
+            summaries,
+        )
     return summaries

@@ -229,10 +229,10 @@ def architecture_sizes(architecture: str) -> dict[str, int]:
         >>> architecture_sizes("48x2x4")
         {'embed_dim': 48, 'depth': 2, 'num_heads': 4}
 
-    :raises ValueError: A label that is not three positive integers joined by ``x``.
+    :raises ValueError: A label that is not three positive integers (ASCII digits) joined by ``x``.
     """
     parts = architecture.split("x") if isinstance(architecture, str) else []
-    if len(parts) != 3 or not all(part.isdigit() and int(part) > 0 for part in parts):
+    if len(parts) != 3 or not all(part.isascii() and part.isdigit() and int(part) > 0 for part in parts):
         raise ValueError(f"expected an architecture '<width>x<depth>x<heads>' such as '32x2x2', got {architecture!r}")
     return dict(zip(("embed_dim", "depth", "num_heads"), map(int, parts), strict=True))
 
