@@ -70,6 +70,18 @@ def _check_logits(logits: Any, labels: Any, where: str) -> tuple[Tensor, Tensor]
     return samples, targets
 
 
+#: Logits above this times the lower bound of the search are shifted before they are divided (about the largest double
+#: over 1e8: no logits a model produces)
+OVERFLOW_SAFE = 1e300
+
+
+def _shifted_to_their_maximum(samples: Tensor) -> Tensor:
+    # x - max_c x, computed as (x / s - max_c x / s) * s with s a power of 2 (exact): entries <= 0, the largest 0
+    scale = math.ldexp(1.0, math.frexp(float(samples.abs().max()))[1])
+    scaled = samples / scale
+    return (scaled - scaled.amax(dim=-1, keepdim=True)) * scale
+
+
 def _scaled_nll(samples: Tensor, targets: Tensor, temperature: float) -> float:
     # -1/n sum_i log( 1/T sum_t softmax(f_t(x_i) / tau)_{y_i} ), with a logsumexp over the samples
     log_probs = (samples / temperature).log_softmax(dim=-1)  # shape: (T, n, C)
@@ -84,7 +96,9 @@ def fit_temperature(logits: Tensor, labels: Tensor, bounds: tuple[float, float] 
     See the module docstring for the objective (every sample's logits divided by :math:`\tau`, probabilities
     averaged over samples) and the search (a grid over :math:`\log \tau`, then golden-section search).
 
-    .. note:: Cost: about 100 evaluations of the NLL, each O(T n C); no gradients, no model calls.
+    .. note:: Cost: about 100 evaluations of the NLL, each O(T n C); no gradients, no model calls. Logits so large
+        that dividing them by the lower bound would overflow (above 1e300 times it) are first shifted by each row's
+        largest entry (the softmax is unchanged), so that the NLL stays a number.
 
     :param logits: Validation logits ``(n, C)``, or Monte Carlo samples ``(T, n, C)``. Never the test split's.
     :param labels: Validation labels ``(n,)``, integers in ``[0, C)``.
@@ -100,6 +114,13 @@ def fit_temperature(logits: Tensor, labels: Tensor, bounds: tuple[float, float] 
         raise InputTypeError(f"{where}: expected bounds to be a pair (low, high), got {bounds!r}")
     low = check_float("bounds[0]", bounds[0], 0.0, strict_minimum=True, where=where)
     high = check_float("bounds[1]", bounds[1], low, strict_minimum=True, where=where)
+
+    if float(samples.abs().max()) > OVERFLOW_SAFE * low:
+        # logits / tau would overflow to inf at the low end (finite float64 logits near the largest double), and the
+        # NLL be NaN there: the logits are shifted by their largest entry first (log_softmax does not see a shift),
+        # the shift made in a copy scaled by a power of 2 (exact), so that it cannot overflow either; an entry whose
+        # distance from the largest is beyond the largest double becomes -inf (a probability of 0)
+        samples = _shifted_to_their_maximum(samples)
 
     def objective(log_temperature: float) -> float:
         return _scaled_nll(samples, targets, math.exp(log_temperature))

@@ -302,7 +302,8 @@ class Transformer(Module):
         :param inputs: Token ids ``(B, N)``, vectors ``(B, N, input_dim)``, images ``(B, in_channels, H, W)`` or
             signals ``(B, L, input_dim)``.
         :param mask: ``None``, a boolean padding mask ``(B, N)`` (``True`` = real token; padded tokens have no
-            influence on the logits) or ``"causal"`` (the pooled mean still runs over all tokens); ``None`` for
+            influence on the logits; pad at the end: the positions are absolute, so padding in front moves the real
+            tokens to other position embeddings) or ``"causal"`` (the pooled mean still runs over all tokens); ``None`` for
             ``input="signal"``.
         :return: Logits, shape ``(B, num_classes)``.
         """
