@@ -303,8 +303,8 @@ class Transformer(Module):
             signals ``(B, L, input_dim)``.
         :param mask: ``None``, a boolean padding mask ``(B, N)`` (``True`` = real token; padded tokens have no
             influence on the logits; pad at the end: the positions are absolute, so padding in front moves the real
-            tokens to other position embeddings) or ``"causal"`` (the pooled mean still runs over all tokens); ``None`` for
-            ``input="signal"``.
+            tokens to other position embeddings) or ``"causal"`` (the pooled mean still runs over all tokens);
+            ``None`` for ``input="signal"``.
         :return: Logits, shape ``(B, num_classes)``.
         """
         if self.input == "signal" and mask is not None:
