@@ -22,6 +22,7 @@ from .options import (
     positive_int,
     prepare_out,
     remove_stale_files,
+    seed_number,
     tuned_dir,
 )
 
@@ -108,7 +109,7 @@ def add_compare(commands) -> None:
     compare.add_argument(
         "--seeds",
         nargs="+",
-        type=non_negative_int,
+        type=seed_number,
         default=None,
         help=f"default: {list(defaults.seeds)} (--quick: [0]; --main: 0-6; --full: 0-4, and 5-9 for the primary pair)",
     )

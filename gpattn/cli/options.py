@@ -23,7 +23,7 @@ try:
 except ImportError:  # Windows
     fcntl = None
 
-from ..validation import check_device, check_float, check_int
+from ..validation import check_device, check_float, check_int, check_seed
 
 __all__ = [
     "LOCK_FILE",
@@ -47,6 +47,7 @@ __all__ = [
     "tuned_dir",
     "prepare_out",
     "remove_stale_files",
+    "seed_number",
 ]
 
 
@@ -68,6 +69,9 @@ def _option(kind: Callable[[str], Any], check: Callable[..., Any], **bounds: Any
 
 
 positive_int = _option(int, check_int, minimum=1)
+#: A seed of gpattn's generators, in [0, 2**64 - 1] (:func:`~gpattn.validation.check_seed`): refused as a bad option
+#: (exit status 2) by the option's name, not later by the configuration as a failed run
+seed_number = _option(int, check_seed)
 non_negative_int = _option(int, check_int, minimum=0)
 positive_float = _option(float, check_float, minimum=0.0, strict_minimum=True)
 non_negative_float = _option(float, check_float, minimum=0.0)

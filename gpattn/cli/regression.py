@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 
-from .options import add_common, non_negative_int, out_dir, positive_float, positive_int, prepare_out
+from .options import add_common, out_dir, positive_float, positive_int, prepare_out, seed_number
 
 #: What ``gpattn regression`` writes into its run folder (replaced with ``--overwrite``)
 OUTPUTS = ("results.json", "posterior.png")
@@ -26,7 +27,7 @@ def add_regression(commands) -> None:
         "--out", type=out_dir, default="runs/regression", help="output folder (default: %(default)s)"
     )
     regression.add_argument(
-        "--seed", type=non_negative_int, default=0, help="data and initialisation seed (default: %(default)s)"
+        "--seed", type=seed_number, default=0, help="data and initialisation seed (default: %(default)s)"
     )
     regression.add_argument("--num-inducing", type=positive_int, default=16, help="KSVD rank s (default: %(default)s)")
     regression.add_argument(
@@ -57,6 +58,7 @@ def add_regression(commands) -> None:
 def run_regression(args: argparse.Namespace) -> int:
     """Run ``gpattn regression``; returns the exit status."""
     from .. import comparison
+    from ..comparison.environment import code_version
     from ..comparison.local_executor import torch_threads
     from ..comparison.records import write_text_atomically
 
@@ -79,7 +81,9 @@ def run_regression(args: argparse.Namespace) -> int:
     with prepare_out(args.out, overwrite=args.overwrite, resume=False, replaced=OUTPUTS) as out:
         with torch_threads(args.threads):
             result = comparison.run_toy_regression(config, progress=not args.no_progress)
-        write_text_atomically(out / "results.json", result.to_json())
+        # the result, and what its last bits depend on besides its config: the thread count and the code
+        content = {**json.loads(result.to_json()), "threads": args.threads, **code_version()}
+        write_text_atomically(out / "results.json", json.dumps(content, indent=2))
         models = result.models
         figure = plot_pair_posterior(
             models["kep_svgp_elbo"], result.data, exact_gp=models["exact_gp"], pyro_model=models.get("kep_svgp_pyro")

@@ -16,10 +16,10 @@ from .options import (
     add_common,
     device,
     missing_tuned_files,
-    non_negative_int,
     out_dir,
     positive_int,
     prepare_out,
+    seed_number,
     tuned_dir,
 )
 
@@ -51,7 +51,7 @@ def add_train(commands) -> None:
     )
     train.add_argument("--attention", choices=attention_names(), default="kep_svgp", help="default: %(default)s")
     train.add_argument("--task", choices=TASKS, default="digits", help="default: %(default)s")
-    train.add_argument("--seed", type=non_negative_int, default=0, help="default: %(default)s")
+    train.add_argument("--seed", type=seed_number, default=0, help="default: %(default)s")
     train.add_argument(
         "--epochs",
         type=positive_int,
@@ -101,7 +101,7 @@ def run_train(args: argparse.Namespace) -> int:
     from ..comparison import runs as run_module
     from ..comparison.local_executor import torch_threads
     from ..comparison.records import write_json_atomically
-    from ..comparison.runner import read_run_file, result_settings, run_file_content
+    from ..comparison.runner import read_run_file, result_settings, run_file_content, run_hyperparameters
     from ..training import EpochLog
 
     out = Path(args.out or f"runs/train-{args.task}-{args.attention}-{args.seed}")
@@ -150,9 +150,12 @@ def run_train(args: argparse.Namespace) -> int:
                     "check that it continues the same run; start it again with --overwrite"
                 )
             read_run_file(out / RUN_FILE, run, settings, record=False)
+            _check_hyperparameters(out / RUN_FILE, config, args)
             _note_other_code(out / RUN_FILE)
-        else:
-            write_json_atomically(out / RUN_FILE, run_file_content(run, settings))
+        else:  # with the hyperparameters, which a tuned file (not the settings) may set and change
+            content = run_file_content(run, settings)
+            content["hyperparameters"] = run_hyperparameters(config, args.task, args.attention)
+            write_json_atomically(out / RUN_FILE, content)
         callbacks = [] if args.no_progress else [EpochLog()]  # one line per epoch on standard error
         checkpoints = out / "checkpoints"
         try:
@@ -174,6 +177,32 @@ def run_train(args: argparse.Namespace) -> int:
     print(", ".join(f"{key} {value:.4f}" for key, value in test.items()))
     print(f"wrote {out / 'record.json'}")
     return 0
+
+
+def _check_hyperparameters(path: Path, config, args: argparse.Namespace) -> None:
+    """Refuse ``--resume`` when the run would train with other hyperparameters than it started with: a tuned file
+    (``--tuned-dir``, or the package's) written again in between changes them without changing the settings. A run
+    file written before the hyperparameters were stored is not checked here (the checkpoints' own check remains).
+
+    :raises CommandError: Naming each changed hyperparameter, the tuned file and ``--overwrite``.
+    """
+    import json
+
+    from ..comparison.runner import run_hyperparameters
+    from ..comparison.tuned_configuration import tuned_path
+
+    stored = json.loads(path.read_text(encoding="utf-8")).get("hyperparameters")
+    current = json.loads(json.dumps(run_hyperparameters(config, args.task, args.attention)))  # as read back
+    if not isinstance(stored, dict) or stored == current:
+        return
+    changed = sorted(key for key in set(stored) | set(current) if stored.get(key) != current.get(key))
+    shown = ", ".join(f"{key}: started with {stored.get(key)!r}, now {current.get(key)!r}" for key in changed)
+    tuned = config.tuned_entry(args.task, args.attention) is not None
+    source = str(tuned_path(args.task, config.tuned_dir)) if tuned else "the shared settings"
+    raise CommandError(
+        f"--resume would train with other hyperparameters than the run started with ({shown}; now from {source}): "
+        "resume with the tuned file the run started with, or start the run again with --overwrite"
+    )
 
 
 def _check_tuned_options(config, args: argparse.Namespace) -> None:

@@ -15,10 +15,10 @@ from .options import (
     kept_on_interrupt,
     make_executor,
     mps_note,
-    non_negative_int,
     out_dir,
     positive_int,
     prepare_out,
+    seed_number,
 )
 
 __all__ = ["COST", "add_tune", "run_tune"]
@@ -112,7 +112,7 @@ def add_tune(commands) -> None:
         "gpattn compare uses by default",
     )
     numbers = (
-        ("seed", non_negative_int, "tuning seed, not an evaluation seed 0-9 nor their ensembles' member seeds 0-49"),
+        ("seed", seed_number, "tuning seed, not an evaluation seed 0-9 nor their ensembles' member seeds 0-49"),
         ("mnist1d_epochs", positive_int, "most epochs of a trial on MNIST-1D"),
         ("digits_epochs", positive_int, "most epochs of a trial on digits"),
         ("pointer_epochs", positive_int, "most epochs of a trial on the pointer task"),

@@ -247,12 +247,6 @@ def test_train_resume_from_a_damaged_run_file_is_one_line(damage, fragment, fini
     assert sorted(path.name for path in (out / "checkpoints").iterdir()) == checkpoints  # nothing deleted
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="a tuned configuration changed between the start and --resume is refused by the checkpoint check, whose "
-    "advice names library arguments (resume=False, schedule_epochs) instead of the command's options "
-    "(gpattn/cli/train.py:152 checks run.json, which stores no tuned hyperparameters)",
-)
 def test_train_resume_after_the_tuned_configuration_changed_names_the_command_options(tmp_path, capsys, monkeypatch):
     import gpattn.training.loop as loop
     from gpattn.comparison.tuned_configuration import tuned_path
@@ -387,11 +381,6 @@ def test_regression_rerun_is_refused_and_overwrite_keeps_the_users_files(tmp_pat
     assert (out / "notes.txt").read_text() == "the user's"
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="gpattn/cli/regression.py:29 parses --seed as any non-negative integer, and ToyRegressionConfig's "
-    "ValueError for a seed above 2**64 - 1 reaches main as a run failure (status 1, naming ToyRegressionConfig)",
-)
 def test_regression_seed_beyond_64_bits_is_a_bad_option(tmp_path, capsys, monkeypatch) -> None:
     import gpattn.comparison as comparison
 
@@ -405,12 +394,6 @@ def test_regression_seed_beyond_64_bits_is_a_bad_option(tmp_path, capsys, monkey
     assert not (tmp_path / "g").exists()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="results.json of gpattn regression does not record --threads (ToyRegressionResult.to_json, "
-    "gpattn/comparison/toy_regression.py:110), though the help says that the numbers depend on it (they do, in the "
-    "last bits)",
-)
 def test_regression_results_record_the_thread_count(tmp_path) -> None:
     assert main([*TINY_REGRESSION, "--threads", "2", "--out", str(tmp_path / "g")]) == 0
     saved = json.loads((tmp_path / "g" / "results.json").read_text())
@@ -491,3 +474,12 @@ def test_report_page_in_a_new_folder_and_under_a_file(compare_folder, tmp_path, 
     _one_error_line(err, "report")
     assert "Not a directory" in err and str(blocker) in err
     assert blocker.read_text() == "x"
+
+
+@pytest.mark.parametrize("command", [["train", "--task", "pointer", "--attention", "softmax"], ["tune"]])
+def test_a_seed_beyond_64_bits_is_a_bad_option_of_train_and_tune(command, tmp_path, capsys) -> None:
+    option = "--seed"
+    assert _status([*command, option, str(2**64), "--out", str(tmp_path / "g")]) == 2
+    err = capsys.readouterr().err
+    assert f"argument {option}: expected the value to be a non-negative integer at most 2**64 - 1" in err, err
+    assert "Traceback" not in err and not (tmp_path / "g").exists()

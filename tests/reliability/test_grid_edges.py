@@ -361,7 +361,10 @@ def _status(argv: list[str]) -> int:
         (["--seeds", "0", "1", "0"], "distinct seeds, got [0, 1, 0]"),
         (["--jobs", "0"], "argument --jobs: expected the value to be a positive integer, got 0"),
         (["--threads", "-1"], "argument --threads: expected the value to be a positive integer, got -1"),
-        (["--seeds", str(2**64)], f"seeds to be a non-negative integer at most 2**64 - 1 = {2**64 - 1}"),
+        (
+            ["--seeds", str(2**64)],
+            "argument --seeds: expected the value to be a non-negative integer at most 2**64 - 1",
+        ),
         (["--ece-bins", "1.5"], "argument --ece-bins: expected the value to be a positive integer, got '1.5'"),
     ],
 )
