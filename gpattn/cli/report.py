@@ -29,7 +29,8 @@ def add_report(commands) -> None:
         "beside it, in <page stem>_figures/ (figures there that the page does not show are removed). --same-verdict "
         "compares the primary verdict with that of each other run "
         "folder (e.g. the same run with --threads 2, or another seed block) and exits with status 1 when it differs "
-        "or cannot be checked (a run without the primary pair); with --page the checks are a section of the page.",
+        "or cannot be checked (a run without the primary pair); it then prints the check's lines in place of the "
+        "headline and tables, and with --page the checks are a section of the page.",
     )
     report.add_argument("runs", nargs="+", type=_folder, metavar="RUN", help="run folders (with results.json)")
     report.add_argument(
@@ -46,7 +47,7 @@ def add_report(commands) -> None:
         default=None,
         metavar="OTHER",
         help="run folders whose primary verdict must each be the same: exit status 0 when it holds for every one, 1 "
-        "otherwise; with --page, a section of the page",
+        "otherwise; printed in place of the headline and tables, or with --page a section of the page",
     )
 
 
