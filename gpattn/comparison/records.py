@@ -197,7 +197,9 @@ class ReliabilityBins:
 class TrainingSummary:
     """How a run was trained.
 
-    :ivar seconds: Wall time of the training (every member of an ensemble).
+    :ivar seconds: Wall time of the training (every member of an ensemble) in the process that finished it: a run
+        resumed from its checkpoints (``gpattn train --resume``) counts the part after the resume only (the epochs'
+        own wall times are in the checkpoints' history).
     :ivar epochs: Epochs per member at most (the configured maximum; early stopping may end a member sooner).
     :ivar best_epoch: Epoch of the lowest validation NLL (of the first member).
     :ivar num_parameters: Parameters of the model (summed over the members).
