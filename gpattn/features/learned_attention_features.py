@@ -242,4 +242,7 @@ class LearnedAttentionFeatures(AttentionKernelEigenFeatures):
 
     @staticmethod
     def _zero_masked(scores: Tensor, mask: Tensor | None) -> Tensor:
-        return scores if mask is None else scores * mask[:, None, :, None].to(scores.dtype)
+        # (B, N) against (B, H, N, s), or (B, H, ..., N, s) with output dimensions
+        if mask is None:
+            return scores
+        return scores * mask.reshape(mask.shape[0], *(1,) * (scores.dim() - 3), mask.shape[1], 1).to(scores.dtype)

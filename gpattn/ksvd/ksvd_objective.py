@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 from torch import Tensor
 
 from ..validation import broadcastable, check_choice, check_tensor
@@ -84,17 +86,22 @@ def ksvd_objective(
         # the token sums of the squares per head and direction first, (H, s), then one scaled sum: the divisions by
         # Lambda and the counts act on (H, s) tensors, not on the (B, H, N, s) scores (fewer, smaller operators, and
         # fewer again backward)
+        # every dimension but the heads (1) and s summed: (B, H, N, s) scores, or (B, H, ..., N, s) with output
+        # dimensions (KernelEigenScores.for_outputs), each of which the mean runs over too
+        dims = (0, *range(2, left_scores.dim() - 1))
         if mask is None:
-            left_sums, right_sums = left_scores.square().sum((0, 2)), right_scores.square().sum((0, 2))
-            left_sums = left_sums / (left_scores.numel() // left_scores.shape[-1])  # mean over (b, h, i)
+            left_sums, right_sums = left_scores.square().sum(dims), right_scores.square().sum(dims)
+            left_sums = left_sums / (left_scores.numel() // left_scores.shape[-1])  # mean over (b, h, ..., i)
             right_sums = right_sums / (right_scores.numel() // right_scores.shape[-1])
-        else:  # the mean over the real tokens of every sequence and head: (B, H, N, s) against a (B, N) mask
-            weight = mask[:, None, :, None].to(left_scores.dtype)
-            count = weight.sum() * left_scores.shape[1]
-            left_sums = (left_scores.square() * weight).sum((0, 2)) / count
-            right_sums = (right_scores.square() * weight).sum((0, 2)) / count
+        else:  # the mean over the real tokens of every sequence and head: the (B, N) mask as (B, 1, ..., N, 1)
+            weight = mask.reshape(mask.shape[0], *(1,) * (left_scores.dim() - 3), mask.shape[1], 1)
+            weight = weight.to(left_scores.dtype)
+            count = weight.sum() * math.prod(left_scores.shape[1:-2])
+            left_sums = (left_scores.square() * weight).sum(dims) / count
+            right_sums = (right_scores.square() * weight).sum(dims) / count
         trace = (left_weights * right_weights).sum() / left_weights.shape[0]  # Tr(mean_h W~_e^T W~_r)
-        return 0.5 * ((left_sums + right_sums) / singular_values).sum() - trace
+        values = singular_values.reshape(left_sums.shape)  # (H, s); (H, 1, ..., s) with output dimensions
+        return 0.5 * ((left_sums + right_sums) / values).sum() - trace
     inverse = singular_values.reciprocal().unsqueeze(-2)  # shape: (*batch, 1, s)
     left_weighted = left_scores.pow(2) * inverse  # e_ik^2 / lambda_k: (*batch, N, s)
     right_weighted = right_scores.pow(2) * inverse
