@@ -76,8 +76,9 @@ OVERFLOW_SAFE = 1e300
 
 
 def _shifted_to_their_maximum(samples: Tensor) -> Tensor:
-    # x - max_c x, computed as (x / s - max_c x / s) * s with s a power of 2 (exact): entries <= 0, the largest 0
-    scale = math.ldexp(1.0, math.frexp(float(samples.abs().max()))[1])
+    # x - max_c x, computed as (x / s - max_c x / s) * s with s the power of 2 at most max |x| (exact, and
+    # representable for every finite logit): entries <= 0, the largest 0
+    scale = math.ldexp(1.0, math.frexp(float(samples.abs().max()))[1] - 1)
     scaled = samples / scale
     return (scaled - scaled.amax(dim=-1, keepdim=True)) * scale
 

@@ -171,6 +171,13 @@ def test_finite_float64_logits_near_the_largest_double_give_the_upper_bound():
     labels = torch.tensor([0, 1, 1, 0])
     reference = fit_temperature(mixed, labels)
     assert 0.01 < reference < 100.0
+    # at the largest doubles themselves (the scale of the shift is a power of 2 at most the largest logit: 2**1024,
+    # one above it, overflowed)
+    for top in (9e307, 1.7e308, torch.finfo(DTYPE).max):
+        with warnings.catch_warnings(record=True):
+            warnings.simplefilter("always")
+            wrong = torch.tensor([[top, 0.0], [0.0, top / 2]], dtype=DTYPE)
+            assert fit_temperature(wrong, torch.tensor([1, 1])) == pytest.approx(100.0, rel=1e-6)
     # the search's low end overflows logits / tau (the shifted path), its optimum is interior
     fitted = fit_temperature(mixed * 1e306, labels, bounds=(0.01, 1e308))
     assert fitted == pytest.approx(reference * 1e306, rel=1e-6)
