@@ -97,7 +97,7 @@ def test_the_default_study_file_is_inside_an_out_folder_with_a_query_character(t
         (["--rows", "deep_ensemble"], "uses the tuned configuration of the row 'softmax'"),
         (["--seed", "3"], "must not be an evaluation seed (0-9) nor a member seed of their ensembles (0-49), got 3"),
         (["--seed", "12"], "nor a member seed of their ensembles (0-49), got 12"),
-        (["--seed", "5000000"], "expected seed to be an integer in [0, 4294967]"),
+        (["--seed", "5000000"], "argument --seed: expected the value to be an integer in [0, 4294967]"),
         (["--trials", "0"], "--trials: expected the value to be a positive integer"),
         (["--storage", ""], "--storage: expected an Optuna RDB URL, e.g. sqlite:///study.db, got ''"),  # the default
     ],

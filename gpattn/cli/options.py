@@ -34,6 +34,7 @@ __all__ = [
     "kept_on_interrupt",
     "add_common",
     "add_executor",
+    "bounded_int",
     "device",
     "make_executor",
     "missing_tuned_files",
@@ -72,6 +73,13 @@ positive_int = _option(int, check_int, minimum=1)
 #: A seed of gpattn's generators, in [0, 2**64 - 1] (:func:`~gpattn.validation.check_seed`): refused as a bad option
 #: (exit status 2) by the option's name, not later by the configuration as a failed run
 seed_number = _option(int, check_seed)
+
+
+def bounded_int(minimum: int, maximum: int) -> Callable[[str], Any]:
+    """An argparse type: an integer in ``[minimum, maximum]``, named by the option in its message."""
+    return _option(int, check_int, minimum=minimum, maximum=maximum)
+
+
 non_negative_int = _option(int, check_int, minimum=0)
 positive_float = _option(float, check_float, minimum=0.0, strict_minimum=True)
 non_negative_float = _option(float, check_float, minimum=0.0)

@@ -78,11 +78,12 @@ def run_regression(args: argparse.Namespace) -> int:
 
     from ..plotting import plot_pair_posterior
 
+    code = code_version()  # the code this process imported, read before the fit (as compare and train do)
     with prepare_out(args.out, overwrite=args.overwrite, resume=False, replaced=OUTPUTS) as out:
         with torch_threads(args.threads):
             result = comparison.run_toy_regression(config, progress=not args.no_progress)
         # the result, and what its last bits depend on besides its config: the thread count and the code
-        content = {**json.loads(result.to_json()), "threads": args.threads, **code_version()}
+        content = {**json.loads(result.to_json()), "threads": args.threads, **code}
         write_text_atomically(out / "results.json", json.dumps(content, indent=2))
         models = result.models
         figure = plot_pair_posterior(

@@ -11,6 +11,7 @@ from .options import (
     CommandError,
     add_common,
     add_executor,
+    bounded_int,
     device,
     kept_on_interrupt,
     make_executor,
@@ -18,7 +19,6 @@ from .options import (
     out_dir,
     positive_int,
     prepare_out,
-    seed_number,
 )
 
 __all__ = ["COST", "add_tune", "run_tune"]
@@ -112,7 +112,11 @@ def add_tune(commands) -> None:
         "gpattn compare uses by default",
     )
     numbers = (
-        ("seed", seed_number, "tuning seed, not an evaluation seed 0-9 nor their ensembles' member seeds 0-49"),
+        (
+            "seed",
+            bounded_int(0, (2**32 - 1) // 1000),  # Optuna's sampler of trial slot k takes seed * 1000 + k < 2**32
+            "tuning seed, at most 4294967, not an evaluation seed 0-9 nor their ensembles' member seeds 0-49",
+        ),
         ("mnist1d_epochs", positive_int, "most epochs of a trial on MNIST-1D"),
         ("digits_epochs", positive_int, "most epochs of a trial on digits"),
         ("pointer_epochs", positive_int, "most epochs of a trial on the pointer task"),

@@ -247,7 +247,8 @@ def convert_attention(
         owner = name.rpartition(".")[0] if layout.output_in_parent else name
         query, key, value = (_linear(module, path, where) for path in (layout.query, layout.key, layout.value))
         parent = model.get_submodule(owner)
-        if layout.output_in_parent and not isinstance(getattr(parent, "output", None), torch.nn.Module):
+        beside = layout.output.split(".")[0]  # the parent's module that holds the output projection
+        if layout.output_in_parent and not isinstance(getattr(parent, beside, None), torch.nn.Module):
             # the output projection sits beside this module, in its parent (BertAttention: self, output.dense)
             raise ValueError(
                 f"{where}: the output projection of a {type(module).__name__} is its parent's {layout.output} (as in "

@@ -146,7 +146,8 @@ def train_model(
     callbacks = check_callbacks(callbacks, "train_model")
     if resume and config.checkpoint_dir is None:
         raise ValueError("resume=True needs config.checkpoint_dir (the directory holding last.pt), got None")
-    half = [name for name, parameter in model.named_parameters() if parameter.dtype == torch.float16]
+    # (the trained ones: a frozen float16 part, which AdamW never steps, is fine)
+    half = [name for name, p in model.named_parameters() if p.dtype == torch.float16 and p.requires_grad]
     if half:
         # AdamW's eps = 1e-8 is 0 in float16: a gradient entry of exactly zero makes its step 0/0 = NaN at step one
         shown = ", ".join(half[:3]) + (f" and {len(half) - 3} more" if len(half) > 3 else "")

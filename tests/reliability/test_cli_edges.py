@@ -476,10 +476,16 @@ def test_report_page_in_a_new_folder_and_under_a_file(compare_folder, tmp_path, 
     assert blocker.read_text() == "x"
 
 
-@pytest.mark.parametrize("command", [["train", "--task", "pointer", "--attention", "softmax"], ["tune"]])
-def test_a_seed_beyond_64_bits_is_a_bad_option_of_train_and_tune(command, tmp_path, capsys) -> None:
-    option = "--seed"
-    assert _status([*command, option, str(2**64), "--out", str(tmp_path / "g")]) == 2
+@pytest.mark.parametrize(
+    ("command", "seed", "expected"),
+    [
+        (["train", "--task", "pointer", "--attention", "softmax"], 2**64, "a non-negative integer at most 2**64 - 1"),
+        # the tuning seed's samplers take seed * 1000 + slot below 2**32
+        (["tune"], 4294968, "an integer in [0, 4294967]"),
+    ],
+)
+def test_a_seed_out_of_range_is_a_bad_option_of_train_and_tune(command, seed, expected, tmp_path, capsys) -> None:
+    assert _status([*command, "--seed", str(seed), "--out", str(tmp_path / "g")]) == 2
     err = capsys.readouterr().err
-    assert f"argument {option}: expected the value to be a non-negative integer at most 2**64 - 1" in err, err
+    assert f"argument --seed: expected the value to be {expected}" in err, err
     assert "Traceback" not in err and not (tmp_path / "g").exists()

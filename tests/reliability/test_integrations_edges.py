@@ -314,3 +314,31 @@ def test_the_converted_layer_is_trainable_where_the_source_weights_were_frozen()
     assert "out_proj.weight" in adapter.copied
     assert all(parameter.requires_grad for parameter in adapter.parameters())
     assert not any(parameter.requires_grad for parameter in model.bert.encoder.layer[1].parameters())
+
+
+def test_a_registered_layout_with_its_output_beside_under_another_name_converts(monkeypatch):
+    """A layout registered with ``output_in_parent`` and its output projection under another name than ``output``
+    (here ``proj.dense``) converts: the check for a projection beside the module reads the layout's first name."""
+    from gpattn.integrations import huggingface
+
+    class MySelfAttention(torch.nn.Module):
+        num_attention_heads = HEADS
+
+        def __init__(self):
+            super().__init__()
+            self.query, self.key, self.value = (torch.nn.Linear(WIDTH, WIDTH) for _ in range(3))
+
+    class Block(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.attn = MySelfAttention()
+            self.proj = torch.nn.Module()
+            self.proj.dense = torch.nn.Linear(WIDTH, WIDTH)
+
+    layout = huggingface.SelfAttentionLayout(
+        "query", "key", "value", "num_attention_heads", "proj.dense", output_in_parent=True
+    )
+    monkeypatch.setitem(huggingface.LAYOUTS, "MySelfAttention", layout)
+    model = torch.nn.Sequential(Block())
+    convert_huggingface(model, "softmax")
+    assert isinstance(model[0].attn, HuggingFaceAttentionAdapter) and isinstance(model[0].proj.dense, torch.nn.Identity)

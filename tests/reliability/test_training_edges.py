@@ -298,3 +298,13 @@ def test_a_missing_best_checkpoint_is_a_checkpoint_error_and_leaves_the_model(da
     with pytest.raises(CheckpointError, match=r"records a best epoch \(1\) but its pair .*best\.pt is missing"):
         train_model(model, data.train, data.val, config, resume=True)
     assert all(torch.equal(before[name], value) for name, value in model.state_dict().items())
+
+
+def test_a_frozen_float16_part_does_not_stop_training(data):
+    """Only the trained parameters must not be float16 (AdamW never steps a frozen one): a model with a frozen float16
+    parameter trains."""
+    model = _model(attention="softmax")
+    model.register_parameter("frozen", torch.nn.Parameter(torch.zeros(3, dtype=torch.float16), requires_grad=False))
+    result = train_model(model, data.train, data.val, _config(epochs=1))
+    assert len(result.history) == 1 and math.isfinite(result.history[0]["loss"])
+    assert torch.equal(model.frozen, torch.zeros(3, dtype=torch.float16))
