@@ -65,7 +65,9 @@ class KernelEigenFeatures(GraphFreeState, KernelEigenFeaturesBase):
     :param key_landmarks: Key landmarks :math:`Z`, shape ``(*batch, M', d)``. By default they are the query landmarks:
         then not registered under a second name but read through ``landmarks`` (one tensor, whatever replaces it: a
         conversion, an assigning load, Pyro's ``update_module_params``); the state dict still holds a
-        ``key_landmarks`` entry (the landmarks), so that a module built with key landmarks of its own loads it.
+        ``key_landmarks`` entry (the landmarks), so that a module built with key landmarks of its own loads it. They
+        cannot be assigned apart (``features.key_landmarks = ...``, ``initialize(key_landmarks=...)``, or
+        ``torch.func.functional_call`` given that entry: a ``ValueError``); assign the landmarks.
     :param learn_landmarks: Register copied landmarks as parameters (else buffers).
     :param svd_method: ``"exact"`` or ``"randomized"`` (see :func:`~gpattn.ksvd.kernel_svd`).
     :param ksvd_weight: :math:`\eta` of the primal-mode penalty.
@@ -179,15 +181,20 @@ class KernelEigenFeatures(GraphFreeState, KernelEigenFeaturesBase):
 
     def __setattr__(self, name: str, value) -> None:
         if name == "key_landmarks" and isinstance(value, Tensor) and self._reads_key_landmarks_from_landmarks():
-            # key landmarks of their own from now on: a parameter, or a buffer for any other tensor
-            self._shared_key_landmarks = False
-            if not isinstance(value, torch.nn.Parameter):
-                self.register_buffer(name, value)
+            landmarks = self._parameters.get("landmarks", self._buffers.get("landmarks"))
+            if value is landmarks:  # they are already
                 return
+            # an assignment would untie them for good (torch.func.functional_call's temporary one too) or, as
+            # GPyTorch's initialize did before they were read through the landmarks, move the landmarks with them
+            raise ValueError(
+                "KernelEigenFeatures: the key landmarks are the landmarks (built without key_landmarks), so they "
+                "cannot be assigned apart: assign the landmarks, or build the features with key_landmarks of their "
+                "own (for torch.func.functional_call, leave 'key_landmarks' out of the tensors given)"
+            )
         super().__setattr__(name, value)
 
     def _reads_key_landmarks_from_landmarks(self) -> bool:
-        # built without key_landmarks, and none registered since (an assignment registers one)
+        # built without key_landmarks (a flag set once; the guard against a registered one is for safety only)
         registered = self.__dict__.get("_parameters", {}), self.__dict__.get("_buffers", {})
         shared = self.__dict__.get("_shared_key_landmarks", False)
         return shared and not any("key_landmarks" in tensors for tensors in registered)

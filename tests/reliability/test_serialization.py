@@ -651,15 +651,35 @@ def test_key_landmarks_of_their_own_are_refused_by_a_module_without():
         target.load_state_dict(source.state_dict())
 
 
-def test_an_assigned_key_landmarks_parameter_is_the_one_read():
+def test_default_key_landmarks_cannot_be_assigned_apart():
+    """Assigning the default key landmarks (GPyTorch's ``initialize``, ``torch.func.functional_call`` with a whole
+    state dict) is refused: it would untie them for good (functional_call's restore leaves a buffer behind), and
+    before they were read through the landmarks ``initialize`` moved the landmarks with them. The landmarks themselves
+    may be assigned; functional_call without the key entry works and leaves them tied."""
     features = _landmark_features(0)
-    keys = torch.nn.Parameter(features.landmarks.detach() + 1.0)
-    features.key_landmarks = keys
-    assert features.key_landmarks is keys and features.landmarks is not keys
-    assert torch.equal(features.state_dict()["key_landmarks"], keys.detach())
-    fixed = _landmark_features(1, learn_landmarks=False)
-    fixed.key_landmarks = fixed.landmarks + 1.0  # a plain tensor: a buffer, as the landmarks
-    assert torch.equal(fixed.key_landmarks, fixed.landmarks + 1.0) and "key_landmarks" in dict(fixed.named_buffers())
+    with pytest.raises(ValueError, match="the key landmarks are the landmarks .* cannot be assigned apart"):
+        features.key_landmarks = torch.nn.Parameter(features.landmarks.detach() + 1.0)
+    with pytest.raises(ValueError, match="cannot be assigned apart"):
+        features.initialize(key_landmarks=features.landmarks.detach() + 1.0)
+    features.key_landmarks = features.landmarks  # they are already
+    x = _points(DTYPE, 3)[1]
+    state = features.state_dict()
+    with pytest.raises(ValueError, match="leave 'key_landmarks' out"):
+        torch.func.functional_call(features, state, (x,))
+    moved = {name: value for name, value in state.items() if name != "key_landmarks"}
+    moved["landmarks"] = moved["landmarks"] + 0.25
+    features.eval()
+    result = torch.func.functional_call(features, moved, (x,), {"kernel_diag": True})
+    reference = copy.deepcopy(features)
+    with torch.no_grad():
+        reference.landmarks.add_(0.25)
+    expected = reference(x, kernel_diag=True)
+    torch.testing.assert_close(result.left_scores, expected.left_scores, rtol=1e-12, atol=1e-12)
+    assert features.key_landmarks is features.landmarks and "key_landmarks" not in dict(features.named_buffers())
+    own = _landmark_features(1, key_landmarks=_points(DTYPE, 3)[0] - 0.3)  # key landmarks of their own: assignable
+    keys = torch.nn.Parameter(own.key_landmarks.detach() + 1.0)
+    own.key_landmarks = keys
+    assert own.key_landmarks is keys and torch.equal(own.state_dict()["key_landmarks"], keys.detach())
 
 
 def test_parametrized_landmarks_are_the_key_landmarks_too():
