@@ -180,7 +180,7 @@ class KernelEigenFeatures(GraphFreeState, KernelEigenFeaturesBase):
         return super().__getattr__(name)
 
     def __setattr__(self, name: str, value) -> None:
-        if name == "key_landmarks" and isinstance(value, Tensor) and self._reads_key_landmarks_from_landmarks():
+        if name == "key_landmarks" and self._reads_key_landmarks_from_landmarks():
             landmarks = self._parameters.get("landmarks", self._buffers.get("landmarks"))
             if value is landmarks:  # they are already
                 return

@@ -661,6 +661,8 @@ def test_default_key_landmarks_cannot_be_assigned_apart():
         features.key_landmarks = torch.nn.Parameter(features.landmarks.detach() + 1.0)
     with pytest.raises(ValueError, match="cannot be assigned apart"):
         features.initialize(key_landmarks=features.landmarks.detach() + 1.0)
+    with pytest.raises(ValueError, match="cannot be assigned apart"):
+        features.key_landmarks = None
     features.key_landmarks = features.landmarks  # they are already
     x = _points(DTYPE, 3)[1]
     state = features.state_dict()
