@@ -33,6 +33,20 @@ def _features(mode: str, seed: int = 0, **kwargs):
     return build_attention_features(16, 2, 3, mode=mode, **kwargs).to(DTYPE)
 
 
+def _call_inputs(call: str, seed: int, lengths: tuple[int, int], row: int, cut: int):
+    """Queries ``(2, N, 16)``, keys ``(2, M, 16)`` for a ``cross`` call (else ``None``), the tokens the keys are
+    (``other``) and, for a ``padded`` call, a mask hiding the tokens of ``row`` from ``cut`` on."""
+    generator = _generator(seed)
+    queries = torch.randn(2, lengths[0], 16, generator=generator, dtype=DTYPE)
+    keys = torch.randn(2, lengths[1], 16, generator=generator, dtype=DTYPE) if call.startswith("cross") else None
+    other = queries if keys is None else keys
+    mask = None
+    if call.endswith("padded"):
+        mask = torch.ones(2, other.shape[1], dtype=torch.bool)
+        mask[row, cut:] = False
+    return queries, keys, other, mask
+
+
 def _assert_matches_numpy(matrix: Tensor, rank: int, method: str) -> None:
     """``kernel_svd`` against ``numpy.linalg.svd``: values, the pairs up to one sign per pair (only for values that
     are separated and numerically nonzero), orthonormal columns and the adjoint relations ``K H_r = H_e Lambda``,
@@ -249,14 +263,7 @@ def test_learned_kernel_diagonals_are_the_dense_row_and_column_sums(call: str) -
     features = _features("amortized")
     with torch.no_grad():
         features.kernel.outputscale = torch.tensor([1.3, 0.7], dtype=DTYPE)
-    generator = _generator(18)
-    queries = torch.randn(2, 6, 16, generator=generator, dtype=DTYPE)
-    keys = torch.randn(2, 5, 16, generator=generator, dtype=DTYPE) if call.startswith("cross") else None
-    other = queries if keys is None else keys
-    mask = None
-    if call.endswith("padded"):
-        mask = torch.ones(2, other.shape[1], dtype=torch.bool)
-        mask[0, 3:] = False
+    queries, keys, other, mask = _call_inputs(call, 18, (6, 5), row=0, cut=3)
     scores = features(queries, keys, mask, causal=call == "causal")
     kernel = features.kernel.forward(queries.unsqueeze(1), other.unsqueeze(1)).detach()
     rows = torch.ones(2, 1, 6, dtype=torch.bool)
@@ -283,14 +290,7 @@ def test_fidelity_measures_against_scipy_and_numpy(call: str) -> None:
     effective rank by ``numpy.linalg.svd``, the relative objective from the scores) on the real tokens of every
     sequence and head of an amortised layer."""
     features = _features("amortized")
-    generator = _generator(19)
-    queries = torch.randn(2, 8, 16, generator=generator, dtype=DTYPE)
-    keys = torch.randn(2, 7, 16, generator=generator, dtype=DTYPE) if call.startswith("cross") else None
-    other = queries if keys is None else keys
-    mask = None
-    if call.endswith("padded"):
-        mask = torch.ones(2, other.shape[1], dtype=torch.bool)
-        mask[1, 5:] = False
+    queries, keys, other, mask = _call_inputs(call, 19, (8, 7), row=1, cut=5)
     fidelity = ksvd_fidelity(features, queries, keys, mask, random_samples=2)
     with torch.no_grad():
         scores = features.eval()(queries, keys, mask, kernel_diag=False)
