@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from ..validation import check_seed
+from ..validation import InputTypeError, check_seed
 
 __all__ = ["SequenceDataset", "SequenceSplits", "make_pointer_task", "make_successor_task"]
 
@@ -76,17 +76,23 @@ def _is_integer(value: object) -> bool:
     return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
+def _error(value) -> type[ValueError]:
+    # a value of another type is an InputTypeError (a TypeError and a ValueError), one out of range a ValueError, as
+    # the other data sets' checks raise them
+    return ValueError if _is_integer(value) else InputTypeError
+
+
 def _check_sizes(
     n_train: int, n_val: int, n_test: int, length: int, min_length: int | None, shortest: int
 ) -> tuple[int, int, int, int, int | None]:
     """The sizes as Python ints, or a ``ValueError`` naming the argument."""
     for name, value in (("n_train", n_train), ("n_val", n_val), ("n_test", n_test)):
         if not _is_integer(value) or value < 0:
-            raise ValueError(f"expected a non-negative integer {name}, got {value!r}")
+            raise _error(value)(f"expected a non-negative integer {name}, got {value!r}")
     if not _is_integer(length) or length < shortest:
-        raise ValueError(f"expected an integer length >= {shortest}, got {length!r}")
+        raise _error(length)(f"expected an integer length >= {shortest}, got {length!r}")
     if min_length is not None and (not _is_integer(min_length) or not shortest <= min_length <= length):
-        raise ValueError(
+        raise _error(min_length)(
             f"expected min_length in [{shortest}, length={length}] or None (fixed length), got {min_length!r}"
         )
     return int(n_train), int(n_val), int(n_test), int(length), None if min_length is None else int(min_length)
@@ -162,7 +168,7 @@ def make_pointer_task(
     """
     n_train, n_val, n_test, length, min_length = _check_sizes(n_train, n_val, n_test, length, min_length, shortest=2)
     if not _is_integer(vocab_size) or vocab_size < 4:
-        raise ValueError(f"expected an integer vocab_size >= 4 (pad, a, b, one distractor), got {vocab_size!r}")
+        raise _error(vocab_size)(f"expected an integer vocab_size >= 4 (pad, a, b, one distractor), got {vocab_size!r}")
     vocab_size = int(vocab_size)
 
     def draw(labels: Tensor, lengths: Tensor, generator: torch.Generator) -> Tensor:
@@ -214,7 +220,7 @@ def make_successor_task(
     """
     n_train, n_val, n_test, length, min_length = _check_sizes(n_train, n_val, n_test, length, min_length, shortest=2)
     if not _is_integer(num_symbols) or num_symbols < 5:
-        raise ValueError(f"expected an integer num_symbols >= 5, got {num_symbols!r}")
+        raise _error(num_symbols)(f"expected an integer num_symbols >= 5, got {num_symbols!r}")
     num_symbols = int(num_symbols)
 
     def draw(labels: Tensor, lengths: Tensor, generator: torch.Generator) -> Tensor:

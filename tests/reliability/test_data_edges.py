@@ -33,12 +33,15 @@ from gpattn.data import (
     make_mnist1d_noise_ood,
     make_mnist1d_signals,
     make_noise_ood,
+    make_pointer_task,
+    make_successor_task,
     shift_images,
 )
 from gpattn.data.mnist1d import MNIST1D_SHIFT_ARGUMENTS
 from gpattn.data.mnist1d_generator import standardisation
 from gpattn.experiments import RunRecord
 from gpattn.plotting import plot_shift_curves
+from gpattn.validation import InputTypeError
 
 #: The training value of every shift kind's generator argument (``mnist1d.data.get_dataset_args``).
 TRAINING_VALUES = {kind: getattr(get_dataset_args(), name) for kind, name in MNIST1D_SHIFT_ARGUMENTS.items()}
@@ -249,3 +252,24 @@ def test_shift_curves_put_numeric_severities_at_their_values_and_the_clean_set_a
         assert [tick.get_text() for tick in axis.get_xticklabels()] == ["0", "1", "2", "10"]
     finally:
         plt.close("all")
+
+
+@pytest.mark.parametrize(
+    ("make", "arguments", "name"),
+    [
+        (make_pointer_task, {"n_train": 2.0}, "n_train"),
+        (make_pointer_task, {"length": 8.5}, "length"),
+        (make_pointer_task, {"vocab_size": "16"}, "vocab_size"),
+        (make_pointer_task, {"min_length": 3.0}, "min_length"),
+        (make_successor_task, {"num_symbols": 6.0}, "num_symbols"),
+    ],
+)
+def test_toy_task_arguments_of_another_type_are_input_type_errors(make, arguments, name) -> None:
+    """A size of another type is an InputTypeError (a TypeError and a ValueError), as the other data sets raise it;
+    one out of range stays a plain ValueError."""
+    sizes = {"n_train": 2, "n_val": 2, "n_test": 2}
+    with pytest.raises(InputTypeError, match=name):
+        make(**{**sizes, **arguments})
+    with pytest.raises(ValueError, match="n_train") as refused:
+        make(**{**sizes, "n_train": -1})
+    assert not isinstance(refused.value, TypeError)
