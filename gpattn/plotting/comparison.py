@@ -212,6 +212,8 @@ def _auroc_lines(group: list[RunRecord]) -> list[str]:
             if count == 0 and score:
                 continue  # no mutual information: a deterministic row (or an older record)
             text = "n/a" if count == 0 else (f"{mean:.3f} ± {std:.3f}" if count > 1 else f"{mean:.3f}")
+            if 0 < count < len(group):  # a seed without the set or with the AUROC undefined: the others' mean
+                text += f" ({seeds_text(count)} of {len(group)})"
             lines.append(f"AUROC ({short}{score}) {text}")
     return lines
 
@@ -223,8 +225,9 @@ def plot_ood_histograms(records: list[RunRecord], task: str | None = None) -> Fi
     Scores are pooled over seeds; the density axis is logarithmic (most scores sit near 1, where a linear axis hides
     the rest). The panel title gives the AUROC against the pooled OOD set (else against every OOD set) by the maximum
     probability and, where the record has it, by the mutual information (MI): the mean ± std over the seeds of
-    ``metrics.ood.<set>``. Records without OOD scores are skipped; non-finite scores are left out (the legend counts
-    the inputs drawn), and a panel without a finite score says so.
+    ``metrics.ood.<set>`` (over the seeds where it is defined, then counted: "(2 seeds of 3)"). Records without OOD
+    scores are skipped; non-finite scores are left out (the legend counts the inputs drawn), and a panel without a
+    finite score says so.
 
     :param records: The comparison records.
     :param task: The task to draw; ``None``: every task with OOD scores (a panel per task and row).

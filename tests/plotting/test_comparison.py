@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import warnings
 import zlib
 
@@ -202,6 +203,17 @@ def test_ood_histograms(records) -> None:
         assert len(texts) == 3 and texts[0].startswith("in-distribution") and "(120 inputs)" in texts[0]
         assert axis.get_xlabel() == "max probability" and axis.get_ylabel() == "density (log)"
         assert axis.get_yscale() == "log"
+    # an AUROC undefined on one seed: the mean of the others, counted
+    first = records[0]
+    name = "held_out"
+    undefined = dataclasses.replace(first.metrics.ood[name], auroc_max_prob=math.nan)
+    metrics = dataclasses.replace(first.metrics, ood={**first.metrics.ood, name: undefined})
+    partial = [dataclasses.replace(first, metrics=metrics), *records[1:]]
+    group = [r for r in partial if r.task == first.task and r.attention == first.attention]
+    values = [r.metrics.ood[name].auroc_max_prob for r in group[1:]]
+    title = plot_ood_histograms(partial).axes[ATTENTIONS.index(first.attention)].get_title()
+    shown = f"{np.mean(values):.3f} ± {np.std(values, ddof=1):.3f}" if len(values) > 1 else f"{values[0]:.3f}"
+    assert f"AUROC (held-out) {shown} ({len(values)} seed{'s' if len(values) > 1 else ''} of {len(group)})" in title
 
 
 def test_spectra_share_one_linear_scale_from_zero(records) -> None:
