@@ -99,7 +99,8 @@ def copy_projections(layer: AttentionLayer, projections: Mapping[str, Projection
     Everything else starts fresh (variational parameters, singular values, amortised maps, inducing keys, the GP
     layers' output maps, which replace the value projection). Only values are copied: the layer's parameters keep
     their own ``requires_grad=True``, so a converted layer is trainable as a whole even where the source weights were
-    frozen (set ``requires_grad_(False)`` on the copied names afterwards to keep them fixed).
+    frozen (set ``requires_grad_(False)`` on the copied names afterwards to keep them fixed), and a projection that
+    two converted modules shared becomes two independent parameters (one copy in each layer).
 
     :param layer: The gpattn layer, on the device and dtype of the projections.
     :param projections: ``role -> (weight, bias)``.
