@@ -224,20 +224,29 @@ class AttentionAdapter(torch.nn.Module):
 
     :param layer: The gpattn layer.
     :param copied: The names of the layer's parameters copied from the replaced module (:func:`copy_projections`).
+    :param path: Where in the model the replaced module sat (its first place, for a module shared by several), named
+        by the errors of a call; ``""``: not known.
 
     :ivar layer: The gpattn layer: its ``kl_divergence()``, ``posterior`` and added loss terms are the GP parts of
         the converted model.
     :ivar copied: As given.
+    :ivar path: As given.
 
     .. note:: Cost: the layer's, plus what a subclass spends translating the call (e.g. a mask check).
     """
 
-    def __init__(self, layer: AttentionLayer, copied: tuple[str, ...] = ()):
+    def __init__(self, layer: AttentionLayer, copied: tuple[str, ...] = (), path: str = ""):
         super().__init__()
         if not isinstance(layer, AttentionLayer):
             raise TypeError(f"{type(self).__name__}: expected a gpattn AttentionLayer, got {type(layer).__name__}")
         self.layer = layer
         self.copied = tuple(copied)
+        self.path = str(path)
+
+    @property
+    def where(self) -> str:
+        """The adapter in its calls' error messages: its class and, when known, the path it replaced."""
+        return f"{type(self).__name__} ({self.path})" if self.path else type(self).__name__
 
     def extra_repr(self) -> str:
         return f"copied={list(self.copied)}"

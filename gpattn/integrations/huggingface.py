@@ -73,14 +73,15 @@ class HuggingFaceAttentionAdapter(AttentionAdapter):
     :param layer: The gpattn layer.
     :param copied: The names of the layer's parameters copied from the replaced module.
     :param config: The replaced module's ``config`` (the model's, shared), or ``None``.
+    :param path: As :class:`~gpattn.integrations.AttentionAdapter`'s.
 
     :ivar config: As given: its ``output_attentions`` is checked at every call.
 
     .. note:: Cost: the layer's, plus O(B H N^2) to check a 4-D mask.
     """
 
-    def __init__(self, layer: AttentionLayer, copied: tuple[str, ...] = (), config: Any = None):
-        super().__init__(layer, copied)
+    def __init__(self, layer: AttentionLayer, copied: tuple[str, ...] = (), config: Any = None, path: str = ""):
+        super().__init__(layer, copied, path)
         self.config = config
 
     def forward(
@@ -98,7 +99,7 @@ class HuggingFaceAttentionAdapter(AttentionAdapter):
             padding mask.
         :raises InputTypeError: A mask that is not a tensor (``flex_attention``'s ``BlockMask``).
         """
-        where = type(self).__name__
+        where = self.where
         # transformers 5 passes the cache as ``cache`` (``past_key_values`` before)
         refused = [
             key
@@ -275,7 +276,7 @@ def convert_attention(
             for role, linear in (("query", query), ("key", key), ("value", value), ("output", output))
         }
         copied = copy_projections(layer, projections)
-        replacements = {name: HuggingFaceAttentionAdapter(layer, copied, getattr(module, "config", None))}
+        replacements = {name: HuggingFaceAttentionAdapter(layer, copied, getattr(module, "config", None), name)}
         if layout.output_in_parent:  # owner is "" when the model is the BertAttention itself
             replacements[f"{owner}.{layout.output}" if owner else layout.output] = torch.nn.Identity()
         return replacements

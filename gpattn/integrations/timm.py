@@ -43,11 +43,11 @@ class TimmAttentionAdapter(AttentionAdapter):
         """
         if is_causal and attn_mask is not None:
             raise ValueError(
-                f"{type(self).__name__}: got is_causal=True and an attn_mask; gpattn's layers take a causal mask or a "
+                f"{self.where}: got is_causal=True and an attn_mask; gpattn's layers take a causal mask or a "
                 "key padding mask, not both"
             )
         batch, length = x.shape[:2]
-        mask = "causal" if is_causal else padding_mask(attn_mask, batch, length, where=type(self).__name__)
+        mask = "causal" if is_causal else padding_mask(attn_mask, batch, length, where=self.where)
         return self.layer(x, mask=mask)
 
 
@@ -129,7 +129,7 @@ def convert_attention(
             for role, weight, bias in zip(("query", "key", "value"), module.qkv.weight.chunk(3), qkv_bias, strict=True)
         }
         projections["output"] = (module.proj.weight, module.proj.bias)
-        return {name: TimmAttentionAdapter(layer, copy_projections(layer, projections))}
+        return {name: TimmAttentionAdapter(layer, copy_projections(layer, projections), path=name)}
 
     def is_slot(module: torch.nn.Module) -> bool:
         return isinstance(module, (Attention, TimmAttentionAdapter))

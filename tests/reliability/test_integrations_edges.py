@@ -342,3 +342,19 @@ def test_a_registered_layout_with_its_output_beside_under_another_name_converts(
     model = torch.nn.Sequential(Block())
     convert_huggingface(model, "softmax")
     assert isinstance(model[0].attn, HuggingFaceAttentionAdapter) and isinstance(model[0].proj.dense, torch.nn.Identity)
+
+
+def test_a_converted_layers_call_errors_name_where_it_sits():
+    """An error of a converted layer's call names the path of the module it replaced (in a deep encoder the class
+    alone does not say which block refused)."""
+    model = convert_huggingface(_bert(), "softmax", blocks=(1,))
+    adapter = model.bert.encoder.layer[1].attention.self
+    assert adapter.path == "bert.encoder.layer.1.attention.self"
+    tokens = torch.randn(BATCH, LENGTH, WIDTH, dtype=torch.float64)
+    with pytest.raises(
+        ValueError, match=r"^HuggingFaceAttentionAdapter \(bert\.encoder\.layer\.1\.attention\.self\): "
+    ):
+        adapter(tokens, torch.full((BATCH, LENGTH), 0.5, dtype=torch.float64))
+    vit = convert_timm(_vit(), "softmax", blocks=(0,))
+    with pytest.raises(ValueError, match=r"^TimmAttentionAdapter \(blocks\.0\.attn\): got is_causal=True and an"):
+        vit.blocks[0].attn(torch.randn(2, 5, WIDTH, dtype=torch.float64), torch.ones(2, 1, 5, 5), is_causal=True)
