@@ -246,7 +246,8 @@ class AttentionAdapter(torch.nn.Module):
     @property
     def where(self) -> str:
         """The adapter in its calls' error messages: its class and, when known, the path it replaced."""
-        return f"{type(self).__name__} ({self.path})" if self.path else type(self).__name__
+        path = self.__dict__.get("path", "")  # (an adapter pickled before the path was kept has none)
+        return f"{type(self).__name__} ({path})" if path else type(self).__name__
 
     def extra_repr(self) -> str:
         return f"copied={list(self.copied)}"
